@@ -1,0 +1,1 @@
+"""Burst UDP I/O over preallocated numpy buffers (recvmmsg/sendmmsg via ctypes), DPDK style."""

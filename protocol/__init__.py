@@ -1,0 +1,1 @@
+"""Wire protocol of intml: packet formats shared by workers, aggregators and tools."""

@@ -1,0 +1,243 @@
+"""Arithmetic shared by the switch and the workers: exponent agreement and 32-bit fixed point.
+
+The switch adds integers in 32-bit registers, never floats, so sums are exact and independent of arrival order.
+
+Exponent agreement (per chunk, SwitchML style)
+    A worker's exponent for a chunk is E = floor(log2(max |x|)) + 1, so every |x| < 2**E, clipped to the
+    codec's range (C_nat: [-50, 10]; int32: [-126, 127]); an all-zero chunk has NO_EXP (-128). Each packet
+    carries the sender's exponent for the next chunk it will send into the same slot; the switch keeps the
+    maximum and returns it with the result, so every worker encodes that chunk against the same E.
+
+Fixed point
+    With n workers a slot holds values of magnitude <= 2**s(n), s(n) = 31 - bit_length(n), so that
+    n * 2**s(n) < 2**31: a sum of n contributions never overflows a signed 32-bit register.
+
+C_nat mode (``cnat8``)
+    The unit of the slot is 2**f, f = max(-50, E - s(n)). Workers encode with that floor (values below the
+    unit round randomly to 0 or one unit: ``protocol.cnat``), so every code is +-2**e with f <= e <= E and the
+    switch adds +-2**(e - f). The sum S (an integer number of units) goes back re-encoded with C_nat:
+    with b = floor(log2 |S|) and remainder R = |S| - 2**b, it rounds up to 2**(b+1) iff the top b bits of a
+    random word are < R (probability R / 2**b exactly): unbiased. The code is 2**(b + f [+1]); above 2**10 it
+    saturates to 2**10 and is counted.
+
+int32 mode (SwitchML's baseline)
+    Workers send q = rint(x * 2**(s - E)) (round half to even, deterministic) as int32; the switch adds; the
+    worker turns the sum back with sum * 2**(E - s).
+
+Random words are keyed by (job seed, stream, element index), element index = chunk * packet_elements + i, with
+stream = worker_stream(allreduce, rank) for a worker's encode and switch_stream(allreduce) for the switch's
+re-encode (protocol.rng).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from protocol.cnat import E_MAX, E_MIN, K_BIAS, K_MASK, NONZERO, SIGN, check_floor
+from protocol.rng import BLOCK, block_key, clz32, lowbias32, stream_key
+from protocol.wire import NO_EXP
+
+INT32_E_MIN = -126
+INT32_E_MAX = 127
+STAGE_WORKER = 1
+STAGE_SWITCH = 2
+
+_U32 = np.uint32
+_U64 = np.uint64
+
+
+def value_bits(world_size: int) -> int:
+    """s(n): contributions are bounded by 2**s(n) so that n of them fit a signed 32-bit register."""
+    if not 1 <= world_size <= 1 << 15:
+        raise ValueError(f"world size must be in [1, 32768], got {world_size}")
+    return 31 - world_size.bit_length()
+
+
+@njit(cache=True)
+def cnat_floor(exponent: int, value_bits: int) -> int:
+    """The exponent of the slot's unit for an agreed exponent E and s(n) = value_bits."""
+    return E_MIN if exponent == NO_EXP else max(E_MIN, exponent - value_bits)
+
+
+@njit(cache=True)
+def int32_scale_exponent(exponent: int, value_bits: int) -> int:
+    """int32 mode sends x * 2**this (an all-zero chunk, NO_EXP, scales as the smallest exponent)."""
+    return value_bits - (INT32_E_MIN if exponent == NO_EXP else exponent)
+
+
+@njit(cache=True)
+def worker_stream(allreduce: int, rank: int) -> int:
+    return (np.int64(allreduce) << 24) | (STAGE_WORKER << 16) | rank
+
+
+@njit(cache=True)
+def switch_stream(allreduce: int) -> int:
+    return (np.int64(allreduce) << 24) | (STAGE_SWITCH << 16)
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def chunk_exponents_kernel(x, chunk_elements, lo, hi, out):
+    """out[c] = agreed-exponent proposal of chunk c of x; returns the index of a non-finite value or -1."""
+    bits = x.view(np.uint32)
+    for c in range(out.size):
+        top = _U32(0)
+        for j in range(c * chunk_elements, min(bits.size, (c + 1) * chunk_elements)):
+            top = max(top, _U32(bits[j] & _U32(0x7FFFFFFF)))
+        if top >= _U32(0x7F800000):
+            for j in range(c * chunk_elements, bits.size):
+                if (bits[j] & _U32(0x7FFFFFFF)) >= _U32(0x7F800000):
+                    return j
+        if top == _U32(0):
+            out[c] = NO_EXP
+        else:
+            out[c] = min(hi, max(lo, int(top >> _U32(23)) - 126))
+    return -1
+
+
+def chunk_exponents(x: np.ndarray, chunk_elements: int, codec_range: tuple[int, int]) -> np.ndarray:
+    """Per-chunk exponents E (int8) of a flat float32 array; raises ValueError on NaN or Inf."""
+    flat = x.reshape(-1)
+    out = np.empty(-(-flat.size // chunk_elements), np.int8)
+    bad = chunk_exponents_kernel(flat, chunk_elements, codec_range[0], codec_range[1], out)
+    if bad >= 0:
+        raise ValueError(f"cannot allreduce non-finite value {flat[bad]} at index {bad}")
+    return out
+
+
+CNAT_RANGE = (E_MIN, E_MAX)
+INT32_RANGE = (INT32_E_MIN, INT32_E_MAX)
+
+
+@njit(inline="always")
+def code_in_range(c, floor, ceiling):
+    """A valid code of 0 or +-2**e with floor <= e <= ceiling: what a switch slot can add."""
+    if c == 0:
+        return True
+    e = int(c & K_MASK) - K_BIAS
+    return (c & NONZERO) != 0 and floor <= e <= ceiling
+
+
+@njit(inline="always")
+def code_to_fixed(c, floor):
+    """The integer value, in units of 2**floor, of a code accepted by code_in_range."""
+    if c == 0:
+        return np.int32(0)
+    v = np.int32(1) << np.int32(int(c & K_MASK) - K_BIAS - floor)
+    return -v if c & SIGN else v
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def to_fixed_kernel(codes, floor, ceiling, out):
+    for j in range(codes.size):
+        if not code_in_range(codes[j], floor, ceiling):
+            return j
+        out[j] = code_to_fixed(codes[j], floor)
+    return -1
+
+
+def to_fixed(codes: np.ndarray, floor: int, ceiling: int = E_MAX) -> np.ndarray:
+    """int32 values of codes in units of 2**floor; ValueError if a code is invalid or outside [floor, ceiling]."""
+    check_floor(floor)
+    if ceiling - floor > 30:
+        raise ValueError(f"ceiling - floor must be <= 30 to fit int32, got {ceiling} - {floor}")
+    flat = codes.reshape(-1)
+    out = np.empty(flat.size, np.int32)
+    bad = to_fixed_kernel(flat, floor, ceiling, out)
+    if bad >= 0:
+        raise ValueError(f"code 0x{int(flat[bad]):02x} at index {bad} is not a C_nat code in [2**{floor}, 2**{ceiling}]")
+    return out.reshape(codes.shape)
+
+
+@njit(inline="always")
+def _sum_code(s, r, base):
+    """(negative, |s|, unclamped k) of int32 sum s rounded with random word r; base = floor + 50 + 31.
+
+    32-bit and branch-free so it vectorises: b = 31 - clz(|s|) is the leading one, and the remainder below it,
+    left-aligned, is compared with the top b bits of r (probability remainder / 2**b of rounding up).
+    """
+    u = _U32(s)
+    neg = _U32(u >> _U32(31))
+    a = _U32(_U32(u ^ _U32(_U32(0) - neg)) + neg)
+    lz = clz32(a)
+    remainder = _U32(_U32(a << lz) << _U32(1))
+    keep = _U32(_U32(0xFFFFFFFF) << _U32(lz + _U32(1))) if lz < _U32(31) else _U32(0)
+    return neg, a, _U32(_U32(base - lz) + _U32(_U32(r & keep) < remainder))
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _sum_block(sums, out, lo0, k, base):
+    """Re-encode one block; returns the largest unclamped k so the caller can tell if anything saturated."""
+    top = _U32(0)
+    for j in range(sums.size):
+        neg, a, kk = _sum_code(sums[j], lowbias32(_U32(_U32(lo0 + _U32(j)) ^ k)), base)
+        kk = kk if a != _U32(0) else _U32(0)
+        top = max(top, kk)
+        code = _U32(_U32(neg << _U32(7)) | _U32(NONZERO) | min(kk, _U32(E_MAX + K_BIAS)))
+        out[j] = np.uint8(0) if a == _U32(0) else np.uint8(code)
+    return top
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _count_saturated(sums, lo0, k, base):
+    count = 0
+    for j in range(sums.size):
+        neg, a, kk = _sum_code(sums[j], lowbias32(_U32(_U32(lo0 + _U32(j)) ^ k)), base)
+        count += (a != _U32(0)) & (kk > _U32(E_MAX + K_BIAS))
+    return count
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def sum_to_codes_kernel(sums, out, key, offset, floor):
+    """C_nat codes of integer sums in units of 2**floor, random words keyed by (key, offset + j); returns the
+    number of saturated elements."""
+    base = _U32(floor + K_BIAS + 31)
+    saturated = 0
+    start = 0
+    n = sums.size
+    while start < n:
+        idx = _U64(offset + start)
+        end = min(n, start + BLOCK - int(idx % _U64(BLOCK)))
+        k = block_key(key, idx >> _U64(32))
+        lo0 = _U32(idx & _U64(0xFFFFFFFF))
+        if _sum_block(sums[start:end], out[start:end], lo0, k, base) > _U32(E_MAX + K_BIAS):
+            saturated += _count_saturated(sums[start:end], lo0, k, base)  # rare: a second pass counts
+        start = end
+    return saturated
+
+
+def sum_to_codes(
+    sums: np.ndarray, floor: int, *, seed: int, stream: int, offset: int = 0, out: np.ndarray | None = None
+) -> tuple[np.ndarray, int]:
+    """Stochastic C_nat re-encode of int32 sums in units of 2**floor; returns (codes, saturated)."""
+    check_floor(floor)
+    flat = np.ascontiguousarray(sums, dtype=np.int32).reshape(-1)
+    codes = np.empty(flat.size, np.uint8) if out is None else out.reshape(-1)
+    saturated = sum_to_codes_kernel(flat, codes, _U64(stream_key(seed, stream)), _U64(offset), floor)
+    return (codes.reshape(np.shape(sums)) if out is None else out), int(saturated)
+
+
+@njit(inline="always")
+def quantize(x, scale, limit):
+    """rint(x * scale) clamped to [-limit, limit]; the clamp only bites for |x| >= 2**127, where the exponent
+    field (int8) cannot hold floor(log2 |x|) + 1."""
+    return np.int32(min(limit, max(-limit, np.rint(np.float64(x) * scale))))
+
+
+@njit(inline="always")
+def dequantize(v, unit):
+    return np.float32(np.float64(v) * unit)
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def quantize_int32_kernel(x, scale_exponent, limit, out):
+    scale = 2.0**scale_exponent
+    for j in range(x.size):
+        out[j] = quantize(x[j], scale, limit)
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def dequantize_int32_kernel(sums, scale_exponent, out):
+    unit = 2.0**-scale_exponent
+    for j in range(sums.size):
+        out[j] = dequantize(sums[j], unit)

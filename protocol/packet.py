@@ -1,0 +1,87 @@
+"""The wire header as seen from Numba kernels: big-endian field accessors at the offsets of ``protocol.wire``.
+
+Numba cannot view non-native-endian structured dtypes, so hot-path kernels read and write header fields byte by
+byte at offsets taken from the one field list in protocol.wire (``OFFSETS``); nothing here restates the layout.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from protocol.wire import HEADER_SIZE, MAGIC, OFFSETS, VERSION
+
+O_MAGIC = OFFSETS["magic"]
+O_VERSION = OFFSETS["version"]
+O_TYPE = OFFSETS["type"]
+O_JOB = OFFSETS["job"]
+O_ALLREDUCE = OFFSETS["allreduce"]
+O_CHUNK = OFFSETS["chunk"]
+O_RANK = OFFSETS["rank"]
+O_SLOT = OFFSETS["slot"]
+O_COUNT = OFFSETS["count"]
+O_CODEC = OFFSETS["codec"]
+O_SHADOW = OFFSETS["shadow"]
+O_EXP = OFFSETS["exp"]
+O_NEXT_EXP = OFFSETS["next_exp"]
+HDR = HEADER_SIZE
+
+
+@njit(inline="always")
+def get_u16(p, o):
+    return (np.int64(p[o]) << 8) | np.int64(p[o + 1])
+
+
+@njit(inline="always")
+def get_u32(p, o):
+    return (np.int64(p[o]) << 24) | (np.int64(p[o + 1]) << 16) | (np.int64(p[o + 2]) << 8) | np.int64(p[o + 3])
+
+
+@njit(inline="always")
+def get_i32(p, o):
+    v = get_u32(p, o)
+    return v - (np.int64(1) << 32) if v >= (np.int64(1) << 31) else v
+
+
+@njit(inline="always")
+def get_i8(p, o):
+    v = np.int64(p[o])
+    return v - 256 if v >= 128 else v
+
+
+@njit(inline="always")
+def put_u16(p, o, v):
+    p[o] = np.uint8((v >> 8) & 0xFF)
+    p[o + 1] = np.uint8(v & 0xFF)
+
+
+@njit(inline="always")
+def put_u32(p, o, v):
+    p[o] = np.uint8((v >> 24) & 0xFF)
+    p[o + 1] = np.uint8((v >> 16) & 0xFF)
+    p[o + 2] = np.uint8((v >> 8) & 0xFF)
+    p[o + 3] = np.uint8(v & 0xFF)
+
+
+@njit(inline="always")
+def put_header(p, typ, job, allreduce, chunk, rank, slot, count, codec, shadow, exp, next_exp):
+    """Write a complete header into the first HDR bytes of p."""
+    put_u16(p, O_MAGIC, MAGIC)
+    p[O_VERSION] = VERSION
+    p[O_TYPE] = typ
+    put_u32(p, O_JOB, job)
+    put_u32(p, O_ALLREDUCE, allreduce)
+    put_u32(p, O_CHUNK, chunk & 0xFFFFFFFF)
+    put_u16(p, O_RANK, rank)
+    put_u16(p, O_SLOT, slot)
+    put_u16(p, O_COUNT, count)
+    p[O_CODEC] = codec
+    p[O_SHADOW] = shadow
+    p[O_EXP] = np.uint8(exp & 0xFF)
+    p[O_NEXT_EXP] = np.uint8(next_exp & 0xFF)
+
+
+@njit(inline="always")
+def round_key(allreduce, chunk):
+    """Orders every use of a slot over a job's life: later allreduces, then later chunks, compare greater."""
+    return (np.int64(allreduce) << 32) | (np.int64(chunk) + (np.int64(1) << 31))

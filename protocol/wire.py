@@ -1,0 +1,275 @@
+"""UDP wire format of intml (SwitchML-style in-network aggregation).
+
+Every datagram starts with the data header below, packed (no padding), all
+multi-byte fields big-endian (network order). ``HEADER_FIELDS`` is the single
+source of truth: the numpy dtype ``HEADER`` (hot path, tools) and the scapy
+layer ``IntmlHeader`` (capture dissection) are both generated from it.
+tests/test_wire.py checks the tables here against the dtypes.
+
+Data header (26 bytes):
+
+| field     | offset | size | type | meaning |
+|-----------|-------:|-----:|------|---------|
+| magic     |      0 |    2 | u16  | 0x494E ("IN") |
+| version   |      2 |    1 | u8   | protocol version, 1 |
+| type      |      3 |    1 | u8   | MsgType |
+| job       |      4 |    4 | u32  | job id |
+| allreduce |      8 |    4 | u32  | allreduce sequence number within the job |
+| chunk     |     12 |    4 | i32  | chunk sequence number within the allreduce; negative = exponent-bootstrap chunk |
+| rank      |     16 |    2 | u16  | worker rank (0 in RESULT packets) |
+| slot      |     18 |    2 | u16  | slot index within the job's pool |
+| count     |     20 |    2 | u16  | number of payload elements (DATA / RESULT) |
+| codec     |     22 |    1 | u8   | Codec of the payload elements |
+| shadow    |     23 |    1 | u8   | shadow-set bit, 0 or 1 |
+| exp       |     24 |    1 | i8   | agreed exponent of this chunk |
+| next_exp  |     25 |    1 | i8   | DATA: sender's max exponent for its next chunk in this slot; RESULT: agreed (max) exponent of that chunk; -128 = none |
+
+Payload by message type:
+
+* DATA, RESULT: ``count`` elements, 1 byte each (uint8 codes) for CNAT8,
+  4 bytes each (big-endian int32) for INT32. Left as scapy ``Raw``.
+* JOIN, JOIN_ACK: the JOIN payload below (JOIN_ACK echoes the JOIN's);
+  dissected by scapy as ``IntmlJoin``.
+* LEAVE, STATS_REQUEST: none.
+* STATS_REPLY, ERROR: UTF-8 JSON / text to the end of the datagram (``Raw``).
+
+``count`` is 0 in control messages (anything but DATA / RESULT).
+
+JOIN payload (24 bytes):
+
+| field           | offset | size | type | meaning |
+|-----------------|-------:|-----:|------|---------|
+| world_size      |      0 |    2 | u16  | number of workers in the job |
+| packet_elements |      2 |    2 | u16  | payload elements per DATA packet |
+| pool_size       |      4 |    2 | u16  | number of slots in the job's pool |
+| codec           |      6 |    1 | u8   | Codec used by the job |
+| cores           |      7 |    1 | u8   | JOIN: 0; JOIN_ACK: data-plane cores (ports base .. base + cores - 1) |
+| seed            |      8 |    8 | u64  | shared random seed |
+| token           |     16 |    8 | u64  | job token |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from enum import IntEnum
+
+import numpy as np
+from scapy.fields import (
+    ByteEnumField,
+    ByteField,
+    Field,
+    IntField,
+    LongField,
+    ShortField,
+    SignedByteField,
+    SignedIntField,
+    XShortField,
+)
+from scapy.layers.inet import UDP
+from scapy.packet import Packet, bind_bottom_up, bind_layers
+
+MAGIC = 0x494E  # "IN"
+VERSION = 1
+NO_EXP = -128  # next_exp value meaning "no next chunk"
+DEFAULT_PORT = 48879
+
+
+class MsgType(IntEnum):
+    """Value of the header's ``type`` field."""
+
+    DATA = 1
+    RESULT = 2
+    JOIN = 3
+    JOIN_ACK = 4
+    LEAVE = 5
+    STATS_REQUEST = 6
+    STATS_REPLY = 7
+    ERROR = 8
+
+
+class Codec(IntEnum):
+    """Encoding of DATA / RESULT payload elements."""
+
+    CNAT8 = 0
+    INT32 = 1
+
+    @property
+    def bytes_per_element(self) -> int:
+        """Size of one payload element on the wire (1 or 4)."""
+        return payload_dtype(self).itemsize
+
+
+# (name, numpy type code, meaning); order is wire order.
+HEADER_FIELDS: tuple[tuple[str, str, str], ...] = (
+    ("magic", ">u2", "0x494E ('IN')"),
+    ("version", "u1", "protocol version"),
+    ("type", "u1", "MsgType"),
+    ("job", ">u4", "job id"),
+    ("allreduce", ">u4", "allreduce sequence number within the job"),
+    ("chunk", ">i4", "chunk sequence number; negative = exponent bootstrap"),
+    ("rank", ">u2", "worker rank (0 in RESULT)"),
+    ("slot", ">u2", "slot index within the job's pool"),
+    ("count", ">u2", "number of payload elements"),
+    ("codec", "u1", "Codec"),
+    ("shadow", "u1", "shadow-set bit"),
+    ("exp", "i1", "agreed exponent of this chunk"),
+    ("next_exp", "i1", "exponent of the next chunk in this slot, NO_EXP = none"),
+)
+HEADER = np.dtype([(name, code) for name, code, _ in HEADER_FIELDS])
+HEADER_SIZE = HEADER.itemsize
+# Plain ints so numba kernels can parse raw bytes with them as compile-time constants.
+OFFSETS: dict[str, int] = {name: int(HEADER.fields[name][1]) for name in HEADER.names}
+
+JOIN_FIELDS: tuple[tuple[str, str, str], ...] = (
+    ("world_size", ">u2", "number of workers"),
+    ("packet_elements", ">u2", "payload elements per DATA packet"),
+    ("pool_size", ">u2", "slots in the job's pool"),
+    ("codec", "u1", "Codec"),
+    ("cores", "u1", "JOIN: 0; JOIN_ACK: data-plane cores (ports base .. base + cores - 1)"),
+    ("seed", ">u8", "shared random seed"),
+    ("token", ">u8", "job token"),
+)
+JOIN = np.dtype([(name, code) for name, code, _ in JOIN_FIELDS])
+JOIN_SIZE = JOIN.itemsize
+
+_PAYLOAD_DTYPES = {Codec.CNAT8: np.dtype(np.uint8), Codec.INT32: np.dtype(">i4")}
+_ELEMENT_TYPES = (MsgType.DATA, MsgType.RESULT)  # types whose payload is `count` elements
+
+
+def payload_dtype(codec: Codec | int) -> np.dtype:
+    """Wire dtype of one payload element for ``codec``."""
+    return _PAYLOAD_DTYPES[Codec(codec)]
+
+
+def header_array(n: int) -> np.ndarray:
+    """Zeroed array of ``n`` headers with magic and version set (for packet bursts)."""
+    headers = np.zeros(n, HEADER)
+    headers["magic"] = MAGIC
+    headers["version"] = VERSION
+    return headers
+
+
+def pack(header: Mapping[str, int] | np.void, payload: np.ndarray | bytes = b"") -> bytes:
+    """Serialise one packet.
+
+    ``header`` is a HEADER record or a dict of field values (missing fields are
+    those of ``header_array``). An array payload is cast to the header codec's
+    wire dtype; bytes are appended verbatim. Nothing is validated, so tests can
+    build malformed packets; ``unpack`` does the checking.
+    """
+    record = header_array(1)
+    if isinstance(header, np.void):
+        record[0] = header
+    else:
+        for name, value in header.items():
+            record[name] = value
+    if isinstance(payload, np.ndarray):
+        payload = payload.astype(payload_dtype(record["codec"][0]), casting="same_kind").tobytes()
+    return record.tobytes() + payload
+
+
+def unpack(buf: bytes) -> tuple[np.void, np.ndarray]:
+    """Parse one packet into (header record, payload array); raise ValueError if malformed.
+
+    DATA / RESULT payloads come back as ``count`` elements of ``payload_dtype(codec)``;
+    other message types as the remaining bytes (uint8). For tools and tests: the hot
+    path parses with numba using ``OFFSETS``.
+    """
+    if len(buf) < HEADER_SIZE:
+        raise ValueError(f"short buffer: {len(buf)} bytes, header needs {HEADER_SIZE}")
+    header = np.frombuffer(buf, HEADER, count=1)[0]
+    if header["magic"] != MAGIC:
+        raise ValueError(f"bad magic 0x{int(header['magic']):04X}, expected 0x{MAGIC:04X}")
+    if header["version"] != VERSION:
+        raise ValueError(f"bad version {header['version']}, expected {VERSION}")
+    if header["type"] not in set(MsgType):
+        raise ValueError(f"unknown message type {header['type']}")
+    if header["type"] not in _ELEMENT_TYPES:
+        return header, np.frombuffer(buf, np.uint8, offset=HEADER_SIZE)
+    if header["codec"] not in set(Codec):
+        raise ValueError(f"unknown codec {header['codec']}")
+    dtype = payload_dtype(header["codec"])
+    count = int(header["count"])
+    if len(buf) - HEADER_SIZE != count * dtype.itemsize:
+        raise ValueError(
+            f"payload is {len(buf) - HEADER_SIZE} bytes but count={count} "
+            f"{Codec(header['codec']).name} elements need {count * dtype.itemsize}"
+        )
+    return header, np.frombuffer(buf, dtype, count=count, offset=HEADER_SIZE)
+
+
+def pack_join(header_fields: Mapping[str, int], join_fields: Mapping[str, int]) -> bytes:
+    """Serialise a JOIN (or, with ``type=JOIN_ACK``, a JOIN_ACK) packet."""
+    body = np.zeros(1, JOIN)
+    for name, value in join_fields.items():
+        body[name] = value
+    return pack({"type": MsgType.JOIN, **header_fields}, body.tobytes())
+
+
+def unpack_join(buf: bytes) -> tuple[np.void, np.void]:
+    """Parse a JOIN / JOIN_ACK packet into (header record, JOIN record)."""
+    header, body = unpack(buf)
+    if header["type"] not in (MsgType.JOIN, MsgType.JOIN_ACK):
+        raise ValueError(f"not a JOIN / JOIN_ACK packet: type {header['type']}")
+    if body.size != JOIN_SIZE:
+        raise ValueError(f"JOIN payload is {body.size} bytes, expected {JOIN_SIZE}")
+    return header, body.view(JOIN)[0]
+
+
+# --- scapy layers, generated from the field lists ---------------------------
+
+_SCAPY_FIELDS = {  # numpy dtype.str -> scapy field (scapy's IntField / LongField are unsigned)
+    "|u1": ByteField,
+    "|i1": SignedByteField,
+    ">u2": ShortField,
+    ">u4": IntField,
+    ">i4": SignedIntField,
+    ">u8": LongField,
+}
+_SCAPY_ENUMS = {"type": MsgType, "codec": Codec}  # u8 fields shown by name
+_SCAPY_DEFAULTS = {"magic": MAGIC, "version": VERSION}  # the rest default to 0, as in header_array
+
+
+def _scapy_fields(fields: tuple[tuple[str, str, str], ...]) -> list[Field]:
+    out: list[Field] = []
+    for name, code, _ in fields:
+        default = _SCAPY_DEFAULTS.get(name, 0)
+        if name in _SCAPY_ENUMS:
+            out.append(ByteEnumField(name, default, {m.value: m.name for m in _SCAPY_ENUMS[name]}))
+        elif name == "magic":
+            out.append(XShortField(name, default))
+        else:
+            out.append(_SCAPY_FIELDS[np.dtype(code).str](name, default))
+    return out
+
+
+class IntmlHeader(Packet):
+    """intml data header. DATA / RESULT / STATS_REPLY / ERROR payloads stay ``Raw``."""
+
+    name = "IntML"
+    fields_desc = _scapy_fields(HEADER_FIELDS)
+
+    def mysummary(self) -> str:
+        return self.sprintf("IntML %type% job=%job% ar=%allreduce% chunk=%chunk% rank=%rank% slot=%slot%")
+
+
+class IntmlJoin(Packet):
+    """JOIN / JOIN_ACK payload."""
+
+    name = "IntML JOIN"
+    fields_desc = _scapy_fields(JOIN_FIELDS)
+
+
+def bind_port(port: int) -> None:
+    """Dissect UDP traffic to or from ``port`` as intml (aggregators may use one port per core)."""
+    for direction in ({"dport": port}, {"sport": port}):
+        if (direction, IntmlHeader) not in UDP.payload_guess:
+            bind_bottom_up(UDP, IntmlHeader, **direction)
+
+
+# bind_layers also sets the field when building (UDP()/IntmlHeader() gets dport); a second
+# bind_layers would override that, so the other directions are bound for dissection only.
+bind_layers(UDP, IntmlHeader, dport=DEFAULT_PORT)
+bind_port(DEFAULT_PORT)
+bind_layers(IntmlHeader, IntmlJoin, type=MsgType.JOIN)
+bind_bottom_up(IntmlHeader, IntmlJoin, type=MsgType.JOIN_ACK)

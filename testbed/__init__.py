@@ -1,0 +1,1 @@
+"""Local clusters, benchmarks and the demo."""

@@ -1,0 +1,62 @@
+"""`intml-testbed bench codec`: elements/s of each C_nat kernel on one thread, beside a memory copy.
+
+The anchor is np.copyto of the same float32 array in the same run: a kernel that reads 4 bytes and writes 1
+per element cannot beat memory bandwidth by much, so the ratio says how close to the memory wall it runs.
+"""
+
+from __future__ import annotations
+
+import platform
+
+import numpy as np
+
+from protocol import arith, cnat
+from testbed.timing import emit, median_seconds
+
+TARGETS = {"stochastic encode": "≥ 1.5 G/s and ≥ 35% of copy", "decode": "≥ 2 G/s"}
+
+
+def run(elements: int, repeats: int, as_json: bool) -> list[dict]:
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(elements) * 1e-3).astype(np.float32)  # gradient-like magnitudes
+    codes = np.empty(elements, np.uint8)
+    values = np.empty(elements, np.float32)
+    copy = np.empty_like(x)
+    acc = np.zeros(elements, np.float32)
+    sums = rng.integers(-(2**28), 2**28, elements, dtype=np.int32)
+    cnat.encode(x, seed=1, stream=2, out=codes)
+
+    kernels = {
+        "memory copy (anchor)": lambda: np.copyto(copy, x),
+        "stochastic encode": lambda: cnat.encode(x, seed=1, stream=2, out=codes),
+        "deterministic encode": lambda: cnat.encode_nearest(x, out=codes),
+        "decode": lambda: cnat.decode(codes, out=values),
+        "decode-accumulate": lambda: cnat.decode_accumulate(codes, acc),
+        "integer-sum re-encode": lambda: arith.sum_to_codes(sums, -40, seed=1, stream=3, out=codes),
+    }
+    seconds = {name: median_seconds(fn, repeats, warmup=2) for name, fn in kernels.items()}
+    copy_rate = elements / seconds["memory copy (anchor)"]
+    rows = [
+        {
+            "kernel": name,
+            "median_ms": 1e3 * t,
+            "g_elements_per_s": elements / t / 1e9,
+            "ratio_to_copy": elements / t / copy_rate,
+            "target": TARGETS.get(name, ""),
+        }
+        for name, t in seconds.items()
+    ]
+    emit(
+        rows,
+        as_json,
+        "C_nat codec kernels, one thread",
+        [
+            ("kernel", "kernel", ""),
+            ("median_ms", "median ms", ".2f"),
+            ("g_elements_per_s", "G elem/s", ".2f"),
+            ("ratio_to_copy", "× copy", ".2f"),
+            ("target", "target", ""),
+        ],
+        {"elements": elements, "repeats": repeats, "cpu": platform.processor() or platform.machine()},
+    )
+    return rows

@@ -1,0 +1,232 @@
+"""The benchmark anchor: torch.distributed.all_reduce with the Gloo backend (a ring allreduce over TCP).
+
+Each rank is its own process started from `command()`, with explicit addresses, so the same ranks can run on
+127.0.0.1 (`run_local`) or later in network namespaces (a caller wraps the argv in `ip netns exec NAME ...`).
+A rank prints one JSON line: {"rank": r, "per_round_s": [...]}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported lazily: it is an optional extra of the package
+    import torch
+
+# Parent of testbed/: put on PYTHONPATH so ranks import this package before it is pip-installed.
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# Bounds every collective and the rendezvous, so a rank whose peer died fails instead of waiting
+# for Gloo's default of 30 minutes.
+GROUP_TIMEOUT = timedelta(seconds=300)
+
+# Inputs are small integers (i % PERIOD + rank), so every float32 sum is exact in any order and the
+# result can be compared bit for bit.
+PERIOD = 17
+
+
+def rank_input(rank: int, elements: int) -> torch.Tensor:
+    """The float32 tensor rank `rank` contributes: element i is i % PERIOD + rank."""
+    import torch
+
+    return torch.arange(elements, dtype=torch.int32).remainder_(PERIOD).add_(rank).to(torch.float32)
+
+
+def check_sum(result: torch.Tensor, world_size: int) -> None:
+    """Raise RuntimeError unless `result` is exactly the sum of rank_input(r, len) over r < world_size."""
+    import torch
+
+    expected = rank_input(0, result.numel()).mul_(world_size).add_(world_size * (world_size - 1) // 2)
+    if not torch.equal(result, expected):
+        wrong = torch.nonzero(result != expected)[0].item()
+        raise RuntimeError(
+            f"all_reduce result wrong at element {wrong}: got {result[wrong].item()}, "
+            f"expected {expected[wrong].item()} (world_size {world_size})"
+        )
+
+
+def rank_main(
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    elements: int,
+    warmup: int,
+    rounds: int,
+    ifname: str | None = None,
+) -> list[float]:
+    """Run one rank: check the first all_reduce, then return the seconds of each of `rounds` timed ones.
+
+    `warmup` untimed calls come first; every timed call is preceded by a barrier so the ranks start together.
+    ifname sets GLOO_SOCKET_IFNAME, which picks the interface Gloo binds (needed in namespaces).
+    """
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"need 0 <= rank < world_size, got rank {rank}, world_size {world_size}")
+    if elements < 1 or warmup < 0 or rounds < 1:
+        raise ValueError(f"need elements >= 1, warmup >= 0, rounds >= 1; got {elements}, {warmup}, {rounds}")
+    if ifname is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = ifname  # read by Gloo when the process group is created
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=GROUP_TIMEOUT,
+    )
+    try:
+        inputs = rank_input(rank, elements)
+        tensor = inputs.clone()
+        dist.all_reduce(tensor)
+        check_sum(tensor, world_size)
+        times = []
+        for call in range(warmup + rounds):
+            tensor.copy_(inputs)  # all_reduce is in place: reset so repeated sums cannot overflow to inf
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(tensor)
+            if call >= warmup:
+                times.append(time.perf_counter() - start)
+        return times
+    finally:
+        dist.destroy_process_group()
+
+
+def command(
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    elements: int,
+    warmup: int,
+    rounds: int,
+    ifname: str | None = None,
+) -> list[str]:
+    """The argv that runs one rank (so a caller can wrap it, e.g. in `ip netns exec NAME ...`)."""
+    argv = [
+        sys.executable, "-m", "testbed.gloo",
+        "--rank", str(rank),
+        "--world-size", str(world_size),
+        "--master-addr", master_addr,
+        "--master-port", str(master_port),
+        "--elements", str(elements),
+        "--warmup", str(warmup),
+        "--rounds", str(rounds),
+    ]  # fmt: skip
+    if ifname is not None:
+        argv += ["--ifname", ifname]
+    return argv
+
+
+def rank_env() -> dict[str, str]:
+    """The environment to run `command()` in: this one, plus the repo on PYTHONPATH and one OpenMP thread."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    # N ranks share the machine's 2 cores; torch's default of one intra-op thread per core would
+    # oversubscribe them, and idle OpenMP threads spinning would steal CPU from Gloo's ring.
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the rendezvous binds it shortly after)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _tail(path: Path, chars: int = 2000) -> str:
+    text = path.read_text(errors="replace")
+    return text[-chars:].strip()
+
+
+def run_local(world_size: int, elements: int, warmup: int = 2, rounds: int = 5, timeout: float = 300.0) -> dict:
+    """Run world_size ranks on 127.0.0.1 and summarise; round i takes as long as its slowest rank.
+
+    Raises RuntimeError with the failing ranks' stderr tails if any rank fails, and TimeoutError if the whole
+    run takes longer than `timeout` seconds; either way every rank still running is killed.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    port = free_port()
+    env = rank_env()
+    with tempfile.TemporaryDirectory(prefix="intml-gloo-") as tmp:
+        logs = [(Path(tmp, f"{rank}.out"), Path(tmp, f"{rank}.err")) for rank in range(world_size)]
+        procs = []
+        try:
+            for rank, (out, err) in enumerate(logs):
+                # "lo" keeps Gloo's traffic on loopback instead of whatever interface the hostname resolves to.
+                argv = command(rank, world_size, "127.0.0.1", port, elements, warmup, rounds, ifname="lo")
+                with out.open("w") as stdout, err.open("w") as stderr:  # files, so a full pipe cannot block a rank
+                    procs.append(subprocess.Popen(argv, env=env, stdout=stdout, stderr=stderr))
+            deadline = time.monotonic() + timeout
+            while True:
+                codes = [proc.poll() for proc in procs]
+                # Stop at the first failure: its peers would only wait for it until GROUP_TIMEOUT.
+                if None not in codes or any(code not in (None, 0) for code in codes):
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"gloo run of {world_size} ranks took longer than {timeout} s")
+                time.sleep(0.05)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+        failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]  # ranks killed here excluded
+        if failed:
+            raise RuntimeError(
+                "\n".join(
+                    f"gloo rank {rank} failed (exit code {codes[rank]}):\n{_tail(logs[rank][1])}" for rank in failed
+                )
+            )
+        per_rank = [json.loads(out.read_text().strip().splitlines()[-1])["per_round_s"] for out, _ in logs]
+    per_round = [max(times) for times in zip(*per_rank)]
+    return {
+        "world_size": world_size,
+        "elements": elements,
+        "rounds": rounds,
+        "per_round_s": per_round,
+        "median_s": statistics.median(per_round),
+        "bytes_per_worker": 2 * (world_size - 1) / world_size * 4 * elements,  # ring allreduce, float32
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="One rank of a Gloo all_reduce benchmark; prints one JSON line.")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--master-addr", required=True)
+    parser.add_argument("--master-port", type=int, required=True)
+    parser.add_argument("--elements", type=int, required=True)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--ifname", help="interface Gloo binds (GLOO_SOCKET_IFNAME)")
+    args = parser.parse_args(argv)
+    times = rank_main(
+        args.rank,
+        args.world_size,
+        args.master_addr,
+        args.master_port,
+        args.elements,
+        args.warmup,
+        args.rounds,
+        args.ifname,
+    )
+    print(json.dumps({"rank": args.rank, "per_round_s": times}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""Timing helpers shared by the benchmarks: figures are medians over repeats, never single runs."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+
+def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+    """Median wall time of fn() over `repeats` runs after `warmup` untimed runs (which also compile kernels)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def emit(rows: list[dict], as_json: bool, title: str, columns: list[tuple[str, str, str]], extra: dict) -> None:
+    """Print rows as an aligned table (columns: key, header, format) or, with as_json, as one JSON object."""
+    if as_json:
+        print(json.dumps({"benchmark": title, **extra, "rows": rows}, indent=2))
+        return
+    print(title)
+    for key, value in extra.items():
+        print(f"  {key}: {value}")
+    widths = [max(len(header), *(len(format(row[key], fmt)) for row in rows)) for key, header, fmt in columns]
+    print("  " + "  ".join(header.rjust(w) for (_, header, _), w in zip(columns, widths)))
+    for row in rows:
+        print("  " + "  ".join(format(row[key], fmt).rjust(w) for (key, _, fmt), w in zip(columns, widths)))

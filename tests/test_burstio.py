@@ -1,0 +1,276 @@
+"""Tests of burstio.mmsg: burst send/receive over real UDP sockets on 127.0.0.1, truncation, address keys."""
+
+import collections
+import ctypes
+import errno
+import select
+import socket
+import time
+
+import numpy as np
+import pytest
+
+from burstio.mmsg import BurstSocket, addr_key, addr_of
+
+LOCAL = "127.0.0.1"
+DEADLINE = 5.0  # seconds to wait for datagrams that must arrive
+
+
+@pytest.fixture
+def udp():
+    """Factory of bound loopback UDP sockets, closed at teardown."""
+    made = []
+
+    def make() -> socket.socket:
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.bind((LOCAL, 0))
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def key_of(s: socket.socket) -> int:
+    return addr_key(*s.getsockname())
+
+
+def recv_all(bs: BurstSocket, n: int, max_count: int | None = None) -> list[tuple[int, bytes | None, int]]:
+    """Receive ``n`` datagrams as (len, bytes or None if truncated, source key), bounded by DEADLINE."""
+    out = []
+    end = time.monotonic() + DEADLINE
+    while len(out) < n:
+        r = bs.recv_burst(max_count)
+        for i in range(r):
+            ln = int(bs.rx_len[i])
+            out.append((ln, bs.rx_data[i, :ln].tobytes() if ln >= 0 else None, int(bs.rx_addr[i])))
+        if r == 0:
+            left = end - time.monotonic()
+            assert left > 0, f"only {len(out)} of {n} datagrams arrived"
+            select.select([bs], [], [], min(left, 0.05))
+    return out
+
+
+def fill_tx(bs: BurstSocket, payloads: list[bytes], dest: int) -> None:
+    for i, p in enumerate(payloads):
+        bs.tx_data[i, : len(p)] = np.frombuffer(p, np.uint8)
+        bs.tx_len[i] = len(p)
+        bs.tx_addr[i] = dest
+
+
+def random_payloads(n: int, max_len: int, seed: int) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(0, max_len + 1, n)
+    lens[:3] = [0, 1, max_len]  # edge lengths, including an empty datagram
+    return [rng.integers(0, 256, int(k), dtype=np.uint8).tobytes() for k in lens]
+
+
+def test_burst_to_burst_roundtrip(udp):
+    a, b = udp(), udp()
+    tx, rx = BurstSocket(a), BurstSocket(b)
+    payloads = random_payloads(200, tx.max_packet, seed=1)
+    fill_tx(tx, payloads, key_of(b))
+    assert tx.send_burst(200) == 200
+    got = recv_all(rx, 200)
+    src = key_of(a)
+    assert collections.Counter(got) == collections.Counter((len(p), p, src) for p in payloads)
+    assert rx.recv_burst() == 0  # nothing extra
+
+
+def test_multiple_bursts_and_max_count(udp):
+    a, b = udp(), udp()
+    tx, rx = BurstSocket(a, burst=16, max_packet=64), BurstSocket(b, burst=16, max_packet=64)
+    payloads = [bytes([i]) * (i % 64) for i in range(40)]
+    for start in range(0, 40, 16):
+        chunk = payloads[start : start + 16]
+        fill_tx(tx, chunk, key_of(b))
+        assert tx.send_burst(len(chunk)) == len(chunk)
+    first = recv_all(rx, 3, max_count=3)
+    assert len(first) == 3
+    rest = recv_all(rx, 37)
+    assert collections.Counter(p for _, p, _ in first + rest) == collections.Counter(payloads)
+
+
+def test_recv_empty_returns_zero(udp):
+    rx = BurstSocket(udp())
+    assert rx.recv_burst() == 0
+    assert rx.recv_burst(0) == 0
+    assert rx.recv_burst(1) == 0
+
+
+def test_truncated_datagram_reported(udp):
+    a, b = udp(), udp()
+    rx = BurstSocket(b, burst=8, max_packet=1000)
+    dest = b.getsockname()
+    sent = [b"x" * 1500, b"y" * 100, b"z" * 1000, b"w" * 1001, b"v" * 7]
+    for p in sent:
+        a.sendto(p, dest)
+    got = recv_all(rx, len(sent))
+    assert [ln for ln, _, _ in got] == [-1, 100, 1000, -1, 7]  # loopback keeps order
+    assert [p for _, p, _ in got] == [None, sent[1], sent[2], None, sent[4]]
+    assert {k for _, _, k in got} == {key_of(a)}
+    # still usable afterwards
+    a.sendto(b"after", dest)
+    assert recv_all(rx, 1) == [(5, b"after", key_of(a))]
+
+
+def test_truncation_in_middle_of_burst_send(udp):
+    a, b = udp(), udp()
+    tx, rx = BurstSocket(a, burst=4, max_packet=3000), BurstSocket(b, burst=4, max_packet=2000)
+    payloads = [b"a" * 10, b"b" * 2500, b"c" * 2000, b"d" * 3]
+    fill_tx(tx, payloads, key_of(b))
+    assert tx.send_burst(4) == 4
+    got = recv_all(rx, 4)
+    assert [ln for ln, _, _ in got] == [10, -1, 2000, 3]
+    assert [p for _, p, _ in got] == [payloads[0], None, payloads[2], payloads[3]]
+
+
+@pytest.mark.parametrize(
+    "host,port",
+    [("127.0.0.1", 5000), ("0.0.0.0", 0), ("255.255.255.255", 65535), ("10.1.2.3", 1), ("192.168.0.254", 4791)],
+)
+def test_addr_key_roundtrip(host, port):
+    k = addr_key(host, port)
+    assert 0 <= k < 1 << 48
+    assert addr_of(k) == (host, port)
+    assert addr_of(np.uint64(k)) == (host, port)
+
+
+def test_addr_key_value():
+    assert addr_key("127.0.0.1", 5000) == (0x7F000001 << 16) | 5000
+    assert addr_key("10.0.0.2", 0x1234) == 0x0A000002_1234
+    assert addr_of(0x0A000002_1234) == ("10.0.0.2", 0x1234)
+
+
+def test_addr_key_rejects_bad_input():
+    with pytest.raises(ValueError):
+        addr_key("127.0.0.1", 65536)
+    with pytest.raises(ValueError):
+        addr_key("127.0.0.1", -1)
+    with pytest.raises(ValueError):
+        addr_of(1 << 48)
+
+
+def test_send_burst_to_plain_socket(udp):
+    a, b = udp(), udp()
+    tx = BurstSocket(a, burst=32, max_packet=4000)
+    b.settimeout(DEADLINE)
+    payloads = random_payloads(32, 4000, seed=2)
+    fill_tx(tx, payloads, key_of(b))
+    assert tx.send_burst(32) == 32
+    got = [b.recvfrom(65535) for _ in payloads]
+    assert collections.Counter(d for d, _ in got) == collections.Counter(payloads)
+    assert {src for _, src in got} == {a.getsockname()}
+
+
+def test_recv_burst_from_plain_sendto(udp):
+    a, b = udp(), udp()
+    rx = BurstSocket(b, burst=8, max_packet=2000)
+    payloads = random_payloads(20, 2000, seed=3)
+    for p in payloads:
+        a.sendto(p, b.getsockname())
+    got = recv_all(rx, 20)
+    assert collections.Counter(got) == collections.Counter((len(p), p, key_of(a)) for p in payloads)
+
+
+def test_send_one(udp):
+    a, b = udp(), udp()
+    tx, rx = BurstSocket(a), BurstSocket(b)
+    tx.send_one(b"join", key_of(b))
+    assert recv_all(rx, 1) == [(4, b"join", key_of(a))]
+
+
+def test_two_destinations_in_one_burst(udp):
+    a, b, c = udp(), udp(), udp()
+    tx = BurstSocket(a, burst=6, max_packet=100)
+    rb, rc = BurstSocket(b, burst=6, max_packet=100), BurstSocket(c, burst=6, max_packet=100)
+    payloads = [bytes([i]) * (i + 1) for i in range(6)]
+    fill_tx(tx, payloads, 0)
+    tx.tx_addr[:] = [key_of(b), key_of(c)] * 3
+    assert tx.send_burst(6) == 6
+    assert [p for _, p, _ in recv_all(rb, 3)] == payloads[0::2]
+    assert [p for _, p, _ in recv_all(rc, 3)] == payloads[1::2]
+
+
+def test_send_burst_validates(udp):
+    tx = BurstSocket(udp(), burst=4, max_packet=100)
+    assert tx.send_burst(0) == 0
+    with pytest.raises(ValueError):
+        tx.send_burst(5)
+    tx.tx_len[:] = 101
+    tx.tx_addr[:] = addr_key(LOCAL, 9)
+    with pytest.raises(ValueError):
+        tx.send_burst(1)
+
+
+def test_socket_setup(udp):
+    s = udp()
+    bs = BurstSocket(s)
+    assert s.getblocking() is False
+    assert bs.fileno() == s.fileno()
+    assert bs.rcvbuf >= 1 << 16 and bs.sndbuf >= 1 << 16
+    assert bs.rcvbuf == s.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+    assert bs.rx_data.shape == bs.tx_data.shape == (256, 9000) and bs.rx_data.dtype == np.uint8
+    assert bs.rx_len.dtype == bs.tx_len.dtype == np.int32
+    assert bs.rx_addr.dtype == bs.tx_addr.dtype == np.uint64
+
+
+def test_rejects_non_ipv4_udp():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as t, pytest.raises(ValueError):
+        BurstSocket(t)
+    with socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as u6, pytest.raises(ValueError):
+        BurstSocket(u6)
+
+
+def test_recv_error_raises():
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind((LOCAL, 0))
+    bs = BurstSocket(s)
+    s.close()  # fileno() is now -1 -> EBADF
+    with pytest.raises(OSError) as e:
+        bs.recv_burst()
+    assert e.value.errno == errno.EBADF
+
+
+def test_partial_send_and_eagain_are_continued(udp):
+    """Fault injection: the kernel sends fewer than asked, then reports EAGAIN; all must still go out."""
+    a, b = udp(), udp()
+    tx, rx = BurstSocket(a, burst=10, max_packet=50), BurstSocket(b, burst=10, max_packet=50)
+    real = tx._sendmmsg
+    calls = []
+
+    def flaky(fd, ptr, vlen, flags):
+        calls.append(vlen)
+        if len(calls) % 2 == 0:
+            ctypes.set_errno(errno.EAGAIN)
+            return -1
+        return real(fd, ptr, min(vlen, 3), flags)
+
+    tx._sendmmsg = flaky
+    payloads = [bytes([65 + i]) * (i + 1) for i in range(10)]
+    fill_tx(tx, payloads, key_of(b))
+    assert tx.send_burst(10) == 10
+    assert calls[0] == 10 and calls[2] == 7  # resumed after the 3 that went out
+    assert [p for _, p, _ in recv_all(rx, 10)] == payloads
+
+
+def test_send_gives_up_after_timeout(udp):
+    """Persistent EAGAIN: send_burst returns the count sent so far instead of looping forever."""
+    a = udp()
+    tx = BurstSocket(a, burst=4, max_packet=10)
+    tx.send_timeout = 0.05
+    tx._sendmmsg = lambda *args: (ctypes.set_errno(errno.EAGAIN), -1)[1]
+    fill_tx(tx, [b"x"] * 4, addr_key(LOCAL, 9))
+    assert tx.send_burst(4) == 0
+    assert tx.tx_sent == 0
+
+
+def test_send_hard_error_raises(udp):
+    a = udp()
+    tx = BurstSocket(a, burst=2, max_packet=10)
+    tx._sendmmsg = lambda *args: (ctypes.set_errno(errno.EPERM), -1)[1]
+    fill_tx(tx, [b"x"] * 2, addr_key(LOCAL, 9))
+    with pytest.raises(OSError) as e:
+        tx.send_burst(2)
+    assert e.value.errno == errno.EPERM
