@@ -105,3 +105,41 @@ def sum_to_codes(sums: np.ndarray, floor: int, *, seed: int, stream: int, offset
             e = E_MAX
         codes[i] = code_of(s < 0, e)
     return codes, saturated
+
+
+def chunk_exponent(x: np.ndarray, lo: int, hi: int) -> int:
+    """floor(log2 max|x|) + 1 clipped to [lo, hi]; -128 (no exponent) for an all-zero chunk."""
+    top = float(np.max(np.abs(x.astype(np.float64)))) if x.size else 0.0
+    if top == 0.0:
+        return -128
+    _, exponent = np.frexp(top)  # top = m * 2**exponent, m in [0.5, 1): floor(log2 top) + 1 == exponent
+    return min(hi, max(lo, int(exponent)))
+
+
+def allreduce(inputs: list[np.ndarray], *, codec: str, seed: int, allreduce_seq: int, packet_elements: int) -> np.ndarray:
+    """The sum every worker receives, per DESIGN.md "Arithmetic": chunk by chunk, agree on the max exponent,
+    encode each rank's chunk against it, add integers exactly, and (cnat8) re-encode the sum."""
+    n = len(inputs)
+    flat = [np.asarray(x, dtype=np.float32).reshape(-1) for x in inputs]
+    size = flat[0].size
+    s = 31 - n.bit_length()
+    out = np.zeros(size, np.float32)
+    for lo in range(0, size, packet_elements):
+        parts = [x[lo:lo + packet_elements] for x in flat]
+        if codec == "cnat8":
+            e = max(chunk_exponent(x, E_MIN, E_MAX) for x in parts)
+            floor = E_MIN if e == -128 else max(E_MIN, e - s)
+            total = np.zeros(parts[0].size, np.int64)
+            for rank, x in enumerate(parts):
+                worker_stream = (allreduce_seq << 24) | (1 << 16) | rank
+                codes, _ = encode(x, seed=seed, stream=worker_stream, offset=lo, floor=floor)
+                total += to_fixed(codes, floor)
+            codes, _ = sum_to_codes(total, floor, seed=seed, stream=(allreduce_seq << 24) | (2 << 16), offset=lo)
+            out[lo:lo + packet_elements] = decode(codes)
+        else:
+            e = max(chunk_exponent(x, -126, 127) for x in parts)
+            scale = s - (-126 if e == -128 else e)
+            limit = 2.0**s
+            total = sum(np.clip(np.rint(x.astype(np.float64) * 2.0**scale), -limit, limit) for x in parts)
+            out[lo:lo + packet_elements] = (total * 2.0**-scale).astype(np.float32)
+    return out

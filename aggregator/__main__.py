@@ -1,0 +1,116 @@
+"""`intml-aggregator`: the switch-emulating aggregator.
+
+    intml-aggregator --host 127.0.0.1 --port 48879 --cores 2 --stats-interval 5
+
+Core i listens on port + i and owns slots s with s % cores == i. Once every socket is bound it prints one line,
+``intml-aggregator listening on HOST:PORT cores K``, which scripts can wait for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import random
+import signal
+import socket
+import sys
+
+from protocol.wire import DEFAULT_PORT
+
+MAX_ELEMENTS_LIMIT = 16384  # a cnat8 datagram of 16384 elements (or int32 of 16384) still fits 65507 bytes
+
+
+def _bind(host: str, port: int, cores: int) -> list[socket.socket]:
+    """Bind `cores` consecutive UDP ports from `port`; port 0 picks a free run of them."""
+    for _ in range(100 if port == 0 else 1):
+        base = random.randint(20000, 60000 - cores) if port == 0 else port
+        socks: list[socket.socket] = []
+        try:
+            for i in range(cores):
+                s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                socks.append(s)
+                s.bind((host, base + i))
+            return socks
+        except OSError as exc:
+            for s in socks:
+                s.close()
+            if port != 0:
+                raise SystemExit(f"intml-aggregator: cannot bind {host}:{base}..{base + cores - 1} ({exc.strerror}); "
+                                 f"choose another --port or --host") from None
+    raise SystemExit(f"intml-aggregator: found no {cores} free consecutive ports on {host}; pass --port")
+
+
+def _positive(kind: type):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="intml-aggregator", description="Switch-emulating C_nat aggregator.")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"first UDP port (default {DEFAULT_PORT}; 0 = any)")
+    p.add_argument("--cores", type=_positive(int), default=1, help="data-plane processes, one port each (default 1)")
+    p.add_argument("--slots", type=_positive(int), default=1024, help="slot rows per core, shared by jobs (default 1024)")
+    p.add_argument("--max-packet-elements", type=_positive(int), default=8192,
+                   help=f"largest packet a job may use (default 8192, at most {MAX_ELEMENTS_LIMIT})")
+    p.add_argument("--idle-timeout", type=_positive(float), default=30.0,
+                   help="seconds without traffic before a job is torn down (default 30)")
+    p.add_argument("--stats-interval", type=float, default=0.0, help="print statistics every N seconds (0 = never)")
+    p.add_argument("--burst", type=_positive(int), default=256, help="datagrams per recvmmsg/sendmmsg (default 256)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.max_packet_elements > MAX_ELEMENTS_LIMIT:
+        parser.error(f"--max-packet-elements must be at most {MAX_ELEMENTS_LIMIT} (one UDP datagram)")
+    if not 0 <= args.port <= 65535 - args.cores:
+        parser.error(f"--port must leave room for {args.cores} ports below 65536")
+    socks = _bind(args.host, args.port, args.cores)
+    base = socks[0].getsockname()[1]
+
+    from aggregator.core import AggregatorCore
+    from aggregator.dataplane import run_core
+
+    def core_main(i: int) -> None:
+        core = AggregatorCore(core=i, cores=args.cores, rows=args.slots, max_elements=args.max_packet_elements,
+                              idle_timeout=args.idle_timeout)
+        run_core(core, socks[i], args.burst, args.stats_interval)
+
+    print(f"intml-aggregator listening on {args.host}:{base} cores {args.cores}", flush=True)
+    if args.cores == 1:
+        core_main(0)
+        return 0
+    ctx = multiprocessing.get_context("fork")  # the children inherit the bound sockets
+    children = [ctx.Process(target=core_main, args=(i,), daemon=True) for i in range(args.cores)]
+    for c in children:
+        c.start()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        for c in children:
+            c.join()
+    except (KeyboardInterrupt, SystemExit):
+        pass
+    finally:
+        for c in children:
+            if c.is_alive():
+                os.kill(c.pid, signal.SIGINT)
+        for c in children:
+            c.join(timeout=2)
+            if c.is_alive():
+                c.kill()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

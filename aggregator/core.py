@@ -1,0 +1,260 @@
+"""The aggregator's sans-I/O core for one data-plane core: the burst kernel (aggregator.slots) plus the control
+plane (join handshake, membership, teardown, statistics). It owns no socket and reads no clock: the driver
+hands it bursts of received datagrams and the time, and sends what it writes into the transmit arrays.
+
+Control plane
+    JOIN (job id, rank, world size, packet elements, pool size, codec, seed, token): the first JOIN of a job
+    registers it and gives it rows of this core's slot table; later JOINs must carry the same parameters and
+    token. A rank is bound to the address it joined from; data from any other address is dropped. A repeated
+    JOIN from the same address is answered again (the ACK may have been lost). Replies: JOIN_ACK (echoing the
+    parameters, with ``cores``) or ERROR with a one-line reason.
+    LEAVE: the rank is done; when every joined rank has left, the job is torn down and its rows freed.
+    A job idle (no accepted packet, no join) for ``idle_timeout`` seconds is torn down too.
+    STATS_REQUEST: a JSON STATS_REPLY with per-job counters, members, how long each rank has been silent and
+    the rounds still waiting for contributions (with the missing ranks). Job id 0xFFFFFFFF asks for all jobs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from aggregator.slots import MAX_WORLD, STAT_NAMES, N_STATS, Jobs, Table, new_jobs, new_table, process_burst
+from burstio.mmsg import addr_of
+from protocol import wire
+from protocol.arith import value_bits
+from protocol.wire import Codec, MsgType
+
+ALL_JOBS = 0xFFFFFFFF
+
+
+@dataclass
+class JobInfo:
+    """Python-side bookkeeping of a job; the kernel's view is its row in Jobs."""
+
+    index: int
+    params: dict
+    rows: range
+    joined_at: float
+    left: set[int] = field(default_factory=set)
+
+
+@dataclass
+class Burst:
+    """Datagram arrays in the layout of burstio.mmsg.BurstSocket (data, length, address key)."""
+
+    data: np.ndarray
+    length: np.ndarray
+    addr: np.ndarray
+
+
+class AggregatorCore:
+    """One data-plane core: slots s with s % cores == core, and the control plane for its share of each job."""
+
+    def __init__(self, *, core: int = 0, cores: int = 1, rows: int = 1024, max_elements: int = 8192,
+                 max_jobs: int = 64, idle_timeout: float = 30.0) -> None:
+        if not 0 <= core < cores:
+            raise ValueError(f"core must be in [0, {cores}), got {core}")
+        self.core, self.cores = core, cores
+        self.max_elements = max_elements
+        self.idle_timeout = idle_timeout
+        self.jobs: Jobs = new_jobs(max_jobs)
+        self.table: Table = new_table(rows, max_elements)
+        self.row_used = np.zeros(rows, np.bool_)
+        self.info: dict[int, JobInfo] = {}
+        self._control = np.empty(0, np.int64)
+
+    # ---- data plane -------------------------------------------------------------------------------------
+    def receive(self, rx: Burst, n_rx: int, now: float, tx: Burst) -> Iterator[int]:
+        """Handle rx[:n_rx]; yields a count n each time tx[:n] holds datagrams to send (send them before
+        resuming: the next yield reuses tx)."""
+        if self._control.size < n_rx:
+            self._control = np.empty(n_rx, np.int64)
+        start = 0
+        while start < n_rx:
+            start, n_tx, n_ctl = process_burst(rx.data, rx.length, rx.addr, start, n_rx, now, self.core,
+                                               self.cores, self.jobs, self.table, tx.data, tx.length, tx.addr,
+                                               self._control)
+            for k in range(n_ctl):
+                i = int(self._control[k])
+                reply = self.handle_control(bytes(rx.data[i, : rx.length[i]]), int(rx.addr[i]), now)
+                if reply is not None:
+                    if n_tx == tx.length.size:
+                        yield n_tx
+                        n_tx = 0
+                    tx.data[n_tx, : len(reply)] = np.frombuffer(reply, np.uint8)
+                    tx.length[n_tx] = len(reply)
+                    tx.addr[n_tx] = rx.addr[i]
+                    n_tx += 1
+            if n_tx:
+                yield n_tx
+
+    # ---- control plane ----------------------------------------------------------------------------------
+    def handle_control(self, datagram: bytes, addr: int, now: float) -> bytes | None:
+        """Answer one JOIN, LEAVE or STATS_REQUEST datagram (already checked for magic and version)."""
+        typ = datagram[wire.OFFSETS["type"]]
+        try:
+            if typ == MsgType.JOIN:
+                return self._join(datagram, addr, now)
+            header, _ = wire.unpack(datagram)
+            if typ == MsgType.LEAVE:
+                self._leave(int(header["job"]), int(header["rank"]), addr)
+                return None
+            return self._stats_reply(int(header["job"]), now)
+        except ValueError as exc:
+            self.jobs.core_stats[STAT_NAMES.index("drop_short")] += 1
+            return _error(0, str(exc))
+
+    def _join(self, datagram: bytes, addr: int, now: float) -> bytes:
+        header, payload = wire.unpack_join(datagram)
+        job_id, rank = int(header["job"]), int(header["rank"])
+        params = {name: int(payload[name]) for name in ("world_size", "packet_elements", "pool_size", "codec",
+                                                         "seed", "token")}
+        problem = self._check_params(params, rank)
+        if problem:
+            return _error(job_id, problem)
+        info = self.info.get(job_id)
+        if info is None:
+            info = self._register(job_id, params, now)
+            if info is None:
+                return _error(job_id, f"aggregator core {self.core} has no free slots for job {job_id}: "
+                                      f"{self._local_pool(params['pool_size'])} needed, "
+                                      f"{int((~self.row_used).sum())} free; use a smaller pool or a new aggregator")
+        elif info.params != params:
+            differing = ", ".join(f"{k}={params[k]} (job has {v})" for k, v in info.params.items() if params[k] != v)
+            return _error(job_id, f"job {job_id} already exists with other parameters: {differing}")
+        j = info.index
+        bound = int(self.jobs.members[j, rank])
+        if bound not in (0, addr):
+            host, port = addr_of(bound)
+            return _error(job_id, f"rank {rank} of job {job_id} is already joined from {host}:{port}")
+        self.jobs.members[j, rank] = addr
+        self.jobs.last_seen[j, rank] = now
+        info.left.discard(rank)
+        return wire.pack_join({**_reply_header(job_id, MsgType.JOIN_ACK), "rank": rank}, {**params, "cores": self.cores})
+
+    def _check_params(self, p: dict, rank: int) -> str | None:
+        if not 1 <= p["world_size"] <= MAX_WORLD:
+            return f"world size must be in [1, {MAX_WORLD}], got {p['world_size']}"
+        if rank >= p["world_size"]:
+            return f"rank {rank} is out of range for world size {p['world_size']}"
+        if p["codec"] not in (Codec.CNAT8, Codec.INT32):
+            return f"unknown codec {p['codec']}"
+        if not 1 <= p["packet_elements"] <= self.max_elements:
+            return f"packet elements must be in [1, {self.max_elements}] on this aggregator, got {p['packet_elements']}"
+        if p["pool_size"] < 1 or p["pool_size"] > 0xFFFF:
+            return f"pool size must be in [1, 65535], got {p['pool_size']}"
+        return None
+
+    def _local_pool(self, pool: int) -> int:
+        return len(range(self.core, pool, self.cores))
+
+    def _register(self, job_id: int, params: dict, now: float) -> JobInfo | None:
+        free_jobs = np.flatnonzero(~self.jobs.active)
+        rows = _first_fit(self.row_used, self._local_pool(params["pool_size"]))
+        if free_jobs.size == 0 or rows is None:
+            return None
+        j = int(free_jobs[0])
+        jobs, table = self.jobs, self.table
+        jobs.job_id[j] = job_id
+        jobs.world[j] = params["world_size"]
+        jobs.value_bits[j] = value_bits(params["world_size"])
+        jobs.packet_elements[j] = params["packet_elements"]
+        jobs.pool[j] = params["pool_size"]
+        jobs.codec[j] = params["codec"]
+        jobs.seed[j] = np.uint64(params["seed"])
+        jobs.row_base[j] = rows.start
+        jobs.members[j] = 0
+        jobs.last_seen[j] = now
+        jobs.stats[j] = 0
+        self.row_used[rows.start:rows.stop] = True
+        table.round_key[rows.start:rows.stop] = -1  # a fresh job must not see a previous job's rounds
+        table.count[rows.start:rows.stop] = 0
+        table.bitmap[rows.start:rows.stop] = 0
+        jobs.active[j] = True
+        info = JobInfo(j, params, rows, now)
+        self.info[job_id] = info
+        return info
+
+    def _leave(self, job_id: int, rank: int, addr: int) -> None:
+        info = self.info.get(job_id)
+        if info is None or rank >= MAX_WORLD or int(self.jobs.members[info.index, rank]) != addr:
+            return
+        info.left.add(rank)
+        joined = set(np.flatnonzero(self.jobs.members[info.index, : info.params["world_size"]]).tolist())
+        if joined <= info.left:
+            self.teardown(job_id)
+
+    def teardown(self, job_id: int) -> None:
+        info = self.info.pop(job_id)
+        self.jobs.active[info.index] = False
+        self.row_used[info.rows.start:info.rows.stop] = False
+
+    def handle_timer(self, now: float) -> list[int]:
+        """Tear down jobs idle for longer than idle_timeout; returns their ids."""
+        idle = [job_id for job_id, info in self.info.items()
+                if now - max(info.joined_at, float(self.jobs.last_seen[info.index].max())) > self.idle_timeout]
+        for job_id in idle:
+            self.teardown(job_id)
+        return idle
+
+    def get_timer(self) -> float | None:
+        """When handle_timer next has something to do, or None without jobs."""
+        if not self.info:
+            return None
+        return min(max(info.joined_at, float(self.jobs.last_seen[info.index].max())) for info in self.info.values()) \
+            + self.idle_timeout
+
+    # ---- statistics -------------------------------------------------------------------------------------
+    def stats(self, now: float, job_id: int = ALL_JOBS) -> dict:
+        jobs = {}
+        for jid, info in self.info.items():
+            if job_id not in (ALL_JOBS, jid):
+                continue
+            j, n = info.index, info.params["world_size"]
+            members = {r: "%s:%d" % addr_of(int(a)) for r, a in enumerate(self.jobs.members[j, :n]) if a}
+            rows = slice(info.rows.start, info.rows.stop)
+            counts, bitmaps = self.table.count[rows], self.table.bitmap[rows]
+            pending = [
+                {"slot": int(r) * self.cores + self.core, "shadow": int(x),
+                 "missing_ranks": [k for k in range(n) if not int(bitmaps[r, x]) >> k & 1]}
+                for r, x in zip(*np.nonzero((counts > 0) & (counts < n)))
+            ]
+            jobs[str(jid)] = {
+                "params": {k: v for k, v in info.params.items() if k != "token"},
+                "members": members,
+                "silent_s": {r: round(now - float(self.jobs.last_seen[j, r]), 3) for r in members},
+                "left": sorted(info.left),
+                "pending": pending,
+                "counters": dict(zip(STAT_NAMES, self.jobs.stats[j].tolist())),
+            }
+        return {"core": self.core, "cores": self.cores, "jobs": jobs,
+                "core_counters": dict(zip(STAT_NAMES, self.jobs.core_stats.tolist()))}
+
+    def _stats_reply(self, job_id: int, now: float) -> bytes:
+        body = json.dumps(self.stats(now, job_id)).encode()
+        return wire.pack(_reply_header(job_id, MsgType.STATS_REPLY), body)
+
+
+def _reply_header(job_id: int, typ: MsgType) -> dict:
+    return {"type": int(typ), "job": job_id}
+
+
+def _error(job_id: int, message: str) -> bytes:
+    return wire.pack(_reply_header(job_id, MsgType.ERROR), message.encode())
+
+
+def _first_fit(used: np.ndarray, size: int) -> range | None:
+    """The first run of `size` free rows."""
+    run = 0
+    for r in range(used.size):
+        run = 0 if used[r] else run + 1
+        if run == size:
+            return range(r - size + 1, r + 1)
+    return None
+
+
+assert N_STATS == len(STAT_NAMES)

@@ -1,0 +1,75 @@
+"""The aggregator's data-plane driver: moves bursts between a UDP socket and an AggregatorCore.
+
+uvloop handles readiness and timers only; every datagram is handled inside the core's Numba kernel, received
+and sent in bursts (recvmmsg/sendmmsg over preallocated buffers, burstio.mmsg), never as a Python object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import sys
+import time
+
+import uvloop
+
+from aggregator.core import AggregatorCore, Burst
+from burstio.mmsg import BurstSocket
+from protocol.packet import HDR
+
+BURSTS_PER_WAKEUP = 64  # then yield to the event loop so timers and other sockets are served
+
+
+class DataPlane:
+    def __init__(self, core: AggregatorCore, sock: socket.socket, *, burst: int = 256,
+                 stats_interval: float = 0.0) -> None:
+        self.core = core
+        max_packet = HDR + 4 * core.max_elements
+        self.io = BurstSocket(sock, burst=burst, max_packet=max_packet)
+        self.rx = Burst(self.io.rx_data, self.io.rx_len, self.io.rx_addr)
+        self.tx = Burst(self.io.tx_data, self.io.tx_len, self.io.tx_addr)
+        self.stats_interval = stats_interval
+
+    def on_readable(self) -> None:
+        for _ in range(BURSTS_PER_WAKEUP):
+            n = self.io.recv_burst()
+            if n == 0:
+                return
+            for count in self.core.receive(self.rx, n, time.monotonic(), self.tx):
+                self.io.send_burst(count)
+
+    async def _idle_timer(self) -> None:
+        while True:
+            deadline = self.core.get_timer()
+            await asyncio.sleep(1.0 if deadline is None else max(0.05, deadline - time.monotonic()))
+            for job_id in self.core.handle_timer(time.monotonic()):
+                print(f"core {self.core.core}: job {job_id} idle for {self.core.idle_timeout} s, torn down",
+                      flush=True)
+
+    async def _stats_timer(self) -> None:
+        while True:
+            await asyncio.sleep(self.stats_interval)
+            print(json.dumps(self.core.stats(time.monotonic())), flush=True)
+
+    async def serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self.io.fileno(), self.on_readable)
+        tasks = [asyncio.ensure_future(self._idle_timer())]
+        if self.stats_interval > 0:
+            tasks.append(asyncio.ensure_future(self._stats_timer()))
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            loop.remove_reader(self.io.fileno())
+
+
+def run_core(core: AggregatorCore, sock: socket.socket, burst: int, stats_interval: float) -> None:
+    """Serve one data-plane core until interrupted (the body of each --cores process)."""
+    plane = DataPlane(core, sock, burst=burst, stats_interval=stats_interval)
+    try:
+        uvloop.run(plane.serve())
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.stdout.flush()

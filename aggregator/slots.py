@@ -1,0 +1,368 @@
+"""The switch's data plane as one Numba kernel per burst: the slot table, bitmaps, counts, exponent agreement,
+32-bit integer sums and result encoding. Sans-I/O: it reads a burst of received datagrams (numpy arrays) and
+writes the datagrams to send into another; no sockets, no clock (``now`` is an argument).
+
+Slot semantics (SwitchML, DESIGN.md "Protocol semantics")
+
+* Each job owns ``pool`` slots; slot s lives on data-plane core ``s % cores`` at row ``row_base + s // cores``.
+  Each row has two shadow sets; a worker alternates sets on consecutive uses of a slot over the job's whole life.
+* A set holds one *round*: the use of the slot by one chunk of one allreduce, identified by
+  ``round_key = allreduce << 32 | (chunk + 2**31)``, which grows with every use of the slot. A DATA packet with
+  a key older than the set's round is stale (a delayed duplicate) and is dropped; a newer key opens a new round,
+  which is safe because a worker can only use a set again after every worker received the result of the round
+  in between (self-clocking), so nobody still needs the old result. Storing the key is our one addition to
+  SwitchML's state: its bitmap alone cannot tell a delayed duplicate from a new round.
+* The first contribution writes the accumulators (no zeroing); later ones add. Every contribution must agree on
+  the chunk's exponent and element count.
+* A packet whose rank bit is already set is a retransmission: never added twice; if the round is complete the
+  result goes back to that worker alone, else it is dropped.
+* When the count reaches n the result goes to all n workers and is kept for retransmissions.
+
+Every check happens before any state changes, so a malformed packet is counted by reason and dropped and never
+changes a sum or stalls a slot.
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import numpy as np
+from numba import njit
+
+from protocol.arith import (
+    E_MAX,
+    E_MIN,
+    INT32_E_MAX,
+    INT32_E_MIN,
+    NO_EXP,
+    cnat_floor,
+    sum_to_codes_kernel,
+    switch_stream,
+)
+from protocol.cnat import K_BIAS, K_MASK, NONZERO, SIGN
+from protocol.packet import (
+    HDR,
+    O_ALLREDUCE,
+    O_CHUNK,
+    O_CODEC,
+    O_COUNT,
+    O_EXP,
+    O_JOB,
+    O_MAGIC,
+    O_NEXT_EXP,
+    O_RANK,
+    O_SHADOW,
+    O_SLOT,
+    O_TYPE,
+    O_VERSION,
+    get_i8,
+    get_i32,
+    get_u16,
+    get_u32,
+    put_header,
+    put_u32,
+    round_key,
+)
+from protocol.rng import derive_key
+from protocol.wire import MAGIC, VERSION, Codec, MsgType
+
+# Statistics, per job (and, for packets that name no known job, per core). The drop reasons are the malformed
+# or foreign packets of DESIGN.md; "retransmissions" and "results_resent" are normal protocol events.
+STAT_NAMES = (
+    "packets_in",
+    "packets_out",
+    "contributions",
+    "completions",
+    "retransmissions",
+    "results_resent",
+    "saturated_elements",
+    "drop_truncated",
+    "drop_short",
+    "drop_bad_magic",
+    "drop_bad_version",
+    "drop_unknown_type",
+    "drop_unknown_job",
+    "drop_unregistered_source",
+    "drop_rank_out_of_range",
+    "drop_slot_out_of_range",
+    "drop_wrong_codec",
+    "drop_wrong_count",
+    "drop_bad_shadow",
+    "drop_bad_exponent",
+    "drop_exponent_mismatch",
+    "drop_invalid_code",
+    "drop_stale",
+    "drop_duplicate_incomplete",
+)
+(
+    PACKETS_IN,
+    PACKETS_OUT,
+    CONTRIBUTIONS,
+    COMPLETIONS,
+    RETRANSMISSIONS,
+    RESULTS_RESENT,
+    SATURATED,
+    DROP_TRUNCATED,
+    DROP_SHORT,
+    DROP_BAD_MAGIC,
+    DROP_BAD_VERSION,
+    DROP_UNKNOWN_TYPE,
+    DROP_UNKNOWN_JOB,
+    DROP_UNREGISTERED,
+    DROP_RANK,
+    DROP_SLOT,
+    DROP_CODEC,
+    DROP_COUNT,
+    DROP_SHADOW,
+    DROP_BAD_EXP,
+    DROP_EXP_MISMATCH,
+    DROP_INVALID_CODE,
+    DROP_STALE,
+    DROP_DUPLICATE_INCOMPLETE,
+) = range(len(STAT_NAMES))
+N_STATS = len(STAT_NAMES)
+MAX_WORLD = 64  # one uint64 bitmap per set
+
+CONTROL_TYPES = (int(MsgType.JOIN), int(MsgType.LEAVE), int(MsgType.STATS_REQUEST))
+
+# Job table: one row per job slot of this core; arrays so the kernel can read them.
+Jobs = namedtuple(
+    "Jobs",
+    "job_id active world value_bits packet_elements pool codec seed row_base members last_seen stats core_stats",
+)
+# Slot table: one row per slot of every job on this core, two shadow sets each.
+Table = namedtuple("Table", "round_key bitmap count exp next_exp elements acc result")
+
+
+def new_jobs(capacity: int) -> Jobs:
+    return Jobs(
+        job_id=np.zeros(capacity, np.int64),
+        active=np.zeros(capacity, np.bool_),
+        world=np.zeros(capacity, np.int64),
+        value_bits=np.zeros(capacity, np.int64),
+        packet_elements=np.zeros(capacity, np.int64),
+        pool=np.zeros(capacity, np.int64),
+        codec=np.zeros(capacity, np.int64),
+        seed=np.zeros(capacity, np.uint64),
+        row_base=np.zeros(capacity, np.int64),
+        members=np.zeros((capacity, MAX_WORLD), np.uint64),
+        last_seen=np.zeros((capacity, MAX_WORLD), np.float64),
+        stats=np.zeros((capacity, N_STATS), np.int64),
+        core_stats=np.zeros(N_STATS, np.int64),
+    )
+
+
+def new_table(rows: int, max_elements: int) -> Table:
+    return Table(
+        round_key=np.full((rows, 2), -1, np.int64),
+        bitmap=np.zeros((rows, 2), np.uint64),
+        count=np.zeros((rows, 2), np.int64),
+        exp=np.zeros((rows, 2), np.int64),
+        next_exp=np.zeros((rows, 2), np.int64),
+        elements=np.zeros((rows, 2), np.int64),
+        acc=np.zeros((rows, 2, max_elements), np.int32),
+        result=np.zeros((rows, 2, max_elements), np.uint8),
+    )
+
+
+@njit(inline="always")
+def _find_job(jobs, job_id):
+    for j in range(jobs.active.size):
+        if jobs.active[j] and jobs.job_id[j] == job_id:
+            return j
+    return -1
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _cnat_codes_ok(p, count, floor, ceiling):
+    """Every code is 0 or +-2**e with floor <= e <= ceiling (a worker encodes against exactly that range)."""
+    lo = floor + K_BIAS
+    hi = ceiling + K_BIAS
+    bad = 0
+    for i in range(count):
+        c = np.int64(p[HDR + i])
+        k = c & K_MASK
+        bad |= (c != 0) & (((c & NONZERO) == 0) | (k < lo) | (k > hi))
+    return bad == 0
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _int32_ok(p, count, limit):
+    bad = 0
+    for i in range(count):
+        v = get_i32(p, HDR + 4 * i)
+        bad |= (v > limit) | (v < -limit)
+    return bad == 0
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _cnat_add(p, acc, count, floor, first):
+    base = floor + K_BIAS
+    for i in range(count):
+        c = np.int32(p[HDR + i])
+        v = np.int32(np.int32(c != 0) << np.int32((c & K_MASK) - base))
+        v = -v if c & SIGN else v
+        acc[i] = v if first else np.int32(acc[i] + v)
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _int32_add(p, acc, count, first):
+    for i in range(count):
+        v = np.int32(get_i32(p, HDR + 4 * i))
+        acc[i] = v if first else np.int32(acc[i] + v)
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _emit_result(jobs, table, j, row, x, rank, allreduce, chunk, slot, tx_data, tx_len, tx_addr, n_tx):
+    """Write the result of (row, set x) addressed to `rank` into tx slot n_tx."""
+    p = tx_data[n_tx]
+    count = table.elements[row, x]
+    codec = jobs.codec[j]
+    put_header(p, MsgType.RESULT, jobs.job_id[j], allreduce, chunk, 0, slot, count, codec, x,
+               table.exp[row, x], table.next_exp[row, x])
+    if codec == Codec.CNAT8:
+        p[HDR:HDR + count] = table.result[row, x, :count]
+        tx_len[n_tx] = HDR + count
+    else:
+        for i in range(count):
+            put_u32(p, HDR + 4 * i, np.int64(table.acc[row, x, i]) & 0xFFFFFFFF)
+        tx_len[n_tx] = HDR + 4 * count
+    tx_addr[n_tx] = jobs.members[j, rank]
+    jobs.stats[j, PACKETS_OUT] += 1
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def process_burst(rx_data, rx_len, rx_addr, start, n_rx, now, core, cores, jobs, table,
+                  tx_data, tx_len, tx_addr, control):
+    """Handle received datagrams start..n_rx-1. Returns (next unhandled index, datagrams written to tx, control
+    datagrams listed in `control`). Stops early when tx could not hold a completion's n results."""
+    n_tx = 0
+    n_ctl = 0
+    i = start
+    while i < n_rx:
+        if n_tx + MAX_WORLD > tx_len.size:
+            break
+        length = rx_len[i]
+        p = rx_data[i]
+        i += 1
+        cs = jobs.core_stats
+        cs[PACKETS_IN] += 1
+        if length < 0:
+            cs[DROP_TRUNCATED] += 1
+            continue
+        if length < HDR:
+            cs[DROP_SHORT] += 1
+            continue
+        if get_u16(p, O_MAGIC) != MAGIC:
+            cs[DROP_BAD_MAGIC] += 1
+            continue
+        if p[O_VERSION] != VERSION:
+            cs[DROP_BAD_VERSION] += 1
+            continue
+        typ = p[O_TYPE]
+        if typ != MsgType.DATA:
+            if typ == MsgType.JOIN or typ == MsgType.LEAVE or typ == MsgType.STATS_REQUEST:
+                control[n_ctl] = i - 1
+                n_ctl += 1
+            else:
+                cs[DROP_UNKNOWN_TYPE] += 1
+            continue
+        j = _find_job(jobs, get_u32(p, O_JOB))
+        if j < 0:
+            cs[DROP_UNKNOWN_JOB] += 1
+            continue
+        st = jobs.stats[j]
+        st[PACKETS_IN] += 1
+        rank = get_u16(p, O_RANK)
+        n = jobs.world[j]
+        if rank >= n:
+            st[DROP_RANK] += 1
+            continue
+        if jobs.members[j, rank] != rx_addr[i - 1]:
+            st[DROP_UNREGISTERED] += 1
+            continue
+        slot = get_u16(p, O_SLOT)
+        if slot >= jobs.pool[j] or slot % cores != core:
+            st[DROP_SLOT] += 1
+            continue
+        codec = np.int64(p[O_CODEC])
+        if codec != jobs.codec[j]:
+            st[DROP_CODEC] += 1
+            continue
+        count = get_u16(p, O_COUNT)
+        width = 1 if codec == Codec.CNAT8 else 4
+        if count > jobs.packet_elements[j] or length != HDR + width * count:
+            st[DROP_COUNT] += 1
+            continue
+        x = np.int64(p[O_SHADOW])
+        if x > 1:
+            st[DROP_SHADOW] += 1
+            continue
+        exp = get_i8(p, O_EXP)
+        next_exp = get_i8(p, O_NEXT_EXP)
+        lo, hi = (E_MIN, E_MAX) if codec == Codec.CNAT8 else (INT32_E_MIN, INT32_E_MAX)
+        if (exp != NO_EXP and (exp < lo or exp > hi)) or (next_exp != NO_EXP and (next_exp < lo or next_exp > hi)):
+            st[DROP_BAD_EXP] += 1
+            continue
+        allreduce = get_u32(p, O_ALLREDUCE)
+        chunk = get_i32(p, O_CHUNK)
+        key = round_key(allreduce, chunk)
+        row = jobs.row_base[j] + slot // cores
+        current = table.round_key[row, x]
+        if key < current:
+            st[DROP_STALE] += 1
+            continue
+        fresh = key > current
+        bit = np.uint64(1) << np.uint64(rank)
+        if not fresh and table.bitmap[row, x] & bit:
+            st[RETRANSMISSIONS] += 1
+            if table.count[row, x] == n:
+                _emit_result(jobs, table, j, row, x, rank, allreduce, chunk, slot, tx_data, tx_len, tx_addr, n_tx)
+                n_tx += 1
+                st[RESULTS_RESENT] += 1
+            else:
+                st[DROP_DUPLICATE_INCOMPLETE] += 1
+            continue
+        if not fresh and (exp != table.exp[row, x] or count != table.elements[row, x]):
+            st[DROP_EXP_MISMATCH if exp != table.exp[row, x] else DROP_COUNT] += 1
+            continue
+        vbits = jobs.value_bits[j]
+        floor = cnat_floor(exp, vbits)
+        if codec == Codec.CNAT8:
+            ok = _cnat_codes_ok(p, count, floor, E_MIN - 1 if exp == NO_EXP else exp)
+        else:
+            ok = _int32_ok(p, count, np.int64(1) << vbits)
+        if not ok:
+            st[DROP_INVALID_CODE] += 1
+            continue
+        # All checks passed: contribute.
+        acc = table.acc[row, x]
+        if fresh:
+            table.round_key[row, x] = key
+            table.bitmap[row, x] = 0
+            table.count[row, x] = 0
+            table.exp[row, x] = exp
+            table.elements[row, x] = count
+            table.next_exp[row, x] = next_exp
+        else:
+            table.next_exp[row, x] = max(table.next_exp[row, x], next_exp)
+        first = table.count[row, x] == 0
+        if codec == Codec.CNAT8:
+            _cnat_add(p, acc, count, floor, first)
+        else:
+            _int32_add(p, acc, count, first)
+        table.bitmap[row, x] |= bit
+        table.count[row, x] += 1
+        jobs.last_seen[j, rank] = now
+        st[CONTRIBUTIONS] += 1
+        if table.count[row, x] == n:
+            if codec == Codec.CNAT8 and count > 0:
+                key_switch = derive_key(jobs.seed[j], switch_stream(allreduce))
+                st[SATURATED] += sum_to_codes_kernel(
+                    acc[:count], table.result[row, x, :count], key_switch,
+                    np.uint64(chunk * jobs.packet_elements[j]), floor)
+            st[COMPLETIONS] += 1
+            for r in range(n):
+                _emit_result(jobs, table, j, row, x, r, allreduce, chunk, slot, tx_data, tx_len, tx_addr, n_tx)
+                n_tx += 1
+    return i, n_tx, n_ctl

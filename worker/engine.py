@@ -1,0 +1,300 @@
+"""The worker's sans-I/O streaming engine: chunking, the window of slots, exponent agreement, retransmission and
+result decoding, as Numba kernels over bursts. No sockets, no clock: the driver passes datagram arrays and
+``now``, and sends what the engine writes into the transmit arrays (as aioquic's QuicConnection does).
+
+One allreduce of a flat float32 tensor of N elements, packet size P and pool size W:
+
+* The tensor is cut into C = ceil(N / P) chunks; chunk c goes to slot c mod W' (W' = min(W, C)), so slot s
+  carries chunks s, s + W', s + 2W', ... one at a time: the next is sent only when the previous result is back.
+* Exponent agreement: slot s first sends a bootstrap chunk s - W' with no elements that carries this worker's
+  exponent for chunk s; every DATA packet for chunk c carries the exponent for chunk c + W'. The result of each
+  round carries the switch's maximum, the exponent every worker then encodes chunk c + W' against.
+* Each use of a slot flips its shadow set; the parity persists over the job's life, so consecutive uses of a
+  slot alternate sets across allreduces too, as the switch requires.
+* A slot whose result is late is retransmitted (the stored datagram, byte for byte) after an RTO that doubles
+  on each retry up to ``max_rto``. Results that are duplicate, stale (another allreduce, chunk or shadow set),
+  foreign (another job or source) or malformed are counted and dropped.
+* cnat8: chunk c is encoded with the floor of its agreed exponent and random words keyed by
+  (seed, worker_stream(allreduce, rank), element index); the result codes decode straight to float32.
+  int32: chunk c is sent as rint(x * 2**(s - E)), the sum comes back as int32 and is scaled by 2**(E - s).
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import numpy as np
+from numba import njit
+
+from protocol.arith import (
+    CNAT_RANGE,
+    INT32_RANGE,
+    NO_EXP,
+    chunk_exponents,
+    cnat_floor,
+    dequantize,
+    int32_scale_exponent,
+    quantize,
+    value_bits,
+    worker_stream,
+)
+from protocol.cnat import decode_kernel, encode_kernel, find_invalid_kernel
+from protocol.packet import (
+    HDR,
+    O_ALLREDUCE,
+    O_CHUNK,
+    O_CODEC,
+    O_COUNT,
+    O_EXP,
+    O_JOB,
+    O_MAGIC,
+    O_NEXT_EXP,
+    O_SHADOW,
+    O_SLOT,
+    O_TYPE,
+    O_VERSION,
+    get_i8,
+    get_i32,
+    get_u16,
+    get_u32,
+    put_header,
+    put_u32,
+)
+from protocol.rng import derive_key
+from protocol.wire import MAGIC, VERSION, Codec, MsgType
+
+STAT_NAMES = (
+    "packets_out",
+    "packets_in",
+    "retransmissions",
+    "results",
+    "drop_malformed",
+    "drop_foreign",
+    "drop_stale",
+    "saturated_elements",
+)
+PACKETS_OUT, PACKETS_IN, RETRANSMISSIONS, RESULTS, DROP_MALFORMED, DROP_FOREIGN, DROP_STALE, SATURATED = range(8)
+IDLE = np.iinfo(np.int64).min  # cur_chunk of a slot with nothing in flight
+
+# All engine state the kernels touch, as arrays (a namedtuple of arrays is one Numba argument).
+State = namedtuple(
+    "State",
+    "params x out local_exp agreed_exp cur_chunk parity sent_at rto retries packet packet_len agg_addr stats",
+)
+# params (int64): job, rank, world, value_bits, codec, packet_elements, window, chunks, elements, allreduce, cores,
+#                 seed (as int64 bits), done_chunks
+(P_JOB, P_RANK, P_WORLD, P_VBITS, P_CODEC, P_PKT, P_WINDOW, P_CHUNKS, P_ELEMENTS, P_ALLREDUCE, P_CORES,
+ P_SEED, P_DONE) = range(13)
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _chunk_count(st, c):
+    pkt = st.params[P_PKT]
+    return 0 if c < 0 else min(pkt, st.params[P_ELEMENTS] - c * pkt)
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _build(st, s, c, now):
+    """Encode chunk c (or the bootstrap chunk c < 0) of slot s into the slot's stored datagram."""
+    prm = st.params
+    window, chunks, pkt = prm[P_WINDOW], prm[P_CHUNKS], prm[P_PKT]
+    count = _chunk_count(st, c)
+    exp = NO_EXP if c < 0 else st.agreed_exp[c]
+    nxt = c + window
+    next_exp = st.local_exp[nxt] if nxt < chunks else NO_EXP
+    p = st.packet[s]
+    codec = prm[P_CODEC]
+    put_header(p, MsgType.DATA, prm[P_JOB], prm[P_ALLREDUCE], c, prm[P_RANK], s, count, codec, st.parity[s],
+               exp, next_exp)
+    if count > 0:
+        lo = c * pkt
+        if codec == Codec.CNAT8:
+            key = derive_key(np.uint64(prm[P_SEED]), worker_stream(prm[P_ALLREDUCE], prm[P_RANK]))
+            sat, _ = encode_kernel(st.x[lo:lo + count], p[HDR:HDR + count], key, np.uint64(lo),
+                                   cnat_floor(exp, prm[P_VBITS]), True)
+            st.stats[SATURATED] += sat
+        else:
+            scale = 2.0 ** int32_scale_exponent(exp, prm[P_VBITS])
+            limit = np.int64(1) << prm[P_VBITS]
+            for i in range(count):
+                put_u32(p, HDR + 4 * i, np.int64(quantize(st.x[lo + i], scale, limit)) & 0xFFFFFFFF)
+    st.packet_len[s] = HDR + count * (1 if codec == Codec.CNAT8 else 4)
+    st.cur_chunk[s] = c
+    st.sent_at[s] = now
+    st.retries[s] = 0
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _queue(st, s, tx_data, tx_len, tx_addr, n_tx):
+    length = st.packet_len[s]
+    tx_data[n_tx, :length] = st.packet[s, :length]
+    tx_len[n_tx] = length
+    tx_addr[n_tx] = st.agg_addr[s % st.params[P_CORES]]
+    st.stats[PACKETS_OUT] += 1
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def start_kernel(st, now, base_rto, tx_data, tx_len, tx_addr):
+    """Send every slot's bootstrap chunk. Returns the number of datagrams written (the window)."""
+    window = st.params[P_WINDOW]
+    for s in range(window):
+        st.rto[s] = base_rto
+        _build(st, s, s - window, now)
+        _queue(st, s, tx_data, tx_len, tx_addr, s)
+    return window
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def receive_kernel(st, rx_data, rx_len, rx_addr, n_rx, now, base_rto, tx_data, tx_len, tx_addr):
+    """Accept results, decode them, and queue each slot's next chunk. Returns datagrams written to tx."""
+    prm = st.params
+    n_tx = 0
+    window = prm[P_WINDOW]
+    codec = prm[P_CODEC]
+    width = 1 if codec == Codec.CNAT8 else 4
+    out_bits = st.out.view(np.uint32)
+    for i in range(n_rx):
+        st.stats[PACKETS_IN] += 1
+        p = rx_data[i]
+        length = rx_len[i]
+        if length < HDR or get_u16(p, O_MAGIC) != MAGIC or p[O_VERSION] != VERSION or p[O_TYPE] != MsgType.RESULT:
+            st.stats[DROP_MALFORMED] += 1
+            continue
+        s = get_u16(p, O_SLOT)
+        if get_u32(p, O_JOB) != prm[P_JOB] or s >= window or rx_addr[i] != st.agg_addr[s % prm[P_CORES]]:
+            st.stats[DROP_FOREIGN] += 1
+            continue
+        c = get_i32(p, O_CHUNK)
+        if (get_u32(p, O_ALLREDUCE) != prm[P_ALLREDUCE] or c != st.cur_chunk[s]
+                or np.int64(p[O_SHADOW]) != st.parity[s]):
+            st.stats[DROP_STALE] += 1  # a duplicate, or a result of an earlier round or allreduce
+            continue
+        count = _chunk_count(st, c)
+        exp = NO_EXP if c < 0 else st.agreed_exp[c]
+        next_exp = get_i8(p, O_NEXT_EXP)
+        lo_exp, hi_exp = CNAT_RANGE if codec == Codec.CNAT8 else INT32_RANGE
+        if (np.int64(p[O_CODEC]) != codec or get_u16(p, O_COUNT) != count or length != HDR + width * count
+                or get_i8(p, O_EXP) != exp or (next_exp != NO_EXP and not lo_exp <= next_exp <= hi_exp)):
+            st.stats[DROP_MALFORMED] += 1
+            continue
+        if count > 0:
+            lo = c * prm[P_PKT]
+            if codec == Codec.CNAT8:
+                if find_invalid_kernel(p[HDR:HDR + count]) >= 0:
+                    st.stats[DROP_MALFORMED] += 1
+                    continue
+                decode_kernel(p[HDR:HDR + count], out_bits[lo:lo + count])
+            else:
+                unit = 2.0 ** -int32_scale_exponent(exp, prm[P_VBITS])
+                for k in range(count):
+                    st.out[lo + k] = dequantize(get_i32(p, HDR + 4 * k), unit)
+            prm[P_DONE] += 1
+        st.stats[RESULTS] += 1
+        st.parity[s] ^= 1
+        nxt = c + window
+        if nxt < prm[P_CHUNKS]:
+            st.agreed_exp[nxt] = next_exp
+            st.rto[s] = base_rto
+            _build(st, s, nxt, now)
+            _queue(st, s, tx_data, tx_len, tx_addr, n_tx)
+            n_tx += 1
+        else:
+            st.cur_chunk[s] = IDLE
+    return n_tx
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def timer_kernel(st, now, max_rto, tx_data, tx_len, tx_addr):
+    """Retransmit every slot whose RTO expired, doubling its RTO. Returns datagrams written to tx."""
+    n_tx = 0
+    for s in range(st.params[P_WINDOW]):
+        if st.cur_chunk[s] != IDLE and now - st.sent_at[s] >= st.rto[s] and n_tx < tx_len.size:
+            _queue(st, s, tx_data, tx_len, tx_addr, n_tx)
+            n_tx += 1
+            st.sent_at[s] = now
+            st.retries[s] += 1
+            st.rto[s] = min(max_rto, 2.0 * st.rto[s])
+            st.stats[RETRANSMISSIONS] += 1
+    return n_tx
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def next_deadline(st):
+    """The earliest retransmission time, or +inf with nothing in flight."""
+    t = np.inf
+    for s in range(st.params[P_WINDOW]):
+        if st.cur_chunk[s] != IDLE:
+            t = min(t, st.sent_at[s] + st.rto[s])
+    return t
+
+
+class StreamEngine:
+    """One worker's side of a job's allreduces. Construct once per job; call ``start`` per allreduce."""
+
+    def __init__(self, *, job: int, rank: int, world_size: int, codec: Codec, packet_elements: int, pool_size: int,
+                 seed: int, agg_addrs: list[int], rto: float = 0.02, max_rto: float = 1.0) -> None:
+        self.codec = Codec(codec)
+        self.packet_elements = packet_elements
+        self.pool_size = pool_size
+        self.rto, self.max_rto = rto, max_rto
+        self.params = np.zeros(13, np.int64)
+        self.params[[P_JOB, P_RANK, P_WORLD, P_VBITS, P_CODEC, P_PKT, P_CORES]] = (
+            job, rank, world_size, value_bits(world_size), int(self.codec), packet_elements, len(agg_addrs))
+        self.params[P_SEED] = np.uint64(seed).view(np.int64)
+        self.parity = np.zeros(pool_size, np.int64)  # persists over the job's life
+        width = self.codec.bytes_per_element
+        self.packet = np.zeros((pool_size, HDR + packet_elements * width), np.uint8)
+        self.agg_addr = np.array(agg_addrs, np.uint64)
+        self.stats = np.zeros(len(STAT_NAMES), np.int64)
+        self.allreduce_seq = -1
+        self.state: State | None = None
+
+    @property
+    def max_datagram(self) -> int:
+        return self.packet.shape[1]
+
+    def start(self, x: np.ndarray, now: float, tx_data: np.ndarray, tx_len: np.ndarray, tx_addr: np.ndarray) -> int:
+        """Begin the next allreduce of float32 x (any shape); returns the datagrams written to tx (<= pool)."""
+        flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+        chunks = -(-flat.size // self.packet_elements)
+        window = min(self.pool_size, chunks)
+        self.allreduce_seq += 1
+        prm = self.params
+        prm[[P_WINDOW, P_CHUNKS, P_ELEMENTS, P_ALLREDUCE, P_DONE]] = (window, chunks, flat.size,
+                                                                       self.allreduce_seq, 0)
+        local = chunk_exponents(flat, self.packet_elements, CNAT_RANGE if self.codec == Codec.CNAT8 else INT32_RANGE)
+        self.state = State(
+            params=prm, x=flat, out=np.zeros(flat.size, np.float32), local_exp=local.astype(np.int64),
+            agreed_exp=np.full(chunks, NO_EXP, np.int64), cur_chunk=np.full(self.pool_size, IDLE, np.int64),
+            parity=self.parity, sent_at=np.zeros(self.pool_size), rto=np.full(self.pool_size, self.rto),
+            retries=np.zeros(self.pool_size, np.int64), packet=self.packet,
+            packet_len=np.zeros(self.pool_size, np.int64), agg_addr=self.agg_addr, stats=self.stats)
+        return start_kernel(self.state, now, self.rto, tx_data, tx_len, tx_addr) if window else 0
+
+    def receive(self, rx_data, rx_len, rx_addr, n_rx: int, now: float, tx_data, tx_len, tx_addr) -> int:
+        return receive_kernel(self.state, rx_data, rx_len, rx_addr, n_rx, now, self.rto, tx_data, tx_len, tx_addr)
+
+    def handle_timer(self, now: float, tx_data, tx_len, tx_addr) -> int:
+        return timer_kernel(self.state, now, self.max_rto, tx_data, tx_len, tx_addr)
+
+    def get_timer(self) -> float:
+        return float(next_deadline(self.state))
+
+    @property
+    def done(self) -> bool:
+        return bool((self.state.cur_chunk == IDLE).all())
+
+    @property
+    def progress(self) -> tuple[int, int]:
+        """(chunks whose result arrived, chunks) of the current allreduce."""
+        return int(self.params[P_DONE]), int(self.params[P_CHUNKS])
+
+    @property
+    def result(self) -> np.ndarray:
+        return self.state.out
+
+    def pending_slots(self) -> list[int]:
+        return np.flatnonzero(self.state.cur_chunk != IDLE).tolist()
+
+    def counters(self) -> dict[str, int]:
+        return dict(zip(STAT_NAMES, self.stats.tolist()))
