@@ -16,9 +16,9 @@ import signal
 import socket
 import sys
 
-from protocol.wire import DEFAULT_PORT
+from protocol.wire import DEFAULT_PORT, Codec, max_packet_elements
 
-MAX_ELEMENTS_LIMIT = 16384  # a cnat8 datagram of 16384 elements (or int32 of 16384) still fits 65507 bytes
+MAX_ELEMENTS_LIMIT = max_packet_elements(Codec.CNAT8)  # jobs are further limited by their codec at join
 
 
 def _bind(host: str, port: int, cores: int) -> list[socket.socket]:
@@ -59,7 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"first UDP port (default {DEFAULT_PORT}; 0 = any)")
     p.add_argument("--cores", type=_positive(int), default=1, help="data-plane processes, one port each (default 1)")
-    p.add_argument("--slots", type=_positive(int), default=1024, help="slot rows per core, shared by jobs (default 1024)")
+    p.add_argument("--slots", type=_positive(int), default=512,
+                   help="slot rows per core, shared by jobs; memory is 10 bytes x slots x max packet elements "
+                        "(default 512)")
     p.add_argument("--max-packet-elements", type=_positive(int), default=8192,
                    help=f"largest packet a job may use (default 8192, at most {MAX_ELEMENTS_LIMIT})")
     p.add_argument("--idle-timeout", type=_positive(float), default=30.0,

@@ -63,6 +63,7 @@ class AggregatorCore:
         self.idle_timeout = idle_timeout
         self.jobs: Jobs = new_jobs(max_jobs)
         self.table: Table = new_table(rows, max_elements)
+        self._kernel_args = (tuple(self.jobs), tuple(self.table))  # see process_burst on why tuples
         self.row_used = np.zeros(rows, np.bool_)
         self.info: dict[int, JobInfo] = {}
         self._control = np.empty(0, np.int64)
@@ -76,7 +77,7 @@ class AggregatorCore:
         start = 0
         while start < n_rx:
             start, n_tx, n_ctl = process_burst(rx.data, rx.length, rx.addr, start, n_rx, now, self.core,
-                                               self.cores, self.jobs, self.table, tx.data, tx.length, tx.addr,
+                                               self.cores, *self._kernel_args, tx.data, tx.length, tx.addr,
                                                self._control)
             for k in range(n_ctl):
                 i = int(self._control[k])
@@ -143,8 +144,10 @@ class AggregatorCore:
             return f"rank {rank} is out of range for world size {p['world_size']}"
         if p["codec"] not in (Codec.CNAT8, Codec.INT32):
             return f"unknown codec {p['codec']}"
-        if not 1 <= p["packet_elements"] <= self.max_elements:
-            return f"packet elements must be in [1, {self.max_elements}] on this aggregator, got {p['packet_elements']}"
+        limit = min(self.max_elements, wire.max_packet_elements(p["codec"]))
+        if not 1 <= p["packet_elements"] <= limit:
+            return (f"packet elements must be in [1, {limit}] for this codec on this aggregator "
+                    f"(--max-packet-elements), got {p['packet_elements']}")
         if p["pool_size"] < 1 or p["pool_size"] > 0xFFFF:
             return f"pool size must be in [1, 65535], got {p['pool_size']}"
         return None

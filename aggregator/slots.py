@@ -35,11 +35,12 @@ from protocol.arith import (
     INT32_E_MAX,
     INT32_E_MIN,
     NO_EXP,
+    add_fixed,
     cnat_floor,
     sum_to_codes_kernel,
     switch_stream,
 )
-from protocol.cnat import K_BIAS, K_MASK, NONZERO, SIGN
+from protocol.cnat import codes_in_range
 from protocol.packet import (
     HDR,
     O_ALLREDUCE,
@@ -174,35 +175,12 @@ def _find_job(jobs, job_id):
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def _cnat_codes_ok(p, count, floor, ceiling):
-    """Every code is 0 or +-2**e with floor <= e <= ceiling (a worker encodes against exactly that range)."""
-    lo = floor + K_BIAS
-    hi = ceiling + K_BIAS
-    bad = 0
-    for i in range(count):
-        c = np.int64(p[HDR + i])
-        k = c & K_MASK
-        bad |= (c != 0) & (((c & NONZERO) == 0) | (k < lo) | (k > hi))
-    return bad == 0
-
-
-@njit(cache=True, nogil=True, boundscheck=False)
 def _int32_ok(p, count, limit):
     bad = 0
     for i in range(count):
         v = get_i32(p, HDR + 4 * i)
         bad |= (v > limit) | (v < -limit)
     return bad == 0
-
-
-@njit(cache=True, nogil=True, boundscheck=False)
-def _cnat_add(p, acc, count, floor, first):
-    base = floor + K_BIAS
-    for i in range(count):
-        c = np.int32(p[HDR + i])
-        v = np.int32(np.int32(c != 0) << np.int32((c & K_MASK) - base))
-        v = -v if c & SIGN else v
-        acc[i] = v if first else np.int32(acc[i] + v)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -232,10 +210,15 @@ def _emit_result(jobs, table, j, row, x, rank, allreduce, chunk, slot, tx_data, 
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def process_burst(rx_data, rx_len, rx_addr, start, n_rx, now, core, cores, jobs, table,
+def process_burst(rx_data, rx_len, rx_addr, start, n_rx, now, core, cores, job_arrays, table_arrays,
                   tx_data, tx_len, tx_addr, control):
     """Handle received datagrams start..n_rx-1. Returns (next unhandled index, datagrams written to tx, control
-    datagrams listed in `control`). Stops early when tx could not hold a completion's n results."""
+    datagrams listed in `control`). Stops early when tx could not hold a completion's n results.
+
+    The tables come in as plain tuples, which Numba types in C, and are rebuilt as namedtuples here: a
+    namedtuple argument costs ~40 us of typing per call on Numba's Python path."""
+    jobs = Jobs(*job_arrays)
+    table = Table(*table_arrays)
     n_tx = 0
     n_ctl = 0
     i = start
@@ -329,7 +312,7 @@ def process_burst(rx_data, rx_len, rx_addr, start, n_rx, now, core, cores, jobs,
         vbits = jobs.value_bits[j]
         floor = cnat_floor(exp, vbits)
         if codec == Codec.CNAT8:
-            ok = _cnat_codes_ok(p, count, floor, E_MIN - 1 if exp == NO_EXP else exp)
+            ok = codes_in_range(p[HDR:HDR + count], floor, floor - 1 if exp == NO_EXP else exp)
         else:
             ok = _int32_ok(p, count, np.int64(1) << vbits)
         if not ok:
@@ -348,7 +331,7 @@ def process_burst(rx_data, rx_len, rx_addr, start, n_rx, now, core, cores, jobs,
             table.next_exp[row, x] = max(table.next_exp[row, x], next_exp)
         first = table.count[row, x] == 0
         if codec == Codec.CNAT8:
-            _cnat_add(p, acc, count, floor, first)
+            add_fixed(p[HDR:HDR + count], acc[:count], floor, first)
         else:
             _int32_add(p, acc, count, first)
         table.bitmap[row, x] |= bit

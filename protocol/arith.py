@@ -34,8 +34,19 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from protocol.cnat import E_MAX, E_MIN, K_BIAS, K_MASK, NONZERO, SIGN, check_floor
-from protocol.rng import BLOCK, block_key, clz32, lowbias32, stream_key
+from protocol.cnat import (
+    E_MAX,
+    E_MIN,
+    K_BIAS,
+    K_MASK,
+    NONZERO,
+    _flat,
+    _out,
+    check_floor,
+    code_in_range,
+    codes_in_range,
+)
+from protocol.rng import BLOCK, block_key, clz32, lowbias32, shl32, stream_key
 from protocol.wire import NO_EXP
 
 INT32_E_MIN = -126
@@ -110,42 +121,38 @@ INT32_RANGE = (INT32_E_MIN, INT32_E_MAX)
 
 
 @njit(inline="always")
-def code_in_range(c, floor, ceiling):
-    """A valid code of 0 or +-2**e with floor <= e <= ceiling: what a switch slot can add."""
-    if c == 0:
-        return True
-    e = int(c & K_MASK) - K_BIAS
-    return (c & NONZERO) != 0 and floor <= e <= ceiling
-
-
-@njit(inline="always")
-def code_to_fixed(c, floor):
-    """The integer value, in units of 2**floor, of a code accepted by code_in_range."""
-    if c == 0:
-        return np.int32(0)
-    v = np.int32(1) << np.int32(int(c & K_MASK) - K_BIAS - floor)
-    return -v if c & SIGN else v
+def _fixed_value(code, base):
+    """+-2**(k - base) as a 32-bit two's complement word (0 for code 0)."""
+    c = _U32(code)
+    v = shl32(_U32(c != _U32(0)), _U32(_U32(c & _U32(K_MASK)) - base))
+    neg = _U32(c >> _U32(7))
+    return _U32(_U32(v ^ _U32(_U32(0) - neg)) + neg)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def to_fixed_kernel(codes, floor, ceiling, out):
-    for j in range(codes.size):
-        if not code_in_range(codes[j], floor, ceiling):
-            return j
-        out[j] = code_to_fixed(codes[j], floor)
-    return -1
+def add_fixed(codes, acc, floor, first):
+    """acc = (first) or += (later) the int32 values of codes in units of 2**floor: +-2**(e - floor), the
+    switch's integer add. Codes must have passed codes_in_range(codes, floor, ceiling <= floor + 30)."""
+    base = _U32(floor + K_BIAS)
+    if first:  # two loops, not a select inside one, so each vectorises
+        for j in range(codes.size):
+            acc[j] = np.int32(_fixed_value(codes[j], base))
+    else:
+        for j in range(codes.size):
+            acc[j] = np.int32(_U32(_U32(acc[j]) + _fixed_value(codes[j], base)))
 
 
 def to_fixed(codes: np.ndarray, floor: int, ceiling: int = E_MAX) -> np.ndarray:
     """int32 values of codes in units of 2**floor; ValueError if a code is invalid or outside [floor, ceiling]."""
     check_floor(floor)
-    if ceiling - floor > 30:
-        raise ValueError(f"ceiling - floor must be <= 30 to fit int32, got {ceiling} - {floor}")
-    flat = codes.reshape(-1)
-    out = np.empty(flat.size, np.int32)
-    bad = to_fixed_kernel(flat, floor, ceiling, out)
-    if bad >= 0:
+    if not floor <= ceiling <= E_MAX or ceiling - floor > 30:
+        raise ValueError(f"need floor <= ceiling <= {E_MAX} and ceiling - floor <= 30 (int32), got {floor}, {ceiling}")
+    flat = _flat(codes, np.uint8, "codes")
+    if not codes_in_range(flat, floor, ceiling):
+        bad = next(j for j in range(flat.size) if not code_in_range(flat[j], floor, ceiling))
         raise ValueError(f"code 0x{int(flat[bad]):02x} at index {bad} is not a C_nat code in [2**{floor}, 2**{ceiling}]")
+    out = np.empty(flat.size, np.int32)
+    add_fixed(flat, out, floor, True)
     return out.reshape(codes.shape)
 
 
@@ -160,8 +167,8 @@ def _sum_code(s, r, base):
     neg = _U32(u >> _U32(31))
     a = _U32(_U32(u ^ _U32(_U32(0) - neg)) + neg)
     lz = clz32(a)
-    remainder = _U32(_U32(a << lz) << _U32(1))
-    keep = _U32(_U32(0xFFFFFFFF) << _U32(lz + _U32(1))) if lz < _U32(31) else _U32(0)
+    remainder = shl32(shl32(a, _U32(lz & _U32(31))), _U32(1))  # & 31: a == 0 (lz 32) must not shift by 32
+    keep = shl32(_U32(0xFFFFFFFF), _U32(lz + _U32(1))) if lz < _U32(31) else _U32(0)
     return neg, a, _U32(_U32(base - lz) + _U32(_U32(r & keep) < remainder))
 
 
@@ -211,10 +218,12 @@ def sum_to_codes(
 ) -> tuple[np.ndarray, int]:
     """Stochastic C_nat re-encode of int32 sums in units of 2**floor; returns (codes, saturated)."""
     check_floor(floor)
-    flat = np.ascontiguousarray(sums, dtype=np.int32).reshape(-1)
-    codes = np.empty(flat.size, np.uint8) if out is None else out.reshape(-1)
+    if offset < 0:
+        raise ValueError(f"offset must be >= 0, got {offset}")
+    flat = _flat(sums, np.int32, "sums")
+    codes = _out(out, flat.size, np.uint8)
     saturated = sum_to_codes_kernel(flat, codes, _U64(stream_key(seed, stream)), _U64(offset), floor)
-    return (codes.reshape(np.shape(sums)) if out is None else out), int(saturated)
+    return (codes.reshape(sums.shape) if out is None else out), int(saturated)
 
 
 @njit(inline="always")

@@ -171,14 +171,32 @@ def decode_accumulate_kernel(codes, acc, table):
         acc[j] += table[codes[j]]
 
 
+@njit(inline="always")
+def code_in_range(c, floor, ceiling):
+    """A valid code of 0 or +-2**e with floor <= e <= ceiling (ceiling = floor - 1 admits only 0).
+
+    Branch-free, 32-bit and biased by one so that every bound is non-negative: loops over it vectorise."""
+    c = _U32(c)
+    kb = _U32(_U32(c & _U32(K_MASK)) + _U32(1))
+    out_of_range = (_U32(c & _U32(NONZERO)) == _U32(0)) | (kb < _U32(floor + K_BIAS + 1)) | (kb > _U32(ceiling + K_BIAS + 1))
+    return (c == _U32(0)) | ~out_of_range
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def codes_in_range(codes, floor, ceiling):
+    """All codes pass code_in_range (the switch's check before it adds a packet)."""
+    ok = True
+    for j in range(codes.size):
+        ok &= code_in_range(codes[j], floor, ceiling)
+    return ok
+
+
 @njit(cache=True, nogil=True, boundscheck=False)
 def find_invalid_kernel(codes):
+    if codes_in_range(codes, E_MIN, E_MAX):
+        return -1
     for j in range(codes.size):
-        c = codes[j]
-        if (c & NONZERO) == 0:
-            if c != 0:
-                return j
-        elif (c & K_MASK) > E_MAX + K_BIAS:
+        if not code_in_range(codes[j], E_MIN, E_MAX):
             return j
     return -1
 

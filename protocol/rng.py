@@ -49,6 +49,17 @@ def mul32(typingctx, a, b):
 
 
 @intrinsic
+def shl32(typingctx, a, b):
+    """uint32 << uint32 for shifts below 32, kept 32-bit so loops over it vectorise (see mul32)."""
+    sig = types.uint32(types.uint32, types.uint32)
+
+    def codegen(context, builder, signature, args):
+        return builder.shl(args[0], args[1])
+
+    return sig, codegen
+
+
+@intrinsic
 def clz32(typingctx, a):
     """Count of leading zero bits of a uint32 (32 for 0), one instruction (lzcnt) that vectorises."""
     sig = types.uint32(types.uint32)

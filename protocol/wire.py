@@ -136,6 +136,14 @@ _PAYLOAD_DTYPES = {Codec.CNAT8: np.dtype(np.uint8), Codec.INT32: np.dtype(">i4")
 _ELEMENT_TYPES = (MsgType.DATA, MsgType.RESULT)  # types whose payload is `count` elements
 
 
+MAX_DATAGRAM = 65507  # the largest UDP payload over IPv4
+
+
+def max_packet_elements(codec: Codec | int) -> int:
+    """The most elements one datagram can carry for a codec (count is also a u16)."""
+    return min(0xFFFF, (MAX_DATAGRAM - HEADER_SIZE) // Codec(codec).bytes_per_element)
+
+
 def payload_dtype(codec: Codec | int) -> np.dtype:
     """Wire dtype of one payload element for ``codec``."""
     return _PAYLOAD_DTYPES[Codec(codec)]

@@ -23,6 +23,17 @@ def build_parser() -> argparse.ArgumentParser:
     codec.add_argument("--elements", type=_positive, default=1 << 25, help="array length (default 2**25)")
     codec.add_argument("--repeats", type=_positive, default=11, help="timed runs; the median is reported")
     codec.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    ar = bench.add_parser("allreduce", help="intml vs Gloo's ring allreduce on loopback")
+    ar.add_argument("--workers", type=_positive, default=4)
+    ar.add_argument("--elements", type=_positive, default=25_000_000)
+    ar.add_argument("--codec", choices=("cnat8", "int32"), default="cnat8")
+    ar.add_argument("--packet-elements", type=_positive, default=8192, help="elements per packet (default 8192)")
+    ar.add_argument("--pool", type=_positive, default=64, help="slots in the job's pool (default 64)")
+    ar.add_argument("--cores", type=_positive, default=1, help="aggregator data-plane processes (default 1)")
+    ar.add_argument("--warmup", type=int, default=2)
+    ar.add_argument("--rounds", type=_positive, default=5)
+    ar.add_argument("--no-gloo", action="store_true", help="skip the Gloo anchor")
+    ar.add_argument("--json", action="store_true")
     commands.add_parser("demo", help="what `make demo` runs")
     return parser
 
@@ -33,6 +44,11 @@ def main(argv: list[str] | None = None) -> int:
         from testbed import bench_codec
 
         bench_codec.run(args.elements, args.repeats, args.json)
+    elif args.command == "bench" and args.bench == "allreduce":
+        from testbed import bench_allreduce
+
+        bench_allreduce.run(args.workers, args.elements, args.codec, args.packet_elements, args.pool, args.cores,
+                            args.warmup, args.rounds, not args.no_gloo, args.json)
     elif args.command == "demo":
         from testbed import bench_codec
 

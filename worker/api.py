@@ -54,7 +54,8 @@ class Worker:
 
     def __init__(self, aggregator: str, *, job: int, rank: int, world_size: int, token: str = "",
                  codec: str = "cnat8", packet_elements: int = 1024, pool_size: int = 64, seed: int = 0,
-                 timeout: float = 30.0, rto: float = 0.02, max_rto: float = 1.0, burst: int = 256,
+                 timeout: float = 30.0, rto: float = 0.05, min_rto: float = 0.05, max_rto: float = 1.0,
+                 burst: int = 256,
                  transport=None) -> None:
         if codec not in CODECS:
             raise ValueError(f"codec must be one of {sorted(CODECS)}, got {codec!r}")
@@ -62,8 +63,9 @@ class Worker:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
         if not 0 <= job <= 0xFFFFFFFE:
             raise ValueError(f"job must be in [0, 2**32 - 2], got {job}")
-        if not 1 <= packet_elements <= 16384 or not 1 <= pool_size <= 0xFFFF:
-            raise ValueError("packet_elements must be in [1, 16384] and pool_size in [1, 65535]")
+        limit = wire.max_packet_elements(CODECS[codec])
+        if not 1 <= packet_elements <= limit or not 1 <= pool_size <= 0xFFFF:
+            raise ValueError(f"packet_elements must be in [1, {limit}] for {codec} and pool_size in [1, 65535]")
         self.host, self.port = parse_address(aggregator)
         self.job, self.rank, self.world_size = job, rank, world_size
         self.codec = CODECS[codec]
@@ -82,7 +84,7 @@ class Worker:
         agg = [addr_key(self.host, self.port + i) for i in range(self.cores)]
         self.engine = StreamEngine(job=job, rank=rank, world_size=world_size, codec=self.codec,
                                    packet_elements=packet_elements, pool_size=pool_size, seed=seed, agg_addrs=agg,
-                                   rto=rto, max_rto=max_rto)
+                                   rto=rto, min_rto=min_rto, max_rto=max_rto)
         self._closed = False
 
     # ---- membership -------------------------------------------------------------------------------------

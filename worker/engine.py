@@ -12,7 +12,10 @@ One allreduce of a flat float32 tensor of N elements, packet size P and pool siz
 * Each use of a slot flips its shadow set; the parity persists over the job's life, so consecutive uses of a
   slot alternate sets across allreduces too, as the switch requires.
 * A slot whose result is late is retransmitted (the stored datagram, byte for byte) after an RTO that doubles
-  on each retry up to ``max_rto``. Results that are duplicate, stale (another allreduce, chunk or shadow set),
+  on each retry up to ``max_rto``. The RTO adapts as TCP's does (RFC 6298): SRTT + 4 RTTVAR from round-trip
+  samples of slots that were not retransmitted (Karn), bounded by [min_rto, max_rto]. A fixed RTO either
+  fires spuriously when the aggregator's CPU is busy, which adds load exactly when it hurts, or waits too
+  long after a real loss. Results that are duplicate, stale (another allreduce, chunk or shadow set),
   foreign (another job or source) or malformed are counted and dropped.
 * cnat8: chunk c is encoded with the floor of its agreed exponent and random words keyed by
   (seed, worker_stream(allreduce, rank), element index); the result codes decode straight to float32.
@@ -76,15 +79,19 @@ STAT_NAMES = (
 PACKETS_OUT, PACKETS_IN, RETRANSMISSIONS, RESULTS, DROP_MALFORMED, DROP_FOREIGN, DROP_STALE, SATURATED = range(8)
 IDLE = np.iinfo(np.int64).min  # cur_chunk of a slot with nothing in flight
 
-# All engine state the kernels touch, as arrays (a namedtuple of arrays is one Numba argument).
+# All engine state the kernels touch, as arrays. Python passes it to the entry kernels as a plain tuple, which
+# Numba types in C (~1 us a call), and they rebuild the namedtuple: Numba types a namedtuple argument on a slow
+# Python path (~40 us a call), which made dispatch the largest cost of a worker.
 State = namedtuple(
     "State",
-    "params x out local_exp agreed_exp cur_chunk parity sent_at rto retries packet packet_len agg_addr stats",
+    "params x out local_exp agreed_exp cur_chunk parity sent_at rto retries packet packet_len agg_addr stats timing",
 )
 # params (int64): job, rank, world, value_bits, codec, packet_elements, window, chunks, elements, allreduce, cores,
 #                 seed (as int64 bits), done_chunks
 (P_JOB, P_RANK, P_WORLD, P_VBITS, P_CODEC, P_PKT, P_WINDOW, P_CHUNKS, P_ELEMENTS, P_ALLREDUCE, P_CORES,
  P_SEED, P_DONE) = range(13)
+# timing (float64): smoothed RTT, RTT variance, current RTO, min RTO, max RTO
+T_SRTT, T_RTTVAR, T_RTO, T_MIN, T_MAX = range(5)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -122,6 +129,19 @@ def _build(st, s, c, now):
     st.cur_chunk[s] = c
     st.sent_at[s] = now
     st.retries[s] = 0
+    st.rto[s] = st.timing[T_RTO]
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _rtt_sample(timing, sample):
+    """RFC 6298 smoothing of one round-trip sample."""
+    if timing[T_SRTT] == 0.0:
+        timing[T_SRTT] = sample
+        timing[T_RTTVAR] = sample / 2
+    else:
+        timing[T_RTTVAR] = 0.75 * timing[T_RTTVAR] + 0.25 * abs(timing[T_SRTT] - sample)
+        timing[T_SRTT] = 0.875 * timing[T_SRTT] + 0.125 * sample
+    timing[T_RTO] = min(timing[T_MAX], max(timing[T_MIN], timing[T_SRTT] + 4.0 * timing[T_RTTVAR]))
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -134,19 +154,20 @@ def _queue(st, s, tx_data, tx_len, tx_addr, n_tx):
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def start_kernel(st, now, base_rto, tx_data, tx_len, tx_addr):
+def start_kernel(state, now, tx_data, tx_len, tx_addr):
     """Send every slot's bootstrap chunk. Returns the number of datagrams written (the window)."""
+    st = State(*state)
     window = st.params[P_WINDOW]
     for s in range(window):
-        st.rto[s] = base_rto
         _build(st, s, s - window, now)
         _queue(st, s, tx_data, tx_len, tx_addr, s)
     return window
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def receive_kernel(st, rx_data, rx_len, rx_addr, n_rx, now, base_rto, tx_data, tx_len, tx_addr):
+def receive_kernel(state, rx_data, rx_len, rx_addr, n_rx, now, tx_data, tx_len, tx_addr):
     """Accept results, decode them, and queue each slot's next chunk. Returns datagrams written to tx."""
+    st = State(*state)
     prm = st.params
     n_tx = 0
     window = prm[P_WINDOW]
@@ -190,11 +211,12 @@ def receive_kernel(st, rx_data, rx_len, rx_addr, n_rx, now, base_rto, tx_data, t
                     st.out[lo + k] = dequantize(get_i32(p, HDR + 4 * k), unit)
             prm[P_DONE] += 1
         st.stats[RESULTS] += 1
+        if st.retries[s] == 0:  # Karn: a retransmitted slot's RTT is ambiguous
+            _rtt_sample(st.timing, now - st.sent_at[s])
         st.parity[s] ^= 1
         nxt = c + window
         if nxt < prm[P_CHUNKS]:
             st.agreed_exp[nxt] = next_exp
-            st.rto[s] = base_rto
             _build(st, s, nxt, now)
             _queue(st, s, tx_data, tx_len, tx_addr, n_tx)
             n_tx += 1
@@ -204,8 +226,9 @@ def receive_kernel(st, rx_data, rx_len, rx_addr, n_rx, now, base_rto, tx_data, t
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def timer_kernel(st, now, max_rto, tx_data, tx_len, tx_addr):
+def timer_kernel(state, now, tx_data, tx_len, tx_addr):
     """Retransmit every slot whose RTO expired, doubling its RTO. Returns datagrams written to tx."""
+    st = State(*state)
     n_tx = 0
     for s in range(st.params[P_WINDOW]):
         if st.cur_chunk[s] != IDLE and now - st.sent_at[s] >= st.rto[s] and n_tx < tx_len.size:
@@ -213,14 +236,15 @@ def timer_kernel(st, now, max_rto, tx_data, tx_len, tx_addr):
             n_tx += 1
             st.sent_at[s] = now
             st.retries[s] += 1
-            st.rto[s] = min(max_rto, 2.0 * st.rto[s])
+            st.rto[s] = min(st.timing[T_MAX], 2.0 * st.rto[s])
             st.stats[RETRANSMISSIONS] += 1
     return n_tx
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def next_deadline(st):
+def next_deadline(state):
     """The earliest retransmission time, or +inf with nothing in flight."""
+    st = State(*state)
     t = np.inf
     for s in range(st.params[P_WINDOW]):
         if st.cur_chunk[s] != IDLE:
@@ -232,11 +256,14 @@ class StreamEngine:
     """One worker's side of a job's allreduces. Construct once per job; call ``start`` per allreduce."""
 
     def __init__(self, *, job: int, rank: int, world_size: int, codec: Codec, packet_elements: int, pool_size: int,
-                 seed: int, agg_addrs: list[int], rto: float = 0.02, max_rto: float = 1.0) -> None:
+                 seed: int, agg_addrs: list[int], rto: float = 0.05, min_rto: float = 0.005,
+                 max_rto: float = 1.0) -> None:
+        if not 0 < min_rto <= rto <= max_rto:
+            raise ValueError(f"need 0 < min_rto <= rto <= max_rto, got {min_rto}, {rto}, {max_rto}")
         self.codec = Codec(codec)
         self.packet_elements = packet_elements
         self.pool_size = pool_size
-        self.rto, self.max_rto = rto, max_rto
+        self.timing = np.array([0.0, 0.0, rto, min_rto, max_rto])  # persists: later allreduces start adapted
         self.params = np.zeros(13, np.int64)
         self.params[[P_JOB, P_RANK, P_WORLD, P_VBITS, P_CODEC, P_PKT, P_CORES]] = (
             job, rank, world_size, value_bits(world_size), int(self.codec), packet_elements, len(agg_addrs))
@@ -266,19 +293,21 @@ class StreamEngine:
         self.state = State(
             params=prm, x=flat, out=np.zeros(flat.size, np.float32), local_exp=local.astype(np.int64),
             agreed_exp=np.full(chunks, NO_EXP, np.int64), cur_chunk=np.full(self.pool_size, IDLE, np.int64),
-            parity=self.parity, sent_at=np.zeros(self.pool_size), rto=np.full(self.pool_size, self.rto),
+            parity=self.parity, sent_at=np.zeros(self.pool_size), rto=np.zeros(self.pool_size),
             retries=np.zeros(self.pool_size, np.int64), packet=self.packet,
-            packet_len=np.zeros(self.pool_size, np.int64), agg_addr=self.agg_addr, stats=self.stats)
-        return start_kernel(self.state, now, self.rto, tx_data, tx_len, tx_addr) if window else 0
+            packet_len=np.zeros(self.pool_size, np.int64), agg_addr=self.agg_addr, stats=self.stats,
+            timing=self.timing)
+        self._args = tuple(self.state)
+        return start_kernel(self._args, now, tx_data, tx_len, tx_addr) if window else 0
 
     def receive(self, rx_data, rx_len, rx_addr, n_rx: int, now: float, tx_data, tx_len, tx_addr) -> int:
-        return receive_kernel(self.state, rx_data, rx_len, rx_addr, n_rx, now, self.rto, tx_data, tx_len, tx_addr)
+        return receive_kernel(self._args, rx_data, rx_len, rx_addr, n_rx, now, tx_data, tx_len, tx_addr)
 
     def handle_timer(self, now: float, tx_data, tx_len, tx_addr) -> int:
-        return timer_kernel(self.state, now, self.max_rto, tx_data, tx_len, tx_addr)
+        return timer_kernel(self._args, now, tx_data, tx_len, tx_addr)
 
     def get_timer(self) -> float:
-        return float(next_deadline(self.state))
+        return float(next_deadline(self._args))
 
     @property
     def done(self) -> bool:
@@ -298,3 +327,8 @@ class StreamEngine:
 
     def counters(self) -> dict[str, int]:
         return dict(zip(STAT_NAMES, self.stats.tolist()))
+
+    @property
+    def rto(self) -> float:
+        """The current adaptive retransmission timeout, seconds."""
+        return float(self.timing[T_RTO])

@@ -1,0 +1,495 @@
+"""Tests of protocol.arith: fixed-point sizing, exponent agreement, code -> fixed point, the stochastic
+re-encode of integer sums (against the numpy oracle, unbiasedness, chunking, threads, out=), and the int32 mode's
+quantize/dequantize kernels."""
+
+import math
+import re
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from protocol import arith, cnat, reference
+from protocol.arith import (
+    CNAT_RANGE,
+    INT32_RANGE,
+    NO_EXP,
+    chunk_exponents,
+    cnat_floor,
+    code_in_range,
+    int32_scale_exponent,
+    sum_to_codes,
+    switch_stream,
+    to_fixed,
+    value_bits,
+    worker_stream,
+)
+
+M64 = (1 << 64) - 1
+I32_MIN, I32_MAX = -(2**31), 2**31 - 1
+SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FEW = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+SEEDS = st.integers(0, M64)
+FLOORS = st.integers(cnat.E_MIN, cnat.E_MAX)
+OFFSETS = st.one_of(
+    st.sampled_from([0, 1, 4095, 2**32 - 3, 2**32 - 4096, 2**32 - 1, 2**32, 2**63 - 1, 2**64 - 20000]),
+    st.integers(2**32 - 5000, 2**32 + 10),
+    st.integers(0, 2**64 - 20000),
+)
+
+
+def code_of(negative: bool, e: int) -> int:
+    """bit 7 sign, bit 6 nonzero, bits 5..0 = e + 50"""
+    return (0x80 if negative else 0) | 0x40 | (e + 50)
+
+
+def bad_index(excinfo) -> int:
+    m = re.search(r"\bindex (\d+)\b", str(excinfo.value))
+    assert m, f"message does not name the index: {excinfo.value!r}"
+    return int(m.group(1))
+
+
+def random_f32(rng: np.random.Generator, n: int) -> np.ndarray:
+    """Finite float32: uniform bit patterns (all exponents, denormals, huge), log-uniform, zeros; random signs."""
+    kind = rng.integers(0, 3, n)
+    pattern = rng.integers(0, 0x7F800000, n, dtype=np.uint32).view(np.float32).astype(np.float64)
+    logu = 2.0 ** rng.uniform(-60, 12, n)
+    x = np.select([kind == 0, kind == 1], [pattern, logu], 0.0)
+    return np.where(rng.random(n) < 0.5, -x, x).astype(np.float32)
+
+
+@st.composite
+def f32_arrays(draw, max_size=3000):
+    n = draw(st.integers(0, max_size))
+    x = random_f32(np.random.default_rng(draw(st.integers(0, 2**32 - 1))), n)
+    # a few zero runs (whole zero chunks) and hand-picked values
+    for _ in range(draw(st.integers(0, 3))):
+        if n:
+            a = draw(st.integers(0, n - 1))
+            x[a : a + draw(st.integers(1, 300))] = draw(st.sampled_from([0.0, -0.0]))
+    specials = draw(st.lists(st.sampled_from([2.0**-149, 1e-40, 2.0**-126, 2.0**-50, 2.0**-51, 1.0, 1.5, 2.0**10,
+                                              1025.0, 2.0**126, 2.0**127, 3e38, -3e38, 0.75]), max_size=8))
+    if specials and n:
+        at = draw(st.lists(st.integers(0, n - 1), min_size=len(specials), max_size=len(specials)))
+        x[at] = np.array(specials, np.float32)
+    return x
+
+
+SUM_SPECIALS = [0, 1, -1, 2, -2, 3, -3, 2**30, -(2**30), 2**30 - 1, 2**30 + 1, I32_MAX, -I32_MAX, I32_MIN,
+                2**31 - 2, 5, 7, -1000003]
+
+
+@st.composite
+def int32_sums(draw, max_size=3000):
+    n = draw(st.integers(0, max_size))
+    g = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    bits = g.integers(0, 32, n)  # log-uniform magnitude: every bit length
+    s = (g.integers(0, 2**31, n) >> (31 - bits)) * np.where(g.random(n) < 0.5, -1, 1)
+    s = s.astype(np.int32)
+    specials = draw(st.lists(st.one_of(st.sampled_from(SUM_SPECIALS), st.integers(I32_MIN, I32_MAX)), max_size=20))
+    if specials and n:
+        at = draw(st.lists(st.integers(0, n - 1), min_size=len(specials), max_size=len(specials)))
+        s[at] = np.array(specials, np.int32)
+    return s
+
+
+# --- fixed-point sizing ----------------------------------------------------------------------------------------
+
+
+def test_value_bits_is_maximal_and_safe():
+    for n in range(1, 1001):
+        s = value_bits(n)
+        assert n * 2**s < 2**31, n  # n contributions of magnitude <= 2**s fit a signed 32-bit register
+        assert n * 2 ** (s + 1) >= 2**31, n  # and one more bit would not
+    for n in (1, 2, 3, 4, 1023, 1024, 1025, 32767, 32768):
+        s = value_bits(n)
+        assert n * 2**s < 2**31 <= n * 2 ** (s + 1)
+    assert value_bits(1) == 30 and value_bits(2) == 29 and value_bits(3) == 29 and value_bits(4) == 28
+
+
+@pytest.mark.parametrize("n", [0, -1, 32769])
+def test_value_bits_rejects_bad_world_size(n):
+    with pytest.raises(ValueError, match="world size"):
+        value_bits(n)
+
+
+def _safe_bits(n: int) -> int:
+    """The largest s with n * 2**s < 2**31, by search (independent of value_bits' bit_length formula)."""
+    s = 0
+    while n * 2 ** (s + 1) < 2**31:
+        s += 1
+    return s
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 8, 100, 1000, 32768])
+def test_cnat_floor_and_int32_scale(n):
+    s = _safe_bits(n)
+    assert value_bits(n) == s
+    assert cnat_floor(NO_EXP, s) == -50
+    assert int32_scale_exponent(NO_EXP, s) == s + 126  # an all-zero chunk scales as the smallest exponent
+    for e in range(-50, 11):
+        f = cnat_floor(e, s)
+        assert f == max(-50, e - s)
+        # a code 2**e' with f <= e' <= E is a whole number of units, and n of the largest fit int32
+        assert n * 2 ** (e - f) < 2**31
+    for e in range(-126, 128):
+        assert int32_scale_exponent(e, s) == s - e
+
+
+def test_streams_are_distinct():
+    streams = [worker_stream(a, r) for a in range(4) for r in range(300)] + [switch_stream(a) for a in range(4)]
+    assert len(set(streams)) == len(streams)
+
+
+# --- chunk exponents -------------------------------------------------------------------------------------------
+
+
+def expected_exponents(x: np.ndarray, chunk: int, lo: int, hi: int) -> list[int]:
+    out = []
+    for c in range(0, x.size, chunk):
+        m = float(np.abs(x[c : c + chunk].astype(np.float64)).max())
+        out.append(NO_EXP if m == 0 else min(hi, max(lo, math.frexp(m)[1])))  # frexp: m = f 2**E, f in [.5, 1)
+    return out
+
+
+@SETTINGS
+@given(x=f32_arrays(), chunk=st.integers(1, 700), codec=st.sampled_from([CNAT_RANGE, INT32_RANGE]))
+def test_chunk_exponents(x, chunk, codec):
+    lo, hi = codec
+    got = chunk_exponents(x, chunk, codec)
+    assert got.dtype == np.int8 and got.size == -(-x.size // chunk)
+    assert got.tolist() == expected_exponents(x, chunk, lo, hi)
+    assert got.tolist() == [reference.chunk_exponent(x[c : c + chunk], lo, hi) for c in range(0, x.size, chunk)]
+    for c, e in enumerate(got.tolist()):
+        m = float(np.abs(x[c * chunk : (c + 1) * chunk].astype(np.float64)).max())
+        if m == 0:
+            assert e == NO_EXP
+            continue
+        assert lo <= e <= hi
+        if e < hi:
+            assert m < 2.0**e  # every |x| < 2**E unless clipped at the ceiling
+        if e > lo:
+            assert 2.0 ** (e - 1) <= m  # E - 1 <= log2 max|x| unless clipped at the floor
+
+
+def test_chunk_exponents_hand_cases():
+    x = np.array([0, 0, -0.0, 0,  1.0, 0.5, 0, 0,  -3.0, 1, 1, 1,  1e-40, 0, 0, 0,  3e38, 0, 0, 0,  0.75], np.float32)
+    assert chunk_exponents(x, 4, INT32_RANGE).tolist() == [NO_EXP, 1, 2, -126, 127, 0]
+    assert chunk_exponents(x, 4, CNAT_RANGE).tolist() == [NO_EXP, 1, 2, -50, 10, 0]
+    assert chunk_exponents(np.zeros(0, np.float32), 4, CNAT_RANGE).size == 0
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("at", [0, 5, 99, 100, 250])
+def test_chunk_exponents_non_finite_names_index(bad, at):
+    x = np.ones(251, np.float32)
+    x[at] = bad
+    if at + 1 < 251:
+        x[at + 1 :: 7] = np.nan
+    with pytest.raises(ValueError) as excinfo:
+        chunk_exponents(x, 100, CNAT_RANGE)
+    assert bad_index(excinfo) == at
+
+
+# --- codes -> fixed point --------------------------------------------------------------------------------------
+
+
+def in_range(c: int, floor: int, ceiling: int) -> bool:
+    return c == 0 or (reference.is_valid(c) and floor <= (c & 0x3F) - 50 <= ceiling)
+
+
+@st.composite
+def floor_ceiling(draw):
+    floor = draw(FLOORS)
+    return floor, draw(st.integers(floor, min(cnat.E_MAX, floor + 30)))
+
+
+@SETTINGS
+@given(fc=floor_ceiling(), n=st.integers(0, 3000), seed=st.integers(0, 2**32 - 1), bad=st.booleans())
+def test_to_fixed_matches_reference(fc, n, seed, bad):
+    floor, ceiling = fc
+    g = np.random.default_rng(seed)
+    e = g.integers(floor, ceiling + 1, n)
+    codes = np.where(g.random(n) < 0.1, 0, (g.integers(0, 2, n) << 7) | 0x40 | (e + 50)).astype(np.uint8)
+    if bad and n:
+        codes[g.integers(0, n, 3)] = g.integers(0, 256, 3)  # may or may not be in range
+    ok = [in_range(c, floor, ceiling) for c in codes.tolist()]
+    if all(ok):
+        got = to_fixed(codes, floor, ceiling)
+        assert got.dtype == np.int32
+        np.testing.assert_array_equal(got, reference.to_fixed(codes, floor))
+    else:
+        with pytest.raises(ValueError, match="not a C_nat code in") as excinfo:
+            to_fixed(codes, floor, ceiling)
+        assert bad_index(excinfo) == ok.index(False)
+
+
+@pytest.mark.parametrize("floor, ceiling", [(-50, -20), (-30, 0), (-20, 10), (0, 10), (10, 10), (-5, -5)])
+def test_code_in_range_every_code(floor, ceiling):
+    for c in range(256):
+        assert bool(code_in_range(np.uint8(c), floor, ceiling)) == in_range(c, floor, ceiling), hex(c)
+
+
+def test_to_fixed_hand_cases():
+    codes = np.array([0x00, 0x72, 0xF2, 0x7C, 0x5E, 0xDE], np.uint8)  # 0, 1, -1, 2**10, 2**-20, -2**-20
+    assert to_fixed(codes, -20).tolist() == [0, 2**20, -(2**20), 2**30, 1, -1]
+    with pytest.raises(ValueError) as excinfo:
+        to_fixed(codes, -19)  # 2**-20 is below the unit
+    assert bad_index(excinfo) == 4
+    with pytest.raises(ValueError) as excinfo:
+        to_fixed(codes, -20, ceiling=9)  # 2**10 is above the ceiling
+    assert bad_index(excinfo) == 3
+    with pytest.raises(ValueError, match="<= 30"):
+        to_fixed(codes, -50)  # ceiling 10 - floor -50 > 30 cannot fit int32
+    with pytest.raises(ValueError, match="floor"):
+        to_fixed(codes, -51, -30)
+    for invalid in (0x80, 0x7D, 0x7F, 0x01):
+        with pytest.raises(ValueError) as excinfo:
+            to_fixed(np.array([0x72, invalid], np.uint8), -20)
+        assert bad_index(excinfo) == 1
+
+
+@pytest.mark.parametrize("code", [0x7D, 0x7E, 0x7F, 0xFF])
+def test_to_fixed_never_accepts_an_invalid_code(code):
+    """Codes with k > 60 are invalid whatever the caller's ceiling: to_fixed must raise ValueError (for the code
+    or for a ceiling above E_MAX = 10) rather than return 2**(k - 50 - floor) units."""
+    with pytest.raises(ValueError):
+        to_fixed(np.array([code], np.uint8), -17, 13)
+
+
+@FEW
+@given(x=f32_arrays(), n=st.integers(1, 1000), seed=SEEDS)
+def test_encode_at_agreed_exponent_fits_the_slot(x, n, seed):
+    """End to end: with E = chunk exponent and f = cnat_floor(E, n), every code of encode(x, floor=f) is accepted
+    by to_fixed(codes, f, E), and n of the largest possible contribution fit int32."""
+    (e,) = chunk_exponents(x, max(1, x.size), CNAT_RANGE) if x.size else [NO_EXP]
+    if e == NO_EXP:
+        return
+    f = cnat_floor(int(e), value_bits(n))
+    codes = cnat.encode(x, seed=seed, stream=worker_stream(1, 0), floor=f).codes
+    fixed = to_fixed(codes, f, int(e)).astype(np.int64)
+    assert np.abs(fixed).max(initial=0) <= 2 ** (int(e) - f)
+    assert n * 2 ** (int(e) - f) < 2**31
+
+
+# --- sum_to_codes ----------------------------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(sums=int32_sums(), floor=FLOORS, seed=SEEDS, stream=SEEDS, offset=OFFSETS)
+@example(sums=np.array(SUM_SPECIALS, np.int32), floor=-50, seed=0, stream=0, offset=2**32 - 3)
+@example(sums=np.array(SUM_SPECIALS, np.int32), floor=10, seed=M64, stream=1, offset=0)
+def test_sum_to_codes_matches_reference(sums, floor, seed, stream, offset):
+    codes, saturated = sum_to_codes(sums, floor, seed=seed, stream=stream, offset=offset)
+    want, want_saturated = reference.sum_to_codes(sums, floor, seed=seed, stream=stream, offset=offset)
+    assert codes.dtype == np.uint8 and codes.shape == sums.shape
+    np.testing.assert_array_equal(codes, want)
+    assert saturated == want_saturated
+
+
+def test_sum_to_codes_hand_cases():
+    # exact powers of two and zero are deterministic; magnitude 2**b in units of 2**floor is 2**(b + floor)
+    sums = np.array([0, 1, -1, 2, 2**20, -(2**30), I32_MIN], np.int32)
+    for seed in range(5):
+        codes, saturated = sum_to_codes(sums, -40, seed=seed, stream=3)
+        assert codes.tolist() == [0, code_of(False, -40), code_of(True, -40), code_of(False, -39),
+                                  code_of(False, -20), code_of(True, -10), code_of(True, -9)]
+        assert saturated == 0
+    # 2**30 units of 2**-10 is 2**20 > 2**10: saturates to 2**10 and is counted
+    codes, saturated = sum_to_codes(np.array([2**30, -(2**30), 2**20], np.int32), -10, seed=1, stream=1)
+    assert codes.tolist() == [0x7C, 0xFC, 0x7C] and saturated == 2
+
+
+@pytest.mark.parametrize("offset", [0, 4090, 2**32 - 3])
+def test_sum_to_codes_saturation_edge(offset):
+    """In units of 2**0: 1024 = 2**10 is representable (not counted); 2048 = 2**11 is the smallest saturation,
+    alone in its block or not; powers of two are deterministic."""
+    cases = [([1024, -1024], 0), ([2048], 1), ([-2048], 1), ([1024, 2048, -2048, 4096, 0], 3)]
+    for sums, count in cases:
+        codes, saturated = sum_to_codes(np.array(sums, np.int32), 0, seed=3, stream=4, offset=offset)
+        assert saturated == count, sums
+        assert codes.tolist() == [0 if s == 0 else (0xFC if s < 0 else 0x7C) for s in sums]
+
+
+@pytest.mark.parametrize("s", [3, -5, 7, 1000003, -(2**20 + 12345), 2**30 - 1, 2**30 + 2**29 + 1, I32_MAX, -I32_MAX])
+def test_sum_to_codes_is_unbiased(s):
+    """The mean of N = 2**20 re-encodings of one sum S (one stream, many indices) is S within 5 standard errors.
+    With b = floor(log2 |S|), R = |S| - 2**b: C = 2**(b+1) with probability p = R / 2**b, else 2**b, so
+    Var = 4**b p (1 - p) (units of 2**floor) and the standard error is sqrt(Var / N)."""
+    n = 1 << 20
+    floor = -45  # |S| * 2**floor <= 2**-14: no saturation
+    codes, saturated = sum_to_codes(np.full(n, s, np.int32), floor, seed=9, stream=switch_stream(4),
+                                    offset=2**32 - n // 2)
+    assert saturated == 0
+    units = cnat.decode(codes).astype(np.float64) / 2.0**floor  # exact: powers of two
+    b = abs(s).bit_length() - 1
+    p = (abs(s) - 2**b) / 2**b
+    assert set(np.abs(units).tolist()) <= {2.0**b, 2.0 ** (b + 1)} and np.all(np.sign(units) == np.sign(s))
+    se = math.sqrt(4.0**b * p * (1 - p) / n)
+    assert abs(units.mean() - s) <= 5 * se, (units.mean(), s, se)
+
+
+@FEW
+@given(sums=int32_sums(max_size=12000), floor=FLOORS, seed=SEEDS, stream=SEEDS, offset=OFFSETS, data=st.data())
+def test_sum_to_codes_chunking_invariance(sums, floor, seed, stream, offset, data):
+    whole, whole_saturated = sum_to_codes(sums, floor, seed=seed, stream=stream, offset=offset)
+    n = sums.size
+    cuts = sorted(set(data.draw(st.lists(st.integers(0, n), max_size=12))))
+    bounds = list(zip([0, *cuts], [*cuts, n]))
+    out = np.full(n, 0xAA, np.uint8)
+    saturated = 0
+    for i in np.random.default_rng(len(cuts)).permutation(len(bounds)):
+        a, b = bounds[i]
+        sl = out[a:b]
+        codes, sat = sum_to_codes(sums[a:b], floor, seed=seed, stream=stream, offset=offset + a, out=sl)
+        assert codes is sl
+        saturated += sat
+    np.testing.assert_array_equal(out, whole)
+    assert saturated == whole_saturated
+
+
+def test_sum_to_codes_two_threads_concurrently():
+    n = 1 << 22
+    g = np.random.default_rng(3)
+    sums = (g.integers(-(2**30), 2**30, n) >> g.integers(0, 31, n)).astype(np.int32)
+    floor, seed, stream, offset = -15, 5, switch_stream(2), 2**32 - n // 2  # up to 2**15 > 2**10: saturates
+    whole, whole_saturated = sum_to_codes(sums, floor, seed=seed, stream=stream, offset=offset)
+    assert whole_saturated > 0
+    out = np.zeros(n, np.uint8)
+    counts = [0, 0]
+    errors = []
+    barrier = threading.Barrier(2)
+
+    def work(k, lo, hi):
+        try:
+            barrier.wait()
+            cuts = [lo, lo + 4097, lo + 300001, lo + 300002, hi - 77, hi]
+            for a, b in zip(cuts[:-1], cuts[1:]):
+                counts[k] += sum_to_codes(sums[a:b], floor, seed=seed, stream=stream, offset=offset + a,
+                                          out=out[a:b])[1]
+        except Exception as e:  # noqa: BLE001 - re-raised in the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(0, 0, n // 2)), threading.Thread(target=work, args=(1, n // 2, n))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    np.testing.assert_array_equal(out, whole)
+    assert sum(counts) == whole_saturated
+
+
+def test_sum_to_codes_out_is_used_in_place():
+    sums = np.arange(-500, 500, dtype=np.int32)
+    want, _ = sum_to_codes(sums, -30, seed=1, stream=2)
+    out = np.zeros(1000, np.uint8)
+    codes, _ = sum_to_codes(sums, -30, seed=1, stream=2, out=out)
+    assert codes is out
+    np.testing.assert_array_equal(out, want)
+    # sums are the switch's int32 registers: other dtypes are refused rather than silently wrapped
+    with pytest.raises(TypeError, match="int32"):
+        sum_to_codes(sums.astype(np.int64), -30, seed=1, stream=2)
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.float32, np.int32])
+def test_sum_to_codes_out_wrong_dtype(dtype):
+    sums = np.arange(100, dtype=np.int32)
+    with pytest.raises(TypeError, match="uint8"):
+        sum_to_codes(sums, -30, seed=1, stream=2, out=np.zeros(100, dtype))
+
+
+@pytest.mark.parametrize("size", [92, 108])
+def test_sum_to_codes_out_wrong_size(size):
+    """A wrong-sized out must raise ValueError. The out array is a view into a larger buffer so that a kernel which
+    writes past its end (boundscheck=False) only scribbles on our own guard bytes instead of the heap."""
+    n = 100
+    sums = np.arange(1, n + 1, dtype=np.int32)
+    guard = np.full(n + 64, 0xAA, np.uint8)
+    out = guard[:size]
+    with pytest.raises(ValueError, match=str(n)):
+        sum_to_codes(sums, -30, seed=1, stream=2, out=out)
+    assert np.all(guard[size:] == 0xAA), "the kernel wrote past the end of out"
+
+
+def test_sum_to_codes_out_non_contiguous_is_written_or_rejected():
+    """A non-contiguous 2-D out (a transpose, which reshape(-1) can only copy) must either be rejected
+    (ValueError, as cnat.encode does) or really receive the codes; returning it untouched (the codes went into a
+    temporary copy) loses the result silently."""
+    sums = np.arange(1, 41, dtype=np.int32).reshape(4, 10)
+    want, _ = sum_to_codes(sums, -30, seed=1, stream=2)
+    out = np.zeros((10, 4), np.uint8).T
+    try:
+        codes, _ = sum_to_codes(sums, -30, seed=1, stream=2, out=out)
+    except ValueError:
+        return
+    assert codes is out
+    np.testing.assert_array_equal(out, want)
+
+
+def test_sum_to_codes_checks_floor():
+    for floor in (-51, 11):
+        with pytest.raises(ValueError, match="floor"):
+            sum_to_codes(np.zeros(3, np.int32), floor, seed=1, stream=1)
+
+
+# --- int32 mode ------------------------------------------------------------------------------------------------
+
+
+def np_quantize(x, scale_exponent, limit):
+    return np.clip(np.rint(x.astype(np.float64) * 2.0**scale_exponent), -limit, limit).astype(np.int32)
+
+
+def np_dequantize(sums, scale_exponent):
+    with np.errstate(over="ignore"):  # large negative scale exponents overflow float32 to +-inf, like the kernel
+        return (sums.astype(np.float64) * 2.0**-scale_exponent).astype(np.float32)
+
+
+@SETTINGS
+@given(x=f32_arrays(), scale=st.integers(-160, 160), limit=st.one_of(st.integers(0, I32_MAX),
+                                                                      st.sampled_from([I32_MAX, 2**30, 1])))
+@example(x=np.array([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3e38, -3e38, 2.0**-149], np.float32), scale=0, limit=I32_MAX)
+def test_quantize_matches_numpy(x, scale, limit):
+    out = np.full(x.size, 7, np.int32)
+    arith.quantize_int32_kernel(x, scale, limit, out)
+    np.testing.assert_array_equal(out, np_quantize(x, scale, limit))
+
+
+def test_quantize_rounds_half_to_even():
+    x = np.array([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 0.49999997, 3.5], np.float32)
+    out = np.empty(x.size, np.int32)
+    arith.quantize_int32_kernel(x, 0, I32_MAX, out)
+    assert out.tolist() == [0, 2, 2, 0, -2, -2, 0, 4]
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(0, 3000), scale=st.integers(-160, 160))
+@example(seed=0, n=10, scale=156)
+def test_dequantize_matches_numpy(seed, n, scale):
+    g = np.random.default_rng(seed)
+    sums = (g.integers(I32_MIN, I32_MAX, n, endpoint=True) >> g.integers(0, 32, n)).astype(np.int32)
+    if n:
+        sums[: min(n, 4)] = [I32_MIN, I32_MAX, 0, -1][: min(n, 4)]
+    out = np.full(n, np.nan, np.float32)
+    arith.dequantize_int32_kernel(sums, scale, out)
+    np.testing.assert_array_equal(out.view(np.uint32), np_dequantize(sums, scale).view(np.uint32))
+
+
+@SETTINGS
+@given(x=f32_arrays(), n=st.integers(1, 1000))
+def test_int32_round_trip_within_half_a_unit(x, n):
+    """q = rint(x 2**S) with S = int32_scale_exponent(E, n) and E the chunk exponent; q 2**-S is within half a unit
+    (2**-S / 2) of x, and |q| <= 2**value_bits(n) so n of them cannot overflow int32."""
+    x = x[np.abs(x) < 2.0**127]  # the int8 exponent can hold E only for |x| < 2**127 (the clamp's domain)
+    (e,) = chunk_exponents(x, max(1, x.size), INT32_RANGE) if x.size else [NO_EXP]
+    scale = int32_scale_exponent(int(e), value_bits(n))
+    q = np.empty(x.size, np.int32)
+    arith.quantize_int32_kernel(x, scale, I32_MAX, q)
+    assert np.abs(q.astype(np.int64)).max(initial=0) <= 2 ** value_bits(n)
+    back = np.empty(x.size, np.float32)
+    arith.dequantize_int32_kernel(q, scale, back)
+    err = np.abs(back.astype(np.float64) - x.astype(np.float64))
+    assert np.all(err <= 0.5 * 2.0**-scale), err.max()

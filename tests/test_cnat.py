@@ -1,0 +1,619 @@
+"""Tests of protocol.cnat: the kernels against the numpy oracle (protocol.reference) bit for bit, the code
+layout, exactness on powers of two, unbiasedness and variance of the stochastic rounding, saturation, underflow,
+non-finite input, chunking/thread invariance and out= buffers."""
+
+import math
+import re
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from protocol import cnat, reference
+from protocol.cnat import decode, decode_accumulate, encode, encode_nearest, find_invalid, validate
+
+M64 = (1 << 64) - 1
+SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FEW = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+F32_MAX = float(np.finfo(np.float32).max)
+TINY = 2.0**-149  # smallest float32 denormal
+
+# --- strategies ------------------------------------------------------------------------------------------------
+
+SEEDS = st.integers(0, M64)
+FLOORS = st.integers(cnat.E_MIN, cnat.E_MAX)
+OFFSETS = st.one_of(
+    st.sampled_from([0, 1, 4095, 4096, 2**32 - 3, 2**32 - 4096, 2**32 - 1, 2**32, 2**63 - 1, 2**64 - 20000]),
+    st.integers(2**32 - 5000, 2**32 + 10),  # straddles the 2**32 block-key boundary
+    st.integers(0, 2**64 - 20000),
+)
+FACTORS = [1.0, 1.5, 4 / 3, 1.25, 1.75, 1 + 2**-23, 2 - 2**-23, 1.5 - 2**-23, 1.5 + 2**-23, 1.5 - 2**-22]
+SPECIAL_MAGNITUDES = [
+    0.0, TINY, 2 * TINY, 1e-40, 2.0**-126, 2.0**-126 - TINY, 2.0**-50, 2.0**-51, 2.0**-50 * 0.75, 2.0**-50 * 1.5,
+    2.0**-52 * 3, 1e-20, 2.0**-21, 2.0**9, 2.0**9.5, 768.0, 1023.9, 2.0**10, 1024.0001, 2000.0, 3e38, F32_MAX,
+]
+
+
+def _f32(v: float) -> float:
+    return float(np.float32(v))
+
+
+MAGNITUDES = st.one_of(
+    st.floats(min_value=0, width=32, allow_nan=False, allow_infinity=False),  # subnormals up to 3.4e38
+    st.builds(lambda a, f: _f32(f * 2.0**a), st.integers(-60, 12), st.sampled_from(FACTORS)),  # ties, 4/3, powers
+    st.sampled_from(SPECIAL_MAGNITUDES),
+)
+SPECIALS = st.builds(lambda m, neg: -m if neg else m, MAGNITUDES, st.booleans())
+
+
+def bulk_f32(rng: np.random.Generator, n: int) -> np.ndarray:
+    """A mix of: uniform finite float32 bit patterns (every exponent, denormals, huge), log-uniform magnitudes over
+    [2**-60, 2**12], powers of two times tie/worst-case factors, and zeros; random signs."""
+    kind = rng.integers(0, 4, n)
+    pattern = rng.integers(0, 0x7F800000, n, dtype=np.uint32).view(np.float32).astype(np.float64)
+    logu = 2.0 ** rng.uniform(-60, 12, n)
+    ties = 2.0 ** rng.integers(-55, 12, n) * np.array(FACTORS)[rng.integers(0, len(FACTORS), n)]
+    x = np.select([kind == 0, kind == 1, kind == 2], [pattern, logu, ties], 0.0)
+    x = np.where(rng.random(n) < 0.5, -x, x)
+    return x.astype(np.float32)
+
+
+@st.composite
+def f32_arrays(draw, max_size=3000, min_size=0):
+    n = draw(st.integers(min_size, max_size))
+    x = bulk_f32(np.random.default_rng(draw(st.integers(0, 2**32 - 1))), n)
+    specials = draw(st.lists(SPECIALS, max_size=min(n, 24)))
+    if specials:
+        at = draw(st.lists(st.integers(0, n - 1), min_size=len(specials), max_size=len(specials)))
+        x[at] = np.array(specials, dtype=np.float32)
+    return x
+
+
+def code_of(negative: bool, e: int) -> int:
+    """bit 7 sign, bit 6 nonzero, bits 5..0 = e + 50"""
+    return (0x80 if negative else 0) | 0x40 | (e + 50)
+
+
+def same_floats(a: np.ndarray, b: np.ndarray) -> None:
+    """Bit-for-bit equality, except that any NaN matches any NaN (payloads are not specified)."""
+    assert a.dtype == b.dtype and a.shape == b.shape
+    nan_a, nan_b = np.isnan(a), np.isnan(b)
+    np.testing.assert_array_equal(nan_a, nan_b)
+    ints = np.uint32 if a.dtype == np.float32 else np.uint64
+    np.testing.assert_array_equal(a[~nan_a].view(ints), b[~nan_b].view(ints))
+
+
+def bad_index(excinfo) -> int:
+    m = re.search(r"\bindex (\d+)\b", str(excinfo.value))
+    assert m, f"message does not name the index: {excinfo.value!r}"
+    return int(m.group(1))
+
+
+# --- encode / decode against the oracle ------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(x=f32_arrays(), seed=SEEDS, stream=SEEDS, offset=OFFSETS, floor=FLOORS)
+@example(x=np.array([TINY, -1e-40, 2.0**-50, 1.5 * 2.0**-50, -0.0, 0.0, 3e38], np.float32), seed=0, stream=0,
+         offset=2**32 - 3, floor=-50)
+def test_encode_matches_reference(x, seed, stream, offset, floor):
+    got = encode(x, seed=seed, stream=stream, offset=offset, floor=floor)
+    codes, saturated = reference.encode(x, seed=seed, stream=stream, offset=offset, floor=floor)
+    np.testing.assert_array_equal(got.codes, codes)
+    assert got.codes.dtype == np.uint8 and got.codes.shape == x.shape
+    assert got.saturated == saturated == int((np.abs(x) > 2.0**10).sum())
+
+
+@SETTINGS
+@given(x=f32_arrays(), floor=FLOORS)
+@example(x=np.array([1.5, -1.5, 1.49, 1.5 - 2**-23, 768.0, 2.0**-51, 0.49 * 2.0**-50], np.float32), floor=-50)
+def test_encode_nearest_matches_reference(x, floor):
+    got = encode_nearest(x, floor=floor)
+    codes, saturated = reference.encode(x, seed=None, floor=floor)
+    np.testing.assert_array_equal(got.codes, codes)
+    assert got.saturated == saturated == int((np.abs(x) > 2.0**10).sum())
+
+
+def test_decode_all_256_codes():
+    codes = np.arange(256, dtype=np.uint8)
+    got = decode(codes)
+    want = reference.decode(codes)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))  # NaNs too: both are the quiet NaN
+    assert np.isnan(got).sum() == 256 - 1 - 2 * 61  # zero plus 61 exponents of each sign are valid
+    np.testing.assert_array_equal(np.isnan(got), ~np.array([reference.is_valid(c) for c in range(256)]))
+    assert cnat.DECODE_TABLE.view(np.uint32).tolist() == want.view(np.uint32).tolist()
+
+
+@SETTINGS
+@given(codes=st.lists(st.integers(0, 255), max_size=3000), shape2=st.booleans())
+def test_decode_matches_reference(codes, shape2):
+    c = np.array(codes, dtype=np.uint8)
+    if shape2 and c.size % 2 == 0:
+        c = c.reshape(2, -1)
+    got = decode(c)
+    assert got.shape == c.shape
+    same_floats(got.reshape(-1), reference.decode(c))
+
+
+@SETTINGS
+@given(codes=st.lists(st.integers(0, 255), max_size=3000), acc_seed=st.integers(0, 2**32 - 1),
+       dtype=st.sampled_from([np.float32, np.float64]))
+def test_decode_accumulate_matches_reference(codes, acc_seed, dtype):
+    c = np.array(codes, dtype=np.uint8)
+    acc = bulk_f32(np.random.default_rng(acc_seed), c.size).astype(dtype)
+    acc[np.abs(acc) > 1e30] = 0  # keep clear of inf + (-inf)
+    want = acc + reference.decode(c).astype(dtype)  # the sum in the accumulator's dtype
+    got = decode_accumulate(c, acc)
+    assert got is acc
+    same_floats(acc, want)
+
+
+def test_decode_accumulate_exact_small_case():
+    acc32 = np.array([1.0, 1.0, 0.5, -3.0], np.float32)
+    acc64 = acc32.astype(np.float64) + 2.0**-40  # not representable in float32
+    codes = np.array([0x72, 0xF2, 0x00, 0x40], np.uint8)  # +1, -1, 0, 2**-50
+    decode_accumulate(codes, acc32)
+    decode_accumulate(codes, acc64)
+    assert acc32.tolist() == [2.0, 0.0, 0.5, np.float32(-3.0 + 2.0**-50)]
+    assert acc64.tolist() == [2.0 + 2.0**-40, 2.0**-40, 0.5 + 2.0**-40, -3.0 + 2.0**-40 + 2.0**-50]
+
+
+def test_find_invalid_and_validate_on_every_code():
+    for c in range(256):
+        a = np.array([0, 0x72, c, 0x40, c], np.uint8)
+        expected = -1 if reference.is_valid(c) else 2
+        assert find_invalid(a) == expected, hex(c)
+        if expected < 0:
+            validate(a)
+        else:
+            with pytest.raises(ValueError, match=f"0x{c:02x}") as excinfo:
+                validate(a)
+            assert bad_index(excinfo) == 2
+
+
+@SETTINGS
+@given(codes=st.lists(st.integers(0, 255), max_size=3000),
+       valid=st.lists(st.sampled_from([0] + [code_of(s, e) for s in (0, 1) for e in range(-50, 11)]), max_size=3000))
+def test_find_invalid_is_the_first_invalid_index(codes, valid):
+    c = np.array(valid + codes, dtype=np.uint8)
+    invalid = [i for i, v in enumerate(c.tolist()) if not reference.is_valid(v)]
+    assert find_invalid(c) == (invalid[0] if invalid else -1)
+    if invalid:
+        with pytest.raises(ValueError) as excinfo:
+            validate(c)
+        assert bad_index(excinfo) == invalid[0]
+    else:
+        validate(c)
+
+
+def test_find_invalid_2d_and_empty():
+    assert find_invalid(np.zeros((0,), np.uint8)) == -1
+    c = np.full((3, 4), 0x72, np.uint8)
+    c[2, 1] = 0x80
+    c[2, 3] = 0x7F
+    assert find_invalid(c) == 9
+
+
+# --- code layout and exactness ---------------------------------------------------------------------------------
+
+# (value, code) written out by hand from the layout: bit7 sign, bit6 nonzero, bits5..0 = e + 50.
+HAND_CODES = [
+    (0.0, 0x00),
+    (1.0, 0x72),  # e=0: 0x40 | 50 = 0x40 | 0x32
+    (-1.0, 0xF2),
+    (2.0, 0x73),
+    (0.5, 0x71),
+    (-0.125, 0xEF),  # e=-3: 0x80 | 0x40 | 47
+    (2.0**10, 0x7C),  # e=10: k=60
+    (-(2.0**10), 0xFC),
+    (2.0**-50, 0x40),  # e=-50: k=0
+    (-(2.0**-50), 0xC0),
+    (2.0**-20, 0x5E),  # k=30
+]
+
+
+@pytest.mark.parametrize("value, code", HAND_CODES)
+def test_hand_computed_codes(value, code):
+    x = np.array([value] * 5, np.float32)
+    assert encode(x, seed=3, stream=4).codes.tolist() == [code] * 5
+    assert encode_nearest(x).codes.tolist() == [code] * 5
+    assert decode(np.array([code], np.uint8)).tolist() == [value]
+
+
+@pytest.mark.parametrize("code", [0x80, 0x01, 0x3F, 0x7D, 0x7E, 0x7F, 0xBD, 0xFD, 0xFF, 0x3C])
+def test_hand_invalid_codes(code):
+    # 0x80 is "negative zero"; 0x01, 0x3F, 0x3C have the nonzero flag clear; 0x7D..0x7F and 0xFD, 0xFF have k > 60
+    assert np.isnan(decode(np.array([code], np.uint8))[0])
+    assert find_invalid(np.array([0x72, code], np.uint8)) == 1
+
+
+def test_powers_of_two_round_trip_exactly():
+    powers = np.array([2.0**e for e in range(-50, 11)], np.float32)
+    x = np.concatenate([powers, -powers])
+    want = np.array([code_of(False, e) for e in range(-50, 11)] + [code_of(True, e) for e in range(-50, 11)], np.uint8)
+    for seed, stream, offset in [(0, 0, 0), (1, 2, 2**32 - 5), (M64, M64, 12345)]:
+        np.testing.assert_array_equal(encode(x, seed=seed, stream=stream, offset=offset).codes, want)
+    enc = encode_nearest(x)
+    np.testing.assert_array_equal(enc.codes, want)
+    assert enc.saturated == 0
+    np.testing.assert_array_equal(decode(want), x)
+    # every valid code decodes to a value that encodes back to the same code, under any floor at or below it
+    for floor in (-50, -20, 0):
+        keep = np.abs(x) >= 2.0**floor
+        np.testing.assert_array_equal(encode(x[keep], seed=5, stream=6, floor=floor).codes, want[keep])
+        np.testing.assert_array_equal(encode_nearest(x[keep], floor=floor).codes, want[keep])
+
+
+def test_nearest_rounding_hand_cases():
+    x = np.array([1.49, 1.5, -1.5, np.float32(1.5) - np.float32(2**-23), 3.0, 0.75, 1.5 * 2.0**-50, 768.0,
+                  2.0**9.5], np.float32)
+    got = encode_nearest(x)
+    want = [code_of(False, 0), code_of(False, 1), code_of(True, 1), code_of(False, 0), code_of(False, 2),
+            code_of(False, 0), code_of(False, -49), code_of(False, 10), code_of(False, 9)]
+    assert got.codes.tolist() == want
+    assert got.saturated == 0  # 768 rounds to 2**10 exactly: representable, not saturated
+
+
+# --- unbiasedness ----------------------------------------------------------------------------------------------
+
+
+def bernoulli_pair(x: float, floor: int) -> tuple[float, float, float, bool]:
+    """(lo, hi, p, underflow): C_nat at x is hi with probability p, else lo (magnitudes; signs follow x)."""
+    ax = abs(x)
+    if ax < 2.0**floor:
+        return 0.0, 2.0**floor, ax / 2.0**floor, True
+    a = math.frexp(ax)[1] - 1  # 2**a <= ax < 2**(a+1)
+    return 2.0**a, 2.0 ** (a + 1), ax / 2.0**a - 1, False
+
+
+UNBIASED_CASES = [
+    # generic values
+    (0.3, -50), (-0.7, -50), (1.1, -50), (3.0, -50), (4 / 3, -50), (-1000.0, -50), (1e-3, -50), (5.5e-12, -50),
+    (1.25 * 2.0**-49, -50), (600.0, -50), (-2.0**9.5, -50),
+    # below 2**-50 (underflow of plain C_nat)
+    (2.0**-52, -50), (-3 * 2.0**-53, -50), (0.999 * 2.0**-50, -50), (1e-20, -50),
+    # below a raised floor
+    (2.0**-21, -20), (-0.3 * 2.0**-20, -20), (7e-7, -20), (0.3, 0), (-0.01, 3), (100.0, 10),
+    # above a raised floor
+    (0.3, -20), (-5.0, 0),
+    # denormals: P(up) is exact only to 2**-32, so the mean is x to within 2**(floor - 32)
+    (1e-40, -50), (-TINY, -50), (1e-39, -20),
+]
+
+
+@pytest.mark.parametrize("x, floor", UNBIASED_CASES)
+def test_encode_is_unbiased(x, floor):
+    """Mean of N = 2**20 encodings of one x (one stream, many indices) is x within 5 standard errors.
+
+    C_nat at x is a two-point variable: hi with probability p, lo otherwise, so Var = (hi - lo)**2 p (1 - p).
+    For 2**a <= |x| < 2**(a+1), x = 2**a (1 + t): lo = 2**a, hi = 2**(a+1), p = t, Var = 4**a t (1 - t).
+    For |x| < 2**floor: lo = 0, hi = 2**floor, p = |x| / 2**floor, Var = 4**floor p (1 - p).
+    The standard error of the mean is sqrt(Var / N). Below the floor the kernel's probability is exact only to
+    within 2**-32 (cnat docstring), so there the mean is allowed an extra 2**(floor - 32)."""
+    x = _f32(x)
+    n = 1 << 20
+    codes = encode(np.full(n, x, np.float32), seed=77, stream=floor + 1000, offset=2**32 - n // 3, floor=floor).codes
+    values = decode(codes).astype(np.float64)
+    lo, hi, p, underflow = bernoulli_pair(x, floor)
+    assert set(np.abs(values).tolist()) <= {lo, hi}
+    assert np.all((values == 0) | (np.sign(values) == np.sign(x)))
+    se = math.sqrt((hi - lo) ** 2 * p * (1 - p) / n)
+    tol = 5 * se + (2.0 ** (floor - 32) if underflow else 0.0)
+    assert abs(values.mean() - x) <= tol, (values.mean(), x, tol)
+
+
+@pytest.mark.parametrize("x", [0.3, -2.5, 3 * 2.0**-52, 1e-40])
+def test_encode_is_unbiased_across_streams(x):
+    """Mean over 1024 streams x 1024 indices (the same element index in different ranks' streams); same bound."""
+    x = _f32(x)
+    v = np.full(1024, x, np.float32)
+    codes = np.concatenate([encode(v, seed=5, stream=s, offset=2**32 - 512).codes for s in range(1024)])
+    values = decode(codes).astype(np.float64)
+    lo, hi, p, underflow = bernoulli_pair(x, -50)
+    se = math.sqrt((hi - lo) ** 2 * p * (1 - p) / values.size)
+    assert abs(values.mean() - x) <= 5 * se + (2.0**-82 if underflow else 0.0)
+
+
+def test_underflow_probability_resolution_matches_docstring():
+    """For a denormal, |x| * 2**(32 - floor) < 1, so it rounds up only where the word r == 0: P = 2**-32 exactly,
+    and |2**floor * 2**-32 - x| <= 2**(floor - 32) as documented. Check the codes follow r == 0 exactly."""
+    from protocol.rng import random_bits
+
+    n = 1 << 16
+    x = np.full(n, 1e-40, np.float32)
+    r = random_bits(1, 2, 0, n)
+    codes = encode(x, seed=1, stream=2, floor=-50).codes
+    np.testing.assert_array_equal(codes, np.where(r == 0, 0x40, 0).astype(np.uint8))
+
+
+# --- variance --------------------------------------------------------------------------------------------------
+
+
+def second_moment_ratio(t):
+    """E[C(x)**2] / x**2 for x = 2**a (1 + t): (4**a (1 - t) + 4**(a+1) t) / (4**a (1 + t)**2) = (1+3t)/(1+t)**2."""
+    return (1 + 3 * t) / (1 + t) ** 2
+
+
+def test_second_moment_formula_bounded_by_9_8():
+    t = np.linspace(0, 1, 100001)
+    r = second_moment_ratio(t)
+    assert r.max() <= 9 / 8 + 1e-15
+    assert abs(r.max() - 9 / 8) < 1e-9 and abs(t[r.argmax()] - 1 / 3) < 1e-4
+    assert second_moment_ratio(1 / 3) == pytest.approx(9 / 8, rel=1e-15)
+    assert second_moment_ratio(0.0) == 1.0 and second_moment_ratio(1.0) == 1.0
+
+
+@pytest.mark.parametrize("a", [-49, -3, 0, 7])
+def test_worst_case_second_moment(a):
+    """x = 4/3 * 2**a (t = 1/3 up to float32 rounding). C**2/x**2 is 9/16 * 4**(C==hi) ... a two-point variable
+    with values 1/(1+t)**2 and 4/(1+t)**2, so its standard deviation is 3/(1+t)**2 sqrt(t(1-t)) ~ 0.80; the mean
+    over N = 2**20 encodings must be the exact ratio within 5 standard errors, hence also <= 9/8 + 5 se."""
+    x = _f32(4 / 3 * 2.0**a)
+    n = 1 << 20
+    c = decode(encode(np.full(n, x, np.float32), seed=a + 100, stream=9).codes).astype(np.float64)
+    t = x / 2.0**a - 1
+    measured = float((c * c).mean() / (x * x))
+    se = 3 / (1 + t) ** 2 * math.sqrt(t * (1 - t)) / math.sqrt(n)
+    assert abs(measured - second_moment_ratio(t)) <= 5 * se, (measured, second_moment_ratio(t), se)
+    assert measured <= 9 / 8 + 5 * se
+
+
+def test_gaussian_vector_second_moment():
+    """sum C(x_i)**2 / sum x_i**2 over a 2**20-element Gaussian vector equals its exact expectation
+    sum x_i**2 (1+3t_i)/(1+t_i)**2 / sum x_i**2 within 5 standard deviations of the estimator. C(x_i)**2 takes the
+    values 4**a_i and 4**(a_i+1) with probability 1-t_i, t_i, so Var(C(x_i)**2) = 9 * 16**a_i t_i (1 - t_i) and the
+    estimator's sd is sqrt(sum 9 * 16**a_i t_i (1 - t_i)) / sum x_i**2 (about 0.05% here)."""
+    g = np.random.default_rng(2024)
+    x = (g.standard_normal(1 << 20) * 0.01).astype(np.float32)
+    c = decode(encode(x, seed=8, stream=8).codes).astype(np.float64)
+    xd = x.astype(np.float64)
+    assert np.abs(xd).min() > 2.0**-50 and np.abs(xd).max() < 2.0**10  # no underflow or saturation here
+    a = np.frexp(np.abs(xd))[1] - 1
+    lo = np.ldexp(1.0, a)
+    t = np.abs(xd) / lo - 1
+    sx2 = (xd * xd).sum()
+    expected = (xd * xd * second_moment_ratio(t)).sum() / sx2
+    sd = math.sqrt((9 * lo**4 * t * (1 - t)).sum()) / sx2
+    measured = (c * c).sum() / sx2
+    assert abs(measured - expected) <= 5 * sd, (measured, expected, sd)
+    assert expected <= 9 / 8 and measured <= 9 / 8 + 5 * sd
+    assert measured > 1.0  # the variance is not zero: it really is stochastic
+
+
+# --- saturation, underflow, zeros, non-finite ------------------------------------------------------------------
+
+
+def test_saturation_is_counted_only_above_2_10():
+    above = [float(np.nextafter(np.float32(1024), np.float32(np.inf))), 2000.0, -3e38, F32_MAX, -1025.0]
+    not_above = [1024.0, -1024.0, 1023.9, 2.0**9.5, 768.0, -1000.0, 0.0]
+    x = np.array(above + not_above, np.float32)
+    for seed in range(20):
+        got = encode(x, seed=seed, stream=1)
+        assert got.saturated == len(above)
+        assert got.codes[: len(above)].tolist() == [0x7C, 0x7C, 0xFC, 0x7C, 0xFC]
+        assert got.codes[len(above) : len(above) + 2].tolist() == [0x7C, 0xFC]
+    got = encode_nearest(x)
+    assert got.saturated == len(above)
+    assert got.codes[: len(above) + 2].tolist() == [0x7C, 0x7C, 0xFC, 0x7C, 0xFC, 0x7C, 0xFC]
+
+
+def test_2_9_5_may_round_to_2_10_without_counting():
+    x = np.full(4096, 2.0**9.5, np.float32)
+    got = encode(x, seed=1, stream=1)
+    assert got.saturated == 0
+    assert set(got.codes.tolist()) == {code_of(False, 9), code_of(False, 10)}  # both occur: p(up) ~ 0.41
+    big = np.full(5000, 3e38, np.float32)  # a whole block of saturated values, counted across blocks
+    assert encode(big, seed=1, stream=1, offset=100).saturated == 5000
+
+
+@SETTINGS
+@given(floor=FLOORS, seed=SEEDS, data=st.data())
+def test_underflow_gives_zero_or_the_floor(floor, seed, data):
+    fractions = data.draw(st.lists(st.floats(0, 1, exclude_max=True), min_size=1, max_size=200))
+    mags = np.array([f * 2.0**floor for f in fractions] + [TINY, 1e-40, 2.0**-126], np.float32)
+    mags = mags[np.abs(mags) < 2.0**floor]
+    x = np.concatenate([mags, -mags])
+    got = encode(x, seed=seed, stream=0, floor=floor)
+    allowed_pos, allowed_neg = {0, code_of(False, floor)}, {0, code_of(True, floor)}
+    assert set(got.codes[: mags.size].tolist()) <= allowed_pos
+    assert set(got.codes[mags.size :].tolist()) <= allowed_neg
+    assert got.saturated == 0
+    near = encode_nearest(x, floor=floor).codes
+    want = np.where(np.abs(x) >= 2.0 ** (floor - 1), np.where(x < 0, code_of(True, floor), code_of(False, floor)), 0)
+    np.testing.assert_array_equal(near, want.astype(np.uint8))
+
+
+@pytest.mark.parametrize("floor", [-50, -20, 0, 10])
+def test_zeros_encode_to_0x00(floor):
+    x = np.array([0.0, -0.0] * 3000, np.float32)
+    for seed in (0, 1, M64):
+        got = encode(x, seed=seed, stream=seed, offset=2**32 - 100, floor=floor)
+        assert not got.codes.any() and got.saturated == 0
+    assert not encode_nearest(x, floor=floor).codes.any()
+
+
+def test_denormals_are_encoded():
+    x = np.array([TINY, -TINY, 1e-40, -1e-39, 2.0**-126 - TINY], np.float32)
+    assert np.all(np.abs(x) < 2.0**-126) and np.all(x != 0)
+    # deterministic: all below 2**-51, so 0 under floor -50
+    assert encode_nearest(x).codes.tolist() == [0] * 5
+    got = encode(np.tile(x, 1000), seed=1, stream=1)
+    assert set(got.codes.tolist()) <= {0, 0x40, 0xC0}
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, -np.nan, "snan"])
+@pytest.mark.parametrize("n, at", [(1, 0), (10, 7), (10000, 4095), (10000, 4096), (10000, 9999)])
+@pytest.mark.parametrize("stochastic", [True, False])
+def test_non_finite_raises_naming_first_index(bad, n, at, stochastic):
+    x = np.linspace(-2000, 2000, n).astype(np.float32)  # includes saturating values, before and after
+    x[: min(n, 3)] = 1e-30  # and underflowing ones
+    xb = x.view(np.uint32)
+    if bad == "snan":
+        xb[at] = 0x7F800001
+    else:
+        x[at] = bad
+    if at + 5 < n:
+        x[at + 5] = np.nan  # a later bad value is not the one reported
+    with pytest.raises(ValueError) as excinfo:
+        if stochastic:
+            encode(x, seed=1, stream=2, offset=123)
+        else:
+            encode_nearest(x)
+    assert bad_index(excinfo) == at
+
+
+# --- chunking, threads ------------------------------------------------------------------------------------------
+
+
+@FEW
+@given(seed=SEEDS, stream=SEEDS, offset=OFFSETS, floor=FLOORS, data=st.data())
+@example(seed=1, stream=2, offset=2**32 - 3, floor=-50, data=None)
+def test_chunking_invariance(seed, stream, offset, floor, data):
+    n = 12000 if data is None else data.draw(st.integers(0, 12000))
+    x = bulk_f32(np.random.default_rng(seed % 2**32), n)
+    whole = encode(x, seed=seed, stream=stream, offset=offset, floor=floor)
+    if data is None:
+        cuts = [3, 4093, 4099, 5000, 11999]
+    else:
+        cuts = sorted(set(data.draw(st.lists(st.integers(0, n), max_size=12))))
+    bounds = list(zip([0, *cuts], [*cuts, n]))
+    order = np.random.default_rng(seed % 7).permutation(len(bounds))
+    out = np.full(n, 0xAA, np.uint8)
+    saturated = 0
+    for i in order:
+        a, b = bounds[i]
+        sl = out[a:b]
+        got = encode(x[a:b], seed=seed, stream=stream, offset=offset + a, floor=floor, out=sl)
+        assert got.codes is sl
+        saturated += got.saturated
+    np.testing.assert_array_equal(out, whole.codes)
+    assert saturated == whole.saturated
+    # separate calls without out= too
+    pieces = {i: encode(x[a:b], seed=seed, stream=stream, offset=offset + a, floor=floor).codes
+              for i, (a, b) in enumerate(bounds)}
+    np.testing.assert_array_equal(np.concatenate([pieces[i] for i in range(len(bounds))] or [out[:0]]), whole.codes)
+    # nearest is offset-free: chunks equal the whole
+    near = encode_nearest(x, floor=floor).codes
+    np.testing.assert_array_equal(np.concatenate([encode_nearest(x[a:b], floor=floor).codes for a, b in bounds]),
+                                  near)
+
+
+def test_two_threads_concurrently():
+    """Two threads (the kernels release the GIL) each encode half of a 4M vector in uneven chunks into slices of
+    one out buffer, starting together; the result equals one call."""
+    n = 1 << 22
+    x = bulk_f32(np.random.default_rng(5), n)
+    seed, stream, offset = 123, 456, 2**32 - n // 2
+    whole = encode(x, seed=seed, stream=stream, offset=offset)
+    out = np.zeros(n, np.uint8)
+    counts = [0, 0]
+    barrier = threading.Barrier(2)
+    errors = []
+
+    def work(k, lo, hi):
+        try:
+            barrier.wait()
+            cuts = np.linspace(lo, hi, 8).astype(int) + np.array([0, 17, 4097, 3, 99, 12345, 1, 0])
+            cuts[-1] = hi
+            for a, b in zip(cuts[:-1], cuts[1:]):
+                counts[k] += encode(x[a:b], seed=seed, stream=stream, offset=offset + int(a), out=out[a:b]).saturated
+        except Exception as e:  # noqa: BLE001 - re-raised in the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(0, 0, n // 2)), threading.Thread(target=work, args=(1, n // 2, n))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    np.testing.assert_array_equal(out, whole.codes)
+    assert sum(counts) == whole.saturated > 0
+
+
+# --- out= buffers and argument checks ------------------------------------------------------------------------------
+
+
+def test_encode_out_is_used_in_place():
+    x = bulk_f32(np.random.default_rng(1), 1000)
+    want = encode(x, seed=1, stream=2).codes
+    out = np.zeros(1000, np.uint8)
+    got = encode(x, seed=1, stream=2, out=out)
+    assert got.codes is out and np.shares_memory(got.codes, out)
+    np.testing.assert_array_equal(out, want)
+    out2 = np.zeros(1000, np.uint8)
+    assert encode_nearest(x, out=out2).codes is out2
+    np.testing.assert_array_equal(out2, encode_nearest(x).codes)
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.float32, np.uint16])
+def test_encode_out_wrong_dtype(dtype):
+    x = np.ones(10, np.float32)
+    with pytest.raises(TypeError, match="out.*uint8"):
+        encode(x, seed=1, stream=1, out=np.zeros(10, dtype))
+    with pytest.raises(TypeError, match="out.*uint8"):
+        encode_nearest(x, out=np.zeros(10, dtype))
+
+
+@pytest.mark.parametrize("size", [0, 9, 11])
+def test_encode_out_wrong_size(size):
+    x = np.ones(10, np.float32)
+    with pytest.raises(ValueError, match=f"out has {size} elements, needs 10"):
+        encode(x, seed=1, stream=1, out=np.zeros(size, np.uint8))
+
+
+def test_encode_argument_checks():
+    x = np.ones(10, np.float32)
+    with pytest.raises(ValueError, match="contiguous"):
+        encode(x, seed=1, stream=1, out=np.zeros(20, np.uint8)[::2])
+    with pytest.raises(ValueError, match="contiguous"):
+        encode(np.ones(20, np.float32)[::2], seed=1, stream=1)
+    with pytest.raises(TypeError, match="float32"):
+        encode(np.ones(10, np.float64), seed=1, stream=1)
+    with pytest.raises(TypeError, match="float32"):
+        encode_nearest([1.0, 2.0])
+    for floor in (-51, 11):
+        with pytest.raises(ValueError, match="floor"):
+            encode(x, seed=1, stream=1, floor=floor)
+    with pytest.raises(ValueError, match="offset"):
+        encode(x, seed=1, stream=1, offset=-1)
+    with pytest.raises(ValueError, match="seed"):
+        encode(x, seed=-1, stream=1)
+
+
+def test_encode_keeps_shape():
+    x = bulk_f32(np.random.default_rng(2), 24).reshape(2, 3, 4)
+    got = encode(x, seed=1, stream=1)
+    assert got.codes.shape == (2, 3, 4)
+    np.testing.assert_array_equal(got.codes.reshape(-1), encode(x.reshape(-1), seed=1, stream=1).codes)
+
+
+def test_decode_out_is_used_in_place_and_checked():
+    codes = np.arange(256, dtype=np.uint8)
+    out = np.zeros(256, np.float32)
+    got = decode(codes, out=out)
+    assert got is out
+    same_floats(out, reference.decode(codes))
+    with pytest.raises(TypeError, match="out.*float32"):
+        decode(codes, out=np.zeros(256, np.float64))
+    with pytest.raises(ValueError, match="out has 255 elements, needs 256"):
+        decode(codes, out=np.zeros(255, np.float32))
+    with pytest.raises(TypeError, match="codes.*uint8"):
+        decode(codes.astype(np.int16))
+
+
+def test_decode_accumulate_checks():
+    codes = np.array([0x72, 0x40], np.uint8)
+    with pytest.raises(TypeError, match="float32 or float64"):
+        decode_accumulate(codes, np.zeros(2, np.int32))
+    with pytest.raises(TypeError, match="float32 or float64"):
+        decode_accumulate(codes, [0.0, 0.0])
+    with pytest.raises(ValueError, match="acc has 3 elements, needs 2"):
+        decode_accumulate(codes, np.zeros(3, np.float32))
+    with pytest.raises(TypeError, match="codes.*uint8"):
+        decode_accumulate(codes.astype(np.int32), np.zeros(2, np.float32))
+    acc = np.zeros((1, 2), np.float64)
+    assert decode_accumulate(codes, acc) is acc and acc.tolist() == [[1.0, 2.0**-50]]
