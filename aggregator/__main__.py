@@ -8,7 +8,6 @@ Core i listens on port + i and owns slots s with s % cores == i. Once every sock
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing
 import os
 import random
@@ -16,6 +15,7 @@ import signal
 import socket
 import sys
 
+from protocol.cli import OneLineParser, positive
 from protocol.wire import DEFAULT_PORT, Codec, max_packet_elements
 
 MAX_ELEMENTS_LIMIT = max_packet_elements(Codec.CNAT8)  # jobs are further limited by their codec at join
@@ -41,33 +41,20 @@ def _bind(host: str, port: int, cores: int) -> list[socket.socket]:
     raise SystemExit(f"intml-aggregator: found no {cores} free consecutive ports on {host}; pass --port")
 
 
-def _positive(kind: type):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return value
-
-    return parse
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="intml-aggregator", description="Switch-emulating C_nat aggregator.")
+def build_parser() -> OneLineParser:
+    p = OneLineParser(prog="intml-aggregator", description="Switch-emulating C_nat aggregator.")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"first UDP port (default {DEFAULT_PORT}; 0 = any)")
-    p.add_argument("--cores", type=_positive(int), default=1, help="data-plane processes, one port each (default 1)")
-    p.add_argument("--slots", type=_positive(int), default=512,
+    p.add_argument("--cores", type=positive(int), default=1, help="data-plane processes, one port each (default 1)")
+    p.add_argument("--slots", type=positive(int), default=512,
                    help="slot rows per core, shared by jobs; memory is 10 bytes x slots x max packet elements "
                         "(default 512)")
-    p.add_argument("--max-packet-elements", type=_positive(int), default=8192,
+    p.add_argument("--max-packet-elements", type=positive(int), default=8192,
                    help=f"largest packet a job may use (default 8192, at most {MAX_ELEMENTS_LIMIT})")
-    p.add_argument("--idle-timeout", type=_positive(float), default=30.0,
+    p.add_argument("--idle-timeout", type=positive(float), default=30.0,
                    help="seconds without traffic before a job is torn down (default 30)")
     p.add_argument("--stats-interval", type=float, default=0.0, help="print statistics every N seconds (0 = never)")
-    p.add_argument("--burst", type=_positive(int), default=256, help="datagrams per recvmmsg/sendmmsg (default 256)")
+    p.add_argument("--burst", type=positive(int), default=256, help="datagrams per recvmmsg/sendmmsg (default 256)")
     return p
 
 

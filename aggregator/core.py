@@ -26,9 +26,11 @@ from aggregator.slots import MAX_WORLD, STAT_NAMES, N_STATS, Jobs, Table, new_jo
 from burstio.mmsg import addr_of
 from protocol import wire
 from protocol.arith import value_bits
+from protocol.packet import HDR
 from protocol.wire import Codec, MsgType
 
 ALL_JOBS = 0xFFFFFFFF
+MAX_PENDING_LISTED = 32  # keeps a STATS_REPLY well inside one datagram
 
 
 @dataclass
@@ -221,10 +223,11 @@ class AggregatorCore:
             members = {r: "%s:%d" % addr_of(int(a)) for r, a in enumerate(self.jobs.members[j, :n]) if a}
             rows = slice(info.rows.start, info.rows.stop)
             counts, bitmaps = self.table.count[rows], self.table.bitmap[rows]
+            waiting = np.nonzero((counts > 0) & (counts < n))
             pending = [
                 {"slot": int(r) * self.cores + self.core, "shadow": int(x),
                  "missing_ranks": [k for k in range(n) if not int(bitmaps[r, x]) >> k & 1]}
-                for r, x in zip(*np.nonzero((counts > 0) & (counts < n)))
+                for r, x in list(zip(*waiting))[:MAX_PENDING_LISTED]
             ]
             jobs[str(jid)] = {
                 "params": {k: v for k, v in info.params.items() if k != "token"},
@@ -232,13 +235,20 @@ class AggregatorCore:
                 "silent_s": {r: round(now - float(self.jobs.last_seen[j, r]), 3) for r in members},
                 "left": sorted(info.left),
                 "pending": pending,
+                "pending_total": int(waiting[0].size),
                 "counters": dict(zip(STAT_NAMES, self.jobs.stats[j].tolist())),
             }
         return {"core": self.core, "cores": self.cores, "jobs": jobs,
                 "core_counters": dict(zip(STAT_NAMES, self.jobs.core_stats.tolist()))}
 
     def _stats_reply(self, job_id: int, now: float) -> bytes:
-        body = json.dumps(self.stats(now, job_id)).encode()
+        stats = self.stats(now, job_id)
+        body = json.dumps(stats).encode()
+        if HDR + len(body) > wire.MAX_DATAGRAM:  # many jobs: keep the counters, drop the per-rank detail
+            for job in stats["jobs"].values():
+                job.pop("members"), job.pop("silent_s"), job.pop("pending")
+            stats["truncated"] = True
+            body = json.dumps(stats).encode()[: wire.MAX_DATAGRAM - HDR]
         return wire.pack(_reply_header(job_id, MsgType.STATS_REPLY), body)
 
 

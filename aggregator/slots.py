@@ -264,6 +264,7 @@ def process_burst(rx_data, rx_len, rx_addr, start, n_rx, now, core, cores, job_a
         if jobs.members[j, rank] != rx_addr[i - 1]:
             st[DROP_UNREGISTERED] += 1
             continue
+        jobs.last_seen[j, rank] = now  # any packet of a member, retransmissions too, keeps the job alive
         slot = get_u16(p, O_SLOT)
         if slot >= jobs.pool[j] or slot % cores != core:
             st[DROP_SLOT] += 1
@@ -336,7 +337,6 @@ def process_burst(rx_data, rx_len, rx_addr, start, n_rx, now, core, cores, job_a
             _int32_add(p, acc, count, first)
         table.bitmap[row, x] |= bit
         table.count[row, x] += 1
-        jobs.last_seen[j, rank] = now
         st[CONTRIBUTIONS] += 1
         if table.count[row, x] == n:
             if codec == Codec.CNAT8 and count > 0:

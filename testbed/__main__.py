@@ -5,33 +5,29 @@ from __future__ import annotations
 import argparse
 import sys
 
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
+from protocol.cli import OneLineParser, positive
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="intml-testbed", description=__doc__)
+    parser = OneLineParser(prog="intml-testbed", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     bench = commands.add_parser("bench", help="run a benchmark and print its figures").add_subparsers(
         dest="bench", required=True
     )
     codec = bench.add_parser("codec", help="C_nat kernels vs a memory copy, one thread")
-    codec.add_argument("--elements", type=_positive, default=1 << 25, help="array length (default 2**25)")
-    codec.add_argument("--repeats", type=_positive, default=11, help="timed runs; the median is reported")
+    codec.add_argument("--elements", type=positive(), default=1 << 25, help="array length (default 2**25)")
+    codec.add_argument("--repeats", type=positive(), default=11, help="timed runs; the median is reported")
     codec.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     ar = bench.add_parser("allreduce", help="intml vs Gloo's ring allreduce on loopback")
-    ar.add_argument("--workers", type=_positive, default=4)
-    ar.add_argument("--elements", type=_positive, default=25_000_000)
+    ar.add_argument("--workers", type=positive(), default=4)
+    ar.add_argument("--elements", type=positive(), default=25_000_000)
     ar.add_argument("--codec", choices=("cnat8", "int32"), default="cnat8")
-    ar.add_argument("--packet-elements", type=_positive, default=8192, help="elements per packet (default 8192)")
-    ar.add_argument("--pool", type=_positive, default=64, help="slots in the job's pool (default 64)")
-    ar.add_argument("--cores", type=_positive, default=1, help="aggregator data-plane processes (default 1)")
+    ar.add_argument("--packet-elements", type=positive(), default=16384,
+                    help="elements per packet (default 16384: loopback carries 64 KiB datagrams)")
+    ar.add_argument("--pool", type=positive(), default=64, help="slots in the job's pool (default 64)")
+    ar.add_argument("--cores", type=positive(), default=1, help="aggregator data-plane processes (default 1)")
     ar.add_argument("--warmup", type=int, default=2)
-    ar.add_argument("--rounds", type=_positive, default=5)
+    ar.add_argument("--rounds", type=positive(), default=5)
     ar.add_argument("--no-gloo", action="store_true", help="skip the Gloo anchor")
     ar.add_argument("--json", action="store_true")
     commands.add_parser("demo", help="what `make demo` runs")
@@ -50,9 +46,11 @@ def main(argv: list[str] | None = None) -> int:
         bench_allreduce.run(args.workers, args.elements, args.codec, args.packet_elements, args.pool, args.cores,
                             args.warmup, args.rounds, not args.no_gloo, args.json)
     elif args.command == "demo":
-        from testbed import bench_codec
+        from testbed import bench_allreduce, bench_codec
 
-        bench_codec.run(1 << 25, 11, False)
+        bench_codec.run(1 << 24, 7, False)
+        print()
+        bench_allreduce.run(4, 25_000_000, "cnat8", 16384, 64, 1, 2, 3, True, False)
     return 0
 
 

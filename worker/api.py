@@ -74,8 +74,8 @@ class Worker:
                                  codec=int(self.codec), cores=0, seed=seed, token=token_hash(token))
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         sock.bind(("0.0.0.0", 0))
-        max_packet = HDR + packet_elements * self.codec.bytes_per_element
-        self.io = BurstSocket(sock, burst=max(burst, pool_size), max_packet=max(max_packet, 1024))
+        # room for any datagram: a statistics reply can be longer than a data packet
+        self.io = BurstSocket(sock, burst=max(burst, pool_size), max_packet=wire.MAX_DATAGRAM)
         if transport is not None:
             self.io = transport(self.io)  # e.g. worker.faults.FaultyTransport for tests
         self._poll = select.poll()
