@@ -15,6 +15,7 @@ import signal
 import socket
 import sys
 
+from aggregator.slots import MAX_WORLD
 from protocol.cli import OneLineParser, positive
 from protocol.wire import DEFAULT_PORT, Codec, max_packet_elements
 
@@ -54,7 +55,8 @@ def build_parser() -> OneLineParser:
     p.add_argument("--idle-timeout", type=positive(float), default=30.0,
                    help="seconds without traffic before a job is torn down (default 30)")
     p.add_argument("--stats-interval", type=float, default=0.0, help="print statistics every N seconds (0 = never)")
-    p.add_argument("--burst", type=positive(int), default=256, help="datagrams per recvmmsg/sendmmsg (default 256)")
+    p.add_argument("--burst", type=positive(int), default=256,
+                   help=f"datagrams per recvmmsg/sendmmsg, at least {MAX_WORLD} (default 256)")
     return p
 
 
@@ -63,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.max_packet_elements > MAX_ELEMENTS_LIMIT:
         parser.error(f"--max-packet-elements must be at most {MAX_ELEMENTS_LIMIT} (one UDP datagram)")
+    if args.burst < MAX_WORLD:
+        parser.error(f"--burst must be at least {MAX_WORLD}: a completion sends one result per worker")
     if not 0 <= args.port <= 65535 - args.cores:
         parser.error(f"--port must leave room for {args.cores} ports below 65536")
     socks = _bind(args.host, args.port, args.cores)

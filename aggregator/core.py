@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from aggregator.slots import MAX_WORLD, STAT_NAMES, N_STATS, Jobs, Table, new_jobs, new_table, process_burst
+from aggregator.slots import MAX_WORLD, N_STATS, STAT_NAMES, Jobs, Table, new_jobs, new_table, process_burst
 from burstio.mmsg import addr_of
 from protocol import wire
 from protocol.arith import value_bits
@@ -69,11 +69,16 @@ class AggregatorCore:
         self.row_used = np.zeros(rows, np.bool_)
         self.info: dict[int, JobInfo] = {}
         self._control = np.empty(0, np.int64)
+        self._replies: list[tuple[bytes, int]] = []
 
     # ---- data plane -------------------------------------------------------------------------------------
     def receive(self, rx: Burst, n_rx: int, now: float, tx: Burst) -> Iterator[int]:
         """Handle rx[:n_rx]; yields a count n each time tx[:n] holds datagrams to send (send them before
-        resuming: the next yield reuses tx)."""
+        resuming: the next yield reuses tx). Replies to control datagrams, which may be longer than a tx row,
+        are queued for ``take_replies``."""
+        if tx.length.size < MAX_WORLD:
+            raise ValueError(f"the transmit burst must hold at least {MAX_WORLD} datagrams (one completion's "
+                             f"results), got {tx.length.size}")
         if self._control.size < n_rx:
             self._control = np.empty(n_rx, np.int64)
         start = 0
@@ -85,15 +90,14 @@ class AggregatorCore:
                 i = int(self._control[k])
                 reply = self.handle_control(bytes(rx.data[i, : rx.length[i]]), int(rx.addr[i]), now)
                 if reply is not None:
-                    if n_tx == tx.length.size:
-                        yield n_tx
-                        n_tx = 0
-                    tx.data[n_tx, : len(reply)] = np.frombuffer(reply, np.uint8)
-                    tx.length[n_tx] = len(reply)
-                    tx.addr[n_tx] = rx.addr[i]
-                    n_tx += 1
+                    self._replies.append((reply, int(rx.addr[i])))
             if n_tx:
                 yield n_tx
+
+    def take_replies(self) -> list[tuple[bytes, int]]:
+        """The control replies (datagram, destination address key) queued by receive, oldest first."""
+        replies, self._replies = self._replies, []
+        return replies
 
     # ---- control plane ----------------------------------------------------------------------------------
     def handle_control(self, datagram: bytes, addr: int, now: float) -> bytes | None:
@@ -127,7 +131,8 @@ class AggregatorCore:
                                       f"{self._local_pool(params['pool_size'])} needed, "
                                       f"{int((~self.row_used).sum())} free; use a smaller pool or a new aggregator")
         elif info.params != params:
-            differing = ", ".join(f"{k}={params[k]} (job has {v})" for k, v in info.params.items() if params[k] != v)
+            differing = ", ".join("token (the shared secret)" if k == "token" else f"{k}={params[k]} (job has {v})"
+                                  for k, v in info.params.items() if params[k] != v)
             return _error(job_id, f"job {job_id} already exists with other parameters: {differing}")
         j = info.index
         bound = int(self.jobs.members[j, rank])
@@ -201,7 +206,7 @@ class AggregatorCore:
     def handle_timer(self, now: float) -> list[int]:
         """Tear down jobs idle for longer than idle_timeout; returns their ids."""
         idle = [job_id for job_id, info in self.info.items()
-                if now - max(info.joined_at, float(self.jobs.last_seen[info.index].max())) > self.idle_timeout]
+                if now - max(info.joined_at, float(self.jobs.last_seen[info.index].max())) >= self.idle_timeout]
         for job_id in idle:
             self.teardown(job_id)
         return idle
@@ -261,7 +266,9 @@ def _error(job_id: int, message: str) -> bytes:
 
 
 def _first_fit(used: np.ndarray, size: int) -> range | None:
-    """The first run of `size` free rows."""
+    """The first run of `size` free rows (an empty range for a job with no slot on this core)."""
+    if size == 0:
+        return range(0, 0)
     run = 0
     for r in range(used.size):
         run = 0 if used[r] else run + 1

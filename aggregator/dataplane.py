@@ -38,6 +38,8 @@ class DataPlane:
                 return
             for count in self.core.receive(self.rx, n, time.monotonic(), self.tx):
                 self.io.send_burst(count)
+            for reply, addr in self.core.take_replies():
+                self.io.send_one(reply, addr)
 
     async def _idle_timer(self) -> None:
         while True:

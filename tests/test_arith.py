@@ -4,10 +4,10 @@ quantize/dequantize kernels."""
 
 import math
 import re
-import threading
 
 import numpy as np
 import pytest
+from concurrency import run_halves_concurrently
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -359,28 +359,10 @@ def test_sum_to_codes_two_threads_concurrently():
     whole, whole_saturated = sum_to_codes(sums, floor, seed=seed, stream=stream, offset=offset)
     assert whole_saturated > 0
     out = np.zeros(n, np.uint8)
-    counts = [0, 0]
-    errors = []
-    barrier = threading.Barrier(2)
-
-    def work(k, lo, hi):
-        try:
-            barrier.wait()
-            cuts = [lo, lo + 4097, lo + 300001, lo + 300002, hi - 77, hi]
-            for a, b in zip(cuts[:-1], cuts[1:]):
-                counts[k] += sum_to_codes(sums[a:b], floor, seed=seed, stream=stream, offset=offset + a,
-                                          out=out[a:b])[1]
-        except Exception as e:  # noqa: BLE001 - re-raised in the main thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=work, args=(0, 0, n // 2)), threading.Thread(target=work, args=(1, n // 2, n))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    saturated = run_halves_concurrently(
+        n, lambda a, b: sum_to_codes(sums[a:b], floor, seed=seed, stream=stream, offset=offset + a, out=out[a:b])[1])
+    assert saturated == whole_saturated
     np.testing.assert_array_equal(out, whole)
-    assert sum(counts) == whole_saturated
 
 
 def test_sum_to_codes_out_is_used_in_place():

@@ -4,15 +4,22 @@ non-finite input, chunking/thread invariance and out= buffers."""
 
 import math
 import re
-import threading
 
 import numpy as np
 import pytest
+from concurrency import run_halves_concurrently
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from protocol import cnat, reference
-from protocol.cnat import decode, decode_accumulate, encode, encode_nearest, find_invalid, validate
+from protocol.cnat import (
+    decode,
+    decode_accumulate,
+    encode,
+    encode_nearest,
+    find_invalid,
+    validate,
+)
 
 M64 = (1 << 64) - 1
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -510,28 +517,11 @@ def test_two_threads_concurrently():
     seed, stream, offset = 123, 456, 2**32 - n // 2
     whole = encode(x, seed=seed, stream=stream, offset=offset)
     out = np.zeros(n, np.uint8)
-    counts = [0, 0]
-    barrier = threading.Barrier(2)
-    errors = []
-
-    def work(k, lo, hi):
-        try:
-            barrier.wait()
-            cuts = np.linspace(lo, hi, 8).astype(int) + np.array([0, 17, 4097, 3, 99, 12345, 1, 0])
-            cuts[-1] = hi
-            for a, b in zip(cuts[:-1], cuts[1:]):
-                counts[k] += encode(x[a:b], seed=seed, stream=stream, offset=offset + int(a), out=out[a:b]).saturated
-        except Exception as e:  # noqa: BLE001 - re-raised in the main thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=work, args=(0, 0, n // 2)), threading.Thread(target=work, args=(1, n // 2, n))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    saturated = run_halves_concurrently(
+        n, lambda a, b: encode(x[a:b], seed=seed, stream=stream, offset=offset + a, out=out[a:b]).saturated)
+    assert saturated == whole.saturated > 0
     np.testing.assert_array_equal(out, whole.codes)
-    assert sum(counts) == whole.saturated > 0
+
 
 
 # --- out= buffers and argument checks ------------------------------------------------------------------------------

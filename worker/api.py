@@ -174,6 +174,19 @@ class Worker:
         self._send(self.engine.handle_timer(now, io.tx_data, io.tx_len, io.tx_addr))
         return self.engine.progress != before or self.engine.done
 
+    def _wait(self, last_progress: float) -> float:
+        """Seconds until the next retransmission or the progress deadline, whichever is first."""
+        return min(self.engine.get_timer(), last_progress + self.timeout) - time.monotonic()
+
+    def _step(self, last_progress: float) -> float:
+        """Pump once; returns the time of the last progress, or raises AllreduceTimeout past the deadline."""
+        now = time.monotonic()
+        if self._pump(now):
+            return now
+        if now - last_progress >= self.timeout:
+            raise AllreduceTimeout(self._timeout_message())
+        return last_progress
+
     def _finish(self, arr: np.ndarray, op: str) -> np.ndarray:
         out = self.engine.result.reshape(arr.shape)
         if op == "mean":
@@ -184,15 +197,9 @@ class Worker:
         """Sum (or mean) of x over all ranks, as float32 of x's shape; identical at every rank."""
         arr, last_progress = self._prepare(x, op)
         while not self.engine.done:
-            now = time.monotonic()
-            wait = min(self.engine.get_timer(), last_progress + self.timeout) - now
-            if wait > 0:
+            if (wait := self._wait(last_progress)) > 0:
                 self._poll.poll(wait * 1000)
-            now = time.monotonic()
-            if self._pump(now):
-                last_progress = now
-            elif now - last_progress >= self.timeout:
-                raise AllreduceTimeout(self._timeout_message())
+            last_progress = self._step(last_progress)
         return self._finish(arr, op)
 
     async def allreduce_async(self, x: np.ndarray, op: str = "sum") -> np.ndarray:
@@ -203,18 +210,13 @@ class Worker:
         try:
             arr, last_progress = self._prepare(x, op)
             while not self.engine.done:
-                wait = min(self.engine.get_timer(), last_progress + self.timeout) - time.monotonic()
-                if wait > 0:
+                if (wait := self._wait(last_progress)) > 0:
                     try:
                         await asyncio.wait_for(readable.wait(), wait)
                     except asyncio.TimeoutError:
                         pass
                 readable.clear()
-                now = time.monotonic()
-                if self._pump(now):
-                    last_progress = now
-                elif now - last_progress >= self.timeout:
-                    raise AllreduceTimeout(self._timeout_message())
+                last_progress = self._step(last_progress)
             return self._finish(arr, op)
         finally:
             loop.remove_reader(self.io.fileno())

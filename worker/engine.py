@@ -182,11 +182,11 @@ def receive_kernel(state, rx_data, rx_len, rx_addr, n_rx, now, tx_data, tx_len, 
             st.stats[DROP_MALFORMED] += 1
             continue
         s = get_u16(p, O_SLOT)
-        if get_u32(p, O_JOB) != prm[P_JOB] or s >= window or rx_addr[i] != st.agg_addr[s % prm[P_CORES]]:
-            st.stats[DROP_FOREIGN] += 1
+        if get_u32(p, O_JOB) != prm[P_JOB] or s >= st.parity.size or rx_addr[i] != st.agg_addr[s % prm[P_CORES]]:
+            st.stats[DROP_FOREIGN] += 1  # another job, a slot outside the pool, or not our aggregator
             continue
         c = get_i32(p, O_CHUNK)
-        if (get_u32(p, O_ALLREDUCE) != prm[P_ALLREDUCE] or c != st.cur_chunk[s]
+        if (get_u32(p, O_ALLREDUCE) != prm[P_ALLREDUCE] or s >= window or c != st.cur_chunk[s]
                 or np.int64(p[O_SHADOW]) != st.parity[s]):
             st.stats[DROP_STALE] += 1  # a duplicate, or a result of an earlier round or allreduce
             continue

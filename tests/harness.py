@@ -1,0 +1,425 @@
+"""In-process test harness: one or more AggregatorCores and n StreamEngines exchanging datagrams without sockets.
+
+Everything runs on a virtual clock that advances by ``dt`` per ``step``. Each step
+
+1. delivers the datagrams the workers sent (through the uplink's faults) to the aggregator core they are
+   addressed to, and queues the core's replies on the downlink;
+2. delivers the downlink datagrams (through its faults) to the workers, and queues the engines' next packets;
+3. fires the engines' retransmission timers.
+
+Faults are seeded (``random.Random``), per direction: each datagram is dropped with probability ``drop``, else
+duplicated with probability ``duplicate``, and each copy is held back for 1-3 steps with probability ``reorder``
+(delivered batches are also shuffled when ``reorder`` > 0). Addresses are burstio address keys
+(``ipv4 << 16 | port``): aggregator core i listens on 127.0.0.1:(AGG_PORT + i), rank r on 127.0.0.2:(5000 + r).
+
+The low-level helpers (``core_receive``, ``engine_receive``, ...) move Python ``bytes`` in and out of the
+numpy burst arrays, so tests can also craft and inject single datagrams.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from aggregator.core import AggregatorCore, Burst
+from protocol import reference, wire
+from protocol.packet import HDR
+from protocol.wire import Codec, MsgType
+from worker.engine import StreamEngine
+
+AGG_PORT = 48879
+WORKER_PORT = 5000
+AGG_IP = 0x7F000001  # 127.0.0.1
+WORKER_IP = 0x7F000002  # 127.0.0.2
+TX_ROWS = 256  # >= aggregator.slots.MAX_WORLD: the burst kernel needs room for a completion's n results
+TX_WIDTH = 1 << 16  # room for any datagram, including STATS_REPLY JSON
+
+Datagram = tuple[bytes, int]  # (payload, address key: source on receive, destination on send)
+
+
+def addr_key(ip: int, port: int) -> int:
+    return (ip << 16) | port
+
+
+def agg_addr(core: int = 0) -> int:
+    return addr_key(AGG_IP, AGG_PORT + core)
+
+
+def worker_addr(rank: int, base: int = WORKER_PORT) -> int:
+    return addr_key(WORKER_IP, base + rank)
+
+
+def make_burst(rows: int, width: int) -> Burst:
+    return Burst(np.zeros((max(1, rows), width), np.uint8), np.zeros(max(1, rows), np.int32),
+                 np.zeros(max(1, rows), np.uint64))
+
+
+def fill_burst(datagrams: Sequence[Datagram], lengths: Sequence[int] | None = None, width: int = 0) -> Burst:
+    """A burst holding ``datagrams``; ``lengths`` overrides the length field (e.g. -1 for a truncated read)."""
+    width = max([width, HDR] + [len(d) for d, _ in datagrams])
+    rx = make_burst(len(datagrams), width)
+    for i, (data, src) in enumerate(datagrams):
+        rx.data[i, : len(data)] = np.frombuffer(data, np.uint8)
+        rx.length[i] = len(data) if lengths is None else lengths[i]
+        rx.addr[i] = src
+    return rx
+
+
+def drain(tx: Burst, n: int) -> list[Datagram]:
+    return [(bytes(tx.data[i, : tx.length[i]]), int(tx.addr[i])) for i in range(n)]
+
+
+def core_receive(core: AggregatorCore, datagrams: Sequence[Datagram], now: float,
+                 lengths: Sequence[int] | None = None, tx_rows: int = TX_ROWS,
+                 tx_width: int = TX_WIDTH) -> list[Datagram]:
+    """Feed datagrams (payload, source) to core.receive; returns every datagram it sends (payload, dest)."""
+    rx = fill_burst(datagrams, lengths)
+    tx = make_burst(tx_rows, tx_width)
+    out: list[Datagram] = []
+    for n in core.receive(rx, len(datagrams), now, tx):
+        out += drain(tx, n)
+    return out + core.take_replies()
+
+
+def _engine_tx(engine) -> Burst:
+    return make_burst(max(engine.pool_size, 64), engine.max_datagram)
+
+
+def engine_start(engine, x: np.ndarray, now: float) -> list[Datagram]:
+    tx = _engine_tx(engine)
+    return drain(tx, engine.start(x, now, tx.data, tx.length, tx.addr))
+
+
+def engine_receive(engine, datagrams: Sequence[Datagram], now: float) -> list[Datagram]:
+    """Feed datagrams (payload, source) to engine.receive; returns what it sends (payload, dest)."""
+    rx = fill_burst(datagrams, width=engine.max_datagram)
+    tx = _engine_tx(engine)
+    return drain(tx, engine.receive(rx.data, rx.length, rx.addr, len(datagrams), now, tx.data, tx.length, tx.addr))
+
+
+def engine_timer(engine, now: float) -> list[Datagram]:
+    tx = _engine_tx(engine)
+    return drain(tx, engine.handle_timer(now, tx.data, tx.length, tx.addr))
+
+
+def join_datagram(job: int, rank: int, **params) -> bytes:
+    return wire.pack_join({"type": int(MsgType.JOIN), "job": job, "rank": rank}, {"cores": 0, **params})
+
+
+def msg_type(datagram: bytes) -> int:
+    return datagram[wire.OFFSETS["type"]]
+
+
+def header(datagram: bytes) -> np.void:
+    return np.frombuffer(datagram, wire.HEADER, count=1)[0]
+
+
+class Link:
+    """One direction of the network: seeded drop, duplication and reordering of datagrams."""
+
+    def __init__(self, *, drop: float = 0.0, duplicate: float = 0.0, reorder: float = 0.0, seed: int = 0) -> None:
+        self.drop, self.duplicate, self.reorder = drop, duplicate, reorder
+        self.random = random.Random(seed)
+        self.tick = 0
+        self.held: list[tuple[int, object]] = []
+        self.counts = {"dropped": 0, "duplicated": 0, "reordered": 0}
+
+    def carry(self, items: Iterable) -> list:
+        """The items delivered this step: survivors of ``items`` plus held-back items now due."""
+        self.tick += 1
+        out = []
+        for item in items:
+            if self.drop and self.random.random() < self.drop:
+                self.counts["dropped"] += 1
+                continue
+            copies = 1
+            if self.duplicate and self.random.random() < self.duplicate:
+                copies = 2
+                self.counts["duplicated"] += 1
+            for _ in range(copies):
+                if self.reorder and self.random.random() < self.reorder:
+                    self.held.append((self.tick + self.random.randint(1, 3), item))
+                    self.counts["reordered"] += 1
+                else:
+                    out.append(item)
+        due = [item for t, item in self.held if t <= self.tick]
+        self.held = [(t, item) for t, item in self.held if t > self.tick]
+        out += due
+        if self.reorder:
+            self.random.shuffle(out)
+        return out
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.held)
+
+
+class Network:
+    """``cores`` AggregatorCores (one job's data plane split by slot) and ``n`` StreamEngines of one job."""
+
+    def __init__(self, n: int, *, codec: Codec | str = Codec.CNAT8, packet_elements: int = 64, pool_size: int = 4,
+                 seed: int = 123, job: int = 7, token: int = 99, cores: int = 1, rows: int = 256,
+                 max_elements: int | None = None, idle_timeout: float = 30.0, rto: float = 0.02,
+                 min_rto: float = 0.005, max_rto: float = 1.0, dt: float = 0.001, drop: float = 0.0, duplicate: float = 0.0,
+                 reorder: float = 0.0, fault_seed: int = 0, record: bool = False, join: bool = True,
+                 aggregators: list[AggregatorCore] | None = None, worker_port: int = WORKER_PORT) -> None:
+        self.n = n
+        self.codec = Codec.CNAT8 if codec == "cnat8" else Codec.INT32 if codec == "int32" else Codec(codec)
+        self.packet_elements, self.pool_size = packet_elements, pool_size
+        self.seed, self.job, self.token = seed, job, token
+        self.now = 0.0
+        self.dt = dt
+        self.worker_port = worker_port
+        if aggregators is None:
+            aggregators = [AggregatorCore(core=i, cores=cores, rows=rows, idle_timeout=idle_timeout,
+                                          max_elements=max_elements or packet_elements) for i in range(cores)]
+        cores = len(aggregators)
+        self.cores = aggregators
+        self.core_of = {agg_addr(i): i for i in range(cores)}
+        self.rank_of = {self.addr(r): r for r in range(n)}
+        self.engines = [
+            StreamEngine(job=job, rank=r, world_size=n, codec=self.codec, packet_elements=packet_elements,
+                         pool_size=pool_size, seed=seed, agg_addrs=[agg_addr(i) for i in range(cores)], rto=rto,
+                         min_rto=min_rto, max_rto=max_rto)
+            for r in range(n)
+        ]
+        self.uplink = Link(drop=drop, duplicate=duplicate, reorder=reorder, seed=2 * fault_seed + 1)
+        self.downlink = Link(drop=drop, duplicate=duplicate, reorder=reorder, seed=2 * fault_seed + 2)
+        self.up: list[tuple[bytes, int, int]] = []  # (payload, source, destination) in flight to the aggregator
+        self.down: list[tuple[bytes, int, int]] = []  # (payload, source, destination) in flight to workers
+        self.stray: list[tuple[bytes, int, int]] = []  # aggregator output to addresses that are no worker
+        self.record = record
+        self.sent_up: list[tuple[bytes, int, int]] = []  # everything the engines sent (if record)
+        self.sent_down: list[tuple[bytes, int, int]] = []  # everything the cores sent (if record)
+        self.steps = 0
+        if join:
+            self.join_all()
+
+    def addr(self, rank: int) -> int:
+        """The address key rank ``rank`` of this network sends from."""
+        return worker_addr(rank, self.worker_port)
+
+    # ---- control plane --------------------------------------------------------------------------------------
+    def join_params(self, **overrides) -> dict:
+        return {"world_size": self.n, "packet_elements": self.packet_elements, "pool_size": self.pool_size,
+                "codec": int(self.codec), "seed": self.seed, "token": self.token, **overrides}
+
+    def join(self, rank: int, *, core: int = 0, src: int | None = None, job: int | None = None,
+             **overrides) -> list[Datagram]:
+        """Send one JOIN (this network's parameters, with overrides) through core.receive; returns the replies."""
+        datagram = join_datagram(self.job if job is None else job, rank, **self.join_params(**overrides))
+        return self.to_core(core, [(datagram, self.addr(rank) if src is None else src)])
+
+    def join_all(self) -> list[Datagram]:
+        """JOIN every rank on every core; asserts each got exactly one JOIN_ACK and returns the replies."""
+        replies = []
+        for core in range(len(self.cores)):
+            for rank in range(self.n):
+                got = self.join(rank, core=core)
+                assert len(got) == 1 and msg_type(got[0][0]) == MsgType.JOIN_ACK, got
+                replies += got
+        return replies
+
+    def to_core(self, core: int, datagrams: Sequence[Datagram], lengths: Sequence[int] | None = None) -> list[Datagram]:
+        """Deliver datagrams straight to a core at the current time; returns its output (not routed)."""
+        return core_receive(self.cores[core], datagrams, self.now, lengths)
+
+    # ---- data plane -----------------------------------------------------------------------------------------
+    def start(self, xs: Sequence[np.ndarray]) -> None:
+        """Begin the next allreduce on every engine (xs[r] is rank r's input)."""
+        assert len(xs) == self.n
+        for r, (engine, x) in enumerate(zip(self.engines, xs)):
+            self._from_worker(r, engine_start(engine, x, self.now))
+
+    def _from_worker(self, rank: int, datagrams: list[Datagram]) -> None:
+        for data, dst in datagrams:
+            item = (data, self.addr(rank), dst)
+            self.up.append(item)
+            if self.record:
+                self.sent_up.append(item)
+
+    def step(self) -> None:
+        """Advance the clock by dt and move every datagram one hop (see the module docstring)."""
+        Network.step_together([self])
+
+    @staticmethod
+    def step_together(nets: Sequence[Network], shuffle_seed: int | None = None) -> None:
+        """One step of several Networks (jobs) sharing the same aggregator cores and clock: their uplink
+        datagrams reach each core in one burst, interleaved (shuffled if ``shuffle_seed`` is given)."""
+        cores = nets[0].cores
+        assert all(len(net.cores) == len(cores) and all(a is b for a, b in zip(net.cores, cores)) for net in nets), \
+            "step_together needs Networks built on the same aggregator cores"
+        for net in nets:
+            net.steps += 1
+            net.now += net.dt
+        now = nets[0].now
+        assert all(net.now == now for net in nets), "step_together needs Networks on the same clock"
+        by_core: dict[int, list[Datagram]] = defaultdict(list)
+        for net in nets:
+            for data, src, dst in net.uplink.carry(net.up):
+                by_core[net.core_of[dst]].append((data, src))
+            net.up = []
+        owner = {addr: net for net in nets for addr in net.rank_of}
+        for core, datagrams in sorted(by_core.items()):
+            if shuffle_seed is not None:
+                random.Random(shuffle_seed + core + 1000 * nets[0].steps).shuffle(datagrams)
+            for data, dst in core_receive(cores[core], datagrams, now):
+                item = (data, agg_addr(core), dst)
+                net = owner.get(dst)
+                if net is None:
+                    nets[0].stray.append(item)
+                    continue
+                if net.record:
+                    net.sent_down.append(item)
+                net.down.append(item)
+        for net in nets:
+            net._to_workers()
+
+    def _to_workers(self) -> None:
+        by_rank: dict[int, list[Datagram]] = defaultdict(list)
+        for data, src, dst in self.downlink.carry(self.down):
+            by_rank[self.rank_of[dst]].append((data, src))
+        self.down = []
+        for rank, datagrams in sorted(by_rank.items()):
+            self._from_worker(rank, engine_receive(self.engines[rank], datagrams, self.now))
+        for rank, engine in enumerate(self.engines):
+            self._from_worker(rank, engine_timer(engine, self.now))
+
+    @property
+    def done(self) -> bool:
+        return all(e.done for e in self.engines)
+
+    def run(self, max_steps: int = 50_000) -> None:
+        """Step until every engine has its result."""
+        for _ in range(max_steps):
+            if self.done:
+                return
+            self.step()
+        raise AssertionError(f"allreduce did not finish in {max_steps} steps: "
+                             f"{[e.progress for e in self.engines]}")
+
+    @staticmethod
+    def run_together(nets: Sequence[Network], shuffle_seed: int | None = None, max_steps: int = 50_000) -> None:
+        """step_together until every engine of every network has its result."""
+        for _ in range(max_steps):
+            if all(net.done for net in nets):
+                return
+            Network.step_together(nets, shuffle_seed)
+        raise AssertionError(f"allreduces did not finish in {max_steps} steps")
+
+    def allreduce(self, xs: Sequence[np.ndarray], max_steps: int = 50_000) -> list[np.ndarray]:
+        """One allreduce on every rank; returns copies of every rank's result."""
+        self.start(xs)
+        self.run(max_steps)
+        return [e.result.copy() for e in self.engines]
+
+    # ---- inspection -----------------------------------------------------------------------------------------
+    def stats(self, core: int = 0) -> dict:
+        return self.cores[core].stats(self.now)
+
+    def job_counters(self, core: int = 0, job: int | None = None) -> dict[str, int]:
+        return self.stats(core)["jobs"][str(self.job if job is None else job)]["counters"]
+
+    def core_counters(self, core: int = 0) -> dict[str, int]:
+        return self.stats(core)["core_counters"]
+
+    def total_job_counters(self) -> dict[str, int]:
+        totals: dict[str, int] = defaultdict(int)
+        for i in range(len(self.cores)):
+            for k, v in self.job_counters(i).items():
+                totals[k] += v
+        return dict(totals)
+
+
+# ---- helpers for tests ---------------------------------------------------------------------------------------
+
+
+def counter_diff(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """The counters that changed, with their increments."""
+    return {k: after[k] - before[k] for k in after if after[k] != before[k]}
+
+
+def table_snapshot(core: AggregatorCore, job: int) -> dict[str, np.ndarray]:
+    """Copies of the slot-table rows of ``job`` on ``core``."""
+    rows = core.info[job].rows
+    return {name: getattr(core.table, name)[rows.start:rows.stop].copy() for name in core.table._fields}
+
+
+def assert_table_equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
+    for name, value in a.items():
+        assert np.array_equal(value, b[name]), f"slot table field {name!r} changed"
+
+
+def with_header(datagram: bytes, **fields) -> bytes:
+    """``datagram`` with some header fields replaced (the payload kept verbatim)."""
+    record = np.frombuffer(datagram, wire.HEADER, count=1).copy()
+    for name, value in fields.items():
+        record[name] = value
+    return record.tobytes() + datagram[HDR:]
+
+
+def with_payload_byte(datagram: bytes, index: int, value: int) -> bytes:
+    b = bytearray(datagram)
+    b[HDR + index] = value
+    return bytes(b)
+
+
+def make_inputs(n: int, size: int, packet_elements: int, kind: str, seed: int) -> list[np.ndarray]:
+    """float32 inputs of n ranks.
+
+    normal: Gaussian at a random scale; zero_chunks: Gaussian with whole chunks zero on every rank (and others
+    zero on rank 0 only); zeros: all zero; huge: magnitudes around 2**12 (C_nat saturates above 2**10); tiny:
+    magnitudes below 2**-50, denormals included; mixed: log-uniform over 2**-60 .. 2**12 with zeros.
+    """
+    rng = np.random.default_rng(seed)
+    chunks = -(-size // packet_elements)
+    all_zero = rng.random(chunks) < 0.4
+    xs = []
+    for r in range(n):
+        sign = np.where(rng.random(size) < 0.5, -1.0, 1.0)
+        if kind == "normal":
+            x = rng.standard_normal(size) * 10.0 ** rng.uniform(-2, 2)
+        elif kind == "zero_chunks":
+            x = rng.standard_normal(size)
+            for c in np.flatnonzero(all_zero):
+                x[c * packet_elements:(c + 1) * packet_elements] = 0
+            if r == 0:
+                x[1 * packet_elements:2 * packet_elements] = 0
+        elif kind == "zeros":
+            x = np.zeros(size)
+        elif kind == "huge":
+            x = sign * 2.0 ** rng.uniform(9, 14, size)
+        elif kind == "tiny":
+            x = sign * 2.0 ** rng.uniform(-149, -50.5, size)
+        elif kind == "mixed":
+            x = sign * 2.0 ** rng.uniform(-60, 12, size) * (rng.random(size) < 0.9)
+        else:
+            raise ValueError(kind)
+        xs.append(x.astype(np.float32))
+    return xs
+
+
+def reference_saturation(xs: Sequence[np.ndarray], *, seed: int, allreduce_seq: int,
+                         packet_elements: int) -> tuple[list[int], int]:
+    """(saturated elements of each rank's encode, saturated elements of the switch's re-encode) of a C_nat
+    allreduce, from the oracle's primitives, chunk by chunk as protocol.reference.allreduce does."""
+    n = len(xs)
+    s = 31 - n.bit_length()
+    worker, switch = [0] * n, 0
+    size = xs[0].size
+    for lo in range(0, size, packet_elements):
+        parts = [x.reshape(-1)[lo:lo + packet_elements] for x in xs]
+        e = max(reference.chunk_exponent(p, reference.E_MIN, reference.E_MAX) for p in parts)
+        floor = reference.E_MIN if e == wire.NO_EXP else max(reference.E_MIN, e - s)
+        total = np.zeros(parts[0].size, np.int64)
+        for rank, p in enumerate(parts):
+            codes, sat = reference.encode(p, seed=seed, stream=(allreduce_seq << 24) | (1 << 16) | rank,
+                                          offset=lo, floor=floor)
+            worker[rank] += sat
+            total += reference.to_fixed(codes, floor)
+        _, sat = reference.sum_to_codes(total, floor, seed=seed, stream=(allreduce_seq << 24) | (2 << 16), offset=lo)
+        switch += sat
+    return worker, switch

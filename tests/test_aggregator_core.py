@@ -1,0 +1,620 @@
+"""Tests of aggregator.core.AggregatorCore (and its burst kernel, aggregator.slots) through the in-process
+harness (tests/harness.py): malformed and foreign packets (one test per drop reason), retransmission
+semantics, the control plane (JOIN / LEAVE / STATS_REQUEST, idle teardown, several jobs), and the partition of
+a job's slots over several data-plane cores."""
+
+import json
+
+import numpy as np
+import pytest
+from harness import (
+    HDR,
+    Network,
+    addr_key,
+    agg_addr,
+    assert_table_equal,
+    core_receive,
+    counter_diff,
+    engine_receive,
+    header,
+    join_datagram,
+    make_inputs,
+    msg_type,
+    table_snapshot,
+    with_header,
+    with_payload_byte,
+    worker_addr,
+)
+
+from aggregator.core import ALL_JOBS, AggregatorCore
+from aggregator.slots import MAX_WORLD, STAT_NAMES
+from protocol import reference, wire
+from protocol.wire import NO_EXP, Codec, MsgType
+
+SEED = 123
+STRANGER = addr_key(0x0A000001, 4242)  # 10.0.0.1:4242, never joined
+
+
+def ref(xs, codec, P, seq=0, seed=SEED):
+    return reference.allreduce(xs, codec=codec, seed=seed, allreduce_seq=seq, packet_elements=P)
+
+
+def assert_results(net, xs, seq=0):
+    expected = ref(xs, net.codec.name.lower(), net.packet_elements, seq, net.seed)
+    for rank, e in enumerate(net.engines):
+        assert np.array_equal(e.result.view(np.uint32), expected.view(np.uint32)), f"rank {rank}"
+
+
+def error_text(datagram: bytes) -> str:
+    assert msg_type(datagram) == MsgType.ERROR
+    return datagram[HDR:].decode()
+
+
+def stats_request(job: int) -> bytes:
+    return wire.pack({"type": int(MsgType.STATS_REQUEST), "job": job})
+
+
+def leave(job: int, rank: int) -> bytes:
+    return wire.pack({"type": int(MsgType.LEAVE), "job": job, "rank": rank})
+
+
+# ---- 4. malformed packets: one per drop reason --------------------------------------------------------------
+
+N3, P, POOL = 3, 64, 2
+SIZE = 3 * P + 5  # chunks 0..3: slot 0 carries chunks 0 and 2, slot 1 chunks 1 and 3
+
+
+def malformed_setup(codec="cnat8", opened=False):
+    """A job in the middle of its first allreduce: the bootstrap rounds are done and every rank's chunk 0 / 1
+    DATA is in flight. Returns (net, xs, victim, src): rank 0's chunk-0 DATA (slot 0) and its source. With
+    ``opened``, rank 1's chunk-0 packet has already reached the core, so the round is open."""
+    net = Network(N3, codec=codec, packet_elements=P, pool_size=POOL)
+    xs = [x * 4 for x in make_inputs(N3, SIZE, P, "normal", seed=1)]
+    xs[0][0] = 5.0  # an element of rank 0's chunk 0 that is surely nonzero
+    net.start(xs)
+    net.step()
+    assert len(net.up) == N3 * POOL
+
+    def find(rank, slot):
+        return next(i for i, (d, src, _) in enumerate(net.up) if src == net.addr(rank) and header(d)["slot"] == slot)
+
+    victim = net.up[find(0, 0)]
+    assert header(victim[0])["chunk"] == 0 and header(victim[0])["count"] == P
+    if codec == "cnat8":  # room for codes just above the exponent and just below the floor
+        assert -50 <= _floor(victim[0]) - 1 and _exp(victim[0]) + 1 <= 10
+    if opened:
+        data, src, _ = net.up.pop(find(1, 0))
+        assert net.to_core(0, [(data, src)]) == []
+    return net, xs, victim[0], victim[1]
+
+
+def inject_and_check(net, datagram, src, reason, *, core_level, lengths=None):
+    """Inject one datagram: exactly `reason` (and packets_in) count it, nothing is sent, the slot table is
+    unchanged; then the allreduce still completes with the reference result."""
+    core = net.cores[0]
+    before_core, before_job = net.core_counters(), net.job_counters()
+    snap = table_snapshot(core, net.job)
+    assert net.to_core(0, [(datagram, src)], lengths) == []
+    d_core = counter_diff(before_core, net.core_counters())
+    d_job = counter_diff(before_job, net.job_counters())
+    if core_level:
+        assert (d_core, d_job) == ({"packets_in": 1, reason: 1}, {})
+    else:
+        assert (d_core, d_job) == ({"packets_in": 1}, {"packets_in": 1, reason: 1})
+    assert_table_equal(snap, table_snapshot(core, net.job))
+
+
+def _exp(d):
+    return int(header(d)["exp"])
+
+
+def _floor(d):
+    return max(-50, _exp(d) - (31 - N3.bit_length()))
+
+
+# (reason, core_level, mutate(datagram, src) -> (datagram, src, lengths))
+CNAT_MUTATIONS = {
+    "truncated": ("drop_truncated", True, lambda d, s: (d, s, [-1])),
+    "short header": ("drop_short", True, lambda d, s: (d[:HDR - 1], s, None)),
+    "empty": ("drop_short", True, lambda d, s: (b"", s, None)),
+    "bad magic": ("drop_bad_magic", True, lambda d, s: (with_header(d, magic=0x4E49), s, None)),
+    "bad version 2": ("drop_bad_version", True, lambda d, s: (with_header(d, version=2), s, None)),
+    "bad version 0": ("drop_bad_version", True, lambda d, s: (with_header(d, version=0), s, None)),
+    "RESULT to the switch": ("drop_unknown_type", True, lambda d, s: (with_header(d, type=MsgType.RESULT), s, None)),
+    "JOIN_ACK to the switch": ("drop_unknown_type", True,
+                               lambda d, s: (with_header(d, type=MsgType.JOIN_ACK), s, None)),
+    "ERROR to the switch": ("drop_unknown_type", True, lambda d, s: (with_header(d, type=MsgType.ERROR), s, None)),
+    "type 0": ("drop_unknown_type", True, lambda d, s: (with_header(d, type=0), s, None)),
+    "type 99": ("drop_unknown_type", True, lambda d, s: (with_header(d, type=99), s, None)),
+    "unknown job": ("drop_unknown_job", True, lambda d, s: (with_header(d, job=8), s, None)),
+    "rank = n": ("drop_rank_out_of_range", False, lambda d, s: (with_header(d, rank=N3), s, None)),
+    "rank 65535": ("drop_rank_out_of_range", False, lambda d, s: (with_header(d, rank=0xFFFF), s, None)),
+    "unregistered source": ("drop_unregistered_source", False, lambda d, s: (d, STRANGER, None)),
+    "another rank's source": ("drop_unregistered_source", False, lambda d, s: (d, worker_addr(1), None)),
+    "slot = pool": ("drop_slot_out_of_range", False, lambda d, s: (with_header(d, slot=POOL), s, None)),
+    "slot 65535": ("drop_slot_out_of_range", False, lambda d, s: (with_header(d, slot=0xFFFF), s, None)),
+    "int32 codec": ("drop_wrong_codec", False, lambda d, s: (with_header(d, codec=Codec.INT32), s, None)),
+    "codec 7": ("drop_wrong_codec", False, lambda d, s: (with_header(d, codec=7), s, None)),
+    "length > count": ("drop_wrong_count", False, lambda d, s: (d + b"\x00", s, None)),
+    "length < count": ("drop_wrong_count", False, lambda d, s: (d[:-1], s, None)),
+    "count > packet_elements": ("drop_wrong_count", False,
+                                lambda d, s: (with_header(d, count=P + 1) + b"\x00", s, None)),
+    "shadow 2": ("drop_bad_shadow", False, lambda d, s: (with_header(d, shadow=2), s, None)),
+    "shadow 255": ("drop_bad_shadow", False, lambda d, s: (with_header(d, shadow=255), s, None)),
+    "exp 11": ("drop_bad_exponent", False, lambda d, s: (with_header(d, exp=11), s, None)),
+    "exp -51": ("drop_bad_exponent", False, lambda d, s: (with_header(d, exp=-51), s, None)),
+    "next_exp 11": ("drop_bad_exponent", False, lambda d, s: (with_header(d, next_exp=11), s, None)),
+    "next_exp -51": ("drop_bad_exponent", False, lambda d, s: (with_header(d, next_exp=-51), s, None)),
+    "code 0x80": ("drop_invalid_code", False, lambda d, s: (with_payload_byte(d, 0, 0x80), s, None)),
+    "code 0x3F": ("drop_invalid_code", False, lambda d, s: (with_payload_byte(d, 5, 0x3F), s, None)),
+    "code k=61": ("drop_invalid_code", False, lambda d, s: (with_payload_byte(d, P - 1, 0x40 | 61), s, None)),
+    "code 0xFF": ("drop_invalid_code", False, lambda d, s: (with_payload_byte(d, 1, 0xFF), s, None)),
+    "code above exp": ("drop_invalid_code", False,
+                       lambda d, s: (with_payload_byte(d, 0, 0x40 | (_exp(d) + 1 + 50)), s, None)),
+    "negative code above exp": ("drop_invalid_code", False,
+                                lambda d, s: (with_payload_byte(d, 3, 0xC0 | (_exp(d) + 1 + 50)), s, None)),
+    "code below floor": ("drop_invalid_code", False,
+                         lambda d, s: (with_payload_byte(d, 0, 0x40 | (_floor(d) - 1 + 50)), s, None)),
+    "stale key": ("drop_stale", False,  # slot 0's set 0 holds the bootstrap round (chunk -2): -3 is older
+                  lambda d, s: (with_header(d, chunk=-POOL - 1, shadow=1 - int(header(d)["shadow"])), s, None)),
+}
+OPEN_ONLY = {  # need the round's first packet to disagree with
+    "exponent mismatch": ("drop_exponent_mismatch", False, lambda d, s: (with_header(d, exp=_exp(d) - 1), s, None)),
+    "count mismatch": ("drop_wrong_count", False, lambda d, s: (with_header(d, count=P - 1)[:-1], s, None)),
+}
+
+
+@pytest.mark.parametrize("opened", [False, True], ids=["fresh round", "open round"])
+@pytest.mark.parametrize("name", list(CNAT_MUTATIONS))
+def test_malformed_cnat_packet_is_counted_and_dropped(name, opened):
+    reason, core_level, mutate = CNAT_MUTATIONS[name]
+    net, xs, victim, src = malformed_setup("cnat8", opened)
+    datagram, source, lengths = mutate(victim, src)
+    inject_and_check(net, datagram, source, reason, core_level=core_level, lengths=lengths)
+    net.run()
+    assert_results(net, xs)
+
+
+@pytest.mark.parametrize("name", list(OPEN_ONLY))
+def test_mismatch_with_round_first_packet(name):
+    reason, core_level, mutate = OPEN_ONLY[name]
+    net, xs, victim, src = malformed_setup("cnat8", opened=True)
+    datagram, source, lengths = mutate(victim, src)
+    inject_and_check(net, datagram, source, reason, core_level=core_level, lengths=lengths)
+    net.run()
+    assert_results(net, xs)
+
+
+def _int32_set(d, index, value):
+    b = bytearray(d)
+    b[HDR + 4 * index: HDR + 4 * index + 4] = int(value).to_bytes(4, "big", signed=True)
+    return bytes(b)
+
+
+S3 = 31 - N3.bit_length()  # int32 contributions are bounded by 2**s(n)
+INT32_MUTATIONS = {
+    "value above 2**s": ("drop_invalid_code", lambda d: _int32_set(d, 0, 2**S3 + 1)),
+    "value below -2**s": ("drop_invalid_code", lambda d: _int32_set(d, P - 1, -(2**S3) - 1)),
+    "cnat8 codec": ("drop_wrong_codec", lambda d: with_header(d, codec=Codec.CNAT8)),
+    "length not 4 * count": ("drop_wrong_count", lambda d: d[:-1]),
+    "count as bytes": ("drop_wrong_count", lambda d: with_header(d, count=P)[:HDR + P]),
+    "exp -127": ("drop_bad_exponent", lambda d: with_header(d, exp=-127)),
+    "next_exp -127": ("drop_bad_exponent", lambda d: with_header(d, next_exp=-127)),
+}
+
+
+@pytest.mark.parametrize("opened", [False, True], ids=["fresh round", "open round"])
+@pytest.mark.parametrize("name", list(INT32_MUTATIONS))
+def test_malformed_int32_packet_is_counted_and_dropped(name, opened):
+    reason, mutate = INT32_MUTATIONS[name]
+    net, xs, victim, src = malformed_setup("int32", opened)
+    assert header(victim)["codec"] == Codec.INT32 and len(victim) == HDR + 4 * P
+    inject_and_check(net, mutate(victim), src, reason, core_level=False)
+    net.run()
+    assert_results(net, xs)
+
+
+def test_int32_boundary_values_are_accepted():
+    net, _, victim, src = malformed_setup("int32", opened=False)
+    before = net.job_counters()
+    edge = _int32_set(_int32_set(victim, 0, 2**S3), 1, -(2**S3))
+    assert net.to_core(0, [(edge, src)]) == []
+    assert counter_diff(before, net.job_counters()) == {"packets_in": 1, "contributions": 1}
+
+
+def test_every_drop_reason_is_tested():
+    tested = {r for r, *_ in CNAT_MUTATIONS.values()} | {r for r, *_ in OPEN_ONLY.values()}
+    tested |= {"drop_duplicate_incomplete"}  # test_duplicate_to_incomplete_round_is_dropped
+    assert tested == {name for name in STAT_NAMES if name.startswith("drop_")}
+
+
+def test_all_malformed_in_one_burst_then_round_completes():
+    """Every mutation above in a single burst, interleaved with the valid packets of the round."""
+    net, xs, victim, src = malformed_setup("cnat8", opened=False)
+    bad, expected = [], {}
+    for reason, _, mutate in CNAT_MUTATIONS.values():
+        datagram, source, length = mutate(victim, src)
+        bad.append((datagram, source, length[0] if length else len(datagram)))
+        expected[reason] = expected.get(reason, 0) + 1
+    good = [(d, s, len(d)) for d, s, _ in net.up]
+    net.up = []
+    # rank 0's own packets go last: after them, a mutation of the same round would be a duplicate (its bit is set)
+    others, own = [g for g in good if g[1] != src], [g for g in good if g[1] == src]
+    mixed = bad[: len(bad) // 2] + others + bad[len(bad) // 2:] + own
+    burst = [(d, s) for d, s, _ in mixed]
+    burst_lengths = [length for _, _, length in mixed]
+    core_before, job_before = net.core_counters(), net.job_counters()
+    out = net.to_core(0, burst, burst_lengths)
+    d_core = counter_diff(core_before, net.core_counters())
+    d_job = counter_diff(job_before, net.job_counters())
+    drops = {k: v for k, v in {**d_core, **d_job}.items() if k.startswith("drop_")}
+    assert drops == expected
+    assert d_job["contributions"] == len(good) == N3 * POOL
+    assert d_job["completions"] == POOL and len(out) == N3 * POOL  # both rounds complete, results to all
+    for data, dst in out:
+        net.down.append((data, agg_addr(0), dst))
+    net.run()
+    assert_results(net, xs)
+
+
+# ---- 5. retransmission semantics ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("codec", ["cnat8", "int32"])
+def test_duplicate_to_incomplete_round_is_dropped(codec):
+    net = Network(2, codec=codec, packet_elements=P, pool_size=1)
+    xs = make_inputs(2, 3 * P, P, "normal", seed=3)
+    net.start(xs)
+    net.step()
+    (d0, s0, _), (d1, s1, _) = sorted(net.up, key=lambda item: item[1])
+    net.up = []
+    assert (s0, s1) == (net.addr(0), net.addr(1)) and header(d0)["chunk"] == 0
+    assert net.to_core(0, [(d0, s0)]) == []
+    snap = table_snapshot(net.cores[0], net.job)
+    before = net.job_counters()
+    assert net.to_core(0, [(d0, s0)]) == []
+    assert counter_diff(before, net.job_counters()) == {"packets_in": 1, "retransmissions": 1,
+                                                         "drop_duplicate_incomplete": 1}
+    assert_table_equal(snap, table_snapshot(net.cores[0], net.job))  # never added twice
+    results = net.to_core(0, [(d1, s1)])
+    assert sorted(dst for _, dst in results) == [net.addr(0), net.addr(1)]
+    for data, dst in results:
+        net.down.append((data, agg_addr(0), dst))
+    net.run()
+    assert_results(net, xs)
+
+
+@pytest.mark.parametrize("codec", ["cnat8", "int32"])
+def test_duplicate_to_complete_round_resends_to_that_worker_alone(codec):
+    net = Network(2, codec=codec, packet_elements=P, pool_size=1)
+    xs = make_inputs(2, 3 * P, P, "normal", seed=4)
+    net.start(xs)
+    net.step()
+    (d0, s0, _), (d1, s1, _) = sorted(net.up, key=lambda item: item[1])
+    net.up = []
+    results = {dst: data for data, dst in net.to_core(0, [(d0, s0), (d1, s1)])}
+    assert set(results) == {s0, s1} and results[s0] == results[s1]  # the same result to every rank
+    h, _ = wire.unpack(results[s0])
+    assert (h["type"], h["chunk"], h["slot"], h["shadow"], h["count"]) == (MsgType.RESULT, 0, 0, 1, P)
+    snap = table_snapshot(net.cores[0], net.job)
+    for data, src in ((d0, s0), (d1, s1), (d0, s0)):
+        before = net.job_counters()
+        out = net.to_core(0, [(data, src)])
+        assert out == [(results[src], src)]  # exactly one datagram, to that rank, byte for byte the result
+        assert counter_diff(before, net.job_counters()) == {"packets_in": 1, "packets_out": 1,
+                                                             "retransmissions": 1, "results_resent": 1}
+    assert_table_equal(snap, table_snapshot(net.cores[0], net.job))
+    # rank 1 moves on: its result makes it send chunk 1 into the same slot's other set (pool 1)
+    (c1, dst), = engine_receive(net.engines[1], [(results[s1], agg_addr(0))], net.now)
+    assert header(c1)["chunk"] == 1 and header(c1)["shadow"] == 0 and dst == agg_addr(0)
+    assert net.to_core(0, [(c1, s1)]) == []  # opens the round in set 0
+    assert net.to_core(0, [(d0, s0)]) == [(results[s0], s0)]  # set 1 still holds chunk 0's result
+    net.down.append((results[s0], agg_addr(0), s0))
+    net.run()
+    assert_results(net, xs)
+
+
+# ---- 6. control plane ---------------------------------------------------------------------------------------
+
+
+def test_join_ack_echoes_parameters():
+    net = Network(3, join=False, pool_size=5, packet_elements=256, seed=2**64 - 1, token=2**63 + 5)
+    replies = net.join_all()
+    assert [dst for _, dst in replies] == [net.addr(r) for r in range(3)]
+    for rank, (data, _) in enumerate(replies):
+        h, body = wire.unpack_join(data)
+        assert (h["type"], h["job"], h["rank"]) == (MsgType.JOIN_ACK, net.job, rank)
+        assert {k: int(body[k]) for k in wire.JOIN.names} == {**net.join_params(), "cores": 1}
+    # a repeated JOIN from the same address is answered again, identically
+    again = net.join(1)
+    assert again == [replies[1]]
+
+
+def test_join_ack_reports_cores():
+    net = Network(2, cores=3, join=False)
+    for data, _ in net.join_all():
+        assert int(wire.unpack_join(data)[1]["cores"]) == 3
+
+
+def test_same_rank_from_another_address_is_refused():
+    net = Network(2, join=False)
+    net.join_all()
+    (reply, dst), = net.join(1, src=STRANGER)
+    assert dst == STRANGER
+    text = error_text(reply)
+    assert "rank 1" in text and header(reply)["job"] == net.job
+    # the binding is unchanged: rank 1's data from the stranger is still dropped, from its own address accepted
+    xs = make_inputs(2, 100, P, "normal", seed=1)
+    net.start(xs)
+    (d1, _, _), = [item for item in net.up if item[1] == net.addr(1)][:1]
+    before = net.job_counters()
+    assert net.to_core(0, [(d1, STRANGER)]) == []
+    assert counter_diff(before, net.job_counters()) == {"packets_in": 1, "drop_unregistered_source": 1}
+    net.run()
+    assert_results(net, xs)
+
+
+@pytest.mark.parametrize("param,value", [("world_size", 4), ("packet_elements", 32), ("pool_size", 3),
+                                         ("codec", int(Codec.INT32)), ("seed", 1)])
+def test_join_with_other_parameters_is_refused(param, value):
+    net = Network(2)
+    (reply, _), = net.join(1, **{param: value})
+    text = error_text(reply)
+    assert param in text and header(reply)["job"] == net.job
+    for other in {"world_size", "packet_elements", "pool_size", "codec", "seed", "token"} - {param}:
+        assert f"{other}=" not in text  # names only what differs
+    xs = make_inputs(2, 200, P, "normal", seed=2)
+    assert_results_of(net, xs)
+
+
+def test_join_with_wrong_token_is_refused():
+    net = Network(2, token=99)
+    (reply, _), = net.join(1, token=5)
+    assert "token" in error_text(reply)
+    xs = make_inputs(2, 200, P, "normal", seed=2)
+    assert_results_of(net, xs)
+
+
+def test_join_with_wrong_token_does_not_reveal_the_token():
+    secret = 0x5EC2E7_5EC2E7
+    net = Network(2, token=secret)
+    (reply, _), = net.join(1, src=STRANGER, token=5)
+    text = error_text(reply)
+    assert str(secret) not in text and hex(secret)[2:] not in text.lower()
+
+
+def assert_results_of(net, xs):
+    net.allreduce(xs)
+    assert_results(net, xs)
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    ({"world_size": 0}, "world size"),
+    ({"world_size": MAX_WORLD + 1}, "world size"),
+    ({"world_size": 2, "rank": 2}, "rank 2"),
+    ({"codec": 2}, "codec"),
+    ({"codec": 255}, "codec"),
+    ({"packet_elements": 0}, "packet elements"),
+    ({"packet_elements": P + 1}, "packet elements"),  # above this aggregator's max_elements (= P)
+    ({"pool_size": 0}, "pool size"),
+])
+def test_join_with_bad_parameters_is_refused(overrides, needle):
+    net = Network(2, join=False)
+    overrides = dict(overrides)
+    rank = overrides.pop("rank", 0)
+    (reply, dst), = net.join(rank, **overrides)
+    assert dst == net.addr(rank) and needle in error_text(reply)
+    assert net.cores[0].info == {} and not net.cores[0].row_used.any()
+
+
+def test_join_without_free_rows_is_refused():
+    core = AggregatorCore(rows=4, max_elements=P)
+    a = Network(2, pool_size=3, aggregators=[core])
+    b = Network(2, pool_size=2, aggregators=[core], job=8, worker_port=6000, join=False)
+    (reply, _), = b.join(0)
+    assert "no free slots" in error_text(reply)
+    assert set(core.info) == {a.job}
+
+
+def test_leave_by_all_ranks_tears_down_and_frees_rows():
+    net = Network(3, pool_size=4)
+    core = net.cores[0]
+    xs = make_inputs(3, 500, P, "normal", seed=6)
+    net.allreduce(xs)
+    rows = core.info[net.job].rows
+    assert core.row_used[rows.start:rows.stop].all()
+    assert net.to_core(0, [(leave(net.job, 0), net.addr(0)), (leave(net.job, 1), net.addr(1))]) == []
+    assert net.job in core.info  # rank 2 has not left
+    assert net.to_core(0, [(leave(net.job, 2), STRANGER)]) == []  # not rank 2's address: ignored
+    assert net.job in core.info
+    assert net.to_core(0, [(leave(net.job, 2), net.addr(2))]) == []
+    assert core.info == {} and not core.row_used.any()
+    assert str(net.job) not in net.stats()["jobs"]
+    # its data is now of an unknown job
+    before = net.core_counters()
+    stale = wire.pack({"type": MsgType.DATA, "job": net.job, "rank": 0, "codec": 0, "count": 0})
+    assert net.to_core(0, [(stale, net.addr(0))]) == []
+    assert counter_diff(before, net.core_counters()) == {"packets_in": 1, "drop_unknown_job": 1}
+    # a new job (same id, new engines starting at allreduce 0) takes the same rows and starts fresh
+    again = Network(3, pool_size=4, aggregators=[core], seed=77)
+    assert core.info[net.job].rows == rows
+    assert all(v == 0 for v in again.job_counters().values())
+    xs2 = make_inputs(3, 500, P, "normal", seed=8)
+    again.allreduce(xs2)
+    assert_results(again, xs2)
+
+
+def test_idle_job_is_torn_down_but_active_one_is_not():
+    core = AggregatorCore(rows=32, max_elements=P, idle_timeout=1.0)
+    Network(2, aggregators=[core], job=1)  # joins, then stays idle
+    active = Network(2, aggregators=[core], job=2, worker_port=6000)
+    assert core.get_timer() == 1.0  # both joined at 0
+    active.now = 0.75
+    xs = make_inputs(2, 300, P, "normal", seed=9)
+    active.allreduce(xs)
+    last = active.now
+    assert core.get_timer() == 1.0  # job 1 is still due first
+    assert core.handle_timer(0.9) == []
+    assert core.handle_timer(1.5) == [1]
+    assert set(core.info) == {2}
+    assert core.get_timer() == pytest.approx(last + 1.0, abs=active.dt)
+    assert core.handle_timer(last + 0.5) == []
+    assert core.handle_timer(last + 1.0 + 2 * active.dt) == [2]
+    assert core.info == {} and core.get_timer() is None and not core.row_used.any()
+
+
+def test_join_counts_as_activity():
+    core = AggregatorCore(rows=32, max_elements=P, idle_timeout=1.0)
+    net = Network(2, aggregators=[core])
+    net.now = 0.8
+    net.join(0)  # repeated JOIN at 0.8
+    assert core.get_timer() == pytest.approx(1.8)
+    assert core.handle_timer(1.5) == []
+
+
+def test_handle_timer_at_get_timer_does_its_work():
+    core = AggregatorCore(rows=32, max_elements=P, idle_timeout=1.0)
+    Network(2, aggregators=[core])
+    deadline = core.get_timer()
+    assert core.handle_timer(deadline) == [7]  # "when handle_timer next has something to do"
+
+
+def test_stats_reply_lists_pending_rounds_and_missing_ranks():
+    net = Network(3, pool_size=4)
+    xs = make_inputs(3, 20 * P, P, "normal", seed=10)
+    net.start(xs)
+    for _ in range(5):  # rank 2 falls silent after its first packets
+        net.step()
+        if _ >= 1:
+            net.up = [item for item in net.up if item[1] != net.addr(2)]
+    (reply, dst), = net.to_core(0, [(stats_request(net.job), STRANGER)])
+    assert dst == STRANGER and msg_type(reply) == MsgType.STATS_REPLY and header(reply)["job"] == net.job
+    stats = json.loads(reply[HDR:])
+    job = stats["jobs"][str(net.job)]
+    assert job["counters"] == net.job_counters()
+    assert stats["core_counters"] == net.core_counters()
+    assert job["params"] == {k: v for k, v in net.join_params().items() if k != "token"}
+    assert sorted(job["members"]) == ["0", "1", "2"]
+    assert {p["slot"] for p in job["pending"]} == {0, 1, 2, 3}
+    assert all(p["missing_ranks"] == [2] for p in job["pending"])
+    assert job["silent_s"]["2"] > job["silent_s"]["0"]
+    # ALL_JOBS, and an unknown job
+    (reply, _), = net.to_core(0, [(stats_request(ALL_JOBS), STRANGER)])
+    assert list(json.loads(reply[HDR:])["jobs"]) == [str(net.job)]
+    (reply, _), = net.to_core(0, [(stats_request(12345), STRANGER)])
+    assert json.loads(reply[HDR:])["jobs"] == {}
+
+
+def test_two_jobs_interleaved_on_one_core():
+    core = AggregatorCore(rows=64, max_elements=256)
+    a = Network(3, codec="cnat8", packet_elements=64, pool_size=4, aggregators=[core], job=1, seed=5)
+    b = Network(2, codec="int32", packet_elements=256, pool_size=3, aggregators=[core], job=2, seed=6,
+                worker_port=6000)
+    assert not set(core.info[1].rows) & set(core.info[2].rows)
+    for seq in range(2):
+        xa = make_inputs(3, 700 - 300 * seq, 64, "mixed", seed=seq)
+        xb = make_inputs(2, 1500 + 100 * seq, 256, "normal", seed=seq + 10)
+        a.start(xa)
+        b.start(xb)
+        Network.run_together([a, b], shuffle_seed=seq)
+        assert_results(a, xa, seq)
+        assert_results(b, xb, seq)
+    assert not a.stray and not b.stray
+    assert all(v == 0 for k, v in a.core_counters().items() if k.startswith("drop_"))
+    for net in (a, b):
+        counters = net.job_counters()
+        assert all(v == 0 for k, v in counters.items() if k.startswith("drop_")), counters
+
+
+# ---- 7. several data-plane cores ----------------------------------------------------------------------------
+
+
+def test_core_accepts_only_its_slots():
+    cores = 3
+    core = AggregatorCore(core=1, cores=cores, rows=16, max_elements=P)
+    replies = core_receive(core, [(join_datagram(7, r, world_size=2, packet_elements=P, pool_size=7, codec=0,
+                                                 seed=1, token=2), worker_addr(r)) for r in range(2)], 0.0)
+    assert [msg_type(d) for d, _ in replies] == [MsgType.JOIN_ACK] * 2
+    assert len(core.info[7].rows) == len(range(1, 7, cores)) == 2
+    for slot in range(8):
+        data = wire.pack({"type": MsgType.DATA, "job": 7, "rank": 0, "slot": slot, "chunk": -1, "codec": 0,
+                          "count": 0, "exp": NO_EXP, "next_exp": NO_EXP})
+        before = core.stats(0.0)["jobs"]["7"]["counters"]
+        assert core_receive(core, [(data, worker_addr(0))], 0.0) == []
+        diff = counter_diff(before, core.stats(0.0)["jobs"]["7"]["counters"])
+        ok = slot % cores == 1 and slot < 7
+        assert diff == {"packets_in": 1, ("contributions" if ok else "drop_slot_out_of_range"): 1}, slot
+    pending = core.stats(0.0)["jobs"]["7"]["pending"]
+    assert sorted(p["slot"] for p in pending) == [1, 4]  # reported by their global slot number
+
+
+def test_core_index_validated():
+    for core, cores in ((2, 2), (-1, 2), (0, 0)):
+        with pytest.raises(ValueError):
+            AggregatorCore(core=core, cores=cores, rows=4, max_elements=P)
+
+
+@pytest.mark.parametrize("cores,pool,codec", [(2, 4, "cnat8"), (3, 5, "int32"), (4, 7, "cnat8"), (2, 3, "int32")])
+def test_multi_core_network_matches_reference(cores, pool, codec):
+    n, size = 3, 17 * P + 9
+    net = Network(n, codec=codec, packet_elements=P, pool_size=pool, cores=cores)
+    xs = make_inputs(n, size, P, "mixed", seed=cores)
+    net.allreduce(xs)
+    assert_results(net, xs)
+    chunks = -(-size // P)
+    window = min(pool, chunks)
+    for i in range(cores):
+        rounds = sum(1 + len(range(s, chunks, window)) for s in range(window) if s % cores == i)
+        counters = net.job_counters(i)
+        assert counters["contributions"] == n * rounds and counters["completions"] == rounds, i
+    # and lossy
+    lossy = Network(n, codec=codec, packet_elements=P, pool_size=pool, cores=cores, drop=0.1, duplicate=0.1,
+                    reorder=0.1, fault_seed=cores)
+    lossy.allreduce(xs)
+    assert_results(lossy, xs)
+
+
+def test_pool_smaller_than_cores_can_join_every_core():
+    net = Network(2, pool_size=1, cores=2, join=False)
+    for core in range(2):
+        for rank in range(2):
+            (reply, _), = net.join(rank, core=core)
+            assert msg_type(reply) == MsgType.JOIN_ACK, reply[HDR:]
+    xs = make_inputs(2, 3 * P, P, "normal", seed=1)
+    net.allreduce(xs)
+    assert_results(net, xs)
+
+
+# ---- robustness of the core's burst interface ---------------------------------------------------------------
+
+
+def test_receive_with_small_tx_burst_is_refused():
+    """A transmit burst smaller than one completion's results (MAX_WORLD) could never make progress: refused."""
+    core = AggregatorCore(rows=4, max_elements=64)
+    with pytest.raises(ValueError, match="at least 64"):
+        core_receive(core, [(wire.pack({"type": 6, "job": 1}), worker_addr(0))], 0.0, tx_rows=32)
+
+
+def test_stats_reply_fits_the_data_plane_tx_layout():
+    net = Network(2, packet_elements=P)  # max_elements = P: tx rows of HDR + 4 * P bytes, as DataPlane allocates
+    out = core_receive(net.cores[0], [(stats_request(net.job), STRANGER)], 0.0, tx_width=HDR + 4 * P)
+    assert len(out) == 1 and msg_type(out[0][0]) == MsgType.STATS_REPLY
+    assert str(net.job) in json.loads(out[0][0][HDR:])["jobs"]
+
+
+def test_control_datagrams_mixed_with_data_in_one_burst():
+    net = Network(2, pool_size=2)
+    xs = make_inputs(2, 4 * P, P, "normal", seed=12)
+    net.start(xs)
+    burst = [(d, s) for d, s, _ in net.up]
+    net.up = []
+    burst.insert(1, (stats_request(net.job), STRANGER))
+    burst.insert(3, (join_datagram(net.job, 1, **net.join_params()), net.addr(1)))
+    out = net.to_core(0, burst)
+    types = sorted(msg_type(d) for d, _ in out)
+    assert types == sorted([MsgType.RESULT] * 4 + [MsgType.STATS_REPLY, MsgType.JOIN_ACK])
+    for data, dst in out:
+        if msg_type(data) == MsgType.RESULT:
+            net.down.append((data, agg_addr(0), dst))
+    net.run()
+    assert_results(net, xs)

@@ -1,0 +1,511 @@
+"""Tests of worker.engine.StreamEngine, alone and end to end with aggregator.core.AggregatorCore through the
+in-process harness (tests/harness.py):
+
+* results bit for bit equal to protocol.reference.allreduce, at every rank, over world sizes, codecs, sizes around
+  the packet size, pools smaller and larger than the chunk count, and awkward inputs (zero chunks, C_nat
+  saturation, values below 2**-50); the saturation counters against the oracle;
+* the same bits under seeded loss, duplication and reordering in both directions;
+* consecutive allreduces on the same engines: shadow-set parity over the job's life, delayed duplicates;
+* the engine's own checks on results (foreign, stale, malformed) and its retransmission timers.
+"""
+
+import numpy as np
+import pytest
+from harness import (
+    AGG_IP,
+    Network,
+    addr_key,
+    agg_addr,
+    assert_table_equal,
+    counter_diff,
+    engine_receive,
+    engine_start,
+    engine_timer,
+    header,
+    make_inputs,
+    reference_saturation,
+    table_snapshot,
+    with_header,
+    with_payload_byte,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from protocol import reference, wire
+from protocol.packet import HDR
+from protocol.wire import NO_EXP, Codec, MsgType
+from worker.engine import STAT_NAMES, StreamEngine
+
+CODECS = ["cnat8", "int32"]
+SEED = 123
+FEW = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def ref(xs, codec, P, seq=0, seed=SEED):
+    return reference.allreduce(xs, codec=codec, seed=seed, allreduce_seq=seq, packet_elements=P)
+
+
+def assert_all_equal(results, expected):
+    for rank, got in enumerate(results):
+        assert got.dtype == np.float32 and got.shape == expected.shape
+        bad = np.flatnonzero(got.view(np.uint32) != expected.view(np.uint32))
+        assert bad.size == 0, f"rank {rank}: {bad.size} elements differ, first {bad[:5]}: {got[bad[:5]]} != " \
+                              f"{expected[bad[:5]]}"
+
+
+def check_saturation(net, xs, P, seq=0):
+    """Engine and aggregator saturation counters equal the oracle's (cnat8 only)."""
+    worker, switch = reference_saturation(xs, seed=net.seed, allreduce_seq=seq, packet_elements=P)
+    assert [e.counters()["saturated_elements"] for e in net.engines] == worker
+    assert net.total_job_counters()["saturated_elements"] == switch
+    return worker, switch
+
+
+# ---- 1. bit for bit against the reference -------------------------------------------------------------------
+
+KINDS = ["normal", "zero_chunks", "zeros", "huge", "tiny", "mixed"]
+P64 = 64
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("size", [0, 1, P64 - 1, P64, P64 + 1, 2 * P64 + 37, 5 * P64 + 1])
+@pytest.mark.parametrize("pool", [2, 16])
+def test_matches_reference(codec, n, size, pool):
+    kind = KINDS[(n + size + pool) % len(KINDS)]
+    xs = make_inputs(n, size, P64, kind, seed=size * 31 + n)
+    net = Network(n, codec=codec, packet_elements=P64, pool_size=pool)
+    results = net.allreduce(xs)
+    assert_all_equal(results, ref(xs, codec, P64))
+    chunks = -(-size // P64)
+    assert all(e.progress == (chunks, chunks) for e in net.engines)
+    if codec == "cnat8":
+        check_saturation(net, xs, P64)
+
+
+@FEW
+@given(
+    n=st.sampled_from([1, 2, 3, 4, 8]),
+    codec=st.sampled_from(CODECS),
+    P=st.sampled_from([64, 256, 1024]),
+    size_kind=st.sampled_from(["0", "1", "P-1", "P", "P+1", "odd", "any"]),
+    extra=st.integers(0, 3 * 1024),
+    pool=st.integers(1, 9),
+    kind=st.sampled_from(KINDS),
+    seed=st.integers(0, 2**64 - 1),
+    data_seed=st.integers(0, 2**32),
+)
+def test_matches_reference_property(n, codec, P, size_kind, extra, pool, kind, seed, data_seed):
+    size = {"0": 0, "1": 1, "P-1": P - 1, "P": P, "P+1": P + 1, "odd": 2 * P + (2 * (extra % P) + 1) % P,
+            "any": extra}[size_kind]
+    xs = make_inputs(n, size, P, kind, data_seed)
+    net = Network(n, codec=codec, packet_elements=P, pool_size=pool, seed=seed)
+    results = net.allreduce(xs)
+    assert_all_equal(results, ref(xs, codec, P, seed=seed))
+    if codec == "cnat8":
+        check_saturation(net, xs, P)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_cnat_saturation_counted_and_matches_reference(n):
+    P = 64
+    xs = make_inputs(n, 3 * P + 5, P, "huge", seed=n)
+    assert max(float(np.abs(x).max()) for x in xs) > 2**10
+    net = Network(n, codec="cnat8", packet_elements=P, pool_size=3)
+    results = net.allreduce(xs)
+    expected = ref(xs, "cnat8", P)
+    assert_all_equal(results, expected)
+    worker, switch = check_saturation(net, xs, P)
+    assert all(w > 0 for w in worker) and switch > 0
+    assert np.abs(expected).max() == 2**10  # saturated to 2**10, never beyond
+
+
+def test_tiny_values_below_cnat_range():
+    P, n = 64, 3
+    xs = make_inputs(n, 2 * P + 3, P, "tiny", seed=5)
+    assert max(float(np.abs(x).max()) for x in xs) < 2**-50
+    net = Network(n, codec="cnat8", packet_elements=P, pool_size=2)
+    results = net.allreduce(xs)
+    expected = ref(xs, "cnat8", P)
+    assert_all_equal(results, expected)
+    # every result is 0 or a power of two >= 2**-50 (sums of units 2**-50), and not everything rounded to zero
+    assert np.all((expected == 0) | (np.abs(expected) >= 2.0**-50))
+    assert np.count_nonzero(expected) > 0
+
+
+# ---- 2. loss, duplication, reordering -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "codec,n,drop,duplicate,reorder,fault_seed",
+    [
+        ("cnat8", 2, 0.1, 0.1, 0.1, 1),
+        ("cnat8", 4, 0.1, 0.1, 0.1, 2),
+        ("cnat8", 3, 0.1, 0.0, 0.0, 3),
+        ("cnat8", 4, 0.0, 0.1, 0.1, 4),
+        ("int32", 2, 0.1, 0.1, 0.1, 5),
+        ("int32", 4, 0.1, 0.05, 0.1, 6),
+    ],
+)
+def test_faults_do_not_change_results(codec, n, drop, duplicate, reorder, fault_seed):
+    P, pool, size = 64, 4, 40 * 64 + 13
+    xs = make_inputs(n, size, P, "mixed" if codec == "cnat8" else "normal", seed=fault_seed)
+    clean = Network(n, codec=codec, packet_elements=P, pool_size=pool).allreduce(xs)
+    assert_all_equal(clean, ref(xs, codec, P))
+    net = Network(n, codec=codec, packet_elements=P, pool_size=pool, drop=drop, duplicate=duplicate,
+                  reorder=reorder, fault_seed=fault_seed)
+    assert_all_equal(net.allreduce(xs), clean[0])
+    for link in (net.uplink, net.downlink):
+        assert link.counts["dropped"] > 0 if drop else link.counts["dropped"] == 0
+        assert link.counts["duplicated"] > 0 if duplicate else True
+        assert link.counts["reordered"] > 0 if reorder else True
+    agg = net.total_job_counters()
+    assert agg["retransmissions"] > 0 and agg["results_resent"] > 0
+    if drop:
+        assert sum(e.counters()["retransmissions"] for e in net.engines) > 0
+    assert sum(e.counters()["drop_stale"] for e in net.engines) > 0  # duplicate results were seen and dropped
+    if codec == "cnat8":
+        check_saturation(net, xs, P)  # retransmissions are not re-encoded, so not counted twice
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    n=st.sampled_from([2, 3, 4]),
+    codec=st.sampled_from(CODECS),
+    drop=st.floats(0, 0.1),
+    duplicate=st.floats(0, 0.1),
+    reorder=st.floats(0, 0.1),
+    fault_seed=st.integers(0, 10**6),
+    pool=st.integers(1, 6),
+)
+def test_faults_property(n, codec, drop, duplicate, reorder, fault_seed, pool):
+    P = 64
+    xs = make_inputs(n, 12 * P + 7, P, "mixed", seed=fault_seed)
+    net = Network(n, codec=codec, packet_elements=P, pool_size=pool, drop=drop, duplicate=duplicate,
+                  reorder=reorder, fault_seed=fault_seed)
+    assert_all_equal(net.allreduce(xs), ref(xs, codec, P))
+
+
+# ---- 3. consecutive allreduces ------------------------------------------------------------------------------
+
+
+def expected_parity(pool, sizes, P):
+    """Uses of each slot over the job's life mod 2: one bootstrap round plus one round per chunk."""
+    uses = np.zeros(pool, np.int64)
+    for size in sizes:
+        chunks = -(-size // P)
+        window = min(pool, chunks)
+        for s in range(window):
+            uses[s] += 1 + len(range(s, chunks, window))
+    return uses % 2
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("faults", [0.0, 0.08])
+def test_consecutive_allreduces(codec, faults):
+    P, pool, n = 64, 4, 3
+    sizes = [1000, 300, 5, 0, 700, 64]  # windows 4, 4, 1, 0, 4, 1
+    net = Network(n, codec=codec, packet_elements=P, pool_size=pool, drop=faults, duplicate=faults,
+                  reorder=faults, fault_seed=11, record=True)
+    for seq, size in enumerate(sizes):
+        xs = make_inputs(n, size, P, "normal", seed=100 + seq)
+        assert_all_equal(net.allreduce(xs), ref(xs, codec, P, seq=seq))
+        for e in net.engines:
+            assert e.allreduce_seq == seq
+            assert np.array_equal(e.parity, expected_parity(pool, sizes[:seq + 1], P))
+    # on the wire: each rank's successive rounds in a slot alternate shadow sets 0, 1, 0, 1, ... over the job
+    for rank in range(n):
+        for slot in range(pool):
+            rounds = {}
+            for data, src, _ in net.sent_up:
+                h = header(data)
+                if src == net.addr(rank) and h["slot"] == slot:
+                    rounds.setdefault((int(h["allreduce"]), int(h["chunk"])), int(h["shadow"]))
+            assert list(rounds) == sorted(rounds)
+            assert list(rounds.values()) == [i % 2 for i in range(len(rounds))]
+
+
+def test_delayed_duplicate_from_earlier_allreduce_is_stale():
+    P, pool, n, codec = 64, 4, 2, "cnat8"
+    net = Network(n, codec=codec, packet_elements=P, pool_size=pool, record=True)
+    for seq, size in enumerate([600, 200]):
+        xs = make_inputs(n, size, P, "normal", seed=seq)
+        assert_all_equal(net.allreduce(xs), ref(xs, codec, P, seq=seq))
+    old = next(d for d, src, _ in net.sent_up
+               if src == net.addr(0) and header(d)["allreduce"] == 0 and header(d)["chunk"] == 0)
+    h = header(old)
+    assert h["type"] == MsgType.DATA and h["slot"] == 0 and h["count"] == P
+    xs = make_inputs(n, 900, P, "normal", seed=7)
+    net.start(xs)
+    net.step()
+    net.step()
+    core = net.cores[0]
+    row = core.info[net.job].rows.start
+    old_key = (0 << 32) | (0 + 2**31)
+    assert core.table.round_key[row, h["shadow"]] > old_key  # the set was used again since
+    before, snap = net.job_counters(), table_snapshot(core, net.job)
+    assert net.to_core(0, [(old, net.addr(0))]) == []
+    assert counter_diff(before, net.job_counters()) == {"packets_in": 1, "drop_stale": 1}
+    assert_table_equal(snap, table_snapshot(core, net.job))
+    net.run()
+    assert_all_equal([e.result for e in net.engines], ref(xs, codec, P, seq=2))
+
+
+# ---- 8. the engine alone ------------------------------------------------------------------------------------
+
+AGG = agg_addr(0)
+JOB, RANK, N, P8, POOL, ESEED = 7, 1, 2, 8, 2, 5
+
+
+def lone_engine(codec=Codec.CNAT8, size=20, agg_addrs=(AGG,), rto=0.02, min_rto=0.005, max_rto=1.0, pool=POOL):
+    engine = StreamEngine(job=JOB, rank=RANK, world_size=N, codec=codec, packet_elements=P8, pool_size=pool,
+                          seed=ESEED, agg_addrs=list(agg_addrs), rto=rto, min_rto=min_rto, max_rto=max_rto)
+    x = ((np.arange(size) % 8 - 3.5) * 1.5).astype(np.float32)  # |x| <= 5.25: every chunk has E = 3
+    sent = engine_start(engine, x, 0.0)
+    return engine, x, sent
+
+
+def result_for(data: bytes, *, next_exp: int, payload: bytes | None = None, **fields) -> bytes:
+    """The RESULT answering DATA datagram ``data`` (same round), with a given payload."""
+    h = header(data)
+    count = int(h["count"])
+    codec = Codec(int(h["codec"]))
+    if payload is None:
+        if codec == Codec.CNAT8:
+            payload = bytes([0x40 | (int(h["exp"]) + 50)] * count)  # every element 2**E
+        else:
+            payload = np.full(count, 3, ">i4").tobytes()
+    fields = {"type": MsgType.RESULT, "job": int(h["job"]), "allreduce": int(h["allreduce"]),
+              "chunk": int(h["chunk"]), "rank": 0, "slot": int(h["slot"]), "count": count, "codec": int(codec),
+              "shadow": int(h["shadow"]), "exp": int(h["exp"]), "next_exp": next_exp, **fields}
+    return wire.pack(fields, payload)
+
+
+def engine_state(engine):
+    return engine.state.cur_chunk.copy(), engine.parity.copy(), engine.result.copy(), engine.state.agreed_exp.copy()
+
+
+def test_engine_start_sends_bootstrap_chunks():
+    engine, x, sent = lone_engine()
+    assert len(sent) == POOL
+    for s, (data, dst) in enumerate(sent):
+        assert dst == AGG
+        h, payload = wire.unpack(data)
+        assert (h["type"], h["job"], h["rank"], h["slot"], h["allreduce"]) == (MsgType.DATA, JOB, RANK, s, 0)
+        assert (h["chunk"], h["count"], h["shadow"], h["exp"]) == (s - POOL, 0, 0, NO_EXP)
+        assert h["next_exp"] == reference.chunk_exponent(x[s * P8:(s + 1) * P8], -50, 10) == 3
+        assert payload.size == 0
+    assert engine.counters()["packets_out"] == POOL
+
+
+def test_engine_accepts_results_and_decodes():
+    engine, x, sent = lone_engine()
+    out = engine_receive(engine, [(result_for(sent[0][0], next_exp=4), AGG)], 0.001)
+    assert len(out) == 1
+    h, payload = wire.unpack(out[0][0])
+    assert (h["chunk"], h["slot"], h["shadow"], h["exp"], h["count"]) == (0, 0, 1, 4, P8)
+    # chunk 0 was encoded against the agreed exponent 4, keyed by (seed, worker stream of rank 1, index)
+    codes, _ = reference.encode(x[:P8], seed=ESEED, stream=(0 << 24) | (1 << 16) | RANK, offset=0, floor=4 - 29)
+    assert np.array_equal(payload, codes)
+    assert h["next_exp"] == 3  # its exponent for chunk 2 (the next in slot 0)
+    engine_receive(engine, [(result_for(sent[1][0], next_exp=3), AGG)], 0.001)
+    chunk0 = out[0][0]
+    out = engine_receive(engine, [(result_for(chunk0, next_exp=5), AGG)], 0.002)
+    assert np.all(engine.result[:P8] == 2.0**4)
+    assert header(out[0][0])["chunk"] == 2 and header(out[0][0])["exp"] == 5
+    assert engine.counters()["results"] == 3 and engine.progress == (1, 3)
+
+
+def _drop_cases(boot: bytes, data0: bytes):
+    """(name, datagram, source, counter) for results the engine must drop while slot 0 waits for chunk 0."""
+    good = result_for(data0, next_exp=3)
+    other_agg = addr_key(AGG_IP, 40000)
+    cases = [
+        ("wrong job", result_for(data0, next_exp=3, job=JOB + 1), AGG, "drop_foreign"),
+        ("wrong source", good, other_agg, "drop_foreign"),
+        ("wrong source (worker)", good, addr_key(0x7F000002, 5000), "drop_foreign"),
+        ("slot beyond window", result_for(data0, next_exp=3, slot=POOL), AGG, "drop_foreign"),
+        ("wrong allreduce", result_for(data0, next_exp=3, allreduce=1), AGG, "drop_stale"),
+        ("wrong chunk", result_for(data0, next_exp=3, chunk=2), AGG, "drop_stale"),
+        ("old round (duplicate bootstrap result)", result_for(boot, next_exp=3), AGG, "drop_stale"),
+        ("wrong shadow", result_for(data0, next_exp=3, shadow=0), AGG, "drop_stale"),
+        ("short", good[:HDR - 1], AGG, "drop_malformed"),
+        ("empty", b"", AGG, "drop_malformed"),
+        ("bad magic", with_header(good, magic=0x4E49), AGG, "drop_malformed"),
+        ("bad version", with_header(good, version=2), AGG, "drop_malformed"),
+        ("DATA type", with_header(good, type=MsgType.DATA), AGG, "drop_malformed"),
+        ("ERROR type", with_header(good, type=MsgType.ERROR), AGG, "drop_malformed"),
+        ("wrong codec", with_header(good, codec=1), AGG, "drop_malformed"),
+        ("count too small", with_header(good, count=P8 - 1)[:-1], AGG, "drop_malformed"),
+        ("count too large", result_for(data0, next_exp=3, count=P8 + 1, payload=b"\x40" * (P8 + 1)), AGG,
+         "drop_malformed"),
+        ("length > count", good + b"\x00", AGG, "drop_malformed"),
+        ("length < count", good[:-1], AGG, "drop_malformed"),
+        ("wrong exponent", with_header(good, exp=int(header(good)["exp"]) - 1), AGG, "drop_malformed"),
+        ("next_exp above range", with_header(good, next_exp=11), AGG, "drop_malformed"),
+        ("next_exp below range", with_header(good, next_exp=-51), AGG, "drop_malformed"),
+        ("invalid code 0x80", with_payload_byte(good, 3, 0x80), AGG, "drop_malformed"),
+        ("invalid code 0x3F", with_payload_byte(good, 0, 0x3F), AGG, "drop_malformed"),
+        ("invalid code k=61", with_payload_byte(good, P8 - 1, 0x40 | 61), AGG, "drop_malformed"),
+        ("invalid code 0xFF", with_payload_byte(good, 2, 0xFF), AGG, "drop_malformed"),
+    ]
+    return good, cases
+
+
+def test_engine_drops_bad_results_and_counts_them():
+    engine, _, sent = lone_engine()
+    boot = result_for(sent[0][0], next_exp=3)
+    (data0, _), = engine_receive(engine, [(boot, AGG)], 0.001)
+    good, cases = _drop_cases(boot, data0)
+    for name, datagram, src, counter in cases:
+        before, state = engine.counters(), engine_state(engine)
+        assert engine_receive(engine, [(datagram, src)], 0.002) == [], name
+        assert counter_diff(before, engine.counters()) == {"packets_in": 1, counter: 1}, name
+        for a, b in zip(state, engine_state(engine)):
+            assert np.array_equal(a, b), name
+    # all of them in one burst, then the good one: only the good one counts
+    before = engine.counters()
+    burst = [(d, s) for _, d, s, _ in cases] + [(good, AGG)]
+    out = engine_receive(engine, burst, 0.003)
+    assert len(out) == 1 and header(out[0][0])["chunk"] == 2
+    diff = counter_diff(before, engine.counters())
+    assert diff.pop("results") == 1 and diff.pop("packets_out") == 1 and diff.pop("packets_in") == len(burst)
+    expect = {}
+    for _, _, _, counter in cases:
+        expect[counter] = expect.get(counter, 0) + 1
+    assert diff == expect
+    assert np.all(engine.result[:P8] == 2.0**3)
+    # and a duplicate of the accepted result is now stale
+    before = engine.counters()
+    assert engine_receive(engine, [(good, AGG)], 0.004) == []
+    assert counter_diff(before, engine.counters()) == {"packets_in": 1, "drop_stale": 1}
+
+
+def test_engine_int32_result_checks():
+    engine, _, sent = lone_engine(codec=Codec.INT32)
+    (data0, _), = engine_receive(engine, [(result_for(sent[0][0], next_exp=3), AGG)], 0.001)
+    h = header(data0)
+    assert h["codec"] == Codec.INT32 and h["exp"] == 3 and len(data0) == HDR + 4 * P8
+    good = result_for(data0, next_exp=3)
+    for bad in (with_header(good, next_exp=-127), with_header(good, codec=0), good[:-2], good + b"\0\0\0\0",
+                with_header(good, exp=4)):
+        before = engine.counters()
+        assert engine_receive(engine, [(bad, AGG)], 0.002) == []
+        assert counter_diff(before, engine.counters()) == {"packets_in": 1, "drop_malformed": 1}
+    assert len(engine_receive(engine, [(good, AGG)], 0.003)) == 1
+    s = 31 - N.bit_length()
+    assert np.all(engine.result[:P8] == np.float32(3 * 2.0 ** (3 - s)))
+
+
+def test_engine_multi_core_source_check():
+    cores = [agg_addr(0), agg_addr(1)]
+    engine, _, sent = lone_engine(agg_addrs=cores)
+    assert [dst for _, dst in sent] == cores  # slot s goes to core s % 2
+    before = engine.counters()
+    r1 = result_for(sent[1][0], next_exp=3)
+    assert engine_receive(engine, [(r1, cores[0])], 0.001) == []  # slot 1's result from core 0: foreign
+    assert counter_diff(before, engine.counters()) == {"packets_in": 1, "drop_foreign": 1}
+    (out, dst), = engine_receive(engine, [(r1, cores[1])], 0.001)
+    assert dst == cores[1] and header(out)["chunk"] == 1
+
+
+def test_engine_late_result_of_earlier_allreduce_is_stale_not_foreign():
+    # allreduce 0 uses slots 0 and 1, allreduce 1 (one chunk) only slot 0; a delayed duplicate of allreduce 0's
+    # result for slot 1 arrives from the right aggregator, for the right job: it is of "another allreduce",
+    # which the engine docstring calls stale; "foreign" is reserved for another job or source.
+    engine, _, sent = lone_engine(size=2 * P8)
+    boot = [result_for(d, next_exp=3) for d, _ in sent]
+    data = [d for d, _ in engine_receive(engine, [(b, AGG) for b in boot], 0.001)]
+    late = result_for(data[1], next_exp=NO_EXP)
+    assert engine_receive(engine, [(result_for(data[0], next_exp=NO_EXP), AGG), (late, AGG)], 0.002) == []
+    assert engine.done
+    engine_start(engine, np.ones(3, np.float32), 0.01)  # one chunk: window 1
+    before = engine.counters()
+    assert engine_receive(engine, [(late, AGG)], 0.02) == []
+    assert counter_diff(before, engine.counters()) == {"packets_in": 1, "drop_stale": 1}
+
+
+def test_engine_timers_retransmit_identically_with_backoff():
+    engine, _, sent = lone_engine(rto=1.0, min_rto=0.25, max_rto=5.0)
+    assert engine.get_timer() == 1.0
+    assert engine_timer(engine, 0.999) == []
+    t, deadlines = 1.0, []
+    for _ in range(6):
+        out = engine_timer(engine, t)
+        assert out == sent  # the stored datagrams, byte for byte, to the same addresses
+        deadlines.append(engine.get_timer() - t)
+        t = engine.get_timer()
+    assert deadlines == [2.0, 4.0, 5.0, 5.0, 5.0, 5.0]  # doubling, capped at max_rto
+    assert engine.counters()["retransmissions"] == 6 * POOL
+    assert engine.counters()["packets_out"] == 7 * POOL
+    assert engine.rto == 1.0  # no round-trip sample yet: the initial RTO
+
+
+class Rfc6298:
+    """The RTO estimator of RFC 6298 (alpha 1/8, beta 1/4, K 4), bounded to [lo, hi]."""
+
+    def __init__(self, rto, lo, hi):
+        self.srtt = None
+        self.rttvar = 0.0
+        self.rto, self.lo, self.hi = rto, lo, hi
+
+    def sample(self, r):
+        if self.srtt is None:
+            self.srtt, self.rttvar = r, r / 2
+        else:
+            self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - r)
+            self.srtt = 0.875 * self.srtt + 0.125 * r
+        self.rto = min(self.hi, max(self.lo, self.srtt + 4 * self.rttvar))
+
+
+def test_engine_timer_earliest_deadline_and_adaptive_rto():
+    model = Rfc6298(1.0, 0.25, 8.0)
+    engine, _, sent = lone_engine(rto=1.0, min_rto=0.25, max_rto=8.0)
+    # slot 0's bootstrap result after 0.5: first sample; its next chunk is sent with the new RTO
+    (data0, _), = engine_receive(engine, [(result_for(sent[0][0], next_exp=3), AGG)], 0.5)
+    model.sample(0.5)
+    assert engine.rto == model.rto == 1.5
+    assert engine.get_timer() == 1.0  # slot 1 still waits on its first RTO; slot 0 is due at 0.5 + 1.5
+    assert engine_timer(engine, 1.0) == [sent[1]]  # only the expired slot
+    assert engine.get_timer() == 2.0  # slot 0: 0.5 + 1.5; slot 1: 1.0 + 2 * 1.0
+    # slot 1's result after its retransmission: no sample (Karn); its next chunk gets the current RTO
+    (data1, _), = engine_receive(engine, [(result_for(sent[1][0], next_exp=3), AGG)], 1.25)
+    assert engine.rto == model.rto
+    assert engine.get_timer() == 2.0
+    # slot 0's chunk 0 result, 1.0 after it was sent: a second sample; chunk 2 goes out with the new RTO
+    (data2, _), = engine_receive(engine, [(result_for(data0, next_exp=3), AGG)], 1.5)
+    model.sample(1.0)
+    assert engine.rto == model.rto == 1.8125
+    assert header(data2)["chunk"] == 2
+    assert engine.get_timer() == 1.25 + 1.5  # slot 1 (sent at 1.25) before slot 0 (1.5 + 1.8125)
+    assert engine.counters()["retransmissions"] == 1
+    assert engine_timer(engine, 2.75) == [(data1, AGG)]
+    assert engine.get_timer() == 1.5 + 1.8125
+
+
+def test_engine_rto_bounded_by_min_and_max():
+    for sample, expect in ((0.001, 0.25), (4.0, 5.0)):
+        engine, _, sent = lone_engine(rto=1.0, min_rto=0.25, max_rto=5.0)
+        engine_receive(engine, [(result_for(sent[0][0], next_exp=3), AGG)], sample)
+        assert engine.rto == expect
+        model = Rfc6298(1.0, 0.25, 5.0)
+        model.sample(sample)
+        assert model.rto == expect
+
+
+def test_engine_rejects_inconsistent_rto_bounds():
+    for rto, lo, hi in ((0.5, 1.0, 2.0), (3.0, 1.0, 2.0), (0.1, 0.0, 1.0)):
+        with pytest.raises(ValueError):
+            lone_engine(rto=rto, min_rto=lo, max_rto=hi)
+
+
+def test_engine_done_and_timer_with_nothing_in_flight():
+    engine, _, sent = lone_engine(size=0)
+    assert sent == [] and engine.done and engine.get_timer() == float("inf")
+    assert engine_timer(engine, 100.0) == []
+    assert engine.result.size == 0
+
+
+def test_engine_counters_names():
+    engine, _, _ = lone_engine()
+    assert set(engine.counters()) == set(STAT_NAMES)
