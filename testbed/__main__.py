@@ -22,8 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("--workers", type=positive(), default=4)
     ar.add_argument("--elements", type=positive(), default=25_000_000)
     ar.add_argument("--codec", choices=("cnat8", "int32"), default="cnat8")
-    ar.add_argument("--packet-elements", type=positive(), default=16384,
-                    help="elements per packet (default 16384: loopback carries 64 KiB datagrams)")
+    ar.add_argument("--packet-elements", type=positive(), default=None,
+                    help="elements per packet (default 16384 for cnat8, 8192 for int32: 64 KiB loopback datagrams)")
     ar.add_argument("--pool", type=positive(), default=64, help="slots in the job's pool (default 64)")
     ar.add_argument("--cores", type=positive(), default=1, help="aggregator data-plane processes (default 1)")
     ar.add_argument("--warmup", type=int, default=2)
@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "bench" and args.bench == "allreduce":
         from testbed import bench_allreduce
 
-        bench_allreduce.run(args.workers, args.elements, args.codec, args.packet_elements, args.pool, args.cores,
+        packet_elements = args.packet_elements or (16384 if args.codec == "cnat8" else 8192)
+        bench_allreduce.run(args.workers, args.elements, args.codec, packet_elements, args.pool, args.cores,
                             args.warmup, args.rounds, not args.no_gloo, args.json)
     elif args.command == "demo":
         from testbed import bench_allreduce, bench_codec
