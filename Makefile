@@ -5,12 +5,16 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test clean
 
 $(STAMP): pyproject.toml Makefile
+	@# The namespace cluster (tests, bench cluster) needs iproute2 and nftables; as root, install them.
+	@if [ "$$(id -u)" = 0 ] && ! command -v nft >/dev/null; then \
+		(apt-get update -qq && apt-get install -y -qq nftables iproute2 >/dev/null) \
+		|| echo "could not install nftables: the namespace cluster tests will be skipped"; fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,torch]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,torch,plot]'
 	touch $@
 
 demo: $(STAMP)

@@ -30,6 +30,35 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("--rounds", type=positive(), default=5)
     ar.add_argument("--no-gloo", action="store_true", help="skip the Gloo anchor")
     ar.add_argument("--json", action="store_true")
+    cl = bench.add_parser("cluster", help="intml vs Gloo over shaped links between network namespaces (root)")
+    cl.add_argument("--workers", type=positive(), nargs="+", default=[4], help="worker counts (default 4)")
+    cl.add_argument("--rate", nargs="+", default=["100mbit"], help="link rates, e.g. 100mbit 500mbit 1gbit")
+    cl.add_argument("--elements", type=positive(), default=None,
+                    help="tensor size (default: about 0.3 s of cnat8 traffic at the rate, at most 10M)")
+    cl.add_argument("--mtu", type=int, choices=(1500, 9000), default=1500)
+    cl.add_argument("--loss", type=float, default=0.0, help="random loss per link direction, e.g. 0.01")
+    cl.add_argument("--pool", type=positive(), default=64)
+    cl.add_argument("--warmup", type=int, default=1)
+    cl.add_argument("--rounds", type=positive(), default=3)
+    cl.add_argument("--plot", help="write a PNG of time per allreduce against n")
+    cl.add_argument("--json", action="store_true")
+    lo = bench.add_parser("loss", help="consecutive allreduces under loss vs the loss-free run (root)")
+    lo.add_argument("--workers", type=positive(), default=4)
+    lo.add_argument("--rate", default="500mbit")
+    lo.add_argument("--elements", type=positive(), default=1_000_000)
+    lo.add_argument("--loss", type=float, nargs="+", default=[0.01, 0.05])
+    lo.add_argument("--mtu", type=int, choices=(1500, 9000), default=1500)
+    lo.add_argument("--pool", type=positive(), default=64)
+    lo.add_argument("--rounds", type=positive(), default=20)
+    lo.add_argument("--json", action="store_true")
+    cluster = commands.add_parser("cluster", help="manage namespace clusters").add_subparsers(
+        dest="cluster", required=True)
+    up = cluster.add_parser("up", help="build a topology and keep it until Ctrl-C")
+    up.add_argument("--workers", type=positive(), default=4)
+    up.add_argument("--rate", default="100mbit")
+    up.add_argument("--mtu", type=int, choices=(1500, 9000), default=1500)
+    up.add_argument("--loss", type=float, default=0.0)
+    cluster.add_parser("cleanup", help="remove namespaces left by crashed runs (names starting intml-)")
     commands.add_parser("demo", help="what `make demo` runs")
     return parser
 
@@ -46,6 +75,30 @@ def main(argv: list[str] | None = None) -> int:
         packet_elements = args.packet_elements or (16384 if args.codec == "cnat8" else 8192)
         bench_allreduce.run(args.workers, args.elements, args.codec, packet_elements, args.pool, args.cores,
                             args.warmup, args.rounds, not args.no_gloo, args.json)
+    elif args.command == "bench" and args.bench in ("cluster", "loss"):
+        from testbed import bench_cluster, netns
+
+        if problem := netns.missing_requirements():
+            raise SystemExit(f"intml-testbed: {problem}")
+        try:
+            if args.bench == "cluster":
+                bench_cluster.run(args.workers, args.rate, args.elements, args.mtu, args.loss, args.warmup,
+                                  args.rounds, args.pool, args.json, args.plot)
+            else:
+                bench_cluster.run_loss(args.workers, args.rate, args.elements, args.loss, args.mtu, args.rounds,
+                                       args.pool, args.json)
+        except (ValueError, netns.ClusterError) as exc:
+            raise SystemExit(f"intml-testbed: {exc}") from None
+    elif args.command == "cluster":
+        from testbed import netns
+
+        if problem := netns.missing_requirements():
+            raise SystemExit(f"intml-testbed: {problem}")
+        if args.cluster == "cleanup":
+            removed = netns.remove_namespaces()
+            print(f"removed {len(removed)} namespaces" + (f": {' '.join(removed)}" if removed else ""))
+        else:
+            netns.hold(args.workers, args.rate, args.mtu, args.loss)
     elif args.command == "demo":
         from testbed import bench_allreduce, bench_codec
 

@@ -8,17 +8,17 @@ times torch.distributed.all_reduce with Gloo on the same tensor size and prints 
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
 import numpy as np
 
 from protocol.packet import HDR
 from protocol.wire import Codec
+from testbed import rank
+from testbed.procs import run_ranks
 from testbed.timing import emit
 
 JOB = 1
@@ -46,59 +46,37 @@ def aggregator(cores: int, max_packet_elements: int, host: str = "127.0.0.1",
             proc.wait()
 
 
-def _rank(rank: int, world: int, address: str, elements: int, codec: str, packet_elements: int, pool: int,
-          warmup: int, rounds: int, barrier, results) -> None:
-    from worker import Worker
-
-    x = np.random.default_rng(rank).standard_normal(elements).astype(np.float32)
-    try:
-        with Worker(address, job=JOB, rank=rank, world_size=world, token="bench", codec=codec,
-                    packet_elements=packet_elements, pool_size=pool, seed=1, timeout=60) as w:
-            times = []
-            for i in range(warmup + rounds):
-                barrier.wait(timeout=120)
-                start = time.perf_counter()
-                w.allreduce(x)
-                if i >= warmup:
-                    times.append(time.perf_counter() - start)
-            results.put((rank, times, w.counters()))
-    except Exception as exc:  # report, so the parent fails with the reason instead of a barrier timeout
-        results.put((rank, repr(exc), {}))
-        barrier.abort()
-
-
-def run_intml(workers: int, elements: int, codec: str, packet_elements: int, pool: int, cores: int, warmup: int,
-              rounds: int, address: str | None = None) -> dict:
-    """Median seconds per allreduce over `rounds` (each round timed by its slowest rank)."""
-    ctx = mp.get_context("spawn")
-    barrier, results = ctx.Barrier(workers), ctx.Queue()
-    with contextlib.ExitStack() as stack:
-        if address is None:
-            address = f"127.0.0.1:{stack.enter_context(aggregator(cores, packet_elements))}"
-        procs = [ctx.Process(target=_rank, args=(r, workers, address, elements, codec, packet_elements, pool,
-                                                 warmup, rounds, barrier, results)) for r in range(workers)]
-        for p in procs:
-            p.start()
-        try:
-            reports = [results.get(timeout=600) for _ in procs]
-        finally:
-            for p in procs:
-                p.join(timeout=10)
-                if p.is_alive():
-                    p.kill()
-    failed = [f"rank {r}: {t}" for r, t, _ in reports if isinstance(t, str)]
-    if failed:
-        raise RuntimeError("intml benchmark failed: " + "; ".join(failed))
-    per_round = np.max([t for _, t, _ in reports], axis=0)
-    counters = {r: c for r, _, c in reports}
+def run_ranks_intml(aggregators: list[str], elements: int, codec: str, packet_elements: int, pool: int,
+                    warmup: int, rounds: int, prefixes: list[list[str]] | None = None, job: int = JOB,
+                    timeout: float = 600.0) -> dict:
+    """Run one testbed.rank per entry of `aggregators` (the address rank r sends to), each optionally under a
+    command prefix; round i takes as long as its slowest rank."""
+    workers = len(aggregators)
+    argvs = [[*(prefixes[r] if prefixes else []),
+              *rank.command(aggregators[r], r, workers, elements, codec=codec, packet_elements=packet_elements,
+                            pool=pool, warmup=warmup, rounds=rounds, job=job)] for r in range(workers)]
+    reports = run_ranks(argvs, "intml", timeout)
+    per_round = np.max([r["per_round_s"] for r in reports], axis=0)
     width = Codec[codec.upper()].bytes_per_element
     chunks = -(-elements // packet_elements)
     return {
         "median_s": statistics.median(per_round.tolist()),
         "per_round_s": per_round.tolist(),
         "bytes_per_worker_each_way": elements * width + (chunks + min(pool, chunks)) * HDR,
-        "retransmissions": sum(c["retransmissions"] for c in counters.values()),
+        "packets_per_worker_each_way": chunks + min(pool, chunks),
+        "retransmissions": sum(r["counters"]["retransmissions"] + r["counters"]["fast_retransmissions"]
+                               for r in reports),
+        "hashes": reports[0]["hashes"],
+        "identical_across_ranks": all(r["hashes"] == reports[0]["hashes"] for r in reports),
     }
+
+
+def run_intml(workers: int, elements: int, codec: str, packet_elements: int, pool: int, cores: int, warmup: int,
+              rounds: int) -> dict:
+    """intml on loopback: an aggregator and `workers` ranks on 127.0.0.1."""
+    with aggregator(cores, packet_elements) as port:
+        return run_ranks_intml([f"127.0.0.1:{port}"] * workers, elements, codec, packet_elements, pool, warmup,
+                               rounds)
 
 
 def run(workers: int, elements: int, codec: str, packet_elements: int, pool: int, cores: int, warmup: int,
@@ -118,6 +96,8 @@ def run(workers: int, elements: int, codec: str, packet_elements: int, pool: int
         rows.append({"system": "gloo ring (anchor)", "median_s": ring["median_s"],
                      "ate_per_s": elements / ring["median_s"], "mb_per_worker": ring["bytes_per_worker"] / 1e6,
                      "speedup_vs_gloo": 1.0})
+    if not intml["identical_across_ranks"]:
+        raise RuntimeError("intml ranks disagree on the result: the allreduce is not bit-identical")
     emit(rows, as_json, "allreduce on loopback",
          [("system", "system", ""), ("median_s", "median s", ".4f"), ("ate_per_s", "ATE/s", ".3e"),
           ("mb_per_worker", "MB/worker/way", ".1f"), ("speedup_vs_gloo", "Gloo/intml", ".2f")],

@@ -12,19 +12,15 @@ import json
 import os
 import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING
+
+from testbed.procs import run_ranks
 
 if TYPE_CHECKING:  # torch is imported lazily: it is an optional extra of the package
     import torch
-
-# Parent of testbed/: put on PYTHONPATH so ranks import this package before it is pip-installed.
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # Bounds every collective and the rendezvous, so a rank whose peer died fails instead of waiting
 # for Gloo's default of 30 minutes.
@@ -130,26 +126,11 @@ def command(
     return argv
 
 
-def rank_env() -> dict[str, str]:
-    """The environment to run `command()` in: this one, plus the repo on PYTHONPATH and one OpenMP thread."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    # N ranks share the machine's 2 cores; torch's default of one intra-op thread per core would
-    # oversubscribe them, and idle OpenMP threads spinning would steal CPU from Gloo's ring.
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (the rendezvous binds it shortly after)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def _tail(path: Path, chars: int = 2000) -> str:
-    text = path.read_text(errors="replace")
-    return text[-chars:].strip()
 
 
 def run_local(world_size: int, elements: int, warmup: int = 2, rounds: int = 5, timeout: float = 300.0) -> dict:
@@ -161,43 +142,20 @@ def run_local(world_size: int, elements: int, warmup: int = 2, rounds: int = 5, 
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     port = free_port()
-    env = rank_env()
-    with tempfile.TemporaryDirectory(prefix="intml-gloo-") as tmp:
-        logs = [(Path(tmp, f"{rank}.out"), Path(tmp, f"{rank}.err")) for rank in range(world_size)]
-        procs = []
-        try:
-            for rank, (out, err) in enumerate(logs):
-                # "lo" keeps Gloo's traffic on loopback instead of whatever interface the hostname resolves to.
-                argv = command(rank, world_size, "127.0.0.1", port, elements, warmup, rounds, ifname="lo")
-                with out.open("w") as stdout, err.open("w") as stderr:  # files, so a full pipe cannot block a rank
-                    procs.append(subprocess.Popen(argv, env=env, stdout=stdout, stderr=stderr))
-            deadline = time.monotonic() + timeout
-            while True:
-                codes = [proc.poll() for proc in procs]
-                # Stop at the first failure: its peers would only wait for it until GROUP_TIMEOUT.
-                if None not in codes or any(code not in (None, 0) for code in codes):
-                    break
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"gloo run of {world_size} ranks took longer than {timeout} s")
-                time.sleep(0.05)
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                proc.wait()
-        failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]  # ranks killed here excluded
-        if failed:
-            raise RuntimeError(
-                "\n".join(
-                    f"gloo rank {rank} failed (exit code {codes[rank]}):\n{_tail(logs[rank][1])}" for rank in failed
-                )
-            )
-        per_rank = [json.loads(out.read_text().strip().splitlines()[-1])["per_round_s"] for out, _ in logs]
-    per_round = [max(times) for times in zip(*per_rank)]
+    # "lo" keeps Gloo's traffic on loopback instead of whatever interface the hostname resolves to.
+    argvs = [command(rank, world_size, "127.0.0.1", port, elements, warmup, rounds, ifname="lo")
+             for rank in range(world_size)]
+    return summarize(run_ranks(argvs, "gloo", timeout), elements)
+
+
+def summarize(reports: list[dict], elements: int) -> dict:
+    """Median over rounds, where a round takes as long as its slowest rank."""
+    per_round = [max(times) for times in zip(*(report["per_round_s"] for report in reports))]
+    world_size = len(reports)
     return {
         "world_size": world_size,
         "elements": elements,
-        "rounds": rounds,
+        "rounds": len(per_round),
         "per_round_s": per_round,
         "median_s": statistics.median(per_round),
         "bytes_per_worker": 2 * (world_size - 1) / world_size * 4 * elements,  # ring allreduce, float32

@@ -85,7 +85,7 @@ def core_receive(core: AggregatorCore, datagrams: Sequence[Datagram], now: float
 
 
 def _engine_tx(engine) -> Burst:
-    return make_burst(max(engine.pool_size, 64), engine.max_datagram)
+    return make_burst(max(2 * engine.pool_size, 64), engine.max_datagram)
 
 
 def engine_start(engine, x: np.ndarray, now: float) -> list[Datagram]:

@@ -75,7 +75,7 @@ class Worker:
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         sock.bind(("0.0.0.0", 0))
         # room for any datagram: a statistics reply can be longer than a data packet
-        self.io = BurstSocket(sock, burst=max(burst, pool_size), max_packet=wire.MAX_DATAGRAM)
+        self.io = BurstSocket(sock, burst=max(burst, 2 * pool_size), max_packet=wire.MAX_DATAGRAM)
         if transport is not None:
             self.io = transport(self.io)  # e.g. worker.faults.FaultyTransport for tests
         self._poll = select.poll()

@@ -15,7 +15,9 @@ One allreduce of a flat float32 tensor of N elements, packet size P and pool siz
   on each retry up to ``max_rto``. The RTO adapts as TCP's does (RFC 6298): SRTT + 4 RTTVAR from round-trip
   samples of slots that were not retransmitted (Karn), bounded by [min_rto, max_rto]. A fixed RTO either
   fires spuriously when the aggregator's CPU is busy, which adds load exactly when it hurts, or waits too
-  long after a real loss. Results that are duplicate, stale (another allreduce, chunk or shadow set),
+  long after a real loss. Fast retransmit (TCP's duplicate-ACK rule, per slot): a slot overtaken by
+  FAST_RETRANSMIT results of slots sent after it is presumed lost and retransmitted at once, so a loss costs
+  about one round trip instead of an RTO. Results that are duplicate, stale (another allreduce, chunk or shadow set),
   foreign (another job or source) or malformed are counted and dropped.
 * cnat8: chunk c is encoded with the floor of its agreed exponent and random words keyed by
   (seed, worker_stream(allreduce, rank), element index); the result codes decode straight to float32.
@@ -70,13 +72,16 @@ STAT_NAMES = (
     "packets_out",
     "packets_in",
     "retransmissions",
+    "fast_retransmissions",
     "results",
     "drop_malformed",
     "drop_foreign",
     "drop_stale",
     "saturated_elements",
 )
-PACKETS_OUT, PACKETS_IN, RETRANSMISSIONS, RESULTS, DROP_MALFORMED, DROP_FOREIGN, DROP_STALE, SATURATED = range(8)
+(PACKETS_OUT, PACKETS_IN, RETRANSMISSIONS, FAST_RETRANSMISSIONS, RESULTS, DROP_MALFORMED, DROP_FOREIGN, DROP_STALE,
+ SATURATED) = range(len(STAT_NAMES))
+FAST_RETRANSMIT = 3  # results of later-sent slots that mark a slot as lost
 IDLE = np.iinfo(np.int64).min  # cur_chunk of a slot with nothing in flight
 
 # All engine state the kernels touch, as arrays. Python passes it to the entry kernels as a plain tuple, which
@@ -84,7 +89,8 @@ IDLE = np.iinfo(np.int64).min  # cur_chunk of a slot with nothing in flight
 # Python path (~40 us a call), which made dispatch the largest cost of a worker.
 State = namedtuple(
     "State",
-    "params x out local_exp agreed_exp cur_chunk parity sent_at rto retries packet packet_len agg_addr stats timing",
+    "params x out local_exp agreed_exp cur_chunk parity sent_at rto retries overtaken packet packet_len agg_addr stats "
+    "timing",
 )
 # params (int64): job, rank, world, value_bits, codec, packet_elements, window, chunks, elements, allreduce, cores,
 #                 seed (as int64 bits), done_chunks
@@ -129,6 +135,7 @@ def _build(st, s, c, now):
     st.cur_chunk[s] = c
     st.sent_at[s] = now
     st.retries[s] = 0
+    st.overtaken[s] = 0
     st.rto[s] = st.timing[T_RTO]
 
 
@@ -151,6 +158,24 @@ def _queue(st, s, tx_data, tx_len, tx_addr, n_tx):
     tx_len[n_tx] = length
     tx_addr[n_tx] = st.agg_addr[s % st.params[P_CORES]]
     st.stats[PACKETS_OUT] += 1
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _fast_retransmit(st, s, now, tx_data, tx_len, tx_addr, n_tx):
+    """Count the result of slot s against every slot sent before it; resend those overtaken FAST_RETRANSMIT
+    times. Returns the new tx count."""
+    sent = st.sent_at[s]
+    for other in range(st.params[P_WINDOW]):
+        if other != s and st.cur_chunk[other] != IDLE and st.sent_at[other] < sent:
+            st.overtaken[other] += 1
+            if st.overtaken[other] == FAST_RETRANSMIT and n_tx < tx_len.size:
+                _queue(st, other, tx_data, tx_len, tx_addr, n_tx)
+                n_tx += 1
+                st.sent_at[other] = now
+                st.retries[other] += 1
+                st.overtaken[other] = 0
+                st.stats[FAST_RETRANSMISSIONS] += 1
+    return n_tx
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -213,6 +238,7 @@ def receive_kernel(state, rx_data, rx_len, rx_addr, n_rx, now, tx_data, tx_len, 
         st.stats[RESULTS] += 1
         if st.retries[s] == 0:  # Karn: a retransmitted slot's RTT is ambiguous
             _rtt_sample(st.timing, now - st.sent_at[s])
+        n_tx = _fast_retransmit(st, s, now, tx_data, tx_len, tx_addr, n_tx)
         st.parity[s] ^= 1
         nxt = c + window
         if nxt < prm[P_CHUNKS]:
@@ -294,13 +320,18 @@ class StreamEngine:
             params=prm, x=flat, out=np.zeros(flat.size, np.float32), local_exp=local.astype(np.int64),
             agreed_exp=np.full(chunks, NO_EXP, np.int64), cur_chunk=np.full(self.pool_size, IDLE, np.int64),
             parity=self.parity, sent_at=np.zeros(self.pool_size), rto=np.zeros(self.pool_size),
-            retries=np.zeros(self.pool_size, np.int64), packet=self.packet,
+            retries=np.zeros(self.pool_size, np.int64), overtaken=np.zeros(self.pool_size, np.int64),
+            packet=self.packet,
             packet_len=np.zeros(self.pool_size, np.int64), agg_addr=self.agg_addr, stats=self.stats,
             timing=self.timing)
         self._args = tuple(self.state)
         return start_kernel(self._args, now, tx_data, tx_len, tx_addr) if window else 0
 
     def receive(self, rx_data, rx_len, rx_addr, n_rx: int, now: float, tx_data, tx_len, tx_addr) -> int:
+        """Accept results; returns the datagrams written to tx. A slot is written at most twice per call (a fast
+        retransmission, then its next chunk when the late result arrives too), hence tx >= 2 * pool."""
+        if tx_len.size < 2 * self.pool_size:
+            raise ValueError(f"the transmit burst must hold 2 * pool_size = {2 * self.pool_size} datagrams")
         return receive_kernel(self._args, rx_data, rx_len, rx_addr, n_rx, now, tx_data, tx_len, tx_addr)
 
     def handle_timer(self, now: float, tx_data, tx_len, tx_addr) -> int:

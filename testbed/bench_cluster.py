@@ -1,0 +1,151 @@
+"""`intml-testbed bench cluster`: intml cnat8, intml int32 and Gloo's ring over the same shaped links.
+
+Each point builds a fresh namespace topology (testbed.netns), runs the aggregator in the switch namespace and
+one rank per worker namespace, then Gloo's ranks over the same ports (routed through the switch namespace),
+and tears the topology down. Reported per system: the median time per allreduce, goodput per link (payload
+bits per second each way over the shaped rate) and the speedup over Gloo, beside the ideal speedup from the
+bytes each puts on a link.
+"""
+
+from __future__ import annotations
+
+from protocol.packet import HDR
+from protocol.wire import Codec
+from testbed import gloo
+from testbed.bench_allreduce import aggregator, run_ranks_intml
+from testbed.netns import Topology, parse_rate
+from testbed.procs import run_ranks
+from testbed.timing import emit
+
+IP_UDP = 28
+ETHERNET = 14
+TCP_OVERHEAD = 20 + 20 + 12 + ETHERNET  # IP, TCP, timestamps option, Ethernet: per segment
+GLOO_PORT = 29500
+
+
+def packet_elements_for(codec: str, mtu: int) -> int:
+    """The most elements one datagram carries without IP fragmentation."""
+    return (mtu - IP_UDP - HDR) // Codec[codec.upper()].bytes_per_element
+
+
+def wire_bytes_intml(codec: str, elements: int, mtu: int) -> float:
+    """Bytes one worker puts on its link each way, headers included."""
+    p = packet_elements_for(codec, mtu)
+    packets = -(-elements // p)
+    return elements * Codec[codec.upper()].bytes_per_element + packets * (HDR + IP_UDP + ETHERNET)
+
+
+def wire_bytes_gloo(workers: int, elements: int, mtu: int) -> float:
+    payload = 2 * (workers - 1) / workers * 4 * elements
+    return payload * (1 + TCP_OVERHEAD / (mtu - 52))
+
+
+def run_point(workers: int, rate: str, elements: int, mtu: int, loss: float, warmup: int, rounds: int,
+              pool: int, with_gloo: bool = True) -> dict:
+    """Every system over one topology; returns {"rows": [...], "hashes": {codec: [...]}, "dropped": n}."""
+    rate_bit = parse_rate(rate)
+    rows, hashes = [], {}
+    with Topology(workers, rate_bit, mtu=mtu, loss=loss) as topo:
+        prefixes = [topo.exec_prefix(topo.worker(r)) for r in range(workers)]
+        largest = packet_elements_for("cnat8", mtu)
+        with aggregator(1, largest, host="0.0.0.0", prefix=topo.exec_prefix(topo.switch)) as port:
+            for job, codec in enumerate(("cnat8", "int32"), start=1):
+                result = run_ranks_intml([f"{topo.port_ip(r)}:{port}" for r in range(workers)], elements, codec,
+                                         packet_elements_for(codec, mtu), pool, warmup, rounds, prefixes, job=job)
+                if not result["identical_across_ranks"]:
+                    raise RuntimeError(f"intml {codec}: ranks disagree on the result")
+                hashes[codec] = result["hashes"]
+                rows.append(_row(f"intml {codec}", result["median_s"], result["bytes_per_worker_each_way"],
+                                 wire_bytes_intml(codec, elements, mtu), rate_bit, result["retransmissions"]))
+        if with_gloo:
+            argvs = [[*prefixes[r], *gloo.command(r, workers, topo.worker_ip(0), GLOO_PORT, elements, warmup, rounds,
+                                                  ifname="eth0")] for r in range(workers)]
+            ring = gloo.summarize(run_ranks(argvs, "gloo", 900.0), elements)
+            rows.append(_row("gloo ring", ring["median_s"], ring["bytes_per_worker"],
+                             wire_bytes_gloo(workers, elements, mtu), rate_bit, 0))
+        dropped = topo.dropped_packets()
+    if with_gloo:
+        gloo_row = rows[-1]
+        for row in rows:
+            row["speedup_vs_gloo"] = gloo_row["median_s"] / row["median_s"]
+            row["ideal_speedup"] = gloo_row["wire_bytes"] / row["wire_bytes"]
+    for row in rows:
+        row.update(workers=workers, rate=rate, mtu=mtu, loss=loss, elements=elements)
+    return {"rows": rows, "hashes": hashes, "dropped": dropped}
+
+
+def _row(system: str, seconds: float, payload_bytes: float, wire_bytes: float, rate_bit: int,
+         retransmissions: int) -> dict:
+    return {"system": system, "median_s": seconds, "wire_bytes": wire_bytes,
+            "goodput": payload_bytes * 8 / seconds / rate_bit, "link_use": wire_bytes * 8 / seconds / rate_bit,
+            "retransmissions": retransmissions, "speedup_vs_gloo": float("nan"), "ideal_speedup": float("nan")}
+
+
+COLUMNS = [("workers", "n", ""), ("rate", "rate", ""), ("system", "system", ""), ("median_s", "median s", ".4f"),
+           ("goodput", "goodput/rate", ".2f"), ("link_use", "wire/rate", ".2f"),
+           ("speedup_vs_gloo", "× Gloo", ".2f"), ("ideal_speedup", "ideal ×", ".2f"),
+           ("retransmissions", "retx", "d")]
+
+
+def run(workers: list[int], rates: list[str], elements: int | None, mtu: int, loss: float, warmup: int,
+        rounds: int, pool: int, as_json: bool, plot: str | None) -> list[dict]:
+    rows = []
+    for rate in rates:
+        # ~0.3 s of intml cnat8 traffic per round at the link rate, at most 10M elements (memory, CPU)
+        size = elements or min(10_000_000, parse_rate(rate) // 8 * 3 // 10)
+        for n in workers:
+            rows += run_point(n, rate, size, mtu, loss, warmup, rounds, pool)["rows"]
+    emit(rows, as_json, "allreduce over shaped links (network namespaces)", COLUMNS,
+         {"mtu": mtu, "loss": loss, "rounds": rounds, "pool": pool})
+    if plot:
+        plot_times(rows, plot)
+    return rows
+
+
+def plot_times(rows: list[dict], path: str) -> None:
+    """Time per allreduce against n, one panel per rate, one line per system."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = list(dict.fromkeys(r["rate"] for r in rows))
+    fig, axes = plt.subplots(1, len(rates), figsize=(4.5 * len(rates), 3.6), squeeze=False)
+    for ax, rate in zip(axes[0], rates):
+        for system in dict.fromkeys(r["system"] for r in rows):
+            points = sorted((r["workers"], r["median_s"]) for r in rows if r["rate"] == rate and r["system"] == system)
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=system)
+        size = next(r["elements"] for r in rows if r["rate"] == rate)
+        ax.set(title=f"{rate}, {size / 1e6:g}M elements", xlabel="workers n", ylabel="seconds per allreduce")
+        ax.set_xticks(sorted({r["workers"] for r in rows}))
+        ax.grid(alpha=0.3)
+    axes[0][0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+
+def run_loss(workers: int, rate: str, elements: int, losses: list[float], mtu: int, rounds: int, pool: int,
+             as_json: bool) -> list[dict]:
+    """`rounds` consecutive allreduces per loss level on fresh topologies; each level's per-round result hashes
+    must equal the loss-free run's (same seeds), at every rank."""
+    runs = {loss: run_point(workers, rate, elements, mtu, loss, 0, rounds, pool, with_gloo=False)
+            for loss in [0.0, *[x for x in losses if x > 0]]}
+    rows = []
+    for loss, point in runs.items():
+        for row in point["rows"]:
+            codec = row["system"].split()[1]
+            base = next(r for r in runs[0.0]["rows"] if r["system"] == row["system"])
+            rows.append({"loss": loss, "system": row["system"], "allreduces": rounds, "median_s": row["median_s"],
+                         "slowdown": row["median_s"] / base["median_s"], "retransmissions": row["retransmissions"],
+                         "dropped_by_nft": point["dropped"],
+                         "identical_to_loss_free": point["hashes"][codec] == runs[0.0]["hashes"][codec]})
+    emit(rows, as_json, f"{rounds} consecutive allreduces under random loss in both directions",
+         [("loss", "loss", ".2f"), ("system", "system", ""), ("allreduces", "allreduces", "d"),
+          ("median_s", "median s", ".4f"), ("slowdown", "× loss-free", ".2f"), ("retransmissions", "retx", "d"),
+          ("dropped_by_nft", "nft drops (all)", "d"), ("identical_to_loss_free", "bit-identical", "")],
+         {"workers": workers, "rate": rate, "elements": elements, "mtu": mtu})
+    bad = [r for r in rows if not r["identical_to_loss_free"]]
+    if bad:
+        raise RuntimeError(f"results under loss differ from the loss-free run: {bad}")
+    return rows

@@ -1,0 +1,217 @@
+"""A cluster on one machine: Linux network namespaces joined by shaped veth links, with real packet loss.
+
+Topology (``Topology.up``):
+
+* one namespace per worker, ``<prefix>-w<i>``, and one for the switch, ``<prefix>-sw``;
+* worker i is joined to the switch by its own veth pair: ``eth0`` (198.18.i.2/24) in the worker, port ``p<i>``
+  (198.18.i.1/24) in the switch. 198.18.0.0/15 is the range RFC 2544 reserves for benchmarks;
+* the switch namespace forwards IP between its ports, so Gloo's worker-to-worker traffic crosses exactly the
+  same shaped ports as intml's worker-to-aggregator traffic;
+* every port is shaped in both directions with ``tc tbf`` on the egress of both veth ends (``--rate``);
+* loss is nftables ``numgen random`` drops on the receiving side of each link direction: in the switch
+  namespace's prerouting for packets from the workers, and in each worker namespace's input for packets
+  from the switch. Each link direction loses the given fraction of packets, whoever sent them. (A drop on the
+  sender's output hook would fail the send with EPERM instead of losing the packet.)
+  (netem does not exist in this kernel, and nftables cannot duplicate packets without a netdev egress hook,
+  which this nft lacks; duplication is tested with the fault-injection shim instead.)
+
+Names carry a unique prefix (``intml-<hex>``), so concurrent runs never collide. ``down`` is idempotent and
+runs on exit, on Ctrl-C and on SIGTERM; ``cleanup`` removes anything a crashed run left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+from dataclasses import dataclass, field
+
+PREFIX = "intml-"
+SUBNET = "198.18.{i}.{host}"
+
+
+class ClusterError(RuntimeError):
+    """The host cannot build the cluster (not root, a tool missing, or a command failed)."""
+
+
+def missing_requirements() -> str | None:
+    """One line saying what the host lacks to build a cluster, or None."""
+    if os.geteuid() != 0:
+        return "network namespaces need root: run as root (or with sudo)"
+    for tool, package in (("ip", "iproute2"), ("tc", "iproute2"), ("nft", "nftables")):
+        if shutil.which(tool) is None:
+            return f"`{tool}` is not installed: apt-get install {package}"
+    return None
+
+
+def _run(*cmd: str) -> None:
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ClusterError(f"`{' '.join(cmd)}` failed: {done.stderr.strip()}")
+
+
+def _burst_bytes(rate_bit: int, mtu: int) -> int:
+    """tbf bucket: 2 ms of traffic at the rate, and never less than a few full frames."""
+    return max(4 * (mtu + 14), rate_bit // 8 // 500)
+
+
+def parse_rate(text: str) -> int:
+    """'100mbit', '1gbit', '500kbit' -> bits per second."""
+    units = {"kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "bit": 1}
+    low = text.strip().lower()
+    for unit, scale in units.items():
+        if low.endswith(unit) and low[: -len(unit)].replace(".", "", 1).isdigit():
+            return int(float(low[: -len(unit)]) * scale)
+    raise ValueError(f"rate must look like 100mbit, 1gbit or 500kbit, got {text!r}")
+
+
+@dataclass
+class Topology:
+    workers: int
+    rate_bit: int
+    mtu: int = 1500
+    loss: float = 0.0
+    prefix: str = field(default_factory=lambda: PREFIX + secrets.token_hex(3))
+    _up: bool = False
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.workers <= 200:
+            raise ValueError(f"workers must be in [1, 200], got {self.workers}")
+        if not 0.0 <= self.loss < 1.0:
+            raise ValueError(f"loss must be in [0, 1), got {self.loss}")
+        if self.mtu not in (1500, 9000):
+            raise ValueError(f"mtu must be 1500 or 9000, got {self.mtu}")
+
+    @property
+    def switch(self) -> str:
+        return f"{self.prefix}-sw"
+
+    def worker(self, i: int) -> str:
+        return f"{self.prefix}-w{i}"
+
+    @staticmethod
+    def worker_ip(i: int) -> str:
+        return SUBNET.format(i=i, host=2)
+
+    @staticmethod
+    def port_ip(i: int) -> str:
+        return SUBNET.format(i=i, host=1)
+
+    def exec_prefix(self, namespace: str) -> list[str]:
+        return ["ip", "netns", "exec", namespace]
+
+    def up(self) -> Topology:
+        problem = missing_requirements()
+        if problem:
+            raise ClusterError(problem)
+        self._up = True  # from here on, down() has something to remove even if a step fails
+        try:
+            self._build()
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def _build(self) -> None:
+        sw = self.switch
+        _run("ip", "netns", "add", sw)
+        _run("ip", "-n", sw, "link", "set", "lo", "up")
+        _run("ip", "netns", "exec", sw, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        burst = _burst_bytes(self.rate_bit, self.mtu)
+        tbf = ["tbf", "rate", f"{self.rate_bit}bit", "burst", str(burst), "latency", "100ms"]
+        tag = self.prefix.removeprefix(PREFIX)
+        for i in range(self.workers):
+            ns, a, b = self.worker(i), f"ix{tag}w{i}", f"ix{tag}s{i}"  # veth names: at most 15 characters
+            _run("ip", "netns", "add", ns)
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            _run("ip", "link", "add", a, "mtu", str(self.mtu), "type", "veth", "peer", "name", b, "mtu", str(self.mtu))
+            _run("ip", "link", "set", a, "netns", ns)
+            _run("ip", "link", "set", b, "netns", sw)
+            _run("ip", "-n", ns, "link", "set", a, "name", "eth0")
+            _run("ip", "-n", sw, "link", "set", b, "name", f"p{i}")
+            _run("ip", "-n", ns, "addr", "add", f"{self.worker_ip(i)}/24", "dev", "eth0")
+            _run("ip", "-n", sw, "addr", "add", f"{self.port_ip(i)}/24", "dev", f"p{i}")
+            _run("ip", "-n", ns, "link", "set", "eth0", "up")
+            _run("ip", "-n", sw, "link", "set", f"p{i}", "up")
+            _run("ip", "-n", ns, "route", "add", "default", "via", self.port_ip(i))
+            _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", *tbf)
+            _run("ip", "netns", "exec", sw, "tc", "qdisc", "add", "dev", f"p{i}", "root", *tbf)
+            if self.loss > 0:
+                self._add_loss(ns, "input", "eth0")
+        if self.loss > 0:
+            self._add_loss(sw, "prerouting", "p*")
+
+    def _add_loss(self, ns: str, hook: str, interfaces: str) -> None:
+        threshold = round(self.loss * 1_000_000)
+        rules = (f"table inet intml {{ chain loss {{ type filter hook {hook} priority 0; policy accept;\n"
+                 f"  iifname \"{interfaces}\" numgen random mod 1000000 < {threshold} counter drop\n  }}\n}}\n")
+        done = subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=rules, capture_output=True,
+                              text=True)
+        if done.returncode != 0:
+            raise ClusterError(f"nft rules in {ns} failed: {done.stderr.strip()}")
+
+    def dropped_packets(self) -> int:
+        """Packets the loss rules dropped so far, in both directions of every link."""
+        total = 0
+        for ns in [self.switch, *(self.worker(i) for i in range(self.workers))]:
+            out = subprocess.run(["ip", "netns", "exec", ns, "nft", "list", "table", "inet", "intml"],
+                                 capture_output=True, text=True).stdout
+            total += sum(int(line.split("packets")[1].split()[0]) for line in out.splitlines() if "packets" in line)
+        return total
+
+    def down(self) -> None:
+        """Remove every namespace of this topology (their veths go with them). Safe to call twice."""
+        if not self._up:
+            return
+        remove_namespaces(self.prefix + "-")
+        self._up = False
+
+    def __enter__(self) -> Topology:
+        self.up()
+        self._previous_term = signal.signal(signal.SIGTERM, _raise_interrupt)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.down()
+        signal.signal(signal.SIGTERM, self._previous_term)
+
+
+def _raise_interrupt(*_) -> None:
+    raise KeyboardInterrupt  # SIGTERM unwinds like Ctrl-C, so the with-block tears the topology down
+
+
+def list_namespaces(prefix: str = PREFIX) -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith(prefix)]
+
+
+def remove_namespaces(prefix: str = PREFIX) -> list[str]:
+    """Delete every namespace whose name starts with prefix (the `cleanup` subcommand); returns their names."""
+    names = list_namespaces(prefix)
+    for name in names:
+        for pid in subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)  # a namespace with live processes would linger
+            except ProcessLookupError:
+                pass
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return names
+
+
+def hold(workers: int, rate: str, mtu: int, loss: float) -> None:
+    """`intml-testbed cluster up`: build a topology, say how to use it, and keep it until Ctrl-C."""
+    import time
+
+    with Topology(workers, parse_rate(rate), mtu=mtu, loss=loss) as topo:
+        print(f"switch namespace {topo.switch}: ports " + ", ".join(topo.port_ip(i) for i in range(workers)))
+        for i in range(workers):
+            print(f"worker {i}: ip netns exec {topo.worker(i)} ...  (address {topo.worker_ip(i)}, "
+                  f"aggregator at {topo.port_ip(i)})")
+        print("Ctrl-C tears it down", flush=True)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass

@@ -1,0 +1,66 @@
+"""Running the ranks of a benchmark as separate programs, each printing one JSON line.
+
+Ranks are programs with explicit addresses rather than multiprocessing children so that the same ranks run on
+127.0.0.1 or inside network namespaces (the caller prefixes an argv with `ip netns exec NAME`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+# Parent of testbed/: put on PYTHONPATH so ranks import this package before it is pip-installed.
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def rank_env() -> dict[str, str]:
+    """The environment of a rank: this one, plus the repo on PYTHONPATH and one OpenMP thread."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    # N ranks share the machine's 2 cores; torch's default of one intra-op thread per core would
+    # oversubscribe them, and idle OpenMP threads spinning would steal CPU from the collective.
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _tail(path: Path, chars: int = 2000) -> str:
+    return path.read_text(errors="replace")[-chars:].strip()
+
+
+def run_ranks(argvs: list[list[str]], what: str, timeout: float) -> list[dict]:
+    """Start every argv, wait for all, and return each rank's last stdout line parsed as JSON.
+
+    Raises RuntimeError with the failing ranks' stderr tails if any rank fails (at the first failure: its
+    peers would only wait for it), and TimeoutError past `timeout` seconds; either way every rank still
+    running is killed.
+    """
+    env = rank_env()
+    with tempfile.TemporaryDirectory(prefix="intml-ranks-") as tmp:
+        logs = [(Path(tmp, f"{rank}.out"), Path(tmp, f"{rank}.err")) for rank in range(len(argvs))]
+        procs = []
+        try:
+            for argv, (out, err) in zip(argvs, logs):
+                with out.open("w") as stdout, err.open("w") as stderr:  # files, so a full pipe cannot block a rank
+                    procs.append(subprocess.Popen(argv, env=env, stdout=stdout, stderr=stderr))
+            deadline = time.monotonic() + timeout
+            while True:
+                codes = [proc.poll() for proc in procs]
+                if None not in codes or any(code not in (None, 0) for code in codes):
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{what}: {len(argvs)} ranks took longer than {timeout} s")
+                time.sleep(0.05)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+        failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]  # ranks killed here excluded
+        if failed:
+            raise RuntimeError("\n".join(f"{what} rank {rank} failed (exit code {codes[rank]}):\n"
+                                         f"{_tail(logs[rank][1])}" for rank in failed))
+        return [json.loads(out.read_text().strip().splitlines()[-1]) for out, _ in logs]

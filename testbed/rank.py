@@ -1,0 +1,79 @@
+"""One intml worker rank as its own program, so benchmarks can start ranks anywhere (on loopback, or inside a
+network namespace with `ip netns exec`). It prints one JSON line: per-round seconds, a hash of every round's
+result (to check bit-identical results across ranks and runs), and the worker's counters.
+
+    python -m testbed.rank --aggregator 198.18.0.1:48879 --rank 0 --world-size 4 --elements 1000000
+
+Each round starts with a one-element allreduce, which completes at every rank at the same moment: a barrier
+that needs no other channel between the namespaces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+
+import numpy as np
+
+from protocol.cli import OneLineParser, positive
+
+
+def rank_input(rank: int, elements: int, seed: int = 0) -> np.ndarray:
+    """Gradient-like float32 data, different at every rank and reproducible."""
+    return np.random.default_rng([seed, rank]).standard_normal(elements).astype(np.float32)
+
+
+def run(args: argparse.Namespace) -> dict:
+    from worker import Worker
+
+    x = rank_input(args.rank, args.elements, args.seed)
+    one = np.ones(1, np.float32)
+    times, hashes = [], []
+    with Worker(args.aggregator, job=args.job, rank=args.rank, world_size=args.world_size, token=args.token,
+                codec=args.codec, packet_elements=args.packet_elements, pool_size=args.pool, seed=args.seed,
+                timeout=args.timeout) as w:
+        for i in range(args.warmup + args.rounds):
+            w.allreduce(one)  # barrier
+            start = time.perf_counter()
+            y = w.allreduce(x)
+            elapsed = time.perf_counter() - start
+            if i >= args.warmup:
+                times.append(elapsed)
+                hashes.append(hashlib.sha256(y.tobytes()).hexdigest()[:16])
+        return {"rank": args.rank, "per_round_s": times, "hashes": hashes, "counters": w.counters()}
+
+
+def command(aggregator: str, rank: int, world_size: int, elements: int, *, codec: str = "cnat8",
+            packet_elements: int = 1024, pool: int = 64, warmup: int = 1, rounds: int = 3, job: int = 1,
+            seed: int = 1, timeout: float = 60.0) -> list[str]:
+    """The argv of one rank (prefix it with `ip netns exec NAME` to run it in a namespace)."""
+    return [sys.executable, "-m", "testbed.rank", "--aggregator", aggregator, "--rank", str(rank),
+            "--world-size", str(world_size), "--elements", str(elements), "--codec", codec,
+            "--packet-elements", str(packet_elements), "--pool", str(pool), "--warmup", str(warmup),
+            "--rounds", str(rounds), "--job", str(job), "--seed", str(seed), "--timeout", str(timeout)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = OneLineParser(prog="python -m testbed.rank", description=__doc__)
+    p.add_argument("--aggregator", required=True, help="host:port of the aggregator")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world-size", type=positive(), required=True)
+    p.add_argument("--elements", type=positive(), required=True)
+    p.add_argument("--codec", choices=("cnat8", "int32"), default="cnat8")
+    p.add_argument("--packet-elements", type=positive(), default=1024)
+    p.add_argument("--pool", type=positive(), default=64)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--rounds", type=positive(), default=3)
+    p.add_argument("--job", type=int, default=1)
+    p.add_argument("--token", default="testbed")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--timeout", type=positive(float), default=60.0)
+    print(json.dumps(run(p.parse_args(argv))), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

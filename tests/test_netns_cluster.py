@@ -1,0 +1,109 @@
+"""A real cluster in network namespaces: shaped veth links, nftables random loss, the aggregator in the switch
+namespace and one worker process per worker namespace. Needs root, iproute2 and nftables (the Makefile installs
+them when it can); skipped with the reason otherwise."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+
+import pytest
+
+from protocol import reference
+from testbed import netns
+from testbed.bench_allreduce import aggregator, run_ranks_intml
+from testbed.procs import REPO_ROOT, rank_env
+from testbed.rank import rank_input
+
+problem = netns.missing_requirements()
+needs_cluster = pytest.mark.skipif(problem is not None, reason=f"namespace cluster unavailable: {problem}")
+
+N, ELEMENTS, P, POOL, SEED = 3, 20_000, 1024, 16, 1
+
+
+def reference_hash(codec: str, allreduce_seq: int) -> str:
+    inputs = [rank_input(r, ELEMENTS, SEED) for r in range(N)]
+    y = reference.allreduce(inputs, codec=codec, seed=SEED, allreduce_seq=allreduce_seq, packet_elements=P)
+    return hashlib.sha256(y.tobytes()).hexdigest()[:16]
+
+
+@needs_cluster
+@pytest.mark.parametrize("codec", ["cnat8", "int32"])
+def test_lossy_cluster_is_bit_identical_and_cleaned_up(codec):
+    topo = netns.Topology(N, netns.parse_rate("200mbit"), loss=0.02)
+    with topo:
+        assert set(netns.list_namespaces(topo.prefix)) == {topo.switch, *(topo.worker(i) for i in range(N))}
+        with aggregator(1, P, host="0.0.0.0", prefix=topo.exec_prefix(topo.switch)) as port:
+            result = run_ranks_intml([f"{topo.port_ip(r)}:{port}" for r in range(N)], ELEMENTS, codec, P, POOL,
+                                     warmup=0, rounds=3, prefixes=[topo.exec_prefix(topo.worker(r)) for r in range(N)],
+                                     timeout=120)
+        dropped = topo.dropped_packets()
+    assert netns.list_namespaces(topo.prefix) == []
+    assert dropped > 0, "the loss rules dropped nothing: the run did not test loss"
+    assert result["identical_across_ranks"]
+    # each round is a one-element barrier allreduce (sequence 2i) and then the tensor (sequence 2i + 1)
+    assert result["hashes"] == [reference_hash(codec, 2 * i + 1) for i in range(3)]
+
+
+@needs_cluster
+def test_topology_is_removed_when_the_body_fails():
+    topo = netns.Topology(2, netns.parse_rate("100mbit"))
+    with pytest.raises(RuntimeError, match="boom"):
+        with topo:
+            assert len(netns.list_namespaces(topo.prefix)) == 3
+            raise RuntimeError("boom")
+    assert netns.list_namespaces(topo.prefix) == []
+
+
+@needs_cluster
+def test_shaping_limits_the_link_rate():
+    """A 2-worker int32 allreduce of 1M elements moves 4 MB each way: at 50 Mbit that takes >= 0.64 s, whereas
+    an unshaped veth takes a few tens of ms. Checks that tbf is really in the path (a lower bound, not a timing
+    target: the bound is physics, and the CPU can only make it slower)."""
+    elements, rate = 1_000_000, netns.parse_rate("50mbit")
+    with netns.Topology(2, rate) as topo:
+        with aggregator(1, 361, host="0.0.0.0", prefix=topo.exec_prefix(topo.switch)) as port:
+            result = run_ranks_intml([f"{topo.port_ip(r)}:{port}" for r in range(2)], elements, "int32", 361, 64,
+                                     warmup=0, rounds=1, prefixes=[topo.exec_prefix(topo.worker(r)) for r in range(2)],
+                                     timeout=120)
+    assert result["median_s"] >= 4 * elements * 8 / rate
+
+
+@needs_cluster
+def test_cleanup_removes_leftovers_of_a_crashed_run():
+    topo = netns.Topology(1, netns.parse_rate("100mbit"))
+    topo.up()  # and never down(), as after a crash
+    removed = netns.remove_namespaces(topo.prefix)
+    assert sorted(removed) == sorted([topo.switch, topo.worker(0)])
+    assert netns.list_namespaces(topo.prefix) == []
+
+
+def test_missing_tools_give_one_line():
+    """Without the tools on PATH the CLI says what is missing in one line and exits non-zero."""
+    env = {**rank_env(), "PATH": "/nonexistent"}
+    done = subprocess.run([sys.executable, "-m", "testbed", "cluster", "cleanup"], capture_output=True, text=True,
+                          env=env, cwd=REPO_ROOT)
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    expected = "root" if os.geteuid() != 0 else "`ip` is not installed: apt-get install iproute2"
+    assert expected in lines[0]
+
+
+def test_parse_rate():
+    assert netns.parse_rate("100mbit") == 100_000_000
+    assert netns.parse_rate("1gbit") == 1_000_000_000
+    assert netns.parse_rate("2.5Gbit") == 2_500_000_000
+    with pytest.raises(ValueError, match="100mbit"):
+        netns.parse_rate("fast")
+
+
+def test_topology_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="loss"):
+        netns.Topology(2, 10**8, loss=1.5)
+    with pytest.raises(ValueError, match="mtu"):
+        netns.Topology(2, 10**8, mtu=4000)
+    with pytest.raises(ValueError, match="workers"):
+        netns.Topology(0, 10**8)
