@@ -105,6 +105,13 @@ def main(argv: list[str] | None = None) -> int:
         bench_codec.run(1 << 24, 7, False)
         print()
         bench_allreduce.run(4, 25_000_000, "cnat8", 16384, 64, 1, 2, 3, True, False)
+        print()
+        from testbed import bench_cluster, netns
+
+        if problem := netns.missing_requirements():
+            print(f"skipping the shaped 4-worker cluster: {problem}")
+        else:
+            bench_cluster.run([4], ["100mbit"], 3_000_000, 1500, 0.0, 1, 3, 64, False, None)
     return 0
 
 
