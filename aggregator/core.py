@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from aggregator.slots import MAX_WORLD, N_STATS, STAT_NAMES, Jobs, Table, new_jobs, new_table, process_burst
+from aggregator.slots import DROP_BAD_CONTROL, MAX_WORLD, N_STATS, STAT_NAMES, Jobs, Table, new_jobs, new_table, process_burst
 from burstio.mmsg import addr_of
 from protocol import wire
 from protocol.arith import value_bits
@@ -111,8 +111,8 @@ class AggregatorCore:
                 self._leave(int(header["job"]), int(header["rank"]), addr)
                 return None
             return self._stats_reply(int(header["job"]), now)
-        except ValueError as exc:
-            self.jobs.core_stats[STAT_NAMES.index("drop_short")] += 1
+        except ValueError as exc:  # a malformed JOIN, LEAVE or STATS_REQUEST: counted, answered, no state change
+            self.jobs.core_stats[DROP_BAD_CONTROL] += 1
             return _error(0, str(exc))
 
     def _join(self, datagram: bytes, addr: int, now: float) -> bytes:

@@ -94,6 +94,7 @@ STAT_NAMES = (
     "drop_invalid_code",
     "drop_stale",
     "drop_duplicate_incomplete",
+    "drop_bad_control",
 )
 (
     PACKETS_IN,
@@ -120,6 +121,7 @@ STAT_NAMES = (
     DROP_INVALID_CODE,
     DROP_STALE,
     DROP_DUPLICATE_INCOMPLETE,
+    DROP_BAD_CONTROL,  # counted by the control plane (aggregator.core), which parses JOIN/LEAVE/STATS
 ) = range(len(STAT_NAMES))
 N_STATS = len(STAT_NAMES)
 MAX_WORLD = 64  # one uint64 bitmap per set

@@ -225,6 +225,7 @@ def test_int32_boundary_values_are_accepted():
 def test_every_drop_reason_is_tested():
     tested = {r for r, *_ in CNAT_MUTATIONS.values()} | {r for r, *_ in OPEN_ONLY.values()}
     tested |= {"drop_duplicate_incomplete"}  # test_duplicate_to_incomplete_round_is_dropped
+    tested |= {"drop_bad_control"}  # test_malformed_control_datagram_is_counted_and_answered
     assert tested == {name for name in STAT_NAMES if name.startswith("drop_")}
 
 
@@ -618,3 +619,14 @@ def test_control_datagrams_mixed_with_data_in_one_burst():
             net.down.append((data, agg_addr(0), dst))
     net.run()
     assert_results(net, xs)
+
+
+def test_malformed_control_datagram_is_counted_and_answered():
+    """A JOIN whose payload is too short (LEAVE and STATS_REQUEST have nothing past the header to get wrong)."""
+    datagram = wire.pack({"type": int(MsgType.JOIN), "job": 7}, b"\x00" * 5)
+    net = Network(2)
+    before = net.core_counters()
+    out = net.to_core(0, [(datagram, STRANGER)])
+    assert counter_diff(before, net.core_counters()) == {"packets_in": 1, "drop_bad_control": 1}
+    assert [msg_type(d) for d, _ in out] == [MsgType.ERROR]
+    assert out[0][1] == STRANGER

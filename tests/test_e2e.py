@@ -392,7 +392,7 @@ def test_dead_workers_job_freed_after_idle_timeout() -> None:
 
 # ---- fuzzing the live aggregator ---------------------------------------------------------------------------
 WORKER_CAUSED = ("drop_stale", "drop_duplicate_incomplete")  # normal retransmissions produce these
-FUZZ_REASONS = {"drop_short", "drop_truncated", "drop_bad_magic", "drop_bad_version", "drop_unknown_type",
+FUZZ_REASONS = {"drop_short", "drop_bad_control", "drop_truncated", "drop_bad_magic", "drop_bad_version", "drop_unknown_type",
                 "drop_unknown_job", "drop_rank_out_of_range", "drop_unregistered_source", "drop_slot_out_of_range",
                 "drop_wrong_codec", "drop_wrong_count", "drop_bad_shadow", "drop_bad_exponent", "drop_invalid_code"}
 FOREIGN, REGISTERED = "foreign", "registered"
@@ -481,7 +481,7 @@ class Fuzzer:
 
     def kind_join_garbage(self):
         body = self.rand_bytes(self.rng.choice([0, 1, wire.JOIN_SIZE - 1, wire.JOIN_SIZE + 1, 100]))
-        return wire.pack({"type": int(MsgType.JOIN), "job": self.job, "rank": 0}, body), FOREIGN, "drop_short"
+        return wire.pack({"type": int(MsgType.JOIN), "job": self.job, "rank": 0}, body), FOREIGN, "drop_bad_control"
 
     # ---- the live job's own checks (per-job counters)
     def kind_rank_out_of_range(self):
