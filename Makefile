@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml Makefile
 		|| echo "could not install nftables: the namespace cluster tests will be skipped"; fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,torch,plot]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,torch,plot,train]'
 	touch $@
 
 demo: $(STAMP)

@@ -52,8 +52,9 @@ def build_parser() -> OneLineParser:
                         "(default 512)")
     p.add_argument("--max-packet-elements", type=positive(int), default=8192,
                    help=f"largest packet a job may use (default 8192, at most {MAX_ELEMENTS_LIMIT})")
-    p.add_argument("--idle-timeout", type=positive(float), default=30.0,
-                   help="seconds without traffic before a job is torn down (default 30)")
+    p.add_argument("--idle-timeout", type=positive(float), default=300.0,
+                   help="seconds without traffic before a job is torn down (default 300: longer than a training "
+                        "pause for evaluation or a checkpoint)")
     p.add_argument("--stats-interval", type=float, default=0.0, help="print statistics every N seconds (0 = never)")
     p.add_argument("--burst", type=positive(int), default=256,
                    help=f"datagrams per recvmmsg/sendmmsg, at least {MAX_WORLD} (default 256)")

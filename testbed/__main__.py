@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--mtu", type=int, choices=(1500, 9000), default=1500)
     up.add_argument("--loss", type=float, default=0.0)
     cluster.add_parser("cleanup", help="remove namespaces left by crashed runs (names starting intml-)")
+    from testbed import train as train_cmd
+
+    train_cmd.add_arguments(commands.add_parser("train", help="DDP convergence on load_digits: Gloo vs intml (torchrun)"))
     commands.add_parser("demo", help="what `make demo` runs")
     return parser
 
@@ -99,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"removed {len(removed)} namespaces" + (f": {' '.join(removed)}" if removed else ""))
         else:
             netns.hold(args.workers, args.rate, args.mtu, args.loss)
+    elif args.command == "train":
+        from testbed import train as train_cmd
+
+        train_cmd.run_from_args(args)
     elif args.command == "demo":
         from testbed import bench_allreduce, bench_codec
 

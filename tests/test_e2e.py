@@ -663,3 +663,15 @@ def test_cli_port_in_use() -> None:
     assert len(lines) == 1, f"expected one line on stderr, got {len(lines)}:\n{proc.stderr}"
     assert str(port) in lines[0], lines[0]
     assert "listening" not in proc.stdout
+
+
+def test_timeout_after_idle_teardown_says_the_job_is_gone() -> None:
+    """A pause longer than the aggregator's idle timeout loses the job; the next allreduce says so."""
+    from worker import AllreduceTimeout, Worker
+
+    with aggregator(idle_timeout=1) as agg:
+        with Worker(f"{HOST}:{agg.port}", job=11, rank=0, world_size=1, token="t", codec="int32", timeout=2.0) as w:
+            np.testing.assert_array_equal(w.allreduce(np.arange(10, dtype=np.float32)), np.arange(10))
+            time.sleep(2.5)
+            with pytest.raises(AllreduceTimeout, match="no longer knows job 11"):
+                w.allreduce(np.ones(10, np.float32))

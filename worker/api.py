@@ -228,16 +228,20 @@ class Worker:
         missing, silent = self._ask_missing_ranks()
         if missing is None:
             return base + f"; the aggregator {self.host}:{self.port} did not answer a statistics request"
+        if silent is None:
+            return base + (f"; the aggregator no longer knows job {self.job} (torn down after its --idle-timeout, "
+                           f"or restarted): create the Worker again to rejoin")
         if not missing:
             return base + "; the aggregator holds no incomplete round for this job (results lost?)"
         silence = ", ".join(f"rank {r} silent {silent.get(str(r), '?')} s" for r in missing)
         return base + f"; waiting for ranks {missing} ({silence})"
 
-    def _ask_missing_ranks(self) -> tuple[list[int] | None, dict]:
-        """Ask every core for the job's incomplete rounds: the union of their missing ranks."""
+    def _ask_missing_ranks(self) -> tuple[list[int] | None, dict | None]:
+        """Ask every core for the job's incomplete rounds: the union of their missing ranks (None: no answer)
+        and how long each rank has been silent (None: no core knows the job)."""
         request = wire.pack({"type": int(MsgType.STATS_REQUEST), "job": self.job, "rank": self.rank})
         missing: set[int] = set()
-        silent: dict = {}
+        silent: dict | None = None
         answered = False
         for i in range(self.cores):
             target = addr_key(self.host, self.port + i)
@@ -248,7 +252,7 @@ class Worker:
                 answered = True
                 job = json.loads(data[HDR:]).get("jobs", {}).get(str(self.job))
                 if job:
-                    silent.update(job["silent_s"])
+                    silent = {**(silent or {}), **job["silent_s"]}
                     for round_ in job["pending"]:
                         missing.update(round_["missing_ranks"])
                 break

@@ -1,0 +1,441 @@
+"""`intml-testbed train`: does DDP training converge with intml as it does with Gloo?
+
+The seed-001 network shape adapted to scikit-learn's bundled digits (8x8 images, so 64 inputs instead of
+MNIST's 784): a 64-392-50-10 MLP with tanh hidden layers (softmax cross-entropy output), trained with plain
+SGD and an exponential learning-rate decay, as in seed 001. N ranks under torchrun on 127.0.0.1, each with a
+disjoint shard of the training set; the test split is fixed (25%, stratified) so that seeds vary only the
+initialisation and the shuffling.
+
+Runs (``--runs``; every run is repeated for each seed):
+
+* ``gloo``: plain DDP over Gloo (the anchor);
+* ``int32``, ``cnat8``: DDP with the intml communication hook (``worker.torch.intml_hook``) and that codec;
+* suffixes: ``-ef`` error feedback, ``-wK`` K warm-up steps through Gloo, ``-backend`` the process-group
+  backend (``init_process_group("intml")``, DDP without a hook) instead of the hook, ``-thread`` allreduces
+  on the background thread (``INTML_THREAD=1``) instead of completed in the hook.
+
+Each rank checks after every step that all ranks hold bit-identical parameters (a BLAKE2 hash of them,
+all-gathered over Gloo) and fails the run otherwise. Rank 0 writes one JSON report per run; the parent prints
+the table (median over seeds of the final test accuracy, epochs to reach ``--target``, time per step, bytes
+per step), writes all reports to ``--json-out`` and plots test accuracy against epoch to ``--plot``.
+
+Bytes per step and worker, each way: intml from the packet format (``worker.torch.intml_bytes``: payload plus
+a 26-byte header per data packet and per slot-opening bootstrap packet, retransmissions counted apart);
+Gloo from the ring model 2(n-1)/n x 4 bytes per element, not measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+BASES = ("gloo", "int32", "cnat8")
+DEFAULT_RUNS = ("gloo", "int32", "cnat8", "cnat8-ef")
+HIDDEN = (392, 50)  # seed 001: 784-392-50-10 tanh; digits has 64 inputs
+CLASSES = 10
+TEST_FRACTION = 0.25
+SPLIT_SEED = 0
+
+
+# ---- run specs -------------------------------------------------------------------------------------------
+def parse_run(spec: str) -> dict:
+    """'cnat8-ef-w20' -> {'name', 'codec', 'error_feedback', 'warmup_steps', 'integration', 'threaded'}."""
+    base, *flags = spec.split("-")
+    if base not in BASES:
+        raise ValueError(f"run {spec!r}: must start with one of {', '.join(BASES)}")
+    run = {"name": spec, "codec": None if base == "gloo" else base, "error_feedback": False, "warmup_steps": 0,
+           "integration": "gloo" if base == "gloo" else "hook", "threaded": False}
+    for flag in flags:
+        if base == "gloo":
+            raise ValueError(f"run {spec!r}: the gloo run takes no options")
+        if flag == "ef":
+            run["error_feedback"] = True
+        elif flag == "backend":
+            run["integration"] = "backend"
+        elif flag == "thread":
+            run["threaded"] = True
+        elif flag.startswith("w") and flag[1:].isdigit():
+            run["warmup_steps"] = int(flag[1:])
+        else:
+            raise ValueError(f"run {spec!r}: unknown option {flag!r} (use ef, wK, backend or thread)")
+    if run["integration"] == "backend" and (run["error_feedback"] or run["warmup_steps"]):
+        raise ValueError(f"run {spec!r}: error feedback and warm-up are options of the hook, not the backend")
+    return run
+
+
+# ---- data and model -------------------------------------------------------------------------------------------
+def load_data():
+    """(x_train, y_train, x_test, y_test) as numpy: load_digits standardised with the training statistics."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=TEST_FRACTION, random_state=SPLIT_SEED, stratify=y)
+    mean, std = x_tr.mean(axis=0), x_tr.std(axis=0)
+    std[std == 0] = 1.0
+    return ((x_tr - mean) / std).astype(np.float32), y_tr, ((x_te - mean) / std).astype(np.float32), y_te
+
+
+def shards(n_train: int, world: int, seed: int) -> list[np.ndarray]:
+    """Disjoint shards of the training indices, one per rank (a seeded permutation, split evenly)."""
+    return np.array_split(np.random.default_rng([seed, 1]).permutation(n_train), world)
+
+
+def make_model(seed: int):
+    import torch
+
+    torch.manual_seed(seed)
+    layers, width = [], 64
+    for hidden in HIDDEN:
+        layers += [torch.nn.Linear(width, hidden), torch.nn.Tanh()]
+        width = hidden
+    layers.append(torch.nn.Linear(width, CLASSES))
+    return torch.nn.Sequential(*layers)
+
+
+def parameter_hash(model) -> int:
+    """A 56-bit BLAKE2 digest of all parameters' bytes (fits an int64 tensor)."""
+    h = hashlib.blake2b(digest_size=7)
+    for p in model.parameters():
+        h.update(p.detach().numpy().tobytes())
+    return int.from_bytes(h.digest(), "big")
+
+
+# ---- one rank (run by torchrun) -------------------------------------------------------------------------------
+def rank_main(cfg: dict) -> None:
+    """Train one rank. torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; INTML_* configure intml."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    run = parse_run(cfg["run"])
+    if run["integration"] == "gloo":
+        dist.init_process_group("gloo")
+    elif run["integration"] == "backend":
+        import worker.torch  # noqa: F401 -- registers the "intml" backend
+
+        os.environ["INTML_THREAD"] = "1" if run["threaded"] else "0"
+        dist.init_process_group("intml")
+    else:
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x_tr, y_tr, x_te, y_te = load_data()
+    mine = shards(len(x_tr), world, cfg["seed"])[rank]
+    batch = cfg["batch"]
+    steps_per_epoch = min(len(s) for s in shards(len(x_tr), world, cfg["seed"])) // batch  # same at every rank
+    x_mine, y_mine = torch.from_numpy(x_tr[mine]), torch.from_numpy(y_tr[mine])
+    x_test, y_test = torch.from_numpy(x_te), torch.from_numpy(y_te)
+
+    model = make_model(cfg["seed"])
+    ddp = DDP(model) if cfg.get("bucket_cap_mb") is None else DDP(model, bucket_cap_mb=cfg["bucket_cap_mb"])
+    state = None
+    if run["integration"] == "hook":
+        from worker.torch import IntmlHookState, intml_hook
+
+        state = IntmlHookState(codec=run["codec"], error_feedback=run["error_feedback"],
+                               warmup_steps=run["warmup_steps"], threaded=run["threaded"])
+        ddp.register_comm_hook(state, intml_hook)
+    pg = dist.distributed_c10d._get_default_group()
+    traffic = state.traffic if state is not None else getattr(pg, "traffic", None)
+    control = getattr(pg, "gloo", pg)  # the hash check goes over Gloo in every run
+    opt = torch.optim.SGD(ddp.parameters(), lr=cfg["lr"])
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, cfg["lr_decay"])
+    generator = torch.Generator().manual_seed(cfg["seed"] * 1000 + rank)
+
+    step_s, accuracy, loss_curve, checked = [], [], [], 0
+    hashes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    for epoch in range(cfg["epochs"]):
+        perm = torch.randperm(len(mine), generator=generator)
+        total = 0.0
+        for i in range(steps_per_epoch):
+            idx = perm[i * batch:(i + 1) * batch]
+            start = time.perf_counter()
+            opt.zero_grad(set_to_none=False)
+            loss = torch.nn.functional.cross_entropy(ddp(x_mine[idx]), y_mine[idx])
+            loss.backward()
+            opt.step()
+            step_s.append(time.perf_counter() - start)
+            total += loss.item()
+            # consistency: every rank holds the same parameters after every step
+            control.allgather([hashes], [torch.tensor([parameter_hash(model)])]).wait()
+            values = {int(h) for h in hashes}
+            if len(values) != 1:
+                raise RuntimeError(f"{cfg['run']} seed {cfg['seed']}: ranks hold different parameters after "
+                                   f"epoch {epoch} step {i}: hashes {[int(h) for h in hashes]}")
+            checked += 1
+        sched.step()
+        with torch.no_grad():
+            accuracy.append(float((model(x_test).argmax(dim=1) == y_test).float().mean()))
+        loss_curve.append(total / steps_per_epoch)
+    steps = cfg["epochs"] * steps_per_epoch
+    report = {
+        "run": cfg["run"], "seed": cfg["seed"], "world_size": world, "epochs": cfg["epochs"],
+        "steps_per_epoch": steps_per_epoch, "batch_per_rank": batch, "bucket_cap_mb": cfg.get("bucket_cap_mb"),
+        "lr": cfg["lr"], "lr_decay": cfg["lr_decay"],
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "test_accuracy": accuracy, "train_loss": loss_curve, "final_accuracy": accuracy[-1],
+        "step_s_median": statistics.median(step_s[steps_per_epoch:] or step_s),
+        "hash_checked_steps": checked,
+        "using_intml": bool(getattr(state if state is not None else pg, "using_intml", False)),
+    }
+    if traffic is not None:
+        report["traffic"] = dict(vars(traffic))
+        report["bytes_per_step"] = (traffic.intml_bytes + traffic.gloo_bytes) / steps
+    else:  # plain Gloo: the ring model for every parameter once per step
+        from worker.torch import ring_bytes
+
+        report["bytes_per_step"] = ring_bytes(report["parameters"], world)
+    if rank == 0:
+        Path(cfg["out"]).write_text(json.dumps(report))
+    if state is not None:
+        state.close()
+    dist.destroy_process_group()
+
+
+# ---- the parent: torchrun per run and seed, the table, the plot ----------------------------------------------
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def rank_env() -> dict[str, str]:
+    """This environment, plus the repository on PYTHONPATH (ranks import it uninstalled) and one OpenMP thread
+    per rank (N ranks share the machine's cores; more threads would only oversubscribe them)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (torchrun's rendezvous binds it shortly after)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+def launch(run: str, seed: int, workers: int, args: dict, env: dict, out: Path, timeout: float) -> dict:
+    """One torchrun of `workers` ranks on 127.0.0.1; returns rank 0's report."""
+    cfg = dict(args, run=run, seed=seed, out=str(out))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={workers}",
+           "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "testbed.train", "--rank",
+           json.dumps(cfg)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    if proc.returncode != 0 or not out.exists():
+        lines = (proc.stdout + proc.stderr).strip().splitlines()
+        # the ranks' own errors (torchrun prefixes them with [rankN]), then torchrun's summary
+        errors = [line for line in lines if line.startswith("[rank") or "terminate" in line or "Error" in line]
+        text = "\n".join(errors[-40:] + ["..."] + lines[-12:])
+        raise RuntimeError(f"run {run} seed {seed} failed (torchrun exit code {proc.returncode}):\n{text}")
+    return json.loads(out.read_text())
+
+
+def epochs_to(accuracy: list[float], target: float) -> int | None:
+    """The first epoch (1-based) whose test accuracy is >= target, or None."""
+    return next((e + 1 for e, a in enumerate(accuracy) if a >= target), None)
+
+
+def summarise(reports: list[dict], target: float) -> list[dict]:
+    rows = []
+    for name in dict.fromkeys(r["run"] for r in reports):
+        mine = [r for r in reports if r["run"] == name]
+        finals = [r["final_accuracy"] for r in mine]
+        reach = [epochs_to(r["test_accuracy"], target) for r in mine]
+        reached = sorted(e for e in reach if e is not None)
+        rows.append({
+            "run": name,
+            "seeds": len(mine),
+            "final_acc_median": statistics.median(finals),
+            "final_acc_min": min(finals),
+            "final_acc_max": max(finals),
+            "epochs_to_target_median": statistics.median(reached) if len(reached) == len(mine) else None,
+            "reached": f"{len(reached)}/{len(mine)}",
+            "step_ms_median": 1e3 * statistics.median(r["step_s_median"] for r in mine),
+            "bytes_per_step": statistics.median(r["bytes_per_step"] for r in mine),
+            "retransmissions": sum(r.get("traffic", {}).get("retransmissions", 0) for r in mine),
+            "hash_checked_steps": sum(r["hash_checked_steps"] for r in mine),
+        })
+    return rows
+
+
+def table(rows: list[dict], target: float) -> str:
+    head = ("| run | final test accuracy, median (min–max) | epochs to " f"{target:.0%}" " (median) | "
+            "time per step, median | bytes per step per worker, each way | retransmissions | steps hash-checked |")
+    lines = [head, "|" + "---|" * 7]
+    for r in rows:
+        reach = "—" if r["epochs_to_target_median"] is None else f"{r['epochs_to_target_median']:g}"
+        lines.append(f"| {r['run']} | {100 * r['final_acc_median']:.2f}% ({100 * r['final_acc_min']:.2f}–"
+                     f"{100 * r['final_acc_max']:.2f}) | {reach} ({r['reached']} seeds) | "
+                     f"{r['step_ms_median']:.2f} ms | {r['bytes_per_step']:,.0f} | {r['retransmissions']} | "
+                     f"{r['hash_checked_steps']} |")
+    return "\n".join(lines)
+
+
+def verdict(rows: list[dict], tolerance_pp: float = 1.0) -> str:
+    by = {r["run"]: r for r in rows}
+    if "gloo" not in by:
+        return "no gloo run: no target to compare with"
+    ref = 100 * by["gloo"]["final_acc_median"]
+    out = []
+    for name, r in by.items():
+        if name == "gloo" or not name.startswith("cnat8"):
+            continue
+        gap = 100 * r["final_acc_median"] - ref
+        ok = "met" if gap >= -tolerance_pp else "NOT met"
+        out.append(f"{name}: {100 * r['final_acc_median']:.2f}% vs gloo {ref:.2f}% ({gap:+.2f} pp; target within "
+                   f"{tolerance_pp:g} pp: {ok})")
+    return "\n".join(out)
+
+
+def plot(reports: list[dict], path: Path, target: float) -> None:
+    """Left: test accuracy against epoch (median over seeds; band: min-max of the Gloo runs). Right: each run's
+    accuracy minus Gloo's with the same seed (mean over seeds: test accuracy moves in steps of 1/450, so a
+    median is mostly exactly 0), against the 1-point target band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(r["run"] for r in reports))
+    curves = {name: {r["seed"]: np.array(r["test_accuracy"]) * 100 for r in reports if r["run"] == name}
+              for name in names}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=120)
+    for name in names:
+        stack = np.array(list(curves[name].values()))
+        epochs = np.arange(1, stack.shape[1] + 1)
+        style = {"linewidth": 2.2, "color": "black"} if name == "gloo" else {"linewidth": 1.3}
+        line, = left.plot(epochs, np.median(stack, axis=0), label=f"{name} (median of {len(stack)})", **style)
+        if name == "gloo":
+            left.fill_between(epochs, stack.min(axis=0), stack.max(axis=0), color="grey", alpha=0.25,
+                              label="gloo min-max")
+        elif "gloo" in curves:
+            paired = [curves[name][s] - curves["gloo"][s] for s in curves[name] if s in curves["gloo"]]
+            right.plot(epochs, np.mean(paired, axis=0), color=line.get_color(), linewidth=1.3, label=name)
+    left.axhline(100 * target, color="grey", linestyle=":", linewidth=1)
+    left.set(xlabel="epoch", ylabel="test accuracy (%)", ylim=(88, 100))
+    left.grid(alpha=0.3)
+    left.legend(loc="lower right", fontsize=8)
+    right.axhspan(-1, 1, color="green", alpha=0.08, label="target: within 1 point")
+    right.axhline(0, color="black", linewidth=1)
+    right.set(xlabel="epoch", ylabel="accuracy minus Gloo's, same seed, mean (points)", ylim=(-2, 2))
+    right.grid(alpha=0.3)
+    right.legend(loc="lower right", fontsize=8)
+    meta = reports[0]
+    fig.suptitle(f"64-392-50-10 tanh MLP on load_digits, {meta['world_size']} workers under torchrun, DDP, "
+                 f"{len(curves[names[0]])} seeds", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def run(workers: int = 4, seeds: int = 5, epochs: int = 30, runs: tuple[str, ...] = DEFAULT_RUNS, batch: int = 16,
+        lr: float = 0.2, lr_decay: float = 0.95, target: float = 0.95, packet_elements: int = 1024,
+        bucket_cap_mb: float | None = None, json_out: str | None = None, plot_out: str | None = None,
+        run_timeout: float = 600.0, quiet: bool = False) -> dict:
+    """The whole experiment: one aggregator, then every run for every seed (seeds 0..seeds-1) in turn."""
+    from testbed.bench_allreduce import aggregator
+
+    specs = [parse_run(r)["name"] for r in runs]
+    args = {"epochs": epochs, "batch": batch, "lr": lr, "lr_decay": lr_decay, "bucket_cap_mb": bucket_cap_mb}
+    reports = []
+    with aggregator(cores=1, max_packet_elements=packet_elements) as port, \
+            tempfile.TemporaryDirectory(prefix="intml-train-") as tmp:
+        env = rank_env()
+        env.update(INTML_AGGREGATOR=f"127.0.0.1:{port}", INTML_PACKET_ELEMENTS=str(packet_elements),
+                   INTML_TOKEN="intml-testbed-train")
+        for seed in range(seeds):
+            for spec in specs:
+                started = time.monotonic()
+                # the job seed of the stochastic rounding follows the run's seed, so the table is reproducible
+                env["INTML_SEED"] = str(1000 + seed)
+                report = launch(spec, seed, workers, args, env, Path(tmp, f"{spec}-{seed}.json"), run_timeout)
+                if parse_run(spec)["codec"] is not None and not report["using_intml"]:
+                    raise RuntimeError(f"run {spec} seed {seed} did not use intml")
+                reports.append(report)
+                if not quiet:
+                    print(f"  {spec:>14} seed {seed}: final accuracy {100 * report['final_accuracy']:.2f}%, "
+                          f"{1e3 * report['step_s_median']:.2f} ms/step ({time.monotonic() - started:.0f} s)",
+                          file=sys.stderr, flush=True)
+    rows = summarise(reports, target)
+    result = {"workers": workers, "seeds": seeds, "epochs": epochs, "batch_per_rank": batch, "lr": lr,
+              "lr_decay": lr_decay, "target_accuracy": target, "packet_elements": packet_elements,
+              "bucket_cap_mb": bucket_cap_mb,
+              "rows": rows, "verdict": verdict(rows), "reports": reports}
+    if json_out:
+        Path(json_out).write_text(json.dumps(result, indent=1))
+    if plot_out:
+        plot(reports, Path(plot_out), target)
+    if not quiet:
+        print(f"DDP training on load_digits: {workers} workers, {seeds} seeds, {epochs} epochs, batch {batch} per "
+              f"rank, SGD lr {lr} x {lr_decay}/epoch")
+        print(table(rows, target))
+        print(result["verdict"])
+    return result
+
+
+def _runs_arg(text: str) -> str:
+    try:
+        for spec in text.split(","):
+            parse_run(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `intml-testbed train`; pass the parsed namespace to run_from_args."""
+    from protocol.cli import positive
+
+    parser.add_argument("--workers", type=positive(), default=4, help="ranks under torchrun (default 4)")
+    parser.add_argument("--seeds", type=positive(), default=5, help="seeds 0..N-1 per run (default 5)")
+    parser.add_argument("--epochs", type=positive(), default=30)
+    parser.add_argument("--runs", type=_runs_arg, default=",".join(DEFAULT_RUNS),
+                        help="comma-separated: gloo, int32, cnat8 with optional -ef, -wK, -backend, -thread "
+                             f"(default {','.join(DEFAULT_RUNS)})")
+    parser.add_argument("--batch", type=positive(), default=16, help="batch per rank (default 16)")
+    parser.add_argument("--lr", type=positive(float), default=0.2)
+    parser.add_argument("--lr-decay", type=positive(float), default=0.95, help="per-epoch factor (default 0.95)")
+    parser.add_argument("--target", type=positive(float), default=0.95,
+                        help="accuracy for the epochs-to-target column (default 0.95)")
+    parser.add_argument("--packet-elements", type=positive(), default=1024)
+    parser.add_argument("--bucket-cap-mb", type=positive(float), default=None,
+                        help="DDP bucket size (default DDP's: the 45 640 parameters fit one bucket)")
+    parser.add_argument("--json-out", metavar="PATH", help="write the table and every run's report as JSON")
+    parser.add_argument("--plot", metavar="PATH", help="plot test accuracy vs epoch (PNG)")
+    parser.add_argument("--run-timeout", type=positive(float), default=600.0, help="seconds per torchrun")
+
+
+def run_from_args(args: argparse.Namespace) -> dict:
+    return run(workers=args.workers, seeds=args.seeds, epochs=args.epochs, runs=tuple(args.runs.split(",")),
+               batch=args.batch, lr=args.lr, lr_decay=args.lr_decay, target=args.target,
+               packet_elements=args.packet_elements, bucket_cap_mb=args.bucket_cap_mb, json_out=args.json_out,
+               plot_out=args.plot, run_timeout=args.run_timeout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--rank"]:  # a rank started by torchrun
+        rank_main(json.loads(argv[1]))
+        return 0
+    from protocol.cli import OneLineParser
+
+    parser = OneLineParser(prog="python -m testbed.train", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    run_from_args(parser.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        sys.exit(main())
