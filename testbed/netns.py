@@ -12,8 +12,9 @@ Topology (``Topology.up``):
   namespace's prerouting for packets from the workers, and in each worker namespace's input for packets
   from the switch. Each link direction loses the given fraction of packets, whoever sent them. (A drop on the
   sender's output hook would fail the send with EPERM instead of losing the packet.)
-  (netem does not exist in this kernel, and nftables cannot duplicate packets without a netdev egress hook,
-  which this nft lacks; duplication is tested with the fault-injection shim instead.)
+  (netem does not exist in this kernel. Duplication is not emulated on the links: nftables' dup statement
+  clones a packet out through a device rather than back to the receiver; the fault-injection shim of
+  worker/faults.py tests duplication instead.)
 
 Names carry a unique prefix (``intml-<hex>``), so concurrent runs never collide. ``down`` is idempotent and
 runs on exit, on Ctrl-C and on SIGTERM; ``cleanup`` removes anything a crashed run left behind.
