@@ -261,14 +261,21 @@ def test_all_malformed_in_one_burst_then_round_completes():
 # ---- 5. retransmission semantics ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("codec", ["cnat8", "int32"])
-def test_duplicate_to_incomplete_round_is_dropped(codec):
+def two_workers_first_packets(codec: str, seed: int):
+    """A 2-worker job with one slot, started: the network, the inputs, and rank 0's and rank 1's first DATA
+    datagram (with its source), not yet delivered."""
     net = Network(2, codec=codec, packet_elements=P, pool_size=1)
-    xs = make_inputs(2, 3 * P, P, "normal", seed=3)
+    xs = make_inputs(2, 3 * P, P, "normal", seed=seed)
     net.start(xs)
     net.step()
     (d0, s0, _), (d1, s1, _) = sorted(net.up, key=lambda item: item[1])
     net.up = []
+    return net, xs, (d0, s0), (d1, s1)
+
+
+@pytest.mark.parametrize("codec", ["cnat8", "int32"])
+def test_duplicate_to_incomplete_round_is_dropped(codec):
+    net, xs, (d0, s0), (d1, s1) = two_workers_first_packets(codec, seed=3)
     assert (s0, s1) == (net.addr(0), net.addr(1)) and header(d0)["chunk"] == 0
     assert net.to_core(0, [(d0, s0)]) == []
     snap = table_snapshot(net.cores[0], net.job)
@@ -287,12 +294,7 @@ def test_duplicate_to_incomplete_round_is_dropped(codec):
 
 @pytest.mark.parametrize("codec", ["cnat8", "int32"])
 def test_duplicate_to_complete_round_resends_to_that_worker_alone(codec):
-    net = Network(2, codec=codec, packet_elements=P, pool_size=1)
-    xs = make_inputs(2, 3 * P, P, "normal", seed=4)
-    net.start(xs)
-    net.step()
-    (d0, s0, _), (d1, s1, _) = sorted(net.up, key=lambda item: item[1])
-    net.up = []
+    net, xs, (d0, s0), (d1, s1) = two_workers_first_packets(codec, seed=4)
     results = {dst: data for data, dst in net.to_core(0, [(d0, s0), (d1, s1)])}
     assert set(results) == {s0, s1} and results[s0] == results[s1]  # the same result to every rank
     h, _ = wire.unpack(results[s0])
