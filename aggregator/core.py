@@ -203,10 +203,14 @@ class AggregatorCore:
         self.jobs.active[info.index] = False
         self.row_used[info.rows.start:info.rows.stop] = False
 
+    def _last_activity(self, info: JobInfo) -> float:
+        """The job's join or the latest packet of any member, whichever is later."""
+        return max(info.joined_at, float(self.jobs.last_seen[info.index].max()))
+
     def handle_timer(self, now: float) -> list[int]:
         """Tear down jobs idle for longer than idle_timeout; returns their ids."""
         idle = [job_id for job_id, info in self.info.items()
-                if now - max(info.joined_at, float(self.jobs.last_seen[info.index].max())) >= self.idle_timeout]
+                if now - self._last_activity(info) >= self.idle_timeout]
         for job_id in idle:
             self.teardown(job_id)
         return idle
@@ -215,8 +219,7 @@ class AggregatorCore:
         """When handle_timer next has something to do, or None without jobs."""
         if not self.info:
             return None
-        return min(max(info.joined_at, float(self.jobs.last_seen[info.index].max())) for info in self.info.values()) \
-            + self.idle_timeout
+        return min(self._last_activity(info) for info in self.info.values()) + self.idle_timeout
 
     # ---- statistics -------------------------------------------------------------------------------------
     def stats(self, now: float, job_id: int = ALL_JOBS) -> dict:
