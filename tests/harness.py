@@ -88,9 +88,9 @@ def _engine_tx(engine) -> Burst:
     return make_burst(max(2 * engine.pool_size, 64), engine.max_datagram)
 
 
-def engine_start(engine, x: np.ndarray, now: float) -> list[Datagram]:
+def engine_start(engine, x: np.ndarray, now: float, out: np.ndarray | None = None) -> list[Datagram]:
     tx = _engine_tx(engine)
-    return drain(tx, engine.start(x, now, tx.data, tx.length, tx.addr))
+    return drain(tx, engine.start(x, now, tx.data, tx.length, tx.addr, out))
 
 
 def engine_receive(engine, datagrams: Sequence[Datagram], now: float) -> list[Datagram]:
@@ -228,11 +228,11 @@ class Network:
         return core_receive(self.cores[core], datagrams, self.now, lengths)
 
     # ---- data plane -----------------------------------------------------------------------------------------
-    def start(self, xs: Sequence[np.ndarray]) -> None:
-        """Begin the next allreduce on every engine (xs[r] is rank r's input)."""
+    def start(self, xs: Sequence[np.ndarray], outs: Sequence[np.ndarray | None] | None = None) -> None:
+        """Begin the next allreduce on every engine (xs[r] is rank r's input, outs[r] its result buffer)."""
         assert len(xs) == self.n
         for r, (engine, x) in enumerate(zip(self.engines, xs)):
-            self._from_worker(r, engine_start(engine, x, self.now))
+            self._from_worker(r, engine_start(engine, x, self.now, None if outs is None else outs[r]))
 
     def _from_worker(self, rank: int, datagrams: list[Datagram]) -> None:
         for data, dst in datagrams:

@@ -119,8 +119,10 @@ def check_results(results: list[dict], n: int, codec: str, seed: int, plan, what
 
 # ---- worker process bodies (module level: they also work with the 'spawn' start method) -----------------
 def allreduce_worker(port: int, job: int, rank: int, n: int, codec: str, seed: int, plan, *,
-                     faults: float = 0.0, use_async: bool = False, timeout: float = 30.0, pool: int = POOL) -> dict:
-    """Join `job`, allreduce the plan's tensors in order, leave; returns results and counters."""
+                     faults: float = 0.0, use_async: bool = False, timeout: float = 30.0, pool: int = POOL,
+                     into: bool = False) -> dict:
+    """Join `job`, allreduce the plan's tensors in order, leave; returns results and counters. `into`: results
+    go into caller buffers, in place (out=x) where x is contiguous float32, else a new out array."""
     from worker import Worker
     from worker.faults import FaultyTransport
 
@@ -134,6 +136,13 @@ def allreduce_worker(port: int, job: int, rank: int, n: int, codec: str, seed: i
                 packet_elements=PACKET, pool_size=pool, seed=seed, timeout=timeout, transport=transport) as w:
         if use_async:
             outs, ticks = asyncio.run(_allreduce_async_all(w, xs, plan))
+        elif into:
+            outs = []
+            for x, spec in zip(xs, plan):
+                buf = x if x.dtype == np.float32 and x.flags.c_contiguous else np.empty(x.shape, np.float32)
+                got = w.allreduce(x, op=spec.op, out=buf)
+                assert got is buf
+                outs.append(got)
         else:
             outs = [w.allreduce(x, op=spec.op) for x, spec in zip(xs, plan)]
         return {"outs": outs, "counters": w.counters(), "faults": dict(getattr(w.io, "counts", {})), "ticks": ticks}
@@ -207,6 +216,13 @@ def test_loss_duplication_reordering(agg: Aggregator, codec: str) -> None:
         faults.update(res["faults"])
     assert faults["dropped"] > 0 and faults["duplicated"] > 0 and faults["reordered"] > 0, faults
     assert sum(res["counters"]["retransmissions"] for res in results) > 0, [r["counters"] for r in results]
+
+
+def test_out_and_in_place(agg: Aggregator) -> None:
+    """allreduce(x, out=buf) returns buf holding the same bits, in place (out=x) too."""
+    n, seed = 3, 13
+    results = run_job(agg.port, n, "cnat8", seed, PLAN, into=True)
+    check_results(results, n, "cnat8", seed, PLAN, "out=")
 
 
 def test_two_jobs_at_once(agg: Aggregator) -> None:

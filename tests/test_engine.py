@@ -22,6 +22,7 @@ from harness import (
     engine_start,
     engine_timer,
     header,
+    make_burst,
     make_inputs,
     reference_saturation,
     table_snapshot,
@@ -223,6 +224,38 @@ def test_consecutive_allreduces(codec, faults):
                     rounds.setdefault((int(h["allreduce"]), int(h["chunk"])), int(h["shadow"]))
             assert list(rounds) == sorted(rounds)
             assert list(rounds.values()) == [i % 2 for i in range(len(rounds))]
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("faults", [0.0, 0.1])
+def test_result_into_out_and_in_place(codec, faults):
+    """out= receives the same bits as a fresh result; out=x (in place) too, under loss, duplication and reordering:
+    a chunk's input is never read again after its datagram was built, so results overwriting x are harmless."""
+    P, pool, n = 64, 4, 3
+    xs = make_inputs(n, 1000, P, "normal", seed=5)
+    expected = ref(xs, codec, P)
+    outs = [np.full(1000, np.nan, np.float32) for _ in range(n)]
+    net = Network(n, codec=codec, packet_elements=P, pool_size=pool, drop=faults, duplicate=faults, reorder=faults,
+                  fault_seed=3)
+    net.start(xs, outs)
+    net.run()
+    assert_all_equal(outs, expected)
+    assert all(np.shares_memory(e.result, o) for e, o in zip(net.engines, outs))
+    in_place = [x.copy() for x in xs]
+    net = Network(n, codec=codec, packet_elements=P, pool_size=pool, drop=faults, duplicate=faults, reorder=faults,
+                  fault_seed=3)
+    net.start(in_place, in_place)
+    net.run()
+    assert_all_equal(in_place, expected)
+
+
+@pytest.mark.parametrize("out", [np.zeros(10, np.float32), np.zeros(12, np.float32), np.zeros(11, np.float64),
+                                 np.zeros((11, 2), np.float32)[:, 0]])
+def test_engine_rejects_bad_out(out):
+    engine = Network(1, join=False).engines[0]
+    tx = make_burst(64, engine.max_datagram)
+    with pytest.raises(ValueError, match="out must be a C-contiguous float32 array of 11 elements"):
+        engine.start(np.ones(11, np.float32), 0.0, tx.data, tx.length, tx.addr, out)
 
 
 def test_delayed_duplicate_from_earlier_allreduce_is_stale():

@@ -147,7 +147,7 @@ class Worker:
         self.close()
 
     # ---- allreduce --------------------------------------------------------------------------------------
-    def _prepare(self, x: np.ndarray, op: str) -> tuple[np.ndarray, float]:
+    def _prepare(self, x: np.ndarray, op: str, out: np.ndarray | None) -> tuple[np.ndarray, float]:
         if op not in ("sum", "mean"):
             raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
         if self._closed:
@@ -156,7 +156,7 @@ class Worker:
         if arr.dtype.kind != "f":
             raise TypeError(f"allreduce takes a floating-point array, got {arr.dtype}")
         now = time.monotonic()
-        n = self.engine.start(arr, now, self.io.tx_data, self.io.tx_len, self.io.tx_addr)
+        n = self.engine.start(arr, now, self.io.tx_data, self.io.tx_len, self.io.tx_addr, out)
         self._send(n)
         return arr, now
 
@@ -187,28 +187,32 @@ class Worker:
             raise AllreduceTimeout(self._timeout_message())
         return last_progress
 
-    def _finish(self, arr: np.ndarray, op: str) -> np.ndarray:
-        out = self.engine.result.reshape(arr.shape)
+    def _finish(self, arr: np.ndarray, op: str, out: np.ndarray | None) -> np.ndarray:
+        out = self.engine.result.reshape(arr.shape) if out is None else out
         if op == "mean":
             out /= np.float32(self.world_size)
         return out
 
-    def allreduce(self, x: np.ndarray, op: str = "sum") -> np.ndarray:
-        """Sum (or mean) of x over all ranks, as float32 of x's shape; identical at every rank."""
-        arr, last_progress = self._prepare(x, op)
+    def allreduce(self, x: np.ndarray, op: str = "sum", out: np.ndarray | None = None) -> np.ndarray:
+        """Sum (or mean) of x over all ranks, as float32 of x's shape; identical at every rank.
+
+        ``out``: a C-contiguous float32 array of x.size elements to write the result into and return (x itself
+        for an in-place allreduce, as torch.distributed does); reusing one across calls avoids allocating and
+        page-faulting a tensor-sized result every time."""
+        arr, last_progress = self._prepare(x, op, out)
         while not self.engine.done:
             if (wait := self._wait(last_progress)) > 0:
                 self._poll.poll(wait * 1000)
             last_progress = self._step(last_progress)
-        return self._finish(arr, op)
+        return self._finish(arr, op, out)
 
-    async def allreduce_async(self, x: np.ndarray, op: str = "sum") -> np.ndarray:
+    async def allreduce_async(self, x: np.ndarray, op: str = "sum", out: np.ndarray | None = None) -> np.ndarray:
         """allreduce on the running asyncio event loop (other tasks run while waiting for results)."""
         loop = asyncio.get_running_loop()
         readable = asyncio.Event()
         loop.add_reader(self.io.fileno(), readable.set)
         try:
-            arr, last_progress = self._prepare(x, op)
+            arr, last_progress = self._prepare(x, op, out)
             while not self.engine.done:
                 if (wait := self._wait(last_progress)) > 0:
                     try:
@@ -217,7 +221,7 @@ class Worker:
                         pass
                 readable.clear()
                 last_progress = self._step(last_progress)
-            return self._finish(arr, op)
+            return self._finish(arr, op, out)
         finally:
             loop.remove_reader(self.io.fileno())
 

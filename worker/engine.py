@@ -306,9 +306,19 @@ class StreamEngine:
     def max_datagram(self) -> int:
         return self.packet.shape[1]
 
-    def start(self, x: np.ndarray, now: float, tx_data: np.ndarray, tx_len: np.ndarray, tx_addr: np.ndarray) -> int:
-        """Begin the next allreduce of float32 x (any shape); returns the datagrams written to tx (<= pool)."""
+    def start(self, x: np.ndarray, now: float, tx_data: np.ndarray, tx_len: np.ndarray, tx_addr: np.ndarray,
+              out: np.ndarray | None = None) -> int:
+        """Begin the next allreduce of float32 x (any shape); returns the datagrams written to tx (<= pool).
+
+        The result goes to ``out`` (float32, C-contiguous, x.size elements; it may be x itself: a chunk's input is
+        encoded into its stored datagram before its result can arrive) or, by default, to a new array: reusing
+        one saves the page faults of a fresh tensor-sized allocation on every allreduce."""
         flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+        if out is None:
+            out = np.empty(flat.size, np.float32)
+        elif out.dtype != np.float32 or out.size != flat.size or not out.flags.c_contiguous:
+            raise ValueError(f"out must be a C-contiguous float32 array of {flat.size} elements, got "
+                             f"{out.dtype} of {out.size} elements{'' if out.flags.c_contiguous else ', not contiguous'}")
         chunks = -(-flat.size // self.packet_elements)
         window = min(self.pool_size, chunks)
         self.allreduce_seq += 1
@@ -317,7 +327,7 @@ class StreamEngine:
                                                                        self.allreduce_seq, 0)
         local = chunk_exponents(flat, self.packet_elements, CNAT_RANGE if self.codec == Codec.CNAT8 else INT32_RANGE)
         self.state = State(
-            params=prm, x=flat, out=np.zeros(flat.size, np.float32), local_exp=local.astype(np.int64),
+            params=prm, x=flat, out=out.reshape(-1), local_exp=local.astype(np.int64),
             agreed_exp=np.full(chunks, NO_EXP, np.int64), cur_chunk=np.full(self.pool_size, IDLE, np.int64),
             parity=self.parity, sent_at=np.zeros(self.pool_size), rto=np.zeros(self.pool_size),
             retries=np.zeros(self.pool_size, np.int64), overtaken=np.zeros(self.pool_size, np.int64),

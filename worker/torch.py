@@ -295,11 +295,10 @@ class _Link:
 
     def _allreduce(self, tensor, op, inplace, residual):
         w = self.worker
-        x = tensor.detach().reshape(-1).numpy()  # a view: the tensor is contiguous float32 on the CPU
-        if residual is not None:
-            x = x + residual.numpy()
+        flat = tensor.detach().reshape(-1).numpy()  # a view: the tensor is contiguous float32 on the CPU
+        x = flat if residual is None else flat + residual.numpy()
         before = w.counters()
-        out = w.allreduce(x, op)
+        out = w.allreduce(x, op, out=flat if inplace else None)  # in place: no result allocation, no copy back
         after = w.counters()
         if residual is not None:
             np.subtract(x, sent_values(w, x, self.seed), out=residual.numpy())
@@ -309,11 +308,9 @@ class _Link:
         t.intml_bytes += intml_bytes(x.size, self.config.codec, self.config.packet_elements, self.config.pool_size)
         t.packets_out += after["packets_out"] - before["packets_out"]
         t.retransmissions += after["retransmissions"] - before["retransmissions"]
-        result = torch.from_numpy(out).view(tensor.shape)
         if inplace:
-            tensor.copy_(result)
             return [tensor]
-        return result
+        return torch.from_numpy(out).view(tensor.shape)
 
     def close(self, wait: float | None = None) -> None:
         """Stop the thread once the queued allreduces are done (waiting at most `wait` seconds, default the
