@@ -46,7 +46,8 @@ from protocol.cnat import (
     code_in_range,
     codes_in_range,
 )
-from protocol.rng import BLOCK, block_key, clz32, lowbias32, shl32, stream_key
+from protocol.lanes import clz32, shl32
+from protocol.rng import BLOCK, block_key, lowbias32, stream_key
 from protocol.wire import NO_EXP
 
 INT32_E_MIN = -126

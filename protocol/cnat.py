@@ -45,6 +45,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
+from protocol.lanes import byte_outside, or8
 from protocol.rng import BLOCK, block_key, lowbias32, stream_key
 
 E_MIN = -50
@@ -184,11 +185,20 @@ def code_in_range(c, floor, ceiling):
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def codes_in_range(codes, floor, ceiling):
-    """All codes pass code_in_range (the switch's check before it adds a packet)."""
-    ok = True
+    """All codes pass code_in_range (the switch's check before it adds a packet).
+
+    The same test in 8-bit lanes, 32 codes per AVX2 instruction: a nonzero code is in range iff its low seven
+    bits (nonzero flag and k) lie in [NONZERO + floor + K_BIAS, NONZERO + ceiling + K_BIAS], and subtracting the
+    lower bound with 8-bit wrap-around turns that into one unsigned comparison. Admitting only 0 (ceiling below
+    floor) uses a lower bound of 0x80, which every 7-bit value wraps below."""
+    if ceiling < floor:
+        lo, span = np.uint8(0x80), np.uint8(0x7F)
+    else:
+        lo, span = np.uint8(NONZERO + floor + K_BIAS), np.uint8(ceiling - floor)
+    bad = np.uint8(0)
     for j in range(codes.size):
-        ok &= code_in_range(codes[j], floor, ceiling)
-    return ok
+        bad = or8(bad, byte_outside(codes[j], lo, span))
+    return bad == 0
 
 
 @njit(cache=True, nogil=True, boundscheck=False)

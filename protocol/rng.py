@@ -21,8 +21,9 @@ element are independent.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, types
-from numba.extending import intrinsic
+from numba import njit
+
+from protocol.lanes import mul32
 
 MASK64 = (1 << 64) - 1
 _U32 = np.uint32
@@ -35,39 +36,6 @@ def splitmix64_int(x: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
     return x ^ (x >> 31)
-
-
-@intrinsic
-def mul32(typingctx, a, b):
-    """uint32 * uint32 mod 2**32. Numba widens integer arithmetic to 64 bits, which AVX2 cannot vectorise."""
-    sig = types.uint32(types.uint32, types.uint32)
-
-    def codegen(context, builder, signature, args):
-        return builder.mul(args[0], args[1])
-
-    return sig, codegen
-
-
-@intrinsic
-def shl32(typingctx, a, b):
-    """uint32 << uint32 for shifts below 32, kept 32-bit so loops over it vectorise (see mul32)."""
-    sig = types.uint32(types.uint32, types.uint32)
-
-    def codegen(context, builder, signature, args):
-        return builder.shl(args[0], args[1])
-
-    return sig, codegen
-
-
-@intrinsic
-def clz32(typingctx, a):
-    """Count of leading zero bits of a uint32 (32 for 0), one instruction (lzcnt) that vectorises."""
-    sig = types.uint32(types.uint32)
-
-    def codegen(context, builder, signature, args):
-        return builder.ctlz(args[0], context.get_constant(types.boolean, False))
-
-    return sig, codegen
 
 
 @njit(inline="always")

@@ -233,6 +233,20 @@ def test_code_in_range_every_code(floor, ceiling):
         assert bool(code_in_range(np.uint8(c), floor, ceiling)) == in_range(c, floor, ceiling), hex(c)
 
 
+@pytest.mark.parametrize("floor, ceiling", [(-50, 10), (-50, -20), (-30, 0), (10, 10), (-5, -5), (-50, -51),
+                                            (3, 2), (10, 9)])
+def test_codes_in_range_every_code_at_every_lane(floor, ceiling):
+    """The 8-bit vector check agrees with the definition for every code, alone among valid codes, at every
+    position of a vector-width block and of the scalar tail; ceiling < floor admits only zeros."""
+    n = 32 * 3 + 7
+    for c in range(256):
+        for pos in list(range(32)) + list(range(n - 7, n)):
+            codes = np.zeros(n, np.uint8)
+            codes[pos] = c
+            assert bool(cnat.codes_in_range(codes, floor, ceiling)) == in_range(c, floor, ceiling), (hex(c), pos)
+    assert cnat.codes_in_range(np.zeros(0, np.uint8), floor, ceiling)
+
+
 def test_to_fixed_hand_cases():
     codes = np.array([0x00, 0x72, 0xF2, 0x7C, 0x5E, 0xDE], np.uint8)  # 0, 1, -1, 2**10, 2**-20, -2**-20
     assert to_fixed(codes, -20).tolist() == [0, 2**20, -(2**20), 2**30, 1, -1]

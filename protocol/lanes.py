@@ -1,0 +1,58 @@
+"""LLVM intrinsics that keep integer arithmetic at its own width inside Numba kernels.
+
+Numba widens uint8 and uint32 arithmetic to 64 bits. AVX2 has no 64-bit vector multiply and a 64-bit lane holds
+a quarter of the elements a 32-bit one does and an eighth of an 8-bit one, so the loops that matter (hashing,
+code checks, fixed-point adds) use these to stay at 32 or 8 bits, where LLVM vectorises them 8 or 32 lanes wide.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+_I8 = ir.IntType(8)
+
+
+def _binary(width: types.Integer, op: str, doc: str):
+    """An intrinsic applying one LLVM instruction (builder method `op`) to two integers of `width`."""
+
+    @intrinsic
+    def fn(typingctx, a, b):
+        def codegen(context, builder, signature, args):
+            return getattr(builder, op)(args[0], args[1])
+
+        return width(width, width), codegen
+
+    fn.__doc__ = doc
+    return fn
+
+
+mul32 = _binary(types.uint32, "mul", "uint32 * uint32 mod 2**32 (AVX2 has no 64-bit vector multiply).")
+shl32 = _binary(types.uint32, "shl", "uint32 << uint32, for shifts below 32.")
+or8 = _binary(types.uint8, "or_", "uint8 | uint8 (an accumulator of per-byte flags).")
+
+
+@intrinsic
+def clz32(typingctx, a):
+    """Count of leading zero bits of a uint32 (32 for 0), one instruction (lzcnt) that vectorises."""
+    sig = types.uint32(types.uint32)
+
+    def codegen(context, builder, signature, args):
+        return builder.ctlz(args[0], context.get_constant(types.boolean, False))
+
+    return sig, codegen
+
+
+@intrinsic
+def byte_outside(typingctx, c, lo, span):
+    """1 if byte c is nonzero and (c & 0x7F) - lo, wrapped to 8 bits, exceeds span; else 0. All 8-bit."""
+    sig = types.uint8(types.uint8, types.uint8, types.uint8)
+
+    def codegen(context, builder, signature, args):
+        c, lo, span = args
+        outside = builder.icmp_unsigned(">", builder.sub(builder.and_(c, ir.Constant(_I8, 0x7F)), lo), span)
+        nonzero = builder.icmp_unsigned("!=", c, ir.Constant(_I8, 0))
+        return builder.zext(builder.and_(outside, nonzero), _I8)
+
+    return sig, codegen
