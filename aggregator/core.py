@@ -22,7 +22,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from aggregator.slots import DROP_BAD_CONTROL, MAX_WORLD, N_STATS, STAT_NAMES, Jobs, Table, new_jobs, new_table, process_burst
+from aggregator.slots import (
+    DROP_BAD_CONTROL,
+    MAX_WORLD,
+    N_STATS,
+    STAT_NAMES,
+    Jobs,
+    Table,
+    new_batch,
+    new_jobs,
+    new_table,
+    process_burst,
+)
 from burstio.mmsg import addr_of
 from protocol import wire
 from protocol.arith import value_bits
@@ -65,7 +76,8 @@ class AggregatorCore:
         self.idle_timeout = idle_timeout
         self.jobs: Jobs = new_jobs(max_jobs)
         self.table: Table = new_table(rows, max_elements)
-        self._kernel_args = (tuple(self.jobs), tuple(self.table))  # see process_burst on why tuples
+        self._tables = (tuple(self.jobs), tuple(self.table))  # see process_burst on why tuples
+        self._batch: tuple = ()
         self.row_used = np.zeros(rows, np.bool_)
         self.info: dict[int, JobInfo] = {}
         self._control = np.empty(0, np.int64)
@@ -81,10 +93,11 @@ class AggregatorCore:
                              f"results), got {tx.length.size}")
         if self._control.size < n_rx:
             self._control = np.empty(n_rx, np.int64)
+            self._batch = tuple(new_batch(self.row_used.size, n_rx))
         start = 0
         while start < n_rx:
             start, n_tx, n_ctl = process_burst(rx.data, rx.length, rx.addr, start, n_rx, now, self.core,
-                                               self.cores, *self._kernel_args, tx.data, tx.length, tx.addr,
+                                               self.cores, *self._tables, self._batch, tx.data, tx.length, tx.addr,
                                                self._control)
             for k in range(n_ctl):
                 i = int(self._control[k])

@@ -35,7 +35,7 @@ from protocol.arith import (
     INT32_E_MAX,
     INT32_E_MIN,
     NO_EXP,
-    add_fixed,
+    add_fixed_rows,
     cnat_floor,
     sum_to_codes_kernel,
     switch_stream,
@@ -60,6 +60,7 @@ from protocol.packet import (
     get_i32,
     get_u16,
     get_u32,
+    copy_bytes,
     put_header,
     put_u32,
     round_key,
@@ -133,8 +134,13 @@ Jobs = namedtuple(
     "Jobs",
     "job_id active world value_bits packet_elements pool codec seed row_base members last_seen stats core_stats",
 )
-# Slot table: one row per slot of every job on this core, two shadow sets each.
-Table = namedtuple("Table", "round_key bitmap count exp next_exp elements acc result")
+# Slot table: one row per slot of every job on this core, two shadow sets each. A completed set keeps its result
+# as the whole datagram (header and payload) that goes to every worker and to every re-send.
+Table = namedtuple("Table", "round_key bitmap count exp next_exp elements acc result result_len")
+# Scratch of one process_burst call (see there). group_of[row, set] is the set's group in the current burst, or -1
+# outside a call; a group's contributions are a linked list (head, next) of received packet indices; an event is
+# a result to send: to one rank (a re-send) or, with rank -1, to all (a completion).
+Batch = namedtuple("Batch", "group_of row shadow job head first complete packet next event_group event_rank rows")
 
 
 def new_jobs(capacity: int) -> Jobs:
@@ -164,8 +170,16 @@ def new_table(rows: int, max_elements: int) -> Table:
         next_exp=np.zeros((rows, 2), np.int64),
         elements=np.zeros((rows, 2), np.int64),
         acc=np.zeros((rows, 2, max_elements), np.int32),
-        result=np.zeros((rows, 2, max_elements), np.uint8),
+        result=np.zeros((rows, 2, HDR + 4 * max_elements), np.uint8),
+        result_len=np.zeros((rows, 2), np.int64),
     )
+
+
+def new_batch(rows: int, burst: int) -> Batch:
+    """Scratch for bursts of up to `burst` datagrams over a table of `rows` rows."""
+    per_packet = [np.zeros(burst, np.int64) for _ in range(8)]
+    return Batch(np.full((rows, 2), -1, np.int64), *per_packet[:4], np.zeros(burst, np.bool_),
+                 np.zeros(burst, np.bool_), *per_packet[4:], np.zeros(MAX_WORLD, np.int64))
 
 
 @njit(inline="always")
@@ -192,45 +206,107 @@ def _int32_add(p, acc, count, first):
         acc[i] = v if first else np.int32(acc[i] + v)
 
 
+@njit(inline="always")
+def _new_group(b, n_groups, row, x, j, first):
+    b.group_of[row, x] = n_groups
+    b.row[n_groups] = row
+    b.shadow[n_groups] = x
+    b.job[n_groups] = j
+    b.head[n_groups] = -1
+    b.first[n_groups] = first
+    b.complete[n_groups] = False
+    return n_groups
+
+
 @njit(cache=True, nogil=True, boundscheck=False)
-def _emit_result(jobs, table, j, row, x, rank, allreduce, chunk, slot, tx_data, tx_len, tx_addr, n_tx):
-    """Write the result of (row, set x) addressed to `rank` into tx slot n_tx."""
-    p = tx_data[n_tx]
+def _aggregate(jobs, table, b, g, rx_data, core, cores):
+    """Phase 2 for one set: add this burst's contributions to its accumulators; if the round completed, write
+    its result datagram (the same bytes for every worker and every re-send)."""
+    row, x, j = b.row[g], b.shadow[g], b.job[g]
     count = table.elements[row, x]
     codec = jobs.codec[j]
-    put_header(p, MsgType.RESULT, jobs.job_id[j], allreduce, chunk, 0, slot, count, codec, x,
-               table.exp[row, x], table.next_exp[row, x])
+    acc = table.acc[row, x, :count]
+    floor = cnat_floor(table.exp[row, x], jobs.value_bits[j])
+    k = 0
+    m = b.head[g]
+    while m >= 0:
+        b.rows[k] = b.packet[m]
+        k += 1
+        m = b.next[m]
+    if k and count:
+        if codec == Codec.CNAT8:
+            add_fixed_rows(rx_data, b.rows, k, HDR, acc, floor, b.first[g])
+        else:
+            for t in range(k):
+                _int32_add(rx_data[b.rows[t]], acc, count, b.first[g] and t == 0)
+    if not b.complete[g]:
+        return
+    key = table.round_key[row, x]
+    allreduce = key >> 32
+    chunk = (key & 0xFFFFFFFF) - (np.int64(1) << 31)
+    slot = (row - jobs.row_base[j]) * cores + core
+    p = table.result[row, x]
+    put_header(p, MsgType.RESULT, jobs.job_id[j], allreduce, chunk, 0, slot, count, codec, x, table.exp[row, x],
+               table.next_exp[row, x])
     if codec == Codec.CNAT8:
-        p[HDR:HDR + count] = table.result[row, x, :count]
-        tx_len[n_tx] = HDR + count
+        if count:
+            key_switch = derive_key(jobs.seed[j], switch_stream(allreduce))
+            jobs.stats[j, SATURATED] += sum_to_codes_kernel(acc, p[HDR:HDR + count], key_switch,
+                                                           np.uint64(chunk * jobs.packet_elements[j]), floor)
+        table.result_len[row, x] = HDR + count
     else:
         for i in range(count):
-            put_u32(p, HDR + 4 * i, np.int64(table.acc[row, x, i]) & 0xFFFFFFFF)
-        tx_len[n_tx] = HDR + 4 * count
+            put_u32(p, HDR + 4 * i, np.int64(acc[i]) & 0xFFFFFFFF)
+        table.result_len[row, x] = HDR + 4 * count
+
+
+@njit(inline="always")
+def _emit(jobs, table, j, row, x, rank, tx_data, tx_len, tx_addr, n_tx):
+    length = table.result_len[row, x]
+    copy_bytes(tx_data[n_tx], table.result[row, x], length)
+    tx_len[n_tx] = length
     tx_addr[n_tx] = jobs.members[j, rank]
     jobs.stats[j, PACKETS_OUT] += 1
+    return n_tx + 1
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def process_burst(rx_data, rx_len, rx_addr, start, n_rx, now, core, cores, job_arrays, table_arrays,
+def process_burst(rx_data, rx_len, rx_addr, start, n_rx, now, core, cores, job_arrays, table_arrays, batch_arrays,
                   tx_data, tx_len, tx_addr, control):
     """Handle received datagrams start..n_rx-1. Returns (next unhandled index, datagrams written to tx, control
-    datagrams listed in `control`). Stops early when tx could not hold a completion's n results.
+    datagrams listed in `control`). Stops early when tx could not hold another completion's n results.
+
+    Two phases. Phase 1 walks the packets in order and makes every decision: the checks, the round keys,
+    bitmaps and counts, and which packets contribute to which set; a packet's data is only checked, not added.
+    Phase 2 then adds each set's contributions in one pass over its accumulators, re-encodes the sets that
+    completed, and writes the results in the order phase 1 decided them. Integer addition commutes, so the
+    sums, and everything sent, are those of handling the packets one by one; but a slot's accumulators are
+    read and written once per burst, not once per worker. A packet that would open a new round in a set that
+    already has work in this burst ends phase 1 early (it is handled by the next call), so phase 2 never mixes
+    two rounds of one set.
 
     The tables come in as plain tuples, which Numba types in C, and are rebuilt as namedtuples here: a
     namedtuple argument costs ~40 us of typing per call on Numba's Python path."""
     jobs = Jobs(*job_arrays)
     table = Table(*table_arrays)
-    n_tx = 0
+    b = Batch(*batch_arrays)
+    reserve = 1  # tx rows one more packet may need: a completion sends one result per worker
+    for j in range(jobs.active.size):
+        if jobs.active[j]:
+            reserve = max(reserve, jobs.world[j])
+    cs = jobs.core_stats
     n_ctl = 0
+    n_groups = 0
+    n_contrib = 0
+    n_events = 0
+    planned = 0
     i = start
     while i < n_rx:
-        if n_tx + MAX_WORLD > tx_len.size:
+        if planned + reserve > tx_len.size:
             break
         length = rx_len[i]
         p = rx_data[i]
         i += 1
-        cs = jobs.core_stats
         cs[PACKETS_IN] += 1
         if length < 0:
             cs[DROP_TRUNCATED] += 1
@@ -299,12 +375,23 @@ def process_burst(rx_data, rx_len, rx_addr, start, n_rx, now, core, cores, job_a
             st[DROP_STALE] += 1
             continue
         fresh = key > current
+        g = b.group_of[row, x]
+        if fresh and g >= 0:  # a new round in a set with work in this burst: finish the burst first
+            i -= 1
+            cs[PACKETS_IN] -= 1  # counted again when the next call takes the packet
+            st[PACKETS_IN] -= 1
+            break
         bit = np.uint64(1) << np.uint64(rank)
         if not fresh and table.bitmap[row, x] & bit:
             st[RETRANSMISSIONS] += 1
             if table.count[row, x] == n:
-                _emit_result(jobs, table, j, row, x, rank, allreduce, chunk, slot, tx_data, tx_len, tx_addr, n_tx)
-                n_tx += 1
+                if g < 0:
+                    g = _new_group(b, n_groups, row, x, j, False)
+                    n_groups += 1
+                b.event_group[n_events] = g
+                b.event_rank[n_events] = rank
+                n_events += 1
+                planned += 1
                 st[RESULTS_RESENT] += 1
             else:
                 st[DROP_DUPLICATE_INCOMPLETE] += 1
@@ -313,16 +400,15 @@ def process_burst(rx_data, rx_len, rx_addr, start, n_rx, now, core, cores, job_a
             st[DROP_EXP_MISMATCH if exp != table.exp[row, x] else DROP_COUNT] += 1
             continue
         vbits = jobs.value_bits[j]
-        floor = cnat_floor(exp, vbits)
         if codec == Codec.CNAT8:
+            floor = cnat_floor(exp, vbits)
             ok = codes_in_range(p[HDR:HDR + count], floor, floor - 1 if exp == NO_EXP else exp)
         else:
             ok = _int32_ok(p, count, np.int64(1) << vbits)
         if not ok:
             st[DROP_INVALID_CODE] += 1
             continue
-        # All checks passed: contribute.
-        acc = table.acc[row, x]
+        # All checks passed: this packet contributes (its data is added in phase 2).
         if fresh:
             table.round_key[row, x] = key
             table.bitmap[row, x] = 0
@@ -332,22 +418,35 @@ def process_burst(rx_data, rx_len, rx_addr, start, n_rx, now, core, cores, job_a
             table.next_exp[row, x] = next_exp
         else:
             table.next_exp[row, x] = max(table.next_exp[row, x], next_exp)
-        first = table.count[row, x] == 0
-        if codec == Codec.CNAT8:
-            add_fixed(p[HDR:HDR + count], acc[:count], floor, first)
-        else:
-            _int32_add(p, acc, count, first)
+        if g < 0:
+            g = _new_group(b, n_groups, row, x, j, table.count[row, x] == 0)
+            n_groups += 1
+        b.packet[n_contrib] = i - 1
+        b.next[n_contrib] = b.head[g]
+        b.head[g] = n_contrib
+        n_contrib += 1
         table.bitmap[row, x] |= bit
         table.count[row, x] += 1
         st[CONTRIBUTIONS] += 1
         if table.count[row, x] == n:
-            if codec == Codec.CNAT8 and count > 0:
-                key_switch = derive_key(jobs.seed[j], switch_stream(allreduce))
-                st[SATURATED] += sum_to_codes_kernel(
-                    acc[:count], table.result[row, x, :count], key_switch,
-                    np.uint64(chunk * jobs.packet_elements[j]), floor)
+            b.complete[g] = True
+            b.event_group[n_events] = g
+            b.event_rank[n_events] = -1
+            n_events += 1
+            planned += n
             st[COMPLETIONS] += 1
-            for r in range(n):
-                _emit_result(jobs, table, j, row, x, r, allreduce, chunk, slot, tx_data, tx_len, tx_addr, n_tx)
-                n_tx += 1
+
+    for g in range(n_groups):
+        _aggregate(jobs, table, b, g, rx_data, core, cores)
+        b.group_of[b.row[g], b.shadow[g]] = -1
+    n_tx = 0
+    for e in range(n_events):
+        g = b.event_group[e]
+        row, x, j = b.row[g], b.shadow[g], b.job[g]
+        rank = b.event_rank[e]
+        if rank >= 0:
+            n_tx = _emit(jobs, table, j, row, x, rank, tx_data, tx_len, tx_addr, n_tx)
+        else:
+            for r in range(jobs.world[j]):
+                n_tx = _emit(jobs, table, j, row, x, r, tx_data, tx_len, tx_addr, n_tx)
     return i, n_tx, n_ctl

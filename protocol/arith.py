@@ -143,6 +143,51 @@ def add_fixed(codes, acc, floor, first):
             acc[j] = np.int32(_U32(_U32(acc[j]) + _fixed_value(codes[j], base)))
 
 
+@njit(cache=True, nogil=True, boundscheck=False)
+def _add_fixed_pair(a, b, acc, base, first):
+    if first:
+        for j in range(acc.size):
+            acc[j] = np.int32(_U32(_fixed_value(a[j], base) + _fixed_value(b[j], base)))
+    else:
+        for j in range(acc.size):
+            acc[j] = np.int32(_U32(_U32(acc[j]) + _U32(_fixed_value(a[j], base) + _fixed_value(b[j], base))))
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _add_fixed_quad(a, b, c, d, acc, base, first):
+    if first:
+        for j in range(acc.size):
+            acc[j] = np.int32(_U32(_U32(_fixed_value(a[j], base) + _fixed_value(b[j], base))
+                                   + _U32(_fixed_value(c[j], base) + _fixed_value(d[j], base))))
+    else:
+        for j in range(acc.size):
+            acc[j] = np.int32(_U32(_U32(acc[j]) + _U32(_U32(_fixed_value(a[j], base) + _fixed_value(b[j], base))
+                                                       + _U32(_fixed_value(c[j], base) + _fixed_value(d[j], base)))))
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def add_fixed_rows(data, rows, k, col, acc, floor, first):
+    """add_fixed of the codes data[rows[t], col:col + acc.size] for t < k, four rows per pass over acc: several
+    contributions to one slot then cost one read and one write of the accumulators, not one each. Integer
+    addition mod 2**32 is associative, so the sum is the one of adding the rows one by one."""
+    n = acc.size
+    base = _U32(floor + K_BIAS)
+    t = 0
+    while t < k:
+        left = k - t
+        if left >= 4:
+            _add_fixed_quad(data[rows[t], col:col + n], data[rows[t + 1], col:col + n], data[rows[t + 2], col:col + n],
+                            data[rows[t + 3], col:col + n], acc, base, first)
+            t += 4
+        elif left >= 2:
+            _add_fixed_pair(data[rows[t], col:col + n], data[rows[t + 1], col:col + n], acc, base, first)
+            t += 2
+        else:
+            add_fixed(data[rows[t], col:col + n], acc, floor, first)
+            t += 1
+        first = False
+
+
 def to_fixed(codes: np.ndarray, floor: int, ceiling: int = E_MAX) -> np.ndarray:
     """int32 values of codes in units of 2**floor; ValueError if a code is invalid or outside [floor, ceiling]."""
     check_floor(floor)

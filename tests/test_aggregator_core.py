@@ -632,3 +632,54 @@ def test_malformed_control_datagram_is_counted_and_answered():
     assert counter_diff(before, net.core_counters()) == {"packets_in": 1, "drop_bad_control": 1}
     assert [msg_type(d) for d, _ in out] == [MsgType.ERROR]
     assert out[0][1] == STRANGER
+
+
+# ---- 8. a burst is handled as if packet by packet -----------------------------------------------------------
+
+
+def _recorded_uplink(codec: str, n: int, seed: int) -> tuple[Network, list[tuple[bytes, int]]]:
+    """Every datagram the workers of a faulty two-allreduce run sent (retransmissions, duplicates included)."""
+    net = Network(n, codec=codec, packet_elements=P, pool_size=4, drop=0.1, duplicate=0.1, reorder=0.1,
+                  fault_seed=seed, record=True)
+    for seq in range(2):
+        net.allreduce(make_inputs(n, 9 * P + 7, P, "normal", seed=seed + seq))
+    return net, [(d, s) for d, s, _ in net.sent_up]
+
+
+def _joined_core(net: Network) -> AggregatorCore:
+    core = AggregatorCore(rows=16, max_elements=P)
+    for r in range(net.n):
+        reply = core_receive(core, [(join_datagram(net.job, r, **net.join_params()), net.addr(r))], 0.0)
+        assert msg_type(reply[0][0]) == MsgType.JOIN_ACK
+    return core
+
+
+@pytest.mark.parametrize("codec", ["cnat8", "int32"])
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_burst_equals_one_packet_at_a_time(codec, seed, shuffle):
+    """The two-phase burst kernel (decide in order, then add per set) sends the same datagrams in the same order
+    and leaves the same slot table and counters as handing it one packet per call. `shuffle` scrambles the
+    stream within windows of 40 packets, past what the protocol allows: new rounds then arrive in sets that
+    still have work in the burst, stale rounds and early retransmissions abound."""
+    rng = np.random.default_rng(seed)
+    net, stream = _recorded_uplink(codec, 3, seed)
+    if shuffle:
+        stream = [stream[k] for w in range(0, len(stream), 40)
+                  for k in (w + rng.permutation(min(40, len(stream) - w)))]
+    one, batched = _joined_core(net), _joined_core(net)
+    sent_one = [out for datagram in stream for out in core_receive(one, [datagram], 1.0)]
+    sent_batched = []
+    start = 0
+    while start < len(stream):
+        size = int(rng.integers(1, 120))
+        sent_batched += core_receive(batched, stream[start:start + size], 1.0, tx_rows=MAX_WORLD)
+        start += size
+    assert sent_batched == sent_one
+    assert one.stats(1.0) == batched.stats(1.0)
+    assert_table_equal(table_snapshot(one, net.job), table_snapshot(batched, net.job))
+    counters = one.stats(1.0)["jobs"][str(net.job)]["counters"]
+    assert counters["completions"] > 0 and counters["retransmissions"] > 0
+    if shuffle:
+        assert counters["drop_stale"] > 0
+    assert (batched._batch[0] == -1).all()  # no set is left marked as part of a burst

@@ -247,6 +247,29 @@ def test_codes_in_range_every_code_at_every_lane(floor, ceiling):
     assert cnat.codes_in_range(np.zeros(0, np.uint8), floor, ceiling)
 
 
+@settings(deadline=None)  # the first example compiles the kernels
+@given(fc=floor_ceiling(), k=st.integers(0, 9), n=st.integers(0, 300), first=st.booleans(),
+       seed=st.integers(0, 2**32 - 1))
+def test_add_fixed_rows_equals_adding_rows_one_by_one(fc, k, n, first, seed):
+    """The fused 4-row and 2-row passes give the sums of the reference's row-by-row int32 additions (mod 2**32),
+    reading only the rows listed and only their columns [col, col + n)."""
+    floor, ceiling = fc
+    g = np.random.default_rng(seed)
+    col, height = 5, 12
+    e = g.integers(floor, ceiling + 1, (height, col + n))
+    data = np.where(g.random(e.shape) < 0.1, 0, (g.integers(0, 2, e.shape) << 7) | 0x40 | (e + 50)).astype(np.uint8)
+    data[:, :col] = 0xFF  # invalid codes: reading them would show
+    rows = g.permutation(height)[:max(k, 1)].astype(np.int64)
+    acc = g.integers(-(2**31), 2**31, n, dtype=np.int64).astype(np.int32)
+    want = np.zeros(n, np.int64) if first else acc.astype(np.int64)
+    for t in range(k):
+        want += reference.to_fixed(data[rows[t], col:], floor)
+    if k == 0:
+        want = acc.astype(np.int64)
+    arith.add_fixed_rows(data, rows, k, col, acc, floor, first)
+    np.testing.assert_array_equal(acc, want.astype(np.uint32).view(np.int32))
+
+
 def test_to_fixed_hand_cases():
     codes = np.array([0x00, 0x72, 0xF2, 0x7C, 0x5E, 0xDE], np.uint8)  # 0, 1, -1, 2**10, 2**-20, -2**-20
     assert to_fixed(codes, -20).tolist() == [0, 2**20, -(2**20), 2**30, 1, -1]

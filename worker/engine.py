@@ -62,6 +62,7 @@ from protocol.packet import (
     get_i32,
     get_u16,
     get_u32,
+    copy_bytes,
     put_header,
     put_u32,
 )
@@ -154,7 +155,7 @@ def _rtt_sample(timing, sample):
 @njit(cache=True, nogil=True, boundscheck=False)
 def _queue(st, s, tx_data, tx_len, tx_addr, n_tx):
     length = st.packet_len[s]
-    tx_data[n_tx, :length] = st.packet[s, :length]
+    copy_bytes(tx_data[n_tx], st.packet[s], length)
     tx_len[n_tx] = length
     tx_addr[n_tx] = st.agg_addr[s % st.params[P_CORES]]
     st.stats[PACKETS_OUT] += 1
