@@ -23,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("--elements", type=positive(), default=25_000_000)
     ar.add_argument("--codec", choices=("cnat8", "int32"), default="cnat8")
     ar.add_argument("--packet-elements", type=positive(), default=None,
-                    help="elements per packet (default 16384 for cnat8, 8192 for int32: 64 KiB loopback datagrams)")
+                    help="elements per packet (default: the most one UDP datagram holds, 65481 for cnat8 and "
+                         "16370 for int32; loopback's 64 KiB MTU carries them unfragmented)")
     ar.add_argument("--pool", type=positive(), default=64, help="slots in the job's pool (default 64)")
     ar.add_argument("--cores", type=positive(), default=1, help="aggregator data-plane processes (default 1)")
     ar.add_argument("--warmup", type=int, default=2)
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "bench" and args.bench == "allreduce":
         from testbed import bench_allreduce
 
-        packet_elements = args.packet_elements or (16384 if args.codec == "cnat8" else 8192)
+        packet_elements = args.packet_elements or bench_allreduce.loopback_packet_elements(args.codec)
         bench_allreduce.run(args.workers, args.elements, args.codec, packet_elements, args.pool, args.cores,
                             args.warmup, args.rounds, not args.no_gloo, args.json)
     elif args.command == "bench" and args.bench in ("cluster", "loss"):
@@ -111,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
 
         bench_codec.run(1 << 24, 7, False)
         print()
-        bench_allreduce.run(4, 25_000_000, "cnat8", 16384, 64, 1, 2, 3, True, False)
+        bench_allreduce.run(4, 25_000_000, "cnat8", bench_allreduce.loopback_packet_elements("cnat8"), 64, 1, 2, 3,
+                            True, False)
         print()
         from testbed import bench_cluster, netns
 

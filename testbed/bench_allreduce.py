@@ -16,12 +16,19 @@ from collections.abc import Iterator
 import numpy as np
 
 from protocol.packet import HDR
+from protocol import wire
 from protocol.wire import Codec
 from testbed import rank
 from testbed.procs import run_ranks
 from testbed.timing import emit
 
 JOB = 1
+
+
+def loopback_packet_elements(codec: str) -> int:
+    """The default packet size on loopback: the largest datagram. Per-datagram costs (system calls, the stack,
+    the kernels' per-packet work) then weigh least, and loopback's 64 KiB MTU never fragments it."""
+    return wire.max_packet_elements(Codec[codec.upper()])
 
 
 @contextlib.contextmanager
