@@ -45,6 +45,7 @@ from protocol.cnat import (
     check_floor,
     code_in_range,
     codes_in_range,
+    encode_kernel,
 )
 from protocol.lanes import clz32, shl32
 from protocol.rng import BLOCK, block_key, lowbias32, stream_key
@@ -88,6 +89,12 @@ def switch_stream(allreduce: int) -> int:
     return (np.int64(allreduce) << 24) | (STAGE_SWITCH << 16)
 
 
+@njit(inline="always")
+def _exponent(top, lo, hi):
+    """E of a chunk whose largest magnitude has float32 bits `top` (finite), clipped to [lo, hi]."""
+    return NO_EXP if top == _U32(0) else min(hi, max(lo, int(top >> _U32(23)) - 126))
+
+
 @njit(cache=True, nogil=True, boundscheck=False)
 def chunk_exponents_kernel(x, chunk_elements, lo, hi, out):
     """out[c] = agreed-exponent proposal of chunk c of x; returns the index of a non-finite value or -1."""
@@ -100,21 +107,50 @@ def chunk_exponents_kernel(x, chunk_elements, lo, hi, out):
             for j in range(c * chunk_elements, bits.size):
                 if (bits[j] & _U32(0x7FFFFFFF)) >= _U32(0x7F800000):
                     return j
-        if top == _U32(0):
-            out[c] = NO_EXP
-        else:
-            out[c] = min(hi, max(lo, int(top >> _U32(23)) - 126))
+        out[c] = _exponent(top, lo, hi)
     return -1
+
+
+def _raise_non_finite(flat: np.ndarray, bad: int) -> None:
+    if bad >= 0:
+        raise ValueError(f"cannot allreduce non-finite value {flat[bad]} at index {bad}")
 
 
 def chunk_exponents(x: np.ndarray, chunk_elements: int, codec_range: tuple[int, int]) -> np.ndarray:
     """Per-chunk exponents E (int8) of a flat float32 array; raises ValueError on NaN or Inf."""
     flat = x.reshape(-1)
     out = np.empty(-(-flat.size // chunk_elements), np.int8)
-    bad = chunk_exponents_kernel(flat, chunk_elements, codec_range[0], codec_range[1], out)
-    if bad >= 0:
-        raise ValueError(f"cannot allreduce non-finite value {flat[bad]} at index {bad}")
+    _raise_non_finite(flat, chunk_exponents_kernel(flat, chunk_elements, codec_range[0], codec_range[1], out))
     return out
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def precode_kernel(x, codes, key, chunk_elements, exponents, low):
+    """The worker's single pass over its tensor in cnat8 mode: encode every chunk with the lowest floor (E_MIN)
+    and record its exponent proposal and smallest nonzero magnitude. Returns (saturated, first non-finite or -1).
+
+    A code does not depend on the floor unless the value lies below it, so once the agreed exponent of chunk c
+    is known, these codes are the chunk's wire codes unless ``has_underflow(low[c], floor)``; only then must
+    the chunk be encoded again from x. One read of x replaces two (exponents, then encoding)."""
+    saturated = 0
+    for c in range(exponents.size):
+        lo = c * chunk_elements
+        hi = min(x.size, lo + chunk_elements)
+        sat, bad, top, low[c] = encode_kernel(x[lo:hi], codes[lo:hi], key, _U64(lo), E_MIN, True)
+        if bad >= 0:
+            return saturated, lo + bad
+        saturated += sat
+        exponents[c] = _exponent(top, E_MIN, E_MAX)
+    return saturated, -1
+
+
+def precode(x: np.ndarray, chunk_elements: int, key: int, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """precode_kernel on a flat float32 array; returns (exponents, low, saturated) and raises on NaN or Inf."""
+    chunks = -(-x.size // chunk_elements)
+    exponents, low = np.empty(chunks, np.int64), np.empty(chunks, np.uint32)
+    saturated, bad = precode_kernel(x, codes, _U64(key), chunk_elements, exponents, low)
+    _raise_non_finite(x, bad)
+    return exponents, low, int(saturated)
 
 
 CNAT_RANGE = (E_MIN, E_MAX)

@@ -111,9 +111,18 @@ def _encode_block(bits, out, lo0, k, kfl, stochastic):
     return top, low
 
 
+@njit(inline="always")
+def has_underflow(low, floor):
+    """Whether some nonzero |x| lies below 2**floor, given low = the smallest nonzero |x| minus one as float32
+    bits (encode_kernel's fourth result): only then does the floor change any code."""
+    return low < _U32(_U32(_U32(floor + _F32_EXP_BIAS) << _U32(23)) - _U32(1))
+
+
 @njit(cache=True, nogil=True, boundscheck=False)
 def encode_kernel(x, out, key, offset, floor, stochastic):
-    """Encode float32 ``x`` into ``out``; return (saturated, first_bad) with first_bad = -1 if all finite.
+    """Encode float32 ``x`` into ``out``; return (saturated, first_bad, top, low): first_bad = -1 if all finite,
+    top the largest |x| and low the smallest nonzero |x| minus one, both as float32 bits (low wraps to 2**32 - 1
+    when x is all zeros).
 
     Blocks are aligned to BLOCK in the global element index, so each has one 32-bit block key. Only a block
     holding a saturated, non-finite or below-floor element takes the scalar pass that counts or fixes it.
@@ -123,6 +132,8 @@ def encode_kernel(x, out, key, offset, floor, stochastic):
     kfl = _U32(floor + _F32_EXP_BIAS)  # biased float32 exponent of 2**floor
     under_bits = _U32(kfl << _U32(23))
     saturated = 0
+    top_all = _U32(0)
+    low_all = _U32(0xFFFFFFFF)
     start = 0
     while start < n:
         idx = _U64(offset + start)
@@ -130,20 +141,22 @@ def encode_kernel(x, out, key, offset, floor, stochastic):
         lo0 = _U32(idx & _U64(0xFFFFFFFF))
         k = block_key(key, idx >> _U64(32))
         top, low = _encode_block(bits[start:end], out[start:end], lo0, k, kfl, stochastic)
+        top_all = max(top_all, top)
+        low_all = min(low_all, low)
         if top > _U32(_SAT_BITS):
             for j in range(start, end):
                 ab = bits[j] & _U32(0x7FFFFFFF)
                 if ab >= _U32(0x7F800000):
-                    return saturated, j
+                    return saturated, j, top_all, low_all
                 saturated += ab > _U32(_SAT_BITS)
-        if low < _U32(under_bits - _U32(1)):
+        if has_underflow(low, floor):
             for j in range(start, end):
                 b = bits[j]
                 ab = _U32(b & _U32(0x7FFFFFFF))
                 if ab != _U32(0) and ab < under_bits:
                     out[j] = _underflow_code(b, _word(stochastic, _U32(lo0 + _U32(j - start)), k), floor)
         start = end
-    return saturated, -1
+    return saturated, -1, top_all, low_all
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -240,7 +253,7 @@ def _run_encode(x, out, key, offset, floor, stochastic) -> Encoded:
     codes = _out(out, flat.size, np.uint8)
     if offset < 0:
         raise ValueError(f"offset must be >= 0, got {offset}")
-    saturated, bad = encode_kernel(flat, codes, _U64(key), _U64(offset), check_floor(floor), stochastic)
+    saturated, bad, _, _ = encode_kernel(flat, codes, _U64(key), _U64(offset), check_floor(floor), stochastic)
     if bad >= 0:
         raise ValueError(f"cannot encode non-finite value {flat[bad]} at index {bad}")
     return Encoded(codes.reshape(x.shape) if out is None else out, int(saturated))

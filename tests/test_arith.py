@@ -233,6 +233,33 @@ def test_code_in_range_every_code(floor, ceiling):
         assert bool(code_in_range(np.uint8(c), floor, ceiling)) == in_range(c, floor, ceiling), hex(c)
 
 
+@SETTINGS
+@given(x=f32_arrays(), chunk=st.integers(1, 700), seed=st.integers(0, 2**64 - 1), stream=st.integers(0, 2**40),
+       floors=st.lists(FLOORS, min_size=1, max_size=4))
+def test_precode_gives_the_wire_codes_unless_a_value_is_below_the_floor(x, chunk, seed, stream, floors):
+    """precode's single pass: its exponents are chunk_exponents', its saturation count encode's, and for any floor
+    the agreed exponent may set, a chunk's codes are exactly encode's at that floor unless has_underflow says a
+    nonzero value lies below it; and has_underflow is exact (it says so iff one does)."""
+    if not np.isfinite(x).all():
+        with pytest.raises(ValueError, match="cannot allreduce non-finite value"):
+            arith.precode(x, chunk, cnat.stream_key(seed, stream), np.empty(x.size, np.uint8))
+        return
+    key = cnat.stream_key(seed, stream)
+    codes = np.empty(x.size, np.uint8)
+    exponents, low, saturated = arith.precode(x, chunk, key, codes)
+    assert exponents.tolist() == chunk_exponents(x, chunk, CNAT_RANGE).tolist()
+    assert saturated == cnat.encode(x, seed=seed, stream=stream).saturated
+    for c in range(exponents.size):
+        part = x[c * chunk:(c + 1) * chunk]
+        magnitudes = np.abs(part.astype(np.float64))
+        for floor in floors:
+            below = bool(((magnitudes > 0) & (magnitudes < 2.0**floor)).any())
+            assert bool(cnat.has_underflow(low[c], floor)) == below
+            if not below:
+                want = cnat.encode(part, seed=seed, stream=stream, offset=c * chunk, floor=floor).codes
+                assert np.array_equal(codes[c * chunk:(c + 1) * chunk], want), (c, floor)
+
+
 @pytest.mark.parametrize("floor, ceiling", [(-50, 10), (-50, -20), (-30, 0), (10, 10), (-5, -5), (-50, -51),
                                             (3, 2), (10, 9)])
 def test_codes_in_range_every_code_at_every_lane(floor, ceiling):

@@ -20,7 +20,10 @@ One allreduce of a flat float32 tensor of N elements, packet size P and pool siz
   about one round trip instead of an RTO. Results that are duplicate, stale (another allreduce, chunk or shadow set),
   foreign (another job or source) or malformed are counted and dropped.
 * cnat8: chunk c is encoded with the floor of its agreed exponent and random words keyed by
-  (seed, worker_stream(allreduce, rank), element index); the result codes decode straight to float32.
+  (seed, worker_stream(allreduce, rank), element index); the result codes decode straight to float32. The
+  whole tensor is read once, at ``start``: one pass encodes it at the lowest floor and yields the exponent
+  proposals (protocol.arith.precode_kernel); a chunk is encoded again at its agreed floor only if one of its
+  nonzero values lies below that floor, the one case where the floor changes a code.
   int32: chunk c is sent as rint(x * 2**(s - E)), the sum comes back as int32 and is scaled by 2**(E - s).
 """
 
@@ -39,11 +42,12 @@ from protocol.arith import (
     cnat_floor,
     dequantize,
     int32_scale_exponent,
+    precode,
     quantize,
     value_bits,
     worker_stream,
 )
-from protocol.cnat import decode_kernel, encode_kernel, find_invalid_kernel
+from protocol.cnat import decode_kernel, encode_kernel, find_invalid_kernel, has_underflow
 from protocol.packet import (
     HDR,
     O_ALLREDUCE,
@@ -66,7 +70,7 @@ from protocol.packet import (
     put_header,
     put_u32,
 )
-from protocol.rng import derive_key
+from protocol.rng import derive_key, stream_key
 from protocol.wire import MAGIC, VERSION, Codec, MsgType
 
 STAT_NAMES = (
@@ -91,7 +95,7 @@ IDLE = np.iinfo(np.int64).min  # cur_chunk of a slot with nothing in flight
 State = namedtuple(
     "State",
     "params x out local_exp agreed_exp cur_chunk parity sent_at rto retries overtaken packet packet_len agg_addr stats "
-    "timing",
+    "timing codes low",
 )
 # params (int64): job, rank, world, value_bits, codec, packet_elements, window, chunks, elements, allreduce, cores,
 #                 seed (as int64 bits), done_chunks
@@ -123,10 +127,12 @@ def _build(st, s, c, now):
     if count > 0:
         lo = c * pkt
         if codec == Codec.CNAT8:
-            key = derive_key(np.uint64(prm[P_SEED]), worker_stream(prm[P_ALLREDUCE], prm[P_RANK]))
-            sat, _ = encode_kernel(st.x[lo:lo + count], p[HDR:HDR + count], key, np.uint64(lo),
-                                   cnat_floor(exp, prm[P_VBITS]), True)
-            st.stats[SATURATED] += sat
+            floor = cnat_floor(exp, prm[P_VBITS])
+            if has_underflow(st.low[c], floor):  # the agreed floor changes some codes: encode the chunk again
+                key = derive_key(np.uint64(prm[P_SEED]), worker_stream(prm[P_ALLREDUCE], prm[P_RANK]))
+                encode_kernel(st.x[lo:lo + count], p[HDR:HDR + count], key, np.uint64(lo), floor, True)
+            else:
+                copy_bytes(p[HDR:HDR + count], st.codes[lo:lo + count], count)
         else:
             scale = 2.0 ** int32_scale_exponent(exp, prm[P_VBITS])
             limit = np.int64(1) << prm[P_VBITS]
@@ -295,6 +301,7 @@ class StreamEngine:
         self.params[[P_JOB, P_RANK, P_WORLD, P_VBITS, P_CODEC, P_PKT, P_CORES]] = (
             job, rank, world_size, value_bits(world_size), int(self.codec), packet_elements, len(agg_addrs))
         self.params[P_SEED] = np.uint64(seed).view(np.int64)
+        self.seed, self.rank = seed, rank
         self.parity = np.zeros(pool_size, np.int64)  # persists over the job's life
         width = self.codec.bytes_per_element
         self.packet = np.zeros((pool_size, HDR + packet_elements * width), np.uint8)
@@ -302,6 +309,8 @@ class StreamEngine:
         self.stats = np.zeros(len(STAT_NAMES), np.int64)
         self.allreduce_seq = -1
         self.state: State | None = None
+        self._codes = np.empty(0, np.uint8)  # cnat8: the tensor's codes at the lowest floor, reused
+        self._no_low = np.empty(0, np.uint32)
 
     @property
     def max_datagram(self) -> int:
@@ -326,15 +335,22 @@ class StreamEngine:
         prm = self.params
         prm[[P_WINDOW, P_CHUNKS, P_ELEMENTS, P_ALLREDUCE, P_DONE]] = (window, chunks, flat.size,
                                                                        self.allreduce_seq, 0)
-        local = chunk_exponents(flat, self.packet_elements, CNAT_RANGE if self.codec == Codec.CNAT8 else INT32_RANGE)
+        if self.codec == Codec.CNAT8:  # codes and exponents in one pass (see protocol.arith.precode_kernel)
+            if self._codes.size < flat.size:
+                self._codes = np.empty(flat.size, np.uint8)
+            key = stream_key(self.seed, worker_stream(self.allreduce_seq, self.rank))
+            local, low, saturated = precode(flat, self.packet_elements, key, self._codes)
+            self.stats[SATURATED] += saturated
+        else:
+            local, low = chunk_exponents(flat, self.packet_elements, INT32_RANGE).astype(np.int64), self._no_low
         self.state = State(
-            params=prm, x=flat, out=out.reshape(-1), local_exp=local.astype(np.int64),
+            params=prm, x=flat, out=out.reshape(-1), local_exp=local,
             agreed_exp=np.full(chunks, NO_EXP, np.int64), cur_chunk=np.full(self.pool_size, IDLE, np.int64),
             parity=self.parity, sent_at=np.zeros(self.pool_size), rto=np.zeros(self.pool_size),
             retries=np.zeros(self.pool_size, np.int64), overtaken=np.zeros(self.pool_size, np.int64),
             packet=self.packet,
             packet_len=np.zeros(self.pool_size, np.int64), agg_addr=self.agg_addr, stats=self.stats,
-            timing=self.timing)
+            timing=self.timing, codes=self._codes, low=low)
         self._args = tuple(self.state)
         return start_kernel(self._args, now, tx_data, tx_len, tx_addr) if window else 0
 
