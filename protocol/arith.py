@@ -111,7 +111,8 @@ def chunk_exponents_kernel(x, chunk_elements, lo, hi, out):
     return -1
 
 
-def _raise_non_finite(flat: np.ndarray, bad: int) -> None:
+def raise_non_finite(flat: np.ndarray, bad: int) -> None:
+    """The error of an allreduce whose input holds a NaN or an infinity at flat[bad] (bad >= 0)."""
     if bad >= 0:
         raise ValueError(f"cannot allreduce non-finite value {flat[bad]} at index {bad}")
 
@@ -120,36 +121,43 @@ def chunk_exponents(x: np.ndarray, chunk_elements: int, codec_range: tuple[int, 
     """Per-chunk exponents E (int8) of a flat float32 array; raises ValueError on NaN or Inf."""
     flat = x.reshape(-1)
     out = np.empty(-(-flat.size // chunk_elements), np.int8)
-    _raise_non_finite(flat, chunk_exponents_kernel(flat, chunk_elements, codec_range[0], codec_range[1], out))
+    raise_non_finite(flat, chunk_exponents_kernel(flat, chunk_elements, codec_range[0], codec_range[1], out))
     return out
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def precode_kernel(x, codes, key, chunk_elements, exponents, low):
-    """The worker's single pass over its tensor in cnat8 mode: encode every chunk with the lowest floor (E_MIN)
-    and record its exponent proposal and smallest nonzero magnitude. Returns (saturated, first non-finite or -1).
+def precode_chunk(x, codes, key, offset):
+    """The worker's one read of a chunk x (elements offset, offset + 1, ... of its tensor) in cnat8 mode: encode it
+    into codes at the lowest floor (E_MIN) and find its exponent proposal and smallest nonzero magnitude.
+    Returns (saturated, tensor index of the first non-finite value or -1, exponent, low).
 
-    A code does not depend on the floor unless the value lies below it, so once the agreed exponent of chunk c
-    is known, these codes are the chunk's wire codes unless ``has_underflow(low[c], floor)``; only then must
-    the chunk be encoded again from x. One read of x replaces two (exponents, then encoding)."""
+    A code does not depend on the floor unless the value lies below it, so once the chunk's agreed exponent is
+    known these codes are its wire codes unless ``has_underflow(low, floor)``; only then must the chunk be
+    encoded again from x. One read of x replaces two (exponents, then encoding)."""
+    saturated, bad, top, low = encode_kernel(x, codes, key, _U64(offset), E_MIN, True)
+    return saturated, (offset + bad if bad >= 0 else -1), _exponent(top, E_MIN, E_MAX), low
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def precode_kernel(x, codes, key, chunk_elements, exponents, low):
+    """precode_chunk over every chunk; returns (saturated, first non-finite index or -1)."""
     saturated = 0
     for c in range(exponents.size):
         lo = c * chunk_elements
         hi = min(x.size, lo + chunk_elements)
-        sat, bad, top, low[c] = encode_kernel(x[lo:hi], codes[lo:hi], key, _U64(lo), E_MIN, True)
+        sat, bad, exponents[c], low[c] = precode_chunk(x[lo:hi], codes[lo:hi], key, lo)
         if bad >= 0:
-            return saturated, lo + bad
+            return saturated, bad
         saturated += sat
-        exponents[c] = _exponent(top, E_MIN, E_MAX)
     return saturated, -1
 
 
 def precode(x: np.ndarray, chunk_elements: int, key: int, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
-    """precode_kernel on a flat float32 array; returns (exponents, low, saturated) and raises on NaN or Inf."""
+    """precode_chunk over a flat float32 array; returns (exponents, low, saturated) and raises on NaN or Inf."""
     chunks = -(-x.size // chunk_elements)
     exponents, low = np.empty(chunks, np.int64), np.empty(chunks, np.uint32)
     saturated, bad = precode_kernel(x, codes, _U64(key), chunk_elements, exponents, low)
-    _raise_non_finite(x, bad)
+    raise_non_finite(x, bad)
     return exponents, low, int(saturated)
 
 

@@ -258,6 +258,28 @@ def test_engine_rejects_bad_out(out):
         engine.start(np.ones(11, np.float32), 0.0, tx.data, tx.length, tx.addr, out)
 
 
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("where", [0, 5 * P64 + 3])  # in the first window, and past it (pool 4: chunk 5)
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_non_finite_input_raises_and_sends_nothing_past_it(codec, where, value):
+    """A NaN or infinity raises ValueError naming it. Found in the first window, before anything is sent; found
+    later (cnat8 reads a chunk only when the packet carrying its exponent is built), the allreduce is abandoned:
+    no chunk at or past it goes out (nor anything the failing call wrote), and the engine is done."""
+    n, pool = 2, 4
+    xs = make_inputs(n, 8 * P64, P64, "normal", seed=9)
+    xs[0][where] = value
+    net = Network(n, codec=codec, packet_elements=P64, pool_size=pool, record=True)
+    with pytest.raises(ValueError, match=f"cannot allreduce non-finite value {value} at index {where}"):
+        net.allreduce(xs)
+    sent = [header(d) for d, src, _ in net.sent_up if src == net.addr(0)]
+    assert all(h["chunk"] < where // P64 for h in sent)
+    if where < pool * P64 or codec == "int32":  # int32 checks the whole tensor at start
+        assert sent == []
+    else:
+        assert sent  # the bootstrap packets went out before chunk 5 was read
+    assert net.engines[0].done
+
+
 def test_delayed_duplicate_from_earlier_allreduce_is_stale():
     P, pool, n, codec = 64, 4, 2, "cnat8"
     net = Network(n, codec=codec, packet_elements=P, pool_size=pool, record=True)

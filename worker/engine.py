@@ -21,9 +21,11 @@ One allreduce of a flat float32 tensor of N elements, packet size P and pool siz
   foreign (another job or source) or malformed are counted and dropped.
 * cnat8: chunk c is encoded with the floor of its agreed exponent and random words keyed by
   (seed, worker_stream(allreduce, rank), element index); the result codes decode straight to float32. The
-  whole tensor is read once, at ``start``: one pass encodes it at the lowest floor and yields the exponent
-  proposals (protocol.arith.precode_kernel); a chunk is encoded again at its agreed floor only if one of its
-  nonzero values lies below that floor, the one case where the floor changes a code.
+  tensor is read once, a chunk at a time: when the packet of chunk c is built, chunk c + W' is encoded at the
+  lowest floor straight into the payload of the slot's other datagram buffer, and its exponent proposal
+  comes out of the same pass (protocol.arith.precode_chunk). Chunk c + W' is encoded again at its agreed
+  floor only if one of its nonzero values lies below that floor, the one case where the floor changes a code.
+  A NaN or infinity is found when its chunk is read: the allreduce is abandoned there (ValueError).
   int32: chunk c is sent as rint(x * 2**(s - E)), the sum comes back as int32 and is scaled by 2**(E - s).
 """
 
@@ -42,7 +44,8 @@ from protocol.arith import (
     cnat_floor,
     dequantize,
     int32_scale_exponent,
-    precode,
+    precode_chunk,
+    raise_non_finite,
     quantize,
     value_bits,
     worker_stream,
@@ -70,7 +73,7 @@ from protocol.packet import (
     put_header,
     put_u32,
 )
-from protocol.rng import derive_key, stream_key
+from protocol.rng import derive_key
 from protocol.wire import MAGIC, VERSION, Codec, MsgType
 
 STAT_NAMES = (
@@ -95,12 +98,12 @@ IDLE = np.iinfo(np.int64).min  # cur_chunk of a slot with nothing in flight
 State = namedtuple(
     "State",
     "params x out local_exp agreed_exp cur_chunk parity sent_at rto retries overtaken packet packet_len agg_addr stats "
-    "timing codes low",
+    "timing low",
 )
 # params (int64): job, rank, world, value_bits, codec, packet_elements, window, chunks, elements, allreduce, cores,
-#                 seed (as int64 bits), done_chunks
+#                 seed (as int64 bits), done_chunks, index of a non-finite input or -1
 (P_JOB, P_RANK, P_WORLD, P_VBITS, P_CODEC, P_PKT, P_WINDOW, P_CHUNKS, P_ELEMENTS, P_ALLREDUCE, P_CORES,
- P_SEED, P_DONE) = range(13)
+ P_SEED, P_DONE, P_BAD) = range(14)
 # timing (float64): smoothed RTT, RTT variance, current RTO, min RTO, max RTO
 T_SRTT, T_RTTVAR, T_RTO, T_MIN, T_MAX = range(5)
 
@@ -112,18 +115,35 @@ def _chunk_count(st, c):
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
+def _precode(st, d):
+    """cnat8: encode chunk d at the lowest floor (protocol.arith.precode_chunk) into the payload of the datagram
+    buffer its slot will send it from, the one the slot's in-flight chunk does not use, and note its exponent
+    proposal. A non-finite value stops it and goes to params[P_BAD]."""
+    prm = st.params
+    if prm[P_CODEC] != Codec.CNAT8 or d >= prm[P_CHUNKS] or prm[P_BAD] >= 0:
+        return
+    s = d % prm[P_WINDOW]
+    lo = d * prm[P_PKT]
+    hi = min(prm[P_ELEMENTS], lo + prm[P_PKT])
+    key = derive_key(np.uint64(prm[P_SEED]), worker_stream(prm[P_ALLREDUCE], prm[P_RANK]))
+    payload = st.packet[s, 1 - st.parity[s], HDR:HDR + hi - lo]
+    sat, bad, st.local_exp[d], st.low[d] = precode_chunk(st.x[lo:hi], payload, key, lo)
+    if bad >= 0:
+        prm[P_BAD] = bad
+    st.stats[SATURATED] += sat
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
 def _build(st, s, c, now):
-    """Encode chunk c (or the bootstrap chunk c < 0) of slot s into the slot's stored datagram."""
+    """Write chunk c (or the bootstrap chunk c < 0) of slot s into the slot's datagram buffer for its parity;
+    chunk c's codes are there already (precoded), unless the agreed floor changes some. Then precode the chunk
+    whose exponent this packet carries, c + window, into the slot's other buffer."""
     prm = st.params
     window, chunks, pkt = prm[P_WINDOW], prm[P_CHUNKS], prm[P_PKT]
     count = _chunk_count(st, c)
     exp = NO_EXP if c < 0 else st.agreed_exp[c]
-    nxt = c + window
-    next_exp = st.local_exp[nxt] if nxt < chunks else NO_EXP
-    p = st.packet[s]
+    p = st.packet[s, st.parity[s]]
     codec = prm[P_CODEC]
-    put_header(p, MsgType.DATA, prm[P_JOB], prm[P_ALLREDUCE], c, prm[P_RANK], s, count, codec, st.parity[s],
-               exp, next_exp)
     if count > 0:
         lo = c * pkt
         if codec == Codec.CNAT8:
@@ -131,13 +151,17 @@ def _build(st, s, c, now):
             if has_underflow(st.low[c], floor):  # the agreed floor changes some codes: encode the chunk again
                 key = derive_key(np.uint64(prm[P_SEED]), worker_stream(prm[P_ALLREDUCE], prm[P_RANK]))
                 encode_kernel(st.x[lo:lo + count], p[HDR:HDR + count], key, np.uint64(lo), floor, True)
-            else:
-                copy_bytes(p[HDR:HDR + count], st.codes[lo:lo + count], count)
         else:
             scale = 2.0 ** int32_scale_exponent(exp, prm[P_VBITS])
             limit = np.int64(1) << prm[P_VBITS]
             for i in range(count):
                 put_u32(p, HDR + 4 * i, np.int64(quantize(st.x[lo + i], scale, limit)) & 0xFFFFFFFF)
+    nxt = c + window
+    if c >= 0:  # the bootstrap packets carry chunks 0..window-1, precoded by start_kernel
+        _precode(st, nxt)
+    next_exp = st.local_exp[nxt] if nxt < chunks else NO_EXP
+    put_header(p, MsgType.DATA, prm[P_JOB], prm[P_ALLREDUCE], c, prm[P_RANK], s, count, codec, st.parity[s],
+               exp, next_exp)
     st.packet_len[s] = HDR + count * (1 if codec == Codec.CNAT8 else 4)
     st.cur_chunk[s] = c
     st.sent_at[s] = now
@@ -161,7 +185,7 @@ def _rtt_sample(timing, sample):
 @njit(cache=True, nogil=True, boundscheck=False)
 def _queue(st, s, tx_data, tx_len, tx_addr, n_tx):
     length = st.packet_len[s]
-    copy_bytes(tx_data[n_tx], st.packet[s], length)
+    copy_bytes(tx_data[n_tx], st.packet[s, st.parity[s]], length)
     tx_len[n_tx] = length
     tx_addr[n_tx] = st.agg_addr[s % st.params[P_CORES]]
     st.stats[PACKETS_OUT] += 1
@@ -190,6 +214,10 @@ def start_kernel(state, now, tx_data, tx_len, tx_addr):
     """Send every slot's bootstrap chunk. Returns the number of datagrams written (the window)."""
     st = State(*state)
     window = st.params[P_WINDOW]
+    for d in range(window):  # the bootstrap packets carry chunks 0..window-1's exponents
+        _precode(st, d)
+    if st.params[P_BAD] >= 0:
+        return 0
     for s in range(window):
         _build(st, s, s - window, now)
         _queue(st, s, tx_data, tx_len, tx_addr, s)
@@ -248,7 +276,7 @@ def receive_kernel(state, rx_data, rx_len, rx_addr, n_rx, now, tx_data, tx_len, 
         n_tx = _fast_retransmit(st, s, now, tx_data, tx_len, tx_addr, n_tx)
         st.parity[s] ^= 1
         nxt = c + window
-        if nxt < prm[P_CHUNKS]:
+        if nxt < prm[P_CHUNKS] and prm[P_BAD] < 0:  # a non-finite value abandons the allreduce
             st.agreed_exp[nxt] = next_exp
             _build(st, s, nxt, now)
             _queue(st, s, tx_data, tx_len, tx_addr, n_tx)
@@ -297,24 +325,24 @@ class StreamEngine:
         self.packet_elements = packet_elements
         self.pool_size = pool_size
         self.timing = np.array([0.0, 0.0, rto, min_rto, max_rto])  # persists: later allreduces start adapted
-        self.params = np.zeros(13, np.int64)
+        self.params = np.zeros(14, np.int64)
         self.params[[P_JOB, P_RANK, P_WORLD, P_VBITS, P_CODEC, P_PKT, P_CORES]] = (
             job, rank, world_size, value_bits(world_size), int(self.codec), packet_elements, len(agg_addrs))
         self.params[P_SEED] = np.uint64(seed).view(np.int64)
         self.seed, self.rank = seed, rank
         self.parity = np.zeros(pool_size, np.int64)  # persists over the job's life
         width = self.codec.bytes_per_element
-        self.packet = np.zeros((pool_size, HDR + packet_elements * width), np.uint8)
+        # two datagram buffers per slot, by parity: the in-flight chunk's (kept for retransmission) and the next's
+        self.packet = np.zeros((pool_size, 2, HDR + packet_elements * width), np.uint8)
         self.agg_addr = np.array(agg_addrs, np.uint64)
         self.stats = np.zeros(len(STAT_NAMES), np.int64)
         self.allreduce_seq = -1
         self.state: State | None = None
-        self._codes = np.empty(0, np.uint8)  # cnat8: the tensor's codes at the lowest floor, reused
         self._no_low = np.empty(0, np.uint32)
 
     @property
     def max_datagram(self) -> int:
-        return self.packet.shape[1]
+        return self.packet.shape[2]
 
     def start(self, x: np.ndarray, now: float, tx_data: np.ndarray, tx_len: np.ndarray, tx_addr: np.ndarray,
               out: np.ndarray | None = None) -> int:
@@ -333,14 +361,10 @@ class StreamEngine:
         window = min(self.pool_size, chunks)
         self.allreduce_seq += 1
         prm = self.params
-        prm[[P_WINDOW, P_CHUNKS, P_ELEMENTS, P_ALLREDUCE, P_DONE]] = (window, chunks, flat.size,
-                                                                       self.allreduce_seq, 0)
-        if self.codec == Codec.CNAT8:  # codes and exponents in one pass (see protocol.arith.precode_kernel)
-            if self._codes.size < flat.size:
-                self._codes = np.empty(flat.size, np.uint8)
-            key = stream_key(self.seed, worker_stream(self.allreduce_seq, self.rank))
-            local, low, saturated = precode(flat, self.packet_elements, key, self._codes)
-            self.stats[SATURATED] += saturated
+        prm[[P_WINDOW, P_CHUNKS, P_ELEMENTS, P_ALLREDUCE, P_DONE, P_BAD]] = (window, chunks, flat.size,
+                                                                              self.allreduce_seq, 0, -1)
+        if self.codec == Codec.CNAT8:  # exponents come with the codes, chunk by chunk (see _precode)
+            local, low = np.empty(chunks, np.int64), np.empty(chunks, np.uint32)
         else:
             local, low = chunk_exponents(flat, self.packet_elements, INT32_RANGE).astype(np.int64), self._no_low
         self.state = State(
@@ -350,16 +374,26 @@ class StreamEngine:
             retries=np.zeros(self.pool_size, np.int64), overtaken=np.zeros(self.pool_size, np.int64),
             packet=self.packet,
             packet_len=np.zeros(self.pool_size, np.int64), agg_addr=self.agg_addr, stats=self.stats,
-            timing=self.timing, codes=self._codes, low=low)
+            timing=self.timing, low=low)
         self._args = tuple(self.state)
-        return start_kernel(self._args, now, tx_data, tx_len, tx_addr) if window else 0
+        return self._checked(start_kernel(self._args, now, tx_data, tx_len, tx_addr) if window else 0)
+
+    def _checked(self, n: int) -> int:
+        """n, unless precoding met a NaN or an infinity: then the allreduce is abandoned (nothing more is sent;
+        the chunks before it may have gone out, so the other ranks' allreduce times out) and ValueError names it."""
+        bad = int(self.params[P_BAD])
+        if bad >= 0:
+            self.state.cur_chunk[:] = IDLE
+            raise_non_finite(self.state.x, bad)
+        return n
 
     def receive(self, rx_data, rx_len, rx_addr, n_rx: int, now: float, tx_data, tx_len, tx_addr) -> int:
         """Accept results; returns the datagrams written to tx. A slot is written at most twice per call (a fast
         retransmission, then its next chunk when the late result arrives too), hence tx >= 2 * pool."""
         if tx_len.size < 2 * self.pool_size:
             raise ValueError(f"the transmit burst must hold 2 * pool_size = {2 * self.pool_size} datagrams")
-        return receive_kernel(self._args, rx_data, rx_len, rx_addr, n_rx, now, tx_data, tx_len, tx_addr)
+        return self._checked(receive_kernel(self._args, rx_data, rx_len, rx_addr, n_rx, now, tx_data, tx_len,
+                                            tx_addr))
 
     def handle_timer(self, now: float, tx_data, tx_len, tx_addr) -> int:
         return timer_kernel(self._args, now, tx_data, tx_len, tx_addr)
@@ -369,7 +403,7 @@ class StreamEngine:
 
     @property
     def done(self) -> bool:
-        return bool((self.state.cur_chunk == IDLE).all())
+        return self.state is None or bool((self.state.cur_chunk == IDLE).all())
 
     @property
     def progress(self) -> tuple[int, int]:
