@@ -57,11 +57,13 @@ class JobInfo:
 
 @dataclass
 class Burst:
-    """Datagram arrays in the layout of burstio.mmsg.BurstSocket (data, length, address key)."""
+    """Datagram arrays in the layout of burstio.mmsg.BurstSocket: data rows, lengths, address keys, and for
+    sending the address each datagram is sent from (the core points it at its stored results: no copy)."""
 
     data: np.ndarray
     length: np.ndarray
     addr: np.ndarray
+    ptr: np.ndarray | None = None
 
 
 class AggregatorCore:
@@ -85,9 +87,9 @@ class AggregatorCore:
 
     # ---- data plane -------------------------------------------------------------------------------------
     def receive(self, rx: Burst, n_rx: int, now: float, tx: Burst) -> Iterator[int]:
-        """Handle rx[:n_rx]; yields a count n each time tx[:n] holds datagrams to send (send them before
-        resuming: the next yield reuses tx). Replies to control datagrams, which may be longer than a tx row,
-        are queued for ``take_replies``."""
+        """Handle rx[:n_rx]; yields a count n each time tx[:n] holds datagrams to send: tx.length[i] bytes at
+        address tx.ptr[i] to tx.addr[i]. Send them before resuming: the next yield reuses tx, and the bytes are
+        the core's stored results. Replies to control datagrams are queued for ``take_replies``."""
         if tx.length.size < MAX_WORLD:
             raise ValueError(f"the transmit burst must hold at least {MAX_WORLD} datagrams (one completion's "
                              f"results), got {tx.length.size}")
@@ -97,7 +99,7 @@ class AggregatorCore:
         start = 0
         while start < n_rx:
             start, n_tx, n_ctl = process_burst(rx.data, rx.length, rx.addr, start, n_rx, now, self.core,
-                                               self.cores, *self._tables, self._batch, tx.data, tx.length, tx.addr,
+                                               self.cores, *self._tables, self._batch, tx.ptr, tx.length, tx.addr,
                                                self._control)
             for k in range(n_ctl):
                 i = int(self._control[k])

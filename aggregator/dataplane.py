@@ -28,7 +28,7 @@ class DataPlane:
         max_packet = HDR + 4 * core.max_elements
         self.io = BurstSocket(sock, burst=burst, max_packet=max_packet)
         self.rx = Burst(self.io.rx_data, self.io.rx_len, self.io.rx_addr)
-        self.tx = Burst(self.io.tx_data, self.io.tx_len, self.io.tx_addr)
+        self.tx = Burst(self.io.tx_data, self.io.tx_len, self.io.tx_addr, self.io.tx_ptr)
         self.stats_interval = stats_interval
 
     def on_readable(self) -> None:

@@ -60,7 +60,6 @@ from protocol.packet import (
     get_i32,
     get_u16,
     get_u32,
-    copy_bytes,
     put_header,
     put_u32,
     round_key,
@@ -261,10 +260,11 @@ def _aggregate(jobs, table, b, g, rx_data, core, cores):
 
 
 @njit(inline="always")
-def _emit(jobs, table, j, row, x, rank, tx_data, tx_len, tx_addr, n_tx):
-    length = table.result_len[row, x]
-    copy_bytes(tx_data[n_tx], table.result[row, x], length)
-    tx_len[n_tx] = length
+def _emit(jobs, table, j, row, x, rank, tx_ptr, tx_len, tx_addr, n_tx):
+    """Queue the stored result of (row, set x) for `rank`: the entry points at it, nothing is copied. It stays
+    unchanged until the burst is sent, as no set opens a new round within one call (see process_burst)."""
+    tx_ptr[n_tx] = table.result[row, x].ctypes.data
+    tx_len[n_tx] = table.result_len[row, x]
     tx_addr[n_tx] = jobs.members[j, rank]
     jobs.stats[j, PACKETS_OUT] += 1
     return n_tx + 1
@@ -272,7 +272,7 @@ def _emit(jobs, table, j, row, x, rank, tx_data, tx_len, tx_addr, n_tx):
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def process_burst(rx_data, rx_len, rx_addr, start, n_rx, now, core, cores, job_arrays, table_arrays, batch_arrays,
-                  tx_data, tx_len, tx_addr, control):
+                  tx_ptr, tx_len, tx_addr, control):
     """Handle received datagrams start..n_rx-1. Returns (next unhandled index, datagrams written to tx, control
     datagrams listed in `control`). Stops early when tx could not hold another completion's n results.
 
@@ -445,8 +445,8 @@ def process_burst(rx_data, rx_len, rx_addr, start, n_rx, now, core, cores, job_a
         row, x, j = b.row[g], b.shadow[g], b.job[g]
         rank = b.event_rank[e]
         if rank >= 0:
-            n_tx = _emit(jobs, table, j, row, x, rank, tx_data, tx_len, tx_addr, n_tx)
+            n_tx = _emit(jobs, table, j, row, x, rank, tx_ptr, tx_len, tx_addr, n_tx)
         else:
             for r in range(jobs.world[j]):
-                n_tx = _emit(jobs, table, j, row, x, r, tx_data, tx_len, tx_addr, n_tx)
+                n_tx = _emit(jobs, table, j, row, x, r, tx_ptr, tx_len, tx_addr, n_tx)
     return i, n_tx, n_ctl

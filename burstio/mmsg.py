@@ -153,6 +153,9 @@ class BurstSocket:
     Receive: ``n = recv_burst()``; packet ``i < n`` is ``rx_data[i, :rx_len[i]]`` from ``rx_addr[i]``;
     ``rx_len[i] == -1`` marks a datagram longer than ``max_packet`` (truncated; drop it).
     Send: fill ``tx_data[i, :tx_len[i]]`` and ``tx_addr[i]`` for ``i < count``, then ``send_burst(count)``.
+    Entry i is sent from address ``tx_ptr[i]``, which starts as row i of ``tx_data``; to send from buffers of
+    your own without copying (the aggregator's stored results, a worker's stored datagrams), point ``tx_ptr[i]``
+    at them and keep those bytes unchanged until ``send_burst`` returns.
     The arrays are reused by every call: consume received packets before the next ``recv_burst``.
     """
 
@@ -178,6 +181,7 @@ class BurstSocket:
         # C structures; the numpy arrays own the memory and live as long as self (keeps pointers valid).
         self._rx_msg, self._rx_iov, self._rx_name = self._structs(self.rx_data)
         self._tx_msg, self._tx_iov, self._tx_name = self._structs(self.tx_data)
+        self.tx_ptr = self._tx_iov["base"].copy()
         self._tx_name["family"] = socket.AF_INET
         self._tx_msg["namelen"] = _SOCKADDR_IN.itemsize
         self._rx_ptr = self._rx_msg.ctypes.data
@@ -185,6 +189,7 @@ class BurstSocket:
         # field views made once: indexing a structured array by name costs ~0.5 us per call
         self._rx_namelen, self._rx_msglen, self._rx_flags = (self._rx_msg[f] for f in ("namelen", "len", "flags"))
         self._rx_iovlen, self._tx_iovlen = self._rx_iov["len"], self._tx_iov["len"]
+        self._tx_iovbase = self._tx_iov["base"]
         self._rx_port, self._rx_ip = self._rx_name["port"], self._rx_name["addr"]
         self._tx_port, self._tx_ip = self._tx_name["port"], self._tx_name["addr"]
         self._recvmmsg = _recvmmsg  # instance attributes so tests can inject faults
@@ -239,7 +244,8 @@ class BurstSocket:
         return r
 
     def send_burst(self, count: int) -> int:
-        """Send ``tx_data[i, :tx_len[i]]`` to ``tx_addr[i]`` for ``i < count``; returns the number sent.
+        """Send ``tx_len[i]`` bytes at ``tx_ptr[i]`` (by default ``tx_data[i]``) to ``tx_addr[i]`` for ``i < count``;
+        returns the number sent.
 
         Partial sends continue where they stopped; on EAGAIN/ENOBUFS it waits for writability (poll)
         for at most ``send_timeout`` seconds in total, then returns what was sent. Other errors raise
@@ -255,6 +261,7 @@ class BurstSocket:
         if lens.min() < 0 or lens.max() > self.max_packet:
             raise ValueError(f"tx_len must be in [0, {self.max_packet}]")
         self._tx_iovlen[:count] = lens
+        self._tx_iovbase[:count] = self.tx_ptr[:count]
         keys = self.tx_addr[:count]
         self._tx_port[:count] = keys & np.uint64(0xFFFF)  # big-endian fields: the store swaps bytes
         self._tx_ip[:count] = keys >> np.uint64(16)

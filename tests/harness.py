@@ -18,6 +18,7 @@ numpy burst arrays, so tests can also craft and inject single datagrams.
 
 from __future__ import annotations
 
+import ctypes
 import random
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -53,8 +54,10 @@ def worker_addr(rank: int, base: int = WORKER_PORT) -> int:
 
 
 def make_burst(rows: int, width: int) -> Burst:
-    return Burst(np.zeros((max(1, rows), width), np.uint8), np.zeros(max(1, rows), np.int32),
-                 np.zeros(max(1, rows), np.uint64))
+    rows = max(1, rows)
+    data = np.zeros((rows, width), np.uint8)
+    ptr = data.ctypes.data + np.arange(rows, dtype=np.uint64) * np.uint64(width)  # as BurstSocket.tx_ptr starts
+    return Burst(data, np.zeros(rows, np.int32), np.zeros(rows, np.uint64), ptr)
 
 
 def fill_burst(datagrams: Sequence[Datagram], lengths: Sequence[int] | None = None, width: int = 0) -> Burst:
@@ -69,7 +72,8 @@ def fill_burst(datagrams: Sequence[Datagram], lengths: Sequence[int] | None = No
 
 
 def drain(tx: Burst, n: int) -> list[Datagram]:
-    return [(bytes(tx.data[i, : tx.length[i]]), int(tx.addr[i])) for i in range(n)]
+    """The n datagrams queued in tx: the bytes at tx.ptr[i] (the sender's own buffers), copied now."""
+    return [(ctypes.string_at(int(tx.ptr[i]), int(tx.length[i])), int(tx.addr[i])) for i in range(n)]
 
 
 def core_receive(core: AggregatorCore, datagrams: Sequence[Datagram], now: float,
@@ -90,19 +94,19 @@ def _engine_tx(engine) -> Burst:
 
 def engine_start(engine, x: np.ndarray, now: float, out: np.ndarray | None = None) -> list[Datagram]:
     tx = _engine_tx(engine)
-    return drain(tx, engine.start(x, now, tx.data, tx.length, tx.addr, out))
+    return drain(tx, engine.start(x, now, tx.ptr, tx.length, tx.addr, out))
 
 
 def engine_receive(engine, datagrams: Sequence[Datagram], now: float) -> list[Datagram]:
     """Feed datagrams (payload, source) to engine.receive; returns what it sends (payload, dest)."""
     rx = fill_burst(datagrams, width=engine.max_datagram)
     tx = _engine_tx(engine)
-    return drain(tx, engine.receive(rx.data, rx.length, rx.addr, len(datagrams), now, tx.data, tx.length, tx.addr))
+    return drain(tx, engine.receive(rx.data, rx.length, rx.addr, len(datagrams), now, tx.ptr, tx.length, tx.addr))
 
 
 def engine_timer(engine, now: float) -> list[Datagram]:
     tx = _engine_tx(engine)
-    return drain(tx, engine.handle_timer(now, tx.data, tx.length, tx.addr))
+    return drain(tx, engine.handle_timer(now, tx.ptr, tx.length, tx.addr))
 
 
 def join_datagram(job: int, rank: int, **params) -> bytes:

@@ -66,6 +66,27 @@ def random_payloads(n: int, max_len: int, seed: int) -> list[bytes]:
     return [rng.integers(0, 256, int(k), dtype=np.uint8).tobytes() for k in lens]
 
 
+def test_send_from_own_buffers_through_tx_ptr(udp):
+    """Entries pointed at other memory (one buffer sent to two entries, another at an offset) send those bytes
+    and leave tx_data alone; entries left at their rows still send tx_data."""
+    a, b = udp(), udp()
+    tx, rx = BurstSocket(a, burst=8), BurstSocket(b)
+    own = np.frombuffer(b"stored result datagram", np.uint8).copy()
+    other = np.arange(100, dtype=np.uint8)
+    fill_tx(tx, [b"row zero", b"row one", b"row two"], key_of(b))
+    tx.tx_ptr[0] = tx.tx_ptr[1] = own.ctypes.data
+    tx.tx_len[0] = tx.tx_len[1] = own.size
+    tx.tx_ptr[2] = other.ctypes.data + 10
+    tx.tx_len[2] = 5
+    fill_tx_row3 = b"row three"
+    tx.tx_data[3, :len(fill_tx_row3)] = np.frombuffer(fill_tx_row3, np.uint8)
+    tx.tx_len[3], tx.tx_addr[3] = len(fill_tx_row3), key_of(b)
+    assert tx.send_burst(4) == 4
+    got = sorted(data for _, data, _ in recv_all(rx, 4))
+    assert got == sorted([own.tobytes()] * 2 + [bytes(range(10, 15)), fill_tx_row3])
+    assert bytes(tx.tx_data[0, :8]) == b"row zero"
+
+
 def test_burst_to_burst_roundtrip(udp):
     a, b = udp(), udp()
     tx, rx = BurstSocket(a), BurstSocket(b)

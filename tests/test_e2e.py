@@ -8,6 +8,7 @@ The harness (aggregator and worker processes, always killed at teardown) is test
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import itertools
 import os
 import queue
@@ -608,7 +609,7 @@ def fuzzing_rank(port: int, job: int, rank: int, n: int, seed: int, plan, fuzz_s
             outs.append(w.allreduce(x, op=spec.op))
             thread.join()
             sent.update(reason for _, _, reason in between + within)
-            last = bytes(w.io.tx_data[0, : w.io.tx_len[0]])
+            last = ctypes.string_at(int(w.io.tx_ptr[0]), int(w.io.tx_len[0]))  # a datagram the engine sent
             if len(last) >= wire.HEADER_SIZE and last[wire.OFFSETS["type"]] == MsgType.DATA:
                 fuzzer.real = last  # mutate real traffic from now on too
         report.put({"outs": outs, "sent": dict(sent), "counters": w.counters(), "real": fuzzer.real is not None})

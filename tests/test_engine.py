@@ -255,7 +255,7 @@ def test_engine_rejects_bad_out(out):
     engine = Network(1, join=False).engines[0]
     tx = make_burst(64, engine.max_datagram)
     with pytest.raises(ValueError, match="out must be a C-contiguous float32 array of 11 elements"):
-        engine.start(np.ones(11, np.float32), 0.0, tx.data, tx.length, tx.addr, out)
+        engine.start(np.ones(11, np.float32), 0.0, tx.ptr, tx.length, tx.addr, out)
 
 
 @pytest.mark.parametrize("codec", CODECS)
@@ -278,6 +278,32 @@ def test_non_finite_input_raises_and_sends_nothing_past_it(codec, where, value):
     else:
         assert sent  # the bootstrap packets went out before chunk 5 was read
     assert net.engines[0].done
+
+
+@pytest.mark.parametrize("own_result_too", [False, True])
+def test_fast_retransmit_after_three_overtaking_results(own_result_too):
+    """Chunk 0 goes out at t=1, chunks 1-3 at t=2; their three results arriving first resend chunk 0 at once, byte
+    for byte, at the end of the burst; unless chunk 0's own result is in the same burst."""
+    net = Network(1, packet_elements=P64, pool_size=4)
+    e, src = net.engines[0], agg_addr(0)
+    x = make_inputs(1, 12 * P64, P64, "normal", seed=3)[0]
+
+    def results(datagrams):
+        return {int(header(d)["slot"]): d for d, _ in net.to_core(0, [(d, net.addr(0)) for d, _ in datagrams])}
+
+    boot = results(engine_start(e, x, 0.0))
+    chunk0 = engine_receive(e, [(boot[0], src)], 1.0)
+    later = engine_receive(e, [(boot[s], src) for s in (1, 2, 3)], 2.0)
+    res = results(chunk0 + later)
+    burst = [(res[s], src) for s in ((1, 2, 3, 0) if own_result_too else (1, 2, 3))]
+    out = engine_receive(e, burst, 3.0)
+    resent = [d for d, _ in out if header(d)["chunk"] == 0]
+    if own_result_too:
+        assert resent == [] and e.counters()["fast_retransmissions"] == 0
+    else:
+        assert resent == [chunk0[0][0]] and e.counters()["fast_retransmissions"] == 1
+    assert sorted(int(header(d)["chunk"]) for d, _ in out if header(d)["chunk"] != 0) == (
+        [4, 5, 6, 7] if own_result_too else [5, 6, 7])
 
 
 def test_delayed_duplicate_from_earlier_allreduce_is_stale():

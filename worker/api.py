@@ -156,7 +156,7 @@ class Worker:
         if arr.dtype.kind != "f":
             raise TypeError(f"allreduce takes a floating-point array, got {arr.dtype}")
         now = time.monotonic()
-        n = self.engine.start(arr, now, self.io.tx_data, self.io.tx_len, self.io.tx_addr, out)
+        n = self.engine.start(arr, now, self.io.tx_ptr, self.io.tx_len, self.io.tx_addr, out)
         self._send(n)
         return arr, now
 
@@ -169,9 +169,9 @@ class Worker:
         before = self.engine.progress
         io = self.io
         while (n := io.recv_burst()) > 0:
-            self._send(self.engine.receive(io.rx_data, io.rx_len, io.rx_addr, n, now, io.tx_data, io.tx_len,
+            self._send(self.engine.receive(io.rx_data, io.rx_len, io.rx_addr, n, now, io.tx_ptr, io.tx_len,
                                            io.tx_addr))
-        self._send(self.engine.handle_timer(now, io.tx_data, io.tx_len, io.tx_addr))
+        self._send(self.engine.handle_timer(now, io.tx_ptr, io.tx_len, io.tx_addr))
         return self.engine.progress != before or self.engine.done
 
     def _wait(self, last_progress: float) -> float:

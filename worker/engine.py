@@ -69,7 +69,6 @@ from protocol.packet import (
     get_i32,
     get_u16,
     get_u32,
-    copy_bytes,
     put_header,
     put_u32,
 )
@@ -183,34 +182,46 @@ def _rtt_sample(timing, sample):
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def _queue(st, s, tx_data, tx_len, tx_addr, n_tx):
-    length = st.packet_len[s]
-    copy_bytes(tx_data[n_tx], st.packet[s, st.parity[s]], length)
-    tx_len[n_tx] = length
+def _queue(st, s, tx_ptr, tx_len, tx_addr, n_tx):
+    """Queue slot s's current datagram: the transmit entry points at the slot's buffer, nothing is copied (the
+    buffer stays unchanged until the driver has sent the burst: see _build and _fast_retransmit)."""
+    tx_ptr[n_tx] = st.packet[s, st.parity[s]].ctypes.data
+    tx_len[n_tx] = st.packet_len[s]
     tx_addr[n_tx] = st.agg_addr[s % st.params[P_CORES]]
     st.stats[PACKETS_OUT] += 1
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def _fast_retransmit(st, s, now, tx_data, tx_len, tx_addr, n_tx):
-    """Count the result of slot s against every slot sent before it; resend those overtaken FAST_RETRANSMIT
-    times. Returns the new tx count."""
+def _resend(st, s, now, tx_ptr, tx_len, tx_addr, n_tx):
+    _queue(st, s, tx_ptr, tx_len, tx_addr, n_tx)
+    st.sent_at[s] = now
+    st.retries[s] += 1
+    return n_tx + 1
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _count_overtaking(st, s):
+    """The result of slot s overtook every slot still in flight that was sent before it."""
     sent = st.sent_at[s]
     for other in range(st.params[P_WINDOW]):
         if other != s and st.cur_chunk[other] != IDLE and st.sent_at[other] < sent:
             st.overtaken[other] += 1
-            if st.overtaken[other] == FAST_RETRANSMIT and n_tx < tx_len.size:
-                _queue(st, other, tx_data, tx_len, tx_addr, n_tx)
-                n_tx += 1
-                st.sent_at[other] = now
-                st.retries[other] += 1
-                st.overtaken[other] = 0
-                st.stats[FAST_RETRANSMISSIONS] += 1
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _fast_retransmit(st, now, tx_ptr, tx_len, tx_addr, n_tx):
+    """After a burst of results: resend the slots still in flight that FAST_RETRANSMIT results overtook (a slot
+    whose own result came later in the burst is not resent). Returns the new tx count."""
+    for s in range(st.params[P_WINDOW]):
+        if st.cur_chunk[s] != IDLE and st.overtaken[s] >= FAST_RETRANSMIT and n_tx < tx_len.size:
+            n_tx = _resend(st, s, now, tx_ptr, tx_len, tx_addr, n_tx)
+            st.overtaken[s] = 0
+            st.stats[FAST_RETRANSMISSIONS] += 1
     return n_tx
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def start_kernel(state, now, tx_data, tx_len, tx_addr):
+def start_kernel(state, now, tx_ptr, tx_len, tx_addr):
     """Send every slot's bootstrap chunk. Returns the number of datagrams written (the window)."""
     st = State(*state)
     window = st.params[P_WINDOW]
@@ -220,12 +231,12 @@ def start_kernel(state, now, tx_data, tx_len, tx_addr):
         return 0
     for s in range(window):
         _build(st, s, s - window, now)
-        _queue(st, s, tx_data, tx_len, tx_addr, s)
+        _queue(st, s, tx_ptr, tx_len, tx_addr, s)
     return window
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def receive_kernel(state, rx_data, rx_len, rx_addr, n_rx, now, tx_data, tx_len, tx_addr):
+def receive_kernel(state, rx_data, rx_len, rx_addr, n_rx, now, tx_ptr, tx_len, tx_addr):
     """Accept results, decode them, and queue each slot's next chunk. Returns datagrams written to tx."""
     st = State(*state)
     prm = st.params
@@ -273,30 +284,27 @@ def receive_kernel(state, rx_data, rx_len, rx_addr, n_rx, now, tx_data, tx_len, 
         st.stats[RESULTS] += 1
         if st.retries[s] == 0:  # Karn: a retransmitted slot's RTT is ambiguous
             _rtt_sample(st.timing, now - st.sent_at[s])
-        n_tx = _fast_retransmit(st, s, now, tx_data, tx_len, tx_addr, n_tx)
+        _count_overtaking(st, s)
         st.parity[s] ^= 1
         nxt = c + window
         if nxt < prm[P_CHUNKS] and prm[P_BAD] < 0:  # a non-finite value abandons the allreduce
             st.agreed_exp[nxt] = next_exp
             _build(st, s, nxt, now)
-            _queue(st, s, tx_data, tx_len, tx_addr, n_tx)
+            _queue(st, s, tx_ptr, tx_len, tx_addr, n_tx)
             n_tx += 1
         else:
             st.cur_chunk[s] = IDLE
-    return n_tx
+    return _fast_retransmit(st, now, tx_ptr, tx_len, tx_addr, n_tx)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def timer_kernel(state, now, tx_data, tx_len, tx_addr):
+def timer_kernel(state, now, tx_ptr, tx_len, tx_addr):
     """Retransmit every slot whose RTO expired, doubling its RTO. Returns datagrams written to tx."""
     st = State(*state)
     n_tx = 0
     for s in range(st.params[P_WINDOW]):
         if st.cur_chunk[s] != IDLE and now - st.sent_at[s] >= st.rto[s] and n_tx < tx_len.size:
-            _queue(st, s, tx_data, tx_len, tx_addr, n_tx)
-            n_tx += 1
-            st.sent_at[s] = now
-            st.retries[s] += 1
+            n_tx = _resend(st, s, now, tx_ptr, tx_len, tx_addr, n_tx)
             st.rto[s] = min(st.timing[T_MAX], 2.0 * st.rto[s])
             st.stats[RETRANSMISSIONS] += 1
     return n_tx
@@ -344,7 +352,7 @@ class StreamEngine:
     def max_datagram(self) -> int:
         return self.packet.shape[2]
 
-    def start(self, x: np.ndarray, now: float, tx_data: np.ndarray, tx_len: np.ndarray, tx_addr: np.ndarray,
+    def start(self, x: np.ndarray, now: float, tx_ptr: np.ndarray, tx_len: np.ndarray, tx_addr: np.ndarray,
               out: np.ndarray | None = None) -> int:
         """Begin the next allreduce of float32 x (any shape); returns the datagrams written to tx (<= pool).
 
@@ -376,7 +384,7 @@ class StreamEngine:
             packet_len=np.zeros(self.pool_size, np.int64), agg_addr=self.agg_addr, stats=self.stats,
             timing=self.timing, low=low)
         self._args = tuple(self.state)
-        return self._checked(start_kernel(self._args, now, tx_data, tx_len, tx_addr) if window else 0)
+        return self._checked(start_kernel(self._args, now, tx_ptr, tx_len, tx_addr) if window else 0)
 
     def _checked(self, n: int) -> int:
         """n, unless precoding met a NaN or an infinity: then the allreduce is abandoned (nothing more is sent;
@@ -387,16 +395,17 @@ class StreamEngine:
             raise_non_finite(self.state.x, bad)
         return n
 
-    def receive(self, rx_data, rx_len, rx_addr, n_rx: int, now: float, tx_data, tx_len, tx_addr) -> int:
-        """Accept results; returns the datagrams written to tx. A slot is written at most twice per call (a fast
-        retransmission, then its next chunk when the late result arrives too), hence tx >= 2 * pool."""
-        if tx_len.size < 2 * self.pool_size:
-            raise ValueError(f"the transmit burst must hold 2 * pool_size = {2 * self.pool_size} datagrams")
-        return self._checked(receive_kernel(self._args, rx_data, rx_len, rx_addr, n_rx, now, tx_data, tx_len,
+    def receive(self, rx_data, rx_len, rx_addr, n_rx: int, now: float, tx_ptr, tx_len, tx_addr) -> int:
+        """Accept results; returns the datagrams queued in tx (pointer, length, destination). Each slot is queued
+        at most once per call (its next chunk, or a fast retransmission), hence tx >= pool. The entries point
+        into the engine's datagram buffers: send them before the next call."""
+        if tx_len.size < self.pool_size:
+            raise ValueError(f"the transmit burst must hold pool_size = {self.pool_size} datagrams")
+        return self._checked(receive_kernel(self._args, rx_data, rx_len, rx_addr, n_rx, now, tx_ptr, tx_len,
                                             tx_addr))
 
-    def handle_timer(self, now: float, tx_data, tx_len, tx_addr) -> int:
-        return timer_kernel(self._args, now, tx_data, tx_len, tx_addr)
+    def handle_timer(self, now: float, tx_ptr, tx_len, tx_addr) -> int:
+        return timer_kernel(self._args, now, tx_ptr, tx_len, tx_addr)
 
     def get_timer(self) -> float:
         return float(next_deadline(self._args))

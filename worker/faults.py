@@ -6,6 +6,7 @@ It handles datagrams as Python objects one by one: a test tool, never on the hot
 
 from __future__ import annotations
 
+import ctypes
 import random
 from collections import deque
 
@@ -25,7 +26,7 @@ class FaultyTransport:
         self.random = random.Random(seed)
         self.sock = inner.sock
         self.rx_data, self.rx_len, self.rx_addr = inner.rx_data, inner.rx_len, inner.rx_addr
-        self.tx_data, self.tx_len, self.tx_addr = inner.tx_data, inner.tx_len, inner.tx_addr
+        self.tx_data, self.tx_len, self.tx_addr, self.tx_ptr = inner.tx_data, inner.tx_len, inner.tx_addr, inner.tx_ptr
         self._inbox: deque[tuple[bytes, int]] = deque()
         self._held_out: list[tuple[bytes, int]] = []
         self._held_in: list[tuple[bytes, int]] = []
@@ -54,7 +55,8 @@ class FaultyTransport:
         return out + released
 
     def send_burst(self, count: int) -> int:
-        batch = [(bytes(self.tx_data[i, : self.tx_len[i]]), int(self.tx_addr[i])) for i in range(count)]
+        batch = [(ctypes.string_at(int(self.tx_ptr[i]), int(self.tx_len[i])), int(self.tx_addr[i]))
+                 for i in range(count)]
         for data, addr in self._mangle(batch, self._held_out):
             self.inner.send_one(data, addr)
         return count
