@@ -13,6 +13,7 @@ import os
 import random
 import signal
 import socket
+import struct
 import sys
 
 from aggregator.slots import MAX_WORLD
@@ -42,6 +43,26 @@ def _bind(host: str, port: int, cores: int) -> list[socket.socket]:
     raise SystemExit(f"intml-aggregator: found no {cores} free consecutive ports on {host}; pass --port")
 
 
+def _multicast_group(parser: OneLineParser, text: str | None) -> int | None:
+    """--multicast as an integer, or a one-line usage error."""
+    if text is None:
+        return None
+    try:
+        (group,) = struct.unpack("!I", socket.inet_aton(text))
+    except OSError:
+        parser.error(f"--multicast must be an IPv4 address, got {text!r}")
+    if not 0xE0000000 <= group <= 0xEFFFFFFF - 64:
+        parser.error(f"--multicast must be an IPv4 multicast group (224.0.0.0 to 239.255.255.191), got {text}")
+    return group
+
+
+def _multicast_sender(sock: socket.socket, host: str) -> None:
+    """Send multicast through the interface of `host` (loopback for 127.0.0.1), looped back to local members."""
+    if host not in ("", "0.0.0.0"):
+        sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(host))
+    sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 1)
+
+
 def build_parser() -> OneLineParser:
     p = OneLineParser(prog="intml-aggregator", description="Switch-emulating C_nat aggregator.")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -56,6 +77,10 @@ def build_parser() -> OneLineParser:
                    help="seconds without traffic before a job is torn down (default 300: longer than a training "
                         "pause for evaluation or a checkpoint)")
     p.add_argument("--stats-interval", type=float, default=0.0, help="print statistics every N seconds (0 = never)")
+    p.add_argument("--multicast", metavar="GROUP", default=None,
+                   help="send each job's results to one IPv4 multicast group (GROUP + the job's table index, port "
+                        "= --port), one datagram per completion as a switch's replication engine does, instead "
+                        "of one per worker; for workers that share the aggregator's link or host (loopback)")
     p.add_argument("--burst", type=positive(int), default=256,
                    help=f"datagrams per recvmmsg/sendmmsg, at least {MAX_WORLD} (default 256)")
     return p
@@ -70,15 +95,19 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--burst must be at least {MAX_WORLD}: a completion sends one result per worker")
     if not 0 <= args.port <= 65535 - args.cores:
         parser.error(f"--port must leave room for {args.cores} ports below 65536")
+    group = _multicast_group(parser, args.multicast)
     socks = _bind(args.host, args.port, args.cores)
     base = socks[0].getsockname()[1]
+    if group is not None:
+        for s in socks:
+            _multicast_sender(s, args.host)
 
     from aggregator.core import AggregatorCore
     from aggregator.dataplane import run_core
 
     def core_main(i: int) -> None:
         core = AggregatorCore(core=i, cores=args.cores, rows=args.slots, max_elements=args.max_packet_elements,
-                              idle_timeout=args.idle_timeout)
+                              idle_timeout=args.idle_timeout, results_group=None if group is None else (group, base))
         run_core(core, socks[i], args.burst, args.stats_interval)
 
     print(f"intml-aggregator listening on {args.host}:{base} cores {args.cores}", flush=True)

@@ -70,9 +70,16 @@ class AggregatorCore:
     """One data-plane core: slots s with s % cores == core, and the control plane for its share of each job."""
 
     def __init__(self, *, core: int = 0, cores: int = 1, rows: int = 1024, max_elements: int = 8192,
-                 max_jobs: int = 64, idle_timeout: float = 30.0) -> None:
+                 max_jobs: int = 64, idle_timeout: float = 30.0, results_group: tuple[int, int] | None = None) -> None:
+        """``results_group`` = (first IPv4 multicast group as an integer, UDP port): job slot j sends its results
+        to group + j in one datagram per completion, as a switch's multicast replication does, instead of one
+        datagram per worker; retransmitted results still go to the one worker that asked."""
         if not 0 <= core < cores:
             raise ValueError(f"core must be in [0, {cores}), got {core}")
+        if results_group is not None and not (0xE0000000 <= results_group[0] and results_group[0] + max_jobs <= 0xF0000000
+                                              and 0 < results_group[1] <= 0xFFFF):
+            raise ValueError(f"results group must leave {max_jobs} IPv4 multicast groups (224.0.0.0/4) and a port")
+        self.results_group = results_group
         self.core, self.cores = core, cores
         self.max_elements = max_elements
         self.idle_timeout = idle_timeout
@@ -157,7 +164,9 @@ class AggregatorCore:
         self.jobs.members[j, rank] = addr
         self.jobs.last_seen[j, rank] = now
         info.left.discard(rank)
-        return wire.pack_join({**_reply_header(job_id, MsgType.JOIN_ACK), "rank": rank}, {**params, "cores": self.cores})
+        group = int(self.jobs.group[j])
+        return wire.pack_join({**_reply_header(job_id, MsgType.JOIN_ACK), "rank": rank},
+                              {**params, "cores": self.cores, "group": group >> 16, "group_port": group & 0xFFFF})
 
     def _check_params(self, p: dict, rank: int) -> str | None:
         if not 1 <= p["world_size"] <= MAX_WORLD:
@@ -193,6 +202,7 @@ class AggregatorCore:
         jobs.seed[j] = np.uint64(params["seed"])
         jobs.row_base[j] = rows.start
         jobs.members[j] = 0
+        jobs.group[j] = 0 if self.results_group is None else (self.results_group[0] + j) << 16 | self.results_group[1]
         jobs.last_seen[j] = now
         jobs.stats[j] = 0
         self.row_used[rows.start:rows.stop] = True

@@ -16,7 +16,8 @@ Slot semantics (SwitchML, DESIGN.md "Protocol semantics")
   the chunk's exponent and element count.
 * A packet whose rank bit is already set is a retransmission: never added twice; if the round is complete the
   result goes back to that worker alone, else it is dropped.
-* When the count reaches n the result goes to all n workers and is kept for retransmissions.
+* When the count reaches n the result goes to all n workers (one datagram per worker, or one to the job's
+  multicast group) and is kept for retransmissions.
 
 Every check happens before any state changes, so a malformed packet is counted by reason and dropped and never
 changes a sum or stalls a slot.
@@ -131,7 +132,7 @@ CONTROL_TYPES = (int(MsgType.JOIN), int(MsgType.LEAVE), int(MsgType.STATS_REQUES
 # Job table: one row per job slot of this core; arrays so the kernel can read them.
 Jobs = namedtuple(
     "Jobs",
-    "job_id active world value_bits packet_elements pool codec seed row_base members last_seen stats core_stats",
+    "job_id active world value_bits packet_elements pool codec seed row_base members group last_seen stats core_stats",
 )
 # Slot table: one row per slot of every job on this core, two shadow sets each. A completed set keeps its result
 # as the whole datagram (header and payload) that goes to every worker and to every re-send.
@@ -154,6 +155,7 @@ def new_jobs(capacity: int) -> Jobs:
         seed=np.zeros(capacity, np.uint64),
         row_base=np.zeros(capacity, np.int64),
         members=np.zeros((capacity, MAX_WORLD), np.uint64),
+        group=np.zeros(capacity, np.uint64),  # address key of the job's results multicast group, 0 = unicast
         last_seen=np.zeros((capacity, MAX_WORLD), np.float64),
         stats=np.zeros((capacity, N_STATS), np.int64),
         core_stats=np.zeros(N_STATS, np.int64),
@@ -260,12 +262,12 @@ def _aggregate(jobs, table, b, g, rx_data, core, cores):
 
 
 @njit(inline="always")
-def _emit(jobs, table, j, row, x, rank, tx_ptr, tx_len, tx_addr, n_tx):
-    """Queue the stored result of (row, set x) for `rank`: the entry points at it, nothing is copied. It stays
-    unchanged until the burst is sent, as no set opens a new round within one call (see process_burst)."""
+def _emit(jobs, table, j, row, x, dest, tx_ptr, tx_len, tx_addr, n_tx):
+    """Queue the stored result of (row, set x) for address `dest`: the entry points at it, nothing is copied. It
+    stays unchanged until the burst is sent, as no set opens a new round within one call (see process_burst)."""
     tx_ptr[n_tx] = table.result[row, x].ctypes.data
     tx_len[n_tx] = table.result_len[row, x]
-    tx_addr[n_tx] = jobs.members[j, rank]
+    tx_addr[n_tx] = dest
     jobs.stats[j, PACKETS_OUT] += 1
     return n_tx + 1
 
@@ -445,8 +447,10 @@ def process_burst(rx_data, rx_len, rx_addr, start, n_rx, now, core, cores, job_a
         row, x, j = b.row[g], b.shadow[g], b.job[g]
         rank = b.event_rank[e]
         if rank >= 0:
-            n_tx = _emit(jobs, table, j, row, x, rank, tx_ptr, tx_len, tx_addr, n_tx)
+            n_tx = _emit(jobs, table, j, row, x, jobs.members[j, rank], tx_ptr, tx_len, tx_addr, n_tx)
+        elif jobs.group[j]:  # one datagram to the job's multicast group reaches every worker
+            n_tx = _emit(jobs, table, j, row, x, jobs.group[j], tx_ptr, tx_len, tx_addr, n_tx)
         else:
             for r in range(jobs.world[j]):
-                n_tx = _emit(jobs, table, j, row, x, r, tx_ptr, tx_len, tx_addr, n_tx)
+                n_tx = _emit(jobs, table, j, row, x, jobs.members[j, r], tx_ptr, tx_len, tx_addr, n_tx)
     return i, n_tx, n_ctl

@@ -35,7 +35,7 @@ Payload by message type:
 
 ``count`` is 0 in control messages (anything but DATA / RESULT).
 
-JOIN payload (24 bytes):
+JOIN payload (30 bytes):
 
 | field           | offset | size | type | meaning |
 |-----------------|-------:|-----:|------|---------|
@@ -46,6 +46,8 @@ JOIN payload (24 bytes):
 | cores           |      7 |    1 | u8   | JOIN: 0; JOIN_ACK: data-plane cores (ports base .. base + cores - 1) |
 | seed            |      8 |    8 | u64  | shared random seed |
 | token           |     16 |    8 | u64  | job token |
+| group           |     24 |    4 | u32  | JOIN: 0; JOIN_ACK: IPv4 multicast group the job's results go to, 0 = unicast to each worker |
+| group_port      |     28 |    2 | u16  | JOIN: 0; JOIN_ACK: UDP port of that group |
 """
 
 from __future__ import annotations
@@ -128,6 +130,8 @@ JOIN_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("cores", "u1", "JOIN: 0; JOIN_ACK: data-plane cores (ports base .. base + cores - 1)"),
     ("seed", ">u8", "shared random seed"),
     ("token", ">u8", "job token"),
+    ("group", ">u4", "JOIN: 0; JOIN_ACK: IPv4 multicast group of the job's results, 0 = unicast"),
+    ("group_port", ">u2", "JOIN: 0; JOIN_ACK: UDP port of that group"),
 )
 JOIN = np.dtype([(name, code) for name, code, _ in JOIN_FIELDS])
 JOIN_SIZE = JOIN.itemsize

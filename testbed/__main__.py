@@ -27,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "16370 for int32; loopback's 64 KiB MTU carries them unfragmented)")
     ar.add_argument("--pool", type=positive(), default=64, help="slots in the job's pool (default 64)")
     ar.add_argument("--cores", type=positive(), default=1, help="aggregator data-plane processes (default 1)")
+    ar.add_argument("--multicast", metavar="GROUP", nargs="?", const="239.255.42.0", default=None,
+                    help="the aggregator multicasts results (intml-aggregator --multicast; GROUP defaults to "
+                         "239.255.42.0) instead of sending one copy per worker")
     ar.add_argument("--warmup", type=int, default=2)
     ar.add_argument("--rounds", type=positive(), default=5)
     ar.add_argument("--no-gloo", action="store_true", help="skip the Gloo anchor")
@@ -78,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
 
         packet_elements = args.packet_elements or bench_allreduce.loopback_packet_elements(args.codec)
         bench_allreduce.run(args.workers, args.elements, args.codec, packet_elements, args.pool, args.cores,
-                            args.warmup, args.rounds, not args.no_gloo, args.json)
+                            args.warmup, args.rounds, not args.no_gloo, args.json, args.multicast)
     elif args.command == "bench" and args.bench in ("cluster", "loss"):
         from testbed import bench_cluster, netns
 

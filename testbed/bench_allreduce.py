@@ -33,11 +33,13 @@ def loopback_packet_elements(codec: str) -> int:
 
 @contextlib.contextmanager
 def aggregator(cores: int, max_packet_elements: int, host: str = "127.0.0.1",
-               prefix: list[str] | None = None) -> Iterator[int]:
-    """Run `intml-aggregator --port 0` (optionally under a command prefix such as `ip netns exec NS`) and yield
-    its base port; the process is always terminated on exit."""
+               prefix: list[str] | None = None, multicast: str | None = None) -> Iterator[int]:
+    """Run `intml-aggregator --port 0` (optionally under a command prefix such as `ip netns exec NS`, and with
+    results multicast to `multicast`) and yield its base port; the process is always terminated on exit."""
     cmd = [*(prefix or []), sys.executable, "-m", "aggregator", "--host", host, "--port", "0", "--cores", str(cores),
            "--max-packet-elements", str(max_packet_elements), "--slots", str(max(64, (1 << 22) // max_packet_elements))]
+    if multicast:
+        cmd += ["--multicast", multicast]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
@@ -79,16 +81,16 @@ def run_ranks_intml(aggregators: list[str], elements: int, codec: str, packet_el
 
 
 def run_intml(workers: int, elements: int, codec: str, packet_elements: int, pool: int, cores: int, warmup: int,
-              rounds: int) -> dict:
+              rounds: int, multicast: str | None) -> dict:
     """intml on loopback: an aggregator and `workers` ranks on 127.0.0.1."""
-    with aggregator(cores, packet_elements) as port:
+    with aggregator(cores, packet_elements, multicast=multicast) as port:
         return run_ranks_intml([f"127.0.0.1:{port}"] * workers, elements, codec, packet_elements, pool, warmup,
                                rounds)
 
 
 def run(workers: int, elements: int, codec: str, packet_elements: int, pool: int, cores: int, warmup: int,
-        rounds: int, gloo: bool, as_json: bool) -> dict:
-    intml = run_intml(workers, elements, codec, packet_elements, pool, cores, warmup, rounds)
+        rounds: int, gloo: bool, as_json: bool, multicast: str | None = None) -> dict:
+    intml = run_intml(workers, elements, codec, packet_elements, pool, cores, warmup, rounds, multicast)
     rows = [{"system": f"intml {codec}", "median_s": intml["median_s"], "ate_per_s": elements / intml["median_s"],
              "mb_per_worker": intml["bytes_per_worker_each_way"] / 1e6, "speedup_vs_gloo": float("nan")}]
     if gloo:
@@ -109,5 +111,6 @@ def run(workers: int, elements: int, codec: str, packet_elements: int, pool: int
          [("system", "system", ""), ("median_s", "median s", ".4f"), ("ate_per_s", "ATE/s", ".3e"),
           ("mb_per_worker", "MB/worker/way", ".1f"), ("speedup_vs_gloo", "Gloo/intml", ".2f")],
          {"workers": workers, "elements": elements, "packet_elements": packet_elements, "pool": pool,
-          "cores": cores, "rounds": rounds, "retransmissions": intml["retransmissions"]})
+          "cores": cores, "results": f"multicast {multicast}" if multicast else "unicast", "rounds": rounds,
+          "retransmissions": intml["retransmissions"]})
     return {"rows": rows}

@@ -195,6 +195,7 @@ class Network:
         self.up: list[tuple[bytes, int, int]] = []  # (payload, source, destination) in flight to the aggregator
         self.down: list[tuple[bytes, int, int]] = []  # (payload, source, destination) in flight to workers
         self.stray: list[tuple[bytes, int, int]] = []  # aggregator output to addresses that are no worker
+        self.group = 0  # address key of the job's results multicast group, if the aggregator uses one
         self.record = record
         self.sent_up: list[tuple[bytes, int, int]] = []  # everything the engines sent (if record)
         self.sent_down: list[tuple[bytes, int, int]] = []  # everything the cores sent (if record)
@@ -224,6 +225,9 @@ class Network:
             for rank in range(self.n):
                 got = self.join(rank, core=core)
                 assert len(got) == 1 and msg_type(got[0][0]) == MsgType.JOIN_ACK, got
+                ack = wire.unpack_join(got[0][0])[1]
+                if ack["group"]:  # the job's results are multicast: every rank listens to the group
+                    self.group = addr_key(int(ack["group"]), int(ack["group_port"]))
                 replies += got
         return replies
 
@@ -267,18 +271,22 @@ class Network:
                 by_core[net.core_of[dst]].append((data, src))
             net.up = []
         owner = {addr: net for net in nets for addr in net.rank_of}
+        groups = {net.group: net for net in nets if net.group}
         for core, datagrams in sorted(by_core.items()):
             if shuffle_seed is not None:
                 random.Random(shuffle_seed + core + 1000 * nets[0].steps).shuffle(datagrams)
             for data, dst in core_receive(cores[core], datagrams, now):
                 item = (data, agg_addr(core), dst)
-                net = owner.get(dst)
+                net = owner.get(dst) or groups.get(dst)
                 if net is None:
                     nets[0].stray.append(item)
                     continue
                 if net.record:
                     net.sent_down.append(item)
-                net.down.append(item)
+                if dst == net.group:  # multicast: a copy for each rank, each lost or delayed on its own
+                    net.down += [(data, agg_addr(core), net.addr(r)) for r in range(net.n)]
+                else:
+                    net.down.append(item)
         for net in nets:
             net._to_workers()
 

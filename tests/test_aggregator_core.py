@@ -327,7 +327,7 @@ def test_join_ack_echoes_parameters():
     for rank, (data, _) in enumerate(replies):
         h, body = wire.unpack_join(data)
         assert (h["type"], h["job"], h["rank"]) == (MsgType.JOIN_ACK, net.job, rank)
-        assert {k: int(body[k]) for k in wire.JOIN.names} == {**net.join_params(), "cores": 1}
+        assert {k: int(body[k]) for k in wire.JOIN.names} == {**net.join_params(), "cores": 1, "group": 0, "group_port": 0}
     # a repeated JOIN from the same address is answered again, identically
     again = net.join(1)
     assert again == [replies[1]]
@@ -683,3 +683,41 @@ def test_burst_equals_one_packet_at_a_time(codec, seed, shuffle):
     if shuffle:
         assert counters["drop_stale"] > 0
     assert (batched._batch[0] == -1).all()  # no set is left marked as part of a burst
+
+
+# ---- 9. results by multicast --------------------------------------------------------------------------------
+
+GROUP = (0xEFFF0000, 4000)  # 239.255.0.0, port 4000
+
+
+@pytest.mark.parametrize("codec", ["cnat8", "int32"])
+@pytest.mark.parametrize("faults", [0.0, 0.1])
+def test_multicast_results_one_datagram_per_completion(codec, faults):
+    """With a results group, a completion sends one datagram to the job's group (each worker's copy then lost,
+    duplicated or delayed on its own), a retransmitted result goes to its one worker, and the results are
+    still the reference's bit for bit. Two jobs on one core get two groups."""
+    core = AggregatorCore(rows=64, max_elements=P, results_group=GROUP)
+    nets = [Network(3, codec=codec, packet_elements=P, pool_size=4, job=job, aggregators=[core], drop=faults,
+                    duplicate=faults, reorder=faults, fault_seed=job, record=True, worker_port=5000 + 100 * job)
+            for job in (1, 2)]
+    assert [net.group for net in nets] == [((GROUP[0] + k) << 16) | GROUP[1] for k in range(2)]
+    xs = [make_inputs(3, 9 * P + 5, P, "normal", seed=job) for job in (1, 2)]
+    for net, x in zip(nets, xs):
+        net.start(x)
+    Network.run_together(nets)
+    for net, x in zip(nets, xs):
+        assert_results(net, x)
+        counters = net.job_counters()
+        assert counters["packets_out"] == counters["completions"] + counters["results_resent"]
+        to_group = [d for d, _, dst in net.sent_down if dst == net.group]
+        assert len(to_group) == counters["completions"]
+        assert all(dst == net.group or dst in net.rank_of for _, _, dst in net.sent_down)
+        if faults:
+            assert counters["results_resent"] > 0
+
+
+def test_results_group_must_be_multicast():
+    with pytest.raises(ValueError, match="multicast"):
+        AggregatorCore(rows=4, max_elements=P, results_group=(0x7F000001, 4000))
+    with pytest.raises(ValueError, match="multicast"):
+        AggregatorCore(rows=4, max_elements=P, max_jobs=64, results_group=(0xEFFFFFF0, 4000))

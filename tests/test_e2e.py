@@ -146,7 +146,8 @@ def allreduce_worker(port: int, job: int, rank: int, n: int, codec: str, seed: i
                 outs.append(got)
         else:
             outs = [w.allreduce(x, op=spec.op) for x, spec in zip(xs, plan)]
-        return {"outs": outs, "counters": w.counters(), "faults": dict(getattr(w.io, "counts", {})), "ticks": ticks}
+        return {"outs": outs, "counters": w.counters(), "faults": dict(getattr(w.io, "counts", {})), "ticks": ticks,
+                "group": w.results_group}
 
 
 async def _allreduce_async_all(w, xs, plan):
@@ -246,6 +247,21 @@ def test_two_cores() -> None:
         assert [r["core"] for r in replies] == [0, 1]
         for reply in replies:  # each core really carried data
             assert reply["core_counters"]["packets_in"] > 10, reply
+
+
+@pytest.mark.parametrize("cores", [1, 2])
+def test_multicast_results(cores: int) -> None:
+    """--multicast: every completion is one datagram to the job's group, which every worker joined; results
+    are the reference's, also under loss, duplication and reordering on each worker's sockets, sync and async."""
+    group = f"239.254.{os.getpid() % 250}.0"  # tests running at once must not share a group and port
+    with aggregator("--multicast", group, cores=cores) as agg_mc:
+        n, seed = 4, 61
+        results = run_job(agg_mc.port, n, "cnat8", seed, SMALL_PLAN)
+        check_results(results, n, "cnat8", seed, SMALL_PLAN, f"multicast, {cores} cores")
+        faulty = run_job(agg_mc.port, n, "int32", seed, SMALL_PLAN, faults=0.1, use_async=True)
+        check_results(faulty, n, "int32", seed, SMALL_PLAN, "multicast with faults, async")
+        groups = [res["group"] for res in results + faulty]
+        assert all(g is not None and g.startswith(group[:-1]) for g in groups), groups  # each worker joined it
 
 
 def test_allreduce_async_equals_allreduce(agg: Aggregator) -> None:

@@ -67,7 +67,7 @@ def test_doc_tables_match_dtypes():
     for table, dtype in zip(tables, (HEADER, JOIN)):
         documented = [(r["field"], int(r["offset"]), int(r["size"]), r["type"]) for r in table]
         assert documented == dtype_spec(dtype)
-    assert HEADER_SIZE == 26 and wire.JOIN_SIZE == 24
+    assert HEADER_SIZE == 26 and wire.JOIN_SIZE == 30
 
 
 def test_offsets_are_plain_ints_of_a_packed_header():
@@ -187,7 +187,7 @@ def test_bind_port(tmp_path, other_port):
 
 
 JOIN_VALUES = dict(world_size=8, packet_elements=256, pool_size=2**16 - 1, codec=Codec.INT32,
-                   cores=0, seed=2**64 - 1, token=0x0123456789ABCDEF)
+                   cores=0, seed=2**64 - 1, token=0x0123456789ABCDEF, group=0xEFFF0001, group_port=48879)
 
 
 @pytest.mark.parametrize("kind", [MsgType.JOIN, MsgType.JOIN_ACK])
@@ -212,7 +212,7 @@ def test_scapy_join_build_sets_type():
 def test_unpack_join_rejects_other_packets():
     with pytest.raises(ValueError, match="not a JOIN"):
         unpack_join(pack({"type": MsgType.LEAVE}))
-    with pytest.raises(ValueError, match="JOIN payload is 23 bytes"):
+    with pytest.raises(ValueError, match=f"JOIN payload is {wire.JOIN_SIZE - 1} bytes"):
         unpack_join(pack_join({}, {})[:-1])
 
 

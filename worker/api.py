@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from burstio.mmsg import BurstSocket, addr_key
+from burstio.mmsg import BurstSocket, addr_key, addr_of
 from protocol import wire
 from protocol.packet import HDR
 from protocol.wire import Codec, MsgType
@@ -49,6 +49,20 @@ def parse_address(text: str) -> tuple[str, int]:
     return socket.gethostbyname(host or "127.0.0.1"), int(port)
 
 
+def _group_socket(group: int, host: str, port: int) -> socket.socket:
+    """A socket receiving the job's results multicast group (an address key) on the interface that reaches the
+    aggregator at host:port. Workers on one host share the group's port (SO_REUSEADDR): each gets a copy."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, port))  # no traffic: just the route's local address
+        local = probe.getsockname()[0]
+    ip = socket.inet_ntoa((group >> 16).to_bytes(4, "big"))
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((ip, group & 0xFFFF))
+    sock.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, socket.inet_aton(ip) + socket.inet_aton(local))
+    return sock
+
+
 class Worker:
     """One rank of one job. Joins on construction; ``close()`` (or leaving the ``with`` block) leaves the job."""
 
@@ -71,7 +85,7 @@ class Worker:
         self.codec = CODECS[codec]
         self.timeout = timeout
         self._join_params = dict(world_size=world_size, packet_elements=packet_elements, pool_size=pool_size,
-                                 codec=int(self.codec), cores=0, seed=seed, token=token_hash(token))
+                                 codec=int(self.codec), seed=seed, token=token_hash(token))
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         sock.bind(("0.0.0.0", 0))
         # room for any datagram: a statistics reply can be longer than a data packet
@@ -80,7 +94,14 @@ class Worker:
             self.io = transport(self.io)  # e.g. worker.faults.FaultyTransport for tests
         self._poll = select.poll()
         self._poll.register(self.io.fileno(), select.POLLIN)
-        self.cores = self._join_all()
+        self.cores, group = self._join_all()
+        self._inputs = [self.io]  # sockets results arrive on: this one, and the job's multicast group if any
+        self.results_group = "%s:%d" % addr_of(group) if group else None  # where completions are multicast
+        if group:
+            results = BurstSocket(_group_socket(group, self.host, self.port), burst=max(burst, 2 * pool_size),
+                                  max_packet=wire.MAX_DATAGRAM)
+            self._inputs.append(results if transport is None else transport(results))
+            self._poll.register(results.fileno(), select.POLLIN)
         agg = [addr_key(self.host, self.port + i) for i in range(self.cores)]
         self.engine = StreamEngine(job=job, rank=rank, world_size=world_size, codec=self.codec,
                                    packet_elements=packet_elements, pool_size=pool_size, seed=seed, agg_addrs=agg,
@@ -91,13 +112,15 @@ class Worker:
     def _who(self) -> str:
         return f"job {self.job} rank {self.rank}"
 
-    def _join_all(self) -> int:
-        cores = self._join(self.port)
+    def _join_all(self) -> tuple[int, int]:
+        """Join every core; returns (cores, the job's results group as an address key, 0 for unicast)."""
+        ack = self._join(self.port)
+        cores = int(ack["cores"])
         for i in range(1, cores):
             self._join(self.port + i)
-        return cores
+        return cores, int(ack["group"]) << 16 | int(ack["group_port"])
 
-    def _join(self, port: int) -> int:
+    def _join(self, port: int) -> np.void:
         request = wire.pack_join({"type": int(MsgType.JOIN), "job": self.job, "rank": self.rank}, self._join_params)
         target = addr_key(self.host, port)
         deadline = time.monotonic() + self.timeout
@@ -106,7 +129,7 @@ class Worker:
             for data in self._control_replies(target, JOIN_RESEND):
                 typ = data[wire.OFFSETS["type"]]
                 if typ == MsgType.JOIN_ACK:
-                    return int(wire.unpack_join(data)[1]["cores"])
+                    return wire.unpack_join(data)[1]
                 if typ == MsgType.ERROR:
                     raise JoinError(f"{self._who()}: aggregator {self.host}:{port} refused the join: "
                                     f"{data[HDR:].decode(errors='replace')}")
@@ -138,7 +161,8 @@ class Worker:
                 self.io.send_one(leave, addr_key(self.host, self.port + i))
             except OSError:
                 pass  # best effort: an idle job is torn down anyway
-        self.io.sock.close()
+        for rx in self._inputs:
+            rx.sock.close()
 
     def __enter__(self) -> Worker:
         return self
@@ -168,9 +192,10 @@ class Worker:
         """Drain received results and fire due retransmissions; True if a chunk completed."""
         before = self.engine.progress
         io = self.io
-        while (n := io.recv_burst()) > 0:
-            self._send(self.engine.receive(io.rx_data, io.rx_len, io.rx_addr, n, now, io.tx_ptr, io.tx_len,
-                                           io.tx_addr))
+        for rx in self._inputs:
+            while (n := rx.recv_burst()) > 0:
+                self._send(self.engine.receive(rx.rx_data, rx.rx_len, rx.rx_addr, n, now, io.tx_ptr, io.tx_len,
+                                               io.tx_addr))
         self._send(self.engine.handle_timer(now, io.tx_ptr, io.tx_len, io.tx_addr))
         return self.engine.progress != before or self.engine.done
 
@@ -210,7 +235,8 @@ class Worker:
         """allreduce on the running asyncio event loop (other tasks run while waiting for results)."""
         loop = asyncio.get_running_loop()
         readable = asyncio.Event()
-        loop.add_reader(self.io.fileno(), readable.set)
+        for rx in self._inputs:
+            loop.add_reader(rx.fileno(), readable.set)
         try:
             arr, last_progress = self._prepare(x, op, out)
             while not self.engine.done:
@@ -223,7 +249,8 @@ class Worker:
                 last_progress = self._step(last_progress)
             return self._finish(arr, op, out)
         finally:
-            loop.remove_reader(self.io.fileno())
+            for rx in self._inputs:
+                loop.remove_reader(rx.fileno())
 
     def _timeout_message(self) -> str:
         done, chunks = self.engine.progress
