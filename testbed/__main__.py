@@ -26,10 +26,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="elements per packet (default: the most one UDP datagram holds, 65481 for cnat8 and "
                          "16370 for int32; loopback's 64 KiB MTU carries them unfragmented)")
     ar.add_argument("--pool", type=positive(), default=64, help="slots in the job's pool (default 64)")
-    ar.add_argument("--cores", type=positive(), default=1, help="aggregator data-plane processes (default 1)")
-    ar.add_argument("--multicast", metavar="GROUP", nargs="?", const="239.255.42.0", default=None,
-                    help="the aggregator multicasts results (intml-aggregator --multicast; GROUP defaults to "
-                         "239.255.42.0) instead of sending one copy per worker")
+    ar.add_argument("--cores", type=positive(), default=2, help="aggregator data-plane processes (default 2)")
+    results = ar.add_mutually_exclusive_group()
+    results.add_argument("--multicast", metavar="GROUP", default="239.255.42.0",
+                         help="the aggregator multicasts each result to the job's group (intml-aggregator "
+                              "--multicast; default 239.255.42.0), as a switch replicates it")
+    results.add_argument("--unicast", action="store_true", help="one copy of each result per worker instead")
     ar.add_argument("--warmup", type=int, default=2)
     ar.add_argument("--rounds", type=positive(), default=5)
     ar.add_argument("--no-gloo", action="store_true", help="skip the Gloo anchor")
@@ -81,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
 
         packet_elements = args.packet_elements or bench_allreduce.loopback_packet_elements(args.codec)
         bench_allreduce.run(args.workers, args.elements, args.codec, packet_elements, args.pool, args.cores,
-                            args.warmup, args.rounds, not args.no_gloo, args.json, args.multicast)
+                            args.warmup, args.rounds, not args.no_gloo, args.json,
+                            None if args.unicast else args.multicast)
     elif args.command == "bench" and args.bench in ("cluster", "loss"):
         from testbed import bench_cluster, netns
 
@@ -115,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
 
         bench_codec.run(1 << 24, 7, False)
         print()
-        bench_allreduce.run(4, 25_000_000, "cnat8", bench_allreduce.loopback_packet_elements("cnat8"), 64, 1, 2, 3,
-                            True, False)
+        bench_allreduce.run(4, 25_000_000, "cnat8", bench_allreduce.loopback_packet_elements("cnat8"), 64, 2, 2, 5,
+                            True, False, "239.255.42.0")
         print()
         from testbed import bench_cluster, netns
 
