@@ -147,7 +147,7 @@ def allreduce_worker(port: int, job: int, rank: int, n: int, codec: str, seed: i
         else:
             outs = [w.allreduce(x, op=spec.op) for x, spec in zip(xs, plan)]
         return {"outs": outs, "counters": w.counters(), "faults": dict(getattr(w.io, "counts", {})), "ticks": ticks,
-                "group": w.results_group}
+                "groups": w.results_groups}
 
 
 async def _allreduce_async_all(w, xs, plan):
@@ -260,8 +260,26 @@ def test_multicast_results(cores: int) -> None:
         check_results(results, n, "cnat8", seed, SMALL_PLAN, f"multicast, {cores} cores")
         faulty = run_job(agg_mc.port, n, "int32", seed, SMALL_PLAN, faults=0.1, use_async=True)
         check_results(faulty, n, "int32", seed, SMALL_PLAN, "multicast with faults, async")
-        groups = [res["group"] for res in results + faulty]
-        assert all(g is not None and g.startswith(group[:-1]) for g in groups), groups  # each worker joined it
+        groups = [res["groups"] for res in results + faulty]
+        assert all(g and all(a.startswith(group[:-1]) for a in g) for g in groups), groups  # each worker joined
+
+
+def test_multicast_cores_naming_different_groups() -> None:
+    """Cores place jobs in their tables independently: a job already on core 1 only makes the next job's group
+    differ between the cores. Workers join every group named and get every result by multicast."""
+    group = f"239.253.{os.getpid() % 250}.0"
+    with aggregator("--multicast", group, cores=2) as agg_mc:
+        join = wire.pack_join({"type": int(MsgType.JOIN), "job": new_job(), "rank": 0},
+                              dict(world_size=2, packet_elements=PACKET, pool_size=4, codec=0, seed=1, token=1))
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.settimeout(5)
+            s.sendto(join, (HOST, agg_mc.port + 1))
+            assert s.recv(2048)[wire.OFFSETS["type"]] == MsgType.JOIN_ACK
+            n, seed = 3, 17
+            results = run_job(agg_mc.port, n, "cnat8", seed, SMALL_PLAN)
+        check_results(results, n, "cnat8", seed, SMALL_PLAN, "two groups")
+        prefix = group.rsplit(".", 1)[0]
+        assert all(res["groups"] == [f"{prefix}.0:{agg_mc.port}", f"{prefix}.1:{agg_mc.port}"] for res in results)
 
 
 def test_allreduce_async_equals_allreduce(agg: Aggregator) -> None:

@@ -306,6 +306,30 @@ def test_fast_retransmit_after_three_overtaking_results(own_result_too):
         [4, 5, 6, 7] if own_result_too else [5, 6, 7])
 
 
+@pytest.mark.parametrize("overtaking, resent", [((1, 3, 5, 7), False), ((2, 4, 6), True)])
+def test_fast_retransmit_counts_only_results_of_the_same_core(overtaking, resent):
+    """Two aggregator cores run at their own pace: four results of core 1's slots overtaking slot 0 (core 0)
+    prove nothing, three of core 0's slots do."""
+    net = Network(1, packet_elements=P64, pool_size=8, cores=2)
+    e = net.engines[0]
+    x = make_inputs(1, 24 * P64, P64, "normal", seed=4)[0]
+
+    def results(datagrams):
+        out = {}
+        for core in range(2):
+            sent = [(d, net.addr(0)) for d, dst in datagrams if dst == agg_addr(core)]
+            out.update({int(header(d)["slot"]): (d, agg_addr(core)) for d, _ in net.to_core(core, sent)})
+        return out
+
+    boot = results(engine_start(e, x, 0.0))
+    chunk0 = engine_receive(e, [boot[0]], 1.0)
+    later = engine_receive(e, [boot[s] for s in range(1, 8)], 2.0)
+    res = results(chunk0 + later)
+    out = engine_receive(e, [res[s] for s in overtaking], 3.0)
+    assert [d for d, _ in out if header(d)["chunk"] == 0] == ([chunk0[0][0]] if resent else [])
+    assert e.counters()["fast_retransmissions"] == int(resent)
+
+
 def test_delayed_duplicate_from_earlier_allreduce_is_stale():
     P, pool, n, codec = 64, 4, 2, "cnat8"
     net = Network(n, codec=codec, packet_elements=P, pool_size=pool, record=True)

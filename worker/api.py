@@ -94,10 +94,10 @@ class Worker:
             self.io = transport(self.io)  # e.g. worker.faults.FaultyTransport for tests
         self._poll = select.poll()
         self._poll.register(self.io.fileno(), select.POLLIN)
-        self.cores, group = self._join_all()
-        self._inputs = [self.io]  # sockets results arrive on: this one, and the job's multicast group if any
-        self.results_group = "%s:%d" % addr_of(group) if group else None  # where completions are multicast
-        if group:
+        self.cores, groups = self._join_all()
+        self._inputs = [self.io]  # sockets results arrive on: this one, and the job's multicast groups if any
+        self.results_groups = ["%s:%d" % addr_of(g) for g in groups]  # where the cores multicast completions
+        for group in groups:
             results = BurstSocket(_group_socket(group, self.host, self.port), burst=max(burst, 2 * pool_size),
                                   max_packet=wire.MAX_DATAGRAM)
             self._inputs.append(results if transport is None else transport(results))
@@ -112,13 +112,14 @@ class Worker:
     def _who(self) -> str:
         return f"job {self.job} rank {self.rank}"
 
-    def _join_all(self) -> tuple[int, int]:
-        """Join every core; returns (cores, the job's results group as an address key, 0 for unicast)."""
-        ack = self._join(self.port)
-        cores = int(ack["cores"])
-        for i in range(1, cores):
-            self._join(self.port + i)
-        return cores, int(ack["group"]) << 16 | int(ack["group_port"])
+    def _join_all(self) -> tuple[int, list[int]]:
+        """Join every core; returns (cores, the distinct results groups the cores named, as address keys). The
+        cores place a job in their tables independently, so they may name different groups."""
+        acks = [self._join(self.port)]
+        cores = int(acks[0]["cores"])
+        acks += [self._join(self.port + i) for i in range(1, cores)]
+        groups = {int(ack["group"]) << 16 | int(ack["group_port"]) for ack in acks if ack["group"]}
+        return cores, sorted(groups)
 
     def _join(self, port: int) -> np.void:
         request = wire.pack_join({"type": int(MsgType.JOIN), "job": self.job, "rank": self.rank}, self._join_params)

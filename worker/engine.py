@@ -16,8 +16,8 @@ One allreduce of a flat float32 tensor of N elements, packet size P and pool siz
   samples of slots that were not retransmitted (Karn), bounded by [min_rto, max_rto]. A fixed RTO either
   fires spuriously when the aggregator's CPU is busy, which adds load exactly when it hurts, or waits too
   long after a real loss. Fast retransmit (TCP's duplicate-ACK rule, per slot): a slot overtaken by
-  FAST_RETRANSMIT results of slots sent after it is presumed lost and retransmitted at once, so a loss costs
-  about one round trip instead of an RTO. Results that are duplicate, stale (another allreduce, chunk or shadow set),
+  FAST_RETRANSMIT results of slots sent after it to the same aggregator core is presumed lost and retransmitted
+  at once, so a loss costs about one round trip instead of an RTO. Results that are duplicate, stale (another allreduce, chunk or shadow set),
   foreign (another job or source) or malformed are counted and dropped.
 * cnat8: chunk c is encoded with the floor of its agreed exponent and random words keyed by
   (seed, worker_stream(allreduce, rank), element index); the result codes decode straight to float32. The
@@ -201,9 +201,12 @@ def _resend(st, s, now, tx_ptr, tx_len, tx_addr, n_tx):
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def _count_overtaking(st, s):
-    """The result of slot s overtook every slot still in flight that was sent before it."""
+    """The result of slot s overtook every slot still in flight that was sent before it to the same aggregator
+    core. Cores are separate processes that run at their own pace, so results from different cores overtake
+    each other without any loss."""
     sent = st.sent_at[s]
-    for other in range(st.params[P_WINDOW]):
+    cores = st.params[P_CORES]
+    for other in range(s % cores, st.params[P_WINDOW], cores):
         if other != s and st.cur_chunk[other] != IDLE and st.sent_at[other] < sent:
             st.overtaken[other] += 1
 
