@@ -51,15 +51,15 @@ def _multicast_group(parser: OneLineParser, text: str | None) -> int | None:
         (group,) = struct.unpack("!I", socket.inet_aton(text))
     except OSError:
         parser.error(f"--multicast must be an IPv4 address, got {text!r}")
-    if not 0xE0000000 <= group <= 0xEFFFFFFF - 64:
-        parser.error(f"--multicast must be an IPv4 multicast group (224.0.0.0 to 239.255.255.191), got {text}")
+    if not 0xE0000100 <= group <= 0xEFFFFFFF - 64:  # 224.0.0.0/24 is the link-local control block
+        parser.error(f"--multicast must be an IPv4 multicast group from 224.0.1.0 to 239.255.255.191 (for example "
+                     f"239.255.42.0), got {text}")
     return group
 
 
 def _multicast_sender(sock: socket.socket, host: str) -> None:
     """Send multicast through the interface of `host` (loopback for 127.0.0.1), looped back to local members."""
-    if host not in ("", "0.0.0.0"):
-        sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(host))
+    sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(socket.gethostbyname(host)))
     sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 1)
 
 
@@ -96,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.port <= 65535 - args.cores:
         parser.error(f"--port must leave room for {args.cores} ports below 65536")
     group = _multicast_group(parser, args.multicast)
+    if group is not None and args.host in ("", "0.0.0.0"):
+        parser.error("--multicast needs --host to name the interface the results go out on "
+                     "(for example --host 127.0.0.1, or this host's address on the workers' link), not 0.0.0.0")
     socks = _bind(args.host, args.port, args.cores)
     base = socks[0].getsockname()[1]
     if group is not None:

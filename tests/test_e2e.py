@@ -129,8 +129,10 @@ def allreduce_worker(port: int, job: int, rank: int, n: int, codec: str, seed: i
 
     transport = None
     if faults:
+        seeds = itertools.count(1000 * job + 100 * rank)  # one per socket: the unicast one, then any group's
+
         def transport(io):
-            return FaultyTransport(io, drop=faults, duplicate=faults, reorder=faults, seed=1000 * job + rank)
+            return FaultyTransport(io, drop=faults, duplicate=faults, reorder=faults, seed=next(seeds))
     xs = [make_input(seed, rank, k, spec) for k, spec in enumerate(plan)]
     ticks = None
     with Worker(f"{HOST}:{port}", job=job, rank=rank, world_size=n, token=f"token-{job}", codec=codec,
@@ -280,6 +282,37 @@ def test_multicast_cores_naming_different_groups() -> None:
         check_results(results, n, "cnat8", seed, SMALL_PLAN, "two groups")
         prefix = group.rsplit(".", 1)[0]
         assert all(res["groups"] == [f"{prefix}.0:{agg_mc.port}", f"{prefix}.1:{agg_mc.port}"] for res in results)
+
+
+def test_multicast_group_failure_leaves_the_job(monkeypatch) -> None:
+    """A worker that joined but cannot open the results group raises JoinError naming the group, and leaves the
+    job, so that a second try is not refused as an already joined rank."""
+    import errno
+
+    import worker.api
+    from worker import JoinError, Worker
+
+    def refuse(group, host, port):
+        raise OSError(errno.EADDRINUSE, "Address already in use")
+
+    group = f"239.252.{os.getpid() % 250}.0"
+    with aggregator("--multicast", group) as agg_mc:
+        job = new_job()
+        with monkeypatch.context() as m:
+            m.setattr(worker.api, "_group_socket", refuse)
+            with pytest.raises(JoinError, match=f"multicast group {group}:{agg_mc.port}: Address already in use"):
+                Worker(agg_mc.address, job=job, rank=0, world_size=1, token="t", codec="int32", timeout=5)
+        with Worker(agg_mc.address, job=job, rank=0, world_size=1, token="t", codec="int32", timeout=5) as w:
+            x = np.arange(7, dtype=np.float32)
+            assert w.results_groups == [f"{group}:{agg_mc.port}"]
+            assert np.array_equal(w.allreduce(x, op="sum"), x)  # int32 carries small integers exactly
+
+
+def test_multicast_cli_errors() -> None:
+    for args, message in ((["--multicast", "224.0.0.5"], "from 224.0.1.0"),
+                          (["--multicast", "239.1.1.1", "--host", "0.0.0.0"], "--multicast needs --host")):
+        done = run_cli(*args, "--port", "0")
+        assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done
 
 
 def test_allreduce_async_equals_allreduce(agg: Aggregator) -> None:

@@ -92,21 +92,28 @@ class Worker:
         self.io = BurstSocket(sock, burst=max(burst, 2 * pool_size), max_packet=wire.MAX_DATAGRAM)
         if transport is not None:
             self.io = transport(self.io)  # e.g. worker.faults.FaultyTransport for tests
-        self._poll = select.poll()
+        self._poll = select.poll()  # every socket results arrive on
         self._poll.register(self.io.fileno(), select.POLLIN)
+        self._control_poll = select.poll()  # control replies come to this socket only
+        self._control_poll.register(self.io.fileno(), select.POLLIN)
         self.cores, groups = self._join_all()
         self._inputs = [self.io]  # sockets results arrive on: this one, and the job's multicast groups if any
         self.results_groups = ["%s:%d" % addr_of(g) for g in groups]  # where the cores multicast completions
-        for group in groups:
-            results = BurstSocket(_group_socket(group, self.host, self.port), burst=max(burst, 2 * pool_size),
-                                  max_packet=wire.MAX_DATAGRAM)
-            self._inputs.append(results if transport is None else transport(results))
-            self._poll.register(results.fileno(), select.POLLIN)
+        self._closed = False
+        try:
+            for group in groups:
+                results = BurstSocket(_group_socket(group, self.host, self.port), burst=max(burst, 2 * pool_size),
+                                      max_packet=wire.MAX_DATAGRAM)
+                self._inputs.append(results if transport is None else transport(results))
+                self._poll.register(results.fileno(), select.POLLIN)
+        except OSError as exc:
+            self.close()  # leave the job: a retry must not find this rank still bound
+            raise JoinError(f"{self._who()}: cannot receive the job's results on multicast group "
+                            f"{'%s:%d' % addr_of(group)}: {exc.strerror or exc}") from None
         agg = [addr_key(self.host, self.port + i) for i in range(self.cores)]
         self.engine = StreamEngine(job=job, rank=rank, world_size=world_size, codec=self.codec,
                                    packet_elements=packet_elements, pool_size=pool_size, seed=seed, agg_addrs=agg,
                                    rto=rto, min_rto=min_rto, max_rto=max_rto)
-        self._closed = False
 
     # ---- membership -------------------------------------------------------------------------------------
     def _who(self) -> str:
@@ -141,7 +148,7 @@ class Worker:
         """Yield the control datagrams (not results) from `source` arriving within `wait` seconds."""
         end = time.monotonic() + wait
         while (left := end - time.monotonic()) > 0:
-            if not self._poll.poll(left * 1000):
+            if not self._control_poll.poll(left * 1000):
                 continue
             n = self.io.recv_burst()
             for i in range(n):
@@ -210,10 +217,12 @@ class Worker:
         if self._pump(now):
             return now
         if now - last_progress >= self.timeout:
+            self.engine.check_finite()  # the real cause, if this rank stopped sending at a NaN or infinity
             raise AllreduceTimeout(self._timeout_message())
         return last_progress
 
     def _finish(self, arr: np.ndarray, op: str, out: np.ndarray | None) -> np.ndarray:
+        self.engine.check_finite()
         out = self.engine.result.reshape(arr.shape) if out is None else out
         if op == "mean":
             out /= np.float32(self.world_size)

@@ -25,7 +25,8 @@ One allreduce of a flat float32 tensor of N elements, packet size P and pool siz
   lowest floor straight into the payload of the slot's other datagram buffer, and its exponent proposal
   comes out of the same pass (protocol.arith.precode_chunk). Chunk c + W' is encoded again at its agreed
   floor only if one of its nonzero values lies below that floor, the one case where the floor changes a code.
-  A NaN or infinity is found when its chunk is read: the allreduce is abandoned there (ValueError).
+  A NaN or infinity is found when its chunk is read: no chunk is sent from there on, the results of those
+  already sent are still taken (so the shadow sets stay in step), then ValueError (see ``non_finite``).
   int32: chunk c is sent as rint(x * 2**(s - E)), the sum comes back as int32 and is scaled by 2**(E - s).
 """
 
@@ -40,7 +41,7 @@ from protocol.arith import (
     CNAT_RANGE,
     INT32_RANGE,
     NO_EXP,
-    chunk_exponents,
+    chunk_exponents_kernel,
     cnat_floor,
     dequantize,
     int32_scale_exponent,
@@ -290,7 +291,7 @@ def receive_kernel(state, rx_data, rx_len, rx_addr, n_rx, now, tx_ptr, tx_len, t
         _count_overtaking(st, s)
         st.parity[s] ^= 1
         nxt = c + window
-        if nxt < prm[P_CHUNKS] and prm[P_BAD] < 0:  # a non-finite value abandons the allreduce
+        if nxt < prm[P_CHUNKS] and prm[P_BAD] < 0:  # no new chunk once a non-finite value was found
             st.agreed_exp[nxt] = next_exp
             _build(st, s, nxt, now)
             _queue(st, s, tx_ptr, tx_len, tx_addr, n_tx)
@@ -376,8 +377,9 @@ class StreamEngine:
                                                                               self.allreduce_seq, 0, -1)
         if self.codec == Codec.CNAT8:  # exponents come with the codes, chunk by chunk (see _precode)
             local, low = np.empty(chunks, np.int64), np.empty(chunks, np.uint32)
-        else:
-            local, low = chunk_exponents(flat, self.packet_elements, INT32_RANGE).astype(np.int64), self._no_low
+        else:  # int32 sends x itself, quantised per packet against exponents found here, all at once
+            local, low = np.empty(chunks, np.int64), self._no_low
+            prm[P_BAD] = chunk_exponents_kernel(flat, self.packet_elements, *INT32_RANGE, local)
         self.state = State(
             params=prm, x=flat, out=out.reshape(-1), local_exp=local,
             agreed_exp=np.full(chunks, NO_EXP, np.int64), cur_chunk=np.full(self.pool_size, IDLE, np.int64),
@@ -387,16 +389,25 @@ class StreamEngine:
             packet_len=np.zeros(self.pool_size, np.int64), agg_addr=self.agg_addr, stats=self.stats,
             timing=self.timing, low=low)
         self._args = tuple(self.state)
-        return self._checked(start_kernel(self._args, now, tx_ptr, tx_len, tx_addr) if window else 0)
-
-    def _checked(self, n: int) -> int:
-        """n, unless precoding met a NaN or an infinity: then the allreduce is abandoned (nothing more is sent;
-        the chunks before it may have gone out, so the other ranks' allreduce times out) and ValueError names it."""
-        bad = int(self.params[P_BAD])
-        if bad >= 0:
-            self.state.cur_chunk[:] = IDLE
-            raise_non_finite(self.state.x, bad)
+        n = start_kernel(self._args, now, tx_ptr, tx_len, tx_addr) if window else 0
+        self.check_finite()  # in the first window: nothing was sent
         return n
+
+    @property
+    def non_finite(self) -> int | None:
+        """The index of a NaN or infinity in the current allreduce's input, once found, else None.
+
+        cnat8 reads each chunk a window ahead of sending it, so one past the first window is found mid-flight.
+        From then on the engine sends no new chunk but still takes the results of the chunks it sent (and
+        retransmits them), so that its shadow sets stay in step with the other ranks' and the job's next
+        allreduce works; when it is done the driver raises (check_finite). The other ranks time out."""
+        bad = int(self.params[P_BAD])
+        return None if bad < 0 else bad
+
+    def check_finite(self) -> None:
+        """ValueError naming the non-finite input value, if one was found."""
+        if self.non_finite is not None:
+            raise_non_finite(self.state.x, self.non_finite)
 
     def receive(self, rx_data, rx_len, rx_addr, n_rx: int, now: float, tx_ptr, tx_len, tx_addr) -> int:
         """Accept results; returns the datagrams queued in tx (pointer, length, destination). Each slot is queued
@@ -404,8 +415,7 @@ class StreamEngine:
         into the engine's datagram buffers: send them before the next call."""
         if tx_len.size < self.pool_size:
             raise ValueError(f"the transmit burst must hold pool_size = {self.pool_size} datagrams")
-        return self._checked(receive_kernel(self._args, rx_data, rx_len, rx_addr, n_rx, now, tx_ptr, tx_len,
-                                            tx_addr))
+        return receive_kernel(self._args, rx_data, rx_len, rx_addr, n_rx, now, tx_ptr, tx_len, tx_addr)
 
     def handle_timer(self, now: float, tx_ptr, tx_len, tx_addr) -> int:
         return timer_kernel(self._args, now, tx_ptr, tx_len, tx_addr)
