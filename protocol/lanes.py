@@ -56,3 +56,43 @@ def byte_outside(typingctx, c, lo, span):
         return builder.zext(builder.and_(outside, nonzero), _I8)
 
     return sig, codegen
+
+
+_I32 = ir.IntType(32)
+
+
+def _be32_pointer(context, builder, array_type, array, offset):
+    """i32* to the 4 bytes at array[offset] (a uint8 array), for an unaligned access."""
+    data = context.make_array(array_type)(context, builder, array).data
+    return builder.bitcast(builder.gep(data, [offset]), _I32.as_pointer())
+
+
+def _bswap(builder, value):
+    return builder.call(builder.module.declare_intrinsic("llvm.bswap", [_I32]), [value])
+
+
+@intrinsic
+def load_be32(typingctx, array, offset):
+    """The big-endian int32 at array[offset:offset + 4] of a uint8 array: one unaligned load and a byte swap, which
+    vectorise (the byte-by-byte assembly does not). No bounds check."""
+    sig = types.int32(array, types.intp)
+
+    def codegen(context, builder, signature, args):
+        ptr = _be32_pointer(context, builder, signature.args[0], args[0], args[1])
+        return _bswap(builder, builder.load(ptr, align=1))
+
+    return sig, codegen
+
+
+@intrinsic
+def store_be32(typingctx, array, offset, value):
+    """array[offset:offset + 4] = the low 32 bits of an integer value, big-endian (see load_be32)."""
+    sig = types.void(array, types.intp, value)
+
+    def codegen(context, builder, signature, args):
+        word = context.cast(builder, args[2], signature.args[2], types.int32)
+        builder.store(_bswap(builder, word), _be32_pointer(context, builder, signature.args[0], args[0], args[1]),
+                      align=1)
+        return context.get_dummy_value()
+
+    return sig, codegen

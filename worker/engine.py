@@ -71,8 +71,8 @@ from protocol.packet import (
     get_u16,
     get_u32,
     put_header,
-    put_u32,
 )
+from protocol.lanes import load_be32, store_be32
 from protocol.rng import derive_key
 from protocol.wire import MAGIC, VERSION, Codec, MsgType
 
@@ -155,7 +155,7 @@ def _build(st, s, c, now):
             scale = 2.0 ** int32_scale_exponent(exp, prm[P_VBITS])
             limit = np.int64(1) << prm[P_VBITS]
             for i in range(count):
-                put_u32(p, HDR + 4 * i, np.int64(quantize(st.x[lo + i], scale, limit)) & 0xFFFFFFFF)
+                store_be32(p, HDR + 4 * i, quantize(st.x[lo + i], scale, limit))
     nxt = c + window
     if c >= 0:  # the bootstrap packets carry chunks 0..window-1, precoded by start_kernel
         _precode(st, nxt)
@@ -283,7 +283,7 @@ def receive_kernel(state, rx_data, rx_len, rx_addr, n_rx, now, tx_ptr, tx_len, t
             else:
                 unit = 2.0 ** -int32_scale_exponent(exp, prm[P_VBITS])
                 for k in range(count):
-                    st.out[lo + k] = dequantize(get_i32(p, HDR + 4 * k), unit)
+                    st.out[lo + k] = dequantize(load_be32(p, HDR + 4 * k), unit)
             prm[P_DONE] += 1
         st.stats[RESULTS] += 1
         if st.retries[s] == 0:  # Karn: a retransmitted slot's RTT is ambiguous
