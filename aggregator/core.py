@@ -76,7 +76,7 @@ class AggregatorCore:
         datagram per worker; retransmitted results still go to the one worker that asked."""
         if not 0 <= core < cores:
             raise ValueError(f"core must be in [0, {cores}), got {core}")
-        if results_group is not None and not (0xE0000000 <= results_group[0] and results_group[0] + max_jobs <= 0xF0000000
+        if results_group is not None and not (0xE0000000 <= results_group[0] <= 0xF0000000 - max_jobs
                                               and 0 < results_group[1] <= 0xFFFF):
             raise ValueError(f"results group must leave {max_jobs} IPv4 multicast groups (224.0.0.0/4) and a port")
         self.results_group = results_group

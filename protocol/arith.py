@@ -138,29 +138,6 @@ def precode_chunk(x, codes, key, offset):
     return saturated, (offset + bad if bad >= 0 else -1), _exponent(top, E_MIN, E_MAX), low
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
-def precode_kernel(x, codes, key, chunk_elements, exponents, low):
-    """precode_chunk over every chunk; returns (saturated, first non-finite index or -1)."""
-    saturated = 0
-    for c in range(exponents.size):
-        lo = c * chunk_elements
-        hi = min(x.size, lo + chunk_elements)
-        sat, bad, exponents[c], low[c] = precode_chunk(x[lo:hi], codes[lo:hi], key, lo)
-        if bad >= 0:
-            return saturated, bad
-        saturated += sat
-    return saturated, -1
-
-
-def precode(x: np.ndarray, chunk_elements: int, key: int, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
-    """precode_chunk over a flat float32 array; returns (exponents, low, saturated) and raises on NaN or Inf."""
-    chunks = -(-x.size // chunk_elements)
-    exponents, low = np.empty(chunks, np.int64), np.empty(chunks, np.uint32)
-    saturated, bad = precode_kernel(x, codes, _U64(key), chunk_elements, exponents, low)
-    raise_non_finite(x, bad)
-    return exponents, low, int(saturated)
-
-
 CNAT_RANGE = (E_MIN, E_MAX)
 INT32_RANGE = (INT32_E_MIN, INT32_E_MAX)
 

@@ -7,6 +7,8 @@ import sys
 
 from protocol.cli import OneLineParser, positive
 
+RESULTS_GROUP = "239.255.42.0"  # multicast group of the loopback benchmark's results (administratively scoped)
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="intml-testbed", description=__doc__)
@@ -28,9 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("--pool", type=positive(), default=64, help="slots in the job's pool (default 64)")
     ar.add_argument("--cores", type=positive(), default=2, help="aggregator data-plane processes (default 2)")
     results = ar.add_mutually_exclusive_group()
-    results.add_argument("--multicast", metavar="GROUP", default="239.255.42.0",
+    results.add_argument("--multicast", metavar="GROUP", default=RESULTS_GROUP,
                          help="the aggregator multicasts each result to the job's group (intml-aggregator "
-                              "--multicast; default 239.255.42.0), as a switch replicates it")
+                              f"--multicast; default {RESULTS_GROUP}), as a switch replicates it")
     results.add_argument("--unicast", action="store_true", help="one copy of each result per worker instead")
     ar.add_argument("--warmup", type=int, default=2)
     ar.add_argument("--rounds", type=positive(), default=5)
@@ -119,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         bench_codec.run(1 << 24, 7, False)
         print()
         bench_allreduce.run(4, 25_000_000, "cnat8", bench_allreduce.loopback_packet_elements("cnat8"), 64, 2, 2, 5,
-                            True, False, "239.255.42.0")
+                            True, False, RESULTS_GROUP)
         print()
         from testbed import bench_cluster, netns
 

@@ -237,19 +237,27 @@ def test_code_in_range_every_code(floor, ceiling):
 @given(x=f32_arrays(), chunk=st.integers(1, 700), seed=st.integers(0, 2**64 - 1), stream=st.integers(0, 2**40),
        floors=st.lists(FLOORS, min_size=1, max_size=4))
 def test_precode_gives_the_wire_codes_unless_a_value_is_below_the_floor(x, chunk, seed, stream, floors):
-    """precode's single pass: its exponents are chunk_exponents', its saturation count encode's, and for any floor
-    the agreed exponent may set, a chunk's codes are exactly encode's at that floor unless has_underflow says a
+    """precode_chunk, chunk by chunk as the worker calls it: its exponents are chunk_exponents', its saturation
+    counts add up to encode's, it names the first non-finite value by its tensor index, and for any floor the
+    agreed exponent may set, a chunk's codes are exactly encode's at that floor unless has_underflow says a
     nonzero value lies below it; and has_underflow is exact (it says so iff one does)."""
-    if not np.isfinite(x).all():
-        with pytest.raises(ValueError, match="cannot allreduce non-finite value"):
-            arith.precode(x, chunk, cnat.stream_key(seed, stream), np.empty(x.size, np.uint8))
-        return
-    key = cnat.stream_key(seed, stream)
+    key = np.uint64(cnat.stream_key(seed, stream))
     codes = np.empty(x.size, np.uint8)
-    exponents, low, saturated = arith.precode(x, chunk, key, codes)
-    assert exponents.tolist() == chunk_exponents(x, chunk, CNAT_RANGE).tolist()
+    exponents, low, saturated = [], [], 0
+    for lo in range(0, x.size, chunk):
+        sat, bad, exponent, smallest = arith.precode_chunk(x[lo:lo + chunk], codes[lo:lo + chunk], key, lo)
+        part_finite = np.isfinite(x[lo:lo + chunk])
+        if not part_finite.all():
+            assert bad == lo + int(np.argmin(part_finite))
+            assert np.isfinite(x[:lo]).all()  # the chunks before it were all reported clean
+            return
+        assert bad == -1
+        exponents.append(exponent)
+        low.append(smallest)
+        saturated += sat
+    assert exponents == chunk_exponents(x, chunk, CNAT_RANGE).tolist()
     assert saturated == cnat.encode(x, seed=seed, stream=stream).saturated
-    for c in range(exponents.size):
+    for c in range(len(exponents)):
         part = x[c * chunk:(c + 1) * chunk]
         magnitudes = np.abs(part.astype(np.float64))
         for floor in floors:

@@ -89,7 +89,8 @@ class Worker:
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         sock.bind(("0.0.0.0", 0))
         # room for any datagram: a statistics reply can be longer than a data packet
-        self.io = BurstSocket(sock, burst=max(burst, 2 * pool_size), max_packet=wire.MAX_DATAGRAM)
+        rx_burst = max(burst, 2 * pool_size)
+        self.io = BurstSocket(sock, burst=rx_burst, max_packet=wire.MAX_DATAGRAM)
         if transport is not None:
             self.io = transport(self.io)  # e.g. worker.faults.FaultyTransport for tests
         self._poll = select.poll()  # every socket results arrive on
@@ -100,16 +101,16 @@ class Worker:
         self._inputs = [self.io]  # sockets results arrive on: this one, and the job's multicast groups if any
         self.results_groups = ["%s:%d" % addr_of(g) for g in groups]  # where the cores multicast completions
         self._closed = False
-        try:
-            for group in groups:
-                results = BurstSocket(_group_socket(group, self.host, self.port), burst=max(burst, 2 * pool_size),
+        for group, name in zip(groups, self.results_groups):
+            try:
+                results = BurstSocket(_group_socket(group, self.host, self.port), burst=rx_burst,
                                       max_packet=wire.MAX_DATAGRAM)
-                self._inputs.append(results if transport is None else transport(results))
-                self._poll.register(results.fileno(), select.POLLIN)
-        except OSError as exc:
-            self.close()  # leave the job: a retry must not find this rank still bound
-            raise JoinError(f"{self._who()}: cannot receive the job's results on multicast group "
-                            f"{'%s:%d' % addr_of(group)}: {exc.strerror or exc}") from None
+            except OSError as exc:
+                self.close()  # leave the job: a retry must not find this rank still bound
+                raise JoinError(f"{self._who()}: cannot receive the job's results on multicast group {name}: "
+                                f"{exc.strerror or exc}") from None
+            self._inputs.append(results if transport is None else transport(results))
+            self._poll.register(results.fileno(), select.POLLIN)
         agg = [addr_key(self.host, self.port + i) for i in range(self.cores)]
         self.engine = StreamEngine(job=job, rank=rank, world_size=world_size, codec=self.codec,
                                    packet_elements=packet_elements, pool_size=pool_size, seed=seed, agg_addrs=agg,

@@ -17,8 +17,8 @@ One allreduce of a flat float32 tensor of N elements, packet size P and pool siz
   fires spuriously when the aggregator's CPU is busy, which adds load exactly when it hurts, or waits too
   long after a real loss. Fast retransmit (TCP's duplicate-ACK rule, per slot): a slot overtaken by
   FAST_RETRANSMIT results of slots sent after it to the same aggregator core is presumed lost and retransmitted
-  at once, so a loss costs about one round trip instead of an RTO. Results that are duplicate, stale (another allreduce, chunk or shadow set),
-  foreign (another job or source) or malformed are counted and dropped.
+  at once, so a loss costs about one round trip instead of an RTO. Results that are duplicate, stale (another
+  allreduce, chunk or shadow set), foreign (another job or source) or malformed are counted and dropped.
 * cnat8: chunk c is encoded with the floor of its agreed exponent and random words keyed by
   (seed, worker_stream(allreduce, rank), element index); the result codes decode straight to float32. The
   tensor is read once, a chunk at a time: when the packet of chunk c is built, chunk c + W' is encoded at the
@@ -46,12 +46,13 @@ from protocol.arith import (
     dequantize,
     int32_scale_exponent,
     precode_chunk,
-    raise_non_finite,
     quantize,
+    raise_non_finite,
     value_bits,
     worker_stream,
 )
 from protocol.cnat import decode_kernel, encode_kernel, find_invalid_kernel, has_underflow
+from protocol.lanes import load_be32, store_be32
 from protocol.packet import (
     HDR,
     O_ALLREDUCE,
@@ -72,7 +73,6 @@ from protocol.packet import (
     get_u32,
     put_header,
 )
-from protocol.lanes import load_be32, store_be32
 from protocol.rng import derive_key
 from protocol.wire import MAGIC, VERSION, Codec, MsgType
 
@@ -114,6 +114,12 @@ def _chunk_count(st, c):
     return 0 if c < 0 else min(pkt, st.params[P_ELEMENTS] - c * pkt)
 
 
+@njit(inline="always")
+def _worker_key(prm):
+    """The key of this rank's random stream in the current allreduce."""
+    return derive_key(np.uint64(prm[P_SEED]), worker_stream(prm[P_ALLREDUCE], prm[P_RANK]))
+
+
 @njit(cache=True, nogil=True, boundscheck=False)
 def _precode(st, d):
     """cnat8: encode chunk d at the lowest floor (protocol.arith.precode_chunk) into the payload of the datagram
@@ -125,9 +131,8 @@ def _precode(st, d):
     s = d % prm[P_WINDOW]
     lo = d * prm[P_PKT]
     hi = min(prm[P_ELEMENTS], lo + prm[P_PKT])
-    key = derive_key(np.uint64(prm[P_SEED]), worker_stream(prm[P_ALLREDUCE], prm[P_RANK]))
     payload = st.packet[s, 1 - st.parity[s], HDR:HDR + hi - lo]
-    sat, bad, st.local_exp[d], st.low[d] = precode_chunk(st.x[lo:hi], payload, key, lo)
+    sat, bad, st.local_exp[d], st.low[d] = precode_chunk(st.x[lo:hi], payload, _worker_key(prm), lo)
     if bad >= 0:
         prm[P_BAD] = bad
     st.stats[SATURATED] += sat
@@ -149,8 +154,7 @@ def _build(st, s, c, now):
         if codec == Codec.CNAT8:
             floor = cnat_floor(exp, prm[P_VBITS])
             if has_underflow(st.low[c], floor):  # the agreed floor changes some codes: encode the chunk again
-                key = derive_key(np.uint64(prm[P_SEED]), worker_stream(prm[P_ALLREDUCE], prm[P_RANK]))
-                encode_kernel(st.x[lo:lo + count], p[HDR:HDR + count], key, np.uint64(lo), floor, True)
+                encode_kernel(st.x[lo:lo + count], p[HDR:HDR + count], _worker_key(prm), np.uint64(lo), floor, True)
         else:
             scale = 2.0 ** int32_scale_exponent(exp, prm[P_VBITS])
             limit = np.int64(1) << prm[P_VBITS]
@@ -367,8 +371,9 @@ class StreamEngine:
         if out is None:
             out = np.empty(flat.size, np.float32)
         elif out.dtype != np.float32 or out.size != flat.size or not out.flags.c_contiguous:
+            layout = "" if out.flags.c_contiguous else ", not contiguous"
             raise ValueError(f"out must be a C-contiguous float32 array of {flat.size} elements, got "
-                             f"{out.dtype} of {out.size} elements{'' if out.flags.c_contiguous else ', not contiguous'}")
+                             f"{out.dtype} of {out.size} elements{layout}")
         chunks = -(-flat.size // self.packet_elements)
         window = min(self.pool_size, chunks)
         self.allreduce_seq += 1
