@@ -16,9 +16,9 @@ import socket
 import struct
 import sys
 
-from aggregator.slots import MAX_WORLD
-from protocol.cli import OneLineParser, positive
-from protocol.wire import DEFAULT_PORT, Codec, max_packet_elements
+from intml.aggregator.slots import MAX_WORLD
+from intml.protocol.cli import OneLineParser, positive
+from intml.protocol.wire import DEFAULT_PORT, Codec, max_packet_elements
 
 MAX_ELEMENTS_LIMIT = max_packet_elements(Codec.CNAT8)  # jobs are further limited by their codec at join
 
@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         for s in socks:
             _multicast_sender(s, args.host)
 
-    from aggregator.core import AggregatorCore
-    from aggregator.dataplane import run_core
+    from intml.aggregator.core import AggregatorCore
+    from intml.aggregator.dataplane import run_core
 
     def core_main(i: int) -> None:
         core = AggregatorCore(core=i, cores=args.cores, rows=args.slots, max_elements=args.max_packet_elements,

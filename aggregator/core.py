@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from aggregator.slots import (
+from intml.aggregator.slots import (
     DROP_BAD_CONTROL,
     MAX_WORLD,
     N_STATS,
@@ -34,11 +34,11 @@ from aggregator.slots import (
     new_table,
     process_burst,
 )
-from burstio.mmsg import addr_of
-from protocol import wire
-from protocol.arith import value_bits
-from protocol.packet import HDR
-from protocol.wire import Codec, MsgType
+from intml.protocol.address import addr_of, format_addr
+from intml.protocol import wire
+from intml.protocol.arith import value_bits
+from intml.protocol.packet import HDR
+from intml.protocol.wire import Codec, MsgType
 
 ALL_JOBS = 0xFFFFFFFF
 MAX_PENDING_LISTED = 32  # keeps a STATS_REPLY well inside one datagram
@@ -253,7 +253,7 @@ class AggregatorCore:
             if job_id not in (ALL_JOBS, jid):
                 continue
             j, n = info.index, info.params["world_size"]
-            members = {r: "%s:%d" % addr_of(int(a)) for r, a in enumerate(self.jobs.members[j, :n]) if a}
+            members = {r: format_addr(a) for r, a in enumerate(self.jobs.members[j, :n]) if a}
             rows = slice(info.rows.start, info.rows.stop)
             counts, bitmaps = self.table.count[rows], self.table.bitmap[rows]
             waiting = np.nonzero((counts > 0) & (counts < n))

@@ -14,9 +14,9 @@ import time
 
 import uvloop
 
-from aggregator.core import AggregatorCore, Burst
-from burstio.mmsg import BurstSocket
-from protocol.packet import HDR
+from intml.aggregator.core import AggregatorCore, Burst
+from intml.burstio.mmsg import BurstSocket
+from intml.protocol.packet import HDR
 
 BURSTS_PER_WAKEUP = 64  # then yield to the event loop so timers and other sockets are served
 

@@ -30,7 +30,7 @@ from collections import namedtuple
 import numpy as np
 from numba import njit
 
-from protocol.arith import (
+from intml.protocol.arith import (
     E_MAX,
     E_MIN,
     INT32_E_MAX,
@@ -41,9 +41,9 @@ from protocol.arith import (
     sum_to_codes_kernel,
     switch_stream,
 )
-from protocol.cnat import codes_in_range
-from protocol.lanes import load_be32, store_be32
-from protocol.packet import (
+from intml.protocol.cnat import codes_in_range
+from intml.protocol.lanes import load_be32, store_be32
+from intml.protocol.packet import (
     HDR,
     O_ALLREDUCE,
     O_CHUNK,
@@ -65,8 +65,8 @@ from protocol.packet import (
     put_header,
     round_key,
 )
-from protocol.rng import derive_key
-from protocol.wire import MAGIC, VERSION, Codec, MsgType
+from intml.protocol.rng import derive_key
+from intml.protocol.wire import MAGIC, VERSION, Codec, MsgType
 
 # Statistics, per job (and, for packets that name no known job, per core). The drop reasons are the malformed
 # or foreign packets of DESIGN.md; "retransmissions" and "results_resent" are normal protocol events.

@@ -14,7 +14,7 @@ Limitations: Linux only (x86_64/aarch64 LP64 struct layouts, checked at import a
 IPv4 only (``AF_INET`` sockets; the sockaddr pool is ``sockaddr_in``); one iovec per datagram; no
 ancillary data; not thread-safe (one BurstSocket per thread).
 
-``python -m burstio.mmsg`` runs :func:`bench`.
+``python -m intml.burstio.mmsg`` runs :func:`bench`.
 """
 
 from __future__ import annotations
@@ -24,11 +24,13 @@ import errno
 import os
 import select
 import socket
-import struct
 import time
 
 import numpy as np
 from numba import njit
+
+from intml.protocol.address import addr_key_of, addr_of
+from intml.protocol.burst import Burst
 
 __all__ = ["BurstSocket", "addr_key", "addr_of", "bench"]
 
@@ -159,19 +161,8 @@ _RETRY_SEND = (errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS, errno.EINTR)
 
 
 def addr_key(host: str, port: int) -> int:
-    """IPv4 ``(host, port)`` -> ``(ipv4_host_order_u32 << 16) | port``; ``host`` may be a name."""
-    if not 0 <= port <= 0xFFFF:
-        raise ValueError(f"port out of range: {port}")
-    (ip,) = struct.unpack("!I", socket.inet_aton(socket.gethostbyname(host)))
-    return (ip << 16) | port
-
-
-def addr_of(key: int) -> tuple[str, int]:
-    """Inverse of :func:`addr_key`: key -> ``("a.b.c.d", port)``."""
-    key = int(key)
-    if not 0 <= key < 1 << 48:
-        raise ValueError(f"address key out of range: {key:#x}")
-    return socket.inet_ntoa(struct.pack("!I", key >> 16)), key & 0xFFFF
+    """IPv4 ``(host, port)`` -> ``(ipv4_host_order_u32 << 16) | port``; ``host`` may be a name (resolved here)."""
+    return addr_key_of(socket.gethostbyname(host), port)
 
 
 # --- burst socket -------------------------------------------------------------------------------
@@ -214,16 +205,16 @@ class BurstSocket:
         self.rcvbuf = _set_buf(sock, _SO_RCVBUFFORCE, socket.SO_RCVBUF, _WANT_BUF)
         self.sndbuf = _set_buf(sock, _SO_SNDBUFFORCE, socket.SO_SNDBUF, _WANT_BUF)
 
-        self.rx_data = np.zeros((burst, max_packet), np.uint8)
-        self.rx_len = np.zeros(burst, np.int32)
-        self.rx_addr = np.zeros(burst, np.uint64)
+        self.rx = Burst.rows_of(burst, max_packet)  # what recv_burst received, as the cores take it
+        self.rx_data, self.rx_len, self.rx_addr = self.rx.data, self.rx.length, self.rx.addr
         self.tx_data = np.zeros((burst, max_packet), np.uint8)
         self.tx_len = np.zeros(burst, np.int32)
         self.tx_addr = np.zeros(burst, np.uint64)
         # C structures; the numpy arrays own the memory and live as long as self (keeps pointers valid).
         self._rx_msg, self._rx_iov, self._rx_name = self._structs(self.rx_data)
         self._tx_msg, self._tx_iov, self._tx_name = self._structs(self.tx_data)
-        self.tx_ptr = self._tx_iov["base"].copy()
+        self._tx_rows = self._tx_iov["base"].copy()  # row i of tx_data
+        self.tx_ptr = self._tx_rows.copy()
         self._tx_name["family"] = socket.AF_INET
         self._tx_msg["namelen"] = _SOCKADDR_IN.itemsize
         self._rx_ptr = self._rx_msg.ctypes.data
@@ -264,6 +255,7 @@ class BurstSocket:
         for them; truncated datagrams get ``rx_len = -1``. Other errors raise OSError.
         """
         n = self.burst if max_count is None else max(0, min(int(max_count), self.burst))
+        self.rx.count = 0
         if n == 0:
             return 0
         # msg_namelen (value-result) and iov_len must hold their full sizes before each call. They were
@@ -280,6 +272,7 @@ class BurstSocket:
                 raise OSError(err, os.strerror(err))
         if r:
             _after_recv(r, *self._rx_words, self.rx_len, self.rx_addr, self.max_packet)
+        self.rx.count = r
         return r
 
     def send_burst(self, count: int) -> int:
@@ -328,6 +321,25 @@ class BurstSocket:
                     poller = select.poll()
                     poller.register(self.sock.fileno(), select.POLLOUT)
                 poller.poll(max(1, int(left * 1000)))
+        return sent
+
+    def send(self, burst: Burst) -> int:
+        """Send the first ``burst.count`` datagrams of a core's output burst from where they lie (zero copy), in
+        sendmmsg calls of at most ``self.burst``; returns how many went out (fewer only if the socket stayed
+        full past ``send_timeout``)."""
+        sent = 0
+        while sent < burst.count:
+            n = min(self.burst, burst.count - sent)
+            self.tx_ptr[:n] = burst.ptr[sent:sent + n]
+            self.tx_len[:n] = burst.length[sent:sent + n]
+            self.tx_addr[:n] = burst.addr[sent:sent + n]
+            try:
+                done = self.send_burst(n)
+            finally:
+                self.tx_ptr[:n] = self._tx_rows[:n]  # rows point at tx_data again for send_burst users
+            sent += done
+            if done < n:
+                break
         return sent
 
     def send_one(self, data: bytes, addr_key: int) -> None:

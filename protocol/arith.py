@@ -34,7 +34,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from protocol.cnat import (
+from intml.protocol.cnat import (
     E_MAX,
     E_MIN,
     K_BIAS,
@@ -47,9 +47,9 @@ from protocol.cnat import (
     codes_in_range,
     encode_kernel,
 )
-from protocol.lanes import clz32, shl32
-from protocol.rng import BLOCK, block_key, lowbias32, stream_key
-from protocol.wire import NO_EXP
+from intml.protocol.lanes import clz32, shl32
+from intml.protocol.rng import BLOCK, block_key, lowbias32, stream_key
+from intml.protocol.wire import NO_EXP
 
 INT32_E_MIN = -126
 INT32_E_MAX = 127

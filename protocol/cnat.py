@@ -45,8 +45,8 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from protocol.lanes import byte_outside, or8
-from protocol.rng import BLOCK, block_key, lowbias32, stream_key
+from intml.protocol.lanes import byte_outside, or8
+from intml.protocol.rng import BLOCK, block_key, lowbias32, stream_key
 
 E_MIN = -50
 E_MAX = 10

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from protocol.wire import HEADER_SIZE, MAGIC, OFFSETS, VERSION
+from intml.protocol.wire import HEADER_SIZE, MAGIC, OFFSETS, VERSION
 
 O_MAGIC = OFFSETS["magic"]
 O_VERSION = OFFSETS["version"]

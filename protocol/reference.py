@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from protocol.rng import MASK64, splitmix64_int, stream_key
+from intml.protocol.rng import MASK64, splitmix64_int, stream_key
 
 E_MIN, E_MAX = -50, 10
 

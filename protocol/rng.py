@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from protocol.lanes import mul32
+from intml.protocol.lanes import mul32
 
 MASK64 = (1 << 64) - 1
 _U32 = np.uint32

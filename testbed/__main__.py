@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from protocol.cli import OneLineParser, positive
+from intml.protocol.cli import OneLineParser, positive
 
 RESULTS_GROUP = "239.255.42.0"  # multicast group of the loopback benchmark's results (administratively scoped)
 
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--mtu", type=int, choices=(1500, 9000), default=1500)
     up.add_argument("--loss", type=float, default=0.0)
     cluster.add_parser("cleanup", help="remove namespaces left by crashed runs (names starting intml-)")
-    from testbed import train as train_cmd
+    from intml.testbed import train as train_cmd
 
     train_cmd.add_arguments(commands.add_parser("train", help="DDP convergence on load_digits: Gloo vs intml (torchrun)"))
     commands.add_parser("demo", help="what `make demo` runs")
@@ -77,18 +77,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "bench" and args.bench == "codec":
-        from testbed import bench_codec
+        from intml.testbed import bench_codec
 
         bench_codec.run(args.elements, args.repeats, args.json)
     elif args.command == "bench" and args.bench == "allreduce":
-        from testbed import bench_allreduce
+        from intml.testbed import bench_allreduce
 
         packet_elements = args.packet_elements or bench_allreduce.loopback_packet_elements(args.codec)
         bench_allreduce.run(args.workers, args.elements, args.codec, packet_elements, args.pool, args.cores,
                             args.warmup, args.rounds, not args.no_gloo, args.json,
                             None if args.unicast else args.multicast)
     elif args.command == "bench" and args.bench in ("cluster", "loss"):
-        from testbed import bench_cluster, netns
+        from intml.testbed import bench_cluster, netns
 
         if problem := netns.missing_requirements():
             raise SystemExit(f"intml-testbed: {problem}")
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, netns.ClusterError) as exc:
             raise SystemExit(f"intml-testbed: {exc}") from None
     elif args.command == "cluster":
-        from testbed import netns
+        from intml.testbed import netns
 
         if problem := netns.missing_requirements():
             raise SystemExit(f"intml-testbed: {problem}")
@@ -112,18 +112,18 @@ def main(argv: list[str] | None = None) -> int:
         else:
             netns.hold(args.workers, args.rate, args.mtu, args.loss)
     elif args.command == "train":
-        from testbed import train as train_cmd
+        from intml.testbed import train as train_cmd
 
         train_cmd.run_from_args(args)
     elif args.command == "demo":
-        from testbed import bench_allreduce, bench_codec
+        from intml.testbed import bench_allreduce, bench_codec
 
         bench_codec.run(1 << 24, 7, False)
         print()
         bench_allreduce.run(4, 25_000_000, "cnat8", bench_allreduce.loopback_packet_elements("cnat8"), 64, 2, 2, 5,
                             True, False, RESULTS_GROUP)
         print()
-        from testbed import bench_cluster, netns
+        from intml.testbed import bench_cluster, netns
 
         if problem := netns.missing_requirements():
             print(f"skipping the shaped 4-worker cluster: {problem}")

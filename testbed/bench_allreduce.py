@@ -15,12 +15,12 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from protocol.packet import HDR
-from protocol import wire
-from protocol.wire import Codec
-from testbed import rank
-from testbed.procs import run_ranks
-from testbed.timing import emit
+from intml.protocol.packet import HDR
+from intml.protocol import wire
+from intml.protocol.wire import Codec
+from intml.testbed import rank
+from intml.testbed.procs import run_ranks
+from intml.testbed.timing import emit
 
 JOB = 1
 
@@ -36,7 +36,7 @@ def aggregator(cores: int, max_packet_elements: int, host: str = "127.0.0.1",
                prefix: list[str] | None = None, multicast: str | None = None) -> Iterator[int]:
     """Run `intml-aggregator --port 0` (optionally under a command prefix such as `ip netns exec NS`, and with
     results multicast to `multicast`) and yield its base port; the process is always terminated on exit."""
-    cmd = [*(prefix or []), sys.executable, "-m", "aggregator", "--host", host, "--port", "0", "--cores", str(cores),
+    cmd = [*(prefix or []), sys.executable, "-m", "intml.aggregator", "--host", host, "--port", "0", "--cores", str(cores),
            "--max-packet-elements", str(max_packet_elements), "--slots", str(max(64, (1 << 22) // max_packet_elements))]
     if multicast:
         cmd += ["--multicast", multicast]
@@ -95,7 +95,7 @@ def run(workers: int, elements: int, codec: str, packet_elements: int, pool: int
              "mb_per_worker": intml["bytes_per_worker_each_way"] / 1e6, "speedup_vs_gloo": float("nan")}]
     if gloo:
         try:
-            from testbed.gloo import run_local
+            from intml.testbed.gloo import run_local
         except ImportError:
             gloo = False
     if gloo:

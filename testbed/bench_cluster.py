@@ -9,13 +9,13 @@ bytes each puts on a link.
 
 from __future__ import annotations
 
-from protocol.packet import HDR
-from protocol.wire import Codec
-from testbed import gloo
-from testbed.bench_allreduce import aggregator, run_ranks_intml
-from testbed.netns import Topology, parse_rate
-from testbed.procs import run_ranks
-from testbed.timing import emit
+from intml.protocol.packet import HDR
+from intml.protocol.wire import Codec
+from intml.testbed import gloo
+from intml.testbed.bench_allreduce import aggregator, run_ranks_intml
+from intml.testbed.netns import Topology, parse_rate
+from intml.testbed.procs import run_ranks
+from intml.testbed.timing import emit
 
 IP_UDP = 28
 ETHERNET = 14

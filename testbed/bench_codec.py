@@ -10,8 +10,8 @@ import platform
 
 import numpy as np
 
-from protocol import arith, cnat
-from testbed.timing import emit, median_seconds
+from intml.protocol import arith, cnat
+from intml.testbed.timing import emit, median_seconds
 
 TARGETS = {"stochastic encode": "≥ 1.5 G/s and ≥ 35% of copy", "decode": "≥ 2 G/s"}
 

@@ -17,7 +17,7 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from testbed.procs import run_ranks
+from intml.testbed.procs import free_port, run_ranks
 
 if TYPE_CHECKING:  # torch is imported lazily: it is an optional extra of the package
     import torch
@@ -112,7 +112,7 @@ def command(
 ) -> list[str]:
     """The argv that runs one rank (so a caller can wrap it, e.g. in `ip netns exec NAME ...`)."""
     argv = [
-        sys.executable, "-m", "testbed.gloo",
+        sys.executable, "-m", "intml.testbed.gloo",
         "--rank", str(rank),
         "--world-size", str(world_size),
         "--master-addr", master_addr,
@@ -124,13 +124,6 @@ def command(
     if ifname is not None:
         argv += ["--ifname", ifname]
     return argv
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the rendezvous binds it shortly after)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_local(world_size: int, elements: int, warmup: int = 2, rounds: int = 5, timeout: float = 300.0) -> dict:

@@ -8,23 +8,27 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-# Parent of testbed/: put on PYTHONPATH so ranks import this package before it is pip-installed.
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
 
 def rank_env() -> dict[str, str]:
-    """The environment of a rank: this one, plus the repo on PYTHONPATH and one OpenMP thread."""
+    """The environment of a rank: this one, with one OpenMP thread. Ranks import the installed package."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     # N ranks share the machine's 2 cores; torch's default of one intra-op thread per core would
     # oversubscribe them, and idle OpenMP threads spinning would steal CPU from the collective.
     env["OMP_NUM_THREADS"] = "1"
     return env
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (a rendezvous binds it shortly after)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _tail(path: Path, chars: int = 2000) -> str:

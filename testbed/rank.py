@@ -2,7 +2,7 @@
 network namespace with `ip netns exec`). It prints one JSON line: per-round seconds, a hash of every round's
 result (to check bit-identical results across ranks and runs), and the worker's counters.
 
-    python -m testbed.rank --aggregator 198.18.0.1:48879 --rank 0 --world-size 4 --elements 1000000
+    python -m intml.testbed.rank --aggregator 198.18.0.1:48879 --rank 0 --world-size 4 --elements 1000000
 
 Each round starts with a one-element allreduce, which completes at every rank at the same moment: a barrier
 that needs no other channel between the namespaces.
@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from protocol.cli import OneLineParser, positive
+from intml.protocol.cli import OneLineParser, positive
 
 
 def rank_input(rank: int, elements: int, seed: int = 0) -> np.ndarray:
@@ -27,7 +27,7 @@ def rank_input(rank: int, elements: int, seed: int = 0) -> np.ndarray:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from worker import Worker
+    from intml.worker import Worker
 
     x = rank_input(args.rank, args.elements, args.seed)
     one = np.ones(1, np.float32)
@@ -51,14 +51,14 @@ def command(aggregator: str, rank: int, world_size: int, elements: int, *, codec
             packet_elements: int = 1024, pool: int = 64, warmup: int = 1, rounds: int = 3, job: int = 1,
             seed: int = 1, timeout: float = 60.0) -> list[str]:
     """The argv of one rank (prefix it with `ip netns exec NAME` to run it in a namespace)."""
-    return [sys.executable, "-m", "testbed.rank", "--aggregator", aggregator, "--rank", str(rank),
+    return [sys.executable, "-m", "intml.testbed.rank", "--aggregator", aggregator, "--rank", str(rank),
             "--world-size", str(world_size), "--elements", str(elements), "--codec", codec,
             "--packet-elements", str(packet_elements), "--pool", str(pool), "--warmup", str(warmup),
             "--rounds", str(rounds), "--job", str(job), "--seed", str(seed), "--timeout", str(timeout)]
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = OneLineParser(prog="python -m testbed.rank", description=__doc__)
+    p = OneLineParser(prog="python -m intml.testbed.rank", description=__doc__)
     p.add_argument("--aggregator", required=True, help="host:port of the aggregator")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=positive(), required=True)

@@ -41,6 +41,8 @@ from pathlib import Path
 
 import numpy as np
 
+from intml.testbed.procs import free_port, rank_env
+
 BASES = ("gloo", "int32", "cnat8")
 DEFAULT_RUNS = ("gloo", "int32", "cnat8", "cnat8-ef")
 HIDDEN = (392, 50)  # seed 001: 784-392-50-10 tanh; digits has 64 inputs
@@ -125,7 +127,7 @@ def rank_main(cfg: dict) -> None:
     if run["integration"] == "gloo":
         dist.init_process_group("gloo")
     elif run["integration"] == "backend":
-        import worker.torch  # noqa: F401 -- registers the "intml" backend
+        import intml.worker.torch  # noqa: F401 -- registers the "intml" backend
 
         os.environ["INTML_THREAD"] = "1" if run["threaded"] else "0"
         dist.init_process_group("intml")
@@ -143,7 +145,7 @@ def rank_main(cfg: dict) -> None:
     ddp = DDP(model) if cfg.get("bucket_cap_mb") is None else DDP(model, bucket_cap_mb=cfg["bucket_cap_mb"])
     state = None
     if run["integration"] == "hook":
-        from worker.torch import IntmlHookState, intml_hook
+        from intml.worker.torch import IntmlHookState, intml_hook
 
         state = IntmlHookState(codec=run["codec"], error_feedback=run["error_feedback"],
                                warmup_steps=run["warmup_steps"], threaded=run["threaded"])
@@ -195,7 +197,7 @@ def rank_main(cfg: dict) -> None:
         report["traffic"] = dict(vars(traffic))
         report["bytes_per_step"] = (traffic.intml_bytes + traffic.gloo_bytes) / steps
     else:  # plain Gloo: the ring model for every parameter once per step
-        from worker.torch import ring_bytes
+        from intml.worker.torch import ring_bytes
 
         report["bytes_per_step"] = ring_bytes(report["parameters"], world)
     if rank == 0:
@@ -206,29 +208,11 @@ def rank_main(cfg: dict) -> None:
 
 
 # ---- the parent: torchrun per run and seed, the table, the plot ----------------------------------------------
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-def rank_env() -> dict[str, str]:
-    """This environment, plus the repository on PYTHONPATH (ranks import it uninstalled) and one OpenMP thread
-    per rank (N ranks share the machine's cores; more threads would only oversubscribe them)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (torchrun's rendezvous binds it shortly after)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 def launch(run: str, seed: int, workers: int, args: dict, env: dict, out: Path, timeout: float) -> dict:
     """One torchrun of `workers` ranks on 127.0.0.1; returns rank 0's report."""
     cfg = dict(args, run=run, seed=seed, out=str(out))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={workers}",
-           "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "testbed.train", "--rank",
+           "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "intml.testbed.train", "--rank",
            json.dumps(cfg)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     if proc.returncode != 0 or not out.exists():
@@ -344,7 +328,7 @@ def run(workers: int = 4, seeds: int = 5, epochs: int = 30, runs: tuple[str, ...
         bucket_cap_mb: float | None = None, json_out: str | None = None, plot_out: str | None = None,
         run_timeout: float = 600.0, quiet: bool = False) -> dict:
     """The whole experiment: one aggregator, then every run for every seed (seeds 0..seeds-1) in turn."""
-    from testbed.bench_allreduce import aggregator
+    from intml.testbed.bench_allreduce import aggregator
 
     specs = [parse_run(r)["name"] for r in runs]
     args = {"epochs": epochs, "batch": batch, "lr": lr, "lr_decay": lr_decay, "bucket_cap_mb": bucket_cap_mb}
@@ -395,7 +379,7 @@ def _runs_arg(text: str) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `intml-testbed train`; pass the parsed namespace to run_from_args."""
-    from protocol.cli import positive
+    from intml.protocol.cli import positive
 
     parser.add_argument("--workers", type=positive(), default=4, help="ranks under torchrun (default 4)")
     parser.add_argument("--seeds", type=positive(), default=5, help="seeds 0..N-1 per run (default 5)")
@@ -428,9 +412,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--rank"]:  # a rank started by torchrun
         rank_main(json.loads(argv[1]))
         return 0
-    from protocol.cli import OneLineParser
+    from intml.protocol.cli import OneLineParser
 
-    parser = OneLineParser(prog="python -m testbed.train", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="python -m intml.testbed.train", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     run_from_args(parser.parse_args(argv))
     return 0

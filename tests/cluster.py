@@ -1,6 +1,6 @@
 """End-to-end test harness: a real aggregator process and real worker processes on 127.0.0.1.
 
-* ``Aggregator`` / ``aggregator(...)``: starts ``python -m aggregator --port 0 ...`` from the repository root,
+* ``Aggregator`` / ``aggregator(...)``: starts ``python -m intml.aggregator --port 0 ...`` from the repository root,
   waits for its "listening on HOST:PORT cores K" line, answers ``stats()`` through a STATS_REQUEST datagram,
   and always kills the process (and its core processes) at teardown.
 * ``Procs`` / ``run_procs(...)``: worker processes (multiprocessing, 'fork' by default) that report an
@@ -30,10 +30,7 @@ from pathlib import Path
 from typing import Any, Self
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from protocol import wire
+from intml.protocol import wire
 
 HOST = "127.0.0.1"
 ALL_JOBS = 0xFFFFFFFF
@@ -42,17 +39,15 @@ _LISTENING = re.compile(r"intml-aggregator listening on (\S+):(\d+) cores (\d+)"
 
 
 def repo_env() -> dict[str, str]:
-    """The environment for subprocesses: the repository root first on PYTHONPATH (the package is not installed)."""
+    """The environment for subprocesses: unbuffered output; they import the installed package."""
     env = dict(os.environ)
-    old = env.get("PYTHONPATH")
-    env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + old if old else "")
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
 
 def run_cli(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
-    """Run ``python -m aggregator ARGS`` to completion (for argument errors); text output captured."""
-    return subprocess.run([sys.executable, "-m", "aggregator", *args], cwd=REPO_ROOT, env=repo_env(),
+    """Run ``python -m intml.aggregator ARGS`` to completion (for argument errors); text output captured."""
+    return subprocess.run([sys.executable, "-m", "intml.aggregator", *args], cwd=REPO_ROOT, env=repo_env(),
                           capture_output=True, text=True, timeout=timeout, check=False)
 
 
@@ -64,7 +59,7 @@ def free_udp_port() -> int:
 
 
 class Aggregator:
-    """A running ``python -m aggregator`` process."""
+    """A running ``python -m intml.aggregator`` process."""
 
     def __init__(self, *extra: str, cores: int = 1, idle_timeout: float | None = None,
                  startup_timeout: float = 60.0) -> None:
@@ -94,7 +89,7 @@ class Aggregator:
     def start(self) -> Aggregator:
         # O_APPEND files: the child writes at the end whatever we read; a pipe nobody drains could block it.
         with open(self._out_path, "ab") as out, open(self._err_path, "ab") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "aggregator", *self.args], cwd=REPO_ROOT,
+            self.proc = subprocess.Popen([sys.executable, "-m", "intml.aggregator", *self.args], cwd=REPO_ROOT,
                                          env=repo_env(), stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                                          start_new_session=True)  # its own process group: cores die with it
         deadline = time.monotonic() + self.startup_timeout

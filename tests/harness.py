@@ -25,11 +25,11 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from aggregator.core import AggregatorCore, Burst
-from protocol import reference, wire
-from protocol.packet import HDR
-from protocol.wire import Codec, MsgType
-from worker.engine import StreamEngine
+from intml.aggregator.core import AggregatorCore, Burst
+from intml.protocol import reference, wire
+from intml.protocol.packet import HDR
+from intml.protocol.wire import Codec, MsgType
+from intml.worker.engine import StreamEngine
 
 AGG_PORT = 48879
 WORKER_PORT = 5000

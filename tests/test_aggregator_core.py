@@ -26,10 +26,10 @@ from harness import (
     worker_addr,
 )
 
-from aggregator.core import ALL_JOBS, AggregatorCore
-from aggregator.slots import MAX_WORLD, STAT_NAMES
-from protocol import reference, wire
-from protocol.wire import NO_EXP, Codec, MsgType
+from intml.aggregator.core import ALL_JOBS, AggregatorCore
+from intml.aggregator.slots import MAX_WORLD, STAT_NAMES
+from intml.protocol import reference, wire
+from intml.protocol.wire import NO_EXP, Codec, MsgType
 
 SEED = 123
 STRANGER = addr_key(0x0A000001, 4242)  # 10.0.0.1:4242, never joined

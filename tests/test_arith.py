@@ -11,8 +11,8 @@ from concurrency import run_halves_concurrently
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from protocol import arith, cnat, reference
-from protocol.arith import (
+from intml.protocol import arith, cnat, reference
+from intml.protocol.arith import (
     CNAT_RANGE,
     INT32_RANGE,
     NO_EXP,

@@ -10,7 +10,7 @@ from cluster import REPO_ROOT, repo_env
 
 
 def run_cli(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "testbed", "bench", "allreduce", *args], cwd=REPO_ROOT,
+    return subprocess.run([sys.executable, "-m", "intml.testbed", "bench", "allreduce", *args], cwd=REPO_ROOT,
                           env=repo_env(), capture_output=True, text=True, timeout=timeout, check=False)
 
 

@@ -10,7 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from burstio.mmsg import BurstSocket, addr_key, addr_of
+from intml.burstio.mmsg import BurstSocket, addr_key, addr_of
+from intml.protocol.burst import Burst
 
 LOCAL = "127.0.0.1"
 DEADLINE = 5.0  # seconds to wait for datagrams that must arrive
@@ -295,3 +296,28 @@ def test_send_hard_error_raises(udp):
     with pytest.raises(OSError) as e:
         tx.send_burst(2)
     assert e.value.errno == errno.EPERM
+
+
+def test_send_takes_a_core_burst_and_rx_is_one(udp) -> None:
+    """BurstSocket.send sends a Burst's datagrams from the memory they lie in, in several sendmmsg calls when the
+    burst is longer than the socket's; recv_burst leaves what it got in ``rx`` as a Burst with its count."""
+    a, b = udp(), udp()
+    sender, receiver = BurstSocket(a, burst=4, max_packet=64), BurstSocket(b, burst=16, max_packet=64)
+    to = key_of(b)
+    store = np.arange(10 * 32, dtype=np.uint8).reshape(10, 32)  # a core's stored datagrams
+    out = Burst(store, 10)
+    for i in range(10):
+        out.ptr[i] = store.ctypes.data + (9 - i) * 32  # last row first: sent from where they lie, no copy
+        out.length[i] = 1 + i
+        out.addr[i] = to
+    out.count = 10
+    assert sender.send(out) == 10
+    assert int(sender.tx_ptr[0]) == sender.tx_data.ctypes.data  # rows point at tx_data again afterwards
+    got: list[tuple[bytes, int]] = []
+    end = time.monotonic() + DEADLINE
+    while len(got) < 10 and time.monotonic() < end:
+        if receiver.recv_burst():
+            got += receiver.rx.datagrams()
+    assert [d for d, _ in got] == [store[9 - i, : 1 + i].tobytes() for i in range(10)]
+    assert {src for _, src in got} == {key_of(a)}
+    assert receiver.recv_burst() == 0 and receiver.rx.count == 0

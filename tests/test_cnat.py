@@ -11,8 +11,8 @@ from concurrency import run_halves_concurrently
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from protocol import cnat, reference
-from protocol.cnat import (
+from intml.protocol import cnat, reference
+from intml.protocol.cnat import (
     decode,
     decode_accumulate,
     encode,
@@ -328,7 +328,7 @@ def test_encode_is_unbiased_across_streams(x):
 def test_underflow_probability_resolution_matches_docstring():
     """For a denormal, |x| * 2**(32 - floor) < 1, so it rounds up only where the word r == 0: P = 2**-32 exactly,
     and |2**floor * 2**-32 - x| <= 2**(floor - 32) as documented. Check the codes follow r == 0 exactly."""
-    from protocol.rng import random_bits
+    from intml.protocol.rng import random_bits
 
     n = 1 << 16
     x = np.full(n, 1e-40, np.float32)

@@ -1,4 +1,4 @@
-"""End-to-end tests: a real aggregator process (``python -m aggregator``) and real worker processes exchanging
+"""End-to-end tests: a real aggregator process (``python -m intml.aggregator``) and real worker processes exchanging
 UDP datagrams on 127.0.0.1. Every result is compared bit for bit with protocol.reference.allreduce (the same
 inputs and seeds), which is the fault-free result by the design's determinism requirement.
 
@@ -33,10 +33,10 @@ from cluster import (
     run_procs,
 )
 
-from protocol import reference, wire
-from protocol.arith import E_MAX, E_MIN, cnat_floor, value_bits
-from protocol.cnat import K_BIAS, K_MASK, NONZERO, SIGN
-from protocol.wire import NO_EXP, Codec, MsgType
+from intml.protocol import reference, wire
+from intml.protocol.arith import E_MAX, E_MIN, cnat_floor, value_bits
+from intml.protocol.cnat import K_BIAS, K_MASK, NONZERO, SIGN
+from intml.protocol.wire import NO_EXP, Codec, MsgType
 
 PACKET = 256  # elements per packet: odd tensor sizes leave a partial last chunk
 POOL = 8  # fewer slots than chunks, so slots (and their shadow sets) are reused within an allreduce
@@ -124,8 +124,8 @@ def allreduce_worker(port: int, job: int, rank: int, n: int, codec: str, seed: i
                      into: bool = False) -> dict:
     """Join `job`, allreduce the plan's tensors in order, leave; returns results and counters. `into`: results
     go into caller buffers, in place (out=x) where x is contiguous float32, else a new out array."""
-    from worker import Worker
-    from worker.faults import FaultyTransport
+    from intml.worker import Worker
+    from intml.worker.faults import FaultyTransport
 
     transport = None
     if faults:
@@ -289,8 +289,8 @@ def test_multicast_group_failure_leaves_the_job(monkeypatch) -> None:
     job, so that a second try is not refused as an already joined rank."""
     import errno
 
-    import worker.api
-    from worker import JoinError, Worker
+    import intml.worker.api
+    from intml.worker import JoinError, Worker
 
     def refuse(group, host, port):
         raise OSError(errno.EADDRINUSE, "Address already in use")
@@ -299,7 +299,7 @@ def test_multicast_group_failure_leaves_the_job(monkeypatch) -> None:
     with aggregator("--multicast", group) as agg_mc:
         job = new_job()
         with monkeypatch.context() as m:
-            m.setattr(worker.api, "_group_socket", refuse)
+            m.setattr(intml.worker.api, "_group_socket", refuse)
             with pytest.raises(JoinError, match=f"multicast group {group}:{agg_mc.port}: Address already in use"):
                 Worker(agg_mc.address, job=job, rank=0, world_size=1, token="t", codec="int32", timeout=5)
         with Worker(agg_mc.address, job=job, rank=0, world_size=1, token="t", codec="int32", timeout=5) as w:
@@ -330,7 +330,7 @@ def test_allreduce_async_equals_allreduce(agg: Aggregator) -> None:
 # ---- failures ------------------------------------------------------------------------------------------------
 def join_and_wait(port: int, job: int, rank: int, n: int, timeout: float) -> tuple[str, str, float]:
     """Join, then allreduce once; returns (exception type or 'ok', message, seconds the call took)."""
-    from worker import AllreduceTimeout, JoinError, Worker
+    from intml.worker import AllreduceTimeout, JoinError, Worker
 
     start = time.monotonic()
     try:
@@ -352,7 +352,7 @@ def test_unreachable_aggregator_times_out() -> None:
 
 def mismatched_join(port: int, job: int) -> dict:
     """Rank 0 joins with world_size 2; rank 1 tries world_size 3, then a wrong token."""
-    from worker import JoinError, Worker
+    from intml.worker import JoinError, Worker
 
     errors = {}
     with Worker(f"{HOST}:{port}", job=job, rank=0, world_size=2, token="right", timeout=5):
@@ -381,7 +381,7 @@ SLOTS = 64  # the aggregator's whole slot table: a job with pool SLOTS fits only
 
 def doomed_rank(port: int, job: int, rank: int, n: int, mode: str, joined) -> None:
     """Join; then die ('exit': at once, without LEAVE) or do allreduce #0 and wait to be killed ('kill')."""
-    from worker import Worker
+    from intml.worker import Worker
 
     w = Worker(f"{HOST}:{port}", job=job, rank=rank, world_size=n, token="t", timeout=30,
                packet_elements=PACKET, pool_size=SLOTS)
@@ -394,7 +394,7 @@ def doomed_rank(port: int, job: int, rank: int, n: int, mode: str, joined) -> No
 
 
 def surviving_rank(port: int, job: int, rank: int, n: int, mode: str, go) -> dict:
-    from worker import AllreduceTimeout, Worker
+    from intml.worker import AllreduceTimeout, Worker
 
     with Worker(f"{HOST}:{port}", job=job, rank=rank, world_size=n, token="t", timeout=DEAD_TIMEOUT,
                 packet_elements=PACKET, pool_size=SLOTS) as w:
@@ -656,7 +656,7 @@ def fuzzing_rank(port: int, job: int, rank: int, n: int, seed: int, plan, fuzz_s
     """Rank `rank` of the live job: allreduces the plan like the others while throwing bad datagrams at the
     aggregator before each allreduce and (from a thread) during it. Reports, then waits for `release`
     before leaving, so the job's counters can still be read."""
-    from worker import Worker
+    from intml.worker import Worker
 
     fuzzer = Fuzzer(fuzz_seed, job=job, world=n, rank=rank, pool=POOL, packet=PACKET)
     sent = Counter()
@@ -751,7 +751,7 @@ def test_cli_port_in_use() -> None:
 
 def test_timeout_after_idle_teardown_says_the_job_is_gone() -> None:
     """A pause longer than the aggregator's idle timeout loses the job; the next allreduce says so."""
-    from worker import AllreduceTimeout, Worker
+    from intml.worker import AllreduceTimeout, Worker
 
     with aggregator(idle_timeout=1) as agg:
         with Worker(f"{HOST}:{agg.port}", job=11, rank=0, world_size=1, token="t", codec="int32", timeout=2.0) as w:

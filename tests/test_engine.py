@@ -32,10 +32,10 @@ from harness import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol import reference, wire
-from protocol.packet import HDR
-from protocol.wire import NO_EXP, Codec, MsgType
-from worker.engine import IDLE, STAT_NAMES, StreamEngine
+from intml.protocol import reference, wire
+from intml.protocol.packet import HDR
+from intml.protocol.wire import NO_EXP, Codec, MsgType
+from intml.worker.engine import IDLE, STAT_NAMES, StreamEngine
 
 CODECS = ["cnat8", "int32"]
 SEED = 123

@@ -4,7 +4,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from testbed import gloo
+from intml.testbed import gloo
 
 
 def test_run_local_two_ranks():

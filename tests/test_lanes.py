@@ -7,9 +7,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from numba import njit
 
-from aggregator.slots import _int32_ok
-from protocol.lanes import load_be32, store_be32
-from protocol.packet import HDR
+from intml.aggregator.slots import _int32_ok
+from intml.protocol.lanes import load_be32, store_be32
+from intml.protocol.packet import HDR
 
 
 @njit

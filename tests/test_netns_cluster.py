@@ -11,11 +11,12 @@ import sys
 
 import pytest
 
-from protocol import reference
-from testbed import netns
-from testbed.bench_allreduce import aggregator, run_ranks_intml
-from testbed.procs import REPO_ROOT, rank_env
-from testbed.rank import rank_input
+from intml.protocol import reference
+from intml.testbed import netns
+from intml.testbed.bench_allreduce import aggregator, run_ranks_intml
+from cluster import REPO_ROOT
+from intml.testbed.procs import rank_env
+from intml.testbed.rank import rank_input
 
 problem = netns.missing_requirements()
 needs_cluster = pytest.mark.skipif(problem is not None, reason=f"namespace cluster unavailable: {problem}")
@@ -83,7 +84,7 @@ def test_cleanup_removes_leftovers_of_a_crashed_run():
 def test_missing_tools_give_one_line():
     """Without the tools on PATH the CLI says what is missing in one line and exits non-zero."""
     env = {**rank_env(), "PATH": "/nonexistent"}
-    done = subprocess.run([sys.executable, "-m", "testbed", "cluster", "cleanup"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "intml.testbed", "cluster", "cleanup"], capture_output=True, text=True,
                           env=env, cwd=REPO_ROOT)
     assert done.returncode != 0
     lines = done.stderr.strip().splitlines()

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from protocol import reference
-from protocol.rng import fill_bits32, lowbias32, random_bits, splitmix64_int, stream_key
+from intml.protocol import reference
+from intml.protocol.rng import fill_bits32, lowbias32, random_bits, splitmix64_int, stream_key
 
 M32 = (1 << 32) - 1
 M64 = (1 << 64) - 1

@@ -1,7 +1,7 @@
 """worker.torch: the DDP communication hook and the "intml" process-group backend, against Gloo.
 
 Ranks are forked processes (tests/cluster.py) with a Gloo or intml process group on 127.0.0.1; the aggregator
-is a real ``python -m aggregator`` process. The parent process never runs torch computations (only numpy), so
+is a real ``python -m intml.aggregator`` process. The parent process never runs torch computations (only numpy), so
 forking it is safe.
 
 What is checked, per allreduce of random buckets (several DDP buckets, several iterations, bucket rebuild):
@@ -16,7 +16,6 @@ What is checked, per allreduce of random buckets (several DDP buckets, several i
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import time
 import warnings
@@ -30,8 +29,9 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 from cluster import aggregator, free_udp_port, run_ok  # noqa: E402
 
-import worker.torch as intml  # noqa: E402
-from protocol import reference  # noqa: E402
+import intml.worker.torch as intml  # noqa: E402
+from intml.protocol import reference  # noqa: E402
+from intml.testbed.procs import free_port  # noqa: E402
 
 SHAPES = [(37,), (1000,), (64, 50), (3001,), (7, 7), (513,)]  # 7 800 elements
 ORDER = [2, 0, 5, 1, 4, 3]
@@ -39,12 +39,6 @@ PACKET = 256  # small packets and pool: many chunks per bucket, slots reused wit
 POOL = 8
 BUCKET_MB = 0.004  # 4 KiB buckets (DDP puts everything in one bucket for the first step, then rebuilds)
 TOKEN = "test-torch"
-
-
-def free_tcp_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -461,7 +455,7 @@ def test_config_from_env_and_overrides() -> None:
 def test_hook_matches_gloo_on_random_buckets(agg, codec: str, threaded: bool) -> None:
     """cnat8 with the allreduces on the background thread, int32 completed in the hook (the default)."""
     n, seed, iterations = 3, 1234 + len(codec), 3
-    port = free_tcp_port()
+    port = free_port()
     results = run_ok(hook_rank, [(port, agg.address, r, n, codec, seed, iterations, threaded) for r in range(n)],
                      timeout=120)
     buckets = len(results[0]["inputs"])
@@ -490,7 +484,7 @@ def test_hook_matches_gloo_on_random_buckets(agg, codec: str, threaded: bool) ->
 
 def test_backend_matches_gloo_and_delegates(agg) -> None:
     n, seed = 2, 99
-    port = free_tcp_port()
+    port = free_port()
     results = run_ok(backend_rank, [(port, agg.address, r, n, seed) for r in range(n)], timeout=120)
     calls = len(results[0]["intml"])
     stats = Stats()
@@ -522,7 +516,7 @@ def test_backend_matches_gloo_and_delegates(agg) -> None:
 def test_startup_without_aggregator_errors_or_falls_back(agg) -> None:
     bad = f"127.0.0.1:{free_udp_port()}"  # nothing listens there
     n = 2
-    port = free_tcp_port()
+    port = free_port()
     reports = run_ok(startup_rank, [(port, r, n, agg.address, bad) for r in range(n)], timeout=120)
     for rank, rep in enumerate(reports):
         e = rep["hook, no address"]["error"]
@@ -550,7 +544,7 @@ def test_losing_the_aggregator_mid_training_raises() -> None:
     with aggregator(idle_timeout=20) as a, tempfile.TemporaryDirectory() as tmp:
         from cluster import Procs
 
-        port = free_tcp_port()
+        port = free_port()
         with Procs() as procs:
             for r in range(n):
                 procs.start(r, midtraining_rank, port, a.address, r, n, tmp)
@@ -578,7 +572,7 @@ def test_losing_the_aggregator_mid_training_raises() -> None:
 
 
 def test_error_feedback_and_warmup_at_world_size_one(agg) -> None:
-    [out] = run_ok(world1_rank, [(free_tcp_port(), agg.address, 5)], timeout=120)
+    [out] = run_ok(world1_rank, [(free_port(), agg.address, 5)], timeout=120)
     ef = out["ef"]
     assert ef["mismatched"] == 0, f"{ef['mismatched']} elements: gradient + new residual != gradient input + old"
     assert ef["nonzero_residuals"] > ef["elements"] // 2, ef  # C_nat leaves a residual almost everywhere

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("sklearn")
 
-from testbed import train  # noqa: E402
+from intml.testbed import train  # noqa: E402
 
 EPOCHS = 2
 WARMUP = 5

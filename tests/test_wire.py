@@ -11,8 +11,8 @@ from scapy.layers.l2 import Ether
 from scapy.packet import Raw, split_bottom_up
 from scapy.utils import rdpcap, wrpcap
 
-from protocol import wire
-from protocol.wire import (
+from intml.protocol import wire
+from intml.protocol.wire import (
     DEFAULT_PORT,
     HEADER,
     HEADER_SIZE,

@@ -1,6 +1,6 @@
 """The public worker API: join a job on an aggregator and allreduce numpy arrays through it.
 
-    from worker import Worker
+    from intml.worker import Worker
     with Worker("127.0.0.1:48879", job=7, rank=0, world_size=4, token="s3cret") as w:
         g = w.allreduce(grad, op="mean")
 
@@ -19,11 +19,11 @@ import time
 
 import numpy as np
 
-from burstio.mmsg import BurstSocket, addr_key, addr_of
-from protocol import wire
-from protocol.packet import HDR
-from protocol.wire import Codec, MsgType
-from worker.engine import StreamEngine
+from intml.burstio.mmsg import BurstSocket, addr_key, addr_of
+from intml.protocol import wire
+from intml.protocol.packet import HDR
+from intml.protocol.wire import Codec, MsgType
+from intml.worker.engine import StreamEngine
 
 CODECS = {"cnat8": Codec.CNAT8, "int32": Codec.INT32}
 JOIN_RESEND = 0.2  # seconds between JOIN retransmissions

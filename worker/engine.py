@@ -37,7 +37,7 @@ from collections import namedtuple
 import numpy as np
 from numba import njit
 
-from protocol.arith import (
+from intml.protocol.arith import (
     CNAT_RANGE,
     INT32_RANGE,
     NO_EXP,
@@ -51,9 +51,9 @@ from protocol.arith import (
     value_bits,
     worker_stream,
 )
-from protocol.cnat import decode_kernel, encode_kernel, find_invalid_kernel, has_underflow
-from protocol.lanes import load_be32, store_be32
-from protocol.packet import (
+from intml.protocol.cnat import decode_kernel, encode_kernel, find_invalid_kernel, has_underflow
+from intml.protocol.lanes import load_be32, store_be32
+from intml.protocol.packet import (
     HDR,
     O_ALLREDUCE,
     O_CHUNK,
@@ -73,8 +73,8 @@ from protocol.packet import (
     get_u32,
     put_header,
 )
-from protocol.rng import derive_key
-from protocol.wire import MAGIC, VERSION, Codec, MsgType
+from intml.protocol.rng import derive_key
+from intml.protocol.wire import MAGIC, VERSION, Codec, MsgType
 
 STAT_NAMES = (
     "packets_out",

@@ -10,7 +10,7 @@ import ctypes
 import random
 from collections import deque
 
-from burstio.mmsg import BurstSocket
+from intml.burstio.mmsg import BurstSocket
 
 
 class FaultyTransport:

@@ -4,12 +4,12 @@ Two ways in, both configured from ``INTML_*`` environment variables (or keyword 
 
 * **DDP communication hook** (keeps Gloo as the process group, options for error feedback and warm-up)::
 
-      import worker.torch as intml
+      import intml.worker.torch as intml
       ddp.register_comm_hook(intml.IntmlHookState(), intml.intml_hook)
 
-* **Process-group backend** (``import worker.torch`` registers it)::
+* **Process-group backend** (``import intml.worker.torch`` registers it)::
 
-      import worker.torch  # noqa: F401
+      import intml.worker.torch  # noqa: F401
       dist.init_process_group("intml")          # instead of "gloo"
 
   Its ``allreduce`` of float32 CPU tensors with SUM or AVG goes through the aggregator; every other collective,
@@ -26,7 +26,7 @@ the same path: all use intml, all fall back to Gloo with an ``IntmlFallbackWarni
 or all raise ``AggregatorUnavailable`` naming the ranks that could not join and why. An aggregator that
 *refuses* the join (``JoinError``: wrong token, job id taken, mismatched parameters) is a configuration
 error and always raises. Mid-training, an allreduce that makes no progress for ``INTML_TIMEOUT`` seconds
-raises ``worker.AllreduceTimeout`` (naming the ranks the aggregator waits for) through the returned Future,
+raises ``intml.AllreduceTimeout`` (naming the ranks the aggregator waits for) through the returned Future,
 so ``loss.backward()`` / ``dist.all_reduce`` raise instead of hanging; later intml allreduces of the same
 group fail at once with ``IntmlError``.
 """
@@ -50,11 +50,11 @@ import torch.distributed as dist
 from numba import njit
 from torch.futures import Future
 
-from protocol.arith import cnat_floor, dequantize, int32_scale_exponent, quantize, value_bits, worker_stream
-from protocol.cnat import decode_kernel, encode_kernel
-from protocol.packet import HDR
-from protocol.rng import derive_key
-from worker.api import CODECS, AllreduceTimeout, JoinError, Worker
+from intml.protocol.arith import cnat_floor, dequantize, int32_scale_exponent, quantize, value_bits, worker_stream
+from intml.protocol.cnat import decode_kernel, encode_kernel
+from intml.protocol.packet import HDR
+from intml.protocol.rng import derive_key
+from intml.worker.api import CODECS, AllreduceTimeout, JoinError, Worker
 
 __all__ = [
     "AggregatorUnavailable",

@@ -1,0 +1,90 @@
+"""The parameters of a job and of a worker, defined once: the JOIN fields every rank must agree on
+(``JobParams``), a worker's timers (``WorkerTimers``), and the aggregator's defaults. ``Worker``, the PyTorch
+configuration and the command lines all take their defaults from here.
+
+Why each default is what it is:
+
+* ``packet_elements = 1024``: 1024 C_nat codes plus the header fit a 1500-byte MTU.
+* ``pool_size = 64``: slots, i.e. packets in flight per worker; 64 KiB of codes in flight covers the
+  bandwidth-delay product of a 10 Gbit/s link with a 50 us round trip.
+* ``min_rto = 0.05`` s: the floor of the adaptive retransmission timer. Ranks that share cores see scheduling
+  delays of tens of milliseconds; a lower floor fires spurious retransmissions that add load exactly when the
+  aggregator is busiest. Real losses are mostly repaired earlier, by fast retransmit.
+* ``timeout = 30`` s without progress before ``AllreduceTimeout``.
+* ``AGGREGATOR_IDLE_TIMEOUT = 300`` s: a job is torn down after this long without traffic. It must outlast a
+  training pause (an evaluation pass, a checkpoint); a dead job's slots are held that long at worst.
+* ``AGGREGATOR_SLOTS = 512`` rows per core: the table costs 10 bytes x rows x max packet elements (40 MiB at
+  8192 elements), and 512 rows hold eight jobs of the default pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from intml.protocol.wire import Codec, max_packet_elements
+
+MAX_WORLD = 64  # ranks per job: the switch keeps one 64-bit bitmap per shadow set
+CODEC_NAMES = {"cnat8": Codec.CNAT8, "int32": Codec.INT32}
+
+AGGREGATOR_SLOTS = 512
+AGGREGATOR_IDLE_TIMEOUT = 300.0
+AGGREGATOR_MAX_JOBS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class JobParams:
+    """What a JOIN carries and every rank of a job must agree on."""
+
+    world_size: int
+    packet_elements: int = 1024
+    pool_size: int = 64
+    codec: Codec = Codec.CNAT8
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        problem = self.problem()
+        if problem:
+            raise ValueError(problem)
+
+    def problem(self, max_elements: int | None = None) -> str | None:
+        """One line on what is wrong with these parameters (for an aggregator that takes packets of at most
+        ``max_elements`` elements), or None."""
+        if not 1 <= self.world_size <= MAX_WORLD:
+            return f"world size must be in [1, {MAX_WORLD}], got {self.world_size}"
+        if self.codec not in tuple(Codec):
+            return f"unknown codec {self.codec}"
+        limit = max_packet_elements(self.codec)
+        if max_elements is not None:
+            limit = min(limit, max_elements)
+        if not 1 <= self.packet_elements <= limit:
+            return f"packet elements must be in [1, {limit}] for {Codec(self.codec).name.lower()}, got " \
+                   f"{self.packet_elements}"
+        if not 1 <= self.pool_size <= 0xFFFF:
+            return f"pool size must be in [1, 65535], got {self.pool_size}"
+        if not 0 <= self.seed < 1 << 64:
+            return f"seed must be in [0, 2**64), got {self.seed}"
+        return None
+
+    @classmethod
+    def of(cls, *, world_size: int, codec: str = "cnat8", **fields: int) -> JobParams:
+        """From a codec name (``cnat8``, ``int32``), as users and command lines give it."""
+        if codec not in CODEC_NAMES:
+            raise ValueError(f"codec must be one of {sorted(CODEC_NAMES)}, got {codec!r}")
+        return cls(world_size=world_size, codec=CODEC_NAMES[codec], **fields)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerTimers:
+    """A worker's deadlines and its retransmission timer (RFC 6298 style, seconds)."""
+
+    timeout: float = 30.0  # no progress for this long: AllreduceTimeout
+    connect_timeout: float = 5.0  # no JOIN_ACK for this long: the aggregator is unreachable
+    rto: float = 0.05  # initial retransmission timeout
+    min_rto: float = 0.05
+    max_rto: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.min_rto <= self.rto <= self.max_rto:
+            raise ValueError(f"need 0 < min_rto <= rto <= max_rto, got {self.min_rto}, {self.rto}, {self.max_rto}")
+        if not (self.timeout > 0 and self.connect_timeout > 0):
+            raise ValueError("timeout and connect_timeout must be positive")
