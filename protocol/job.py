@@ -13,7 +13,7 @@ Why each default is what it is:
 * ``timeout = 30`` s without progress before ``AllreduceTimeout``.
 * ``AGGREGATOR_IDLE_TIMEOUT = 300`` s: a job is torn down after this long without traffic. It must outlast a
   training pause (an evaluation pass, a checkpoint); a dead job's slots are held that long at worst.
-* ``AGGREGATOR_SLOTS = 512`` rows per core: the table costs 10 bytes x rows x max packet elements (40 MiB at
+* ``AGGREGATOR_SLOTS = 512`` rows per core: the table costs 16 bytes x rows x max packet elements (64 MiB at
   8192 elements), and 512 rows hold eight jobs of the default pool.
 """
 

@@ -1,0 +1,44 @@
+"""The specs in docs/ stay in step with the code: the wire-format tables of docs/protocol.md list exactly the
+fields of protocol/wire.py (name, offset, size, type, byte order), and every counter the cores keep is documented."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from cluster import REPO_ROOT
+from intml.protocol import wire
+
+PROTOCOL_MD = (REPO_ROOT / "docs" / "protocol.md").read_text()
+
+
+def doc_table(heading: str) -> list[list[str]]:
+    """The rows of the first Markdown table under the ``## heading`` of docs/protocol.md."""
+    section = PROTOCOL_MD.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in section.splitlines() if line.startswith("|")]
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:]]
+
+
+def dtype_rows(dtype: np.dtype) -> list[list[str]]:
+    rows = []
+    for name in dtype.names:
+        field, offset = dtype.fields[name][:2]
+        order = "big-endian" if field.itemsize > 1 else "n/a"
+        rows.append([name, str(offset), str(field.itemsize), f"{field.kind}{field.itemsize * 8}", order])
+    return rows
+
+
+@pytest.mark.parametrize("heading, dtype", [("Header", wire.HEADER), ("JOIN payload", wire.JOIN)])
+def test_wire_tables_match_the_dtypes(heading: str, dtype: np.dtype) -> None:
+    assert [row[:5] for row in doc_table(heading)] == dtype_rows(dtype)
+    assert all(dtype.fields[n][0].byteorder in ">|" for n in dtype.names)  # network order, as documented
+
+
+def test_every_counter_is_documented() -> None:
+    from intml.aggregator.slots import STAT_NAMES as AGGREGATOR
+    from intml.worker.engine import STAT_NAMES as WORKER
+
+    documented = set(re.findall(r"`([a-z_]+)`", PROTOCOL_MD))
+    assert set(AGGREGATOR) | set(WORKER) <= documented
