@@ -31,6 +31,11 @@ AGGREGATOR_IDLE_TIMEOUT = 300.0
 AGGREGATOR_MAX_JOBS = 64
 
 
+def codec_name(codec: Codec) -> str:
+    """The name users and command lines give a codec (its key in CODEC_NAMES)."""
+    return next(name for name, value in CODEC_NAMES.items() if value == codec)
+
+
 @dataclasses.dataclass(frozen=True)
 class JobParams:
     """What a JOIN carries and every rank of a job must agree on."""

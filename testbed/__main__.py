@@ -6,8 +6,15 @@ import argparse
 import sys
 
 from intml.protocol.cli import OneLineParser, positive
+from intml.protocol.job import CODEC_NAMES, JobParams, codec_name
+from intml.testbed.netns import MTUS
 
 RESULTS_GROUP = "239.255.42.0"  # multicast group of the loopback benchmark's results (administratively scoped)
+
+
+def add_pool(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pool", type=positive(), default=JobParams.pool_size,
+                        help=f"slots in the job's pool (default {JobParams.pool_size})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,11 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
     ar = bench.add_parser("allreduce", help="intml vs Gloo's ring allreduce on loopback")
     ar.add_argument("--workers", type=positive(), default=4)
     ar.add_argument("--elements", type=positive(), default=25_000_000)
-    ar.add_argument("--codec", choices=("cnat8", "int32"), default="cnat8")
+    ar.add_argument("--codec", choices=tuple(CODEC_NAMES), default=codec_name(JobParams.codec))
     ar.add_argument("--packet-elements", type=positive(), default=None,
                     help="elements per packet (default: the most one UDP datagram holds, 65481 for cnat8 and "
                          "16370 for int32; loopback's 64 KiB MTU carries them unfragmented)")
-    ar.add_argument("--pool", type=positive(), default=64, help="slots in the job's pool (default 64)")
+    add_pool(ar)
     ar.add_argument("--cores", type=positive(), default=2, help="aggregator data-plane processes (default 2)")
     results = ar.add_mutually_exclusive_group()
     results.add_argument("--multicast", metavar="GROUP", default=RESULTS_GROUP,
@@ -43,9 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("--rate", nargs="+", default=["100mbit"], help="link rates, e.g. 100mbit 500mbit 1gbit")
     cl.add_argument("--elements", type=positive(), default=None,
                     help="tensor size (default: about 0.3 s of cnat8 traffic at the rate, at most 10M)")
-    cl.add_argument("--mtu", type=int, choices=(1500, 9000), default=1500)
+    cl.add_argument("--mtu", type=int, choices=MTUS, default=MTUS[0])
     cl.add_argument("--loss", type=float, default=0.0, help="random loss per link direction, e.g. 0.01")
-    cl.add_argument("--pool", type=positive(), default=64)
+    add_pool(cl)
     cl.add_argument("--warmup", type=int, default=1)
     cl.add_argument("--rounds", type=positive(), default=3)
     cl.add_argument("--plot", help="write a PNG of time per allreduce against n")
@@ -55,8 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     lo.add_argument("--rate", default="500mbit")
     lo.add_argument("--elements", type=positive(), default=1_000_000)
     lo.add_argument("--loss", type=float, nargs="+", default=[0.01, 0.05])
-    lo.add_argument("--mtu", type=int, choices=(1500, 9000), default=1500)
-    lo.add_argument("--pool", type=positive(), default=64)
+    lo.add_argument("--mtu", type=int, choices=MTUS, default=MTUS[0])
+    add_pool(lo)
     lo.add_argument("--rounds", type=positive(), default=20)
     lo.add_argument("--json", action="store_true")
     cluster = commands.add_parser("cluster", help="manage namespace clusters").add_subparsers(
@@ -64,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     up = cluster.add_parser("up", help="build a topology and keep it until Ctrl-C")
     up.add_argument("--workers", type=positive(), default=4)
     up.add_argument("--rate", default="100mbit")
-    up.add_argument("--mtu", type=int, choices=(1500, 9000), default=1500)
+    up.add_argument("--mtu", type=int, choices=MTUS, default=MTUS[0])
     up.add_argument("--loss", type=float, default=0.0)
     cluster.add_parser("cleanup", help="remove namespaces left by crashed runs (names starting intml-)")
     from intml.testbed import train as train_cmd
@@ -120,15 +127,16 @@ def main(argv: list[str] | None = None) -> int:
 
         bench_codec.run(1 << 24, 7, False)
         print()
-        bench_allreduce.run(4, 25_000_000, "cnat8", bench_allreduce.loopback_packet_elements("cnat8"), 64, 2, 2, 5,
-                            True, False, RESULTS_GROUP)
+        codec = codec_name(JobParams.codec)
+        bench_allreduce.run(4, 25_000_000, codec, bench_allreduce.loopback_packet_elements(codec),
+                            JobParams.pool_size, 2, 2, 5, True, False, RESULTS_GROUP)
         print()
         from intml.testbed import bench_cluster, netns
 
         if problem := netns.missing_requirements():
             print(f"skipping the shaped 4-worker cluster: {problem}")
         else:
-            bench_cluster.run([4], ["100mbit"], 3_000_000, 1500, 0.0, 1, 3, 64, False, None)
+            bench_cluster.run([4], ["100mbit"], 3_000_000, MTUS[0], 0.0, 1, 3, JobParams.pool_size, False, None)
     return 0
 
 

@@ -13,13 +13,11 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
-import numpy as np
-
-from intml.protocol.packet import HDR
 from intml.protocol import wire
-from intml.protocol.wire import Codec
+from intml.protocol.job import CODEC_NAMES
+from intml.protocol.traffic import intml_bytes, intml_packets
 from intml.testbed import rank
-from intml.testbed.procs import run_ranks
+from intml.testbed.procs import run_ranks, slowest_per_round
 from intml.testbed.timing import emit
 
 JOB = 1
@@ -28,7 +26,7 @@ JOB = 1
 def loopback_packet_elements(codec: str) -> int:
     """The default packet size on loopback: the largest datagram. Per-datagram costs (system calls, the stack,
     the kernels' per-packet work) then weigh least, and loopback's 64 KiB MTU never fragments it."""
-    return wire.max_packet_elements(Codec[codec.upper()])
+    return wire.max_packet_elements(CODEC_NAMES[codec])
 
 
 @contextlib.contextmanager
@@ -65,14 +63,12 @@ def run_ranks_intml(aggregators: list[str], elements: int, codec: str, packet_el
               *rank.command(aggregators[r], r, workers, elements, codec=codec, packet_elements=packet_elements,
                             pool=pool, warmup=warmup, rounds=rounds, job=job)] for r in range(workers)]
     reports = run_ranks(argvs, "intml", timeout)
-    per_round = np.max([r["per_round_s"] for r in reports], axis=0)
-    width = Codec[codec.upper()].bytes_per_element
-    chunks = -(-elements // packet_elements)
+    per_round = slowest_per_round(reports)
     return {
-        "median_s": statistics.median(per_round.tolist()),
-        "per_round_s": per_round.tolist(),
-        "bytes_per_worker_each_way": elements * width + (chunks + min(pool, chunks)) * HDR,
-        "packets_per_worker_each_way": chunks + min(pool, chunks),
+        "median_s": statistics.median(per_round),
+        "per_round_s": per_round,
+        "bytes_per_worker_each_way": intml_bytes(elements, codec, packet_elements, pool),
+        "packets_per_worker_each_way": intml_packets(elements, packet_elements, pool),
         "retransmissions": sum(r["counters"]["retransmissions"] + r["counters"]["fast_retransmissions"]
                                for r in reports),
         "hashes": reports[0]["hashes"],

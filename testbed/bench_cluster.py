@@ -9,8 +9,9 @@ bytes each puts on a link.
 
 from __future__ import annotations
 
+from intml.protocol.job import CODEC_NAMES
 from intml.protocol.packet import HDR
-from intml.protocol.wire import Codec
+from intml.protocol.traffic import intml_bytes, ring_bytes
 from intml.testbed import gloo
 from intml.testbed.bench_allreduce import aggregator, run_ranks_intml
 from intml.testbed.netns import Topology, parse_rate
@@ -25,19 +26,17 @@ GLOO_PORT = 29500
 
 def packet_elements_for(codec: str, mtu: int) -> int:
     """The most elements one datagram carries without IP fragmentation."""
-    return (mtu - IP_UDP - HDR) // Codec[codec.upper()].bytes_per_element
+    return (mtu - IP_UDP - HDR) // CODEC_NAMES[codec].bytes_per_element
 
 
-def wire_bytes_intml(codec: str, elements: int, mtu: int) -> float:
-    """Bytes one worker puts on its link each way, headers included."""
-    p = packet_elements_for(codec, mtu)
-    packets = -(-elements // p)
-    return elements * Codec[codec.upper()].bytes_per_element + packets * (HDR + IP_UDP + ETHERNET)
+def wire_bytes_intml(codec: str, elements: int, mtu: int, pool: int) -> float:
+    """Bytes one worker puts on its link each way, headers included (bootstrap packets too)."""
+    return intml_bytes(elements, codec, packet_elements_for(codec, mtu), pool, per_packet=HDR + IP_UDP + ETHERNET)
 
 
 def wire_bytes_gloo(workers: int, elements: int, mtu: int) -> float:
-    payload = 2 * (workers - 1) / workers * 4 * elements
-    return payload * (1 + TCP_OVERHEAD / (mtu - 52))
+    """Bytes one worker puts on its link each way: the ring's payload in full TCP segments, headers included."""
+    return ring_bytes(elements, workers) * (1 + TCP_OVERHEAD / (mtu - 52))
 
 
 def run_point(workers: int, rate: str, elements: int, mtu: int, loss: float, warmup: int, rounds: int,
@@ -47,16 +46,16 @@ def run_point(workers: int, rate: str, elements: int, mtu: int, loss: float, war
     rows, hashes = [], {}
     with Topology(workers, rate_bit, mtu=mtu, loss=loss) as topo:
         prefixes = [topo.exec_prefix(topo.worker(r)) for r in range(workers)]
-        largest = packet_elements_for("cnat8", mtu)
+        largest = max(packet_elements_for(codec, mtu) for codec in CODEC_NAMES)
         with aggregator(1, largest, host="0.0.0.0", prefix=topo.exec_prefix(topo.switch)) as port:
-            for job, codec in enumerate(("cnat8", "int32"), start=1):
+            for job, codec in enumerate(CODEC_NAMES, start=1):
                 result = run_ranks_intml([f"{topo.port_ip(r)}:{port}" for r in range(workers)], elements, codec,
                                          packet_elements_for(codec, mtu), pool, warmup, rounds, prefixes, job=job)
                 if not result["identical_across_ranks"]:
                     raise RuntimeError(f"intml {codec}: ranks disagree on the result")
                 hashes[codec] = result["hashes"]
                 rows.append(_row(f"intml {codec}", result["median_s"], result["bytes_per_worker_each_way"],
-                                 wire_bytes_intml(codec, elements, mtu), rate_bit, result["retransmissions"]))
+                                 wire_bytes_intml(codec, elements, mtu, pool), rate_bit, result["retransmissions"]))
         if with_gloo:
             argvs = [[*prefixes[r], *gloo.command(r, workers, topo.worker_ip(0), GLOO_PORT, elements, warmup, rounds,
                                                   ifname="eth0")] for r in range(workers)]

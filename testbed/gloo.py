@@ -17,7 +17,8 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from intml.testbed.procs import free_port, run_ranks
+from intml.protocol.traffic import ring_bytes
+from intml.testbed.procs import free_port, run_ranks, slowest_per_round
 
 if TYPE_CHECKING:  # torch is imported lazily: it is an optional extra of the package
     import torch
@@ -143,7 +144,7 @@ def run_local(world_size: int, elements: int, warmup: int = 2, rounds: int = 5, 
 
 def summarize(reports: list[dict], elements: int) -> dict:
     """Median over rounds, where a round takes as long as its slowest rank."""
-    per_round = [max(times) for times in zip(*(report["per_round_s"] for report in reports))]
+    per_round = slowest_per_round(reports)
     world_size = len(reports)
     return {
         "world_size": world_size,
@@ -151,7 +152,7 @@ def summarize(reports: list[dict], elements: int) -> dict:
         "rounds": len(per_round),
         "per_round_s": per_round,
         "median_s": statistics.median(per_round),
-        "bytes_per_worker": 2 * (world_size - 1) / world_size * 4 * elements,  # ring allreduce, float32
+        "bytes_per_worker": ring_bytes(elements, world_size),  # float32
     }
 
 

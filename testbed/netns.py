@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 PREFIX = "intml-"
 SUBNET = "198.18.{i}.{host}"
+MTUS = (1500, 9000)  # link MTUs: Ethernet's and jumbo frames
 
 
 class ClusterError(RuntimeError):
@@ -82,8 +83,8 @@ class Topology:
             raise ValueError(f"workers must be in [1, 200], got {self.workers}")
         if not 0.0 <= self.loss < 1.0:
             raise ValueError(f"loss must be in [0, 1), got {self.loss}")
-        if self.mtu not in (1500, 9000):
-            raise ValueError(f"mtu must be 1500 or 9000, got {self.mtu}")
+        if self.mtu not in MTUS:
+            raise ValueError(f"mtu must be one of {MTUS}, got {self.mtu}")
 
     @property
     def switch(self) -> str:

@@ -31,6 +31,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def slowest_per_round(reports: list[dict]) -> list[float]:
+    """Each round's seconds at its slowest rank: a round lasts until every rank has its result."""
+    return [max(times) for times in zip(*(report["per_round_s"] for report in reports))]
+
+
 def _tail(path: Path, chars: int = 2000) -> str:
     return path.read_text(errors="replace")[-chars:].strip()
 

@@ -19,6 +19,7 @@ import time
 import numpy as np
 
 from intml.protocol.cli import OneLineParser, positive
+from intml.protocol.job import CODEC_NAMES, JobParams, WorkerTimers, codec_name
 
 
 def rank_input(rank: int, elements: int, seed: int = 0) -> np.ndarray:
@@ -47,9 +48,9 @@ def run(args: argparse.Namespace) -> dict:
         return {"rank": args.rank, "per_round_s": times, "hashes": hashes, "counters": w.counters()}
 
 
-def command(aggregator: str, rank: int, world_size: int, elements: int, *, codec: str = "cnat8",
-            packet_elements: int = 1024, pool: int = 64, warmup: int = 1, rounds: int = 3, job: int = 1,
-            seed: int = 1, timeout: float = 60.0) -> list[str]:
+def command(aggregator: str, rank: int, world_size: int, elements: int, *, codec: str = codec_name(JobParams.codec),
+            packet_elements: int = JobParams.packet_elements, pool: int = JobParams.pool_size, warmup: int = 1,
+            rounds: int = 3, job: int = 1, seed: int = 1, timeout: float = WorkerTimers.timeout) -> list[str]:
     """The argv of one rank (prefix it with `ip netns exec NAME` to run it in a namespace)."""
     return [sys.executable, "-m", "intml.testbed.rank", "--aggregator", aggregator, "--rank", str(rank),
             "--world-size", str(world_size), "--elements", str(elements), "--codec", codec,
@@ -63,15 +64,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=positive(), required=True)
     p.add_argument("--elements", type=positive(), required=True)
-    p.add_argument("--codec", choices=("cnat8", "int32"), default="cnat8")
-    p.add_argument("--packet-elements", type=positive(), default=1024)
-    p.add_argument("--pool", type=positive(), default=64)
+    p.add_argument("--codec", choices=tuple(CODEC_NAMES), default=codec_name(JobParams.codec))
+    p.add_argument("--packet-elements", type=positive(), default=JobParams.packet_elements)
+    p.add_argument("--pool", type=positive(), default=JobParams.pool_size)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--rounds", type=positive(), default=3)
     p.add_argument("--job", type=int, default=1)
     p.add_argument("--token", default="testbed")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--timeout", type=positive(float), default=60.0)
+    p.add_argument("--timeout", type=positive(float), default=WorkerTimers.timeout)
     print(json.dumps(run(p.parse_args(argv))), flush=True)
     return 0
 

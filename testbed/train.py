@@ -19,7 +19,7 @@ all-gathered over Gloo) and fails the run otherwise. Rank 0 writes one JSON repo
 the table (median over seeds of the final test accuracy, epochs to reach ``--target``, time per step, bytes
 per step), writes all reports to ``--json-out`` and plots test accuracy against epoch to ``--plot``.
 
-Bytes per step and worker, each way: intml from the packet format (``worker.torch.intml_bytes``: payload plus
+Bytes per step and worker, each way: intml from the packet format (``protocol.traffic.intml_bytes``: payload plus
 a 26-byte header per data packet and per slot-opening bootstrap packet, retransmissions counted apart);
 Gloo from the ring model 2(n-1)/n x 4 bytes per element, not measured.
 """
@@ -41,9 +41,11 @@ from pathlib import Path
 
 import numpy as np
 
+from intml.protocol.job import CODEC_NAMES, JobParams
+from intml.protocol.traffic import ring_bytes
 from intml.testbed.procs import free_port, rank_env
 
-BASES = ("gloo", "int32", "cnat8")
+BASES = ("gloo", *CODEC_NAMES)
 DEFAULT_RUNS = ("gloo", "int32", "cnat8", "cnat8-ef")
 HIDDEN = (392, 50)  # seed 001: 784-392-50-10 tanh; digits has 64 inputs
 CLASSES = 10
@@ -197,8 +199,6 @@ def rank_main(cfg: dict) -> None:
         report["traffic"] = dict(vars(traffic))
         report["bytes_per_step"] = (traffic.intml_bytes + traffic.gloo_bytes) / steps
     else:  # plain Gloo: the ring model for every parameter once per step
-        from intml.worker.torch import ring_bytes
-
         report["bytes_per_step"] = ring_bytes(report["parameters"], world)
     if rank == 0:
         Path(cfg["out"]).write_text(json.dumps(report))
@@ -324,7 +324,7 @@ def plot(reports: list[dict], path: Path, target: float) -> None:
 
 
 def run(workers: int = 4, seeds: int = 5, epochs: int = 30, runs: tuple[str, ...] = DEFAULT_RUNS, batch: int = 16,
-        lr: float = 0.2, lr_decay: float = 0.95, target: float = 0.95, packet_elements: int = 1024,
+        lr: float = 0.2, lr_decay: float = 0.95, target: float = 0.95, packet_elements: int = JobParams.packet_elements,
         bucket_cap_mb: float | None = None, json_out: str | None = None, plot_out: str | None = None,
         run_timeout: float = 600.0, quiet: bool = False) -> dict:
     """The whole experiment: one aggregator, then every run for every seed (seeds 0..seeds-1) in turn."""
@@ -392,7 +392,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr-decay", type=positive(float), default=0.95, help="per-epoch factor (default 0.95)")
     parser.add_argument("--target", type=positive(float), default=0.95,
                         help="accuracy for the epochs-to-target column (default 0.95)")
-    parser.add_argument("--packet-elements", type=positive(), default=1024)
+    parser.add_argument("--packet-elements", type=positive(), default=JobParams.packet_elements)
     parser.add_argument("--bucket-cap-mb", type=positive(float), default=None,
                         help="DDP bucket size (default DDP's: the 45 640 parameters fit one bucket)")
     parser.add_argument("--json-out", metavar="PATH", help="write the table and every run's report as JSON")

@@ -404,9 +404,9 @@ def world1_rank(port: int, address: str, seed: int) -> dict:
         rs = random_grads(seed, 0, it)
         ddp.zero_grad()
         ddp(rs).backward()
-        layouts.append(sorted(k for k, _ in state._residual_of_bucket.values()))
+        layouts.append(sorted(k for k, _ in state.residuals.of_bucket.values()))
         for p, r in zip(model.ps, rs, strict=True):
-            res = state._residual_of_param[id(p)].view(p.shape)
+            res = state.residuals.of_param[id(p)].view(p.shape)
             mismatched += int((p.grad + res != r + prev[id(p)]).sum())
             nonzero += int((res != 0).sum())
             not_cnat += int((~torch.from_numpy(is_cnat_value(p.grad.numpy()))).sum())

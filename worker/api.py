@@ -180,7 +180,8 @@ class Worker:
         self.close()
 
     # ---- allreduce --------------------------------------------------------------------------------------
-    def _prepare(self, x: np.ndarray, op: str, out: np.ndarray | None) -> tuple[np.ndarray, float]:
+    def _prepare(self, x: np.ndarray, op: str, out: np.ndarray | None,
+                 sent: np.ndarray | None) -> tuple[np.ndarray, float]:
         if op not in ("sum", "mean"):
             raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
         if self._closed:
@@ -189,7 +190,7 @@ class Worker:
         if arr.dtype.kind != "f":
             raise TypeError(f"allreduce takes a floating-point array, got {arr.dtype}")
         now = time.monotonic()
-        n = self.engine.start(arr, now, self.io.tx_ptr, self.io.tx_len, self.io.tx_addr, out)
+        n = self.engine.start(arr, now, self.io.tx_ptr, self.io.tx_len, self.io.tx_addr, out, sent=sent)
         self._send(n)
         return arr, now
 
@@ -229,27 +230,30 @@ class Worker:
             out /= np.float32(self.world_size)
         return out
 
-    def allreduce(self, x: np.ndarray, op: str = "sum", out: np.ndarray | None = None) -> np.ndarray:
+    def allreduce(self, x: np.ndarray, op: str = "sum", out: np.ndarray | None = None, *,
+                  sent: np.ndarray | None = None) -> np.ndarray:
         """Sum (or mean) of x over all ranks, as float32 of x's shape; identical at every rank.
 
         ``out``: a C-contiguous float32 array of x.size elements to write the result into and return (x itself
         for an in-place allreduce, as torch.distributed does); reusing one across calls avoids allocating and
-        page-faulting a tensor-sized result every time."""
-        arr, last_progress = self._prepare(x, op, out)
+        page-faulting a tensor-sized result every time. ``sent``: a float32 array of the same layout that receives
+        what this rank put on the wire, decoded (before the mean's division; see StreamEngine.start)."""
+        arr, last_progress = self._prepare(x, op, out, sent)
         while not self.engine.done:
             if (wait := self._wait(last_progress)) > 0:
                 self._poll.poll(wait * 1000)
             last_progress = self._step(last_progress)
         return self._finish(arr, op, out)
 
-    async def allreduce_async(self, x: np.ndarray, op: str = "sum", out: np.ndarray | None = None) -> np.ndarray:
+    async def allreduce_async(self, x: np.ndarray, op: str = "sum", out: np.ndarray | None = None, *,
+                              sent: np.ndarray | None = None) -> np.ndarray:
         """allreduce on the running asyncio event loop (other tasks run while waiting for results)."""
         loop = asyncio.get_running_loop()
         readable = asyncio.Event()
         for rx in self._inputs:
             loop.add_reader(rx.fileno(), readable.set)
         try:
-            arr, last_progress = self._prepare(x, op, out)
+            arr, last_progress = self._prepare(x, op, out, sent)
             while not self.engine.done:
                 if (wait := self._wait(last_progress)) > 0:
                     try:

@@ -98,7 +98,7 @@ IDLE = np.iinfo(np.int64).min  # cur_chunk of a slot with nothing in flight
 State = namedtuple(
     "State",
     "params x out local_exp agreed_exp cur_chunk parity sent_at rto retries overtaken packet packet_len agg_addr stats "
-    "timing low",
+    "timing low sent",
 )
 # params (int64): job, rank, world, value_bits, codec, packet_elements, window, chunks, elements, allreduce, cores,
 #                 seed (as int64 bits), done_chunks, index of a non-finite input or -1
@@ -160,6 +160,8 @@ def _build(st, s, c, now):
             limit = np.int64(1) << prm[P_VBITS]
             for i in range(count):
                 store_be32(p, HDR + 4 * i, quantize(st.x[lo + i], scale, limit))
+        if st.sent.size:  # asked for (error feedback): what this rank sends, decoded from the datagram itself
+            _decode_own(st, p, lo, count, exp)
     nxt = c + window
     if c >= 0:  # the bootstrap packets carry chunks 0..window-1, precoded by start_kernel
         _precode(st, nxt)
@@ -172,6 +174,18 @@ def _build(st, s, c, now):
     st.retries[s] = 0
     st.overtaken[s] = 0
     st.rto[s] = st.timing[T_RTO]
+
+
+@njit(inline="always")
+def _decode_own(st, p, lo, count, exp):
+    """Decode this rank's payload of the chunk at element lo into ``sent``: for cnat8 its own codes at the agreed
+    floor, for int32 the quantised values at the chunk's scale."""
+    if st.params[P_CODEC] == Codec.CNAT8:
+        decode_kernel(p[HDR:HDR + count], st.sent.view(np.uint32)[lo:lo + count])
+    else:
+        unit = 2.0 ** -int32_scale_exponent(exp, st.params[P_VBITS])
+        for i in range(count):
+            st.sent[lo + i] = dequantize(load_be32(p, HDR + 4 * i), unit)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -329,6 +343,13 @@ def next_deadline(state):
     return t
 
 
+def _check_output(name: str, arr: np.ndarray, size: int) -> None:
+    if arr.dtype != np.float32 or arr.size != size or not arr.flags.c_contiguous:
+        layout = "" if arr.flags.c_contiguous else ", not contiguous"
+        raise ValueError(f"{name} must be a C-contiguous float32 array of {size} elements, got "
+                         f"{arr.dtype} of {arr.size} elements{layout}")
+
+
 class StreamEngine:
     """One worker's side of a job's allreduces. Construct once per job; call ``start`` per allreduce."""
 
@@ -355,25 +376,30 @@ class StreamEngine:
         self.allreduce_seq = -1
         self.state: State | None = None
         self._no_low = np.empty(0, np.uint32)
+        self._no_sent = np.empty(0, np.float32)
 
     @property
     def max_datagram(self) -> int:
         return self.packet.shape[2]
 
     def start(self, x: np.ndarray, now: float, tx_ptr: np.ndarray, tx_len: np.ndarray, tx_addr: np.ndarray,
-              out: np.ndarray | None = None) -> int:
+              out: np.ndarray | None = None, *, sent: np.ndarray | None = None) -> int:
         """Begin the next allreduce of float32 x (any shape); returns the datagrams written to tx (<= pool).
 
         The result goes to ``out`` (float32, C-contiguous, x.size elements; it may be x itself: a chunk's input is
         encoded into its stored datagram before its result can arrive) or, by default, to a new array: reusing
-        one saves the page faults of a fresh tensor-sized allocation on every allreduce."""
+        one saves the page faults of a fresh tensor-sized allocation on every allreduce.
+
+        ``sent`` (same layout as ``out``, optional): receives, chunk by chunk as they are encoded, the value of what
+        this rank puts on the wire, decoded from its datagrams (error feedback's compressed gradient). Complete
+        once the allreduce is; without it the engine does no extra work."""
         flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
         if out is None:
             out = np.empty(flat.size, np.float32)
-        elif out.dtype != np.float32 or out.size != flat.size or not out.flags.c_contiguous:
-            layout = "" if out.flags.c_contiguous else ", not contiguous"
-            raise ValueError(f"out must be a C-contiguous float32 array of {flat.size} elements, got "
-                             f"{out.dtype} of {out.size} elements{layout}")
+        else:
+            _check_output("out", out, flat.size)
+        if sent is not None:
+            _check_output("sent", sent, flat.size)
         chunks = -(-flat.size // self.packet_elements)
         window = min(self.pool_size, chunks)
         self.allreduce_seq += 1
@@ -392,7 +418,7 @@ class StreamEngine:
             retries=np.zeros(self.pool_size, np.int64), overtaken=np.zeros(self.pool_size, np.int64),
             packet=self.packet,
             packet_len=np.zeros(self.pool_size, np.int64), agg_addr=self.agg_addr, stats=self.stats,
-            timing=self.timing, low=low)
+            timing=self.timing, low=low, sent=self._no_sent if sent is None else sent.reshape(-1))
         self._args = tuple(self.state)
         n = start_kernel(self._args, now, tx_ptr, tx_len, tx_addr) if window else 0
         self.check_finite()  # in the first window: nothing was sent

@@ -1,0 +1,122 @@
+"""The "intml" process-group backend: ``init_process_group("intml")`` allreduces float32 CPU tensors with SUM or
+AVG through the aggregator and sends every other collective, op and dtype to an inner Gloo group on the same
+store (SwitchML's PyTorch patch falls back to Gloo the same way). Importing this module registers it."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+from intml.worker.torch.config import IntmlConfig
+from intml.worker.torch.link import AggregatorLinked, value
+
+BACKEND = "intml"
+
+
+class _Work(dist._Work):
+    """The Work of an intml allreduce: wait() blocks on the Future and raises its exception."""
+
+    def __init__(self, fut: Future) -> None:
+        super().__init__()
+        self._fut = fut
+        self._chained = fut.then(value)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self._fut.wait()  # raises the allreduce's own exception (AllreduceTimeout, IntmlError)
+        self._chained.wait()  # so that get_future() is complete once wait() returns, as with Gloo
+        return True
+
+    def get_future(self) -> Future:
+        return self._chained
+
+    def is_completed(self) -> bool:
+        return self._fut.done()
+
+
+def _gloo_group(store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroup:
+    """A ProcessGroup with a Gloo backend, as init_process_group('gloo') builds (not registered with c10d)."""
+    pg = dist.ProcessGroup(store, rank, size)
+    backend = dist.ProcessGroupGloo(store, rank, size, timeout)
+    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    return pg
+
+
+class IntmlProcessGroup(AggregatorLinked, dist.ProcessGroup):
+    """``init_process_group("intml")``: allreduce of float32 CPU tensors with SUM or AVG through the aggregator,
+    everything else through an inner Gloo group (``self.gloo``) on the same store."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta,
+                 config: IntmlConfig | None = None) -> None:
+        super().__init__(rank, size)
+        self.gloo = _gloo_group(dist.PrefixStore("intml-gloo/", store), rank, size, timeout)
+        self._attach(config if config is not None else IntmlConfig.from_env(), rank, size)
+
+    def getBackendName(self) -> str:  # noqa: N802 -- the c10d name
+        return BACKEND
+
+    def allreduce(self, tensors, opts=None, op=None, timeout=None):
+        if isinstance(tensors, torch.Tensor):
+            tensors = [tensors]
+        if opts is None or isinstance(opts, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
+            reduce_op = opts if opts is not None else (op if op is not None else dist.ReduceOp.SUM)
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = reduce_op
+            if timeout is not None:
+                opts.timeout = timeout
+        kind = _intml_op(opts.reduceOp)
+        if (self.link is not None and kind is not None and len(tensors) == 1 and tensors[0].dtype == torch.float32
+                and tensors[0].device.type == "cpu" and tensors[0].is_contiguous()):
+            return _Work(self.link.submit(tensors[0], kind, inplace=True))
+        self.traffic.add_gloo(tensors, self.size())
+        return self.gloo.allreduce(tensors, opts)
+
+    def shutdown(self) -> None:
+        self._leave()
+        self.gloo.shutdown()
+
+    def abort(self) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        mode = "intml" if self.link is not None else "gloo fallback"
+        return f"IntmlProcessGroup(rank={self.rank()}, size={self.size()}, {mode})"
+
+
+def _intml_op(reduce_op) -> str | None:
+    if reduce_op == dist.ReduceOp.SUM:
+        return "sum"
+    if reduce_op == dist.ReduceOp.AVG:
+        return "mean"
+    return None
+
+
+def _delegate(name: str):
+    def method(self, *args, **kwargs):
+        return getattr(self.gloo, name)(*args, **kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"{name} through the inner Gloo group."
+    return method
+
+
+# Every other collective goes to Gloo. The methods must exist on the class: the C++ trampoline that DDP and the
+# functional collectives call through looks them up by name, so __getattr__ would not be seen.
+for _name in ("broadcast", "allgather", "_allgather_base", "allgather_coalesced", "allgather_into_tensor_coalesced",
+              "all_gather_single", "all_gather_single_coalesced", "allreduce_coalesced", "reduce", "gather",
+              "scatter", "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single",
+              "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced", "alltoall", "alltoall_base",
+              "all_to_all_single", "send", "recv", "recv_anysource", "barrier", "monitored_barrier"):
+    if hasattr(dist.ProcessGroup, _name):
+        setattr(IntmlProcessGroup, _name, _delegate(_name))
+
+
+def _create_process_group(store, rank, size, timeout) -> IntmlProcessGroup:
+    return IntmlProcessGroup(store, rank, size, timeout)
+
+
+if not hasattr(dist.Backend, BACKEND.upper()):
+    dist.Backend.register_backend(BACKEND, _create_process_group, devices=["cpu"])

@@ -1,0 +1,80 @@
+"""The PyTorch integration's configuration: ``IntmlConfig``, from ``INTML_*`` environment variables and keyword
+arguments. The job's and the worker's defaults come from ``protocol.job``."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+
+from intml.protocol.job import CODEC_NAMES, JobParams, WorkerTimers, codec_name
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _parse_bool(text: str, name: str) -> bool:
+    value = text.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name} must be 0 or 1 (or true/false), got {text!r}")
+
+
+@dataclasses.dataclass
+class IntmlConfig:
+    """Where the aggregator is and how to use it. ``from_env`` reads ``INTML_<FIELD>`` (upper case; ``pool_size``
+    is ``INTML_POOL``, ``threaded`` is ``INTML_THREAD``); keyword arguments override the environment."""
+
+    aggregator: str | None = None  # host:port of intml-aggregator
+    token: str = ""  # the job's shared secret (only a hash goes on the wire)
+    codec: str = codec_name(JobParams.codec)  # cnat8 (8-bit C_nat) or int32 (SwitchML's fixed point)
+    job: int | None = None  # job id on the aggregator; None: rank 0 draws one at random and shares it
+    seed: int | None = None  # job seed of the stochastic rounding; None: rank 0 draws one
+    packet_elements: int = JobParams.packet_elements  # elements per packet
+    pool_size: int = JobParams.pool_size  # slots, i.e. packets in flight per worker
+    timeout: float = WorkerTimers.timeout  # an allreduce with no progress for this long raises AllreduceTimeout
+    connect_timeout: float = WorkerTimers.connect_timeout  # start-up: seconds to wait for the JOIN_ACK
+    fallback: str = "error"  # aggregator unreachable at start-up: "error" raises, "gloo" warns and uses Gloo
+    error_feedback: bool = False  # hook: keep each bucket's compression residual and add it next step
+    warmup_steps: int = 0  # hook: the first K steps go uncompressed through Gloo
+    threaded: bool = False  # run allreduces on a background thread instead of in the caller (see link.Link)
+
+    _ENV = {"pool_size": "INTML_POOL", "threaded": "INTML_THREAD"}
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> IntmlConfig:
+        env = os.environ if env is None else env
+        values: dict = {}
+        for f in dataclasses.fields(cls):
+            name = cls._ENV.get(f.name, f"INTML_{f.name.upper()}")
+            if name not in env:
+                continue
+            text = env[name]
+            kind = str(f.type)
+            if f.name == "aggregator" or kind == "str":
+                values[f.name] = text
+            elif kind == "bool":
+                values[f.name] = _parse_bool(text, name)
+            else:
+                try:
+                    values[f.name] = float(text) if "float" in kind else int(text, 0)
+                except ValueError:
+                    raise ValueError(f"{name} must be a number, got {text!r}") from None
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise TypeError(f"unknown intml option(s): {sorted(unknown)}")
+        values.update(overrides)
+        return cls(**values).validated()
+
+    def validated(self) -> IntmlConfig:
+        if self.codec not in CODEC_NAMES:
+            raise ValueError(f"INTML_CODEC must be one of {sorted(CODEC_NAMES)}, got {self.codec!r}")
+        if self.fallback not in ("error", "gloo"):
+            raise ValueError(f"INTML_FALLBACK must be 'error' or 'gloo', got {self.fallback!r}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"INTML_WARMUP_STEPS must be >= 0, got {self.warmup_steps}")
+        if not (self.timeout > 0 and self.connect_timeout > 0):
+            raise ValueError("INTML_TIMEOUT and INTML_CONNECT_TIMEOUT must be > 0")
+        return self
