@@ -23,7 +23,7 @@ EXP_RANGE = INT32_RANGE
 PRECODES = False
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
+@njit(inline="always")
 def encode_chunk(x, payload, key, offset, exp, vbits, low):
     """payload = rint(x * 2**(s - exp)) clamped to +-2**s, big-endian (key, offset and low are unused)."""
     scale = 2.0 ** int32_scale_exponent(exp, vbits)
@@ -32,7 +32,7 @@ def encode_chunk(x, payload, key, offset, exp, vbits, low):
         store_be32(payload, WIDTH * i, quantize(x[i], scale, limit))
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
+@njit(inline="always")
 def check_payload(payload, exp, vbits):
     """Every value lies in [-2**s, 2**s] (s = vbits <= 30), so n of them cannot overflow; a min/max reduction
     vectorises."""
@@ -45,7 +45,7 @@ def check_payload(payload, exp, vbits):
     return low >= -limit and high <= limit
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
+@njit(inline="always")
 def add_payloads(data, rows, k, col, acc, exp, vbits, first):
     """acc = (first) or += the int32 payloads data[rows[t], col:] for t < k, wrapping as the switch's registers."""
     for t in range(k):
@@ -56,7 +56,7 @@ def add_payloads(data, rows, k, col, acc, exp, vbits, first):
             acc[i] = v if once else np.int32(acc[i] + v)
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
+@njit(inline="always")
 def encode_result(acc, payload, key, offset, exp, vbits):
     """payload = the sums, big-endian; nothing saturates (returns 0)."""
     for i in range(acc.size):
@@ -70,7 +70,7 @@ def check_result(payload, exp, vbits):
     return True
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
+@njit(inline="always")
 def decode_result(payload, exp, vbits, out):
     """float32 out = sums * 2**(exp - s)."""
     unit = 2.0 ** -int32_scale_exponent(exp, vbits)
