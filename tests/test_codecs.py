@@ -4,6 +4,7 @@ the switch's check, add and result encode, each worker's check and decode) equal
 for bit, for several world sizes."""
 
 import inspect
+import struct
 
 import numpy as np
 import pytest
@@ -131,6 +132,16 @@ def test_result_dispatch(case, key, offset) -> None:
     codecs.decode_result(int(codec.ID), payload, exp, vbits, got_values)
     codec.decode_result(payload, exp, vbits, want_values)
     assert got_values.tobytes() == want_values.tobytes()
+
+
+def test_int32_check_payload_bounds() -> None:
+    """The switch's int32 contribution check: [-2**s, 2**s] is accepted, one past either end is not."""
+    vbits = 28
+    limit = 1 << vbits
+    for values, ok in (([limit, -limit, 0], True), ([limit + 1], False), ([-limit - 1], False),
+                       ([-(2**31)], False), ([2**31 - 1], False), ([], True)):
+        payload = np.frombuffer(struct.pack(f">{len(values)}i", *values), np.uint8).copy()
+        assert bool(codecs.int32.check_payload(payload, 0, vbits)) == ok, values
 
 
 def dispatched_allreduce(codec, xs: list[np.ndarray], *, seed: int, allreduce_seq: int,
