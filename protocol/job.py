@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from intml.protocol.codecs import BY_NAME
 from intml.protocol.wire import Codec, max_packet_elements
 
 MAX_WORLD = 64  # ranks per job: the switch keeps one 64-bit bitmap per shadow set
-CODEC_NAMES = {"cnat8": Codec.CNAT8, "int32": Codec.INT32}
+CODEC_NAMES: dict[str, Codec] = {name: codec.ID for name, codec in BY_NAME.items()}
 
 AGGREGATOR_SLOTS = 512
 AGGREGATOR_IDLE_TIMEOUT = 300.0

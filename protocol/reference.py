@@ -10,7 +10,8 @@ import numpy as np
 
 from intml.protocol.rng import MASK64, splitmix64_int, stream_key
 
-E_MIN, E_MAX = -50, 10
+E_MIN, E_MAX = -50, 10  # C_nat exponents
+INT32_E_MIN, INT32_E_MAX = -126, 127  # int32 mode's exponent range: float32's normal exponents
 
 
 def bits32(key: int, index: np.ndarray) -> np.ndarray:
@@ -116,30 +117,41 @@ def chunk_exponent(x: np.ndarray, lo: int, hi: int) -> int:
     return min(hi, max(lo, int(exponent)))
 
 
+def cnat8_chunk(parts: list[np.ndarray], *, seed: int, allreduce_seq: int, offset: int) -> np.ndarray:
+    """The cnat8 result of one chunk whose ranks' inputs are parts (tensor elements offset..): agree on the max
+    exponent, encode each rank's part against its floor, add integers exactly, re-encode the sum, decode."""
+    s = 31 - len(parts).bit_length()
+    e = max(chunk_exponent(x, E_MIN, E_MAX) for x in parts)
+    floor = E_MIN if e == -128 else max(E_MIN, e - s)
+    total = np.zeros(parts[0].size, np.int64)
+    for rank, x in enumerate(parts):
+        worker_stream = (allreduce_seq << 24) | (1 << 16) | rank
+        codes, _ = encode(x, seed=seed, stream=worker_stream, offset=offset, floor=floor)
+        total += to_fixed(codes, floor)
+    codes, _ = sum_to_codes(total, floor, seed=seed, stream=(allreduce_seq << 24) | (2 << 16), offset=offset)
+    return decode(codes)
+
+
+def int32_chunk(parts: list[np.ndarray], *, seed: int, allreduce_seq: int, offset: int) -> np.ndarray:
+    """The int32 result of one chunk: agree on the max exponent E, add rint(x * 2**(s - E)) (clamped to +-2**s)
+    exactly, scale the sum back by 2**(E - s). Deterministic: seed, allreduce_seq and offset play no part."""
+    s = 31 - len(parts).bit_length()
+    e = max(chunk_exponent(x, INT32_E_MIN, INT32_E_MAX) for x in parts)
+    scale = s - (INT32_E_MIN if e == -128 else e)
+    limit = 2.0**s
+    total = sum(np.clip(np.rint(x.astype(np.float64) * 2.0**scale), -limit, limit) for x in parts)
+    return (total * 2.0**-scale).astype(np.float32)
+
+
+CHUNK_RESULTS = {"cnat8": cnat8_chunk, "int32": int32_chunk}  # by codec name
+
+
 def allreduce(inputs: list[np.ndarray], *, codec: str, seed: int, allreduce_seq: int, packet_elements: int) -> np.ndarray:
-    """The sum every worker receives, per DESIGN.md "Arithmetic": chunk by chunk, agree on the max exponent,
-    encode each rank's chunk against it, add integers exactly, and (cnat8) re-encode the sum."""
-    n = len(inputs)
+    """The sum every worker receives, per DESIGN.md "Arithmetic": chunk by chunk, the codec's result."""
+    chunk_result = CHUNK_RESULTS[codec]
     flat = [np.asarray(x, dtype=np.float32).reshape(-1) for x in inputs]
-    size = flat[0].size
-    s = 31 - n.bit_length()
-    out = np.zeros(size, np.float32)
-    for lo in range(0, size, packet_elements):
+    out = np.zeros(flat[0].size, np.float32)
+    for lo in range(0, out.size, packet_elements):
         parts = [x[lo:lo + packet_elements] for x in flat]
-        if codec == "cnat8":
-            e = max(chunk_exponent(x, E_MIN, E_MAX) for x in parts)
-            floor = E_MIN if e == -128 else max(E_MIN, e - s)
-            total = np.zeros(parts[0].size, np.int64)
-            for rank, x in enumerate(parts):
-                worker_stream = (allreduce_seq << 24) | (1 << 16) | rank
-                codes, _ = encode(x, seed=seed, stream=worker_stream, offset=lo, floor=floor)
-                total += to_fixed(codes, floor)
-            codes, _ = sum_to_codes(total, floor, seed=seed, stream=(allreduce_seq << 24) | (2 << 16), offset=lo)
-            out[lo:lo + packet_elements] = decode(codes)
-        else:
-            e = max(chunk_exponent(x, -126, 127) for x in parts)
-            scale = s - (-126 if e == -128 else e)
-            limit = 2.0**s
-            total = sum(np.clip(np.rint(x.astype(np.float64) * 2.0**scale), -limit, limit) for x in parts)
-            out[lo:lo + packet_elements] = (total * 2.0**-scale).astype(np.float32)
+        out[lo:lo + packet_elements] = chunk_result(parts, seed=seed, allreduce_seq=allreduce_seq, offset=lo)
     return out

@@ -26,8 +26,8 @@ Data header (26 bytes):
 
 Payload by message type:
 
-* DATA, RESULT: ``count`` elements, 1 byte each (uint8 codes) for CNAT8,
-  4 bytes each (big-endian int32) for INT32. Left as scapy ``Raw``.
+* DATA, RESULT: ``count`` elements of the codec's ``PAYLOAD_DTYPE`` (protocol.codecs:
+  uint8 C_nat codes for CNAT8, big-endian int32 for INT32). Left as scapy ``Raw``.
 * JOIN, JOIN_ACK: the JOIN payload below (JOIN_ACK echoes the JOIN's);
   dissected by scapy as ``IntmlJoin``.
 * LEAVE, STATS_REQUEST: none.
@@ -90,14 +90,14 @@ class MsgType(IntEnum):
 
 
 class Codec(IntEnum):
-    """Encoding of DATA / RESULT payload elements."""
+    """Encoding of DATA / RESULT payload elements: the ids of the modules of protocol.codecs."""
 
     CNAT8 = 0
     INT32 = 1
 
     @property
     def bytes_per_element(self) -> int:
-        """Size of one payload element on the wire (1 or 4)."""
+        """Size of one payload element on the wire."""
         return payload_dtype(self).itemsize
 
 
@@ -136,7 +136,6 @@ JOIN_FIELDS: tuple[tuple[str, str, str], ...] = (
 JOIN = np.dtype([(name, code) for name, code, _ in JOIN_FIELDS])
 JOIN_SIZE = JOIN.itemsize
 
-_PAYLOAD_DTYPES = {Codec.CNAT8: np.dtype(np.uint8), Codec.INT32: np.dtype(">i4")}
 _ELEMENT_TYPES = (MsgType.DATA, MsgType.RESULT)  # types whose payload is `count` elements
 
 
@@ -150,7 +149,9 @@ def max_packet_elements(codec: Codec | int) -> int:
 
 def payload_dtype(codec: Codec | int) -> np.dtype:
     """Wire dtype of one payload element for ``codec``."""
-    return _PAYLOAD_DTYPES[Codec(codec)]
+    from intml.protocol.codecs import BY_ID  # here, not at the top: the codec modules import Codec from here
+
+    return BY_ID[Codec(codec)].PAYLOAD_DTYPE
 
 
 def header_array(n: int) -> np.ndarray:

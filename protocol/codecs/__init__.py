@@ -1,0 +1,98 @@
+"""The payload codecs: one module per codec, each with the same interface, and the one place that branches on a
+codec id.
+
+A codec module has
+    ID             the wire's ``Codec`` value (the header's and the JOIN's ``codec`` field)
+    NAME           what users and command lines call it
+    PAYLOAD_DTYPE  the numpy dtype of one payload element on the wire (big-endian); WIDTH = its size in bytes
+    EXP_RANGE      (lo, hi): the range the per-chunk exponents E are clipped to (protocol.arith)
+    PRECODES       whether the worker encodes a chunk a window ahead, finding its exponent proposal in the same
+                   read (protocol.arith.precode_chunk), or finds all exponents up front and encodes on sending
+and Numba functions with these signatures (payload: the uint8 bytes of a datagram's elements; exp: the chunk's
+agreed exponent; vbits: s(n) of the job):
+    encode_chunk(x, payload, key, offset, exp, vbits, low)   a worker's float32 chunk x (tensor elements offset..,
+                   random words keyed by key) into payload; low: precode_chunk's word for a precoded payload, or 0
+    check_payload(payload, exp, vbits) -> bool               the switch's check of a contribution
+    add_payloads(data, rows, k, col, acc, exp, vbits, first) acc = (first) or += the payloads data[rows[t], col:]
+                   for t < k, acc being the slot's int32 accumulators (acc.size elements)
+    encode_result(acc, payload, key, offset, exp, vbits) -> saturated elements   the switch's result payload
+    check_result(payload, exp, vbits) -> bool                the worker's check of a result
+    decode_result(payload, exp, vbits, out)                  float32 out = the result's values
+
+The codec functions and the dispatchers below (which take the codec id first) are all ``inline="always"``: they
+compile into the kernel that calls them, under its flags (boundscheck=False), so a kernel built on them gets the
+code its own per-codec loops had, and a codec id known to the kernel costs one compare per call. Adding a codec: its module, a
+``Codec`` value in protocol.wire, an entry in CODECS and a branch in each dispatcher.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from numba import njit
+
+from intml.protocol.codecs import cnat8, int32
+
+CODECS: tuple[ModuleType, ...] = (cnat8, int32)
+BY_ID: dict[int, ModuleType] = {codec.ID: codec for codec in CODECS}
+BY_NAME: dict[str, ModuleType] = {codec.NAME: codec for codec in CODECS}
+
+
+@njit(inline="always")
+def width(codec):
+    return cnat8.WIDTH if codec == cnat8.ID else int32.WIDTH
+
+
+@njit(inline="always")
+def exp_range(codec):
+    return cnat8.EXP_RANGE if codec == cnat8.ID else int32.EXP_RANGE
+
+
+@njit(inline="always")
+def precodes(codec):
+    return cnat8.PRECODES if codec == cnat8.ID else int32.PRECODES
+
+
+@njit(inline="always")
+def encode_chunk(codec, x, payload, key, offset, exp, vbits, low):
+    if codec == cnat8.ID:
+        cnat8.encode_chunk(x, payload, key, offset, exp, vbits, low)
+    else:
+        int32.encode_chunk(x, payload, key, offset, exp, vbits, low)
+
+
+@njit(inline="always")
+def check_payload(codec, payload, exp, vbits):
+    if codec == cnat8.ID:
+        return cnat8.check_payload(payload, exp, vbits)
+    return int32.check_payload(payload, exp, vbits)
+
+
+@njit(inline="always")
+def add_payloads(codec, data, rows, k, col, acc, exp, vbits, first):
+    if codec == cnat8.ID:
+        cnat8.add_payloads(data, rows, k, col, acc, exp, vbits, first)
+    else:
+        int32.add_payloads(data, rows, k, col, acc, exp, vbits, first)
+
+
+@njit(inline="always")
+def encode_result(codec, acc, payload, key, offset, exp, vbits):
+    if codec == cnat8.ID:
+        return cnat8.encode_result(acc, payload, key, offset, exp, vbits)
+    return int32.encode_result(acc, payload, key, offset, exp, vbits)
+
+
+@njit(inline="always")
+def check_result(codec, payload, exp, vbits):
+    if codec == cnat8.ID:
+        return cnat8.check_result(payload, exp, vbits)
+    return int32.check_result(payload, exp, vbits)
+
+
+@njit(inline="always")
+def decode_result(codec, payload, exp, vbits, out):
+    if codec == cnat8.ID:
+        cnat8.decode_result(payload, exp, vbits, out)
+    else:
+        int32.decode_result(payload, exp, vbits, out)

@@ -1,0 +1,78 @@
+"""The int32 codec, SwitchML's baseline: a worker sends q = rint(x * 2**(s - E)) as a big-endian int32 (s = s(n),
+E the agreed exponent, protocol.arith), the switch adds the integers and sends the sums back as they are, and
+the worker scales them by 2**(E - s).
+
+The functions have the signatures every codec module shares (see protocol.codecs)."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from intml.protocol.arith import INT32_RANGE, dequantize, int32_scale_exponent, quantize
+from intml.protocol.lanes import load_be32, store_be32
+from intml.protocol.wire import Codec
+
+ID = Codec.INT32
+NAME = "int32"
+PAYLOAD_DTYPE = np.dtype(">i4")
+WIDTH = PAYLOAD_DTYPE.itemsize
+EXP_RANGE = INT32_RANGE
+# The encoding depends on the agreed exponent throughout, so nothing can be encoded before it is known: the
+# worker finds every chunk's exponent up front (protocol.arith.chunk_exponents_kernel) and encodes when it sends.
+PRECODES = False
+
+
+@njit(inline="always")
+def encode_chunk(x, payload, key, offset, exp, vbits, low):
+    """payload = rint(x * 2**(s - exp)) clamped to +-2**s, big-endian (key, offset and low are unused)."""
+    scale = 2.0 ** int32_scale_exponent(exp, vbits)
+    limit = np.int64(1) << vbits
+    for i in range(x.size):
+        store_be32(payload, WIDTH * i, quantize(x[i], scale, limit))
+
+
+@njit(inline="always")
+def check_payload(payload, exp, vbits):
+    """Every value lies in [-2**s, 2**s] (s = vbits <= 30), so n of them cannot overflow; a min/max reduction
+    vectorises."""
+    limit = np.int64(1) << vbits
+    low = high = np.int32(0)
+    for i in range(payload.size // WIDTH):
+        v = load_be32(payload, WIDTH * i)
+        low = min(low, v)
+        high = max(high, v)
+    return low >= -limit and high <= limit
+
+
+@njit(inline="always")
+def add_payloads(data, rows, k, col, acc, exp, vbits, first):
+    """acc = (first) or += the int32 payloads data[rows[t], col:] for t < k, wrapping as the switch's registers."""
+    for t in range(k):
+        p = data[rows[t]]
+        once = first and t == 0
+        for i in range(acc.size):
+            v = load_be32(p, col + WIDTH * i)
+            acc[i] = v if once else np.int32(acc[i] + v)
+
+
+@njit(inline="always")
+def encode_result(acc, payload, key, offset, exp, vbits):
+    """payload = the sums, big-endian; nothing saturates (returns 0)."""
+    for i in range(acc.size):
+        store_be32(payload, WIDTH * i, acc[i])
+    return 0
+
+
+@njit(inline="always")
+def check_result(payload, exp, vbits):
+    """Every sum of n values in [-2**s, 2**s] is a valid int32: nothing to check."""
+    return True
+
+
+@njit(inline="always")
+def decode_result(payload, exp, vbits, out):
+    """float32 out = sums * 2**(exp - s)."""
+    unit = 2.0 ** -int32_scale_exponent(exp, vbits)
+    for i in range(out.size):
+        out[i] = dequantize(load_be32(payload, WIDTH * i), unit)
