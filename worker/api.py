@@ -219,11 +219,14 @@ class Worker:
     def _step(self) -> None:
         """Pump once; raises AllreduceTimeout once the session says the allreduce made no progress in time."""
         now = time.monotonic()
+        session = self.session
         if self._pump(now):
-            self.session.watch_progress(now)
+            session.watch_progress(now)
             return
-        self.session.handle_timer(now)
-        while (event := self.session.next_event()) is not None:
+        if (deadline := session.get_timer()) is None or deadline > now:
+            return
+        session.handle_timer(now)
+        while (event := session.next_event()) is not None:
             if isinstance(event, NoProgress):
                 self.engine.check_finite()  # the real cause, if this rank stopped sending at a NaN or infinity
                 raise AllreduceTimeout(self._timeout_message())
