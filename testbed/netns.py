@@ -14,7 +14,7 @@ Topology (``Topology.up``):
   sender's output hook would fail the send with EPERM instead of losing the packet.)
   (netem does not exist in this kernel. Duplication is not emulated on the links: nftables' dup statement
   clones a packet out through a device rather than back to the receiver; the fault-injection shim of
-  worker/faults.py tests duplication instead.)
+  tests/faults.py tests duplication instead.)
 
 Names carry a unique prefix (``intml-<hex>``), so concurrent runs never collide. ``down`` is idempotent and
 runs on exit, on Ctrl-C and on SIGTERM; ``cleanup`` removes anything a crashed run left behind.

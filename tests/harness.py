@@ -27,9 +27,12 @@ import numpy as np
 
 from intml.aggregator.core import AggregatorCore, Burst
 from intml.protocol import reference, wire
+from intml.protocol.burst import Burst as WorkerBurst
 from intml.protocol.packet import HDR
 from intml.protocol.wire import Codec, MsgType
+from intml.protocol.job import JobParams
 from intml.worker.engine import StreamEngine
+from intml.worker.session import JobJoined, WorkerSession
 
 AGG_PORT = 48879
 WORKER_PORT = 5000
@@ -88,25 +91,19 @@ def core_receive(core: AggregatorCore, datagrams: Sequence[Datagram], now: float
     return out + core.take_replies()
 
 
-def _engine_tx(engine) -> Burst:
-    return make_burst(max(2 * engine.pool_size, 64), engine.max_datagram)
+def engine_start(engine: StreamEngine, x: np.ndarray, now: float, out: np.ndarray | None = None) -> list[Datagram]:
+    return engine.start(x, now, out).datagrams()
 
 
-def engine_start(engine, x: np.ndarray, now: float, out: np.ndarray | None = None) -> list[Datagram]:
-    tx = _engine_tx(engine)
-    return drain(tx, engine.start(x, now, tx.ptr, tx.length, tx.addr, out))
-
-
-def engine_receive(engine, datagrams: Sequence[Datagram], now: float) -> list[Datagram]:
+def engine_receive(engine: StreamEngine, datagrams: Sequence[Datagram], now: float) -> list[Datagram]:
     """Feed datagrams (payload, source) to engine.receive; returns what it sends (payload, dest)."""
-    rx = fill_burst(datagrams, width=engine.max_datagram)
-    tx = _engine_tx(engine)
-    return drain(tx, engine.receive(rx.data, rx.length, rx.addr, len(datagrams), now, tx.ptr, tx.length, tx.addr))
+    rx = WorkerBurst.rows_of(len(datagrams), max([engine.max_datagram, HDR] + [len(d) for d, _ in datagrams]))
+    rx.fill(datagrams)
+    return engine.receive(rx, now).datagrams()
 
 
-def engine_timer(engine, now: float) -> list[Datagram]:
-    tx = _engine_tx(engine)
-    return drain(tx, engine.handle_timer(now, tx.ptr, tx.length, tx.addr))
+def engine_timer(engine: StreamEngine, now: float) -> list[Datagram]:
+    return engine.handle_timer(now).datagrams()
 
 
 def join_datagram(job: int, rank: int, **params) -> bytes:
@@ -218,17 +215,32 @@ class Network:
         datagram = join_datagram(self.job if job is None else job, rank, **self.join_params(**overrides))
         return self.to_core(core, [(datagram, self.addr(rank) if src is None else src)])
 
+    def session(self, rank: int) -> WorkerSession:
+        """The control plane of rank ``rank`` with this network's parameters, as a Worker builds it."""
+        params = JobParams(world_size=self.n, packet_elements=self.packet_elements, pool_size=self.pool_size,
+                           codec=self.codec, seed=self.seed)
+        return WorkerSession(job=self.job, rank=rank, params=params, token=self.token, aggregator=agg_addr(0))
+
     def join_all(self) -> list[Datagram]:
-        """JOIN every rank on every core; asserts each got exactly one JOIN_ACK and returns the replies."""
+        """Join every rank through its WorkerSession, on every core; asserts each JOIN got exactly one JOIN_ACK
+        and returns the replies (rank by rank, core by core)."""
         replies = []
-        for core in range(len(self.cores)):
-            for rank in range(self.n):
-                got = self.join(rank, core=core)
-                assert len(got) == 1 and msg_type(got[0][0]) == MsgType.JOIN_ACK, got
-                ack = wire.unpack_join(got[0][0])[1]
-                if ack["group"]:  # the job's results are multicast: every rank listens to the group
-                    self.group = addr_key(int(ack["group"]), int(ack["group_port"]))
-                replies += got
+        for rank in range(self.n):
+            session = self.session(rank)
+            session.connect(self.now)
+            while not session.joined:
+                requests = session.datagrams_to_send(self.now)
+                assert requests, f"rank {rank}: the session sent no JOIN but has not joined: {session.next_event()}"
+                for data, dst in requests:
+                    got = self.to_core(self.core_of[dst], [(data, self.addr(rank))])
+                    assert len(got) == 1 and msg_type(got[0][0]) == MsgType.JOIN_ACK, got
+                    session.receive(got[0][0], dst, self.now)
+                    replies += got
+            events = iter(session.next_event, None)
+            [joined] = [e for e in events if isinstance(e, JobJoined)]
+            assert len(joined.groups) <= 1, f"the harness routes one results group per job, got {joined.groups}"
+            if joined.groups:  # the job's results are multicast: every rank listens to the group
+                self.group = joined.groups[0]
         return replies
 
     def to_core(self, core: int, datagrams: Sequence[Datagram], lengths: Sequence[int] | None = None) -> list[Datagram]:

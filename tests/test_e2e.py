@@ -8,6 +8,7 @@ The harness (aggregator and worker processes, always killed at teardown) is test
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import itertools
 import os
@@ -124,19 +125,17 @@ def allreduce_worker(port: int, job: int, rank: int, n: int, codec: str, seed: i
                      into: bool = False) -> dict:
     """Join `job`, allreduce the plan's tensors in order, leave; returns results and counters. `into`: results
     go into caller buffers, in place (out=x) where x is contiguous float32, else a new out array."""
+    from faults import faulty_sockets
+
     from intml.worker import Worker
-    from intml.worker.faults import FaultyTransport
 
-    transport = None
-    if faults:
-        seeds = itertools.count(1000 * job + 100 * rank)  # one per socket: the unicast one, then any group's
-
-        def transport(io):
-            return FaultyTransport(io, drop=faults, duplicate=faults, reorder=faults, seed=next(seeds))
+    # one seed per socket: the unicast one, then any group's
+    sockets = faulty_sockets(drop=faults, duplicate=faults, reorder=faults, seed=1000 * job + 100 * rank) \
+        if faults else contextlib.nullcontext()
     xs = [make_input(seed, rank, k, spec) for k, spec in enumerate(plan)]
     ticks = None
-    with Worker(f"{HOST}:{port}", job=job, rank=rank, world_size=n, token=f"token-{job}", codec=codec,
-                packet_elements=PACKET, pool_size=pool, seed=seed, timeout=timeout, transport=transport) as w:
+    with sockets, Worker(f"{HOST}:{port}", job=job, rank=rank, world_size=n, token=f"token-{job}", codec=codec,
+                         packet_elements=PACKET, pool_size=pool, seed=seed, timeout=timeout) as w:
         if use_async:
             outs, ticks = asyncio.run(_allreduce_async_all(w, xs, plan))
         elif into:
@@ -676,7 +675,7 @@ def fuzzing_rank(port: int, job: int, rank: int, n: int, seed: int, plan, fuzz_s
             outs.append(w.allreduce(x, op=spec.op))
             thread.join()
             sent.update(reason for _, _, reason in between + within)
-            last = ctypes.string_at(int(w.io.tx_ptr[0]), int(w.io.tx_len[0]))  # a datagram the engine sent
+            last = ctypes.string_at(int(w.engine.tx.ptr[0]), int(w.engine.tx.length[0]))  # one the engine sent
             if len(last) >= wire.HEADER_SIZE and last[wire.OFFSETS["type"]] == MsgType.DATA:
                 fuzzer.real = last  # mutate real traffic from now on too
         report.put({"outs": outs, "sent": dict(sent), "counters": w.counters(), "real": fuzzer.real is not None})

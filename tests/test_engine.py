@@ -22,7 +22,6 @@ from harness import (
     engine_start,
     engine_timer,
     header,
-    make_burst,
     make_inputs,
     reference_saturation,
     table_snapshot,
@@ -35,6 +34,8 @@ from hypothesis import strategies as st
 from intml.protocol import reference, wire
 from intml.protocol.packet import HDR
 from intml.protocol.wire import NO_EXP, Codec, MsgType
+from intml.protocol.burst import Burst
+from intml.protocol.job import WorkerTimers
 from intml.worker.engine import IDLE, STAT_NAMES, StreamEngine
 
 CODECS = ["cnat8", "int32"]
@@ -253,9 +254,8 @@ def test_result_into_out_and_in_place(codec, faults):
                                  np.zeros((11, 2), np.float32)[:, 0]])
 def test_engine_rejects_bad_out(out):
     engine = Network(1, join=False).engines[0]
-    tx = make_burst(64, engine.max_datagram)
     with pytest.raises(ValueError, match="out must be a C-contiguous float32 array of 11 elements"):
-        engine.start(np.ones(11, np.float32), 0.0, tx.ptr, tx.length, tx.addr, out)
+        engine.start(np.ones(11, np.float32), 0.0, out)
 
 
 @pytest.mark.parametrize("codec", CODECS)
@@ -629,7 +629,7 @@ def test_engine_rejects_inconsistent_rto_bounds():
 
 def test_engine_done_and_timer_with_nothing_in_flight():
     engine, _, sent = lone_engine(size=0)
-    assert sent == [] and engine.done and engine.get_timer() == float("inf")
+    assert sent == [] and engine.done and engine.get_timer() is None
     assert engine_timer(engine, 100.0) == []
     assert engine.result.size == 0
 
@@ -637,3 +637,25 @@ def test_engine_done_and_timer_with_nothing_in_flight():
 def test_engine_counters_names():
     engine, _, _ = lone_engine()
     assert set(engine.counters()) == set(STAT_NAMES)
+
+
+def test_engine_hands_out_bursts_over_its_own_datagram_buffers():
+    """Zero copy: the rows of the Burst a call returns point into the engine's stored datagrams, and the engine
+    takes a receive Burst as BurstSocket.rx is (rows of its own, count set)."""
+    engine = StreamEngine(job=JOB, rank=RANK, world_size=N, codec=Codec.CNAT8, packet_elements=P8, pool_size=POOL,
+                          seed=ESEED, agg_addrs=[AGG])
+    assert engine.get_timer() is None  # nothing started
+    assert engine.timing[3] == WorkerTimers.min_rto  # the same floor as the Worker's
+    x = ((np.arange(20) % 8 - 3.5) * 1.5).astype(np.float32)
+    tx = engine.start(x, 0.0)
+    assert tx is engine.tx and tx.count == POOL
+    base, end = engine.packet.ctypes.data, engine.packet.ctypes.data + engine.packet.nbytes
+    assert all(base <= int(p) and int(p) + int(n) <= end for p, n in zip(tx.ptr[:tx.count], tx.length[:tx.count]))
+    boot = tx.datagrams()
+    rx = Burst.rows_of(8, engine.max_datagram)
+    rx.fill([(result_for(boot[0][0], next_exp=3), AGG)])
+    out = engine.receive(rx, 0.001)
+    assert out is engine.tx and out.count == 1
+    assert int(out.ptr[0]) == engine.packet[0, engine.parity[0]].ctypes.data  # slot 0's next chunk, in place
+    assert engine.handle_timer(0.002).count == 0
+    assert engine.get_timer() == WorkerTimers.rto  # the other slots, sent at 0 with the default RTO

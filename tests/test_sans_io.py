@@ -16,7 +16,8 @@ import pytest
 
 import intml
 
-CORES = ["intml.aggregator.core", "intml.aggregator.slots", "intml.worker.engine", "intml.protocol.codecs"]
+CORES = ["intml.aggregator.core", "intml.aggregator.slots", "intml.worker.engine", "intml.worker.session",
+         "intml.protocol.codecs"]
 IO_MODULES = {"socket", "select", "selectors", "asyncio", "uvloop", "ctypes", "time", "threading", "signal"}
 DRIVERS = {"intml.burstio", "intml.burstio.mmsg", "intml.worker.api", "intml.aggregator.dataplane"}
 

@@ -4,15 +4,15 @@
     with Worker("127.0.0.1:48879", job=7, rank=0, world_size=4, token="s3cret") as w:
         g = w.allreduce(grad, op="mean")
 
-A Worker drives the sans-I/O StreamEngine with a burst socket: it blocks in poll() until a result arrives or
-the next retransmission is due. ``allreduce_async`` does the same on an asyncio event loop.
+A Worker is a thin socket driver of two sans-I/O objects: the control plane's ``WorkerSession`` (join, leave,
+deadlines, statistics) and the data plane's ``StreamEngine``. It feeds them the datagrams it receives and the
+clock, and sends what they hand out; it blocks in poll() until a datagram arrives or their next timer is due.
+``allreduce_async`` does the same on an asyncio event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import select
 import socket
 import time
@@ -21,12 +21,21 @@ import numpy as np
 
 from intml.burstio.mmsg import BurstSocket, addr_key, addr_of
 from intml.protocol import wire
-from intml.protocol.packet import HDR
-from intml.protocol.wire import Codec, MsgType
+from intml.protocol.burst import Burst
+from intml.protocol.job import CODEC_NAMES, JobParams, WorkerTimers
 from intml.worker.engine import StreamEngine
+from intml.worker.session import (
+    Event,
+    JobJoined,
+    JoinRefused,
+    JoinTimedOut,
+    NoProgress,
+    StatsAnswered,
+    WorkerSession,
+    token_hash,
+)
 
-CODECS = {"cnat8": Codec.CNAT8, "int32": Codec.INT32}
-JOIN_RESEND = 0.2  # seconds between JOIN retransmissions
+CODECS = CODEC_NAMES  # the name worker.torch and older callers import
 
 
 class AllreduceTimeout(TimeoutError):
@@ -35,11 +44,6 @@ class AllreduceTimeout(TimeoutError):
 
 class JoinError(RuntimeError):
     """The aggregator refused the JOIN (its reason is the message)."""
-
-
-def token_hash(token: str) -> int:
-    """The 64-bit job token carried on the wire (the shared secret itself never is)."""
-    return int.from_bytes(hashlib.blake2b(token.encode(), digest_size=8).digest(), "big")
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -67,10 +71,11 @@ class Worker:
     """One rank of one job. Joins on construction; ``close()`` (or leaving the ``with`` block) leaves the job."""
 
     def __init__(self, aggregator: str, *, job: int, rank: int, world_size: int, token: str = "",
-                 codec: str = "cnat8", packet_elements: int = 1024, pool_size: int = 64, seed: int = 0,
-                 timeout: float = 30.0, rto: float = 0.05, min_rto: float = 0.05, max_rto: float = 1.0,
-                 burst: int = 256,
-                 transport=None) -> None:
+                 codec: str = "cnat8", packet_elements: int = JobParams.packet_elements,
+                 pool_size: int = JobParams.pool_size, seed: int = JobParams.seed,
+                 timeout: float = WorkerTimers.timeout, rto: float = WorkerTimers.rto,
+                 min_rto: float = WorkerTimers.min_rto, max_rto: float = WorkerTimers.max_rto,
+                 burst: int = 256) -> None:
         if codec not in CODECS:
             raise ValueError(f"codec must be one of {sorted(CODECS)}, got {codec!r}")
         if not 0 <= rank < world_size:
@@ -80,28 +85,30 @@ class Worker:
         limit = wire.max_packet_elements(CODECS[codec])
         if not 1 <= packet_elements <= limit or not 1 <= pool_size <= 0xFFFF:
             raise ValueError(f"packet_elements must be in [1, {limit}] for {codec} and pool_size in [1, 65535]")
+        params = JobParams.of(world_size=world_size, codec=codec, packet_elements=packet_elements,
+                              pool_size=pool_size, seed=seed)
+        timers = WorkerTimers(timeout=timeout, rto=rto, min_rto=min_rto, max_rto=max_rto)
         self.host, self.port = parse_address(aggregator)
         self.job, self.rank, self.world_size = job, rank, world_size
-        self.codec = CODECS[codec]
+        self.codec = params.codec
         self.timeout = timeout
-        self._join_params = dict(world_size=world_size, packet_elements=packet_elements, pool_size=pool_size,
-                                 codec=int(self.codec), seed=seed, token=token_hash(token))
+        self.session = WorkerSession(job=job, rank=rank, params=params, token=token_hash(token),
+                                     aggregator=addr_key(self.host, self.port), timeout=timeout)
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         sock.bind(("0.0.0.0", 0))
         # room for any datagram: a statistics reply can be longer than a data packet
         rx_burst = max(burst, 2 * pool_size)
         self.io = BurstSocket(sock, burst=rx_burst, max_packet=wire.MAX_DATAGRAM)
-        if transport is not None:
-            self.io = transport(self.io)  # e.g. worker.faults.FaultyTransport for tests
         self._poll = select.poll()  # every socket results arrive on
         self._poll.register(self.io.fileno(), select.POLLIN)
         self._control_poll = select.poll()  # control replies come to this socket only
         self._control_poll.register(self.io.fileno(), select.POLLIN)
-        self.cores, groups = self._join_all()
         self._inputs = [self.io]  # sockets results arrive on: this one, and the job's multicast groups if any
-        self.results_groups = ["%s:%d" % addr_of(g) for g in groups]  # where the cores multicast completions
         self._closed = False
-        for group, name in zip(groups, self.results_groups):
+        joined = self._join()
+        self.cores = joined.cores
+        self.results_groups = ["%s:%d" % addr_of(g) for g in joined.groups]  # where the cores multicast completions
+        for group, name in zip(joined.groups, self.results_groups):
             try:
                 results = BurstSocket(_group_socket(group, self.host, self.port), burst=rx_burst,
                                       max_packet=wire.MAX_DATAGRAM)
@@ -109,65 +116,62 @@ class Worker:
                 self.close()  # leave the job: a retry must not find this rank still bound
                 raise JoinError(f"{self._who()}: cannot receive the job's results on multicast group {name}: "
                                 f"{exc.strerror or exc}") from None
-            self._inputs.append(results if transport is None else transport(results))
+            self._inputs.append(results)
             self._poll.register(results.fileno(), select.POLLIN)
-        agg = [addr_key(self.host, self.port + i) for i in range(self.cores)]
+        agg = [self.session.core_addr(i) for i in range(self.cores)]
         self.engine = StreamEngine(job=job, rank=rank, world_size=world_size, codec=self.codec,
                                    packet_elements=packet_elements, pool_size=pool_size, seed=seed, agg_addrs=agg,
-                                   rto=rto, min_rto=min_rto, max_rto=max_rto)
+                                   rto=timers.rto, min_rto=timers.min_rto, max_rto=timers.max_rto)
 
-    # ---- membership -------------------------------------------------------------------------------------
+    # ---- control plane: the session's datagrams over the unicast socket ---------------------------------
     def _who(self) -> str:
         return f"job {self.job} rank {self.rank}"
 
-    def _join_all(self) -> tuple[int, list[int]]:
-        """Join every core; returns (cores, the distinct results groups the cores named, as address keys). The
-        cores place a job in their tables independently, so they may name different groups."""
-        acks = [self._join(self.port)]
-        cores = int(acks[0]["cores"])
-        acks += [self._join(self.port + i) for i in range(1, cores)]
-        groups = {int(ack["group"]) << 16 | int(ack["group_port"]) for ack in acks if ack["group"]}
-        return cores, sorted(groups)
+    def _core_name(self, core: int) -> str:
+        return f"{self.host}:{self.port + core}"
 
-    def _join(self, port: int) -> np.void:
-        request = wire.pack_join({"type": int(MsgType.JOIN), "job": self.job, "rank": self.rank}, self._join_params)
-        target = addr_key(self.host, port)
-        deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
-            self.io.send_one(request, target)
-            for data in self._control_replies(target, JOIN_RESEND):
-                typ = data[wire.OFFSETS["type"]]
-                if typ == MsgType.JOIN_ACK:
-                    return wire.unpack_join(data)[1]
-                if typ == MsgType.ERROR:
-                    raise JoinError(f"{self._who()}: aggregator {self.host}:{port} refused the join: "
-                                    f"{data[HDR:].decode(errors='replace')}")
-        raise AllreduceTimeout(f"{self._who()}: no answer to JOIN from aggregator {self.host}:{port} within "
-                               f"{self.timeout} s; is intml-aggregator running there and reachable?")
+    def _control(self, wanted: tuple[type, ...]) -> Event:
+        """Run the session over the unicast socket until it reports an event of a ``wanted`` type; returns it.
+        Results arriving meanwhile are dropped, as no allreduce is running."""
+        session = self.session
+        while True:
+            now = time.monotonic()
+            while (event := session.next_event()) is not None:
+                if isinstance(event, wanted):
+                    return event
+            for data, addr in session.datagrams_to_send(now):
+                self.io.send_one(data, addr)
+            timer = session.get_timer()
+            if self._control_poll.poll(max(0.0, timer - now) * 1000 if timer is not None else None):
+                now = time.monotonic()
+                while self.io.recv_burst() > 0:
+                    for data, addr in self.io.rx.datagrams():
+                        session.receive(data, addr, now)
+            if (timer := session.get_timer()) is not None and time.monotonic() >= timer:
+                session.handle_timer(time.monotonic())
 
-    def _control_replies(self, source: int, wait: float):
-        """Yield the control datagrams (not results) from `source` arriving within `wait` seconds."""
-        end = time.monotonic() + wait
-        while (left := end - time.monotonic()) > 0:
-            if not self._control_poll.poll(left * 1000):
-                continue
-            n = self.io.recv_burst()
-            for i in range(n):
-                length = int(self.io.rx_len[i])
-                if length >= HDR and int(self.io.rx_addr[i]) == source:
-                    data = bytes(self.io.rx_data[i, :length])
-                    if data[wire.OFFSETS["type"]] != MsgType.RESULT:
-                        yield data
+    def _join(self) -> JobJoined:
+        """Join every core; returns the session's JobJoined (cores, the distinct results groups the cores named).
+        The cores place a job in their tables independently, so they may name different groups."""
+        self.session.connect(time.monotonic())
+        event = self._control((JobJoined, JoinRefused, JoinTimedOut))
+        if isinstance(event, JoinRefused):
+            raise JoinError(f"{self._who()}: aggregator {self._core_name(event.core)} refused the join: "
+                            f"{event.reason}")
+        if isinstance(event, JoinTimedOut):
+            raise AllreduceTimeout(f"{self._who()}: no answer to JOIN from aggregator {self._core_name(event.core)} "
+                                   f"within {self.timeout} s; is intml-aggregator running there and reachable?")
+        return event
 
     def close(self) -> None:
         """Leave the job (the aggregator frees its slots when every rank has left) and close the socket."""
         if self._closed:
             return
         self._closed = True
-        leave = wire.pack({"type": int(MsgType.LEAVE), "job": self.job, "rank": self.rank})
-        for i in range(self.cores):
+        self.session.leave()
+        for data, addr in self.session.datagrams_to_send(time.monotonic()):
             try:
-                self.io.send_one(leave, addr_key(self.host, self.port + i))
+                self.io.send_one(data, addr)
             except OSError:
                 pass  # best effort: an idle job is torn down anyway
         for rx in self._inputs:
@@ -180,8 +184,7 @@ class Worker:
         self.close()
 
     # ---- allreduce --------------------------------------------------------------------------------------
-    def _prepare(self, x: np.ndarray, op: str, out: np.ndarray | None,
-                 sent: np.ndarray | None) -> tuple[np.ndarray, float]:
+    def _prepare(self, x: np.ndarray, op: str, out: np.ndarray | None, sent: np.ndarray | None) -> np.ndarray:
         if op not in ("sum", "mean"):
             raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
         if self._closed:
@@ -190,40 +193,46 @@ class Worker:
         if arr.dtype.kind != "f":
             raise TypeError(f"allreduce takes a floating-point array, got {arr.dtype}")
         now = time.monotonic()
-        n = self.engine.start(arr, now, self.io.tx_ptr, self.io.tx_len, self.io.tx_addr, out, sent=sent)
-        self._send(n)
-        return arr, now
+        self._send(self.engine.start(arr, now, out, sent=sent))
+        self.session.watch_progress(now)
+        return arr
 
-    def _send(self, n: int) -> None:
-        if n:
-            self.io.send_burst(n)  # anything the kernel would not take is retransmitted on timeout
+    def _send(self, burst: Burst) -> None:
+        if burst.count:
+            self.io.send(burst)  # anything the kernel would not take is retransmitted on timeout
 
     def _pump(self, now: float) -> bool:
         """Drain received results and fire due retransmissions; True if a chunk completed."""
-        before = self.engine.progress
-        io = self.io
+        engine = self.engine
+        before = engine.progress
         for rx in self._inputs:
-            while (n := rx.recv_burst()) > 0:
-                self._send(self.engine.receive(rx.rx_data, rx.rx_len, rx.rx_addr, n, now, io.tx_ptr, io.tx_len,
-                                               io.tx_addr))
-        self._send(self.engine.handle_timer(now, io.tx_ptr, io.tx_len, io.tx_addr))
-        return self.engine.progress != before or self.engine.done
+            while rx.recv_burst() > 0:
+                self._send(engine.receive(rx.rx, now))
+        self._send(engine.handle_timer(now))
+        return engine.progress != before or engine.done
 
-    def _wait(self, last_progress: float) -> float:
+    def _wait(self) -> float:
         """Seconds until the next retransmission or the progress deadline, whichever is first."""
-        return min(self.engine.get_timer(), last_progress + self.timeout) - time.monotonic()
+        timers = [t for t in (self.engine.get_timer(), self.session.get_timer()) if t is not None]
+        return min(timers) - time.monotonic()
 
-    def _step(self, last_progress: float) -> float:
-        """Pump once; returns the time of the last progress, or raises AllreduceTimeout past the deadline."""
+    def _step(self) -> None:
+        """Pump once; raises AllreduceTimeout once the session says the allreduce made no progress in time."""
         now = time.monotonic()
+        session = self.session
         if self._pump(now):
-            return now
-        if now - last_progress >= self.timeout:
-            self.engine.check_finite()  # the real cause, if this rank stopped sending at a NaN or infinity
-            raise AllreduceTimeout(self._timeout_message())
-        return last_progress
+            session.watch_progress(now)
+            return
+        if (deadline := session.get_timer()) is None or deadline > now:
+            return
+        session.handle_timer(now)
+        while (event := session.next_event()) is not None:
+            if isinstance(event, NoProgress):
+                self.engine.check_finite()  # the real cause, if this rank stopped sending at a NaN or infinity
+                raise AllreduceTimeout(self._timeout_message())
 
     def _finish(self, arr: np.ndarray, op: str, out: np.ndarray | None) -> np.ndarray:
+        self.session.unwatch_progress()
         self.engine.check_finite()
         out = self.engine.result.reshape(arr.shape) if out is None else out
         if op == "mean":
@@ -238,11 +247,11 @@ class Worker:
         for an in-place allreduce, as torch.distributed does); reusing one across calls avoids allocating and
         page-faulting a tensor-sized result every time. ``sent``: a float32 array of the same layout that receives
         what this rank put on the wire, decoded (before the mean's division; see StreamEngine.start)."""
-        arr, last_progress = self._prepare(x, op, out, sent)
+        arr = self._prepare(x, op, out, sent)
         while not self.engine.done:
-            if (wait := self._wait(last_progress)) > 0:
+            if (wait := self._wait()) > 0:
                 self._poll.poll(wait * 1000)
-            last_progress = self._step(last_progress)
+            self._step()
         return self._finish(arr, op, out)
 
     async def allreduce_async(self, x: np.ndarray, op: str = "sum", out: np.ndarray | None = None, *,
@@ -253,15 +262,15 @@ class Worker:
         for rx in self._inputs:
             loop.add_reader(rx.fileno(), readable.set)
         try:
-            arr, last_progress = self._prepare(x, op, out, sent)
+            arr = self._prepare(x, op, out, sent)
             while not self.engine.done:
-                if (wait := self._wait(last_progress)) > 0:
+                if (wait := self._wait()) > 0:
                     try:
                         await asyncio.wait_for(readable.wait(), wait)
                     except asyncio.TimeoutError:
                         pass
                 readable.clear()
-                last_progress = self._step(last_progress)
+                self._step()
             return self._finish(arr, op, out)
         finally:
             for rx in self._inputs:
@@ -271,7 +280,9 @@ class Worker:
         done, chunks = self.engine.progress
         base = (f"{self._who()}: allreduce #{self.engine.allreduce_seq} made no progress for {self.timeout} s "
                 f"({done}/{chunks} chunks done, {len(self.engine.pending_slots())} slots waiting)")
-        missing, silent = self._ask_missing_ranks()
+        self.session.request_stats(time.monotonic())
+        stats = self._control((StatsAnswered,))
+        missing, silent = stats.missing, stats.silent
         if missing is None:
             return base + f"; the aggregator {self.host}:{self.port} did not answer a statistics request"
         if silent is None:
@@ -281,28 +292,6 @@ class Worker:
             return base + "; the aggregator holds no incomplete round for this job (results lost?)"
         silence = ", ".join(f"rank {r} silent {silent.get(str(r), '?')} s" for r in missing)
         return base + f"; waiting for ranks {missing} ({silence})"
-
-    def _ask_missing_ranks(self) -> tuple[list[int] | None, dict | None]:
-        """Ask every core for the job's incomplete rounds: the union of their missing ranks (None: no answer)
-        and how long each rank has been silent (None: no core knows the job)."""
-        request = wire.pack({"type": int(MsgType.STATS_REQUEST), "job": self.job, "rank": self.rank})
-        missing: set[int] = set()
-        silent: dict | None = None
-        answered = False
-        for i in range(self.cores):
-            target = addr_key(self.host, self.port + i)
-            self.io.send_one(request, target)
-            for data in self._control_replies(target, 0.5):
-                if data[wire.OFFSETS["type"]] != MsgType.STATS_REPLY:
-                    continue
-                answered = True
-                job = json.loads(data[HDR:]).get("jobs", {}).get(str(self.job))
-                if job:
-                    silent = {**(silent or {}), **job["silent_s"]}
-                    for round_ in job["pending"]:
-                        missing.update(round_["missing_ranks"])
-                break
-        return (sorted(missing) if answered else None), silent
 
     def counters(self) -> dict[str, int]:
         """Packets, retransmissions and drops seen by this worker."""

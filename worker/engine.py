@@ -1,6 +1,7 @@
 """The worker's sans-I/O streaming engine: chunking, the window of slots, exponent agreement, retransmission and
-result decoding, as Numba kernels over bursts. No sockets, no clock: the driver passes datagram arrays and
-``now``, and sends what the engine writes into the transmit arrays (as aioquic's QuicConnection does).
+result decoding, as Numba kernels over bursts. No sockets, no clock: the driver passes received datagrams as a
+``protocol.burst.Burst`` and ``now``, and sends the ``Burst`` the engine hands back, whose rows point at the
+engine's stored datagrams (as aioquic's QuicConnection does, without the copies).
 
 One allreduce of a flat float32 tensor of N elements, packet size P and pool size W:
 
@@ -51,6 +52,7 @@ from intml.protocol.arith import (
     value_bits,
     worker_stream,
 )
+from intml.protocol.burst import Burst
 from intml.protocol.cnat import decode_kernel, encode_kernel, find_invalid_kernel, has_underflow
 from intml.protocol.lanes import load_be32, store_be32
 from intml.protocol.packet import (
@@ -73,6 +75,7 @@ from intml.protocol.packet import (
     get_u32,
     put_header,
 )
+from intml.protocol.job import WorkerTimers
 from intml.protocol.rng import derive_key
 from intml.protocol.wire import MAGIC, VERSION, Codec, MsgType
 
@@ -257,65 +260,115 @@ def start_kernel(state, now, tx_ptr, tx_len, tx_addr):
     return window
 
 
+@njit(inline="always")
+def _malformed_header(p, length):
+    """DROP_MALFORMED unless the datagram is a whole header of a RESULT of this protocol version, else -1."""
+    if length < HDR or get_u16(p, O_MAGIC) != MAGIC or p[O_VERSION] != VERSION or p[O_TYPE] != MsgType.RESULT:
+        return DROP_MALFORMED
+    return -1
+
+
+@njit(inline="always")
+def _match_round(prm, parity, cur_chunk, agg_addr, p, addr):
+    """Why a well-formed result is not the one slot get_u16(p, O_SLOT) waits for: DROP_FOREIGN (another job, a
+    slot outside the pool, or not our aggregator core), DROP_STALE (a duplicate, or a result of an earlier round
+    or allreduce), else -1. (The stages take the arrays they use, not the State: each array passed costs
+    reference counting per datagram.)"""
+    s = get_u16(p, O_SLOT)
+    if get_u32(p, O_JOB) != prm[P_JOB] or s >= parity.size or addr != agg_addr[s % prm[P_CORES]]:
+        return DROP_FOREIGN
+    if (get_u32(p, O_ALLREDUCE) != prm[P_ALLREDUCE] or s >= prm[P_WINDOW] or get_i32(p, O_CHUNK) != cur_chunk[s]
+            or np.int64(p[O_SHADOW]) != parity[s]):
+        return DROP_STALE
+    return -1
+
+
+@njit(inline="always")
+def _malformed_result(prm, agreed_exp, p, length, c, count):
+    """DROP_MALFORMED unless the result of chunk c (count elements) has the codec, size and exponents it must
+    have, else -1."""
+    codec = prm[P_CODEC]
+    exp = NO_EXP if c < 0 else agreed_exp[c]
+    next_exp = get_i8(p, O_NEXT_EXP)
+    lo_exp, hi_exp = CNAT_RANGE if codec == Codec.CNAT8 else INT32_RANGE
+    width = 1 if codec == Codec.CNAT8 else 4
+    if (np.int64(p[O_CODEC]) != codec or get_u16(p, O_COUNT) != count or length != HDR + width * count
+            or get_i8(p, O_EXP) != exp or (next_exp != NO_EXP and not lo_exp <= next_exp <= hi_exp)):
+        return DROP_MALFORMED
+    return -1
+
+
+@njit(inline="always")
+def _decode(prm, agreed_exp, out, out_bits, p, c, count):
+    """Chunk c's sum (count elements) from its result into the output tensor ``out`` (``out_bits``: its uint32
+    view); DROP_MALFORMED instead if a code is invalid, else -1."""
+    if count == 0:  # a bootstrap round carries only the next exponent
+        return -1
+    lo = c * prm[P_PKT]
+    if prm[P_CODEC] == Codec.CNAT8:
+        codes = p[HDR:HDR + count]
+        if find_invalid_kernel(codes) >= 0:
+            return DROP_MALFORMED
+        decode_kernel(codes, out_bits[lo:lo + count])
+    else:
+        unit = 2.0 ** -int32_scale_exponent(agreed_exp[c], prm[P_VBITS])
+        for k in range(count):
+            out[lo + k] = dequantize(load_be32(p, HDR + 4 * k), unit)
+    prm[P_DONE] += 1
+    return -1
+
+
+@njit(inline="always")
+def _take_result(st, s, now):
+    """Slot s's round is over: count it, sample the round trip, mark the slots it overtook, flip the shadow set."""
+    st.stats[RESULTS] += 1
+    if st.retries[s] == 0:  # Karn: a retransmitted slot's RTT is ambiguous
+        _rtt_sample(st.timing, now - st.sent_at[s])
+    _count_overtaking(st, s)
+    st.parity[s] ^= 1
+
+
+@njit(inline="always")
+def _advance(st, s, c, next_exp, now, tx_ptr, tx_len, tx_addr, n_tx):
+    """Queue slot s's next chunk, c + window, to be encoded against next_exp (or leave the slot idle if there is
+    none); returns the new tx count."""
+    prm = st.params
+    nxt = c + prm[P_WINDOW]
+    if nxt < prm[P_CHUNKS] and prm[P_BAD] < 0:  # no new chunk once a non-finite value was found
+        st.agreed_exp[nxt] = next_exp
+        _build(st, s, nxt, now)
+        _queue(st, s, tx_ptr, tx_len, tx_addr, n_tx)
+        return n_tx + 1
+    st.cur_chunk[s] = IDLE
+    return n_tx
+
+
 @njit(cache=True, nogil=True, boundscheck=False)
 def receive_kernel(state, rx_data, rx_len, rx_addr, n_rx, now, tx_ptr, tx_len, tx_addr):
     """Accept results, decode them, and queue each slot's next chunk. Returns datagrams written to tx."""
     st = State(*state)
-    prm = st.params
+    prm, agreed_exp, out = st.params, st.agreed_exp, st.out
+    out_bits = out.view(np.uint32)
     n_tx = 0
-    window = prm[P_WINDOW]
-    codec = prm[P_CODEC]
-    width = 1 if codec == Codec.CNAT8 else 4
-    out_bits = st.out.view(np.uint32)
     for i in range(n_rx):
         st.stats[PACKETS_IN] += 1
         p = rx_data[i]
         length = rx_len[i]
-        if length < HDR or get_u16(p, O_MAGIC) != MAGIC or p[O_VERSION] != VERSION or p[O_TYPE] != MsgType.RESULT:
-            st.stats[DROP_MALFORMED] += 1
+        drop = _malformed_header(p, length)
+        if drop < 0:
+            drop = _match_round(prm, st.parity, st.cur_chunk, st.agg_addr, p, rx_addr[i])
+        c = get_i32(p, O_CHUNK)
+        if drop < 0:  # c is the slot's chunk
+            count = _chunk_count(st, c)
+            drop = _malformed_result(prm, agreed_exp, p, length, c, count)
+            if drop < 0:
+                drop = _decode(prm, agreed_exp, out, out_bits, p, c, count)
+        if drop >= 0:
+            st.stats[drop] += 1
             continue
         s = get_u16(p, O_SLOT)
-        if get_u32(p, O_JOB) != prm[P_JOB] or s >= st.parity.size or rx_addr[i] != st.agg_addr[s % prm[P_CORES]]:
-            st.stats[DROP_FOREIGN] += 1  # another job, a slot outside the pool, or not our aggregator
-            continue
-        c = get_i32(p, O_CHUNK)
-        if (get_u32(p, O_ALLREDUCE) != prm[P_ALLREDUCE] or s >= window or c != st.cur_chunk[s]
-                or np.int64(p[O_SHADOW]) != st.parity[s]):
-            st.stats[DROP_STALE] += 1  # a duplicate, or a result of an earlier round or allreduce
-            continue
-        count = _chunk_count(st, c)
-        exp = NO_EXP if c < 0 else st.agreed_exp[c]
-        next_exp = get_i8(p, O_NEXT_EXP)
-        lo_exp, hi_exp = CNAT_RANGE if codec == Codec.CNAT8 else INT32_RANGE
-        if (np.int64(p[O_CODEC]) != codec or get_u16(p, O_COUNT) != count or length != HDR + width * count
-                or get_i8(p, O_EXP) != exp or (next_exp != NO_EXP and not lo_exp <= next_exp <= hi_exp)):
-            st.stats[DROP_MALFORMED] += 1
-            continue
-        if count > 0:
-            lo = c * prm[P_PKT]
-            if codec == Codec.CNAT8:
-                if find_invalid_kernel(p[HDR:HDR + count]) >= 0:
-                    st.stats[DROP_MALFORMED] += 1
-                    continue
-                decode_kernel(p[HDR:HDR + count], out_bits[lo:lo + count])
-            else:
-                unit = 2.0 ** -int32_scale_exponent(exp, prm[P_VBITS])
-                for k in range(count):
-                    st.out[lo + k] = dequantize(load_be32(p, HDR + 4 * k), unit)
-            prm[P_DONE] += 1
-        st.stats[RESULTS] += 1
-        if st.retries[s] == 0:  # Karn: a retransmitted slot's RTT is ambiguous
-            _rtt_sample(st.timing, now - st.sent_at[s])
-        _count_overtaking(st, s)
-        st.parity[s] ^= 1
-        nxt = c + window
-        if nxt < prm[P_CHUNKS] and prm[P_BAD] < 0:  # no new chunk once a non-finite value was found
-            st.agreed_exp[nxt] = next_exp
-            _build(st, s, nxt, now)
-            _queue(st, s, tx_ptr, tx_len, tx_addr, n_tx)
-            n_tx += 1
-        else:
-            st.cur_chunk[s] = IDLE
+        _take_result(st, s, now)
+        n_tx = _advance(st, s, c, get_i8(p, O_NEXT_EXP), now, tx_ptr, tx_len, tx_addr, n_tx)
     return _fast_retransmit(st, now, tx_ptr, tx_len, tx_addr, n_tx)
 
 
@@ -354,8 +407,8 @@ class StreamEngine:
     """One worker's side of a job's allreduces. Construct once per job; call ``start`` per allreduce."""
 
     def __init__(self, *, job: int, rank: int, world_size: int, codec: Codec, packet_elements: int, pool_size: int,
-                 seed: int, agg_addrs: list[int], rto: float = 0.05, min_rto: float = 0.005,
-                 max_rto: float = 1.0) -> None:
+                 seed: int, agg_addrs: list[int], rto: float = WorkerTimers.rto,
+                 min_rto: float = WorkerTimers.min_rto, max_rto: float = WorkerTimers.max_rto) -> None:
         if not 0 < min_rto <= rto <= max_rto:
             raise ValueError(f"need 0 < min_rto <= rto <= max_rto, got {min_rto}, {rto}, {max_rto}")
         self.codec = Codec(codec)
@@ -371,6 +424,9 @@ class StreamEngine:
         width = self.codec.bytes_per_element
         # two datagram buffers per slot, by parity: the in-flight chunk's (kept for retransmission) and the next's
         self.packet = np.zeros((pool_size, 2, HDR + packet_elements * width), np.uint8)
+        # what each call hands out: rows pointing into self.packet. A call queues each slot at most once (its
+        # next chunk, or a retransmission), so pool_size rows always suffice.
+        self.tx = Burst(self.packet, pool_size)
         self.agg_addr = np.array(agg_addrs, np.uint64)
         self.stats = np.zeros(len(STAT_NAMES), np.int64)
         self.allreduce_seq = -1
@@ -382,9 +438,14 @@ class StreamEngine:
     def max_datagram(self) -> int:
         return self.packet.shape[2]
 
-    def start(self, x: np.ndarray, now: float, tx_ptr: np.ndarray, tx_len: np.ndarray, tx_addr: np.ndarray,
-              out: np.ndarray | None = None, *, sent: np.ndarray | None = None) -> int:
-        """Begin the next allreduce of float32 x (any shape); returns the datagrams written to tx (<= pool).
+    def _sent(self, n: int) -> Burst:
+        """The output burst with its first n rows queued by a kernel; valid until the engine's next call."""
+        self.tx.count = n
+        return self.tx
+
+    def start(self, x: np.ndarray, now: float, out: np.ndarray | None = None, *,
+              sent: np.ndarray | None = None) -> Burst:
+        """Begin the next allreduce of float32 x (any shape); returns the bootstrap datagrams (one per slot).
 
         The result goes to ``out`` (float32, C-contiguous, x.size elements; it may be x itself: a chunk's input is
         encoded into its stored datagram before its result can arrive) or, by default, to a new array: reusing
@@ -420,9 +481,10 @@ class StreamEngine:
             packet_len=np.zeros(self.pool_size, np.int64), agg_addr=self.agg_addr, stats=self.stats,
             timing=self.timing, low=low, sent=self._no_sent if sent is None else sent.reshape(-1))
         self._args = tuple(self.state)
-        n = start_kernel(self._args, now, tx_ptr, tx_len, tx_addr) if window else 0
+        tx = self.tx
+        n = start_kernel(self._args, now, tx.ptr, tx.length, tx.addr) if window else 0
         self.check_finite()  # in the first window: nothing was sent
-        return n
+        return self._sent(n)
 
     @property
     def non_finite(self) -> int | None:
@@ -440,19 +502,25 @@ class StreamEngine:
         if self.non_finite is not None:
             raise_non_finite(self.state.x, self.non_finite)
 
-    def receive(self, rx_data, rx_len, rx_addr, n_rx: int, now: float, tx_ptr, tx_len, tx_addr) -> int:
-        """Accept results; returns the datagrams queued in tx (pointer, length, destination). Each slot is queued
-        at most once per call (its next chunk, or a fast retransmission), hence tx >= pool. The entries point
+    def receive(self, rx: Burst, now: float) -> Burst:
+        """Accept the ``rx.count`` received datagrams of ``rx`` (a burst with rows of its own, as
+        ``BurstSocket.rx``); returns the datagrams to send: next chunks and fast retransmissions. Its rows point
         into the engine's datagram buffers: send them before the next call."""
-        if tx_len.size < self.pool_size:
-            raise ValueError(f"the transmit burst must hold pool_size = {self.pool_size} datagrams")
-        return receive_kernel(self._args, rx_data, rx_len, rx_addr, n_rx, now, tx_ptr, tx_len, tx_addr)
+        tx = self.tx
+        return self._sent(receive_kernel(self._args, rx.data, rx.length, rx.addr, rx.count, now, tx.ptr, tx.length,
+                                         tx.addr))
 
-    def handle_timer(self, now: float, tx_ptr, tx_len, tx_addr) -> int:
-        return timer_kernel(self._args, now, tx_ptr, tx_len, tx_addr)
+    def handle_timer(self, now: float) -> Burst:
+        """Retransmit every slot whose timer expired by ``now``; returns the datagrams to send."""
+        tx = self.tx
+        return self._sent(timer_kernel(self._args, now, tx.ptr, tx.length, tx.addr))
 
-    def get_timer(self) -> float:
-        return float(next_deadline(self._args))
+    def get_timer(self) -> float | None:
+        """When handle_timer is next due; None with nothing in flight."""
+        if self.state is None:
+            return None
+        t = float(next_deadline(self._args))
+        return None if t == np.inf else t
 
     @property
     def done(self) -> bool:
