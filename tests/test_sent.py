@@ -11,7 +11,7 @@ import functools
 import numpy as np
 import pytest
 from cluster import aggregator
-from harness import Network, make_burst, make_inputs
+from harness import Network, make_inputs
 
 from intml.protocol import reference
 from intml.protocol.wire import NO_EXP
@@ -94,9 +94,8 @@ def test_without_sent_the_result_is_unchanged() -> None:
                                   np.zeros((11, 2), np.float32)[:, 0]])
 def test_engine_rejects_bad_sent(sent: np.ndarray) -> None:
     engine = Network(1, join=False).engines[0]
-    tx = make_burst(64, engine.max_datagram)
     with pytest.raises(ValueError, match="sent must be a C-contiguous float32 array of 11 elements"):
-        engine.start(np.ones(11, np.float32), 0.0, tx.ptr, tx.length, tx.addr, sent=sent)
+        engine.start(np.ones(11, np.float32), 0.0, sent=sent)
 
 
 @pytest.mark.parametrize("codec", ["cnat8", "int32"])
