@@ -1,6 +1,6 @@
 """The 8-bit natural-compression (C_nat) code and its Numba kernels.
 
-The code (seed 002, "IntML"):
+The code (Horváth et al., "Natural Compression for Distributed Deep Learning"; docs/arithmetic.md, "C_nat code"):
 
 ====  ==========  ===============================================================
 bit   name        meaning

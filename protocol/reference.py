@@ -147,7 +147,8 @@ CHUNK_RESULTS = {"cnat8": cnat8_chunk, "int32": int32_chunk}  # by codec name
 
 
 def allreduce(inputs: list[np.ndarray], *, codec: str, seed: int, allreduce_seq: int, packet_elements: int) -> np.ndarray:
-    """The sum every worker receives, per DESIGN.md "Arithmetic": chunk by chunk, the codec's result."""
+    """The sum every worker receives (docs/arithmetic.md, "One chunk, end to end"): chunk by chunk, the codec's
+    result."""
     chunk_result = CHUNK_RESULTS[codec]
     flat = [np.asarray(x, dtype=np.float32).reshape(-1) for x in inputs]
     out = np.zeros(flat[0].size, np.float32)
