@@ -22,7 +22,7 @@ import numpy as np
 from intml.burstio.mmsg import BurstSocket, addr_key, addr_of
 from intml.protocol import wire
 from intml.protocol.burst import Burst
-from intml.protocol.job import CODEC_NAMES, JobParams, WorkerTimers
+from intml.protocol.job import JobParams, WorkerTimers
 from intml.worker.engine import StreamEngine
 from intml.worker.session import (
     Event,
@@ -35,7 +35,6 @@ from intml.worker.session import (
     token_hash,
 )
 
-CODECS = CODEC_NAMES  # the name worker.torch and older callers import
 
 
 class AllreduceTimeout(TimeoutError):
@@ -76,15 +75,10 @@ class Worker:
                  timeout: float = WorkerTimers.timeout, rto: float = WorkerTimers.rto,
                  min_rto: float = WorkerTimers.min_rto, max_rto: float = WorkerTimers.max_rto,
                  burst: int = 256) -> None:
-        if codec not in CODECS:
-            raise ValueError(f"codec must be one of {sorted(CODECS)}, got {codec!r}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
         if not 0 <= job <= 0xFFFFFFFE:
             raise ValueError(f"job must be in [0, 2**32 - 2], got {job}")
-        limit = wire.max_packet_elements(CODECS[codec])
-        if not 1 <= packet_elements <= limit or not 1 <= pool_size <= 0xFFFF:
-            raise ValueError(f"packet_elements must be in [1, {limit}] for {codec} and pool_size in [1, 65535]")
         params = JobParams.of(world_size=world_size, codec=codec, packet_elements=packet_elements,
                               pool_size=pool_size, seed=seed)
         timers = WorkerTimers(timeout=timeout, rto=rto, min_rto=min_rto, max_rto=max_rto)

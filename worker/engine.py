@@ -38,23 +38,16 @@ from collections import namedtuple
 import numpy as np
 from numba import njit
 
+from intml.protocol import codecs
 from intml.protocol.arith import (
-    CNAT_RANGE,
-    INT32_RANGE,
     NO_EXP,
     chunk_exponents_kernel,
-    cnat_floor,
-    dequantize,
-    int32_scale_exponent,
     precode_chunk,
-    quantize,
     raise_non_finite,
     value_bits,
     worker_stream,
 )
 from intml.protocol.burst import Burst
-from intml.protocol.cnat import decode_kernel, encode_kernel, find_invalid_kernel, has_underflow
-from intml.protocol.lanes import load_be32, store_be32
 from intml.protocol.packet import (
     HDR,
     O_ALLREDUCE,
@@ -129,7 +122,7 @@ def _precode(st, d):
     buffer its slot will send it from, the one the slot's in-flight chunk does not use, and note its exponent
     proposal. A non-finite value stops it and goes to params[P_BAD]."""
     prm = st.params
-    if prm[P_CODEC] != Codec.CNAT8 or d >= prm[P_CHUNKS] or prm[P_BAD] >= 0:
+    if not codecs.precodes(prm[P_CODEC]) or d >= prm[P_CHUNKS] or prm[P_BAD] >= 0:
         return
     s = d % prm[P_WINDOW]
     lo = d * prm[P_PKT]
@@ -152,43 +145,25 @@ def _build(st, s, c, now):
     exp = NO_EXP if c < 0 else st.agreed_exp[c]
     p = st.packet[s, st.parity[s]]
     codec = prm[P_CODEC]
+    size = codecs.width(codec) * count
     if count > 0:
         lo = c * pkt
-        if codec == Codec.CNAT8:
-            floor = cnat_floor(exp, prm[P_VBITS])
-            if has_underflow(st.low[c], floor):  # the agreed floor changes some codes: encode the chunk again
-                encode_kernel(st.x[lo:lo + count], p[HDR:HDR + count], _worker_key(prm), np.uint64(lo), floor, True)
-        else:
-            scale = 2.0 ** int32_scale_exponent(exp, prm[P_VBITS])
-            limit = np.int64(1) << prm[P_VBITS]
-            for i in range(count):
-                store_be32(p, HDR + 4 * i, quantize(st.x[lo + i], scale, limit))
+        payload = p[HDR:HDR + size]
+        codecs.encode_chunk(codec, st.x[lo:lo + count], payload, _worker_key(prm), lo, exp, prm[P_VBITS], st.low[c])
         if st.sent.size:  # asked for (error feedback): what this rank sends, decoded from the datagram itself
-            _decode_own(st, p, lo, count, exp)
+            codecs.decode_result(codec, payload, exp, prm[P_VBITS], st.sent[lo:lo + count])
     nxt = c + window
     if c >= 0:  # the bootstrap packets carry chunks 0..window-1, precoded by start_kernel
         _precode(st, nxt)
     next_exp = st.local_exp[nxt] if nxt < chunks else NO_EXP
     put_header(p, MsgType.DATA, prm[P_JOB], prm[P_ALLREDUCE], c, prm[P_RANK], s, count, codec, st.parity[s],
                exp, next_exp)
-    st.packet_len[s] = HDR + count * (1 if codec == Codec.CNAT8 else 4)
+    st.packet_len[s] = HDR + size
     st.cur_chunk[s] = c
     st.sent_at[s] = now
     st.retries[s] = 0
     st.overtaken[s] = 0
     st.rto[s] = st.timing[T_RTO]
-
-
-@njit(inline="always")
-def _decode_own(st, p, lo, count, exp):
-    """Decode this rank's payload of the chunk at element lo into ``sent``: for cnat8 its own codes at the agreed
-    floor, for int32 the quantised values at the chunk's scale."""
-    if st.params[P_CODEC] == Codec.CNAT8:
-        decode_kernel(p[HDR:HDR + count], st.sent.view(np.uint32)[lo:lo + count])
-    else:
-        unit = 2.0 ** -int32_scale_exponent(exp, st.params[P_VBITS])
-        for i in range(count):
-            st.sent[lo + i] = dequantize(load_be32(p, HDR + 4 * i), unit)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -290,30 +265,25 @@ def _malformed_result(prm, agreed_exp, p, length, c, count):
     codec = prm[P_CODEC]
     exp = NO_EXP if c < 0 else agreed_exp[c]
     next_exp = get_i8(p, O_NEXT_EXP)
-    lo_exp, hi_exp = CNAT_RANGE if codec == Codec.CNAT8 else INT32_RANGE
-    width = 1 if codec == Codec.CNAT8 else 4
-    if (np.int64(p[O_CODEC]) != codec or get_u16(p, O_COUNT) != count or length != HDR + width * count
+    lo_exp, hi_exp = codecs.exp_range(codec)
+    if (np.int64(p[O_CODEC]) != codec or get_u16(p, O_COUNT) != count or length != HDR + codecs.width(codec) * count
             or get_i8(p, O_EXP) != exp or (next_exp != NO_EXP and not lo_exp <= next_exp <= hi_exp)):
         return DROP_MALFORMED
     return -1
 
 
 @njit(inline="always")
-def _decode(prm, agreed_exp, out, out_bits, p, c, count):
-    """Chunk c's sum (count elements) from its result into the output tensor ``out`` (``out_bits``: its uint32
-    view); DROP_MALFORMED instead if a code is invalid, else -1."""
+def _decode(prm, agreed_exp, out, p, c, count):
+    """Chunk c's sum (count elements) from its result into the output tensor ``out``; DROP_MALFORMED instead if
+    the payload is invalid for the codec, else -1."""
     if count == 0:  # a bootstrap round carries only the next exponent
         return -1
     lo = c * prm[P_PKT]
-    if prm[P_CODEC] == Codec.CNAT8:
-        codes = p[HDR:HDR + count]
-        if find_invalid_kernel(codes) >= 0:
-            return DROP_MALFORMED
-        decode_kernel(codes, out_bits[lo:lo + count])
-    else:
-        unit = 2.0 ** -int32_scale_exponent(agreed_exp[c], prm[P_VBITS])
-        for k in range(count):
-            out[lo + k] = dequantize(load_be32(p, HDR + 4 * k), unit)
+    codec, exp = prm[P_CODEC], agreed_exp[c]
+    payload = p[HDR:HDR + codecs.width(codec) * count]
+    if not codecs.check_result(codec, payload, exp, prm[P_VBITS]):
+        return DROP_MALFORMED
+    codecs.decode_result(codec, payload, exp, prm[P_VBITS], out[lo:lo + count])
     prm[P_DONE] += 1
     return -1
 
@@ -348,7 +318,6 @@ def receive_kernel(state, rx_data, rx_len, rx_addr, n_rx, now, tx_ptr, tx_len, t
     """Accept results, decode them, and queue each slot's next chunk. Returns datagrams written to tx."""
     st = State(*state)
     prm, agreed_exp, out = st.params, st.agreed_exp, st.out
-    out_bits = out.view(np.uint32)
     n_tx = 0
     for i in range(n_rx):
         st.stats[PACKETS_IN] += 1
@@ -362,7 +331,7 @@ def receive_kernel(state, rx_data, rx_len, rx_addr, n_rx, now, tx_ptr, tx_len, t
             count = _chunk_count(st, c)
             drop = _malformed_result(prm, agreed_exp, p, length, c, count)
             if drop < 0:
-                drop = _decode(prm, agreed_exp, out, out_bits, p, c, count)
+                drop = _decode(prm, agreed_exp, out, p, c, count)
         if drop >= 0:
             st.stats[drop] += 1
             continue
@@ -421,7 +390,7 @@ class StreamEngine:
         self.params[P_SEED] = np.uint64(seed).view(np.int64)
         self.seed, self.rank = seed, rank
         self.parity = np.zeros(pool_size, np.int64)  # persists over the job's life
-        width = self.codec.bytes_per_element
+        width = codecs.BY_ID[self.codec].WIDTH
         # two datagram buffers per slot, by parity: the in-flight chunk's (kept for retransmission) and the next's
         self.packet = np.zeros((pool_size, 2, HDR + packet_elements * width), np.uint8)
         # what each call hands out: rows pointing into self.packet. A call queues each slot at most once (its
@@ -431,7 +400,6 @@ class StreamEngine:
         self.stats = np.zeros(len(STAT_NAMES), np.int64)
         self.allreduce_seq = -1
         self.state: State | None = None
-        self._no_low = np.empty(0, np.uint32)
         self._no_sent = np.empty(0, np.float32)
 
     @property
@@ -467,11 +435,11 @@ class StreamEngine:
         prm = self.params
         prm[[P_WINDOW, P_CHUNKS, P_ELEMENTS, P_ALLREDUCE, P_DONE, P_BAD]] = (window, chunks, flat.size,
                                                                               self.allreduce_seq, 0, -1)
-        if self.codec == Codec.CNAT8:  # exponents come with the codes, chunk by chunk (see _precode)
-            local, low = np.empty(chunks, np.int64), np.empty(chunks, np.uint32)
-        else:  # int32 sends x itself, quantised per packet against exponents found here, all at once
-            local, low = np.empty(chunks, np.int64), self._no_low
-            prm[P_BAD] = chunk_exponents_kernel(flat, self.packet_elements, *INT32_RANGE, local)
+        codec = codecs.BY_ID[self.codec]
+        local = np.empty(chunks, np.int64)
+        low = np.zeros(chunks, np.uint32)  # 0: not precoded, encode_chunk encodes the chunk when it is sent
+        if not codec.PRECODES:  # else each chunk's exponent comes with its codes, a window ahead (see _precode)
+            prm[P_BAD] = chunk_exponents_kernel(flat, self.packet_elements, *codec.EXP_RANGE, local)
         self.state = State(
             params=prm, x=flat, out=out.reshape(-1), local_exp=local,
             agreed_exp=np.full(chunks, NO_EXP, np.int64), cur_chunk=np.full(self.pool_size, IDLE, np.int64),
