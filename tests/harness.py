@@ -25,7 +25,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from intml.aggregator.core import AggregatorCore, Burst
+from intml.aggregator.core import AggregatorCore
+from intml.protocol.burst import Burst
 from intml.protocol import reference, wire
 from intml.protocol.packet import HDR
 from intml.protocol.wire import Codec, MsgType
@@ -35,8 +36,6 @@ AGG_PORT = 48879
 WORKER_PORT = 5000
 AGG_IP = 0x7F000001  # 127.0.0.1
 WORKER_IP = 0x7F000002  # 127.0.0.2
-TX_ROWS = 256  # >= aggregator.slots.MAX_WORLD: the burst kernel needs room for a completion's n results
-TX_WIDTH = 1 << 16  # room for any datagram, including STATS_REPLY JSON
 
 Datagram = tuple[bytes, int]  # (payload, address key: source on receive, destination on send)
 
@@ -54,10 +53,7 @@ def worker_addr(rank: int, base: int = WORKER_PORT) -> int:
 
 
 def make_burst(rows: int, width: int) -> Burst:
-    rows = max(1, rows)
-    data = np.zeros((rows, width), np.uint8)
-    ptr = data.ctypes.data + np.arange(rows, dtype=np.uint64) * np.uint64(width)  # as BurstSocket.tx_ptr starts
-    return Burst(data, np.zeros(rows, np.int32), np.zeros(rows, np.uint64), ptr)
+    return Burst.rows_of(rows, width)
 
 
 def fill_burst(datagrams: Sequence[Datagram], lengths: Sequence[int] | None = None, width: int = 0) -> Burst:
@@ -77,15 +73,14 @@ def drain(tx: Burst, n: int) -> list[Datagram]:
 
 
 def core_receive(core: AggregatorCore, datagrams: Sequence[Datagram], now: float,
-                 lengths: Sequence[int] | None = None, tx_rows: int = TX_ROWS,
-                 tx_width: int = TX_WIDTH) -> list[Datagram]:
-    """Feed datagrams (payload, source) to core.receive; returns every datagram it sends (payload, dest)."""
-    rx = fill_burst(datagrams, lengths)
-    tx = make_burst(tx_rows, tx_width)
-    out: list[Datagram] = []
-    for n in core.receive(rx, len(datagrams), now, tx):
-        out += drain(tx, n)
-    return out + core.take_replies()
+                 lengths: Sequence[int] | None = None) -> list[Datagram]:
+    """Feed datagrams (payload, source) to core.receive; returns every datagram it sends (payload, dest): the
+    results, then the control replies. ``lengths`` overrides the received lengths (e.g. -1: truncated)."""
+    rx = Burst.rows_of(len(datagrams), max([HDR] + [len(d) for d, _ in datagrams]))
+    rx.fill(datagrams)
+    if lengths is not None:
+        rx.length[: len(lengths)] = lengths
+    return core.receive(rx, now).datagrams() + core.take_replies()
 
 
 def _engine_tx(engine) -> Burst:
