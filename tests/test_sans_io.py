@@ -16,7 +16,7 @@ import pytest
 
 import intml
 
-CORES = ["intml.aggregator.core", "intml.aggregator.slots", "intml.worker.engine"]
+CORES = ["intml.aggregator.core", "intml.aggregator.slots", "intml.protocol.slot_reference", "intml.worker.engine"]
 IO_MODULES = {"socket", "select", "selectors", "asyncio", "uvloop", "ctypes", "time", "threading", "signal"}
 DRIVERS = {"intml.burstio", "intml.burstio.mmsg", "intml.worker.api", "intml.aggregator.dataplane"}
 
