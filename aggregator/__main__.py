@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def core_main(i: int) -> None:
         core = AggregatorCore(core=i, cores=args.cores, rows=args.slots, max_elements=args.max_packet_elements,
-                              idle_timeout=args.idle_timeout, results_group=None if group is None else (group, base))
+                              idle_timeout=args.idle_timeout, results_group=None if group is None else (group, base),
+                              burst=args.burst)
         run_core(core, socks[i], args.burst, args.stats_interval)
 
     print(f"intml-aggregator listening on {args.host}:{base} cores {args.cores}", flush=True)

@@ -62,8 +62,9 @@ class AggregatorCore:
 
     def __init__(self, *, core: int = 0, cores: int = 1, rows: int = AGGREGATOR_SLOTS, max_elements: int = 8192,
                  max_jobs: int = AGGREGATOR_MAX_JOBS, idle_timeout: float = AGGREGATOR_IDLE_TIMEOUT,
-                 results_group: tuple[int, int] | None = None) -> None:
-        """``results_group`` = (first IPv4 multicast group as an integer, UDP port): job slot j sends its results
+                 results_group: tuple[int, int] | None = None, burst: int = 256) -> None:
+        """``burst``: the most datagrams a receive burst is expected to hold (a larger one grows the output
+        memory). ``results_group`` = (first IPv4 multicast group as an integer, UDP port): job slot j sends its results
         to group + j in one datagram per completion, as a switch's multicast replication does, instead of one
         datagram per worker; retransmitted results still go to the one worker that asked."""
         if not 0 <= core < cores:
@@ -81,16 +82,16 @@ class AggregatorCore:
         self._replies: list[tuple[bytes, int]] = []
         width = result_width(max_elements)
         self.table: Table = new_table(rows, max_elements, np.zeros((rows, 2, width), np.uint8))
-        self._grow(1)
+        self._grow(burst)
 
     def _grow(self, burst: int) -> None:
         """Size the output memory and the scratch for received bursts of up to `burst` datagrams. One block
         holds the stored results and `burst` spill rows, so the output Burst's datagrams all lie in its memory;
-        the results already stored move along."""
+        the results already stored move along (only rows in use are copied: untouched pages stay unmapped)."""
         rows, _, width = self.table.result.shape
         memory = np.zeros((2 * rows + burst) * width, np.uint8)
         result = memory[: 2 * rows * width].reshape(rows, 2, width)
-        result[:] = self.table.result
+        result[self.row_used] = self.table.result[self.row_used]
         self.table = self.table._replace(result=result)
         self._spill = memory[2 * rows * width:].reshape(burst, width)
         self._spill_len = np.zeros(burst, np.int64)

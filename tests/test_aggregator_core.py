@@ -27,8 +27,9 @@ from harness import (
 )
 
 from intml.aggregator.core import ALL_JOBS, AggregatorCore
-from intml.aggregator.slots import MAX_WORLD, STAT_NAMES
+from intml.aggregator.slots import STAT_NAMES
 from intml.protocol import reference, wire
+from intml.protocol.job import MAX_WORLD
 from intml.protocol.wire import NO_EXP, Codec, MsgType
 
 SEED = 123
@@ -617,6 +618,18 @@ def test_output_holds_a_burst_of_completions_of_the_largest_world():
     assert len(out) == pool * MAX_WORLD
     assert [dst for _, dst in out] == [worker_addr(r) for _ in range(pool) for r in range(MAX_WORLD)]
     assert [header(d)["chunk"] for d, _ in out] == [s for s in range(pool) for _ in range(MAX_WORLD)]
+
+
+def test_a_burst_larger_than_expected_grows_the_output_and_keeps_stored_results():
+    core = AggregatorCore(rows=16, max_elements=P, burst=1)
+    replies = core_receive(core, [(join_datagram(7, r, world_size=2, packet_elements=P, pool_size=4, codec=0, seed=1,
+                                                 token=2), worker_addr(r)) for r in range(2)], 0.0)
+    assert [msg_type(d) for d, _ in replies] == [MsgType.JOIN_ACK] * 2
+    assert core_receive(core, [_data(0, 0, 0, bytes([0x71]))], 0.0) == []
+    (result, _), (again, _) = core_receive(core, [_data(1, 0, 0, bytes([0x72]))], 0.0)
+    assert result == again
+    resent = core_receive(core, [_data(0, 0, 0, bytes([0x71])), _data(1, 0, 0, bytes([0x72]))], 0.0)
+    assert resent == [(result, worker_addr(0)), (result, worker_addr(1))]
 
 
 @pytest.mark.parametrize("world", [1, 2])
