@@ -1,9 +1,9 @@
 """The switch's data plane as one Numba kernel per burst: the slot table, bitmaps, counts, exponent agreement,
 32-bit integer sums and result encoding. Sans-I/O: it reads a burst of received datagrams (numpy arrays) and
 describes the datagrams to send in another, pointing at the results it stores; no sockets, no clock (``now`` is an
-argument). The kernel is split into the stages a switch pipeline (and a P4 program) has: validate, classify,
-bitmap_and_count, contribute, complete and emit; docs/slot-states.md and protocol.slot_reference hold the state
-machine they implement.
+argument). The kernel is split into the stages a switch pipeline (and a P4 program) has: validate (header, then
+against the job, then the payload), classify, bitmap and count (open_round, bitmap_and_count), contribute, complete
+and emit; docs/slot-states.md and protocol.slot_reference hold the state machine they implement.
 
 Slot semantics (SwitchML, DESIGN.md "Protocol semantics")
 
@@ -129,7 +129,7 @@ STAT_NAMES = (
     DROP_BAD_CONTROL,  # counted by the control plane (aggregator.core), which parses JOIN/LEAVE/STATS
 ) = range(len(STAT_NAMES))
 N_STATS = len(STAT_NAMES)
-CONTROL = -1  # validate's verdict for a JOIN, LEAVE or STATS_REQUEST: the control plane answers it
+CONTROL = -1  # validate_header's verdict for a JOIN, LEAVE or STATS_REQUEST: the control plane answers it
 
 # What a DATA packet's round key and rank bit say about its set (classify; docs/slot-states.md has the table).
 OLDER = 0  # a round the set has left behind: stale
@@ -201,9 +201,9 @@ def new_batch(rows: int, burst: int) -> Batch:
 
 
 @njit(inline="always")
-def _find_job(jobs, job_id):
-    for j in range(jobs.active.size):
-        if jobs.active[j] and jobs.job_id[j] == job_id:
+def _find_job(active, job_ids, job_id):
+    for j in range(active.size):
+        if active[j] and job_ids[j] == job_id:
             return j
     return -1
 
@@ -227,63 +227,63 @@ def _int32_add(p, acc, count, first):
 
 
 # ---- the pipeline's stages, in packet order ------------------------------------------------------------------
+# A stage inlined into the kernel's loop takes scalars (and at most the packet) or has no branches: an inlined
+# function that branches over the tables' arrays costs reference counting on every packet (measured: it doubled
+# the kernel's time on a recorded stream).
 
 
 @njit(inline="always")
-def validate(p, length, src, jobs, core, cores):
-    """The header checks, in the parser's order. Returns (reason, job row, rank): reason 0 when the packet may
-    go on, CONTROL for a control datagram, else the statistic of its drop reason; job row -1 when no known job
-    is named (the drop is counted per core)."""
+def validate_header(length, magic, version, typ):
+    """The checks before the job is known. Returns 0 for a DATA packet, CONTROL for a control datagram, else
+    the statistic of the drop reason (counted per core)."""
     if length < 0:
-        return DROP_TRUNCATED, -1, 0
+        return DROP_TRUNCATED
     if length < HDR:
-        return DROP_SHORT, -1, 0
-    if get_u16(p, O_MAGIC) != MAGIC:
-        return DROP_BAD_MAGIC, -1, 0
-    if p[O_VERSION] != VERSION:
-        return DROP_BAD_VERSION, -1, 0
-    typ = p[O_TYPE]
+        return DROP_SHORT
+    if magic != MAGIC:
+        return DROP_BAD_MAGIC
+    if version != VERSION:
+        return DROP_BAD_VERSION
     if typ != MsgType.DATA:
         if typ == MsgType.JOIN or typ == MsgType.LEAVE or typ == MsgType.STATS_REQUEST:
-            return CONTROL, -1, 0
-        return DROP_UNKNOWN_TYPE, -1, 0
-    j = _find_job(jobs, get_u32(p, O_JOB))
-    if j < 0:
-        return DROP_UNKNOWN_JOB, -1, 0
-    rank = get_u16(p, O_RANK)
-    if rank >= jobs.world[j]:
-        return DROP_RANK, j, rank
-    if jobs.members[j, rank] != src:
-        return DROP_UNREGISTERED, j, rank
-    slot = get_u16(p, O_SLOT)
-    if slot >= jobs.pool[j] or slot % cores != core:
-        return DROP_SLOT, j, rank
-    codec = np.int64(p[O_CODEC])
-    if codec != jobs.codec[j]:
-        return DROP_CODEC, j, rank
-    count = get_u16(p, O_COUNT)
-    width = 1 if codec == Codec.CNAT8 else 4
-    if count > jobs.packet_elements[j] or length != HDR + width * count:
-        return DROP_COUNT, j, rank
-    if p[O_SHADOW] > 1:
-        return DROP_SHADOW, j, rank
-    exp = get_i8(p, O_EXP)
-    next_exp = get_i8(p, O_NEXT_EXP)
-    lo, hi = (E_MIN, E_MAX) if codec == Codec.CNAT8 else (INT32_E_MIN, INT32_E_MAX)
-    if (exp != NO_EXP and (exp < lo or exp > hi)) or (next_exp != NO_EXP and (next_exp < lo or next_exp > hi)):
-        return DROP_BAD_EXP, j, rank
-    return 0, j, rank
+            return CONTROL
+        return DROP_UNKNOWN_TYPE
+    return 0
 
 
 @njit(inline="always")
-def classify(table, row, x, key, bit):
-    """Where the packet's round stands against the set's: OLDER, SAME_NEW_RANK, SAME_KNOWN_RANK or NEWER."""
-    current = table.round_key[row, x]
+def validate(length, rank, world, src, member, slot, pool, core, cores, codec, job_codec, count, packet_elements,
+             shadow, exp, next_exp):
+    """The checks of a DATA packet against its job, in the parser's order (``member``: the address the rank
+    joined from, read only when rank < world). Returns 0 or the statistic of the drop reason."""
+    if rank >= world:
+        return DROP_RANK
+    if member != src:
+        return DROP_UNREGISTERED
+    if slot >= pool or slot % cores != core:
+        return DROP_SLOT
+    if codec != job_codec:
+        return DROP_CODEC
+    width = 1 if codec == Codec.CNAT8 else 4
+    if count > packet_elements or length != HDR + width * count:
+        return DROP_COUNT
+    if shadow > 1:
+        return DROP_SHADOW
+    lo, hi = (E_MIN, E_MAX) if codec == Codec.CNAT8 else (INT32_E_MIN, INT32_E_MAX)
+    if (exp != NO_EXP and (exp < lo or exp > hi)) or (next_exp != NO_EXP and (next_exp < lo or next_exp > hi)):
+        return DROP_BAD_EXP
+    return 0
+
+
+@njit(inline="always")
+def classify(current, bitmap, key, bit):
+    """Where a packet of round `key` from the rank of `bit` stands against a set of round `current` with
+    `bitmap`: OLDER, SAME_NEW_RANK, SAME_KNOWN_RANK or NEWER."""
     if key < current:
         return OLDER
     if key > current:
         return NEWER
-    return SAME_KNOWN_RANK if table.bitmap[row, x] & bit else SAME_NEW_RANK
+    return SAME_KNOWN_RANK if bitmap & bit else SAME_NEW_RANK
 
 
 @njit(inline="always")
@@ -311,28 +311,26 @@ def _new_group(b, n_groups, row, x, j, first):
 
 
 @njit(inline="always")
-def bitmap_and_count(table, b, row, x, j, g, n_groups, i, n_contrib, key, exp, count, next_exp, bit, fresh):
-    """Record packet i as a contribution to (row, set x): open the round if it is new (no zeroing: the first
-    contribution writes the accumulators), set the rank's bit, count it and link the packet into the set's
-    group. Returns the group, whether it is new, and whether the round is now complete."""
-    if fresh:
-        table.round_key[row, x] = key
-        table.bitmap[row, x] = 0
-        table.count[row, x] = 0
-        table.exp[row, x] = exp
-        table.elements[row, x] = count
-        table.next_exp[row, x] = next_exp
-    else:
-        table.next_exp[row, x] = max(table.next_exp[row, x], next_exp)
-    opened = g < 0
-    if opened:
-        g = _new_group(b, n_groups, row, x, j, table.count[row, x] == 0)
+def open_round(table, row, x, key, exp, count, next_exp):
+    """Set x of `row` takes the round `key`: empty bitmap and count; the first contribution will write the
+    accumulators (no zeroing)."""
+    table.round_key[row, x] = key
+    table.bitmap[row, x] = 0
+    table.count[row, x] = 0
+    table.exp[row, x] = exp
+    table.elements[row, x] = count
+    table.next_exp[row, x] = next_exp
+
+
+@njit(inline="always")
+def bitmap_and_count(table, b, g, row, x, i, n_contrib, bit):
+    """Record packet i as a contribution to (row, set x), in group g: set the rank's bit, count it and link
+    the packet into the group (its values are added in phase 2)."""
     b.packet[n_contrib] = i
     b.next[n_contrib] = b.head[g]
     b.head[g] = n_contrib
     table.bitmap[row, x] |= bit
     table.count[row, x] += 1
-    return g, opened
 
 
 @njit(inline="always")
@@ -394,18 +392,11 @@ def _finish(jobs, table, b, g, rx_data, core, cores):
 
 
 @njit(inline="always")
-def emit(jobs, table, b, g, dest, spill, spill_len, out_ptr, out_len, out_addr, n_out):
-    """Queue group g's result for address `dest`: the entry points at the stored result (or its spilled copy),
-    nothing is copied."""
-    k = b.spilled[g]
-    if k >= 0:
-        out_ptr[n_out] = spill[k].ctypes.data
-        out_len[n_out] = spill_len[k]
-    else:
-        out_ptr[n_out] = table.result[b.row[g], b.shadow[g]].ctypes.data
-        out_len[n_out] = table.result_len[b.row[g], b.shadow[g]]
+def emit(src, size, dest, out_ptr, out_len, out_addr, n_out):
+    """Queue `size` bytes at address `src` (a stored result or its spilled copy) for `dest`: nothing is copied."""
+    out_ptr[n_out] = src
+    out_len[n_out] = size
     out_addr[n_out] = dest
-    jobs.stats[b.job[g], PACKETS_OUT] += 1
     return n_out + 1
 
 
@@ -442,27 +433,40 @@ def process_burst(rx_data, rx_len, rx_addr, n_rx, now, core, cores, job_arrays, 
     for i in range(n_rx):
         p = rx_data[i]
         cs[PACKETS_IN] += 1
-        reason, j, rank = validate(p, rx_len[i], rx_addr[i], jobs, core, cores)
+        length = rx_len[i]
+        reason = validate_header(length, get_u16(p, O_MAGIC), p[O_VERSION], p[O_TYPE])
         if reason == CONTROL:
             control[n_ctl] = i
             n_ctl += 1
             continue
-        if j < 0:
+        if reason:
             cs[reason] += 1
+            continue
+        j = _find_job(jobs.active, jobs.job_id, get_u32(p, O_JOB))
+        if j < 0:
+            cs[DROP_UNKNOWN_JOB] += 1
             continue
         st = jobs.stats[j]
         st[PACKETS_IN] += 1
+        n = jobs.world[j]
+        rank = get_u16(p, O_RANK)
+        slot = get_u16(p, O_SLOT)
+        count = get_u16(p, O_COUNT)
+        x = np.int64(p[O_SHADOW])
+        exp = get_i8(p, O_EXP)
+        next_exp = get_i8(p, O_NEXT_EXP)
+        reason = validate(length, rank, n, rx_addr[i], jobs.members[j, min(rank, MAX_WORLD - 1)], slot, jobs.pool[j],
+                          core, cores, np.int64(p[O_CODEC]), jobs.codec[j], count, jobs.packet_elements[j], x, exp,
+                          next_exp)
         if reason != DROP_RANK and reason != DROP_UNREGISTERED:
             jobs.last_seen[j, rank] = now  # any packet of a member, retransmissions too, keeps the job alive
         if reason:
             st[reason] += 1
             continue
-        n = jobs.world[j]
-        x = np.int64(p[O_SHADOW])
-        row = jobs.row_base[j] + get_u16(p, O_SLOT) // cores
+        row = jobs.row_base[j] + slot // cores
         key = round_key(get_u32(p, O_ALLREDUCE), get_i32(p, O_CHUNK))
         bit = np.uint64(1) << np.uint64(rank)
-        event = classify(table, row, x, key, bit)
+        event = classify(table.round_key[row, x], table.bitmap[row, x], key, bit)
         if event == OLDER:
             st[DROP_STALE] += 1
             continue
@@ -481,8 +485,6 @@ def process_burst(rx_data, rx_len, rx_addr, n_rx, now, core, cores, job_arrays, 
             else:
                 st[DROP_DUPLICATE_INCOMPLETE] += 1
             continue
-        exp = get_i8(p, O_EXP)
-        count = get_u16(p, O_COUNT)
         if event == SAME_NEW_RANK and (exp != table.exp[row, x] or count != table.elements[row, x]):
             st[DROP_EXP_MISMATCH if exp != table.exp[row, x] else DROP_COUNT] += 1
             continue
@@ -499,10 +501,14 @@ def process_burst(rx_data, rx_len, rx_addr, n_rx, now, core, cores, job_arrays, 
                 n_spill += 1
             b.group_of[row, x] = -1
             g = -1
-        g, opened = bitmap_and_count(table, b, row, x, j, g, n_groups, i, n_contrib, key, exp, count,
-                                     get_i8(p, O_NEXT_EXP), bit, event == NEWER)
-        if opened:
+        if event == NEWER:
+            open_round(table, row, x, key, exp, count, next_exp)
+        else:
+            table.next_exp[row, x] = max(table.next_exp[row, x], next_exp)
+        if g < 0:
+            g = _new_group(b, n_groups, row, x, j, table.count[row, x] == 0)
             n_groups += 1
+        bitmap_and_count(table, b, g, row, x, i, n_contrib, bit)
         n_contrib += 1
         st[CONTRIBUTIONS] += 1
         if table.count[row, x] == n:
@@ -521,14 +527,19 @@ def process_burst(rx_data, rx_len, rx_addr, n_rx, now, core, cores, job_arrays, 
     for e in range(n_events):
         g = b.event_group[e]
         j = b.job[g]
+        k = b.spilled[g]
+        if k >= 0:
+            src, size = spill[k].ctypes.data, spill_len[k]
+        else:
+            src, size = table.result[b.row[g], b.shadow[g]].ctypes.data, table.result_len[b.row[g], b.shadow[g]]
         rank = b.event_rank[e]
+        first = n_out
         if rank >= 0:
-            n_out = emit(jobs, table, b, g, jobs.members[j, rank], spill, spill_len, out_ptr, out_len, out_addr,
-                         n_out)
+            n_out = emit(src, size, jobs.members[j, rank], out_ptr, out_len, out_addr, n_out)
         elif jobs.group[j]:  # one datagram to the job's multicast group reaches every worker
-            n_out = emit(jobs, table, b, g, jobs.group[j], spill, spill_len, out_ptr, out_len, out_addr, n_out)
+            n_out = emit(src, size, jobs.group[j], out_ptr, out_len, out_addr, n_out)
         else:
             for r in range(jobs.world[j]):
-                n_out = emit(jobs, table, b, g, jobs.members[j, r], spill, spill_len, out_ptr, out_len,
-                             out_addr, n_out)
+                n_out = emit(src, size, jobs.members[j, r], out_ptr, out_len, out_addr, n_out)
+        jobs.stats[j, PACKETS_OUT] += n_out - first
     return n_out, n_ctl
