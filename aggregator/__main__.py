@@ -16,8 +16,8 @@ import socket
 import struct
 import sys
 
-from intml.aggregator.slots import MAX_WORLD
 from intml.protocol.cli import OneLineParser, positive
+from intml.protocol.job import AGGREGATOR_IDLE_TIMEOUT, AGGREGATOR_SLOTS
 from intml.protocol.wire import DEFAULT_PORT, Codec, max_packet_elements
 
 MAX_ELEMENTS_LIMIT = max_packet_elements(Codec.CNAT8)  # jobs are further limited by their codec at join
@@ -68,21 +68,21 @@ def build_parser() -> OneLineParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"first UDP port (default {DEFAULT_PORT}; 0 = any)")
     p.add_argument("--cores", type=positive(int), default=1, help="data-plane processes, one port each (default 1)")
-    p.add_argument("--slots", type=positive(int), default=512,
+    p.add_argument("--slots", type=positive(int), default=AGGREGATOR_SLOTS,
                    help="slot rows per core, shared by jobs; memory is 10 bytes x slots x max packet elements "
-                        "(default 512)")
+                        f"(default {AGGREGATOR_SLOTS})")
     p.add_argument("--max-packet-elements", type=positive(int), default=8192,
                    help=f"largest packet a job may use (default 8192, at most {MAX_ELEMENTS_LIMIT})")
-    p.add_argument("--idle-timeout", type=positive(float), default=300.0,
-                   help="seconds without traffic before a job is torn down (default 300: longer than a training "
-                        "pause for evaluation or a checkpoint)")
+    p.add_argument("--idle-timeout", type=positive(float), default=AGGREGATOR_IDLE_TIMEOUT,
+                   help=f"seconds without traffic before a job is torn down (default {AGGREGATOR_IDLE_TIMEOUT:g}: "
+                        "longer than a training pause for evaluation or a checkpoint)")
     p.add_argument("--stats-interval", type=float, default=0.0, help="print statistics every N seconds (0 = never)")
     p.add_argument("--multicast", metavar="GROUP", default=None,
                    help="send each job's results to one IPv4 multicast group (GROUP + the job's table index, port "
                         "= --port), one datagram per completion as a switch's replication engine does, instead "
                         "of one per worker; for workers that share the aggregator's link or host (loopback)")
     p.add_argument("--burst", type=positive(int), default=256,
-                   help=f"datagrams per recvmmsg/sendmmsg, at least {MAX_WORLD} (default 256)")
+                   help="datagrams per recvmmsg/sendmmsg (default 256)")
     return p
 
 
@@ -91,8 +91,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.max_packet_elements > MAX_ELEMENTS_LIMIT:
         parser.error(f"--max-packet-elements must be at most {MAX_ELEMENTS_LIMIT} (one UDP datagram)")
-    if args.burst < MAX_WORLD:
-        parser.error(f"--burst must be at least {MAX_WORLD}: a completion sends one result per worker")
     if not 0 <= args.port <= 65535 - args.cores:
         parser.error(f"--port must leave room for {args.cores} ports below 65536")
     group = _multicast_group(parser, args.multicast)
@@ -110,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def core_main(i: int) -> None:
         core = AggregatorCore(core=i, cores=args.cores, rows=args.slots, max_elements=args.max_packet_elements,
-                              idle_timeout=args.idle_timeout, results_group=None if group is None else (group, base))
+                              idle_timeout=args.idle_timeout, results_group=None if group is None else (group, base),
+                              burst=args.burst)
         run_core(core, socks[i], args.burst, args.stats_interval)
 
     print(f"intml-aggregator listening on {args.host}:{base} cores {args.cores}", flush=True)

@@ -1,6 +1,7 @@
 """The aggregator's sans-I/O core for one data-plane core: the burst kernel (aggregator.slots) plus the control
 plane (join handshake, membership, teardown, statistics). It owns no socket and reads no clock: the driver
-hands it bursts of received datagrams and the time, and sends what it writes into the transmit arrays.
+hands it a Burst of received datagrams and the time, and sends the Burst it gets back, whose datagrams are the
+core's stored results (zero copy, valid until the core's next call), then the control replies of take_replies.
 
 Control plane
     JOIN (job id, rank, world size, packet elements, pool size, codec, seed, token): the first JOIN of a job
@@ -17,14 +18,12 @@ Control plane
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from intml.aggregator.slots import (
     DROP_BAD_CONTROL,
-    MAX_WORLD,
     N_STATS,
     STAT_NAMES,
     Jobs,
@@ -33,10 +32,13 @@ from intml.aggregator.slots import (
     new_jobs,
     new_table,
     process_burst,
+    result_width,
 )
 from intml.protocol.address import addr_of, format_addr
 from intml.protocol import wire
 from intml.protocol.arith import value_bits
+from intml.protocol.burst import Burst
+from intml.protocol.job import AGGREGATOR_IDLE_TIMEOUT, AGGREGATOR_MAX_JOBS, AGGREGATOR_SLOTS, MAX_WORLD
 from intml.protocol.packet import HDR
 from intml.protocol.wire import Codec, MsgType
 
@@ -55,23 +57,14 @@ class JobInfo:
     left: set[int] = field(default_factory=set)
 
 
-@dataclass
-class Burst:
-    """Datagram arrays in the layout of burstio.mmsg.BurstSocket: data rows, lengths, address keys, and for
-    sending the address each datagram is sent from (the core points it at its stored results: no copy)."""
-
-    data: np.ndarray
-    length: np.ndarray
-    addr: np.ndarray
-    ptr: np.ndarray | None = None
-
-
 class AggregatorCore:
     """One data-plane core: slots s with s % cores == core, and the control plane for its share of each job."""
 
-    def __init__(self, *, core: int = 0, cores: int = 1, rows: int = 1024, max_elements: int = 8192,
-                 max_jobs: int = 64, idle_timeout: float = 30.0, results_group: tuple[int, int] | None = None) -> None:
-        """``results_group`` = (first IPv4 multicast group as an integer, UDP port): job slot j sends its results
+    def __init__(self, *, core: int = 0, cores: int = 1, rows: int = AGGREGATOR_SLOTS, max_elements: int = 8192,
+                 max_jobs: int = AGGREGATOR_MAX_JOBS, idle_timeout: float = AGGREGATOR_IDLE_TIMEOUT,
+                 results_group: tuple[int, int] | None = None, burst: int = 256) -> None:
+        """``burst``: the most datagrams a receive burst is expected to hold (a larger one grows the output
+        memory). ``results_group`` = (first IPv4 multicast group as an integer, UDP port): job slot j sends its results
         to group + j in one datagram per completion, as a switch's multicast replication does, instead of one
         datagram per worker; retransmitted results still go to the one worker that asked."""
         if not 0 <= core < cores:
@@ -84,37 +77,49 @@ class AggregatorCore:
         self.max_elements = max_elements
         self.idle_timeout = idle_timeout
         self.jobs: Jobs = new_jobs(max_jobs)
-        self.table: Table = new_table(rows, max_elements)
-        self._tables = (tuple(self.jobs), tuple(self.table))  # see process_burst on why tuples
-        self._batch: tuple = ()
         self.row_used = np.zeros(rows, np.bool_)
         self.info: dict[int, JobInfo] = {}
-        self._control = np.empty(0, np.int64)
         self._replies: list[tuple[bytes, int]] = []
+        width = result_width(max_elements)
+        self.table: Table = new_table(rows, max_elements, np.zeros((rows, 2, width), np.uint8))
+        self._grow(burst)
+
+    def _grow(self, burst: int) -> None:
+        """Size the output memory and the scratch for received bursts of up to `burst` datagrams. One block
+        holds the stored results and `burst` spill rows, so the output Burst's datagrams all lie in its memory;
+        the results already stored move along (only rows in use are copied: untouched pages stay unmapped)."""
+        rows, _, width = self.table.result.shape
+        memory = np.zeros((2 * rows + burst) * width, np.uint8)
+        result = memory[: 2 * rows * width].reshape(rows, 2, width)
+        result[self.row_used] = self.table.result[self.row_used]
+        self.table = self.table._replace(result=result)
+        self._spill = memory[2 * rows * width:].reshape(burst, width)
+        self._spill_len = np.zeros(burst, np.int64)
+        self._tables = (tuple(self.jobs), tuple(self.table))  # see process_burst on why tuples
+        self._batch = tuple(new_batch(rows, burst))
+        self._control = np.empty(burst, np.int64)
+        self._out = Burst(memory, burst * MAX_WORLD)  # a completion sends up to MAX_WORLD results
 
     # ---- data plane -------------------------------------------------------------------------------------
-    def receive(self, rx: Burst, n_rx: int, now: float, tx: Burst) -> Iterator[int]:
-        """Handle rx[:n_rx]; yields a count n each time tx[:n] holds datagrams to send: tx.length[i] bytes at
-        address tx.ptr[i] to tx.addr[i]. Send them before resuming: the next yield reuses tx, and the bytes are
-        the core's stored results. Replies to control datagrams are queued for ``take_replies``."""
-        if tx.length.size < MAX_WORLD:
-            raise ValueError(f"the transmit burst must hold at least {MAX_WORLD} datagrams (one completion's "
-                             f"results), got {tx.length.size}")
-        if self._control.size < n_rx:
-            self._control = np.empty(n_rx, np.int64)
-            self._batch = tuple(new_batch(self.row_used.size, n_rx))
-        start = 0
-        while start < n_rx:
-            start, n_tx, n_ctl = process_burst(rx.data, rx.length, rx.addr, start, n_rx, now, self.core,
-                                               self.cores, *self._tables, self._batch, tx.ptr, tx.length, tx.addr,
-                                               self._control)
-            for k in range(n_ctl):
-                i = int(self._control[k])
-                reply = self.handle_control(bytes(rx.data[i, : rx.length[i]]), int(rx.addr[i]), now)
-                if reply is not None:
-                    self._replies.append((reply, int(rx.addr[i])))
-            if n_tx:
-                yield n_tx
+    def receive(self, rx: Burst, now: float) -> Burst:
+        """Handle the ``rx.count`` datagrams of a receive burst (one with rows of its own, ``Burst.rows_of``).
+        Returns the core's output burst: the RESULT datagrams to send, in order, pointing at the core's stored
+        results; they stay valid until the core's next call. Replies to control datagrams are queued for
+        ``take_replies``."""
+        if rx.data is None:
+            raise ValueError("receive needs a burst with rows of its own (Burst.rows_of)")
+        if self._control.size < rx.rows:
+            self._grow(rx.rows)
+        out = self._out
+        out.count, n_ctl = process_burst(rx.data, rx.length, rx.addr, rx.count, now, self.core, self.cores,
+                                         *self._tables, self._batch, self._spill, self._spill_len, out.ptr,
+                                         out.length, out.addr, self._control)
+        for k in range(n_ctl):
+            i = int(self._control[k])
+            reply = self.handle_control(bytes(rx.data[i, : rx.length[i]]), int(rx.addr[i]), now)
+            if reply is not None:
+                self._replies.append((reply, int(rx.addr[i])))
+        return out
 
     def take_replies(self) -> list[tuple[bytes, int]]:
         """The control replies (datagram, destination address key) queued by receive, oldest first."""

@@ -14,7 +14,7 @@ import time
 
 import uvloop
 
-from intml.aggregator.core import AggregatorCore, Burst
+from intml.aggregator.core import AggregatorCore
 from intml.burstio.mmsg import BurstSocket
 from intml.protocol.packet import HDR
 
@@ -27,17 +27,13 @@ class DataPlane:
         self.core = core
         max_packet = HDR + 4 * core.max_elements
         self.io = BurstSocket(sock, burst=burst, max_packet=max_packet)
-        self.rx = Burst(self.io.rx_data, self.io.rx_len, self.io.rx_addr)
-        self.tx = Burst(self.io.tx_data, self.io.tx_len, self.io.tx_addr, self.io.tx_ptr)
         self.stats_interval = stats_interval
 
     def on_readable(self) -> None:
         for _ in range(BURSTS_PER_WAKEUP):
-            n = self.io.recv_burst()
-            if n == 0:
+            if self.io.recv_burst() == 0:
                 return
-            for count in self.core.receive(self.rx, n, time.monotonic(), self.tx):
-                self.io.send_burst(count)
+            self.io.send(self.core.receive(self.io.rx, time.monotonic()))
             for reply, addr in self.core.take_replies():
                 self.io.send_one(reply, addr)
 

@@ -1,6 +1,9 @@
 """The switch's data plane as one Numba kernel per burst: the slot table, bitmaps, counts, exponent agreement,
 32-bit integer sums and result encoding. Sans-I/O: it reads a burst of received datagrams (numpy arrays) and
-writes the datagrams to send into another; no sockets, no clock (``now`` is an argument).
+describes the datagrams to send in another, pointing at the results it stores; no sockets, no clock (``now`` is an
+argument). The kernel is split into the stages a switch pipeline (and a P4 program) has: validate (header, then
+against the job, then the payload), classify, bitmap and count (open_round, bitmap_and_count), contribute, complete
+and emit; docs/slot-states.md and protocol.slot_reference hold the state machine they implement.
 
 Slot semantics (SwitchML, DESIGN.md "Protocol semantics")
 
@@ -65,6 +68,7 @@ from intml.protocol.packet import (
     put_header,
     round_key,
 )
+from intml.protocol.job import MAX_WORLD
 from intml.protocol.rng import derive_key
 from intml.protocol.wire import MAGIC, VERSION, Codec, MsgType
 
@@ -125,9 +129,13 @@ STAT_NAMES = (
     DROP_BAD_CONTROL,  # counted by the control plane (aggregator.core), which parses JOIN/LEAVE/STATS
 ) = range(len(STAT_NAMES))
 N_STATS = len(STAT_NAMES)
-MAX_WORLD = 64  # one uint64 bitmap per set
+CONTROL = -1  # validate_header's verdict for a JOIN, LEAVE or STATS_REQUEST: the control plane answers it
 
-CONTROL_TYPES = (int(MsgType.JOIN), int(MsgType.LEAVE), int(MsgType.STATS_REQUEST))
+# What a DATA packet's round key and rank bit say about its set (classify; docs/slot-states.md has the table).
+OLDER = 0  # a round the set has left behind: stale
+SAME_NEW_RANK = 1  # the set's round, from a rank not yet in its bitmap: a contribution
+SAME_KNOWN_RANK = 2  # the set's round, from a rank already in it: a retransmission
+NEWER = 3  # a later use of the slot: opens a new round in the set
 
 # Job table: one row per job slot of this core; arrays so the kernel can read them.
 Jobs = namedtuple(
@@ -138,9 +146,12 @@ Jobs = namedtuple(
 # as the whole datagram (header and payload) that goes to every worker and to every re-send.
 Table = namedtuple("Table", "round_key bitmap count exp next_exp elements acc result result_len")
 # Scratch of one process_burst call (see there). group_of[row, set] is the set's group in the current burst, or -1
-# outside a call; a group's contributions are a linked list (head, next) of received packet indices; an event is
-# a result to send: to one rank (a re-send) or, with rank -1, to all (a completion).
-Batch = namedtuple("Batch", "group_of row shadow job head first complete packet next event_group event_rank rows")
+# outside a call; a group is one round of one set: its contributions are a linked list (head, next) of received
+# packet indices; `emits` marks a group some output points at, `spilled` the spill row its result was copied to
+# (-1: none), `done` a group already aggregated. An event is a result to send: to one rank (a re-send) or, with
+# rank -1, to all (a completion).
+Batch = namedtuple("Batch", "group_of row shadow job head first complete emits done spilled packet next "
+                            "event_group event_rank rows")
 
 
 def new_jobs(capacity: int) -> Jobs:
@@ -162,7 +173,13 @@ def new_jobs(capacity: int) -> Jobs:
     )
 
 
-def new_table(rows: int, max_elements: int) -> Table:
+def result_width(max_elements: int) -> int:
+    """Bytes of one stored result: the largest RESULT datagram (int32 codes)."""
+    return HDR + 4 * max_elements
+
+
+def new_table(rows: int, max_elements: int, result: np.ndarray) -> Table:
+    """``result``: the (rows, 2, result_width) block the stored results live in (the core's output memory)."""
     return Table(
         round_key=np.full((rows, 2), -1, np.int64),
         bitmap=np.zeros((rows, 2), np.uint64),
@@ -171,22 +188,22 @@ def new_table(rows: int, max_elements: int) -> Table:
         next_exp=np.zeros((rows, 2), np.int64),
         elements=np.zeros((rows, 2), np.int64),
         acc=np.zeros((rows, 2, max_elements), np.int32),
-        result=np.zeros((rows, 2, HDR + 4 * max_elements), np.uint8),
+        result=result,
         result_len=np.zeros((rows, 2), np.int64),
     )
 
 
 def new_batch(rows: int, burst: int) -> Batch:
     """Scratch for bursts of up to `burst` datagrams over a table of `rows` rows."""
-    per_packet = [np.zeros(burst, np.int64) for _ in range(8)]
-    return Batch(np.full((rows, 2), -1, np.int64), *per_packet[:4], np.zeros(burst, np.bool_),
-                 np.zeros(burst, np.bool_), *per_packet[4:], np.zeros(MAX_WORLD, np.int64))
+    return Batch(np.full((rows, 2), -1, np.int64), *(np.zeros(burst, np.int64) for _ in range(5)),
+                 *(np.zeros(burst, np.bool_) for _ in range(3)), np.full(burst, -1, np.int64),
+                 *(np.zeros(burst, np.int64) for _ in range(4)), np.zeros(MAX_WORLD, np.int64))
 
 
 @njit(inline="always")
-def _find_job(jobs, job_id):
-    for j in range(jobs.active.size):
-        if jobs.active[j] and jobs.job_id[j] == job_id:
+def _find_job(active, job_ids, job_id):
+    for j in range(active.size):
+        if active[j] and job_ids[j] == job_id:
             return j
     return -1
 
@@ -209,6 +226,75 @@ def _int32_add(p, acc, count, first):
         acc[i] = v if first else np.int32(acc[i] + v)
 
 
+# ---- the pipeline's stages, in packet order ------------------------------------------------------------------
+# A stage inlined into the kernel's loop takes scalars (and at most the packet) or has no branches: an inlined
+# function that branches over the tables' arrays costs reference counting on every packet (measured: it doubled
+# the kernel's time on a recorded stream).
+
+
+@njit(inline="always")
+def validate_header(length, magic, version, typ):
+    """The checks before the job is known. Returns 0 for a DATA packet, CONTROL for a control datagram, else
+    the statistic of the drop reason (counted per core)."""
+    if length < 0:
+        return DROP_TRUNCATED
+    if length < HDR:
+        return DROP_SHORT
+    if magic != MAGIC:
+        return DROP_BAD_MAGIC
+    if version != VERSION:
+        return DROP_BAD_VERSION
+    if typ != MsgType.DATA:
+        if typ == MsgType.JOIN or typ == MsgType.LEAVE or typ == MsgType.STATS_REQUEST:
+            return CONTROL
+        return DROP_UNKNOWN_TYPE
+    return 0
+
+
+@njit(inline="always")
+def validate(length, rank, world, src, member, slot, pool, core, cores, codec, job_codec, count, packet_elements,
+             shadow, exp, next_exp):
+    """The checks of a DATA packet against its job, in the parser's order (``member``: the address the rank
+    joined from, read only when rank < world). Returns 0 or the statistic of the drop reason."""
+    if rank >= world:
+        return DROP_RANK
+    if member != src:
+        return DROP_UNREGISTERED
+    if slot >= pool or slot % cores != core:
+        return DROP_SLOT
+    if codec != job_codec:
+        return DROP_CODEC
+    width = 1 if codec == Codec.CNAT8 else 4
+    if count > packet_elements or length != HDR + width * count:
+        return DROP_COUNT
+    if shadow > 1:
+        return DROP_SHADOW
+    lo, hi = (E_MIN, E_MAX) if codec == Codec.CNAT8 else (INT32_E_MIN, INT32_E_MAX)
+    if (exp != NO_EXP and (exp < lo or exp > hi)) or (next_exp != NO_EXP and (next_exp < lo or next_exp > hi)):
+        return DROP_BAD_EXP
+    return 0
+
+
+@njit(inline="always")
+def classify(current, bitmap, key, bit):
+    """Where a packet of round `key` from the rank of `bit` stands against a set of round `current` with
+    `bitmap`: OLDER, SAME_NEW_RANK, SAME_KNOWN_RANK or NEWER."""
+    if key < current:
+        return OLDER
+    if key > current:
+        return NEWER
+    return SAME_KNOWN_RANK if bitmap & bit else SAME_NEW_RANK
+
+
+@njit(inline="always")
+def payload_ok(p, codec, count, exp, vbits):
+    """Every value fits the round: C_nat codes within [floor, exp], int32 values within +-2**s(n)."""
+    if codec == Codec.CNAT8:
+        floor = cnat_floor(exp, vbits)
+        return codes_in_range(p[HDR:HDR + count], floor, floor - 1 if exp == NO_EXP else exp)
+    return _int32_ok(p, count, np.int64(1) << vbits)
+
+
 @njit(inline="always")
 def _new_group(b, n_groups, row, x, j, first):
     b.group_of[row, x] = n_groups
@@ -218,18 +304,42 @@ def _new_group(b, n_groups, row, x, j, first):
     b.head[n_groups] = -1
     b.first[n_groups] = first
     b.complete[n_groups] = False
+    b.emits[n_groups] = False
+    b.done[n_groups] = False
+    b.spilled[n_groups] = -1
     return n_groups
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
-def _aggregate(jobs, table, b, g, rx_data, core, cores):
-    """Phase 2 for one set: add this burst's contributions to its accumulators; if the round completed, write
-    its result datagram (the same bytes for every worker and every re-send)."""
+@njit(inline="always")
+def open_round(table, row, x, key, exp, count, next_exp):
+    """Set x of `row` takes the round `key`: empty bitmap and count; the first contribution will write the
+    accumulators (no zeroing)."""
+    table.round_key[row, x] = key
+    table.bitmap[row, x] = 0
+    table.count[row, x] = 0
+    table.exp[row, x] = exp
+    table.elements[row, x] = count
+    table.next_exp[row, x] = next_exp
+
+
+@njit(inline="always")
+def bitmap_and_count(table, b, g, row, x, i, n_contrib, bit):
+    """Record packet i as a contribution to (row, set x), in group g: set the rank's bit, count it and link
+    the packet into the group (its values are added in phase 2)."""
+    b.packet[n_contrib] = i
+    b.next[n_contrib] = b.head[g]
+    b.head[g] = n_contrib
+    table.bitmap[row, x] |= bit
+    table.count[row, x] += 1
+
+
+@njit(inline="always")
+def contribute(jobs, table, b, g, rx_data):
+    """Phase 2 for one set: add this burst's contributions to its accumulators in one pass (the first
+    contribution of a round writes them)."""
     row, x, j = b.row[g], b.shadow[g], b.job[g]
     count = table.elements[row, x]
-    codec = jobs.codec[j]
     acc = table.acc[row, x, :count]
-    floor = cnat_floor(table.exp[row, x], jobs.value_bits[j])
     k = 0
     m = b.head[g]
     while m >= 0:
@@ -237,13 +347,22 @@ def _aggregate(jobs, table, b, g, rx_data, core, cores):
         k += 1
         m = b.next[m]
     if k and count:
-        if codec == Codec.CNAT8:
-            add_fixed_rows(rx_data, b.rows, k, HDR, acc, floor, b.first[g])
+        if jobs.codec[j] == Codec.CNAT8:
+            add_fixed_rows(rx_data, b.rows, k, HDR, acc, cnat_floor(table.exp[row, x], jobs.value_bits[j]),
+                           b.first[g])
         else:
             for t in range(k):
                 _int32_add(rx_data[b.rows[t]], acc, count, b.first[g] and t == 0)
-    if not b.complete[g]:
-        return
+
+
+@njit(inline="always")
+def complete(jobs, table, b, g, core, cores):
+    """Write a completed round's result datagram into its set: the same bytes for every worker and every
+    re-send (C_nat re-encodes the sum with the switch's random stream)."""
+    row, x, j = b.row[g], b.shadow[g], b.job[g]
+    count = table.elements[row, x]
+    codec = jobs.codec[j]
+    acc = table.acc[row, x, :count]
     key = table.round_key[row, x]
     allreduce = key >> 32
     chunk = (key & 0xFFFFFFFF) - (np.int64(1) << 31)
@@ -254,6 +373,7 @@ def _aggregate(jobs, table, b, g, rx_data, core, cores):
     if codec == Codec.CNAT8:
         if count:
             key_switch = derive_key(jobs.seed[j], switch_stream(allreduce))
+            floor = cnat_floor(table.exp[row, x], jobs.value_bits[j])
             jobs.stats[j, SATURATED] += sum_to_codes_kernel(acc, p[HDR:HDR + count], key_switch,
                                                            np.uint64(chunk * jobs.packet_elements[j]), floor)
         table.result_len[row, x] = HDR + count
@@ -264,195 +384,162 @@ def _aggregate(jobs, table, b, g, rx_data, core, cores):
 
 
 @njit(inline="always")
-def _emit(jobs, table, j, row, x, dest, tx_ptr, tx_len, tx_addr, n_tx):
-    """Queue the stored result of (row, set x) for address `dest`: the entry points at it, nothing is copied. It
-    stays unchanged until the burst is sent, as no set opens a new round within one call (see process_burst)."""
-    tx_ptr[n_tx] = table.result[row, x].ctypes.data
-    tx_len[n_tx] = table.result_len[row, x]
-    tx_addr[n_tx] = dest
-    jobs.stats[j, PACKETS_OUT] += 1
-    return n_tx + 1
+def _finish(jobs, table, b, g, rx_data, core, cores):
+    contribute(jobs, table, b, g, rx_data)
+    if b.complete[g]:
+        complete(jobs, table, b, g, core, cores)
+    b.done[g] = True
+
+
+@njit(inline="always")
+def emit(src, size, dest, out_ptr, out_len, out_addr, n_out):
+    """Queue `size` bytes at address `src` (a stored result or its spilled copy) for `dest`: nothing is copied."""
+    out_ptr[n_out] = src
+    out_len[n_out] = size
+    out_addr[n_out] = dest
+    return n_out + 1
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def process_burst(rx_data, rx_len, rx_addr, start, n_rx, now, core, cores, job_arrays, table_arrays, batch_arrays,
-                  tx_ptr, tx_len, tx_addr, control):
-    """Handle received datagrams start..n_rx-1. Returns (next unhandled index, datagrams written to tx, control
-    datagrams listed in `control`). Stops early when tx could not hold another completion's n results.
+def process_burst(rx_data, rx_len, rx_addr, n_rx, now, core, cores, job_arrays, table_arrays, batch_arrays,
+                  spill, spill_len, out_ptr, out_len, out_addr, control):
+    """Handle received datagrams 0..n_rx-1. Returns (datagrams written to out, control datagrams listed in
+    `control`). `out` needs room for n_rx * MAX_WORLD entries (each packet completes at most one round), spill
+    for n_rx results.
 
-    Two phases. Phase 1 walks the packets in order and makes every decision: the checks, the round keys,
-    bitmaps and counts, and which packets contribute to which set; a packet's data is only checked, not added.
-    Phase 2 then adds each set's contributions in one pass over its accumulators, re-encodes the sets that
-    completed, and writes the results in the order phase 1 decided them. Integer addition commutes, so the
-    sums, and everything sent, are those of handling the packets one by one; but a slot's accumulators are
-    read and written once per burst, not once per worker. A packet that would open a new round in a set that
-    already has work in this burst ends phase 1 early (it is handled by the next call), so phase 2 never mixes
-    two rounds of one set.
+    Two phases. Phase 1 walks the packets in order through validate, classify and bitmap_and_count: it makes
+    every decision, and a packet's data is only checked, not added. Phase 2 then adds each set's contributions
+    in one pass over its accumulators (contribute), re-encodes the sets that completed (complete), and emits
+    the results in the order phase 1 decided them. Integer addition commutes, so the sums, and everything sent,
+    are those of handling the packets one by one; but a slot's accumulators are read and written once per
+    burst, not once per worker.
+
+    A packet that opens a new round in a set with work in this burst (only a misbehaving or badly delayed
+    sender does that) first finishes the set's old round, and copies its result to a spill row if an output
+    points at it: the new round may complete in this burst too and overwrite the stored result, and every
+    output must stay valid until the core's next call.
 
     The tables come in as plain tuples, which Numba types in C, and are rebuilt as namedtuples here: a
     namedtuple argument costs ~40 us of typing per call on Numba's Python path."""
     jobs = Jobs(*job_arrays)
     table = Table(*table_arrays)
     b = Batch(*batch_arrays)
-    reserve = 1  # tx rows one more packet may need: a completion sends one result per worker
-    for j in range(jobs.active.size):
-        if jobs.active[j]:
-            reserve = max(reserve, jobs.world[j])
     cs = jobs.core_stats
     n_ctl = 0
     n_groups = 0
     n_contrib = 0
     n_events = 0
-    planned = 0
-    i = start
-    while i < n_rx:
-        if planned + reserve > tx_len.size:
-            break
-        length = rx_len[i]
+    n_spill = 0
+    for i in range(n_rx):
         p = rx_data[i]
-        i += 1
         cs[PACKETS_IN] += 1
-        if length < 0:
-            cs[DROP_TRUNCATED] += 1
+        length = rx_len[i]
+        reason = validate_header(length, get_u16(p, O_MAGIC), p[O_VERSION], p[O_TYPE])
+        if reason == CONTROL:
+            control[n_ctl] = i
+            n_ctl += 1
             continue
-        if length < HDR:
-            cs[DROP_SHORT] += 1
+        if reason:
+            cs[reason] += 1
             continue
-        if get_u16(p, O_MAGIC) != MAGIC:
-            cs[DROP_BAD_MAGIC] += 1
-            continue
-        if p[O_VERSION] != VERSION:
-            cs[DROP_BAD_VERSION] += 1
-            continue
-        typ = p[O_TYPE]
-        if typ != MsgType.DATA:
-            if typ == MsgType.JOIN or typ == MsgType.LEAVE or typ == MsgType.STATS_REQUEST:
-                control[n_ctl] = i - 1
-                n_ctl += 1
-            else:
-                cs[DROP_UNKNOWN_TYPE] += 1
-            continue
-        j = _find_job(jobs, get_u32(p, O_JOB))
+        j = _find_job(jobs.active, jobs.job_id, get_u32(p, O_JOB))
         if j < 0:
             cs[DROP_UNKNOWN_JOB] += 1
             continue
         st = jobs.stats[j]
         st[PACKETS_IN] += 1
-        rank = get_u16(p, O_RANK)
         n = jobs.world[j]
-        if rank >= n:
-            st[DROP_RANK] += 1
-            continue
-        if jobs.members[j, rank] != rx_addr[i - 1]:
-            st[DROP_UNREGISTERED] += 1
-            continue
-        jobs.last_seen[j, rank] = now  # any packet of a member, retransmissions too, keeps the job alive
+        rank = get_u16(p, O_RANK)
         slot = get_u16(p, O_SLOT)
-        if slot >= jobs.pool[j] or slot % cores != core:
-            st[DROP_SLOT] += 1
-            continue
-        codec = np.int64(p[O_CODEC])
-        if codec != jobs.codec[j]:
-            st[DROP_CODEC] += 1
-            continue
         count = get_u16(p, O_COUNT)
-        width = 1 if codec == Codec.CNAT8 else 4
-        if count > jobs.packet_elements[j] or length != HDR + width * count:
-            st[DROP_COUNT] += 1
-            continue
         x = np.int64(p[O_SHADOW])
-        if x > 1:
-            st[DROP_SHADOW] += 1
-            continue
         exp = get_i8(p, O_EXP)
         next_exp = get_i8(p, O_NEXT_EXP)
-        lo, hi = (E_MIN, E_MAX) if codec == Codec.CNAT8 else (INT32_E_MIN, INT32_E_MAX)
-        if (exp != NO_EXP and (exp < lo or exp > hi)) or (next_exp != NO_EXP and (next_exp < lo or next_exp > hi)):
-            st[DROP_BAD_EXP] += 1
+        reason = validate(length, rank, n, rx_addr[i], jobs.members[j, min(rank, MAX_WORLD - 1)], slot, jobs.pool[j],
+                          core, cores, np.int64(p[O_CODEC]), jobs.codec[j], count, jobs.packet_elements[j], x, exp,
+                          next_exp)
+        if reason != DROP_RANK and reason != DROP_UNREGISTERED:
+            jobs.last_seen[j, rank] = now  # any packet of a member, retransmissions too, keeps the job alive
+        if reason:
+            st[reason] += 1
             continue
-        allreduce = get_u32(p, O_ALLREDUCE)
-        chunk = get_i32(p, O_CHUNK)
-        key = round_key(allreduce, chunk)
         row = jobs.row_base[j] + slot // cores
-        current = table.round_key[row, x]
-        if key < current:
+        key = round_key(get_u32(p, O_ALLREDUCE), get_i32(p, O_CHUNK))
+        bit = np.uint64(1) << np.uint64(rank)
+        event = classify(table.round_key[row, x], table.bitmap[row, x], key, bit)
+        if event == OLDER:
             st[DROP_STALE] += 1
             continue
-        fresh = key > current
         g = b.group_of[row, x]
-        if fresh and g >= 0:  # a new round in a set with work in this burst: finish the burst first
-            i -= 1
-            cs[PACKETS_IN] -= 1  # counted again when the next call takes the packet
-            st[PACKETS_IN] -= 1
-            break
-        bit = np.uint64(1) << np.uint64(rank)
-        if not fresh and table.bitmap[row, x] & bit:
+        if event == SAME_KNOWN_RANK:
             st[RETRANSMISSIONS] += 1
             if table.count[row, x] == n:
                 if g < 0:
                     g = _new_group(b, n_groups, row, x, j, False)
                     n_groups += 1
+                b.emits[g] = True
                 b.event_group[n_events] = g
                 b.event_rank[n_events] = rank
                 n_events += 1
-                planned += 1
                 st[RESULTS_RESENT] += 1
             else:
                 st[DROP_DUPLICATE_INCOMPLETE] += 1
             continue
-        if not fresh and (exp != table.exp[row, x] or count != table.elements[row, x]):
+        if event == SAME_NEW_RANK and (exp != table.exp[row, x] or count != table.elements[row, x]):
             st[DROP_EXP_MISMATCH if exp != table.exp[row, x] else DROP_COUNT] += 1
             continue
-        vbits = jobs.value_bits[j]
-        if codec == Codec.CNAT8:
-            floor = cnat_floor(exp, vbits)
-            ok = codes_in_range(p[HDR:HDR + count], floor, floor - 1 if exp == NO_EXP else exp)
-        else:
-            ok = _int32_ok(p, count, np.int64(1) << vbits)
-        if not ok:
+        if not payload_ok(p, jobs.codec[j], count, exp, jobs.value_bits[j]):
             st[DROP_INVALID_CODE] += 1
             continue
-        # All checks passed: this packet contributes (its data is added in phase 2).
-        if fresh:
-            table.round_key[row, x] = key
-            table.bitmap[row, x] = 0
-            table.count[row, x] = 0
-            table.exp[row, x] = exp
-            table.elements[row, x] = count
-            table.next_exp[row, x] = next_exp
+        if event == NEWER and g >= 0:  # the set's old round ends here: finish it before the new one opens
+            _finish(jobs, table, b, g, rx_data, core, cores)
+            if b.emits[g]:
+                size = table.result_len[row, x]
+                spill[n_spill, :size] = table.result[row, x, :size]
+                spill_len[n_spill] = size
+                b.spilled[g] = n_spill
+                n_spill += 1
+            b.group_of[row, x] = -1
+            g = -1
+        if event == NEWER:
+            open_round(table, row, x, key, exp, count, next_exp)
         else:
             table.next_exp[row, x] = max(table.next_exp[row, x], next_exp)
         if g < 0:
             g = _new_group(b, n_groups, row, x, j, table.count[row, x] == 0)
             n_groups += 1
-        b.packet[n_contrib] = i - 1
-        b.next[n_contrib] = b.head[g]
-        b.head[g] = n_contrib
+        bitmap_and_count(table, b, g, row, x, i, n_contrib, bit)
         n_contrib += 1
-        table.bitmap[row, x] |= bit
-        table.count[row, x] += 1
         st[CONTRIBUTIONS] += 1
         if table.count[row, x] == n:
             b.complete[g] = True
+            b.emits[g] = True
             b.event_group[n_events] = g
             b.event_rank[n_events] = -1
             n_events += 1
-            planned += n
             st[COMPLETIONS] += 1
 
     for g in range(n_groups):
-        _aggregate(jobs, table, b, g, rx_data, core, cores)
+        if not b.done[g]:
+            _finish(jobs, table, b, g, rx_data, core, cores)
         b.group_of[b.row[g], b.shadow[g]] = -1
-    n_tx = 0
+    n_out = 0
     for e in range(n_events):
         g = b.event_group[e]
-        row, x, j = b.row[g], b.shadow[g], b.job[g]
+        j = b.job[g]
+        k = b.spilled[g]
+        if k >= 0:
+            src, size = spill[k].ctypes.data, spill_len[k]
+        else:
+            src, size = table.result[b.row[g], b.shadow[g]].ctypes.data, table.result_len[b.row[g], b.shadow[g]]
         rank = b.event_rank[e]
+        first = n_out
         if rank >= 0:
-            n_tx = _emit(jobs, table, j, row, x, jobs.members[j, rank], tx_ptr, tx_len, tx_addr, n_tx)
+            n_out = emit(src, size, jobs.members[j, rank], out_ptr, out_len, out_addr, n_out)
         elif jobs.group[j]:  # one datagram to the job's multicast group reaches every worker
-            n_tx = _emit(jobs, table, j, row, x, jobs.group[j], tx_ptr, tx_len, tx_addr, n_tx)
+            n_out = emit(src, size, jobs.group[j], out_ptr, out_len, out_addr, n_out)
         else:
             for r in range(jobs.world[j]):
-                n_tx = _emit(jobs, table, j, row, x, jobs.members[j, r], tx_ptr, tx_len, tx_addr, n_tx)
-    return i, n_tx, n_ctl
+                n_out = emit(src, size, jobs.members[j, r], out_ptr, out_len, out_addr, n_out)
+        jobs.stats[j, PACKETS_OUT] += n_out - first
+    return n_out, n_ctl

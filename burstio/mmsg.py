@@ -14,7 +14,7 @@ Limitations: Linux only (x86_64/aarch64 LP64 struct layouts, checked at import a
 IPv4 only (``AF_INET`` sockets; the sockaddr pool is ``sockaddr_in``); one iovec per datagram; no
 ancillary data; not thread-safe (one BurstSocket per thread).
 
-``python -m intml.burstio.mmsg`` runs :func:`bench`.
+``intml-testbed bench burstio`` measures it against a plain sendto/recvfrom loop.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from numba import njit
 from intml.protocol.address import addr_key_of, addr_of
 from intml.protocol.burst import Burst
 
-__all__ = ["BurstSocket", "addr_key", "addr_of", "bench"]
+__all__ = ["BurstSocket", "addr_key", "addr_of"]
 
 # --- C ABI --------------------------------------------------------------------------------------
 
@@ -359,95 +359,3 @@ class BurstSocket:
             if left <= 0:
                 raise BlockingIOError(errno.EAGAIN, "send_one: socket not writable within send_timeout")
             select.select([], [self.sock], [], min(left, 0.001))
-
-
-# --- benchmark ----------------------------------------------------------------------------------
-
-
-def _udp_pair() -> tuple[socket.socket, socket.socket]:
-    a = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    b = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    a.bind(("127.0.0.1", 0))
-    b.bind(("127.0.0.1", 0))
-    return a, b
-
-
-def bench(n_packets: int = 200_000, size: int = 8192, burst: int = 256) -> dict[str, float]:
-    """Loopback send+receive of ``n_packets`` datagrams of ``size`` bytes, one process, two sockets.
-
-    Both variants interleave: send ``burst`` datagrams, then receive until that batch arrived (or a
-    loss timeout), so the receive queue never overflows. Burst = send_burst/recv_burst; anchor =
-    plain ``sendto`` / ``recvfrom`` Python loop. Prints and returns packets/s and payload GB/s.
-    """
-    res: dict[str, float] = {}
-
-    a, b = _udp_pair()
-    tx, rx = BurstSocket(a, burst, size), BurstSocket(b, burst, size)
-    tx.tx_data[:] = np.arange(size, dtype=np.uint8)
-    tx.tx_len[:] = size
-    tx.tx_addr[:] = addr_key(*b.getsockname())
-    tx.send_burst(1)  # warm-up: loads the compiled bookkeeping kernels outside the timed loop
-    while rx.recv_burst() == 0:
-        select.select([rx], [], [], 0.2)
-    got = lost = 0
-    t0 = time.perf_counter()
-    left = n_packets
-    while left:
-        k = min(burst, left)
-        k = tx.send_burst(k)
-        left -= k
-        want, t_batch = got + k, time.monotonic()
-        while got < want:
-            r = rx.recv_burst()
-            if r:
-                got += int(np.count_nonzero(rx.rx_len[:r] == size))
-            elif time.monotonic() - t_batch > 0.2:
-                lost += want - got
-                want = got
-    dt = time.perf_counter() - t0
-    a.close(), b.close()
-    res["burst_pps"], res["burst_gbps"], res["burst_lost"] = got / dt, got * size / dt / 1e9, lost
-
-    a, b = _udp_pair()
-    for s in (a, b):
-        _set_buf(s, _SO_RCVBUFFORCE, socket.SO_RCVBUF, _WANT_BUF)
-        _set_buf(s, _SO_SNDBUFFORCE, socket.SO_SNDBUF, _WANT_BUF)
-    b.settimeout(0.2)
-    payload, dest = bytes(size), b.getsockname()
-    got = lost = 0
-    t0 = time.perf_counter()
-    left = n_packets
-    while left:
-        k = min(burst, left)
-        for _ in range(k):
-            a.sendto(payload, dest)
-        left -= k
-        for _ in range(k):
-            try:
-                data, _src = b.recvfrom(size)
-            except TimeoutError:
-                lost += 1
-                continue
-            got += len(data) == size
-    dt = time.perf_counter() - t0
-    a.close(), b.close()
-    res["plain_pps"], res["plain_gbps"], res["plain_lost"] = got / dt, got * size / dt / 1e9, lost
-
-    res["ratio"] = res["burst_pps"] / res["plain_pps"]
-    print(f"{n_packets} x {size} B datagrams on loopback, burst {burst}")
-    print(
-        f"  burst (recvmmsg/sendmmsg): {res['burst_pps']:12,.0f} pkt/s  {res['burst_gbps']:6.2f} GB/s"
-        f"  lost {res['burst_lost']:.0f}"
-    )
-    print(
-        f"  plain (sendto/recvfrom)  : {res['plain_pps']:12,.0f} pkt/s  {res['plain_gbps']:6.2f} GB/s"
-        f"  lost {res['plain_lost']:.0f}"
-    )
-    print(f"  ratio burst/plain: {res['ratio']:.2f}x")
-    return res
-
-
-if __name__ == "__main__":
-    import sys
-
-    bench(*(int(x) for x in sys.argv[1:3]))

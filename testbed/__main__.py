@@ -27,6 +27,11 @@ def build_parser() -> argparse.ArgumentParser:
     codec.add_argument("--elements", type=positive(), default=1 << 25, help="array length (default 2**25)")
     codec.add_argument("--repeats", type=positive(), default=11, help="timed runs; the median is reported")
     codec.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    bio = bench.add_parser("burstio", help="recvmmsg/sendmmsg bursts vs plain sendto/recvfrom on loopback")
+    bio.add_argument("--packets", type=positive(), default=200_000, help="datagrams per variant (default 200000)")
+    bio.add_argument("--size", type=positive(), default=8192, help="bytes per datagram (default 8192)")
+    bio.add_argument("--burst", type=positive(), default=256, help="datagrams per burst (default 256)")
+    bio.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     ar = bench.add_parser("allreduce", help="intml vs Gloo's ring allreduce on loopback")
     ar.add_argument("--workers", type=positive(), default=4)
     ar.add_argument("--elements", type=positive(), default=25_000_000)
@@ -87,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         from intml.testbed import bench_codec
 
         bench_codec.run(args.elements, args.repeats, args.json)
+    elif args.command == "bench" and args.bench == "burstio":
+        from intml.testbed import bench_burstio
+
+        bench_burstio.run(args.packets, args.size, args.burst, args.json)
     elif args.command == "bench" and args.bench == "allreduce":
         from intml.testbed import bench_allreduce
 

@@ -18,19 +18,18 @@ numpy burst arrays, so tests can also craft and inject single datagrams.
 
 from __future__ import annotations
 
-import ctypes
 import random
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from intml.aggregator.core import AggregatorCore, Burst
+from intml.aggregator.core import AggregatorCore
 from intml.protocol import reference, wire
-from intml.protocol.burst import Burst as WorkerBurst
+from intml.protocol.burst import Burst
+from intml.protocol.job import JobParams
 from intml.protocol.packet import HDR
 from intml.protocol.wire import Codec, MsgType
-from intml.protocol.job import JobParams
 from intml.worker.engine import StreamEngine
 from intml.worker.session import JobJoined, WorkerSession
 
@@ -38,8 +37,6 @@ AGG_PORT = 48879
 WORKER_PORT = 5000
 AGG_IP = 0x7F000001  # 127.0.0.1
 WORKER_IP = 0x7F000002  # 127.0.0.2
-TX_ROWS = 256  # >= aggregator.slots.MAX_WORLD: the burst kernel needs room for a completion's n results
-TX_WIDTH = 1 << 16  # room for any datagram, including STATS_REPLY JSON
 
 Datagram = tuple[bytes, int]  # (payload, address key: source on receive, destination on send)
 
@@ -56,39 +53,15 @@ def worker_addr(rank: int, base: int = WORKER_PORT) -> int:
     return addr_key(WORKER_IP, base + rank)
 
 
-def make_burst(rows: int, width: int) -> Burst:
-    rows = max(1, rows)
-    data = np.zeros((rows, width), np.uint8)
-    ptr = data.ctypes.data + np.arange(rows, dtype=np.uint64) * np.uint64(width)  # as BurstSocket.tx_ptr starts
-    return Burst(data, np.zeros(rows, np.int32), np.zeros(rows, np.uint64), ptr)
-
-
-def fill_burst(datagrams: Sequence[Datagram], lengths: Sequence[int] | None = None, width: int = 0) -> Burst:
-    """A burst holding ``datagrams``; ``lengths`` overrides the length field (e.g. -1 for a truncated read)."""
-    width = max([width, HDR] + [len(d) for d, _ in datagrams])
-    rx = make_burst(len(datagrams), width)
-    for i, (data, src) in enumerate(datagrams):
-        rx.data[i, : len(data)] = np.frombuffer(data, np.uint8)
-        rx.length[i] = len(data) if lengths is None else lengths[i]
-        rx.addr[i] = src
-    return rx
-
-
-def drain(tx: Burst, n: int) -> list[Datagram]:
-    """The n datagrams queued in tx: the bytes at tx.ptr[i] (the sender's own buffers), copied now."""
-    return [(ctypes.string_at(int(tx.ptr[i]), int(tx.length[i])), int(tx.addr[i])) for i in range(n)]
-
-
 def core_receive(core: AggregatorCore, datagrams: Sequence[Datagram], now: float,
-                 lengths: Sequence[int] | None = None, tx_rows: int = TX_ROWS,
-                 tx_width: int = TX_WIDTH) -> list[Datagram]:
-    """Feed datagrams (payload, source) to core.receive; returns every datagram it sends (payload, dest)."""
-    rx = fill_burst(datagrams, lengths)
-    tx = make_burst(tx_rows, tx_width)
-    out: list[Datagram] = []
-    for n in core.receive(rx, len(datagrams), now, tx):
-        out += drain(tx, n)
-    return out + core.take_replies()
+                 lengths: Sequence[int] | None = None) -> list[Datagram]:
+    """Feed datagrams (payload, source) to core.receive; returns every datagram it sends (payload, dest): the
+    results, then the control replies. ``lengths`` overrides the received lengths (e.g. -1: truncated)."""
+    rx = Burst.rows_of(len(datagrams), max([HDR] + [len(d) for d, _ in datagrams]))
+    rx.fill(datagrams)
+    if lengths is not None:
+        rx.length[: len(lengths)] = lengths
+    return core.receive(rx, now).datagrams() + core.take_replies()
 
 
 def engine_start(engine: StreamEngine, x: np.ndarray, now: float, out: np.ndarray | None = None) -> list[Datagram]:
@@ -97,7 +70,7 @@ def engine_start(engine: StreamEngine, x: np.ndarray, now: float, out: np.ndarra
 
 def engine_receive(engine: StreamEngine, datagrams: Sequence[Datagram], now: float) -> list[Datagram]:
     """Feed datagrams (payload, source) to engine.receive; returns what it sends (payload, dest)."""
-    rx = WorkerBurst.rows_of(len(datagrams), max([engine.max_datagram, HDR] + [len(d) for d, _ in datagrams]))
+    rx = Burst.rows_of(len(datagrams), max([engine.max_datagram, HDR] + [len(d) for d, _ in datagrams]))
     rx.fill(datagrams)
     return engine.receive(rx, now).datagrams()
 

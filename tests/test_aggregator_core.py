@@ -27,8 +27,9 @@ from harness import (
 )
 
 from intml.aggregator.core import ALL_JOBS, AggregatorCore
-from intml.aggregator.slots import MAX_WORLD, STAT_NAMES
+from intml.aggregator.slots import STAT_NAMES
 from intml.protocol import reference, wire
+from intml.protocol.job import MAX_WORLD
 from intml.protocol.wire import NO_EXP, Codec, MsgType
 
 SEED = 123
@@ -592,16 +593,64 @@ def test_pool_smaller_than_cores_can_join_every_core():
 # ---- robustness of the core's burst interface ---------------------------------------------------------------
 
 
-def test_receive_with_small_tx_burst_is_refused():
-    """A transmit burst smaller than one completion's results (MAX_WORLD) could never make progress: refused."""
-    core = AggregatorCore(rows=4, max_elements=64)
-    with pytest.raises(ValueError, match="at least 64"):
-        core_receive(core, [(wire.pack({"type": 6, "job": 1}), worker_addr(0))], 0.0, tx_rows=32)
+def _joined(world: int, *, pool: int = 4, job: int = 7) -> AggregatorCore:
+    core = AggregatorCore(rows=16, max_elements=P)
+    replies = core_receive(core, [(join_datagram(job, r, world_size=world, packet_elements=P, pool_size=pool,
+                                                 codec=0, seed=1, token=2), worker_addr(r)) for r in range(world)], 0.0)
+    assert [msg_type(d) for d, _ in replies] == [MsgType.JOIN_ACK] * world
+    return core
+
+
+def _data(rank: int, slot: int, chunk: int, codes: bytes, *, job: int = 7, shadow: int = 0) -> tuple[bytes, int]:
+    """A C_nat DATA packet of exponent 0 (codes 0x40 | k, k in [50 - s(n), 50], or 0)."""
+    return wire.pack({"type": MsgType.DATA, "job": job, "rank": rank, "slot": slot, "chunk": chunk, "codec": 0,
+                      "count": len(codes), "shadow": shadow, "exp": 0, "next_exp": NO_EXP}, codes), worker_addr(rank)
+
+
+def test_output_holds_a_burst_of_completions_of_the_largest_world():
+    """The core's output burst is sized for the worst case: every packet of a burst completes a round of a
+    MAX_WORLD-rank job, each sending MAX_WORLD results (unicast)."""
+    pool = 8
+    core = _joined(MAX_WORLD, pool=pool)
+    for rank in range(MAX_WORLD - 1):
+        assert core_receive(core, [_data(rank, s, s, bytes([0x72])) for s in range(pool)], 0.0) == []
+    out = core_receive(core, [_data(MAX_WORLD - 1, s, s, bytes([0x72])) for s in range(pool)], 0.0)
+    assert len(out) == pool * MAX_WORLD
+    assert [dst for _, dst in out] == [worker_addr(r) for _ in range(pool) for r in range(MAX_WORLD)]
+    assert [header(d)["chunk"] for d, _ in out] == [s for s in range(pool) for _ in range(MAX_WORLD)]
+
+
+def test_a_burst_larger_than_expected_grows_the_output_and_keeps_stored_results():
+    core = AggregatorCore(rows=16, max_elements=P, burst=1)
+    replies = core_receive(core, [(join_datagram(7, r, world_size=2, packet_elements=P, pool_size=4, codec=0, seed=1,
+                                                 token=2), worker_addr(r)) for r in range(2)], 0.0)
+    assert [msg_type(d) for d, _ in replies] == [MsgType.JOIN_ACK] * 2
+    assert core_receive(core, [_data(0, 0, 0, bytes([0x71]))], 0.0) == []
+    (result, _), (again, _) = core_receive(core, [_data(1, 0, 0, bytes([0x72]))], 0.0)
+    assert result == again
+    resent = core_receive(core, [_data(0, 0, 0, bytes([0x71])), _data(1, 0, 0, bytes([0x72]))], 0.0)
+    assert resent == [(result, worker_addr(0)), (result, worker_addr(1))]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_result_reused_by_a_new_round_in_the_same_burst_is_not_overwritten(world):
+    """A set that completes (or re-sends) a round and then, in the same burst, completes a newer one (only a
+    misbehaving sender does that) must not change the bytes the earlier outputs point at: the burst's
+    datagrams are those of handing the packets over one at a time."""
+    burst = []
+    for chunk, code in ((0, 0x71), (8, 0x72)):  # chunk 8 is the next use of slot 0, set 0 (pool 4, two sets)
+        burst += [_data(r, 0, chunk, bytes([code, 0x70 + r])) for r in range(world)]
+        burst.append(_data(0, 0, chunk, bytes([code, 0x70])))  # a retransmission: the result again, to rank 0
+    one = _joined(world)
+    expected = [out for datagram in burst for out in core_receive(one, [datagram], 0.0)]
+    got = core_receive(_joined(world), burst, 0.0)
+    assert got == expected
+    assert len({d for d, _ in got}) == 2  # two rounds, two different results
 
 
 def test_stats_reply_fits_the_data_plane_tx_layout():
     net = Network(2, packet_elements=P)  # max_elements = P: tx rows of HDR + 4 * P bytes, as DataPlane allocates
-    out = core_receive(net.cores[0], [(stats_request(net.job), STRANGER)], 0.0, tx_width=HDR + 4 * P)
+    out = core_receive(net.cores[0], [(stats_request(net.job), STRANGER)], 0.0)
     assert len(out) == 1 and msg_type(out[0][0]) == MsgType.STATS_REPLY
     assert str(net.job) in json.loads(out[0][0][HDR:])["jobs"]
 
@@ -674,7 +723,7 @@ def test_burst_equals_one_packet_at_a_time(codec, seed, shuffle):
     start = 0
     while start < len(stream):
         size = int(rng.integers(1, 120))
-        sent_batched += core_receive(batched, stream[start:start + size], 1.0, tx_rows=MAX_WORLD)
+        sent_batched += core_receive(batched, stream[start:start + size], 1.0)
         start += size
     assert sent_batched == sent_one
     assert one.stats(1.0) == batched.stats(1.0)

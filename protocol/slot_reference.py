@@ -1,0 +1,233 @@
+"""The aggregator's data path as a plain-Python reference: one DATA packet at a time, dicts and ints, driven by
+the slot state machine ``TRANSITIONS`` below. It is the oracle the Numba burst kernel (``aggregator.slots``) is
+held to bit for bit: same datagrams out in the same order, same counters, same slot state. The arithmetic is
+``protocol.reference``'s; nothing here is shared with the kernel. docs/slot-states.md has the same table.
+
+A shadow set of a slot holds one round (the use of the slot by one chunk of one allreduce, ordered by the round
+key ``allreduce << 32 | (chunk + 2**31)``). Its state is EMPTY (never used), FILLING (some ranks contributed) or
+COMPLETE (all n did; the result is kept for re-sends). A DATA packet that passed the header checks is an event
+against the set: its round is OLDER than the set's, NEWER, or the SAME round from a rank whose bit is clear
+(SAME_NEW_RANK) or already set (SAME_KNOWN_RANK).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import numpy as np
+
+from intml.protocol import reference
+from intml.protocol.wire import HEADER, HEADER_SIZE, MAGIC, NO_EXP, VERSION, Codec, MsgType
+
+EMPTY, FILLING, COMPLETE = "EMPTY", "FILLING", "COMPLETE"
+OLDER, SAME_NEW_RANK, SAME_KNOWN_RANK, NEWER = "OLDER", "SAME_NEW_RANK", "SAME_KNOWN_RANK", "NEWER"
+
+# Actions. "open" and "add" take the packet's values after the payload checks (an "add" first checks that the
+# packet agrees with the round's exponent and element count); either completes the round when the count
+# reaches n, which sends the result to all ranks (or the job's multicast group).
+DROP_STALE = "drop_stale"  # a delayed duplicate of a round the set has left
+DROP_DUPLICATE = "drop_duplicate_incomplete"  # a retransmission before the round completed: never added twice
+RESEND = "resend"  # a retransmission after completion: the stored result again, to that rank alone
+ADD = "add"  # a contribution to the round: set the rank's bit, count it, add its values
+OPEN = "open"  # the set's next round: reset bitmap and count, the values are written (no zeroing)
+
+# (state, event) -> action. A missing pair cannot happen: an EMPTY set has round key -1, below every packet's,
+# and a COMPLETE set has every rank's bit set.
+TRANSITIONS = {
+    (EMPTY, NEWER): OPEN,
+    (FILLING, OLDER): DROP_STALE,
+    (FILLING, SAME_NEW_RANK): ADD,
+    (FILLING, SAME_KNOWN_RANK): DROP_DUPLICATE,
+    (FILLING, NEWER): OPEN,  # the unfinished round is abandoned (no conforming worker moves on without it)
+    (COMPLETE, OLDER): DROP_STALE,
+    (COMPLETE, SAME_KNOWN_RANK): RESEND,
+    (COMPLETE, NEWER): OPEN,  # every rank got the result of the round in between (self-clocking)
+}
+
+CNAT_EXPONENTS = (reference.E_MIN, reference.E_MAX)
+INT32_EXPONENTS = (-126, 127)
+CONTROL_TYPES = (MsgType.JOIN, MsgType.LEAVE, MsgType.STATS_REQUEST)
+
+
+@dataclasses.dataclass
+class Job:
+    job_id: int
+    world: int
+    packet_elements: int
+    pool: int
+    codec: int
+    seed: int
+    members: dict[int, int]  # rank -> address key it joined from
+    group: int = 0  # address key of the job's results multicast group, 0 = unicast
+    stats: Counter = dataclasses.field(default_factory=Counter)
+
+
+@dataclasses.dataclass
+class ShadowSet:
+    key: int = -1
+    ranks: set[int] = dataclasses.field(default_factory=set)
+    exp: int = 0
+    next_exp: int = 0
+    elements: int = 0
+    sums: list[int] = dataclasses.field(default_factory=list)
+    result: bytes = b""
+
+    def state(self, n: int) -> str:
+        if self.key < 0:
+            return EMPTY
+        return COMPLETE if len(self.ranks) == n else FILLING
+
+    def event(self, key: int, rank: int) -> str:
+        if key < self.key:
+            return OLDER
+        if key > self.key:
+            return NEWER
+        return SAME_KNOWN_RANK if rank in self.ranks else SAME_NEW_RANK
+
+
+class SlotReference:
+    """Data-plane core ``core`` of ``cores``: slots s with s % cores == core of every joined job."""
+
+    def __init__(self, core: int = 0, cores: int = 1) -> None:
+        self.core, self.cores = core, cores
+        self.jobs: dict[int, Job] = {}
+        self.sets: dict[tuple[int, int, int], ShadowSet] = {}  # (job, slot, shadow)
+        self.core_stats: Counter = Counter()
+        self.control: list[tuple[bytes, int]] = []  # control datagrams, for the control plane
+        self.transitions: Counter = Counter()  # (state, event) pairs taken, for coverage checks
+
+    def join(self, job: Job) -> None:
+        self.jobs[job.job_id] = job
+
+    def receive(self, datagram: bytes | None, addr: int) -> list[tuple[bytes, int]]:
+        """One received datagram (None: truncated on receive); returns the datagrams to send, in order."""
+        self.core_stats["packets_in"] += 1
+        reason, job, h = self._validate(datagram, addr)
+        if reason == "control":
+            self.control.append((datagram, addr))
+            return []
+        if job is None:
+            self.core_stats[reason] += 1
+            return []
+        job.stats["packets_in"] += 1
+        if reason:
+            job.stats[reason] += 1
+            return []
+        return self._data(job, h, datagram)
+
+    def _validate(self, datagram: bytes | None, addr: int) -> tuple[str, Job | None, dict]:
+        if datagram is None:
+            return "drop_truncated", None, {}
+        if len(datagram) < HEADER_SIZE:
+            return "drop_short", None, {}
+        rec = np.frombuffer(datagram[:HEADER_SIZE], HEADER)[0]
+        h = {name: int(rec[name]) for name in HEADER.names}
+        if h["magic"] != MAGIC:
+            return "drop_bad_magic", None, h
+        if h["version"] != VERSION:
+            return "drop_bad_version", None, h
+        if h["type"] != MsgType.DATA:
+            return ("control" if h["type"] in CONTROL_TYPES else "drop_unknown_type"), None, h
+        job = self.jobs.get(h["job"])
+        if job is None:
+            return "drop_unknown_job", None, h
+        if h["rank"] >= job.world:
+            return "drop_rank_out_of_range", job, h
+        if job.members.get(h["rank"]) != addr:
+            return "drop_unregistered_source", job, h
+        if h["slot"] >= job.pool or h["slot"] % self.cores != self.core:
+            return "drop_slot_out_of_range", job, h
+        if h["codec"] != job.codec:
+            return "drop_wrong_codec", job, h
+        width = 1 if job.codec == Codec.CNAT8 else 4
+        if h["count"] > job.packet_elements or len(datagram) != HEADER_SIZE + width * h["count"]:
+            return "drop_wrong_count", job, h
+        if h["shadow"] > 1:
+            return "drop_bad_shadow", job, h
+        lo, hi = CNAT_EXPONENTS if job.codec == Codec.CNAT8 else INT32_EXPONENTS
+        if any(e != NO_EXP and not lo <= e <= hi for e in (h["exp"], h["next_exp"])):
+            return "drop_bad_exponent", job, h
+        return "", job, h
+
+    def _data(self, job: Job, h: dict, datagram: bytes) -> list[tuple[bytes, int]]:
+        n, rank = job.world, h["rank"]
+        key = h["allreduce"] << 32 | (h["chunk"] + (1 << 31))
+        s = self.sets.setdefault((job.job_id, h["slot"], h["shadow"]), ShadowSet())
+        transition = s.state(n), s.event(key, rank)
+        self.transitions[transition] += 1
+        action = TRANSITIONS[transition]
+        if action == DROP_STALE:
+            job.stats[DROP_STALE] += 1
+            return []
+        if action in (DROP_DUPLICATE, RESEND):
+            job.stats["retransmissions"] += 1
+            if action == DROP_DUPLICATE:
+                job.stats[DROP_DUPLICATE] += 1
+                return []
+            job.stats["results_resent"] += 1
+            return self._send(job, s.result, [job.members[rank]])
+        if action == ADD and (h["exp"] != s.exp or h["count"] != s.elements):
+            job.stats["drop_exponent_mismatch" if h["exp"] != s.exp else "drop_wrong_count"] += 1
+            return []
+        values = self._values(job, h, datagram[HEADER_SIZE:])
+        if values is None:
+            job.stats["drop_invalid_code"] += 1
+            return []
+        if action == OPEN:
+            s.key, s.ranks, s.exp, s.elements, s.next_exp = key, set(), h["exp"], h["count"], h["next_exp"]
+            s.sums = values
+        else:
+            s.next_exp = max(s.next_exp, h["next_exp"])
+            s.sums = [a + v for a, v in zip(s.sums, values)]
+        s.ranks.add(rank)
+        job.stats["contributions"] += 1
+        if len(s.ranks) < n:
+            return []
+        job.stats["completions"] += 1
+        s.result = self._result(job, h, s)
+        return self._send(job, s.result, [job.group] if job.group else [job.members[r] for r in range(n)])
+
+    @staticmethod
+    def _send(job: Job, result: bytes, dests: list[int]) -> list[tuple[bytes, int]]:
+        job.stats["packets_out"] += len(dests)
+        return [(result, d) for d in dests]
+
+    @staticmethod
+    def _value_bits(n: int) -> int:
+        return 31 - n.bit_length()  # s(n): n contributions of at most 2**s(n) fit a signed 32-bit register
+
+    def _floor(self, job: Job, exp: int) -> int:
+        return reference.E_MIN if exp == NO_EXP else max(reference.E_MIN, exp - self._value_bits(job.world))
+
+    def _values(self, job: Job, h: dict, payload: bytes) -> list[int] | None:
+        """The packet's values as integers in the round's unit, or None if one is out of range."""
+        if job.codec == Codec.INT32:
+            values = [int(v) for v in np.frombuffer(payload, ">i4")]
+            limit = 1 << self._value_bits(job.world)
+            return values if all(-limit <= v <= limit for v in values) else None
+        floor = self._floor(job, h["exp"])
+        ceiling = floor - 1 if h["exp"] == NO_EXP else h["exp"]  # an all-zero chunk admits only zeros
+        for code in payload:
+            if code and not (reference.is_valid(code) and floor <= (code & 0x3F) - 50 <= ceiling):
+                return None
+        return [int(v) for v in reference.to_fixed(np.frombuffer(payload, np.uint8), floor)]
+
+    def _result(self, job: Job, h: dict, s: ShadowSet) -> bytes:
+        allreduce, chunk = s.key >> 32, (s.key & 0xFFFFFFFF) - (1 << 31)
+        header = {"type": int(MsgType.RESULT), "job": job.job_id, "allreduce": allreduce, "chunk": chunk,
+                  "rank": 0, "slot": h["slot"], "count": s.elements, "codec": job.codec, "shadow": h["shadow"],
+                  "exp": s.exp, "next_exp": s.next_exp}
+        if job.codec == Codec.INT32:
+            payload = np.array(s.sums, ">i4").tobytes()
+        else:
+            codes, saturated = reference.sum_to_codes(np.array(s.sums, np.int64), self._floor(job, s.exp),
+                                                      seed=job.seed, stream=(allreduce << 24) | (2 << 16),
+                                                      offset=chunk * job.packet_elements % (1 << 64))
+            job.stats["saturated_elements"] += saturated
+            payload = codes.tobytes()
+        rec = np.zeros(1, HEADER)
+        rec["magic"], rec["version"] = MAGIC, VERSION
+        for name, value in header.items():
+            rec[name] = value
+        return rec.tobytes() + payload
