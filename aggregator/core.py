@@ -38,9 +38,9 @@ from intml.protocol.address import addr_of, format_addr
 from intml.protocol import wire
 from intml.protocol.arith import value_bits
 from intml.protocol.burst import Burst
-from intml.protocol.job import AGGREGATOR_IDLE_TIMEOUT, AGGREGATOR_MAX_JOBS, AGGREGATOR_SLOTS, MAX_WORLD
+from intml.protocol.job import AGGREGATOR_IDLE_TIMEOUT, AGGREGATOR_MAX_JOBS, AGGREGATOR_SLOTS, MAX_WORLD, JobParams
 from intml.protocol.packet import HDR
-from intml.protocol.wire import Codec, MsgType
+from intml.protocol.wire import MsgType
 
 ALL_JOBS = 0xFFFFFFFF
 MAX_PENDING_LISTED = 32  # keeps a STATS_REPLY well inside one datagram
@@ -174,19 +174,14 @@ class AggregatorCore:
                               {**params, "cores": self.cores, "group": group >> 16, "group_port": group & 0xFFFF})
 
     def _check_params(self, p: dict, rank: int) -> str | None:
-        if not 1 <= p["world_size"] <= MAX_WORLD:
-            return f"world size must be in [1, {MAX_WORLD}], got {p['world_size']}"
-        if rank >= p["world_size"]:
-            return f"rank {rank} is out of range for world size {p['world_size']}"
-        if p["codec"] not in (Codec.CNAT8, Codec.INT32):
-            return f"unknown codec {p['codec']}"
-        limit = min(self.max_elements, wire.max_packet_elements(p["codec"]))
-        if not 1 <= p["packet_elements"] <= limit:
-            return (f"packet elements must be in [1, {limit}] for this codec on this aggregator "
-                    f"(--max-packet-elements), got {p['packet_elements']}")
-        if p["pool_size"] < 1 or p["pool_size"] > 0xFFFF:
-            return f"pool size must be in [1, 65535], got {p['pool_size']}"
-        return None
+        try:
+            problem = JobParams(**{k: p[k] for k in ("world_size", "packet_elements", "pool_size", "codec", "seed")}
+                                ).problem(self.max_elements)
+        except ValueError as exc:
+            problem = str(exc)
+        if problem is None and rank >= p["world_size"]:
+            problem = f"rank {rank} is out of range for world size {p['world_size']}"
+        return problem
 
     def _local_pool(self, pool: int) -> int:
         return len(range(self.core, pool, self.cores))

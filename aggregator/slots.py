@@ -33,19 +33,8 @@ from collections import namedtuple
 import numpy as np
 from numba import njit
 
-from intml.protocol.arith import (
-    E_MAX,
-    E_MIN,
-    INT32_E_MAX,
-    INT32_E_MIN,
-    NO_EXP,
-    add_fixed_rows,
-    cnat_floor,
-    sum_to_codes_kernel,
-    switch_stream,
-)
-from intml.protocol.cnat import codes_in_range
-from intml.protocol.lanes import load_be32, store_be32
+from intml.protocol import codecs
+from intml.protocol.arith import NO_EXP, switch_stream
 from intml.protocol.packet import (
     HDR,
     O_ALLREDUCE,
@@ -70,7 +59,7 @@ from intml.protocol.packet import (
 )
 from intml.protocol.job import MAX_WORLD
 from intml.protocol.rng import derive_key
-from intml.protocol.wire import MAGIC, VERSION, Codec, MsgType
+from intml.protocol.wire import MAGIC, VERSION, MsgType
 
 # Statistics, per job (and, for packets that name no known job, per core). The drop reasons are the malformed
 # or foreign packets of DESIGN.md; "retransmissions" and "results_resent" are normal protocol events.
@@ -208,24 +197,6 @@ def _find_job(active, job_ids, job_id):
     return -1
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
-def _int32_ok(p, count, limit):
-    """Every int32 value lies in [-limit, limit] (limit = 2**s(n) <= 2**30); a min/max reduction vectorises."""
-    low = high = np.int32(0)
-    for i in range(count):
-        v = load_be32(p, HDR + 4 * i)
-        low = min(low, v)
-        high = max(high, v)
-    return low >= -limit and high <= limit
-
-
-@njit(cache=True, nogil=True, boundscheck=False)
-def _int32_add(p, acc, count, first):
-    for i in range(count):
-        v = load_be32(p, HDR + 4 * i)
-        acc[i] = v if first else np.int32(acc[i] + v)
-
-
 # ---- the pipeline's stages, in packet order ------------------------------------------------------------------
 # A stage inlined into the kernel's loop takes scalars (and at most the packet) or has no branches: an inlined
 # function that branches over the tables' arrays costs reference counting on every packet (measured: it doubled
@@ -264,12 +235,11 @@ def validate(length, rank, world, src, member, slot, pool, core, cores, codec, j
         return DROP_SLOT
     if codec != job_codec:
         return DROP_CODEC
-    width = 1 if codec == Codec.CNAT8 else 4
-    if count > packet_elements or length != HDR + width * count:
+    if count > packet_elements or length != HDR + codecs.width(codec) * count:
         return DROP_COUNT
     if shadow > 1:
         return DROP_SHADOW
-    lo, hi = (E_MIN, E_MAX) if codec == Codec.CNAT8 else (INT32_E_MIN, INT32_E_MAX)
+    lo, hi = codecs.exp_range(codec)
     if (exp != NO_EXP and (exp < lo or exp > hi)) or (next_exp != NO_EXP and (next_exp < lo or next_exp > hi)):
         return DROP_BAD_EXP
     return 0
@@ -288,11 +258,9 @@ def classify(current, bitmap, key, bit):
 
 @njit(inline="always")
 def payload_ok(p, codec, count, exp, vbits):
-    """Every value fits the round: C_nat codes within [floor, exp], int32 values within +-2**s(n)."""
-    if codec == Codec.CNAT8:
-        floor = cnat_floor(exp, vbits)
-        return codes_in_range(p[HDR:HDR + count], floor, floor - 1 if exp == NO_EXP else exp)
-    return _int32_ok(p, count, np.int64(1) << vbits)
+    """Every value fits the round (the codec's check: C_nat codes within [floor, exp], int32 values within
+    +-2**s(n))."""
+    return codecs.check_payload(codec, p[HDR:HDR + codecs.width(codec) * count], exp, vbits)
 
 
 @njit(inline="always")
@@ -347,12 +315,8 @@ def contribute(jobs, table, b, g, rx_data):
         k += 1
         m = b.next[m]
     if k and count:
-        if jobs.codec[j] == Codec.CNAT8:
-            add_fixed_rows(rx_data, b.rows, k, HDR, acc, cnat_floor(table.exp[row, x], jobs.value_bits[j]),
-                           b.first[g])
-        else:
-            for t in range(k):
-                _int32_add(rx_data[b.rows[t]], acc, count, b.first[g] and t == 0)
+        codecs.add_payloads(jobs.codec[j], rx_data, b.rows, k, HDR, acc, table.exp[row, x], jobs.value_bits[j],
+                            b.first[g])
 
 
 @njit(inline="always")
@@ -370,17 +334,13 @@ def complete(jobs, table, b, g, core, cores):
     p = table.result[row, x]
     put_header(p, MsgType.RESULT, jobs.job_id[j], allreduce, chunk, 0, slot, count, codec, x, table.exp[row, x],
                table.next_exp[row, x])
-    if codec == Codec.CNAT8:
-        if count:
-            key_switch = derive_key(jobs.seed[j], switch_stream(allreduce))
-            floor = cnat_floor(table.exp[row, x], jobs.value_bits[j])
-            jobs.stats[j, SATURATED] += sum_to_codes_kernel(acc, p[HDR:HDR + count], key_switch,
-                                                           np.uint64(chunk * jobs.packet_elements[j]), floor)
-        table.result_len[row, x] = HDR + count
-    else:
-        for i in range(count):
-            store_be32(p, HDR + 4 * i, acc[i])
-        table.result_len[row, x] = HDR + 4 * count
+    size = codecs.width(codec) * count
+    if count:
+        key_switch = derive_key(jobs.seed[j], switch_stream(allreduce))
+        jobs.stats[j, SATURATED] += codecs.encode_result(codec, acc, p[HDR:HDR + size], key_switch,
+                                                         np.uint64(chunk * jobs.packet_elements[j]),
+                                                         table.exp[row, x], jobs.value_bits[j])
+    table.result_len[row, x] = HDR + size
 
 
 @njit(inline="always")

@@ -60,11 +60,11 @@ class JobParams:
         if self.codec not in tuple(Codec):
             return f"unknown codec {self.codec}"
         limit = max_packet_elements(self.codec)
-        if max_elements is not None:
-            limit = min(limit, max_elements)
+        where = f"for {Codec(self.codec).name.lower()}"
+        if max_elements is not None and max_elements < limit:
+            limit, where = max_elements, "on this aggregator (its --max-packet-elements)"
         if not 1 <= self.packet_elements <= limit:
-            return f"packet elements must be in [1, {limit}] for {Codec(self.codec).name.lower()}, got " \
-                   f"{self.packet_elements}"
+            return f"packet elements must be in [1, {limit}] {where}, got {self.packet_elements}"
         if not 1 <= self.pool_size <= 0xFFFF:
             return f"pool size must be in [1, 65535], got {self.pool_size}"
         if not 0 <= self.seed < 1 << 64:

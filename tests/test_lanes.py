@@ -7,9 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from numba import njit
 
-from intml.aggregator.slots import _int32_ok
 from intml.protocol.lanes import load_be32, store_be32
-from intml.protocol.packet import HDR
 
 
 @njit
@@ -32,12 +30,3 @@ def test_be32_round_trip_at_any_alignment(values, shift):
     assert bytes(a[:shift]) == b"\xa5" * shift and bytes(a[shift + 4 * len(values):]) == b"\xa5" * 3
     assert [int(_load(a, shift + 4 * k)) for k in range(len(values))] == values
 
-
-def test_int32_range_check_bounds():
-    """The switch's int32 contribution check: [-limit, limit] is accepted, one past either end is not."""
-    limit = 1 << 28
-    for values, ok in (([limit, -limit, 0], True), ([limit + 1], False), ([-limit - 1], False),
-                       ([-(2**31)], False), ([2**31 - 1], False), ([], True)):
-        p = np.zeros(HDR + 4 * max(1, len(values)), np.uint8)
-        p[HDR:HDR + 4 * len(values)] = np.frombuffer(struct.pack(f">{len(values)}i", *values), np.uint8)
-        assert bool(_int32_ok(p, len(values), limit)) == ok, values
