@@ -3,7 +3,7 @@
 describes the datagrams to send in another, pointing at the results it stores; no sockets, no clock (``now`` is an
 argument). The kernel is split into the stages a switch pipeline (and a P4 program) has: validate (header, then
 against the job, then the payload), classify, bitmap and count (open_round, bitmap_and_count), contribute, complete
-and emit; docs/slot-states.md and protocol.slot_reference hold the state machine they implement.
+and emit; docs/protocol.md ("Slot state table") and protocol.slot_reference hold the state machine they implement.
 
 Slot semantics (SwitchML, DESIGN.md "Protocol semantics")
 
@@ -120,7 +120,7 @@ STAT_NAMES = (
 N_STATS = len(STAT_NAMES)
 CONTROL = -1  # validate_header's verdict for a JOIN, LEAVE or STATS_REQUEST: the control plane answers it
 
-# What a DATA packet's round key and rank bit say about its set (classify; docs/slot-states.md has the table).
+# What a DATA packet's round key and rank bit say about its set (classify; docs/protocol.md has the table).
 OLDER = 0  # a round the set has left behind: stale
 SAME_NEW_RANK = 1  # the set's round, from a rank not yet in its bitmap: a contribution
 SAME_KNOWN_RANK = 2  # the set's round, from a rank already in it: a retransmission

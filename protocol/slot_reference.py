@@ -1,7 +1,7 @@
 """The aggregator's data path as a plain-Python reference: one DATA packet at a time, dicts and ints, driven by
 the slot state machine ``TRANSITIONS`` below. It is the oracle the Numba burst kernel (``aggregator.slots``) is
 held to bit for bit: same datagrams out in the same order, same counters, same slot state. The arithmetic is
-``protocol.reference``'s; nothing here is shared with the kernel. docs/slot-states.md has the same table.
+``protocol.reference``'s; nothing here is shared with the kernel. docs/protocol.md ("Slot state table") has the same table.
 
 A shadow set of a slot holds one round (the use of the slot by one chunk of one allreduce, ordered by the round
 key ``allreduce << 32 | (chunk + 2**31)``). Its state is EMPTY (never used), FILLING (some ranks contributed) or

@@ -42,3 +42,16 @@ def test_every_counter_is_documented() -> None:
 
     documented = set(re.findall(r"`([a-z_]+)`", PROTOCOL_MD))
     assert set(AGGREGATOR) | set(WORKER) <= documented
+
+
+def test_slot_state_table_matches_the_reference() -> None:
+    """docs/protocol.md's transition table lists exactly the (state, event) pairs of slot_reference.TRANSITIONS,
+    each with that action."""
+    from intml.protocol.slot_reference import RESEND, TRANSITIONS
+
+    section = PROTOCOL_MD.split("### Transitions\n", 1)[1].split("\n#", 1)[0]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in section.splitlines() if line.startswith("|")]
+    documented = {(state, event): action for state, event, action in rows[2:]}
+    assert set(documented) == set(TRANSITIONS)
+    for pair, action in TRANSITIONS.items():
+        assert ("re-send" if action == RESEND else action) in documented[pair], pair
