@@ -188,3 +188,22 @@ def test_leave_every_core_frees_the_job():
         core_receive(net.cores[net.core_of[dst]], [(data, net.addr(0))], 0.0)
     assert all(net.job not in core.info for core in net.cores)
     assert session.get_timer() is None
+
+
+def test_join_and_progress_deadlines_are_separate():
+    """connect_timeout bounds the JOIN, timeout the allreduce's progress: a short join deadline (the PyTorch
+    integration's connect_timeout) must not cut allreduces short."""
+    params = JobParams(world_size=1)
+    session = WorkerSession(job=1, rank=0, params=params, token=1, aggregator=agg_addr(0), timeout=30.0,
+                            connect_timeout=2.0)
+    session.connect(0.0)
+    t = 0.0
+    while not (got := events(session)):
+        session.datagrams_to_send(t)
+        t = session.get_timer()
+        session.handle_timer(t)
+    assert got == [JoinTimedOut(0)] and t == pytest.approx(2.0)
+    session.watch_progress(5.0)
+    assert session.get_timer() == 35.0
+    assert WorkerSession(job=1, rank=0, params=params, token=1, aggregator=agg_addr(0),
+                         timeout=7.0).connect_timeout == 7.0  # by default the JOIN gets the whole timeout

@@ -74,20 +74,24 @@ class Worker:
                  pool_size: int = JobParams.pool_size, seed: int = JobParams.seed,
                  timeout: float = WorkerTimers.timeout, rto: float = WorkerTimers.rto,
                  min_rto: float = WorkerTimers.min_rto, max_rto: float = WorkerTimers.max_rto,
-                 burst: int = 256) -> None:
+                 burst: int = 256, connect_timeout: float | None = None) -> None:
+        """``timeout``: an allreduce that makes no progress this long raises AllreduceTimeout. ``connect_timeout``:
+        how long the JOIN may wait for the aggregator (default: ``timeout``)."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
         if not 0 <= job <= 0xFFFFFFFE:
             raise ValueError(f"job must be in [0, 2**32 - 2], got {job}")
         params = JobParams.of(world_size=world_size, codec=codec, packet_elements=packet_elements,
                               pool_size=pool_size, seed=seed)
-        timers = WorkerTimers(timeout=timeout, rto=rto, min_rto=min_rto, max_rto=max_rto)
+        timers = WorkerTimers(timeout=timeout, connect_timeout=timeout if connect_timeout is None else connect_timeout,
+                              rto=rto, min_rto=min_rto, max_rto=max_rto)
         self.host, self.port = parse_address(aggregator)
         self.job, self.rank, self.world_size = job, rank, world_size
         self.codec = params.codec
         self.timeout = timeout
         self.session = WorkerSession(job=job, rank=rank, params=params, token=token_hash(token),
-                                     aggregator=addr_key(self.host, self.port), timeout=timeout)
+                                     aggregator=addr_key(self.host, self.port), timeout=timeout,
+                                     connect_timeout=timers.connect_timeout)
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         sock.bind(("0.0.0.0", 0))
         # room for any datagram: a statistics reply can be longer than a data packet
@@ -154,7 +158,8 @@ class Worker:
                             f"{event.reason}")
         if isinstance(event, JoinTimedOut):
             raise AllreduceTimeout(f"{self._who()}: no answer to JOIN from aggregator {self._core_name(event.core)} "
-                                   f"within {self.timeout} s; is intml-aggregator running there and reachable?")
+                                   f"within {self.session.connect_timeout} s; is intml-aggregator running there and "
+                                   f"reachable?")
         return event
 
     def close(self) -> None:

@@ -82,10 +82,11 @@ class WorkerSession:
     """One rank's membership in one job; see the module docstring."""
 
     def __init__(self, *, job: int, rank: int, params: JobParams, token: int, aggregator: int,
-                 timeout: float = WorkerTimers.timeout) -> None:
+                 timeout: float = WorkerTimers.timeout, connect_timeout: float | None = None) -> None:
         self.job, self.rank, self.params = job, rank, params
         self.aggregator = aggregator
-        self.timeout = timeout
+        self.timeout = timeout  # an allreduce that makes no progress this long: NoProgress
+        self.connect_timeout = timeout if connect_timeout is None else connect_timeout  # a core silent to JOIN
         self._join = wire.pack_join({"type": int(MsgType.JOIN), "job": job, "rank": rank},
                                     dict(world_size=params.world_size, packet_elements=params.packet_elements,
                                          pool_size=params.pool_size, codec=int(params.codec), seed=params.seed,
@@ -112,7 +113,7 @@ class WorkerSession:
     # ---- joining --------------------------------------------------------------------------------------------
     def connect(self, now: float) -> None:
         """Start joining: core 0 first, which tells how many cores there are; then the others at once."""
-        self._joining[0] = [now + self.timeout, now]
+        self._joining[0] = [now + self.connect_timeout, now]
 
     def _ack(self, core: int, datagram: bytes, now: float) -> None:
         body = wire.unpack_join(datagram)[1]
@@ -123,7 +124,7 @@ class WorkerSession:
         if core == 0:
             self.cores = ack["cores"]
             for other in range(1, self.cores):
-                self._joining[other] = [now + self.timeout, now]
+                self._joining[other] = [now + self.connect_timeout, now]
         if self.joined:
             groups = {a["group"] << 16 | a["group_port"] for a in self.acks.values() if a["group"]}
             self._events.append(JobJoined(self.cores, sorted(groups)))

@@ -158,8 +158,7 @@ def connect(config: IntmlConfig, rank: int, world_size: int, control_allreduce: 
         try:
             w = Worker(config.aggregator, job=job, rank=rank, world_size=world_size, token=config.token,
                        codec=config.codec, packet_elements=config.packet_elements, pool_size=config.pool_size,
-                       seed=seed, timeout=config.connect_timeout)
-            w.timeout = config.timeout  # the join waited connect_timeout; allreduces get the training deadline
+                       seed=seed, timeout=config.timeout, connect_timeout=config.connect_timeout)
         except (AllreduceTimeout, OSError) as exc:
             status[rank], reason = 1, f"{type(exc).__name__}: {exc}"
         except (JoinError, ValueError) as exc:
