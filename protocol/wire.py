@@ -3,7 +3,9 @@
 Every datagram starts with the data header below, packed (no padding), all
 multi-byte fields big-endian (network order). ``HEADER_FIELDS`` is the single
 source of truth: the numpy dtype ``HEADER`` (hot path, tools) and the scapy
-layer ``IntmlHeader`` (capture dissection) are both generated from it.
+layer ``protocol.capture.IntmlHeader`` (capture dissection) are both generated from it.
+The scapy layers live apart because importing scapy opens a netlink socket to read
+the routing table: the sans-I/O cores import this module, never that one.
 tests/test_wire.py checks the tables here against the dtypes.
 
 Data header (26 bytes):
@@ -27,7 +29,7 @@ Data header (26 bytes):
 Payload by message type:
 
 * DATA, RESULT: ``count`` elements of the codec's ``PAYLOAD_DTYPE`` (protocol.codecs:
-  uint8 C_nat codes for CNAT8, big-endian int32 for INT32). Left as scapy ``Raw``.
+  uint8 C_nat codes for CNAT8, big-endian int32 for INT32). Left as scapy ``Raw`` in captures.
 * JOIN, JOIN_ACK: the JOIN payload below (JOIN_ACK echoes the JOIN's);
   dissected by scapy as ``IntmlJoin``.
 * LEAVE, STATS_REQUEST: none.
@@ -56,19 +58,6 @@ from collections.abc import Mapping
 from enum import IntEnum
 
 import numpy as np
-from scapy.fields import (
-    ByteEnumField,
-    ByteField,
-    Field,
-    IntField,
-    LongField,
-    ShortField,
-    SignedByteField,
-    SignedIntField,
-    XShortField,
-)
-from scapy.layers.inet import UDP
-from scapy.packet import Packet, bind_bottom_up, bind_layers
 
 MAGIC = 0x494E  # "IN"
 VERSION = 1
@@ -227,62 +216,3 @@ def unpack_join(buf: bytes) -> tuple[np.void, np.void]:
     if body.size != JOIN_SIZE:
         raise ValueError(f"JOIN payload is {body.size} bytes, expected {JOIN_SIZE}")
     return header, body.view(JOIN)[0]
-
-
-# --- scapy layers, generated from the field lists ---------------------------
-
-_SCAPY_FIELDS = {  # numpy dtype.str -> scapy field (scapy's IntField / LongField are unsigned)
-    "|u1": ByteField,
-    "|i1": SignedByteField,
-    ">u2": ShortField,
-    ">u4": IntField,
-    ">i4": SignedIntField,
-    ">u8": LongField,
-}
-_SCAPY_ENUMS = {"type": MsgType, "codec": Codec}  # u8 fields shown by name
-_SCAPY_DEFAULTS = {"magic": MAGIC, "version": VERSION}  # the rest default to 0, as in header_array
-
-
-def _scapy_fields(fields: tuple[tuple[str, str, str], ...]) -> list[Field]:
-    out: list[Field] = []
-    for name, code, _ in fields:
-        default = _SCAPY_DEFAULTS.get(name, 0)
-        if name in _SCAPY_ENUMS:
-            out.append(ByteEnumField(name, default, {m.value: m.name for m in _SCAPY_ENUMS[name]}))
-        elif name == "magic":
-            out.append(XShortField(name, default))
-        else:
-            out.append(_SCAPY_FIELDS[np.dtype(code).str](name, default))
-    return out
-
-
-class IntmlHeader(Packet):
-    """intml data header. DATA / RESULT / STATS_REPLY / ERROR payloads stay ``Raw``."""
-
-    name = "IntML"
-    fields_desc = _scapy_fields(HEADER_FIELDS)
-
-    def mysummary(self) -> str:
-        return self.sprintf("IntML %type% job=%job% ar=%allreduce% chunk=%chunk% rank=%rank% slot=%slot%")
-
-
-class IntmlJoin(Packet):
-    """JOIN / JOIN_ACK payload."""
-
-    name = "IntML JOIN"
-    fields_desc = _scapy_fields(JOIN_FIELDS)
-
-
-def bind_port(port: int) -> None:
-    """Dissect UDP traffic to or from ``port`` as intml (aggregators may use one port per core)."""
-    for direction in ({"dport": port}, {"sport": port}):
-        if (direction, IntmlHeader) not in UDP.payload_guess:
-            bind_bottom_up(UDP, IntmlHeader, **direction)
-
-
-# bind_layers also sets the field when building (UDP()/IntmlHeader() gets dport); a second
-# bind_layers would override that, so the other directions are bound for dissection only.
-bind_layers(UDP, IntmlHeader, dport=DEFAULT_PORT)
-bind_port(DEFAULT_PORT)
-bind_layers(IntmlHeader, IntmlJoin, type=MsgType.JOIN)
-bind_bottom_up(IntmlHeader, IntmlJoin, type=MsgType.JOIN_ACK)

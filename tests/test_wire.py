@@ -12,6 +12,7 @@ from scapy.packet import Raw, split_bottom_up
 from scapy.utils import rdpcap, wrpcap
 
 from intml.protocol import wire
+from intml.protocol.capture import IntmlHeader, IntmlJoin, bind_port
 from intml.protocol.wire import (
     DEFAULT_PORT,
     HEADER,
@@ -22,10 +23,7 @@ from intml.protocol.wire import (
     OFFSETS,
     VERSION,
     Codec,
-    IntmlHeader,
-    IntmlJoin,
     MsgType,
-    bind_port,
     header_array,
     pack,
     pack_join,
