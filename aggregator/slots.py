@@ -5,7 +5,7 @@ argument). The kernel is split into the stages a switch pipeline (and a P4 progr
 against the job, then the payload), classify, bitmap and count (open_round, bitmap_and_count), contribute, complete
 and emit; docs/protocol.md ("Slot state table") and protocol.slot_reference hold the state machine they implement.
 
-Slot semantics (SwitchML, DESIGN.md "Protocol semantics")
+Slot semantics (SwitchML; docs/protocol.md, "Slots" and "Slot state table")
 
 * Each job owns ``pool`` slots; slot s lives on data-plane core ``s % cores`` at row ``row_base + s // cores``.
   Each row has two shadow sets; a worker alternates sets on consecutive uses of a slot over the job's whole life.
@@ -61,8 +61,8 @@ from intml.protocol.job import MAX_WORLD
 from intml.protocol.rng import derive_key
 from intml.protocol.wire import MAGIC, VERSION, MsgType
 
-# Statistics, per job (and, for packets that name no known job, per core). The drop reasons are the malformed
-# or foreign packets of DESIGN.md; "retransmissions" and "results_resent" are normal protocol events.
+# Statistics, per job (and, for packets that name no known job, per core). The drop reasons are the malformed or
+# foreign packets of docs/protocol.md ("Drop reasons"); "retransmissions" and "results_resent" are normal events.
 STAT_NAMES = (
     "packets_in",
     "packets_out",

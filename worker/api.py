@@ -19,8 +19,9 @@ import time
 
 import numpy as np
 
-from intml.burstio.mmsg import BurstSocket, addr_key, addr_of
+from intml.burstio.mmsg import BurstSocket, addr_key
 from intml.protocol import wire
+from intml.protocol.address import addr_of
 from intml.protocol.burst import Burst
 from intml.protocol.job import JobParams, WorkerTimers
 from intml.worker.engine import StreamEngine
