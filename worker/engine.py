@@ -235,8 +235,12 @@ def start_kernel(state, now, tx_ptr, tx_len, tx_addr):
     return window
 
 
+# ---- the receive pipeline's stages, in datagram order: validate the header, classify the result against its
+# slot, validate it against the chunk, decode the sum, take the result (RTT, shadow set), advance the slot.
+
+
 @njit(inline="always")
-def _malformed_header(p, length):
+def validate_header(p, length):
     """DROP_MALFORMED unless the datagram is a whole header of a RESULT of this protocol version, else -1."""
     if length < HDR or get_u16(p, O_MAGIC) != MAGIC or p[O_VERSION] != VERSION or p[O_TYPE] != MsgType.RESULT:
         return DROP_MALFORMED
@@ -244,7 +248,7 @@ def _malformed_header(p, length):
 
 
 @njit(inline="always")
-def _match_round(prm, parity, cur_chunk, agg_addr, p, addr):
+def classify_result(prm, parity, cur_chunk, agg_addr, p, addr):
     """Why a well-formed result is not the one slot get_u16(p, O_SLOT) waits for: DROP_FOREIGN (another job, a
     slot outside the pool, or not our aggregator core), DROP_STALE (a duplicate, or a result of an earlier round
     or allreduce), else -1. (The stages take the arrays they use, not the State: each array passed costs
@@ -259,7 +263,7 @@ def _match_round(prm, parity, cur_chunk, agg_addr, p, addr):
 
 
 @njit(inline="always")
-def _malformed_result(prm, agreed_exp, p, length, c, count):
+def validate_result(prm, agreed_exp, p, length, c, count):
     """DROP_MALFORMED unless the result of chunk c (count elements) has the codec, size and exponents it must
     have, else -1."""
     codec = prm[P_CODEC]
@@ -273,7 +277,7 @@ def _malformed_result(prm, agreed_exp, p, length, c, count):
 
 
 @njit(inline="always")
-def _decode(prm, agreed_exp, out, p, c, count):
+def decode_sum(prm, agreed_exp, out, p, c, count):
     """Chunk c's sum (count elements) from its result into the output tensor ``out``; DROP_MALFORMED instead if
     the payload is invalid for the codec, else -1."""
     if count == 0:  # a bootstrap round carries only the next exponent
@@ -289,7 +293,7 @@ def _decode(prm, agreed_exp, out, p, c, count):
 
 
 @njit(inline="always")
-def _take_result(st, s, now):
+def take_result(st, s, now):
     """Slot s's round is over: count it, sample the round trip, mark the slots it overtook, flip the shadow set."""
     st.stats[RESULTS] += 1
     if st.retries[s] == 0:  # Karn: a retransmitted slot's RTT is ambiguous
@@ -299,7 +303,7 @@ def _take_result(st, s, now):
 
 
 @njit(inline="always")
-def _advance(st, s, c, next_exp, now, tx_ptr, tx_len, tx_addr, n_tx):
+def advance(st, s, c, next_exp, now, tx_ptr, tx_len, tx_addr, n_tx):
     """Queue slot s's next chunk, c + window, to be encoded against next_exp (or leave the slot idle if there is
     none); returns the new tx count."""
     prm = st.params
@@ -323,21 +327,21 @@ def receive_kernel(state, rx_data, rx_len, rx_addr, n_rx, now, tx_ptr, tx_len, t
         st.stats[PACKETS_IN] += 1
         p = rx_data[i]
         length = rx_len[i]
-        drop = _malformed_header(p, length)
+        drop = validate_header(p, length)
         if drop < 0:
-            drop = _match_round(prm, st.parity, st.cur_chunk, st.agg_addr, p, rx_addr[i])
+            drop = classify_result(prm, st.parity, st.cur_chunk, st.agg_addr, p, rx_addr[i])
         c = get_i32(p, O_CHUNK)
         if drop < 0:  # c is the slot's chunk
             count = _chunk_count(st, c)
-            drop = _malformed_result(prm, agreed_exp, p, length, c, count)
+            drop = validate_result(prm, agreed_exp, p, length, c, count)
             if drop < 0:
-                drop = _decode(prm, agreed_exp, out, p, c, count)
+                drop = decode_sum(prm, agreed_exp, out, p, c, count)
         if drop >= 0:
             st.stats[drop] += 1
             continue
         s = get_u16(p, O_SLOT)
-        _take_result(st, s, now)
-        n_tx = _advance(st, s, c, get_i8(p, O_NEXT_EXP), now, tx_ptr, tx_len, tx_addr, n_tx)
+        take_result(st, s, now)
+        n_tx = advance(st, s, c, get_i8(p, O_NEXT_EXP), now, tx_ptr, tx_len, tx_addr, n_tx)
     return _fast_retransmit(st, now, tx_ptr, tx_len, tx_addr, n_tx)
 
 
