@@ -89,6 +89,9 @@ STAT_NAMES = (
     "drop_stale",
     "drop_duplicate_incomplete",
     "drop_bad_control",
+    "drop_refused_join",
+    "drop_leave_non_member",
+    "send_failed",
 )
 (
     PACKETS_IN,
@@ -116,6 +119,9 @@ STAT_NAMES = (
     DROP_STALE,
     DROP_DUPLICATE_INCOMPLETE,
     DROP_BAD_CONTROL,  # counted by the control plane (aggregator.core), which parses JOIN/LEAVE/STATS
+    DROP_REFUSED_JOIN,  # control plane: a well-formed JOIN answered with ERROR
+    DROP_LEAVE_NON_MEMBER,  # control plane: a LEAVE for no job, or not from the address the rank joined from
+    SEND_FAILED,  # the driver: datagrams the kernel refused to send (their destination), skipped
 ) = range(len(STAT_NAMES))
 N_STATS = len(STAT_NAMES)
 CONTROL = -1  # validate_header's verdict for a JOIN, LEAVE or STATS_REQUEST: the control plane answers it
