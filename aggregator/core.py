@@ -7,9 +7,9 @@ Control plane
     JOIN (job id, rank, world size, packet elements, pool size, codec, seed, token): the first JOIN of a job
     registers it and gives it rows of this core's slot table; later JOINs must carry the same parameters and
     token. A rank is bound to the address it joined from; data from any other address is dropped, and an
-    address holds at most one rank of a job. Refused JOINs and LEAVEs from non-members are counted per core. A repeated
-    JOIN from the same address is answered again (the ACK may have been lost). Replies: JOIN_ACK (echoing the
-    parameters, with ``cores``) or ERROR with a one-line reason.
+    address holds at most one rank of a job. A repeated JOIN from the same address is answered again (the ACK
+    may have been lost). Replies: JOIN_ACK (echoing the parameters, with ``cores``) or ERROR with a one-line
+    reason. Refused JOINs and LEAVEs from non-members are counted per core.
     LEAVE: the rank is done; when every joined rank has left, the job is torn down and its rows freed.
     A job idle (no accepted packet, no join) for ``idle_timeout`` seconds is torn down too.
     STATS_REQUEST: a JSON STATS_REPLY with per-job counters, members, how long each rank has been silent and
