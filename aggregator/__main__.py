@@ -2,8 +2,10 @@
 
     intml-aggregator --host 127.0.0.1 --port 48879 --cores 2 --stats-interval 5
 
-Core i listens on port + i and owns slots s with s % cores == i. Once every socket is bound it prints one line,
-``intml-aggregator listening on HOST:PORT cores K``, which scripts can wait for.
+Core i listens on port + i and owns slots s with s % cores == i. Once every socket is bound and every kernel of
+the data plane is compiled (or loaded from Numba's cache), it prints one line,
+``intml-aggregator listening on HOST:PORT cores K``, which scripts can wait for: a JOIN sent after it is answered
+at once.
 """
 
 from __future__ import annotations
@@ -81,6 +83,9 @@ def build_parser() -> OneLineParser:
                    help="send each job's results to one IPv4 multicast group (GROUP + the job's table index, port "
                         "= --port), one datagram per completion as a switch's replication engine does, instead "
                         "of one per worker; for workers that share the aggregator's link or host (loopback)")
+    p.add_argument("--allow-shared-address", action="store_true",
+                   help="tests only: let one source address hold several ranks of a job (by default refused, so "
+                        "that one holder of the token cannot stand in for a whole job)")
     p.add_argument("--burst", type=positive(int), default=256,
                    help="datagrams per recvmmsg/sendmmsg (default 256)")
     return p
@@ -104,12 +109,14 @@ def main(argv: list[str] | None = None) -> int:
             _multicast_sender(s, args.host)
 
     from intml.aggregator.core import AggregatorCore
-    from intml.aggregator.dataplane import run_core
+    from intml.aggregator.dataplane import run_core, warm_up
+
+    warm_up(args.max_packet_elements, args.burst)  # before the ready line: the first JOIN is answered at once
 
     def core_main(i: int) -> None:
         core = AggregatorCore(core=i, cores=args.cores, rows=args.slots, max_elements=args.max_packet_elements,
                               idle_timeout=args.idle_timeout, results_group=None if group is None else (group, base),
-                              burst=args.burst)
+                              burst=args.burst, allow_shared_address=args.allow_shared_address)
         run_core(core, socks[i], args.burst, args.stats_interval)
 
     print(f"intml-aggregator listening on {args.host}:{base} cores {args.cores}", flush=True)

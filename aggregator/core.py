@@ -6,9 +6,10 @@ core's stored results (zero copy, valid until the core's next call), then the co
 Control plane
     JOIN (job id, rank, world size, packet elements, pool size, codec, seed, token): the first JOIN of a job
     registers it and gives it rows of this core's slot table; later JOINs must carry the same parameters and
-    token. A rank is bound to the address it joined from; data from any other address is dropped. A repeated
-    JOIN from the same address is answered again (the ACK may have been lost). Replies: JOIN_ACK (echoing the
-    parameters, with ``cores``) or ERROR with a one-line reason.
+    token. A rank is bound to the address it joined from; data from any other address is dropped, and an
+    address holds at most one rank of a job. A repeated JOIN from the same address is answered again (the ACK
+    may have been lost). Replies: JOIN_ACK (echoing the parameters, with ``cores``) or ERROR with a one-line
+    reason. Refused JOINs and LEAVEs from non-members are counted per core.
     LEAVE: the rank is done; when every joined rank has left, the job is torn down and its rows freed.
     A job idle (no accepted packet, no join) for ``idle_timeout`` seconds is torn down too.
     STATS_REQUEST: a JSON STATS_REPLY with per-job counters, members, how long each rank has been silent and
@@ -24,7 +25,10 @@ import numpy as np
 
 from intml.aggregator.slots import (
     DROP_BAD_CONTROL,
+    DROP_LEAVE_NON_MEMBER,
+    DROP_REFUSED_JOIN,
     N_STATS,
+    SEND_FAILED,
     STAT_NAMES,
     Jobs,
     Table,
@@ -62,17 +66,21 @@ class AggregatorCore:
 
     def __init__(self, *, core: int = 0, cores: int = 1, rows: int = AGGREGATOR_SLOTS, max_elements: int = 8192,
                  max_jobs: int = AGGREGATOR_MAX_JOBS, idle_timeout: float = AGGREGATOR_IDLE_TIMEOUT,
-                 results_group: tuple[int, int] | None = None, burst: int = 256) -> None:
+                 results_group: tuple[int, int] | None = None, burst: int = 256,
+                 allow_shared_address: bool = False) -> None:
         """``burst``: the most datagrams a receive burst is expected to hold (a larger one grows the output
         memory). ``results_group`` = (first IPv4 multicast group as an integer, UDP port): job slot j sends its results
         to group + j in one datagram per completion, as a switch's multicast replication does, instead of one
-        datagram per worker; retransmitted results still go to the one worker that asked."""
+        datagram per worker; retransmitted results still go to the one worker that asked. ``allow_shared_address``
+        (tests only) lets one address hold several ranks of a job; otherwise such a JOIN is refused, so that one
+        holder of the token cannot stand in for a whole job."""
         if not 0 <= core < cores:
             raise ValueError(f"core must be in [0, {cores}), got {core}")
         if results_group is not None and not (0xE0000000 <= results_group[0] <= 0xF0000000 - max_jobs
                                               and 0 < results_group[1] <= 0xFFFF):
             raise ValueError(f"results group must leave {max_jobs} IPv4 multicast groups (224.0.0.0/4) and a port")
         self.results_group = results_group
+        self.allow_shared_address = allow_shared_address
         self.core, self.cores = core, cores
         self.max_elements = max_elements
         self.idle_timeout = idle_timeout
@@ -121,6 +129,10 @@ class AggregatorCore:
                 self._replies.append((reply, int(rx.addr[i])))
         return out
 
+    def count_send_failures(self, n: int) -> None:
+        """The driver reports `n` datagrams the kernel refused to send (skipped; the others went out)."""
+        self.jobs.core_stats[SEND_FAILED] += n
+
     def take_replies(self) -> list[tuple[bytes, int]]:
         """The control replies (datagram, destination address key) queued by receive, oldest first."""
         replies, self._replies = self._replies, []
@@ -132,7 +144,10 @@ class AggregatorCore:
         typ = datagram[wire.OFFSETS["type"]]
         try:
             if typ == MsgType.JOIN:
-                return self._join(datagram, addr, now)
+                reply = self._join(datagram, addr, now)
+                if reply[wire.OFFSETS["type"]] == MsgType.ERROR:
+                    self.jobs.core_stats[DROP_REFUSED_JOIN] += 1
+                return reply
             header, _ = wire.unpack(datagram)
             if typ == MsgType.LEAVE:
                 self._leave(int(header["job"]), int(header["rank"]), addr)
@@ -166,6 +181,12 @@ class AggregatorCore:
         if bound not in (0, addr):
             host, port = addr_of(bound)
             return _error(job_id, f"rank {rank} of job {job_id} is already joined from {host}:{port}")
+        held = np.flatnonzero(self.jobs.members[j, : params["world_size"]] == np.uint64(addr))
+        others = [int(r) for r in held if r != rank]
+        if others and not self.allow_shared_address:
+            host, port = addr_of(addr)
+            return _error(job_id, f"{host}:{port} already holds rank {others[0]} of job {job_id}; each rank must "
+                                  f"join from its own address")
         self.jobs.members[j, rank] = addr
         self.jobs.last_seen[j, rank] = now
         info.left.discard(rank)
@@ -217,6 +238,7 @@ class AggregatorCore:
     def _leave(self, job_id: int, rank: int, addr: int) -> None:
         info = self.info.get(job_id)
         if info is None or rank >= MAX_WORLD or int(self.jobs.members[info.index, rank]) != addr:
+            self.jobs.core_stats[DROP_LEAVE_NON_MEMBER] += 1
             return
         info.left.add(rank)
         joined = set(np.flatnonzero(self.jobs.members[info.index, : info.params["world_size"]]).tolist())

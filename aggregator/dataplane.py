@@ -7,16 +7,23 @@ and sent in bursts (recvmmsg/sendmmsg over preallocated buffers, burstio.mmsg), 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import sys
 import time
 
+import numpy as np
 import uvloop
 
 from intml.aggregator.core import AggregatorCore
 from intml.burstio.mmsg import BurstSocket
+from intml.protocol import wire
+from intml.protocol.address import addr_key_of
+from intml.protocol.burst import Burst
+from intml.protocol.job import CODEC_NAMES
 from intml.protocol.packet import HDR
+from intml.protocol.wire import NO_EXP, MsgType
 
 BURSTS_PER_WAKEUP = 64  # then yield to the event loop so timers and other sockets are served
 
@@ -35,7 +42,12 @@ class DataPlane:
                 return
             self.io.send(self.core.receive(self.io.rx, time.monotonic()))
             for reply, addr in self.core.take_replies():
-                self.io.send_one(reply, addr)
+                try:
+                    self.io.send_one(reply, addr)
+                except OSError:  # a destination the kernel refuses, or a socket full past send_timeout
+                    self.io.send_failed += 1
+            self.core.count_send_failures(self.io.send_failed)
+            self.io.send_failed = 0
 
     async def _idle_timer(self) -> None:
         while True:
@@ -60,6 +72,33 @@ class DataPlane:
             await asyncio.gather(*tasks)
         finally:
             loop.remove_reader(self.io.fileno())
+
+
+def warm_up(max_elements: int, burst: int) -> None:
+    """Compile (or load from Numba's cache) every kernel the data plane runs, so that the first packet is
+    answered at once: a throwaway core takes a JOIN and a completing DATA packet of each codec, and a loopback
+    BurstSocket sends and receives one burst (burstio's send and receive kernels)."""
+    core = AggregatorCore(rows=2 * len(CODEC_NAMES), max_elements=max_elements, burst=burst)
+    member = 0x7F000001 << 16 | 1  # 127.0.0.1:1, never sent to
+    for job, codec in enumerate(CODEC_NAMES.values(), start=1):
+        params = {"world_size": 1, "packet_elements": 1, "pool_size": 1, "codec": int(codec), "seed": 0,
+                  "token": 0, "cores": 0}
+        data = {"type": int(MsgType.DATA), "job": job, "count": 1, "codec": int(codec), "exp": 0, "next_exp": NO_EXP}
+        for datagram in (wire.pack_join({"type": int(MsgType.JOIN), "job": job, "rank": 0}, params),
+                         wire.pack(data, np.zeros(1, wire.payload_dtype(codec)))):  # the JOIN first: one per burst
+            rx = Burst.rows_of(1, len(datagram))
+            rx.fill([(datagram, member)])
+            core.receive(rx, 0.0)
+            core.take_replies()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock, contextlib.suppress(OSError):
+        sock.bind(("127.0.0.1", 0))  # no loopback (a bare network namespace): the kernels compile on first use
+        io = BurstSocket(sock, burst=burst, max_packet=HDR)
+        out = Burst.rows_of(1, HDR)
+        out.fill([(bytes(HDR), addr_key_of(*sock.getsockname()))])
+        io.send(out)
+        deadline = time.monotonic() + 1.0
+        while io.recv_burst() == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
 
 
 def run_core(core: AggregatorCore, sock: socket.socket, burst: int, stats_interval: float) -> None:

@@ -10,7 +10,8 @@ Slot semantics (SwitchML; docs/protocol.md, "Slots" and "Slot state table")
 * Each job owns ``pool`` slots; slot s lives on data-plane core ``s % cores`` at row ``row_base + s // cores``.
   Each row has two shadow sets; a worker alternates sets on consecutive uses of a slot over the job's whole life.
 * A set holds one *round*: the use of the slot by one chunk of one allreduce, identified by
-  ``round_key = allreduce << 32 | (chunk + 2**31)``, which grows with every use of the slot. A DATA packet with
+  ``round_key = allreduce << 32 | (chunk + 2**31)``, which grows with every use of the slot (allreduces compare
+  in 32-bit serial number order, so the order survives their wrap: packet.round_order). A DATA packet with
   a key older than the set's round is stale (a delayed duplicate) and is dropped; a newer key opens a new round,
   which is safe because a worker can only use a set again after every worker received the result of the round
   in between (self-clocking), so nobody still needs the old result. Storing the key is our one addition to
@@ -56,6 +57,7 @@ from intml.protocol.packet import (
     get_u32,
     put_header,
     round_key,
+    round_order,
 )
 from intml.protocol.job import MAX_WORLD
 from intml.protocol.rng import derive_key
@@ -89,6 +91,9 @@ STAT_NAMES = (
     "drop_stale",
     "drop_duplicate_incomplete",
     "drop_bad_control",
+    "drop_refused_join",
+    "drop_leave_non_member",
+    "send_failed",
 )
 (
     PACKETS_IN,
@@ -116,6 +121,9 @@ STAT_NAMES = (
     DROP_STALE,
     DROP_DUPLICATE_INCOMPLETE,
     DROP_BAD_CONTROL,  # counted by the control plane (aggregator.core), which parses JOIN/LEAVE/STATS
+    DROP_REFUSED_JOIN,  # control plane: a well-formed JOIN answered with ERROR
+    DROP_LEAVE_NON_MEMBER,  # control plane: a LEAVE for no job, or not from the address the rank joined from
+    SEND_FAILED,  # the driver: datagrams the kernel refused to send (their destination), skipped
 ) = range(len(STAT_NAMES))
 N_STATS = len(STAT_NAMES)
 CONTROL = -1  # validate_header's verdict for a JOIN, LEAVE or STATS_REQUEST: the control plane answers it
@@ -248,10 +256,14 @@ def validate(length, rank, world, src, member, slot, pool, core, cores, codec, j
 @njit(inline="always")
 def classify(current, bitmap, key, bit):
     """Where a packet of round `key` from the rank of `bit` stands against a set of round `current` with
-    `bitmap`: OLDER, SAME_NEW_RANK, SAME_KNOWN_RANK or NEWER."""
-    if key < current:
+    `bitmap`: OLDER, SAME_NEW_RANK, SAME_KNOWN_RANK or NEWER. An empty bitmap is an EMPTY set (every round
+    opened has its first contribution's bit), which any round opens."""
+    if bitmap == 0:
+        return NEWER
+    order = round_order(key, current)
+    if order < 0:
         return OLDER
-    if key > current:
+    if order > 0:
         return NEWER
     return SAME_KNOWN_RANK if bitmap & bit else SAME_NEW_RANK
 
@@ -328,7 +340,7 @@ def complete(jobs, table, b, g, core, cores):
     codec = jobs.codec[j]
     acc = table.acc[row, x, :count]
     key = table.round_key[row, x]
-    allreduce = key >> 32
+    allreduce = (key >> 32) & 0xFFFFFFFF  # the key is signed once allreduce >= 2**31
     chunk = (key & 0xFFFFFFFF) - (np.int64(1) << 31)
     slot = (row - jobs.row_base[j]) * cores + core
     p = table.result[row, x]

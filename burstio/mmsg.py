@@ -225,6 +225,7 @@ class BurstSocket:
         self._recvmmsg = _recvmmsg  # instance attributes so tests can inject faults
         self._sendmmsg = _sendmmsg
         self.tx_sent = 0  # packets sent by the last send_burst (also valid when it raised)
+        self.send_failed = 0  # datagrams send() skipped because the kernel refused their destination
 
     def _words(self, structs: np.ndarray) -> np.ndarray:
         """An array of C structures as rows of u32 (mmsghdr), u64 (iovec) or bytes (sockaddr_in)."""
@@ -326,19 +327,29 @@ class BurstSocket:
     def send(self, burst: Burst) -> int:
         """Send the first ``burst.count`` datagrams of a core's output burst from where they lie (zero copy), in
         sendmmsg calls of at most ``self.burst``; returns how many went out (fewer only if the socket stayed
-        full past ``send_timeout``)."""
+        full past ``send_timeout``). A datagram the kernel refuses (an error other than a full socket, e.g.
+        EINVAL for port 0 or EACCES for a broadcast address) is skipped and counted in ``send_failed``: one bad
+        destination must not cost the others their datagrams."""
         sent = 0
-        while sent < burst.count:
-            n = min(self.burst, burst.count - sent)
-            self.tx_ptr[:n] = burst.ptr[sent:sent + n]
-            self.tx_len[:n] = burst.length[sent:sent + n]
-            self.tx_addr[:n] = burst.addr[sent:sent + n]
+        done = 0  # datagrams of the burst handled: sent or skipped
+        while done < burst.count:
+            n = min(self.burst, burst.count - done)
+            self.tx_ptr[:n] = burst.ptr[done:done + n]
+            self.tx_len[:n] = burst.length[done:done + n]
+            self.tx_addr[:n] = burst.addr[done:done + n]
+            full = False
             try:
-                done = self.send_burst(n)
+                went = self.send_burst(n)
+                full = went < n
+            except OSError:
+                went = self.tx_sent  # sendmmsg stopped at the refused datagram, which is skipped
+                self.send_failed += 1
+                done += 1
             finally:
                 self.tx_ptr[:n] = self._tx_rows[:n]  # rows point at tx_data again for send_burst users
-            sent += done
-            if done < n:
+            sent += went
+            done += went
+            if full:
                 break
         return sent
 

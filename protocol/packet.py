@@ -83,5 +83,18 @@ def put_header(p, typ, job, allreduce, chunk, rank, slot, count, codec, shadow, 
 
 @njit(inline="always")
 def round_key(allreduce, chunk):
-    """Orders every use of a slot over a job's life: later allreduces, then later chunks, compare greater."""
+    """Names one use of a slot: the 32-bit allreduce in the high word, chunk + 2**31 in the low word (the bit
+    pattern in an int64, negative once allreduce >= 2**31). Compare keys with round_order, never with <."""
     return (np.int64(allreduce) << 32) | (np.int64(chunk) + (np.int64(1) << 31))
+
+
+@njit(inline="always")
+def round_order(key, current):
+    """-1, 0 or 1 as round `key` comes before, is, or comes after round `current`: the allreduces in serial
+    number order (RFC 1982 on 32 bits, so the order survives the wrap from 2**32 - 1 to 0; a difference of
+    2**31 or more counts as before), then the chunks in order."""
+    ahead = ((key >> 32) - (current >> 32)) & 0xFFFFFFFF
+    if ahead:
+        return 1 if ahead < (np.int64(1) << 31) else -1
+    low, cur_low = key & 0xFFFFFFFF, current & 0xFFFFFFFF
+    return (low > cur_low) - (low < cur_low)

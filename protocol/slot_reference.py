@@ -4,7 +4,8 @@ held to bit for bit: same datagrams out in the same order, same counters, same s
 ``protocol.reference``'s; nothing here is shared with the kernel. docs/protocol.md ("Slot state table") has the same table.
 
 A shadow set of a slot holds one round (the use of the slot by one chunk of one allreduce, ordered by the round
-key ``allreduce << 32 | (chunk + 2**31)``). Its state is EMPTY (never used), FILLING (some ranks contributed) or
+key ``allreduce << 32 | (chunk + 2**31)``, the allreduces in 32-bit serial number order, RFC 1982, so that the
+order survives their wrap). Its state is EMPTY (never used), FILLING (some ranks contributed) or
 COMPLETE (all n did; the result is kept for re-sends). A DATA packet that passed the header checks is an event
 against the set: its round is OLDER than the set's, NEWER, or the SAME round from a rank whose bit is clear
 (SAME_NEW_RANK) or already set (SAME_KNOWN_RANK).
@@ -79,10 +80,13 @@ class ShadowSet:
         return COMPLETE if len(self.ranks) == n else FILLING
 
     def event(self, key: int, rank: int) -> str:
-        if key < self.key:
-            return OLDER
-        if key > self.key:
-            return NEWER
+        if self.key < 0:
+            return NEWER  # an EMPTY set: any round opens it
+        (allreduce, chunk), (current, current_chunk) = divmod(key, 1 << 32), divmod(self.key, 1 << 32)
+        if allreduce != current:  # RFC 1982: a is after b iff 0 < (a - b) mod 2**32 < 2**31
+            return NEWER if (allreduce - current) % (1 << 32) < 1 << 31 else OLDER
+        if chunk != current_chunk:
+            return NEWER if chunk > current_chunk else OLDER
         return SAME_KNOWN_RANK if rank in self.ranks else SAME_NEW_RANK
 
 

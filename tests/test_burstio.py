@@ -321,3 +321,27 @@ def test_send_takes_a_core_burst_and_rx_is_one(udp) -> None:
     assert [d for d, _ in got] == [store[9 - i, : 1 + i].tobytes() for i in range(10)]
     assert {src for _, src in got} == {key_of(a)}
     assert receiver.recv_burst() == 0 and receiver.rx.count == 0
+
+
+def test_send_skips_and_counts_refused_destinations(udp) -> None:
+    """A destination the kernel refuses (port 0: EINVAL) costs only its own datagram: the others of the burst,
+    before and after it and across sendmmsg calls, still go out, and the refusals are counted."""
+    a, b = udp(), udp()
+    sender, receiver = BurstSocket(a, burst=4, max_packet=64), BurstSocket(b, burst=16, max_packet=64)
+    refused = addr_key("127.0.0.1", 0)
+    store = np.arange(10 * 32, dtype=np.uint8).reshape(10, 32)
+    out = Burst(store, 10)
+    bad = {0, 3, 4, 9}  # first, last of a sendmmsg call, first of the next, last of the burst
+    for i in range(10):
+        out.ptr[i] = store.ctypes.data + i * 32
+        out.length[i] = 1 + i
+        out.addr[i] = refused if i in bad else key_of(b)
+    out.count = 10
+    assert sender.send(out) == 10 - len(bad)
+    assert sender.send_failed == len(bad)
+    got: list[tuple[bytes, int]] = []
+    end = time.monotonic() + DEADLINE
+    while len(got) < 10 - len(bad) and time.monotonic() < end:
+        if receiver.recv_burst():
+            got += receiver.rx.datagrams()
+    assert [d for d, _ in got] == [store[i, : 1 + i].tobytes() for i in range(10) if i not in bad]
