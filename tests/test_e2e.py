@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import itertools
 import os
 import queue
@@ -666,6 +665,15 @@ def fuzzing_rank(port: int, job: int, rank: int, n: int, seed: int, plan, fuzz_s
             socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as foreign:
         foreign.bind((HOST, 0))
         outs = []
+        sent_last: list[bytes] = []  # the last datagram the engine sent, copied out of its output burst
+        send = w.io.send
+
+        def keep_last(burst):
+            if burst.count:
+                sent_last[:] = [burst.datagrams()[-1][0]]
+            return send(burst)
+
+        w.io.send = keep_last
         for x, spec in zip(xs, plan):
             between = [fuzzer.make() for _ in range(per_batch)]
             within = [fuzzer.make() for _ in range(per_batch)]
@@ -675,9 +683,8 @@ def fuzzing_rank(port: int, job: int, rank: int, n: int, seed: int, plan, fuzz_s
             outs.append(w.allreduce(x, op=spec.op))
             thread.join()
             sent.update(reason for _, _, reason in between + within)
-            last = ctypes.string_at(int(w.engine.tx.ptr[0]), int(w.engine.tx.length[0]))  # one the engine sent
-            if len(last) >= wire.HEADER_SIZE and last[wire.OFFSETS["type"]] == MsgType.DATA:
-                fuzzer.real = last  # mutate real traffic from now on too
+            if sent_last and sent_last[0][wire.OFFSETS["type"]] == MsgType.DATA:
+                fuzzer.real = sent_last[0]  # mutate real traffic from now on too
         report.put({"outs": outs, "sent": dict(sent), "counters": w.counters(), "real": fuzzer.real is not None})
         assert release.wait(60), "never released"
     return "left"
