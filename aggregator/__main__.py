@@ -19,7 +19,7 @@ import struct
 import sys
 
 from intml.protocol.cli import OneLineParser, positive
-from intml.protocol.job import AGGREGATOR_IDLE_TIMEOUT, AGGREGATOR_SLOTS
+from intml.protocol.job import AGGREGATOR_IDLE_TIMEOUT, AGGREGATOR_MAX_ELEMENTS, AGGREGATOR_SLOTS, BURST
 from intml.protocol.wire import DEFAULT_PORT, Codec, max_packet_elements
 
 MAX_ELEMENTS_LIMIT = max_packet_elements(Codec.CNAT8)  # jobs are further limited by their codec at join
@@ -73,8 +73,8 @@ def build_parser() -> OneLineParser:
     p.add_argument("--slots", type=positive(int), default=AGGREGATOR_SLOTS,
                    help="slot rows per core, shared by jobs; memory is 10 bytes x slots x max packet elements "
                         f"(default {AGGREGATOR_SLOTS})")
-    p.add_argument("--max-packet-elements", type=positive(int), default=8192,
-                   help=f"largest packet a job may use (default 8192, at most {MAX_ELEMENTS_LIMIT})")
+    p.add_argument("--max-packet-elements", type=positive(int), default=AGGREGATOR_MAX_ELEMENTS,
+                   help=f"largest packet a job may use (default {AGGREGATOR_MAX_ELEMENTS}, at most {MAX_ELEMENTS_LIMIT})")
     p.add_argument("--idle-timeout", type=positive(float), default=AGGREGATOR_IDLE_TIMEOUT,
                    help=f"seconds without traffic before a job is torn down (default {AGGREGATOR_IDLE_TIMEOUT:g}: "
                         "longer than a training pause for evaluation or a checkpoint)")
@@ -86,8 +86,8 @@ def build_parser() -> OneLineParser:
     p.add_argument("--allow-shared-address", action="store_true",
                    help="tests only: let one source address hold several ranks of a job (by default refused, so "
                         "that one holder of the token cannot stand in for a whole job)")
-    p.add_argument("--burst", type=positive(int), default=256,
-                   help="datagrams per recvmmsg/sendmmsg (default 256)")
+    p.add_argument("--burst", type=positive(int), default=BURST,
+                   help=f"datagrams per recvmmsg/sendmmsg (default {BURST})")
     return p
 
 

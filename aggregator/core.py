@@ -42,7 +42,15 @@ from intml.protocol.address import addr_of, format_addr
 from intml.protocol import wire
 from intml.protocol.arith import value_bits
 from intml.protocol.burst import Burst
-from intml.protocol.job import AGGREGATOR_IDLE_TIMEOUT, AGGREGATOR_MAX_JOBS, AGGREGATOR_SLOTS, MAX_WORLD, JobParams
+from intml.protocol.job import (
+    AGGREGATOR_IDLE_TIMEOUT,
+    AGGREGATOR_MAX_ELEMENTS,
+    AGGREGATOR_MAX_JOBS,
+    AGGREGATOR_SLOTS,
+    BURST,
+    MAX_WORLD,
+    JobParams,
+)
 from intml.protocol.packet import HDR
 from intml.protocol.wire import MsgType
 
@@ -64,9 +72,9 @@ class JobInfo:
 class AggregatorCore:
     """One data-plane core: slots s with s % cores == core, and the control plane for its share of each job."""
 
-    def __init__(self, *, core: int = 0, cores: int = 1, rows: int = AGGREGATOR_SLOTS, max_elements: int = 8192,
+    def __init__(self, *, core: int = 0, cores: int = 1, rows: int = AGGREGATOR_SLOTS, max_elements: int = AGGREGATOR_MAX_ELEMENTS,
                  max_jobs: int = AGGREGATOR_MAX_JOBS, idle_timeout: float = AGGREGATOR_IDLE_TIMEOUT,
-                 results_group: tuple[int, int] | None = None, burst: int = 256,
+                 results_group: tuple[int, int] | None = None, burst: int = BURST,
                  allow_shared_address: bool = False) -> None:
         """``burst``: the most datagrams a receive burst is expected to hold (a larger one grows the output
         memory). ``results_group`` = (first IPv4 multicast group as an integer, UDP port): job slot j sends its results

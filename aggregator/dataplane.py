@@ -21,7 +21,7 @@ from intml.burstio.mmsg import BurstSocket
 from intml.protocol import wire
 from intml.protocol.address import addr_key_of
 from intml.protocol.burst import Burst
-from intml.protocol.job import CODEC_NAMES
+from intml.protocol.job import BURST, CODEC_NAMES
 from intml.protocol.packet import HDR
 from intml.protocol.wire import NO_EXP, MsgType
 
@@ -29,7 +29,7 @@ BURSTS_PER_WAKEUP = 64  # then yield to the event loop so timers and other socke
 
 
 class DataPlane:
-    def __init__(self, core: AggregatorCore, sock: socket.socket, *, burst: int = 256,
+    def __init__(self, core: AggregatorCore, sock: socket.socket, *, burst: int = BURST,
                  stats_interval: float = 0.0) -> None:
         self.core = core
         max_packet = HDR + 4 * core.max_elements

@@ -28,6 +28,8 @@ MAX_WORLD = 64  # ranks per job: the switch keeps one 64-bit bitmap per shadow s
 CODEC_NAMES: dict[str, Codec] = {name: codec.ID for name, codec in BY_NAME.items()}
 
 AGGREGATOR_SLOTS = 512
+AGGREGATOR_MAX_ELEMENTS = 8192  # largest packet a job may use: a 9000-byte jumbo frame of C_nat codes
+BURST = 256  # datagrams per recvmmsg/sendmmsg call, for aggregators and workers
 AGGREGATOR_IDLE_TIMEOUT = 300.0
 AGGREGATOR_MAX_JOBS = 64
 

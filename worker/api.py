@@ -23,7 +23,7 @@ from intml.burstio.mmsg import BurstSocket, addr_key
 from intml.protocol import wire
 from intml.protocol.address import addr_of
 from intml.protocol.burst import Burst
-from intml.protocol.job import JobParams, WorkerTimers
+from intml.protocol.job import BURST, JobParams, WorkerTimers
 from intml.worker.engine import StreamEngine
 from intml.worker.session import (
     Event,
@@ -75,7 +75,7 @@ class Worker:
                  pool_size: int = JobParams.pool_size, seed: int = JobParams.seed,
                  timeout: float = WorkerTimers.timeout, rto: float = WorkerTimers.rto,
                  min_rto: float = WorkerTimers.min_rto, max_rto: float = WorkerTimers.max_rto,
-                 burst: int = 256, connect_timeout: float | None = None) -> None:
+                 burst: int = BURST, connect_timeout: float | None = None) -> None:
         """``timeout``: an allreduce that makes no progress this long raises AllreduceTimeout. ``connect_timeout``:
         how long the JOIN may wait for the aggregator (default: ``timeout``)."""
         if not 0 <= rank < world_size:
