@@ -180,3 +180,37 @@ def test_async_allreduce_returns_at_once_and_completes_in_order(agg) -> None:
             assert_reference(inputs[k], got, "cnat8", seed, k, ops[k], f"rank {rank} outstanding {k}")
             assert got.tobytes() == results[0]["outstanding"][k - 1].tobytes()
         assert r["traffic"]["intml_allreduces"] == 4 and r["traffic"]["gloo_allreduces"] == 0, r["traffic"]
+
+
+def hook_float64_rank(port: int, address: str) -> dict:
+    """The hook with a float64 model at world size 1: intml cannot encode its buckets, so Gloo, with a warning."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    model = torch.nn.Linear(300, 300).double()
+    ddp = DDP(model)
+    state = intml.IntmlHookState(aggregator=address, token=TOKEN, connect_timeout=30)
+    ddp.register_comm_hook(state, intml.intml_hook)
+    exact = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            x = torch.randn(8, 300, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+            ddp.zero_grad()
+            ddp(x).sum().backward()
+            want = torch.autograd.grad(model(x).sum(), model.weight)[0]  # the same gradient without DDP
+            exact.append(torch.equal(model.weight.grad, want))
+    out = {"warnings": _uncompressed(caught), "traffic": dataclasses.asdict(state.traffic), "exact": exact}
+    state.close()
+    dist.destroy_process_group()
+    return out
+
+
+def test_hook_warns_once_when_a_bucket_cannot_be_compressed(agg) -> None:
+    [out] = run_ok(hook_float64_rank, [(free_port(), agg.address)], timeout=120)
+    assert len(out["warnings"]) == 1 and "float32" in out["warnings"][0], out["warnings"]
+    t = out["traffic"]
+    assert t["intml_allreduces"] == 0 and t["gloo_allreduces"] >= 2 and set(t["gloo_reasons"]) == {"dtype"}, t
+    assert out["exact"] == [True, True]
