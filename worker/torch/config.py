@@ -6,9 +6,10 @@ user would want it compressed, and cannot tell a gradient from a loss or a metri
 metrics and small parameters (biases, norms: at most a few thousand elements) are far below 64 Ki elements, and
 they must stay exact. Every full DDP bucket is far above it (DDP's first bucket holds 1 MiB, 256 Ki float32, the
 others 25 MiB), so plain DDP over the backend still sends nearly all of its gradient bytes through intml; only a
-smaller tail bucket goes to Gloo, exactly. Below 256 KiB an allreduce is latency-bound anyway, so compressing it
-saves little time. Set 0 to send every float32 SUM/AVG through intml, or use the DDP hook, which compresses
-every bucket whatever its size."""
+smaller tail bucket goes to Gloo, exactly. What compression saves below the threshold is small: at most 192 KiB
+per call with cnat8, against a fixed cost per intml allreduce (2 ranks on this 2-core machine, loopback, median:
+0.49 ms for 1 Ki elements through intml against 0.33 ms through Gloo). Set 0 to send every float32 SUM/AVG through
+intml, or use the DDP hook, which compresses every bucket whatever its size."""
 
 from __future__ import annotations
 
