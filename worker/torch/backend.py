@@ -6,7 +6,9 @@ same store (SwitchML's PyTorch patch falls back to Gloo the same way). ``routing
 Every intml allreduce runs on the link's thread, so ``dist.all_reduce(t, async_op=True)`` returns a Work at once,
 as Gloo's does, and ``work.wait()`` / ``work.is_completed()`` / ``work.get_future()`` behave as Gloo's. The
 backend cannot tell an async call from a blocking one (``dist.all_reduce`` waits on the same Work), so a blocking
-call pays one hand-off to the thread and back. Allreduces run in the order they were issued, which is the order
+call pays one hand-off to the thread and back: measured 2.50 against 2.44 ms per blocking 64 Ki-element allreduce
+in the caller (2 ranks on this 2-core machine, loopback, medians of 125 interleaved calls), and no difference
+beyond noise at 1 Mi elements (24.0 against 24.4 ms). Allreduces run in the order they were issued, which is the order
 every rank must issue them in. Importing this module registers the backend."""
 
 from __future__ import annotations
