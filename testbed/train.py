@@ -132,6 +132,7 @@ def rank_main(cfg: dict) -> None:
         import intml.worker.torch  # noqa: F401 -- registers the "intml" backend
 
         os.environ["INTML_THREAD"] = "1" if run["threaded"] else "0"
+        os.environ["INTML_MIN_ELEMENTS"] = "0"  # every bucket through intml: the model is below the 64 Ki default
         dist.init_process_group("intml")
     else:
         dist.init_process_group("gloo")

@@ -215,7 +215,8 @@ def hook_rank(port: int, address: str, rank: int, n: int, codec: str, seed: int,
 
 def backend_rank(port: int, address: str, rank: int, n: int, seed: int) -> dict:
     _init(port, rank, n, "intml", {"INTML_AGGREGATOR": address, "INTML_SEED": str(seed), "INTML_TOKEN": TOKEN,
-                                   "INTML_PACKET_ELEMENTS": str(PACKET), "INTML_POOL": str(POOL)})
+                                   "INTML_PACKET_ELEMENTS": str(PACKET), "INTML_POOL": str(POOL),
+                                   "INTML_MIN_ELEMENTS": "0"})  # every float32 SUM/AVG through intml
     pg = dist.distributed_c10d._get_default_group()
     assert isinstance(pg, intml.IntmlProcessGroup) and dist.get_backend() == "intml"
     rng = np.random.default_rng([seed, rank])
@@ -351,7 +352,8 @@ def midtraining_rank(port: int, address: str, rank: int, n: int, tmp: str) -> di
     raise (not hang), and later allreduces must fail at once."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    _init(port, rank, n, env={"INTML_AGGREGATOR": address, "INTML_TIMEOUT": "1.0", "INTML_TOKEN": TOKEN})
+    _init(port, rank, n, env={"INTML_AGGREGATOR": address, "INTML_TIMEOUT": "1.0", "INTML_TOKEN": TOKEN,
+                              "INTML_MIN_ELEMENTS": "0"})  # the backend's 100-element allreduces through intml
     model = Weights()
     ddp = DDP(model, bucket_cap_mb=BUCKET_MB)
     state = intml.IntmlHookState(threaded=True)
@@ -438,13 +440,13 @@ def world1_rank(port: int, address: str, seed: int) -> dict:
 # ---- tests ---------------------------------------------------------------------------------------------------
 def test_config_from_env_and_overrides() -> None:
     env = {"INTML_AGGREGATOR": "10.0.0.1:9000", "INTML_CODEC": "int32", "INTML_POOL": "16", "INTML_TIMEOUT": "2.5",
-           "INTML_ERROR_FEEDBACK": "1", "INTML_WARMUP_STEPS": "7", "INTML_THREAD": "1", "INTML_JOB": "0x10"}
+           "INTML_ERROR_FEEDBACK": "1", "INTML_WARMUP_STEPS": "7", "INTML_THREAD": "1", "INTML_JOB": "0x10", "INTML_MIN_ELEMENTS": "4096"}
     c = intml.IntmlConfig.from_env(env, codec="cnat8")
-    assert (c.aggregator, c.codec, c.pool_size, c.timeout, c.error_feedback, c.warmup_steps, c.threaded, c.job) == \
-        ("10.0.0.1:9000", "cnat8", 16, 2.5, True, 7, True, 16)
+    assert (c.aggregator, c.codec, c.pool_size, c.timeout, c.error_feedback, c.warmup_steps, c.threaded, c.job,
+            c.min_elements) == ("10.0.0.1:9000", "cnat8", 16, 2.5, True, 7, True, 16, 4096)
     assert intml.IntmlConfig.from_env({}) == intml.IntmlConfig()
     for key, value in [("INTML_CODEC", "fp16"), ("INTML_FALLBACK", "maybe"), ("INTML_POOL", "many"),
-                       ("INTML_ERROR_FEEDBACK", "sometimes")]:
+                       ("INTML_ERROR_FEEDBACK", "sometimes"), ("INTML_MIN_ELEMENTS", "-1")]:
         with pytest.raises(ValueError, match=key):
             intml.IntmlConfig.from_env({key: value})
     with pytest.raises(TypeError, match="codex"):
@@ -511,6 +513,7 @@ def test_backend_matches_gloo_and_delegates(agg) -> None:
         assert not failed, f"rank {rank}: delegated to Gloo but wrong: {failed}"
         assert r["traffic"]["intml_allreduces"] == calls + r["ddp"]["intml_allreduces"]
         assert r["traffic"]["gloo_allreduces"] == 4  # float64, int64, MAX, non-contiguous
+        assert r["traffic"]["gloo_reasons"] == {"dtype": 2, "op": 1, "layout": 1}
 
 
 def test_startup_without_aggregator_errors_or_falls_back(agg) -> None:
@@ -537,6 +540,7 @@ def test_startup_without_aggregator_errors_or_falls_back(agg) -> None:
         assert rep["backend fallback equals gloo"] is True
         assert rep["backend fallback traffic"]["intml_allreduces"] == 0
         assert rep["backend fallback traffic"]["gloo_allreduces"] == 1
+        assert rep["backend fallback traffic"]["gloo_reasons"] == {"fallback": 1}
 
 
 def test_losing_the_aggregator_mid_training_raises() -> None:
@@ -586,3 +590,4 @@ def test_error_feedback_and_warmup_at_world_size_one(agg) -> None:
     assert first == 1 and second >= 3, (first, second)
     assert w[1]["traffic"]["intml_allreduces"] == 0
     assert w[2]["traffic"]["intml_allreduces"] == second and w[2]["traffic"]["gloo_allreduces"] == 1 + second
+    assert w[2]["traffic"]["gloo_reasons"] == {"warmup": 1 + second}

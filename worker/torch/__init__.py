@@ -12,14 +12,23 @@ Two ways in, both configured from ``INTML_*`` environment variables (or keyword 
       import intml.worker.torch  # noqa: F401
       dist.init_process_group("intml")          # instead of "gloo"
 
-  Its ``allreduce`` of float32 CPU tensors with SUM or AVG goes through the aggregator; every other collective,
-  op and dtype goes to an inner Gloo group built on the same store (SwitchML's PyTorch patch falls back to Gloo
-  the same way). DDP with no hook then sends its buckets through intml.
+  Its ``allreduce`` of float32 CPU tensors of at least ``INTML_MIN_ELEMENTS`` elements (default 65536) with
+  SUM or AVG goes through the aggregator. Smaller allreduces (losses, metrics, counters) go exactly through an
+  inner Gloo group built on the same store, and so does every other collective, op and dtype (SwitchML's PyTorch
+  patch falls back to Gloo the same way). DDP with no hook then sends its full buckets through intml (every
+  default bucket is above the threshold) and a small tail bucket exactly through Gloo; the hook compresses every
+  bucket. ``dist.all_reduce(t, async_op=True)`` returns at once and completes later, as with Gloo.
+
+Routing: ``.traffic`` of the hook state or process group counts the allreduces and bytes through intml and
+through Gloo, and ``.traffic.gloo_reasons`` why each went to Gloo (``routing``). A tensor a user may have expected
+to be compressed that goes to Gloo (large but not float32, not on the CPU, not contiguous, an op other than SUM
+or AVG) warns once per reason with an ``IntmlUncompressedWarning``.
 
 Environment (see ``IntmlConfig``): ``INTML_AGGREGATOR=host:port`` (required unless falling back),
 ``INTML_TOKEN``, ``INTML_CODEC`` (cnat8 | int32), ``INTML_JOB``, ``INTML_SEED``, ``INTML_PACKET_ELEMENTS``,
 ``INTML_POOL``, ``INTML_TIMEOUT``, ``INTML_CONNECT_TIMEOUT``, ``INTML_FALLBACK`` (error | gloo),
-``INTML_ERROR_FEEDBACK`` (0 | 1, hook only), ``INTML_WARMUP_STEPS`` (hook only), ``INTML_THREAD`` (0 | 1).
+``INTML_ERROR_FEEDBACK`` (0 | 1, hook only), ``INTML_WARMUP_STEPS`` (hook only), ``INTML_THREAD`` (0 | 1, hook
+only), ``INTML_MIN_ELEMENTS`` (backend only).
 
 Start-up: every rank joins the aggregator, then the ranks agree over Gloo on the outcome, so they all take
 the same path: all use intml, all fall back to Gloo with an ``IntmlFallbackWarning`` (``INTML_FALLBACK=gloo``),
@@ -31,7 +40,8 @@ so ``loss.backward()`` / ``dist.all_reduce`` raise instead of hanging; later int
 group fail at once with ``IntmlError``.
 
 Modules: ``config`` (``IntmlConfig``), ``link`` (joining the aggregator, the allreduce thread, the errors),
-``feedback`` (error feedback's residuals), ``accounting`` (traffic counters), ``hook`` and ``backend``.
+``feedback`` (error feedback's residuals), ``accounting`` (traffic counters), ``routing`` (intml or Gloo, and
+why), ``hook`` and ``backend``.
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ from intml.worker.torch.backend import BACKEND, IntmlProcessGroup  # importing i
 from intml.worker.torch.config import IntmlConfig
 from intml.worker.torch.hook import IntmlHookState, intml_hook
 from intml.worker.torch.link import AggregatorUnavailable, IntmlError, IntmlFallbackWarning
+from intml.worker.torch.routing import IntmlUncompressedWarning
 
 __all__ = [
     "BACKEND",
@@ -51,6 +62,7 @@ __all__ = [
     "IntmlFallbackWarning",
     "IntmlHookState",
     "IntmlProcessGroup",
+    "IntmlUncompressedWarning",
     "Traffic",
     "intml_bytes",
     "intml_hook",

@@ -1,6 +1,15 @@
-"""The "intml" process-group backend: ``init_process_group("intml")`` allreduces float32 CPU tensors with SUM or
-AVG through the aggregator and sends every other collective, op and dtype to an inner Gloo group on the same
-store (SwitchML's PyTorch patch falls back to Gloo the same way). Importing this module registers it."""
+"""The "intml" process-group backend: ``init_process_group("intml")`` allreduces float32 CPU tensors of at least
+``INTML_MIN_ELEMENTS`` elements (default 64 Ki) with SUM or AVG through the aggregator, and sends every smaller
+allreduce (losses, metrics, counters: exact), every other collective, op and dtype to an inner Gloo group on the
+same store (SwitchML's PyTorch patch falls back to Gloo the same way). ``routing`` has the rule and its reasons.
+
+Every intml allreduce runs on the link's thread, so ``dist.all_reduce(t, async_op=True)`` returns a Work at once,
+as Gloo's does, and ``work.wait()`` / ``work.is_completed()`` / ``work.get_future()`` behave as Gloo's. The
+backend cannot tell an async call from a blocking one (``dist.all_reduce`` waits on the same Work), so a blocking
+call pays one hand-off to the thread and back: measured 2.50 against 2.44 ms per blocking 64 Ki-element allreduce
+in the caller (2 ranks on this 2-core machine, loopback, medians of 125 interleaved calls), and no difference
+beyond noise at 1 Mi elements (24.0 against 24.4 ms). Allreduces run in the order they were issued, which is the order
+every rank must issue them in. Importing this module registers the backend."""
 
 from __future__ import annotations
 
@@ -10,8 +19,9 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
+from intml.worker.torch import routing
 from intml.worker.torch.config import IntmlConfig
-from intml.worker.torch.link import AggregatorLinked, value
+from intml.worker.torch.link import AggregatorLinked, sum_op, value
 
 BACKEND = "intml"
 
@@ -46,14 +56,16 @@ def _gloo_group(store: dist.Store, rank: int, size: int, timeout: timedelta) -> 
 
 
 class IntmlProcessGroup(AggregatorLinked, dist.ProcessGroup):
-    """``init_process_group("intml")``: allreduce of float32 CPU tensors with SUM or AVG through the aggregator,
-    everything else through an inner Gloo group (``self.gloo``) on the same store."""
+    """``init_process_group("intml")``: allreduce of float32 CPU tensors of at least ``config.min_elements``
+    elements with SUM or AVG through the aggregator, on a thread; everything else through an inner Gloo group
+    (``self.gloo``) on the same store. ``self.traffic`` counts both paths, and why each allreduce went to Gloo."""
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta,
                  config: IntmlConfig | None = None) -> None:
         super().__init__(rank, size)
         self.gloo = _gloo_group(dist.PrefixStore("intml-gloo/", store), rank, size, timeout)
-        self._attach(config if config is not None else IntmlConfig.from_env(), rank, size)
+        # always on a thread: async_op=True must return at once, and a call does not say whether it is async
+        self._attach(config if config is not None else IntmlConfig.from_env(), rank, size, threaded=True)
 
     def getBackendName(self) -> str:  # noqa: N802 -- the c10d name
         return BACKEND
@@ -68,11 +80,22 @@ class IntmlProcessGroup(AggregatorLinked, dist.ProcessGroup):
             if timeout is not None:
                 opts.timeout = timeout
         kind = _intml_op(opts.reduceOp)
-        if (self.link is not None and kind is not None and len(tensors) == 1 and tensors[0].dtype == torch.float32
-                and tensors[0].device.type == "cpu" and tensors[0].is_contiguous()):
+        reason = (routing.FALLBACK if self.link is None
+                  else routing.backend_route(tensors, kind, self.config.min_elements))
+        if reason is None:
             return _Work(self.link.submit(tensors[0], kind, inplace=True))
-        self.traffic.add_gloo(tensors, self.size())
+        self._to_gloo(tensors, reason)
+        if kind == "mean" and all(t.is_floating_point() for t in tensors):
+            return self._gloo_mean(tensors, opts)
         return self.gloo.allreduce(tensors, opts)
+
+    def _gloo_mean(self, tensors: list[torch.Tensor], opts: dist.AllreduceOptions) -> _Work:
+        """AVG through Gloo, which has no AVG: its sum, divided by the world size when it completes."""
+        sum_opts = sum_op()
+        sum_opts.timeout = opts.timeout
+        size = self.size()
+        fut = self.gloo.allreduce(tensors, sum_opts).get_future()
+        return _Work(fut.then(lambda f: [t.div_(size) for t in f.value()]))
 
     def shutdown(self) -> None:
         self._leave()

@@ -1,5 +1,15 @@
 """The PyTorch integration's configuration: ``IntmlConfig``, from ``INTML_*`` environment variables and keyword
-arguments. The job's and the worker's defaults come from ``protocol.job``."""
+arguments. The job's and the worker's defaults come from ``protocol.job``.
+
+Why ``min_elements = 65536`` (``INTML_MIN_ELEMENTS``): the process-group backend compresses an allreduce only when a
+user would want it compressed, and cannot tell a gradient from a loss or a metric except by size. Losses, counters,
+metrics and small parameters (biases, norms: at most a few thousand elements) are far below 64 Ki elements, and
+they must stay exact. Every full DDP bucket is far above it (DDP's first bucket holds 1 MiB, 256 Ki float32, the
+others 25 MiB), so plain DDP over the backend still sends nearly all of its gradient bytes through intml; only a
+smaller tail bucket goes to Gloo, exactly. What compression saves below the threshold is small: at most 192 KiB
+per call with cnat8, against a fixed cost per intml allreduce (2 ranks on this 2-core machine, loopback, median:
+0.49 ms for 1 Ki elements through intml against 0.33 ms through Gloo). Set 0 to send every float32 SUM/AVG through
+intml, or use the DDP hook, which compresses every bucket whatever its size."""
 
 from __future__ import annotations
 
@@ -39,7 +49,8 @@ class IntmlConfig:
     fallback: str = "error"  # aggregator unreachable at start-up: "error" raises, "gloo" warns and uses Gloo
     error_feedback: bool = False  # hook: keep each bucket's compression residual and add it next step
     warmup_steps: int = 0  # hook: the first K steps go uncompressed through Gloo
-    threaded: bool = False  # run allreduces on a background thread instead of in the caller (see link.Link)
+    threaded: bool = False  # hook: run allreduces on a background thread instead of in the caller (see link.Link)
+    min_elements: int = 65536  # backend: smaller allreduces go exactly through Gloo (why: above)
 
     _ENV = {"pool_size": "INTML_POOL", "threaded": "INTML_THREAD"}
 
@@ -73,6 +84,8 @@ class IntmlConfig:
             raise ValueError(f"INTML_CODEC must be one of {sorted(CODEC_NAMES)}, got {self.codec!r}")
         if self.fallback not in ("error", "gloo"):
             raise ValueError(f"INTML_FALLBACK must be 'error' or 'gloo', got {self.fallback!r}")
+        if self.min_elements < 0:
+            raise ValueError(f"INTML_MIN_ELEMENTS must be >= 0, got {self.min_elements}")
         if self.warmup_steps < 0:
             raise ValueError(f"INTML_WARMUP_STEPS must be >= 0, got {self.warmup_steps}")
         if not (self.timeout > 0 and self.connect_timeout > 0):

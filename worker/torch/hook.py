@@ -1,5 +1,6 @@
 """The DDP communication hook: ``ddp.register_comm_hook(IntmlHookState(), intml_hook)`` averages each gradient
-bucket through the aggregator, with optional error feedback and Gloo warm-up steps."""
+bucket through the aggregator, whatever its size, with optional error feedback and Gloo warm-up steps. A bucket
+intml cannot encode (not float32, not on the CPU) goes exactly through Gloo, with a warning the first time."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
+from intml.worker.torch import routing
 from intml.worker.torch.backend import IntmlProcessGroup
 from intml.worker.torch.config import IntmlConfig
 from intml.worker.torch.feedback import Residuals
@@ -28,7 +30,8 @@ class IntmlHookState(AggregatorLinked):
         self.rank, self.world_size = pg.rank(), pg.size()
         self.step = 0
         self.residuals = Residuals()
-        self._attach(config if config is not None else IntmlConfig.from_env(**options), self.rank, self.world_size)
+        config = config if config is not None else IntmlConfig.from_env(**options)
+        self._attach(config, self.rank, self.world_size, config.threaded)
 
     def close(self) -> None:
         """Leave the aggregator's job (also done at interpreter exit)."""
@@ -42,15 +45,16 @@ class IntmlHookState(AggregatorLinked):
         step = self.step
         if bucket.is_last():
             self.step += 1
-        if (self.link is None or step < self.config.warmup_steps or buf.dtype != torch.float32
-                or buf.device.type != "cpu"):
-            return self._gloo_mean(buf)
+        reason = (routing.FALLBACK if self.link is None else routing.WARMUP if step < self.config.warmup_steps
+                  else routing.unsupported(buf))
+        if reason is not None:
+            return self._gloo_mean(buf, reason)
         residual = self.residuals.of(bucket) if self.config.error_feedback else None
         return self.link.submit(buf, "mean", inplace=False, residual=residual).then(value)
 
-    def _gloo_mean(self, buf: torch.Tensor) -> Future:
+    def _gloo_mean(self, buf: torch.Tensor, reason: str) -> Future:
         """The average through Gloo (warm-up, fallback, other dtypes), as torch's default allreduce hook does."""
-        self.traffic.add_gloo([buf], self.world_size)
+        self._to_gloo([buf], reason)
         buf.div_(self.world_size)
         fut = self.gloo.allreduce([buf], sum_op()).get_future()
         return fut.then(lambda f: f.value()[0])

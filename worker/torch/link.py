@@ -9,7 +9,7 @@ import secrets
 import threading
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -18,6 +18,7 @@ from torch.futures import Future
 
 from intml.protocol.traffic import intml_bytes
 from intml.worker.api import AllreduceTimeout, JoinError, Worker
+from intml.worker.torch import routing
 from intml.worker.torch.accounting import Traffic
 from intml.worker.torch.config import IntmlConfig
 
@@ -35,11 +36,13 @@ class IntmlFallbackWarning(RuntimeWarning):
 
 
 class Link:
-    """One rank's Worker on a job. By default each allreduce runs in the caller and the returned Future is
-    already complete; with ``threaded`` (INTML_THREAD=1) it runs on a dedicated thread fed by a queue and the
-    Future completes later, so autograd can compute the next buckets' gradients meanwhile (DDP's overlap).
+    """One rank's Worker on a job. Without ``threaded`` each allreduce runs in the caller and the returned Future
+    is already complete; with it, the allreduce runs on a dedicated thread fed by a queue and the Future completes
+    later, so the caller goes on meanwhile: autograd computes the next buckets' gradients (DDP's overlap), and
+    ``dist.all_reduce(..., async_op=True)`` returns at once. The backend always uses the thread (async_op needs
+    it); the hook only with INTML_THREAD=1.
 
-    Why synchronous by default: measured with `intml-testbed train` (digits MLP, 4 ranks under torchrun on this
+    Why the hook runs in the caller by default: measured with `intml-testbed train` (digits MLP, 4 ranks under torchrun on this
     2-core machine, cnat8, thread and no thread interleaved in one invocation, median step time over seeds), the
     thread never helped: thread vs caller 9.13 vs 8.71, 7.84 vs 6.79 and 7.98 vs 7.45 ms per step with one DDP
     bucket per step (5, 3 and 5 seeds), 8.54 vs 8.18 and 9.41 vs 8.46 ms with five buckets per step (3 seeds
@@ -50,7 +53,7 @@ class Link:
     rank must issue them in.
     """
 
-    def __init__(self, w: Worker, config: IntmlConfig, traffic: Traffic) -> None:
+    def __init__(self, w: Worker, config: IntmlConfig, traffic: Traffic, threaded: bool) -> None:
         self.worker = w
         self.config = config
         self.traffic = traffic
@@ -58,7 +61,7 @@ class Link:
         self._closed = False
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = None
-        if config.threaded:
+        if threaded:
             self._thread = threading.Thread(target=self._serve, name=f"intml-job{w.job}-rank{w.rank}", daemon=True)
             self._thread.start()
 
@@ -137,9 +140,9 @@ class Link:
 
 
 def connect(config: IntmlConfig, rank: int, world_size: int, control_allreduce: Callable[[torch.Tensor], None],
-            traffic: Traffic) -> Link | None:
-    """Join the aggregator at every rank and agree on the outcome. Returns the link, or None when the group
-    falls back to Gloo. `control_allreduce(t)` sums an int64 CPU tensor over the group through Gloo, blocking."""
+            traffic: Traffic, threaded: bool) -> Link | None:
+    """Join the aggregator at every rank and agree on the outcome. Returns the link (its allreduces on a thread if
+    `threaded`), or None when the group falls back to Gloo. `control_allreduce(t)` sums an int64 CPU tensor over the group through Gloo, blocking."""
     # Job id and seed: rank 0's (from the config, else drawn at random), shared as a Gloo sum of zeros elsewhere.
     ids = torch.zeros(2, dtype=torch.int64)
     if rank == 0:
@@ -165,7 +168,7 @@ def connect(config: IntmlConfig, rank: int, world_size: int, control_allreduce: 
             status[rank], reason = 2, f"{type(exc).__name__}: {exc}"
     control_allreduce(status)
     if not status.any():
-        return Link(w, config, traffic)
+        return Link(w, config, traffic, threaded)
     if w is not None:
         w.close()
     failed = status.nonzero().flatten().tolist()
@@ -208,17 +211,27 @@ def value(fut: Future):
 
 
 class AggregatorLinked:
-    """What the hook state and the backend share: a Gloo group for control messages and the link to the
-    aggregator (None when start-up fell back to Gloo)."""
+    """What the hook state and the backend share: a Gloo group for control messages, fallback and the allreduces
+    that stay exact; the link to the aggregator (None when start-up fell back to Gloo); the traffic counters."""
 
     gloo: dist.ProcessGroup
 
-    def _attach(self, config: IntmlConfig, rank: int, size: int) -> None:
+    def _attach(self, config: IntmlConfig, rank: int, size: int, threaded: bool) -> None:
         self.config = config
         self.traffic = Traffic()
-        self.link = connect(config, rank, size, self._control_allreduce, self.traffic)
+        self._warned: set[str] = set()
+        self.link = connect(config, rank, size, self._control_allreduce, self.traffic, threaded)
         if self.link is not None:
             _LINKS.add(self.link)
+
+    def _to_gloo(self, tensors: Sequence[torch.Tensor], reason: str) -> None:
+        """Count an allreduce that goes to Gloo for `reason`, warning the first time for a reason the user did
+        not choose (``routing``)."""
+        self.traffic.add_gloo(tensors, self.gloo.size(), reason)
+        if reason not in routing.CHOSEN and reason not in self._warned:
+            self._warned.add(reason)
+            warnings.warn(routing.warning_text(reason, sum(t.numel() for t in tensors)),
+                          routing.IntmlUncompressedWarning, stacklevel=4)
 
     def _control_allreduce(self, t: torch.Tensor) -> None:
         self.gloo.allreduce([t], sum_op()).wait()

@@ -1,0 +1,68 @@
+"""Which allreduces go through the aggregator and which go exactly through Gloo, and why.
+
+The aggregator sums 8-bit C_nat codes (or int32 fixed point): right for gradients, wrong for a loss, a counter or
+a metric, which a user expects exact. So the backend sends through intml only float32 CPU SUM/AVG allreduces of at
+least ``INTML_MIN_ELEMENTS`` elements (``config`` says why 64 Ki), and the hook every DDP bucket it can encode.
+Everything else goes to Gloo, counted under its reason in ``Traffic.gloo_reasons``. The reasons a user chose
+(below the threshold, warm-up, start-up fallback) pass silently; the others warn once per reason and group with an
+``IntmlUncompressedWarning``, since that user may have expected the tensor to be compressed.
+
+Every rank routes a collective the same way: the rule reads only what all ranks share (size, dtype, op, layout).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+FALLBACK = "fallback"  # start-up could not reach the aggregator (IntmlFallbackWarning said so then)
+WARMUP = "warmup"  # hook: one of the first INTML_WARMUP_STEPS steps
+SMALL = "small"  # backend: fewer than INTML_MIN_ELEMENTS elements, kept exact
+OP = "op"  # a reduce op other than SUM and AVG
+DTYPE = "dtype"  # not float32
+DEVICE = "device"  # not on the CPU
+LAYOUT = "layout"  # not contiguous
+COALESCED = "coalesced"  # several tensors in one call
+
+CHOSEN = frozenset({FALLBACK, WARMUP, SMALL})  # configured by the user: no warning
+
+WHY = {
+    OP: "intml sums; only ReduceOp.SUM and AVG go through it",
+    DTYPE: "intml encodes float32 only",
+    DEVICE: "intml takes CPU tensors only",
+    LAYOUT: "the tensor is not contiguous",
+    COALESCED: "intml takes one tensor per allreduce",
+}
+
+
+class IntmlUncompressedWarning(UserWarning):
+    """An allreduce a user may have expected intml to compress went uncompressed through Gloo."""
+
+
+def unsupported(tensor: torch.Tensor) -> str | None:
+    """Why intml cannot allreduce `tensor` (a reason), or None when it can."""
+    if tensor.dtype != torch.float32:
+        return DTYPE
+    if tensor.device.type != "cpu":
+        return DEVICE
+    if not tensor.is_contiguous():
+        return LAYOUT
+    return None
+
+
+def backend_route(tensors: Sequence[torch.Tensor], op: str | None, min_elements: int) -> str | None:
+    """The reason the backend sends this allreduce to Gloo, or None to send it through intml. `op` is "sum",
+    "mean", or None for any other reduce op."""
+    if sum(t.numel() for t in tensors) < min_elements:
+        return SMALL
+    if op is None:
+        return OP
+    if len(tensors) != 1:
+        return COALESCED
+    return unsupported(tensors[0])
+
+
+def warning_text(reason: str, elements: int) -> str:
+    return (f"intml: an allreduce of {elements} elements goes uncompressed through Gloo: {WHY[reason]}. Further "
+            f"ones for this reason are counted in .traffic.gloo_reasons[{reason!r}] without a warning")
