@@ -41,8 +41,7 @@ def agg():
 
 def _init(port: int, rank: int, n: int, address: str, seed: int, **env: str) -> dist.ProcessGroup:
     os.environ.update({"INTML_AGGREGATOR": address, "INTML_SEED": str(seed), "INTML_TOKEN": TOKEN,
-                       "INTML_PACKET_ELEMENTS": str(PACKET), "INTML_POOL": str(POOL),
-                       "INTML_CONNECT_TIMEOUT": "30", **env})  # a cold aggregator compiles on its first JOIN
+                       "INTML_PACKET_ELEMENTS": str(PACKET), "INTML_POOL": str(POOL), **env})
     torch.set_num_threads(1)
     dist.init_process_group("intml", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n,
                             timeout=timedelta(seconds=60))
