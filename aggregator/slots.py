@@ -439,13 +439,14 @@ def process_burst(rx_data, rx_len, rx_addr, n_rx, now, core, cores, job_arrays, 
         key = round_key(get_u32(p, O_ALLREDUCE), get_i32(p, O_CHUNK))
         bit = np.uint64(1) << np.uint64(rank)
         event = classify(table.round_key[row, x], table.bitmap[row, x], key, bit)
-        if event == OLDER:
+        # The branches below are protocol.slot_reference.TRANSITIONS, action by action (docs/protocol.md).
+        if event == OLDER:  # (FILLING or COMPLETE, OLDER): DROP_STALE
             st[DROP_STALE] += 1
             continue
         g = b.group_of[row, x]
         if event == SAME_KNOWN_RANK:
             st[RETRANSMISSIONS] += 1
-            if table.count[row, x] == n:
+            if table.count[row, x] == n:  # (COMPLETE, SAME_KNOWN_RANK): RESEND; (FILLING, ...): DROP_DUPLICATE
                 if g < 0:
                     g = _new_group(b, n_groups, row, x, j, False)
                     n_groups += 1
@@ -473,9 +474,9 @@ def process_burst(rx_data, rx_len, rx_addr, n_rx, now, core, cores, job_arrays, 
                 n_spill += 1
             b.group_of[row, x] = -1
             g = -1
-        if event == NEWER:
+        if event == NEWER:  # (any state, NEWER): OPEN
             open_round(table, row, x, key, exp, count, next_exp)
-        else:
+        else:  # (FILLING, SAME_NEW_RANK): ADD
             table.next_exp[row, x] = max(table.next_exp[row, x], next_exp)
         if g < 0:
             g = _new_group(b, n_groups, row, x, j, table.count[row, x] == 0)
