@@ -14,16 +14,19 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
-def positive(kind: type = int) -> Callable[[str], float | int]:
-    """An argparse type accepting numbers of `kind` greater than zero."""
+def positive(kind: type = int, most: float | None = None) -> Callable[[str], float | int]:
+    """An argparse type accepting numbers of `kind` greater than zero (and at most `most`, if given)."""
+    what = "an integer" if kind is int else "a number"
 
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
         if value <= 0:
             raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        if most is not None and value > most:
+            raise argparse.ArgumentTypeError(f"must be at most {most}, got {text}")
         return value
 
     return parse

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from intml.protocol import wire
 from intml.protocol.cli import OneLineParser, positive
 from intml.protocol.job import CODEC_NAMES, JobParams, codec_name
 from intml.testbed.netns import MTUS
@@ -29,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     codec.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     bio = bench.add_parser("burstio", help="recvmmsg/sendmmsg bursts vs plain sendto/recvfrom on loopback")
     bio.add_argument("--packets", type=positive(), default=200_000, help="datagrams per variant (default 200000)")
-    bio.add_argument("--size", type=positive(), default=8192, help="bytes per datagram (default 8192)")
+    bio.add_argument("--size", type=positive(int, wire.MAX_DATAGRAM), default=8192,
+                     help=f"bytes per datagram (default 8192, at most {wire.MAX_DATAGRAM}: a UDP payload)")
     bio.add_argument("--burst", type=positive(), default=256, help="datagrams per burst (default 256)")
     bio.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     ar = bench.add_parser("allreduce", help="intml vs Gloo's ring allreduce on loopback")
