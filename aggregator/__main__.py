@@ -19,7 +19,14 @@ import struct
 import sys
 
 from intml.protocol.cli import OneLineParser, positive
-from intml.protocol.job import AGGREGATOR_IDLE_TIMEOUT, AGGREGATOR_MAX_ELEMENTS, AGGREGATOR_SLOTS, BURST
+from intml.protocol.job import (
+    AGGREGATOR_IDLE_TIMEOUT,
+    AGGREGATOR_MAX_ELEMENTS,
+    AGGREGATOR_MAX_JOBS,
+    AGGREGATOR_MAX_POOL,
+    AGGREGATOR_SLOTS,
+    BURST,
+)
 from intml.protocol.wire import DEFAULT_PORT, Codec, max_packet_elements
 
 MAX_ELEMENTS_LIMIT = max_packet_elements(Codec.CNAT8)  # jobs are further limited by their codec at join
@@ -45,16 +52,18 @@ def _bind(host: str, port: int, cores: int) -> list[socket.socket]:
     raise SystemExit(f"intml-aggregator: found no {cores} free consecutive ports on {host}; pass --port")
 
 
-def _multicast_group(parser: OneLineParser, text: str | None) -> int | None:
-    """--multicast as an integer, or a one-line usage error."""
+def _multicast_group(parser: OneLineParser, text: str | None, max_jobs: int) -> int | None:
+    """--multicast as an integer (job table entry j sends to GROUP + j), or a one-line usage error."""
     if text is None:
         return None
     try:
         (group,) = struct.unpack("!I", socket.inet_aton(text))
     except OSError:
         parser.error(f"--multicast must be an IPv4 address, got {text!r}")
-    if not 0xE0000100 <= group <= 0xEFFFFFFF - 64:  # 224.0.0.0/24 is the link-local control block
-        parser.error(f"--multicast must be an IPv4 multicast group from 224.0.1.0 to 239.255.255.191 (for example "
+    last = 0xEFFFFFFF - max_jobs
+    if not 0xE0000100 <= group <= last:  # 224.0.0.0/24 is the link-local control block
+        parser.error(f"--multicast must be an IPv4 multicast group from 224.0.1.0 to "
+                     f"{socket.inet_ntoa(struct.pack('!I', last))} (room for --max-jobs groups; for example "
                      f"239.255.42.0), got {text}")
     return group
 
@@ -70,6 +79,10 @@ def build_parser() -> OneLineParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"first UDP port (default {DEFAULT_PORT}; 0 = any)")
     p.add_argument("--cores", type=positive(int), default=1, help="data-plane processes, one port each (default 1)")
+    p.add_argument("--max-jobs", type=positive(int), default=AGGREGATOR_MAX_JOBS,
+                   help=f"jobs per core at once (default {AGGREGATOR_MAX_JOBS})")
+    p.add_argument("--max-pool", type=positive(int), default=AGGREGATOR_MAX_POOL,
+                   help=f"slots one job may reserve (default {AGGREGATOR_MAX_POOL}), so that no JOIN takes the table")
     p.add_argument("--slots", type=positive(int), default=AGGREGATOR_SLOTS,
                    help="slot rows per core, shared by jobs; memory is 10 bytes x slots x max packet elements "
                         f"(default {AGGREGATOR_SLOTS})")
@@ -98,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--max-packet-elements must be at most {MAX_ELEMENTS_LIMIT} (one UDP datagram)")
     if not 0 <= args.port <= 65535 - args.cores:
         parser.error(f"--port must leave room for {args.cores} ports below 65536")
-    group = _multicast_group(parser, args.multicast)
+    group = _multicast_group(parser, args.multicast, args.max_jobs)
     if group is not None and args.host in ("", "0.0.0.0"):
         parser.error("--multicast needs --host to name the interface the results go out on "
                      "(for example --host 127.0.0.1, or this host's address on the workers' link), not 0.0.0.0")
@@ -116,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     def core_main(i: int) -> None:
         core = AggregatorCore(core=i, cores=args.cores, rows=args.slots, max_elements=args.max_packet_elements,
                               idle_timeout=args.idle_timeout, results_group=None if group is None else (group, base),
-                              burst=args.burst, allow_shared_address=args.allow_shared_address)
+                              burst=args.burst, allow_shared_address=args.allow_shared_address,
+                              max_jobs=args.max_jobs, max_pool=args.max_pool)
         run_core(core, socks[i], args.burst, args.stats_interval)
 
     print(f"intml-aggregator listening on {args.host}:{base} cores {args.cores}", flush=True)

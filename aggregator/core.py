@@ -46,6 +46,7 @@ from intml.protocol.job import (
     AGGREGATOR_IDLE_TIMEOUT,
     AGGREGATOR_MAX_ELEMENTS,
     AGGREGATOR_MAX_JOBS,
+    AGGREGATOR_MAX_POOL,
     AGGREGATOR_SLOTS,
     BURST,
     MAX_WORLD,
@@ -75,7 +76,7 @@ class AggregatorCore:
     def __init__(self, *, core: int = 0, cores: int = 1, rows: int = AGGREGATOR_SLOTS, max_elements: int = AGGREGATOR_MAX_ELEMENTS,
                  max_jobs: int = AGGREGATOR_MAX_JOBS, idle_timeout: float = AGGREGATOR_IDLE_TIMEOUT,
                  results_group: tuple[int, int] | None = None, burst: int = BURST,
-                 allow_shared_address: bool = False) -> None:
+                 allow_shared_address: bool = False, max_pool: int = AGGREGATOR_MAX_POOL) -> None:
         """``burst``: the most datagrams a receive burst is expected to hold (a larger one grows the output
         memory). ``results_group`` = (first IPv4 multicast group as an integer, UDP port): job slot j sends its results
         to group + j in one datagram per completion, as a switch's multicast replication does, instead of one
@@ -91,6 +92,7 @@ class AggregatorCore:
         self.allow_shared_address = allow_shared_address
         self.core, self.cores = core, cores
         self.max_elements = max_elements
+        self.max_pool = max_pool
         self.idle_timeout = idle_timeout
         self.jobs: Jobs = new_jobs(max_jobs)
         self.row_used = np.zeros(rows, np.bool_)
@@ -176,10 +178,8 @@ class AggregatorCore:
         info = self.info.get(job_id)
         if info is None:
             info = self._register(job_id, params, now)
-            if info is None:
-                return _error(job_id, f"aggregator core {self.core} has no free slots for job {job_id}: "
-                                      f"{self._local_pool(params['pool_size'])} needed, "
-                                      f"{int((~self.row_used).sum())} free; use a smaller pool or a new aggregator")
+            if isinstance(info, str):  # the limit that was hit
+                return _error(job_id, info)
         elif info.params != params:
             differing = ", ".join("token (the shared secret)" if k == "token" else f"{k}={params[k]} (job has {v})"
                                   for k, v in info.params.items() if params[k] != v)
@@ -215,11 +215,21 @@ class AggregatorCore:
     def _local_pool(self, pool: int) -> int:
         return len(range(self.core, pool, self.cores))
 
-    def _register(self, job_id: int, params: dict, now: float) -> JobInfo | None:
+    def _register(self, job_id: int, params: dict, now: float) -> JobInfo | str:
+        """A new job's table entry and slot rows, or one line naming the limit that refuses it."""
+        if params["pool_size"] > self.max_pool:
+            return (f"pool size {params['pool_size']} exceeds this aggregator's maximum of {self.max_pool} slots per "
+                    f"job (intml-aggregator --max-pool)")
         free_jobs = np.flatnonzero(~self.jobs.active)
-        rows = _first_fit(self.row_used, self._local_pool(params["pool_size"]))
-        if free_jobs.size == 0 or rows is None:
-            return None
+        if free_jobs.size == 0:
+            return (f"aggregator core {self.core} already holds its maximum of {self.jobs.active.size} jobs "
+                    f"(intml-aggregator --max-jobs); wait for a job to leave or use another aggregator")
+        needed = self._local_pool(params["pool_size"])
+        rows = _first_fit(self.row_used, needed)
+        if rows is None:
+            return (f"aggregator core {self.core} has no free slots for job {job_id}: its pool needs {needed} "
+                    f"consecutive slot rows here and {int((~self.row_used).sum())} of {self.row_used.size} are free "
+                    f"(intml-aggregator --slots); use a smaller pool or another aggregator")
         j = int(free_jobs[0])
         jobs, table = self.jobs, self.table
         jobs.job_id[j] = job_id

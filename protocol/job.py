@@ -13,6 +13,9 @@ Why each default is what it is:
 * ``timeout = 30`` s without progress before ``AllreduceTimeout``.
 * ``AGGREGATOR_IDLE_TIMEOUT = 300`` s: a job is torn down after this long without traffic. It must outlast a
   training pause (an evaluation pass, a checkpoint); a dead job's slots are held that long at worst.
+* ``AGGREGATOR_MAX_POOL = 256`` slots per job: one JOIN may not reserve the whole table (a job needs only
+  its bandwidth-delay product in flight: 256 packets of 1024 codes cover 10 Gbit/s with a 200 us round trip),
+  and half of the default table stays for other jobs.
 * ``AGGREGATOR_SLOTS = 512`` rows per core: the table costs 16 bytes x rows x max packet elements (64 MiB at
   8192 elements), and 512 rows hold eight jobs of the default pool.
 """
@@ -32,6 +35,7 @@ AGGREGATOR_MAX_ELEMENTS = 8192  # largest packet a job may use: a 9000-byte jumb
 BURST = 256  # datagrams per recvmmsg/sendmmsg call, for aggregators and workers
 AGGREGATOR_IDLE_TIMEOUT = 300.0
 AGGREGATOR_MAX_JOBS = 64
+AGGREGATOR_MAX_POOL = 256
 
 
 def codec_name(codec: Codec) -> str:

@@ -418,8 +418,32 @@ def test_join_without_free_rows_is_refused():
     a = Network(2, pool_size=3, aggregators=[core])
     b = Network(2, pool_size=2, aggregators=[core], job=8, worker_port=6000, join=False)
     (reply, _), = b.join(0)
-    assert "no free slots" in error_text(reply)
+    assert "no free slots" in error_text(reply) and "2 consecutive slot rows" in error_text(reply)
+    assert "1 of 4 are free (intml-aggregator --slots)" in error_text(reply)
     assert set(core.info) == {a.job}
+
+
+def test_join_past_the_job_limit_names_it():
+    """A full job table is refused as such (not as a lack of slots, which a user would try to fix with a
+    smaller pool)."""
+    core = AggregatorCore(rows=64, max_elements=P, max_jobs=1)
+    a = Network(2, pool_size=2, aggregators=[core])
+    b = Network(2, pool_size=2, aggregators=[core], job=8, worker_port=6000, join=False)
+    (reply, _), = b.join(0)
+    assert "already holds its maximum of 1 jobs (intml-aggregator --max-jobs)" in error_text(reply)
+    assert set(core.info) == {a.job} and int(core.row_used.sum()) == 2
+
+
+def test_join_with_a_pool_over_the_limit_reserves_nothing():
+    """One JOIN may not reserve more than --max-pool slots: refused before any row is taken."""
+    core = AggregatorCore(rows=64, max_elements=P, max_pool=8)
+    net = Network(2, pool_size=9, aggregators=[core], join=False)
+    (reply, _), = net.join(0)
+    assert "pool size 9 exceeds this aggregator's maximum of 8 slots per job (intml-aggregator --max-pool)" in \
+        error_text(reply)
+    assert core.info == {} and not core.row_used.any()
+    at_limit = Network(2, pool_size=8, aggregators=[core], job=9, worker_port=6000)  # accepted, and it works
+    assert_results_of(at_limit, make_inputs(2, 100, P, "normal", seed=1))
 
 
 def test_leave_by_all_ranks_tears_down_and_frees_rows():

@@ -733,7 +733,10 @@ def _stderr_lines(proc) -> list[str]:
     return [line for line in proc.stderr.splitlines() if line.strip()]
 
 
-@pytest.mark.parametrize("args, option", [(("--cores", "0"), "--cores"), (("--port", "99999"), "--port")])
+@pytest.mark.parametrize("args, option", [(("--cores", "0"), "--cores"), (("--port", "99999"), "--port"),
+                                          (("--max-jobs", "0"), "--max-jobs"), (("--max-pool", "-2"), "--max-pool"),
+                                          (("--max-jobs", "300000000", "--multicast", "239.255.42.0"),
+                                           "--multicast")])
 def test_cli_rejects_bad_option(args, option) -> None:
     proc = run_cli(*args)
     assert proc.returncode != 0
