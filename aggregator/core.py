@@ -38,8 +38,8 @@ from intml.aggregator.slots import (
     process_burst,
     result_width,
 )
-from intml.protocol.address import addr_of, format_addr
 from intml.protocol import wire
+from intml.protocol.address import addr_of, format_addr
 from intml.protocol.arith import value_bits
 from intml.protocol.burst import Burst
 from intml.protocol.job import (
@@ -73,8 +73,9 @@ class JobInfo:
 class AggregatorCore:
     """One data-plane core: slots s with s % cores == core, and the control plane for its share of each job."""
 
-    def __init__(self, *, core: int = 0, cores: int = 1, rows: int = AGGREGATOR_SLOTS, max_elements: int = AGGREGATOR_MAX_ELEMENTS,
-                 max_jobs: int = AGGREGATOR_MAX_JOBS, idle_timeout: float = AGGREGATOR_IDLE_TIMEOUT,
+    def __init__(self, *, core: int = 0, cores: int = 1, rows: int = AGGREGATOR_SLOTS,
+                 max_elements: int = AGGREGATOR_MAX_ELEMENTS, max_jobs: int = AGGREGATOR_MAX_JOBS,
+                 idle_timeout: float = AGGREGATOR_IDLE_TIMEOUT,
                  results_group: tuple[int, int] | None = None, burst: int = BURST,
                  allow_shared_address: bool = False, max_pool: int = AGGREGATOR_MAX_POOL) -> None:
         """``burst``: the most datagrams a receive burst is expected to hold (a larger one grows the output

@@ -21,7 +21,7 @@ import numpy as np
 
 from intml.burstio.mmsg import BurstSocket, addr_key
 from intml.protocol import wire
-from intml.protocol.address import addr_of
+from intml.protocol.address import format_addr
 from intml.protocol.burst import Burst
 from intml.protocol.job import BURST, JobParams, WorkerTimers
 from intml.worker.engine import StreamEngine
@@ -106,7 +106,7 @@ class Worker:
         self._closed = False
         joined = self._join()
         self.cores = joined.cores
-        self.results_groups = ["%s:%d" % addr_of(g) for g in joined.groups]  # where the cores multicast completions
+        self.results_groups = [format_addr(g) for g in joined.groups]  # where the cores multicast completions
         for group, name in zip(joined.groups, self.results_groups):
             try:
                 results = BurstSocket(_group_socket(group, self.host, self.port), burst=rx_burst,
