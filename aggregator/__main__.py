@@ -26,6 +26,7 @@ from intml.protocol.job import (
     AGGREGATOR_MAX_POOL,
     AGGREGATOR_SLOTS,
     BURST,
+    ControlLimits,
 )
 from intml.protocol.wire import DEFAULT_PORT, Codec, max_packet_elements
 
@@ -99,6 +100,20 @@ def build_parser() -> OneLineParser:
     p.add_argument("--allow-shared-address", action="store_true",
                    help="tests only: let one source address hold several ranks of a job (by default refused, so "
                         "that one holder of the token cannot stand in for a whole job)")
+    control = ControlLimits()
+    p.add_argument("--control-rate", type=positive(float), default=control.source_rate,
+                   help=f"JOIN/LEAVE/STATS datagrams per second one source address may send (default "
+                        f"{control.source_rate:g}); the excess is dropped in the kernel as drop_control_rate")
+    p.add_argument("--control-burst", type=positive(int), default=control.source_burst,
+                   help=f"control datagrams one source may send at once (default {control.source_burst})")
+    p.add_argument("--control-global-rate", type=positive(float), default=control.global_rate,
+                   help=f"control datagrams per second a core hands to its control plane from all sources (default "
+                        f"{control.global_rate:g}): bounds the CPU a flood from many sources can take")
+    p.add_argument("--control-global-burst", type=positive(int), default=control.global_burst,
+                   help=f"control datagrams a core takes at once from all sources (default {control.global_burst})")
+    p.add_argument("--control-per-burst", type=positive(int), default=control.per_burst,
+                   help=f"control datagrams one received burst may hand to the control plane (default "
+                        f"{control.per_burst})")
     p.add_argument("--burst", type=positive(int), default=BURST,
                    help=f"datagrams per recvmmsg/sendmmsg (default {BURST})")
     return p
@@ -124,13 +139,15 @@ def main(argv: list[str] | None = None) -> int:
     from intml.aggregator.core import AggregatorCore
     from intml.aggregator.dataplane import run_core, warm_up
 
+    limits = ControlLimits(args.control_rate, args.control_burst, args.control_global_rate,
+                           args.control_global_burst, args.control_per_burst)
     warm_up(args.max_packet_elements, args.burst)  # before the ready line: the first JOIN is answered at once
 
     def core_main(i: int) -> None:
         core = AggregatorCore(core=i, cores=args.cores, rows=args.slots, max_elements=args.max_packet_elements,
                               idle_timeout=args.idle_timeout, results_group=None if group is None else (group, base),
                               burst=args.burst, allow_shared_address=args.allow_shared_address,
-                              max_jobs=args.max_jobs, max_pool=args.max_pool)
+                              max_jobs=args.max_jobs, max_pool=args.max_pool, control_limits=limits)
         run_core(core, socks[i], args.burst, args.stats_interval)
 
     print(f"intml-aggregator listening on {args.host}:{base} cores {args.cores}", flush=True)

@@ -34,6 +34,7 @@ from intml.aggregator.slots import (
     Table,
     new_batch,
     new_jobs,
+    new_limiter,
     new_table,
     process_burst,
     result_width,
@@ -50,6 +51,7 @@ from intml.protocol.job import (
     AGGREGATOR_SLOTS,
     BURST,
     MAX_WORLD,
+    ControlLimits,
     JobParams,
 )
 from intml.protocol.packet import HDR
@@ -77,13 +79,15 @@ class AggregatorCore:
                  max_elements: int = AGGREGATOR_MAX_ELEMENTS, max_jobs: int = AGGREGATOR_MAX_JOBS,
                  idle_timeout: float = AGGREGATOR_IDLE_TIMEOUT,
                  results_group: tuple[int, int] | None = None, burst: int = BURST,
-                 allow_shared_address: bool = False, max_pool: int = AGGREGATOR_MAX_POOL) -> None:
+                 allow_shared_address: bool = False, max_pool: int = AGGREGATOR_MAX_POOL,
+                 control_limits: ControlLimits = ControlLimits()) -> None:
         """``burst``: the most datagrams a receive burst is expected to hold (a larger one grows the output
         memory). ``results_group`` = (first IPv4 multicast group as an integer, UDP port): job slot j sends its results
         to group + j in one datagram per completion, as a switch's multicast replication does, instead of one
         datagram per worker; retransmitted results still go to the one worker that asked. ``allow_shared_address``
         (tests only) lets one address hold several ranks of a job; otherwise such a JOIN is refused, so that one
-        holder of the token cannot stand in for a whole job."""
+        holder of the token cannot stand in for a whole job. ``control_limits``: how many JOIN, LEAVE and
+        STATS_REQUEST datagrams the kernel lets through to the control plane (slots.admit_control)."""
         if not 0 <= core < cores:
             raise ValueError(f"core must be in [0, {cores}), got {core}")
         if results_group is not None and not (0xE0000000 <= results_group[0] <= 0xF0000000 - max_jobs
@@ -98,7 +102,8 @@ class AggregatorCore:
         self.jobs: Jobs = new_jobs(max_jobs)
         self.row_used = np.zeros(rows, np.bool_)
         self.info: dict[int, JobInfo] = {}
-        self._replies: list[tuple[bytes, int]] = []
+        self._limiter = tuple(new_limiter(control_limits))
+        self._control_in: list[tuple[bytes, int, float]] = []  # admitted control datagrams not yet handled
         width = result_width(max_elements)
         self.table: Table = new_table(rows, max_elements, np.zeros((rows, 2, width), np.uint8))
         self._grow(burst)
@@ -123,8 +128,8 @@ class AggregatorCore:
     def receive(self, rx: Burst, now: float) -> Burst:
         """Handle the ``rx.count`` datagrams of a receive burst (one with rows of its own, ``Burst.rows_of``).
         Returns the core's output burst: the RESULT datagrams to send, in order, pointing at the core's stored
-        results; they stay valid until the core's next call. Replies to control datagrams are queued for
-        ``take_replies``."""
+        results; they stay valid until the core's next call. The control datagrams the kernel admitted are copied
+        out and handled by ``take_replies``, so that no result waits for control work."""
         if rx.data is None:
             raise ValueError("receive needs a burst with rows of its own (Burst.rows_of)")
         if self._control.size < rx.rows:
@@ -132,12 +137,9 @@ class AggregatorCore:
         out = self._out
         out.count, n_ctl = process_burst(rx.data, rx.length, rx.addr, rx.count, now, self.core, self.cores,
                                          *self._tables, self._batch, self._spill, self._spill_len, out.ptr,
-                                         out.length, out.addr, self._control)
-        for k in range(n_ctl):
-            i = int(self._control[k])
-            reply = self.handle_control(bytes(rx.data[i, : rx.length[i]]), int(rx.addr[i]), now)
-            if reply is not None:
-                self._replies.append((reply, int(rx.addr[i])))
+                                         out.length, out.addr, self._control, self._limiter)
+        for i in self._control[:n_ctl].tolist():
+            self._control_in.append((bytes(rx.data[i, : rx.length[i]]), int(rx.addr[i]), now))
         return out
 
     def count_send_failures(self, n: int) -> None:
@@ -145,8 +147,15 @@ class AggregatorCore:
         self.jobs.core_stats[SEND_FAILED] += n
 
     def take_replies(self) -> list[tuple[bytes, int]]:
-        """The control replies (datagram, destination address key) queued by receive, oldest first."""
-        replies, self._replies = self._replies, []
+        """Handle the control datagrams admitted since the last call, oldest first (each at the time it was
+        received); returns their replies (datagram, destination address key). The driver calls it once the
+        results are sent: this is the control plane's work, off the data path."""
+        pending, self._control_in = self._control_in, []
+        replies = []
+        for datagram, addr, now in pending:
+            reply = self.handle_control(datagram, addr, now)
+            if reply is not None:
+                replies.append((reply, addr))
         return replies
 
     # ---- control plane ----------------------------------------------------------------------------------

@@ -37,17 +37,19 @@ class DataPlane:
         self.stats_interval = stats_interval
 
     def on_readable(self) -> None:
+        """The data plane first: every burst waiting (up to BURSTS_PER_WAKEUP) is received, aggregated and its
+        results sent; only then does the control plane answer the control datagrams the kernel admitted."""
         for _ in range(BURSTS_PER_WAKEUP):
             if self.io.recv_burst() == 0:
-                return
+                break
             self.io.send(self.core.receive(self.io.rx, time.monotonic()))
-            for reply, addr in self.core.take_replies():
-                try:
-                    self.io.send_one(reply, addr)
-                except OSError:  # a destination the kernel refuses, or a socket full past send_timeout
-                    self.io.send_failed += 1
-            self.core.count_send_failures(self.io.send_failed)
-            self.io.send_failed = 0
+        for reply, addr in self.core.take_replies():
+            try:
+                self.io.send_one(reply, addr)
+            except OSError:  # a destination the kernel refuses, or a socket full past send_timeout
+                self.io.send_failed += 1
+        self.core.count_send_failures(self.io.send_failed)
+        self.io.send_failed = 0
 
     async def _idle_timer(self) -> None:
         while True:

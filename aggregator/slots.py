@@ -2,8 +2,8 @@
 32-bit integer sums and result encoding. Sans-I/O: it reads a burst of received datagrams (numpy arrays) and
 describes the datagrams to send in another, pointing at the results it stores; no sockets, no clock (``now`` is an
 argument). The kernel is split into the stages a switch pipeline (and a P4 program) has: validate (header, then
-against the job, then the payload), classify, bitmap and count (open_round, bitmap_and_count), contribute, complete
-and emit; docs/protocol.md ("Slot state table") and protocol.slot_reference hold the state machine they implement.
+against the job, then the payload), admit_control (the control datagrams' token buckets), classify, bitmap and
+count (open_round, bitmap_and_count), contribute, complete and emit; docs/protocol.md ("Slot state table") and protocol.slot_reference hold the state machine they implement.
 
 Slot semantics (SwitchML; docs/protocol.md, "Slots" and "Slot state table")
 
@@ -59,7 +59,7 @@ from intml.protocol.packet import (
     round_key,
     round_order,
 )
-from intml.protocol.job import MAX_WORLD
+from intml.protocol.job import CONTROL_SOURCE_BUCKETS, MAX_WORLD, ControlLimits
 from intml.protocol.rng import derive_key
 from intml.protocol.wire import MAGIC, VERSION, MsgType
 
@@ -93,6 +93,7 @@ STAT_NAMES = (
     "drop_bad_control",
     "drop_refused_join",
     "drop_leave_non_member",
+    "drop_control_rate",
     "send_failed",
 )
 (
@@ -123,6 +124,7 @@ STAT_NAMES = (
     DROP_BAD_CONTROL,  # counted by the control plane (aggregator.core), which parses JOIN/LEAVE/STATS
     DROP_REFUSED_JOIN,  # control plane: a well-formed JOIN answered with ERROR
     DROP_LEAVE_NON_MEMBER,  # control plane: a LEAVE for no job, or not from the address the rank joined from
+    DROP_CONTROL_RATE,  # admit_control: a control datagram over its source's or the core's budget
     SEND_FAILED,  # the driver: datagrams the kernel refused to send (their destination), skipped
 ) = range(len(STAT_NAMES))
 N_STATS = len(STAT_NAMES)
@@ -149,6 +151,34 @@ Table = namedtuple("Table", "round_key bitmap count exp next_exp elements acc re
 # rank -1, to all (a completion).
 Batch = namedtuple("Batch", "group_of row shadow job head first complete emits done spilled packet next "
                             "event_group event_rank rows")
+
+
+# Control admission (admit_control): GCRA token buckets, each kept as its theoretical arrival time (TAT, seconds on
+# the caller's clock): one per source-address hash, and the core's. interval: seconds per token (source, core);
+# tolerance: (burst - 1) * interval (source, core); per_burst: control datagrams one call may hand to Python.
+Limiter = namedtuple("Limiter", "source_tat core_tat interval tolerance per_burst")
+_HASH = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio: Fibonacci hashing
+_BUCKET_SHIFT = np.uint64(64 - (CONTROL_SOURCE_BUCKETS.bit_length() - 1))
+
+
+def new_limiter(limits: ControlLimits) -> Limiter:
+    """Full buckets (TAT -inf: no datagram seen yet)."""
+    interval = np.array([1.0 / limits.source_rate, 1.0 / limits.global_rate])
+    return Limiter(source_tat=np.full(CONTROL_SOURCE_BUCKETS, -np.inf), core_tat=np.full(1, -np.inf),
+                   interval=interval, tolerance=interval * np.array([limits.source_burst - 1, limits.global_burst - 1]),
+                   per_burst=np.int64(limits.per_burst))
+
+
+@njit(inline="always")
+def source_bucket(addr):
+    """The bucket of a source address key: the top bits of its Fibonacci hash (sources may share a bucket)."""
+    return np.int64((np.uint64(addr) * _HASH) >> _BUCKET_SHIFT)
+
+
+@njit(inline="always")
+def conforms(tat, now, tolerance):
+    """GCRA: a bucket whose TAT is `tat` has a token at `now`."""
+    return max(tat, now) - now <= tolerance
 
 
 def new_jobs(capacity: int) -> Jobs:
@@ -374,9 +404,10 @@ def emit(src, size, dest, out_ptr, out_len, out_addr, n_out):
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def process_burst(rx_data, rx_len, rx_addr, n_rx, now, core, cores, job_arrays, table_arrays, batch_arrays,
-                  spill, spill_len, out_ptr, out_len, out_addr, control):
+                  spill, spill_len, out_ptr, out_len, out_addr, control, limiter):
     """Handle received datagrams 0..n_rx-1. Returns (datagrams written to out, control datagrams listed in
-    `control`). `out` needs room for n_rx * MAX_WORLD entries (each packet completes at most one round), spill
+    `control`: those admit_control let through, at most limiter's per_burst; the others are counted as
+    drop_control_rate and cost nothing more). `out` needs room for n_rx * MAX_WORLD entries (each packet completes at most one round), spill
     for n_rx results.
 
     Two phases. Phase 1 walks the packets in order through validate, classify and bitmap_and_count: it makes
@@ -396,6 +427,7 @@ def process_burst(rx_data, rx_len, rx_addr, n_rx, now, core, cores, job_arrays, 
     jobs = Jobs(*job_arrays)
     table = Table(*table_arrays)
     b = Batch(*batch_arrays)
+    lim = Limiter(*limiter)
     cs = jobs.core_stats
     n_ctl = 0
     n_groups = 0
@@ -407,9 +439,16 @@ def process_burst(rx_data, rx_len, rx_addr, n_rx, now, core, cores, job_arrays, 
         cs[PACKETS_IN] += 1
         length = rx_len[i]
         reason = validate_header(length, get_u16(p, O_MAGIC), p[O_VERSION], p[O_TYPE])
-        if reason == CONTROL:
-            control[n_ctl] = i
-            n_ctl += 1
+        if reason == CONTROL:  # admit_control: the burst's share, the source's bucket, the core's bucket
+            k = source_bucket(rx_addr[i])
+            if n_ctl < lim.per_burst and conforms(lim.source_tat[k], now, lim.tolerance[0]) \
+                    and conforms(lim.core_tat[0], now, lim.tolerance[1]):
+                lim.source_tat[k] = max(lim.source_tat[k], now) + lim.interval[0]
+                lim.core_tat[0] = max(lim.core_tat[0], now) + lim.interval[1]
+                control[n_ctl] = i
+                n_ctl += 1
+            else:
+                cs[DROP_CONTROL_RATE] += 1
             continue
         if reason:
             cs[reason] += 1

@@ -18,6 +18,16 @@ Why each default is what it is:
   and half of the default table stays for other jobs.
 * ``AGGREGATOR_SLOTS = 512`` rows per core: the table costs 16 bytes x rows x max packet elements (64 MiB at
   8192 elements), and 512 rows hold eight jobs of the default pool.
+* ``ControlLimits``: JOIN, LEAVE and STATS_REQUEST datagrams reach the Python control plane only within token
+  buckets kept by the burst kernel, one per source address (hashed into ``CONTROL_SOURCE_BUCKETS``) and one per
+  core. A source is one socket: its control traffic is a JOIN handshake (2 datagrams a core), JOIN resends every
+  0.2 s while unanswered, a LEAVE, a STATS_REQUEST on a stall. ``source_burst = 32`` covers all of that at once
+  with room for an operator's repeated statistics requests; ``source_rate = 16`` per second refills it three
+  times faster than a worker ever resends. The core's bucket bounds what a flood from many (spoofed) sources
+  costs: ``global_rate = 1000`` per second at tens of microseconds each (measured: tests/test_flood.py) is a few
+  percent of a core, and ``global_burst = 256`` lets a whole job of MAX_WORLD ranks complete both rounds of its
+  handshake at once. ``per_burst = 64``: at most one JOIN per rank of a MAX_WORLD job reaches Python from one
+  received burst, so the results behind them wait for at most that much control work.
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ BURST = 256  # datagrams per recvmmsg/sendmmsg call, for aggregators and workers
 AGGREGATOR_IDLE_TIMEOUT = 300.0
 AGGREGATOR_MAX_JOBS = 64
 AGGREGATOR_MAX_POOL = 256
+CONTROL_SOURCE_BUCKETS = 1024  # a power of two: the hash's top bits index it
 
 
 def codec_name(codec: Codec) -> str:
@@ -100,3 +111,21 @@ class WorkerTimers:
             raise ValueError(f"need 0 < min_rto <= rto <= max_rto, got {self.min_rto}, {self.rto}, {self.max_rto}")
         if not (self.timeout > 0 and self.connect_timeout > 0):
             raise ValueError("timeout and connect_timeout must be positive")
+
+
+@dataclasses.dataclass(frozen=True)
+class ControlLimits:
+    """The admission of control datagrams (JOIN, LEAVE, STATS_REQUEST) per aggregator core: rates in datagrams
+    per second, bursts in datagrams; the reasons for the defaults are in the module docstring."""
+
+    source_rate: float = 16.0
+    source_burst: int = 32
+    global_rate: float = 1000.0
+    global_burst: int = 256
+    per_burst: int = 64
+
+    def __post_init__(self) -> None:
+        if not (self.source_rate > 0 and self.global_rate > 0):
+            raise ValueError(f"control rates must be positive, got {self.source_rate}, {self.global_rate}")
+        if min(self.source_burst, self.global_burst, self.per_burst) < 1:
+            raise ValueError("control bursts must be at least 1")

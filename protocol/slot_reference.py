@@ -9,16 +9,23 @@ order survives their wrap). Its state is EMPTY (never used), FILLING (some ranks
 COMPLETE (all n did; the result is kept for re-sends). A DATA packet that passed the header checks is an event
 against the set: its round is OLDER than the set's, NEWER, or the SAME round from a rank whose bit is clear
 (SAME_NEW_RANK) or already set (SAME_KNOWN_RANK).
+
+Control datagrams (JOIN, LEAVE, STATS_REQUEST) are admitted for the control plane by token buckets
+(``ControlAdmission``): one per source address hash and one for the core, each a GCRA theoretical arrival time,
+and at most ``per_burst`` per received burst (``new_burst`` marks a burst's start); the rest are counted as
+``drop_control_rate``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter
 
 import numpy as np
 
 from intml.protocol import reference
+from intml.protocol.job import CONTROL_SOURCE_BUCKETS, ControlLimits
 from intml.protocol.wire import HEADER, HEADER_SIZE, MAGIC, NO_EXP, VERSION, Codec, MsgType
 
 EMPTY, FILLING, COMPLETE = "EMPTY", "FILLING", "COMPLETE"
@@ -49,6 +56,34 @@ TRANSITIONS = {
 CNAT_EXPONENTS = (reference.E_MIN, reference.E_MAX)
 INT32_EXPONENTS = (-126, 127)
 CONTROL_TYPES = (MsgType.JOIN, MsgType.LEAVE, MsgType.STATS_REQUEST)
+
+
+class ControlAdmission:
+    """The token buckets of one core, in seconds on the caller's clock. A bucket is its theoretical arrival time
+    (TAT): it has a token at ``now`` iff max(TAT, now) - now <= (burst - 1) / rate; taking one adds 1 / rate."""
+
+    def __init__(self, limits: ControlLimits) -> None:
+        self.interval = {"source": 1.0 / limits.source_rate, "core": 1.0 / limits.global_rate}
+        self.tolerance = {"source": self.interval["source"] * (limits.source_burst - 1),
+                          "core": self.interval["core"] * (limits.global_burst - 1)}
+        self.per_burst = limits.per_burst
+        self.tat: dict[tuple[str, int], float] = {}  # ("source", bucket) or ("core", 0) -> TAT; absent: full
+        self.in_burst = 0
+
+    @staticmethod
+    def bucket(addr: int) -> int:
+        """The top bits of the address key's Fibonacci hash (its product with 2**64 / golden ratio, mod 2**64)."""
+        return (addr * 0x9E3779B97F4A7C15 % (1 << 64)) >> (64 - (CONTROL_SOURCE_BUCKETS.bit_length() - 1))
+
+    def admit(self, addr: int, now: float) -> bool:
+        buckets = (("source", self.bucket(addr)), ("core", 0))
+        tats = [max(self.tat.get(b, -math.inf), now) for b in buckets]
+        if self.in_burst >= self.per_burst or any(t - now > self.tolerance[kind] for t, (kind, _) in zip(tats, buckets)):
+            return False
+        for t, b in zip(tats, buckets):
+            self.tat[b] = t + self.interval[b[0]]
+        self.in_burst += 1
+        return True
 
 
 @dataclasses.dataclass
@@ -93,23 +128,32 @@ class ShadowSet:
 class SlotReference:
     """Data-plane core ``core`` of ``cores``: slots s with s % cores == core of every joined job."""
 
-    def __init__(self, core: int = 0, cores: int = 1) -> None:
+    def __init__(self, core: int = 0, cores: int = 1, control_limits: ControlLimits = ControlLimits()) -> None:
         self.core, self.cores = core, cores
+        self.admission = ControlAdmission(control_limits)
         self.jobs: dict[int, Job] = {}
         self.sets: dict[tuple[int, int, int], ShadowSet] = {}  # (job, slot, shadow)
         self.core_stats: Counter = Counter()
-        self.control: list[tuple[bytes, int]] = []  # control datagrams, for the control plane
+        self.control: list[tuple[bytes, int]] = []  # control datagrams admitted for the control plane
         self.transitions: Counter = Counter()  # (state, event) pairs taken, for coverage checks
 
     def join(self, job: Job) -> None:
         self.jobs[job.job_id] = job
 
-    def receive(self, datagram: bytes | None, addr: int) -> list[tuple[bytes, int]]:
-        """One received datagram (None: truncated on receive); returns the datagrams to send, in order."""
+    def new_burst(self) -> None:
+        """The next datagrams are another received burst (the per-burst count of control datagrams restarts)."""
+        self.admission.in_burst = 0
+
+    def receive(self, datagram: bytes | None, addr: int, now: float = 0.0) -> list[tuple[bytes, int]]:
+        """One received datagram (None: truncated on receive) at time ``now`` (which only control datagrams'
+        admission reads); returns the datagrams to send, in order."""
         self.core_stats["packets_in"] += 1
         reason, job, h = self._validate(datagram, addr)
         if reason == "control":
-            self.control.append((datagram, addr))
+            if self.admission.admit(addr, now):
+                self.control.append((datagram, addr))
+            else:
+                self.core_stats["drop_control_rate"] += 1
             return []
         if job is None:
             self.core_stats[reason] += 1
