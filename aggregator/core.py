@@ -87,7 +87,7 @@ class AggregatorCore:
         datagram per worker; retransmitted results still go to the one worker that asked. ``allow_shared_address``
         (tests only) lets one address hold several ranks of a job; otherwise such a JOIN is refused, so that one
         holder of the token cannot stand in for a whole job. ``control_limits``: how many JOIN, LEAVE and
-        STATS_REQUEST datagrams the kernel lets through to the control plane (slots.admit_control)."""
+        STATS_REQUEST datagrams the kernel lets through to the control plane (the kernel's control admission)."""
         if not 0 <= core < cores:
             raise ValueError(f"core must be in [0, {cores}), got {core}")
         if results_group is not None and not (0xE0000000 <= results_group[0] <= 0xF0000000 - max_jobs

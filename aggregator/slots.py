@@ -2,8 +2,9 @@
 32-bit integer sums and result encoding. Sans-I/O: it reads a burst of received datagrams (numpy arrays) and
 describes the datagrams to send in another, pointing at the results it stores; no sockets, no clock (``now`` is an
 argument). The kernel is split into the stages a switch pipeline (and a P4 program) has: validate (header, then
-against the job, then the payload), admit_control (the control datagrams' token buckets), classify, bitmap and
-count (open_round, bitmap_and_count), contribute, complete and emit; docs/protocol.md ("Slot state table") and protocol.slot_reference hold the state machine they implement.
+against the job, then the payload), control admission (token buckets: source_bucket, conforms), classify, bitmap
+and count (open_round, bitmap_and_count), contribute, complete and emit; docs/protocol.md ("Slot state table")
+and protocol.slot_reference hold the state machine they implement.
 
 Slot semantics (SwitchML; docs/protocol.md, "Slots" and "Slot state table")
 
@@ -124,7 +125,7 @@ STAT_NAMES = (
     DROP_BAD_CONTROL,  # counted by the control plane (aggregator.core), which parses JOIN/LEAVE/STATS
     DROP_REFUSED_JOIN,  # control plane: a well-formed JOIN answered with ERROR
     DROP_LEAVE_NON_MEMBER,  # control plane: a LEAVE for no job, or not from the address the rank joined from
-    DROP_CONTROL_RATE,  # admit_control: a control datagram over its source's or the core's budget
+    DROP_CONTROL_RATE,  # control admission: a control datagram over its source's, the core's or the burst's budget
     SEND_FAILED,  # the driver: datagrams the kernel refused to send (their destination), skipped
 ) = range(len(STAT_NAMES))
 N_STATS = len(STAT_NAMES)
@@ -153,7 +154,7 @@ Batch = namedtuple("Batch", "group_of row shadow job head first complete emits d
                             "event_group event_rank rows")
 
 
-# Control admission (admit_control): GCRA token buckets, each kept as its theoretical arrival time (TAT, seconds on
+# Control admission: GCRA token buckets, each kept as its theoretical arrival time (TAT, seconds on
 # the caller's clock): one per source-address hash, and the core's. interval: seconds per token (source, core);
 # tolerance: (burst - 1) * interval (source, core); per_burst: control datagrams one call may hand to Python.
 Limiter = namedtuple("Limiter", "source_tat core_tat interval tolerance per_burst")
@@ -164,9 +165,9 @@ _BUCKET_SHIFT = np.uint64(64 - (CONTROL_SOURCE_BUCKETS.bit_length() - 1))
 def new_limiter(limits: ControlLimits) -> Limiter:
     """Full buckets (TAT -inf: no datagram seen yet)."""
     interval = np.array([1.0 / limits.source_rate, 1.0 / limits.global_rate])
+    bursts = np.array([limits.source_burst, limits.global_burst])
     return Limiter(source_tat=np.full(CONTROL_SOURCE_BUCKETS, -np.inf), core_tat=np.full(1, -np.inf),
-                   interval=interval, tolerance=interval * np.array([limits.source_burst - 1, limits.global_burst - 1]),
-                   per_burst=np.int64(limits.per_burst))
+                   interval=interval, tolerance=interval * (bursts - 1), per_burst=np.int64(limits.per_burst))
 
 
 @njit(inline="always")
@@ -406,9 +407,9 @@ def emit(src, size, dest, out_ptr, out_len, out_addr, n_out):
 def process_burst(rx_data, rx_len, rx_addr, n_rx, now, core, cores, job_arrays, table_arrays, batch_arrays,
                   spill, spill_len, out_ptr, out_len, out_addr, control, limiter):
     """Handle received datagrams 0..n_rx-1. Returns (datagrams written to out, control datagrams listed in
-    `control`: those admit_control let through, at most limiter's per_burst; the others are counted as
-    drop_control_rate and cost nothing more). `out` needs room for n_rx * MAX_WORLD entries (each packet completes at most one round), spill
-    for n_rx results.
+    `control`: those the control admission let through, at most `limiter`'s per_burst; the others are counted
+    as drop_control_rate and cost nothing more). `out` needs room for n_rx * MAX_WORLD entries (each packet
+    completes at most one round), spill for n_rx results.
 
     Two phases. Phase 1 walks the packets in order through validate, classify and bitmap_and_count: it makes
     every decision, and a packet's data is only checked, not added. Phase 2 then adds each set's contributions
@@ -439,7 +440,7 @@ def process_burst(rx_data, rx_len, rx_addr, n_rx, now, core, cores, job_arrays, 
         cs[PACKETS_IN] += 1
         length = rx_len[i]
         reason = validate_header(length, get_u16(p, O_MAGIC), p[O_VERSION], p[O_TYPE])
-        if reason == CONTROL:  # admit_control: the burst's share, the source's bucket, the core's bucket
+        if reason == CONTROL:  # control admission: the burst's share, the source's bucket, the core's bucket
             k = source_bucket(rx_addr[i])
             if n_ctl < lim.per_burst and conforms(lim.source_tat[k], now, lim.tolerance[0]) \
                     and conforms(lim.core_tat[0], now, lim.tolerance[1]):

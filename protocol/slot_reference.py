@@ -78,7 +78,7 @@ class ControlAdmission:
     def admit(self, addr: int, now: float) -> bool:
         buckets = (("source", self.bucket(addr)), ("core", 0))
         tats = [max(self.tat.get(b, -math.inf), now) for b in buckets]
-        if self.in_burst >= self.per_burst or any(t - now > self.tolerance[kind] for t, (kind, _) in zip(tats, buckets)):
+        if self.in_burst >= self.per_burst or any(t - now > self.tolerance[b[0]] for t, b in zip(tats, buckets)):
             return False
         for t, b in zip(tats, buckets):
             self.tat[b] = t + self.interval[b[0]]
