@@ -115,14 +115,21 @@ def _exponent(top, lo, hi):
     return NO_EXP if top == _U32(0) else min(hi, max(lo, int(top >> _U32(23)) - 126))
 
 
+@njit(inline="always")
+def _largest(bits, start, end):
+    """The float32 bits of the largest magnitude among bits[start:end] (above 0x7F800000: a NaN)."""
+    top = _U32(0)
+    for j in range(start, end):
+        top = max(top, _U32(bits[j] & _U32(0x7FFFFFFF)))
+    return top
+
+
 @njit(cache=True, nogil=True, boundscheck=False)
 def chunk_exponents_kernel(x, chunk_elements, lo, hi, out):
     """out[c] = agreed-exponent proposal of chunk c of x; returns the index of a non-finite value or -1."""
     bits = x.view(np.uint32)
     for c in range(out.size):
-        top = _U32(0)
-        for j in range(c * chunk_elements, min(bits.size, (c + 1) * chunk_elements)):
-            top = max(top, _U32(bits[j] & _U32(0x7FFFFFFF)))
+        top = _largest(bits, c * chunk_elements, min(bits.size, (c + 1) * chunk_elements))
         if top >= _U32(0x7F800000):
             for j in range(c * chunk_elements, bits.size):
                 if (bits[j] & _U32(0x7FFFFFFF)) >= _U32(0x7F800000):
@@ -156,11 +163,7 @@ def precode_chunk(x, codes, key, offset, value_bits):
     Once the agreed exponent E >= E_r is known (floor f >= f_r), which power of two a value rounds to changes only
     for values below 2**f, ``has_underflow(low, f)``; otherwise the wire codes are these with k lowered by
     f - f_r (codecs.cnat8.encode_chunk)."""
-    top = _U32(0)
-    bits = x.view(np.uint32)
-    for j in range(bits.size):
-        top = max(top, _U32(bits[j] & _U32(0x7FFFFFFF)))
-    exponent = _exponent(top, EXP_MIN, EXP_MAX)
+    exponent = _exponent(_largest(x.view(np.uint32), 0, x.size), EXP_MIN, EXP_MAX)
     saturated, bad, _, low = encode_kernel(x, codes, key, _U64(offset), cnat_floor(exponent, value_bits), True)
     return saturated, (offset + bad if bad >= 0 else -1), exponent, _U32(low | _U32(PRECODED))
 
