@@ -126,6 +126,28 @@ def test_cnat_large_values_are_not_clipped_and_overflow_is_counted(n):
     assert np.abs(expected[np.isfinite(expected)]).max() > 2.0**120  # not clipped at 2**10 any more
 
 
+def test_issue_10_example_is_unbiased_through_engines_and_aggregator():
+    """Issue 10's [3, 100, 1000, 5000, 1e6, 0.1, 123.456, 1e-20] on 2 ranks, 1500 consecutive allreduces (each has
+    its own random streams): every result equals the oracle's and is the same at both ranks, none is clipped at
+    2**10 or counted, and the mean is the exact sum 2x within 5 standard errors of docs/arithmetic.md's variance
+    bound (mu**2 / 8 + 9/64 sum x_i**2 + 9/32 n u**2 per allreduce; u = 2**-9, the unit of a chunk whose largest
+    value is 1e6)."""
+    x = np.array([3, 100, 1000, 5000, 1e6, 0.1, 123.456, 1e-20], np.float32)
+    net = Network(2, codec="cnat8", packet_elements=8, pool_size=1)
+    runs = 1500
+    total = np.zeros(x.size)
+    for seq in range(runs):  # the engines number allreduces from 0
+        results = net.allreduce([x, x])
+        if seq < 3:
+            want = reference.allreduce([x, x], codec="cnat8", seed=net.seed, allreduce_seq=seq, packet_elements=8)
+            assert_all_equal(results, want)
+        total += results[0].astype(np.float64)
+    assert net.job_counters()["saturated_elements"] == 0
+    x64 = x.astype(np.float64)
+    bound = (2 * x64) ** 2 / 8 + 9 / 64 * 2 * x64**2 + 9 / 32 * 2 * 2.0**-18
+    np.testing.assert_array_less(np.abs(total / runs - 2 * x64), 5 * np.sqrt(bound / runs))
+
+
 def test_tiny_values_below_cnat_range():
     P, n = 64, 3
     xs = make_inputs(n, 2 * P + 3, P, "tiny", seed=5)
