@@ -3,22 +3,26 @@
 The switch adds integers in 32-bit registers, never floats, so sums are exact and independent of arrival order.
 
 Exponent agreement (per chunk, SwitchML style)
-    A worker's exponent for a chunk is E = floor(log2(max |x|)) + 1, so every |x| < 2**E, clipped to the
-    codec's range (C_nat: [-50, 10]; int32: [-126, 127]); an all-zero chunk has NO_EXP (-128). Each packet
-    carries the sender's exponent for the next chunk it will send into the same slot; the switch keeps the
-    maximum and returns it with the result, so every worker encodes that chunk against the same E.
+    A worker's exponent for a chunk is E = floor(log2(max |x|)) + 1, so every |x| < 2**E, clipped to float32's
+    exponents [-126, 127] (both codecs); an all-zero chunk has NO_EXP (-128). Each packet carries the sender's
+    exponent for the next chunk it will send into the same slot; the switch keeps the maximum and returns it
+    with the result, so every worker encodes that chunk against the same E. E = 127, the int8 field's largest,
+    also stands for a chunk whose largest |x| lies in [2**127, 2**128) (E would be 128): C_nat's window then
+    reaches 2**128 (``window_top``).
 
 Fixed point
     With n workers a slot holds values of magnitude <= 2**s(n), s(n) = 31 - bit_length(n), so that
     n * 2**s(n) < 2**31: a sum of n contributions never overflows a signed 32-bit register.
 
 C_nat mode (``cnat8``)
-    The unit of the slot is 2**f, f = max(-50, E - s(n)). Workers encode with that floor (values below the
-    unit round randomly to 0 or one unit: ``protocol.cnat``), so every code is +-2**e with f <= e <= E and the
-    switch adds +-2**(e - f). The sum S (an integer number of units) goes back re-encoded with C_nat:
-    with b = floor(log2 |S|) and remainder R = |S| - 2**b, it rounds up to 2**(b+1) iff the top b bits of a
-    random word are < R (probability R / 2**b exactly): unbiased. The code is 2**(b + f [+1]); above 2**10 it
-    saturates to 2**10 and is counted.
+    The unit of the slot is 2**f, f = max(-149, T - s(n)), T = window_top(E). Workers encode with that floor
+    (values below the unit round randomly to 0 or one unit: ``protocol.cnat``), and a code holds k = e - f, so
+    every code is +-2**(f + k) with 0 <= k <= T - f <= s(n): nothing saturates. The switch adds +-2**k units,
+    whatever the floor. The sum S (an integer number of units) goes back re-encoded with C_nat: with
+    b = floor(log2 |S|) and remainder R = |S| - 2**b, it rounds up to 2**(b+1) iff the top b bits of a random
+    word are < R (probability R / 2**b exactly): unbiased. The code holds k = b [+1] <= 31. A result worth
+    2**128 or more (f + k > 127) decodes to +-Inf, as a float32 sum overflows; the switch counts those
+    elements (the job's ``saturated_elements``).
 
 int32 mode (SwitchML's baseline)
     Workers send q = rint(x * 2**(s - E)) (round half to even, deterministic) as int32; the switch adds; the
@@ -35,9 +39,8 @@ import numpy as np
 from numba import njit
 
 from intml.protocol.cnat import (
-    E_MAX,
-    E_MIN,
-    K_BIAS,
+    F_MAX,
+    F_MIN,
     K_MASK,
     NONZERO,
     _flat,
@@ -51,8 +54,10 @@ from intml.protocol.lanes import clz32, shl32
 from intml.protocol.rng import BLOCK, block_key, lowbias32, stream_key
 from intml.protocol.wire import NO_EXP
 
-INT32_E_MIN = -126
-INT32_E_MAX = 127
+EXP_MIN = -126  # float32's exponents: a denormal-only chunk has E = -126
+EXP_MAX = 127  # the int8 field's largest; also E = 128 (|x| in [2**127, 2**128)), see window_top
+RESULT_K_MAX = 31  # a re-encoded sum's k = b + up, b = floor(log2 |S|) <= 30
+PRECODED = 0x80000000  # tag bit of precode_chunk's low word (a magnitude's bits never have bit 31 set)
 STAGE_WORKER = 1
 STAGE_SWITCH = 2
 
@@ -68,15 +73,30 @@ def value_bits(world_size: int) -> int:
 
 
 @njit(cache=True)
+def window_top(exponent: int) -> int:
+    """T: every |x| of a chunk with agreed exponent E (not NO_EXP) is below 2**T. T = E, except at the int8
+    field's top: E = 127 also stands for max |x| in [2**127, 2**128), so T = 128 there."""
+    return exponent + (exponent == EXP_MAX)
+
+
+@njit(cache=True)
 def cnat_floor(exponent: int, value_bits: int) -> int:
-    """The exponent of the slot's unit for an agreed exponent E and s(n) = value_bits."""
-    return E_MIN if exponent == NO_EXP else max(E_MIN, exponent - value_bits)
+    """The exponent f of the slot's unit for an agreed exponent E and s(n) = value_bits: T - s(n), and no lower
+    than float32's smallest denormal (F_MIN = -149)."""
+    return F_MIN if exponent == NO_EXP else max(F_MIN, window_top(exponent) - value_bits)
+
+
+@njit(cache=True)
+def data_k_max(exponent: int, value_bits: int) -> int:
+    """The largest k a DATA code of the chunk may hold: T - f (<= s(n)); -1 for an all-zero chunk (NO_EXP), which
+    admits only the code 0."""
+    return -1 if exponent == NO_EXP else window_top(exponent) - cnat_floor(exponent, value_bits)
 
 
 @njit(cache=True)
 def int32_scale_exponent(exponent: int, value_bits: int) -> int:
     """int32 mode sends x * 2**this (an all-zero chunk, NO_EXP, scales as the smallest exponent)."""
-    return value_bits - (INT32_E_MIN if exponent == NO_EXP else exponent)
+    return value_bits - (EXP_MIN if exponent == NO_EXP else exponent)
 
 
 @njit(cache=True)
@@ -95,14 +115,21 @@ def _exponent(top, lo, hi):
     return NO_EXP if top == _U32(0) else min(hi, max(lo, int(top >> _U32(23)) - 126))
 
 
+@njit(inline="always")
+def _largest(bits, start, end):
+    """The float32 bits of the largest magnitude among bits[start:end] (above 0x7F800000: a NaN)."""
+    top = _U32(0)
+    for j in range(start, end):
+        top = max(top, _U32(bits[j] & _U32(0x7FFFFFFF)))
+    return top
+
+
 @njit(cache=True, nogil=True, boundscheck=False)
 def chunk_exponents_kernel(x, chunk_elements, lo, hi, out):
     """out[c] = agreed-exponent proposal of chunk c of x; returns the index of a non-finite value or -1."""
     bits = x.view(np.uint32)
     for c in range(out.size):
-        top = _U32(0)
-        for j in range(c * chunk_elements, min(bits.size, (c + 1) * chunk_elements)):
-            top = max(top, _U32(bits[j] & _U32(0x7FFFFFFF)))
+        top = _largest(bits, c * chunk_elements, min(bits.size, (c + 1) * chunk_elements))
         if top >= _U32(0x7F800000):
             for j in range(c * chunk_elements, bits.size):
                 if (bits[j] & _U32(0x7FFFFFFF)) >= _U32(0x7F800000):
@@ -126,106 +153,115 @@ def chunk_exponents(x: np.ndarray, chunk_elements: int, codec_range: tuple[int, 
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def precode_chunk(x, codes, key, offset):
-    """The worker's one read of a chunk x (elements offset, offset + 1, ... of its tensor) in cnat8 mode: encode it
-    into codes at the lowest floor (E_MIN) and find its exponent proposal and smallest nonzero magnitude.
-    Returns (saturated, tensor index of the first non-finite value or -1, exponent, low).
+def precode_chunk(x, codes, key, offset, value_bits):
+    """The worker's read of a chunk x (elements offset, offset + 1, ... of its tensor) in cnat8 mode, a window
+    ahead: find its exponent proposal E_r, then encode it into codes at its own floor f_r = cnat_floor(E_r, s(n))
+    (the chunk is in cache for the second pass). Returns (saturated (0: the window holds every value), tensor
+    index of the first non-finite value or -1, E_r, low | PRECODED), low being the smallest nonzero magnitude
+    minus one (encode_kernel's).
 
-    A code does not depend on the floor unless the value lies below it, so once the chunk's agreed exponent is
-    known these codes are its wire codes unless ``has_underflow(low, floor)``; only then must the chunk be
-    encoded again from x. One read of x replaces two (exponents, then encoding)."""
-    saturated, bad, top, low = encode_kernel(x, codes, key, _U64(offset), E_MIN, True)
-    return saturated, (offset + bad if bad >= 0 else -1), _exponent(top, E_MIN, E_MAX), low
+    Once the agreed exponent E >= E_r is known (floor f >= f_r), which power of two a value rounds to changes only
+    for values below 2**f, ``has_underflow(low, f)``; otherwise the wire codes are these with k lowered by
+    f - f_r (codecs.cnat8.encode_chunk)."""
+    exponent = _exponent(_largest(x.view(np.uint32), 0, x.size), EXP_MIN, EXP_MAX)
+    saturated, bad, _, low = encode_kernel(x, codes, key, _U64(offset), cnat_floor(exponent, value_bits), True)
+    return saturated, (offset + bad if bad >= 0 else -1), exponent, _U32(low | _U32(PRECODED))
 
 
-CNAT_RANGE = (E_MIN, E_MAX)
-INT32_RANGE = (INT32_E_MIN, INT32_E_MAX)
+@njit(cache=True, nogil=True, boundscheck=False)
+def lower_codes(codes, shift):
+    """k -= shift in every nonzero code: the same values at a floor ``shift`` higher (every k >= shift)."""
+    d = np.uint8(shift)
+    for j in range(codes.size):
+        c = codes[j]
+        codes[j] = np.uint8(c - d) if c != np.uint8(0) else c
+
+
+CNAT_RANGE = (EXP_MIN, EXP_MAX)
+INT32_RANGE = (EXP_MIN, EXP_MAX)
 
 
 @njit(inline="always")
-def _fixed_value(code, base):
-    """+-2**(k - base) as a 32-bit two's complement word (0 for code 0)."""
+def _fixed_value(code):
+    """+-2**k as a 32-bit two's complement word (0 for code 0)."""
     c = _U32(code)
-    v = shl32(_U32(c != _U32(0)), _U32(_U32(c & _U32(K_MASK)) - base))
+    v = shl32(_U32(c != _U32(0)), _U32(c & _U32(K_MASK)))
     neg = _U32(c >> _U32(7))
     return _U32(_U32(v ^ _U32(_U32(0) - neg)) + neg)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def add_fixed(codes, acc, floor, first):
-    """acc = (first) or += (later) the int32 values of codes in units of 2**floor: +-2**(e - floor), the
-    switch's integer add. Codes must have passed codes_in_range(codes, floor, ceiling <= floor + 30)."""
-    base = _U32(floor + K_BIAS)
+def add_fixed(codes, acc, first):
+    """acc = (first) or += (later) the int32 values of codes in units of the slot's 2**floor: +-2**k, the
+    switch's integer add, the same whatever the floor. Codes must have passed codes_in_range(codes, k_max <= 30)."""
     if first:  # two loops, not a select inside one, so each vectorises
         for j in range(codes.size):
-            acc[j] = np.int32(_fixed_value(codes[j], base))
+            acc[j] = np.int32(_fixed_value(codes[j]))
     else:
         for j in range(codes.size):
-            acc[j] = np.int32(_U32(_U32(acc[j]) + _fixed_value(codes[j], base)))
+            acc[j] = np.int32(_U32(_U32(acc[j]) + _fixed_value(codes[j])))
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def _add_fixed_pair(a, b, acc, base, first):
+def _add_fixed_pair(a, b, acc, first):
     if first:
         for j in range(acc.size):
-            acc[j] = np.int32(_U32(_fixed_value(a[j], base) + _fixed_value(b[j], base)))
+            acc[j] = np.int32(_U32(_fixed_value(a[j]) + _fixed_value(b[j])))
     else:
         for j in range(acc.size):
-            acc[j] = np.int32(_U32(_U32(acc[j]) + _U32(_fixed_value(a[j], base) + _fixed_value(b[j], base))))
+            acc[j] = np.int32(_U32(_U32(acc[j]) + _U32(_fixed_value(a[j]) + _fixed_value(b[j]))))
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def _add_fixed_quad(a, b, c, d, acc, base, first):
+def _add_fixed_quad(a, b, c, d, acc, first):
     if first:
         for j in range(acc.size):
-            acc[j] = np.int32(_U32(_U32(_fixed_value(a[j], base) + _fixed_value(b[j], base))
-                                   + _U32(_fixed_value(c[j], base) + _fixed_value(d[j], base))))
+            acc[j] = np.int32(_U32(_U32(_fixed_value(a[j]) + _fixed_value(b[j]))
+                                   + _U32(_fixed_value(c[j]) + _fixed_value(d[j]))))
     else:
         for j in range(acc.size):
-            acc[j] = np.int32(_U32(_U32(acc[j]) + _U32(_U32(_fixed_value(a[j], base) + _fixed_value(b[j], base))
-                                                       + _U32(_fixed_value(c[j], base) + _fixed_value(d[j], base)))))
+            acc[j] = np.int32(_U32(_U32(acc[j]) + _U32(_U32(_fixed_value(a[j]) + _fixed_value(b[j]))
+                                                       + _U32(_fixed_value(c[j]) + _fixed_value(d[j])))))
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def add_fixed_rows(data, rows, k, col, acc, floor, first):
+def add_fixed_rows(data, rows, k, col, acc, first):
     """add_fixed of the codes data[rows[t], col:col + acc.size] for t < k, four rows per pass over acc: several
     contributions to one slot then cost one read and one write of the accumulators, not one each. Integer
     addition mod 2**32 is associative, so the sum is the one of adding the rows one by one."""
     n = acc.size
-    base = _U32(floor + K_BIAS)
     t = 0
     while t < k:
         left = k - t
         if left >= 4:
             _add_fixed_quad(data[rows[t], col:col + n], data[rows[t + 1], col:col + n], data[rows[t + 2], col:col + n],
-                            data[rows[t + 3], col:col + n], acc, base, first)
+                            data[rows[t + 3], col:col + n], acc, first)
             t += 4
         elif left >= 2:
-            _add_fixed_pair(data[rows[t], col:col + n], data[rows[t + 1], col:col + n], acc, base, first)
+            _add_fixed_pair(data[rows[t], col:col + n], data[rows[t + 1], col:col + n], acc, first)
             t += 2
         else:
-            add_fixed(data[rows[t], col:col + n], acc, floor, first)
+            add_fixed(data[rows[t], col:col + n], acc, first)
             t += 1
         first = False
 
 
-def to_fixed(codes: np.ndarray, floor: int, ceiling: int = E_MAX) -> np.ndarray:
-    """int32 values of codes in units of 2**floor; ValueError if a code is invalid or outside [floor, ceiling]."""
-    check_floor(floor)
-    if not floor <= ceiling <= E_MAX or ceiling - floor > 30:
-        raise ValueError(f"need floor <= ceiling <= {E_MAX} and ceiling - floor <= 30 (int32), got {floor}, {ceiling}")
+def to_fixed(codes: np.ndarray, k_max: int = 30) -> np.ndarray:
+    """int32 values +-2**k of codes in units of the slot's floor; ValueError if a code is invalid or k > k_max."""
+    if not -1 <= k_max <= 30:
+        raise ValueError(f"k_max must be in [-1, 30] (int32), got {k_max}")
     flat = _flat(codes, np.uint8, "codes")
-    if not codes_in_range(flat, floor, ceiling):
-        bad = next(j for j in range(flat.size) if not code_in_range(flat[j], floor, ceiling))
-        raise ValueError(f"code 0x{int(flat[bad]):02x} at index {bad} is not a C_nat code in [2**{floor}, 2**{ceiling}]")
+    if not codes_in_range(flat, k_max):
+        bad = next(j for j in range(flat.size) if not code_in_range(flat[j], k_max))
+        raise ValueError(f"code 0x{int(flat[bad]):02x} at index {bad} is not a C_nat code with k <= {k_max}")
     out = np.empty(flat.size, np.int32)
-    add_fixed(flat, out, floor, True)
+    add_fixed(flat, out, True)
     return out.reshape(codes.shape)
 
 
 @njit(inline="always")
-def _sum_code(s, r, base):
-    """(negative, |s|, unclamped k) of int32 sum s rounded with random word r; base = floor + 50 + 31.
+def _sum_code(s, r):
+    """(negative, |s|, k) of int32 sum s rounded with random word r.
 
     32-bit and branch-free so it vectorises: b = 31 - clz(|s|) is the leading one, and the remainder below it,
     left-aligned, is compared with the top b bits of r (probability remainder / 2**b of rounding up).
@@ -236,37 +272,38 @@ def _sum_code(s, r, base):
     lz = clz32(a)
     remainder = shl32(shl32(a, _U32(lz & _U32(31))), _U32(1))  # & 31: a == 0 (lz 32) must not shift by 32
     keep = shl32(_U32(0xFFFFFFFF), _U32(lz + _U32(1))) if lz < _U32(31) else _U32(0)
-    return neg, a, _U32(_U32(base - lz) + _U32(_U32(r & keep) < remainder))
+    return neg, a, _U32(_U32(_U32(31) - lz) + _U32(_U32(r & keep) < remainder))
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def _sum_block(sums, out, lo0, k, base):
-    """Re-encode one block; returns the largest unclamped k so the caller can tell if anything saturated."""
+def _sum_block(sums, out, lo0, k):
+    """Re-encode one block; returns the largest k so the caller can tell if any value left float32."""
     top = _U32(0)
     for j in range(sums.size):
-        neg, a, kk = _sum_code(sums[j], lowbias32(_U32(_U32(lo0 + _U32(j)) ^ k)), base)
+        neg, a, kk = _sum_code(sums[j], lowbias32(_U32(_U32(lo0 + _U32(j)) ^ k)))
         kk = kk if a != _U32(0) else _U32(0)
         top = max(top, kk)
-        code = _U32(_U32(neg << _U32(7)) | _U32(NONZERO) | min(kk, _U32(E_MAX + K_BIAS)))
+        code = _U32(_U32(neg << _U32(7)) | _U32(NONZERO) | kk)
         out[j] = np.uint8(0) if a == _U32(0) else np.uint8(code)
     return top
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def _count_saturated(sums, lo0, k, base):
+def _count_overflowed(sums, lo0, k, k_finite):
     count = 0
     for j in range(sums.size):
-        neg, a, kk = _sum_code(sums[j], lowbias32(_U32(_U32(lo0 + _U32(j)) ^ k)), base)
-        count += (a != _U32(0)) & (kk > _U32(E_MAX + K_BIAS))
+        neg, a, kk = _sum_code(sums[j], lowbias32(_U32(_U32(lo0 + _U32(j)) ^ k)))
+        count += (a != _U32(0)) & (kk > _U32(k_finite))
     return count
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def sum_to_codes_kernel(sums, out, key, offset, floor):
     """C_nat codes of integer sums in units of 2**floor, random words keyed by (key, offset + j); returns the
-    number of saturated elements."""
-    base = _U32(floor + K_BIAS + 31)
-    saturated = 0
+    number of elements whose rounded value, 2**(floor + k), exceeds float32 (decodes to +-Inf). Only a floor
+    above 127 - RESULT_K_MAX = 96 can have any."""
+    k_finite = F_MAX - floor  # the largest k that decodes to a finite float32
+    overflowed = 0
     start = 0
     n = sums.size
     while start < n:
@@ -274,23 +311,23 @@ def sum_to_codes_kernel(sums, out, key, offset, floor):
         end = min(n, start + BLOCK - int(idx % _U64(BLOCK)))
         k = block_key(key, idx >> _U64(32))
         lo0 = _U32(idx & _U64(0xFFFFFFFF))
-        if _sum_block(sums[start:end], out[start:end], lo0, k, base) > _U32(E_MAX + K_BIAS):
-            saturated += _count_saturated(sums[start:end], lo0, k, base)  # rare: a second pass counts
+        if np.int64(_sum_block(sums[start:end], out[start:end], lo0, k)) > k_finite:
+            overflowed += _count_overflowed(sums[start:end], lo0, k, k_finite)  # rare: a second pass counts
         start = end
-    return saturated
+    return overflowed
 
 
 def sum_to_codes(
     sums: np.ndarray, floor: int, *, seed: int, stream: int, offset: int = 0, out: np.ndarray | None = None
 ) -> tuple[np.ndarray, int]:
-    """Stochastic C_nat re-encode of int32 sums in units of 2**floor; returns (codes, saturated)."""
+    """Stochastic C_nat re-encode of int32 sums in units of 2**floor; returns (codes, elements beyond float32)."""
     check_floor(floor)
     if offset < 0:
         raise ValueError(f"offset must be >= 0, got {offset}")
     flat = _flat(sums, np.int32, "sums")
     codes = _out(out, flat.size, np.uint8)
-    saturated = sum_to_codes_kernel(flat, codes, _U64(stream_key(seed, stream)), _U64(offset), floor)
-    return (codes.reshape(sums.shape) if out is None else out), int(saturated)
+    overflowed = sum_to_codes_kernel(flat, codes, _U64(stream_key(seed, stream)), _U64(offset), floor)
+    return (codes.reshape(sums.shape) if out is None else out), int(overflowed)
 
 
 @njit(inline="always")

@@ -1,28 +1,34 @@
 """The 8-bit natural-compression (C_nat) code and its Numba kernels.
 
-The code (Horváth et al., "Natural Compression for Distributed Deep Learning"; docs/arithmetic.md, "C_nat code"):
+The code (Horváth et al., "Natural Compression for Distributed Deep Learning"; docs/arithmetic.md, "C_nat code")
+is relative to a floor f, the exponent of the slot's unit, known to every rank and the switch from the chunk's
+agreed exponent (protocol.arith.cnat_floor):
 
 ====  ==========  ===============================================================
 bit   name        meaning
 ====  ==========  ===============================================================
 7     sign        1 = negative
 6     nonzero     0 = the value is zero, and then every other bit must be 0
-5..0  k           k = e + 50, e in [-50, 10]; the value is (-1)**sign * 2**e
+5..0  k           the value is (-1)**sign * 2**(f + k), k in [0, 63]
 ====  ==========  ===============================================================
 
-``0x00`` is zero. A code with k > 60, or with the nonzero flag clear and any other bit set (so also ``0x80``,
-"negative zero"), is invalid: ``find_invalid``/``validate`` report it and ``decode`` turns it into NaN.
+``0x00`` is zero. A code with the nonzero flag clear and any other bit set (so also ``0x80``, "negative zero")
+is invalid: ``find_invalid``/``validate`` report it and ``decode`` turns it into NaN. Which k a packet may hold
+is the protocol's business (protocol.codecs.cnat8: k <= E - f in DATA, k <= 31 in RESULT).
 
-Stochastic encode (``encode``) of a float32 x, with a floor f in [-50, 10] (f = -50 for plain C_nat):
+The floor lies in [F_MIN, F_MAX] = [-149, 127]: 2**-149 is float32's smallest denormal, so every code decodes to
+an exact float32 (denormals included) or, where f + k >= 128, to +-inf, as a float32 overflows.
 
-* |x| in [2**a, 2**(a+1)) with a >= f rounds to 2**(a+1) with probability (|x| - 2**a) / 2**a, else to 2**a.
-  With x's float32 mantissa field m (23 bits) and a 32-bit random word r this is ``(r >> 9) < m``, an exact
-  Bernoulli(m / 2**23): unbiased.
-* |x| < 2**f (this includes denormals) rounds to 2**f with probability |x| / 2**f, else to 0. This is
-  ``r < |x| * 2**(32 - f)`` in float64, exact to within 2**-32 of a probability: the mean is |x| to within
-  2**(f - 32). The switch's fixed point uses f > -50 to round values below its unit (protocol.arith).
-* |x| > 2**10 saturates to +-2**10 and is counted; the count is returned, never silently dropped.
-  (x in [2**9, 2**10) may round up to 2**10 exactly: representable, not a saturation.)
+Stochastic encode (``encode``) of a float32 x at floor f, k = e - f:
+
+* |x| in [2**a, 2**(a+1)) with a >= f (normal or denormal) rounds to 2**(a+1) with probability
+  (|x| - 2**a) / 2**a, else to 2**a. For a normal x with mantissa field m (23 bits) and a 32-bit random word r
+  this is ``(r >> 9) < m``, an exact Bernoulli(m / 2**23): unbiased.
+* |x| < 2**f rounds to 2**f with probability |x| / 2**f, else to 0. This is ``r < |x| * 2**(32 - f)`` in
+  float64, exact to within 2**-32 of a probability: the mean is |x| to within 2**(f - 32).
+* A value whose code would need k > 63 (|x| > 2**(f + 63)) saturates to k = 63 and is counted; the count is
+  returned, never silently dropped. The protocol's floor puts every value a worker sends within k <= 30, so
+  there it never happens.
 * NaN and +-Inf raise ``ValueError`` naming the first bad index.
 * +-0 encode to 0x00.
 
@@ -45,12 +51,12 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from intml.protocol.lanes import byte_outside, or8
+from intml.protocol.lanes import byte_outside, clz32, or8, shl32
 from intml.protocol.rng import BLOCK, block_key, lowbias32, stream_key
 
-E_MIN = -50
-E_MAX = 10
-K_BIAS = 50  # k = e + K_BIAS
+F_MIN = -149  # the lowest floor: 2**-149 is float32's smallest denormal
+F_MAX = 127  # the highest floor: 2**127 is float32's largest power of two
+K_MAX = 63  # the largest k of the 6-bit field
 SIGN = 0x80
 NONZERO = 0x40
 K_MASK = 0x3F
@@ -58,7 +64,7 @@ K_MASK = 0x3F
 _U32 = np.uint32
 _U64 = np.uint64
 _F32_EXP_BIAS = 127
-_SAT_BITS = 0x44800000  # float32 bits of 2**10: |x| above it saturates
+_F32_LARGEST = 0x7F7FFFFF  # float32 bits of the largest finite magnitude: above it, Inf and NaN
 _DETERMINISTIC_WORD = 0x7FFFFFFF  # r with (r >> 9) = 2**22 - 1: rounds up iff m >= 2**22, i.e. ties away
 
 
@@ -68,22 +74,45 @@ class Encoded(NamedTuple):
 
 
 @njit(inline="always")
-def make_code(negative, e):
-    """The code of (-1)**negative * 2**e, e in [E_MIN, E_MAX]."""
-    return np.uint8((np.int64(negative) << 7) | NONZERO | (e + K_BIAS))
+def make_code(negative, k):
+    """The code of (-1)**negative * 2**(floor + k), k in [0, K_MAX]."""
+    return np.uint8((np.int64(negative) << 7) | NONZERO | k)
+
+
+@njit(inline="always")
+def power_bits(p):
+    """float32 bits of 2**p, p in [F_MIN, F_MAX] (a denormal below 2**-126)."""
+    return _U32(_U32(p + _F32_EXP_BIAS) << _U32(23)) if p >= 1 - _F32_EXP_BIAS else _U32(_U32(1) << _U32(p - F_MIN))
+
+
+@njit(inline="always")
+def has_underflow(low, floor):
+    """Whether some nonzero |x| lies below 2**floor, given low = the smallest nonzero |x| minus one as float32
+    bits (encode_kernel's fourth result; bit 31, protocol.arith.PRECODED, is ignored): only then does the floor
+    change which power of two a value rounds to."""
+    return _U32(low & _U32(0x7FFFFFFF)) < _U32(power_bits(floor) - _U32(1))
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def _underflow_code(b, r, floor):
-    """The code of float32 bits b with |x| < 2**floor: 2**floor with probability |x| / 2**floor, else 0."""
-    e = int((b >> _U32(23)) & _U32(0xFF))
-    mant = int(b & _U32(0x7FFFFF))
+def _small_code(b, r, floor):
+    """The code of float32 bits b with 0 < |x| < 2**max(floor, -126), which the vectorised pass leaves at 0: below
+    the floor, 2**floor with probability |x| / 2**floor, else 0; at or above it (a denormal, floor < -126), 2**a
+    or 2**(a+1) as for any value. Float64 products of integers and powers of two, all exact."""
+    e = np.int64((b >> _U32(23)) & _U32(0xFF))
+    mant = np.int64(b & _U32(0x7FFFFF))
     if e > 0:
         mant += 1 << 23
-    # |x| = mant * 2**(max(e, 1) - 150), so |x| * 2**(32 - floor) is exact in float64
-    if np.float64(r) < math.ldexp(np.float64(mant), max(e, 1) - 150 + 32 - floor):
-        return make_code(b >> _U32(31), floor)
-    return np.uint8(0)
+    scale = max(e, 1) - 150  # |x| = mant * 2**scale
+    width = 32 - np.int64(clz32(_U32(mant)))  # bit length of mant
+    a = width - 1 + scale  # floor(log2 |x|)
+    negative = np.int64(b >> _U32(31))
+    if a < floor:
+        if np.float64(r) < math.ldexp(np.float64(mant), scale + 32 - floor):
+            return make_code(negative, 0)
+        return np.uint8(0)
+    remainder = mant - (1 << (width - 1))  # |x| = 2**a (1 + remainder / 2**(width - 1))
+    up = np.float64(r) < math.ldexp(np.float64(remainder), 33 - width)
+    return make_code(negative, a + int(up) - floor)
 
 
 @njit(inline="always")
@@ -92,9 +121,11 @@ def _word(stochastic, lo, k):
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def _encode_block(bits, out, lo0, k, kfl, stochastic):
+def _encode_block(bits, out, lo0, k, kfl, bias, stochastic):
     """The branch-free loop that vectorises; kept in its own function because LLVM will not vectorise it inside
-    the block walk. Returns the largest magnitude and the smallest nonzero magnitude minus one, as float bits."""
+    the block walk. Values with a biased float32 exponent below kfl get 0 (the scalar pass fixes them); k is
+    the exponent field minus bias (= floor + 127, mod 2**32) plus the round-up, capped at K_MAX. Returns the
+    largest magnitude and the smallest nonzero magnitude minus one, as float bits."""
     top = _U32(0)
     low = _U32(0xFFFFFFFF)
     for j in range(bits.size):
@@ -102,8 +133,8 @@ def _encode_block(bits, out, lo0, k, kfl, stochastic):
         r = _word(stochastic, _U32(lo0 + _U32(j)), k)
         ab = _U32(b & _U32(0x7FFFFFFF))
         e = _U32(ab >> 23)
-        kk = _U32(e - _U32(_F32_EXP_BIAS - K_BIAS) + _U32(_U32(r >> 9) < _U32(b & _U32(0x7FFFFF))))
-        kk = _U32(E_MAX + K_BIAS) if kk > _U32(E_MAX + K_BIAS) else kk
+        kk = _U32(_U32(e - bias) + _U32(_U32(r >> 9) < _U32(b & _U32(0x7FFFFF))))
+        kk = _U32(K_MAX) if kk > _U32(K_MAX) else kk
         code = _U32(_U32(_U32(b >> 31) << 7) | _U32(NONZERO) | kk)
         out[j] = np.uint8(0) if e < kfl else np.uint8(code)
         top = max(top, ab)
@@ -111,26 +142,23 @@ def _encode_block(bits, out, lo0, k, kfl, stochastic):
     return top, low
 
 
-@njit(inline="always")
-def has_underflow(low, floor):
-    """Whether some nonzero |x| lies below 2**floor, given low = the smallest nonzero |x| minus one as float32
-    bits (encode_kernel's fourth result): only then does the floor change any code."""
-    return low < _U32(_U32(_U32(floor + _F32_EXP_BIAS) << _U32(23)) - _U32(1))
-
-
 @njit(cache=True, nogil=True, boundscheck=False)
 def encode_kernel(x, out, key, offset, floor, stochastic):
-    """Encode float32 ``x`` into ``out``; return (saturated, first_bad, top, low): first_bad = -1 if all finite,
-    top the largest |x| and low the smallest nonzero |x| minus one, both as float32 bits (low wraps to 2**32 - 1
-    when x is all zeros).
+    """Encode float32 ``x`` into ``out`` at ``floor``; return (saturated, first_bad, top, low): first_bad = -1 if
+    all finite, top the largest |x| and low the smallest nonzero |x| minus one, both as float32 bits (low wraps
+    to 2**32 - 1 when x is all zeros).
 
     Blocks are aligned to BLOCK in the global element index, so each has one 32-bit block key. Only a block
-    holding a saturated, non-finite or below-floor element takes the scalar pass that counts or fixes it.
+    holding a saturated, non-finite, below-floor or (floor < -126) denormal element takes the scalar pass that
+    counts or fixes it.
     """
     bits = x.view(np.uint32)
     n = bits.size
-    kfl = _U32(floor + _F32_EXP_BIAS)  # biased float32 exponent of 2**floor
-    under_bits = _U32(kfl << _U32(23))
+    fast_floor = max(floor, 1 - _F32_EXP_BIAS)  # from here up the vectorised pass encodes; below, _small_code
+    kfl = _U32(fast_floor + _F32_EXP_BIAS)
+    small_bits = power_bits(fast_floor)
+    bias = _U32(np.int64(floor + _F32_EXP_BIAS) & 0xFFFFFFFF)
+    sat_bits = power_bits(floor + K_MAX) if floor + K_MAX <= F_MAX else _U32(_F32_LARGEST)
     saturated = 0
     top_all = _U32(0)
     low_all = _U32(0xFFFFFFFF)
@@ -140,43 +168,38 @@ def encode_kernel(x, out, key, offset, floor, stochastic):
         end = min(n, start + BLOCK - int(idx % _U64(BLOCK)))
         lo0 = _U32(idx & _U64(0xFFFFFFFF))
         k = block_key(key, idx >> _U64(32))
-        top, low = _encode_block(bits[start:end], out[start:end], lo0, k, kfl, stochastic)
+        top, low = _encode_block(bits[start:end], out[start:end], lo0, k, kfl, bias, stochastic)
         top_all = max(top_all, top)
         low_all = min(low_all, low)
-        if top > _U32(_SAT_BITS):
+        if top > sat_bits:
             for j in range(start, end):
                 ab = bits[j] & _U32(0x7FFFFFFF)
-                if ab >= _U32(0x7F800000):
+                if ab > _U32(_F32_LARGEST):
                     return saturated, j, top_all, low_all
-                saturated += ab > _U32(_SAT_BITS)
-        if has_underflow(low, floor):
+                saturated += ab > sat_bits
+        if has_underflow(low, fast_floor):
             for j in range(start, end):
                 b = bits[j]
                 ab = _U32(b & _U32(0x7FFFFFFF))
-                if ab != _U32(0) and ab < under_bits:
-                    out[j] = _underflow_code(b, _word(stochastic, _U32(lo0 + _U32(j - start)), k), floor)
+                if ab != _U32(0) and ab < small_bits:
+                    out[j] = _small_code(b, _word(stochastic, _U32(lo0 + _U32(j - start)), k), floor)
         start = end
     return saturated, -1, top_all, low_all
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def decode_kernel(codes, out):
-    """out (uint32 view of float32) = the value of each code; invalid codes give NaN."""
+def decode_kernel(codes, out, floor):
+    """out (uint32 view of float32) = the value of each code at ``floor``; invalid codes give NaN, and values of
+    2**128 or more (f + k > 127) +-Inf."""
+    t0 = _U32(floor - F_MIN)  # t = f + k - F_MIN: 2**(f + k) is 2**t denormal units, or normal from t = 23
     for j in range(codes.size):
         c = _U32(codes[j])
-        k = _U32(c & _U32(K_MASK))
-        value = _U32(_U32(_U32(c & _U32(SIGN)) << 24) | _U32(_U32(k + _U32(_F32_EXP_BIAS - K_BIAS)) << 23))
-        ok = (_U32(c & _U32(NONZERO)) != _U32(0)) & (k <= _U32(E_MAX + K_BIAS))
+        t = _U32(_U32(c & _U32(K_MASK)) + t0)
+        normal = shl32(min(_U32(t - _U32(22)), _U32(0xFF)), _U32(23))  # exponent field 255: Inf
+        magnitude = normal if t > _U32(22) else shl32(_U32(1), _U32(t & _U32(31)))
+        value = _U32(_U32(_U32(c & _U32(SIGN)) << 24) | magnitude)
+        ok = _U32(c & _U32(NONZERO)) != _U32(0)
         out[j] = value if ok else (_U32(0) if c == _U32(0) else _U32(0x7FC00000))
-
-
-def _decode_table() -> np.ndarray:
-    table = np.empty(256, np.float32)
-    decode_kernel(np.arange(256, dtype=np.uint8), table.view(np.uint32))
-    return table
-
-
-DECODE_TABLE = _decode_table()
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -186,28 +209,27 @@ def decode_accumulate_kernel(codes, acc, table):
 
 
 @njit(inline="always")
-def code_in_range(c, floor, ceiling):
-    """A valid code of 0 or +-2**e with floor <= e <= ceiling (ceiling = floor - 1 admits only 0).
+def code_in_range(c, k_max):
+    """A valid code of 0 or +-2**(floor + k) with k <= k_max (k_max = -1 admits only 0).
 
-    Branch-free, 32-bit and biased by one so that every bound is non-negative: loops over it vectorise."""
+    Branch-free and 32-bit: loops over it vectorise."""
     c = _U32(c)
-    kb = _U32(_U32(c & _U32(K_MASK)) + _U32(1))
-    out_of_range = (_U32(c & _U32(NONZERO)) == _U32(0)) | (kb < _U32(floor + K_BIAS + 1)) | (kb > _U32(ceiling + K_BIAS + 1))
+    out_of_range = (_U32(c & _U32(NONZERO)) == _U32(0)) | (np.int64(c & _U32(K_MASK)) > k_max)
     return (c == _U32(0)) | ~out_of_range
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def codes_in_range(codes, floor, ceiling):
-    """All codes pass code_in_range (the switch's check before it adds a packet).
+def codes_in_range(codes, k_max):
+    """All codes pass code_in_range (the switch's check before it adds a packet, a worker's of a result).
 
     The same test in 8-bit lanes, 32 codes per AVX2 instruction: a nonzero code is in range iff its low seven
-    bits (nonzero flag and k) lie in [NONZERO + floor + K_BIAS, NONZERO + ceiling + K_BIAS], and subtracting the
-    lower bound with 8-bit wrap-around turns that into one unsigned comparison. Admitting only 0 (ceiling below
-    floor) uses a lower bound of 0x80, which every 7-bit value wraps below."""
-    if ceiling < floor:
+    bits (nonzero flag and k) lie in [NONZERO, NONZERO + k_max], and subtracting the lower bound with 8-bit
+    wrap-around turns that into one unsigned comparison. Admitting only 0 (k_max < 0) uses a lower bound of 0x80,
+    which every 7-bit value wraps below."""
+    if k_max < 0:
         lo, span = np.uint8(0x80), np.uint8(0x7F)
     else:
-        lo, span = np.uint8(NONZERO + floor + K_BIAS), np.uint8(ceiling - floor)
+        lo, span = np.uint8(NONZERO), np.uint8(min(k_max, K_MAX))
     bad = np.uint8(0)
     for j in range(codes.size):
         bad = or8(bad, byte_outside(codes[j], lo, span))
@@ -216,10 +238,10 @@ def codes_in_range(codes, floor, ceiling):
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def find_invalid_kernel(codes):
-    if codes_in_range(codes, E_MIN, E_MAX):
+    if codes_in_range(codes, K_MAX):
         return -1
     for j in range(codes.size):
-        if not code_in_range(codes[j], E_MIN, E_MAX):
+        if not code_in_range(codes[j], K_MAX):
             return j
     return -1
 
@@ -243,8 +265,8 @@ def _out(out: np.ndarray | None, n: int, dtype: type, name: str = "out") -> np.n
 
 
 def check_floor(floor: int) -> int:
-    if not E_MIN <= floor <= E_MAX:
-        raise ValueError(f"floor must be in [{E_MIN}, {E_MAX}], got {floor}")
+    if not F_MIN <= floor <= F_MAX:
+        raise ValueError(f"floor must be in [{F_MIN}, {F_MAX}], got {floor}")
     return int(floor)
 
 
@@ -260,31 +282,37 @@ def _run_encode(x, out, key, offset, floor, stochastic) -> Encoded:
 
 
 def encode(
-    x: np.ndarray, *, seed: int, stream: int, offset: int = 0, floor: int = E_MIN, out: np.ndarray | None = None
+    x: np.ndarray, *, seed: int, stream: int, floor: int, offset: int = 0, out: np.ndarray | None = None
 ) -> Encoded:
-    """Stochastic, unbiased C_nat encode of float32 ``x``; random words keyed by (seed, stream, offset + i)."""
+    """Stochastic, unbiased C_nat encode of float32 ``x`` at ``floor``; random words keyed by
+    (seed, stream, offset + i)."""
     return _run_encode(x, out, stream_key(seed, stream), offset, floor, True)
 
 
-def encode_nearest(x: np.ndarray, *, floor: int = E_MIN, out: np.ndarray | None = None) -> Encoded:
+def encode_nearest(x: np.ndarray, *, floor: int, out: np.ndarray | None = None) -> Encoded:
     """Deterministic C_nat encode: nearest power of two in linear scale, ties away from zero (biased)."""
     return _run_encode(x, out, 0, 0, floor, False)
 
 
-def decode(codes: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """float32 values of ``codes``; invalid codes decode to NaN."""
+def decode(codes: np.ndarray, *, floor: int, out: np.ndarray | None = None) -> np.ndarray:
+    """float32 values of ``codes`` at ``floor``; invalid codes decode to NaN."""
     flat = _flat(codes, np.uint8, "codes")
     values = _out(out, flat.size, np.float32)
-    decode_kernel(flat, values.view(np.uint32))
+    decode_kernel(flat, values.view(np.uint32), check_floor(floor))
     return values.reshape(codes.shape) if out is None else out
 
 
-def decode_accumulate(codes: np.ndarray, acc: np.ndarray) -> np.ndarray:
-    """acc += decode(codes), in place, for a float32 or float64 accumulator; returns acc."""
+def decode_table(floor: int) -> np.ndarray:
+    """The float32 value of each of the 256 codes at ``floor``."""
+    return decode(np.arange(256, dtype=np.uint8), floor=floor)
+
+
+def decode_accumulate(codes: np.ndarray, acc: np.ndarray, *, floor: int) -> np.ndarray:
+    """acc += decode(codes, floor=floor), in place, for a float32 or float64 accumulator; returns acc."""
     flat = _flat(codes, np.uint8, "codes")
     if not isinstance(acc, np.ndarray) or acc.dtype not in (np.float32, np.float64):
         raise TypeError("acc must be a float32 or float64 numpy array")
-    decode_accumulate_kernel(flat, _out(acc, flat.size, acc.dtype, "acc"), DECODE_TABLE)
+    decode_accumulate_kernel(flat, _out(acc, flat.size, acc.dtype, "acc"), decode_table(floor))
     return acc
 
 

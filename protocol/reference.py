@@ -10,8 +10,10 @@ import numpy as np
 
 from intml.protocol.rng import MASK64, splitmix64_int, stream_key
 
-E_MIN, E_MAX = -50, 10  # C_nat exponents
-INT32_E_MIN, INT32_E_MAX = -126, 127  # int32 mode's exponent range: float32's normal exponents
+F_MIN = -149  # the lowest floor: float32's smallest denormal
+EXP_MIN, EXP_MAX = -126, 127  # chunk exponents, both codecs: float32's, in an int8 field
+K_MAX = 63  # the code's 6-bit k
+NO_EXP = -128
 
 
 def bits32(key: int, index: np.ndarray) -> np.ndarray:
@@ -29,14 +31,13 @@ def bits32(key: int, index: np.ndarray) -> np.ndarray:
     return x
 
 
-def code_of(negative: bool, e: int) -> int:
-    return (0x80 if negative else 0) | 0x40 | (e + 50)
+def code_of(negative: bool, k: int) -> int:
+    return (0x80 if negative else 0) | 0x40 | k
 
 
-def encode(
-    x: np.ndarray, *, seed: int | None, stream: int = 0, offset: int = 0, floor: int = E_MIN
-) -> tuple[np.ndarray, int]:
-    """C_nat encode; seed=None is the deterministic (nearest, ties away) variant. Returns (codes, saturated)."""
+def encode(x: np.ndarray, *, seed: int | None, floor: int, stream: int = 0, offset: int = 0) -> tuple[np.ndarray, int]:
+    """C_nat encode at floor (codes hold k = e - floor); seed=None is the deterministic (nearest, ties away)
+    variant. Returns (codes, saturated): |x| above 2**(floor + 63) is clamped to k = 63 and counted."""
     x = np.asarray(x, dtype=np.float32).reshape(-1)
     if not np.all(np.isfinite(x)):
         raise ValueError(f"non-finite value at index {int(np.argmin(np.isfinite(x)))}")
@@ -52,95 +53,128 @@ def encode(
             continue
         if ax < 2.0**floor:
             if r[i] < ax * 2.0 ** (32 - floor):
-                codes[i] = code_of(v < 0, floor)
+                codes[i] = code_of(v < 0, 0)
             continue
-        mantissa, exponent = np.frexp(ax)  # ax = mantissa * 2**exponent, mantissa in [0.5, 1)
-        a = int(exponent) - 1
+        mantissa, exponent = np.frexp(ax)  # ax = mantissa * 2**exponent, mantissa in [0.5, 1); float32 denormals
+        a = int(exponent) - 1  # are normal float64 numbers
         fraction = ax / 2.0**a - 1.0  # in [0, 1), exact
-        e = a + int(r[i] < fraction * 2.0**32)
-        if ax > 2.0**E_MAX:
-            saturated += 1
-        codes[i] = code_of(v < 0, min(e, E_MAX))
+        k = a + int(r[i] < fraction * 2.0**32) - floor
+        saturated += ax > 2.0 ** (floor + K_MAX)  # beyond the window's top: clamped, so counted
+        codes[i] = code_of(v < 0, min(k, K_MAX))
     return codes, saturated
 
 
-def decode(codes: np.ndarray) -> np.ndarray:
+def decode(codes: np.ndarray, floor: int) -> np.ndarray:
+    """float32 value of each code at floor: +-2**(floor + k), +-Inf from 2**128 up, NaN for an invalid code."""
     out = np.empty(np.size(codes), np.float32)
     for i, c in enumerate(np.asarray(codes, dtype=np.uint8).reshape(-1)):
         c = int(c)
-        k = c & 0x3F
         if c == 0:
             out[i] = 0.0
-        elif not c & 0x40 or k > 60:
+        elif not c & 0x40:
             out[i] = np.nan
         else:
-            out[i] = (-1.0 if c & 0x80 else 1.0) * 2.0 ** (k - 50)
+            p = floor + (c & 0x3F)
+            out[i] = (-1.0 if c & 0x80 else 1.0) * (np.inf if p > 127 else 2.0**p)  # 2**p is exact in float32
     return out
 
 
 def is_valid(code: int) -> bool:
-    return code == 0 or (bool(code & 0x40) and (code & 0x3F) <= 60)
+    return code == 0 or bool(code & 0x40)
 
 
-def to_fixed(codes: np.ndarray, floor: int) -> np.ndarray:
-    """Integer value of each code in units of 2**floor (codes assumed valid and >= 2**floor)."""
-    values = decode(codes).astype(np.float64)
-    return (values / 2.0**floor).astype(np.int64)
+def k_of(code: int) -> int:
+    return code & 0x3F
+
+
+def to_fixed(codes: np.ndarray) -> np.ndarray:
+    """Integer value of each (valid) code in units of the slot's floor: +-2**k."""
+    return np.array([0 if c == 0 else (-1 if c & 0x80 else 1) * 2 ** k_of(int(c)) for c in
+                     np.asarray(codes, dtype=np.uint8).reshape(-1)], dtype=np.int64)
 
 
 def sum_to_codes(sums: np.ndarray, floor: int, *, seed: int, stream: int, offset: int = 0) -> tuple[np.ndarray, int]:
-    """Stochastic C_nat of integer sums in units of 2**floor. Returns (codes, saturated)."""
+    """Stochastic C_nat of integer sums in units of 2**floor (k = b or b + 1, b = floor(log2 |S|)). Returns
+    (codes, overflowed): the elements whose rounded value 2**(floor + k) exceeds float32 (they decode to +-Inf)."""
     sums = np.asarray(sums, dtype=np.int64).reshape(-1)
     r = bits32(stream_key(seed, stream), np.arange(offset, offset + sums.size, dtype=np.uint64))
     codes = np.zeros(sums.size, np.uint8)
-    saturated = 0
+    overflowed = 0
     for i, s in enumerate(sums):
         a = abs(int(s))
         if a == 0:
             continue
         b = a.bit_length() - 1
         remainder = a - (1 << b)
-        e = b + floor + int((int(r[i]) >> (32 - b)) < remainder)
-        if e > E_MAX:
-            saturated += 1
-            e = E_MAX
-        codes[i] = code_of(s < 0, e)
-    return codes, saturated
+        k = b + int((int(r[i]) >> (32 - b)) < remainder)
+        overflowed += floor + k > 127
+        codes[i] = code_of(s < 0, k)
+    return codes, overflowed
 
 
 def chunk_exponent(x: np.ndarray, lo: int, hi: int) -> int:
     """floor(log2 max|x|) + 1 clipped to [lo, hi]; -128 (no exponent) for an all-zero chunk."""
     top = float(np.max(np.abs(x.astype(np.float64)))) if x.size else 0.0
     if top == 0.0:
-        return -128
+        return NO_EXP
     _, exponent = np.frexp(top)  # top = m * 2**exponent, m in [0.5, 1): floor(log2 top) + 1 == exponent
     return min(hi, max(lo, int(exponent)))
 
 
+def window_top(e: int) -> int:
+    """T, with every |x| of the chunk below 2**T: E, or 128 for E = 127 (which also stands for E = 128)."""
+    return 128 if e == EXP_MAX else e
+
+
+def cnat_floor(e: int, n: int) -> int:
+    """The slot's floor for agreed exponent e and n ranks: T - s(n), at least F_MIN; F_MIN for an all-zero chunk."""
+    return F_MIN if e == NO_EXP else max(F_MIN, window_top(e) - value_bits(n))
+
+
+def value_bits(n: int) -> int:
+    return 31 - n.bit_length()
+
+
+def data_code_ok(code: int, e: int, n: int) -> bool:
+    """Whether a DATA code is 0 or valid with floor + k <= T (never for a nonzero code when e is NO_EXP)."""
+    if code == 0:
+        return True
+    return e != NO_EXP and is_valid(code) and k_of(code) <= window_top(e) - cnat_floor(e, n)
+
+
+def worker_codes(parts: list[np.ndarray], *, seed: int, allreduce_seq: int, offset: int) -> tuple[int, list]:
+    """(floor, [(codes, saturated) of each rank]) of one cnat8 chunk whose ranks' inputs are parts."""
+    e = max(chunk_exponent(x, EXP_MIN, EXP_MAX) for x in parts)
+    floor = cnat_floor(e, len(parts))
+    return floor, [encode(x, seed=seed, floor=floor, stream=(allreduce_seq << 24) | (1 << 16) | rank, offset=offset)
+                   for rank, x in enumerate(parts)]
+
+
+def cnat8_chunk_codes(parts: list[np.ndarray], *, seed: int, allreduce_seq: int, offset: int) -> tuple[int, np.ndarray, int]:
+    """(floor, result codes, overflowed) of one cnat8 chunk: agree on the max exponent, encode each rank's part
+    against its floor, add integers exactly, re-encode the sum."""
+    floor, encoded = worker_codes(parts, seed=seed, allreduce_seq=allreduce_seq, offset=offset)
+    total = sum(to_fixed(codes) for codes, _ in encoded)
+    codes, overflowed = sum_to_codes(total, floor, seed=seed, stream=(allreduce_seq << 24) | (2 << 16), offset=offset)
+    return floor, codes, overflowed
+
+
 def cnat8_chunk(parts: list[np.ndarray], *, seed: int, allreduce_seq: int, offset: int) -> np.ndarray:
-    """The cnat8 result of one chunk whose ranks' inputs are parts (tensor elements offset..): agree on the max
-    exponent, encode each rank's part against its floor, add integers exactly, re-encode the sum, decode."""
-    s = 31 - len(parts).bit_length()
-    e = max(chunk_exponent(x, E_MIN, E_MAX) for x in parts)
-    floor = E_MIN if e == -128 else max(E_MIN, e - s)
-    total = np.zeros(parts[0].size, np.int64)
-    for rank, x in enumerate(parts):
-        worker_stream = (allreduce_seq << 24) | (1 << 16) | rank
-        codes, _ = encode(x, seed=seed, stream=worker_stream, offset=offset, floor=floor)
-        total += to_fixed(codes, floor)
-    codes, _ = sum_to_codes(total, floor, seed=seed, stream=(allreduce_seq << 24) | (2 << 16), offset=offset)
-    return decode(codes)
+    """The cnat8 result of one chunk whose ranks' inputs are parts (tensor elements offset..)."""
+    floor, codes, _ = cnat8_chunk_codes(parts, seed=seed, allreduce_seq=allreduce_seq, offset=offset)
+    return decode(codes, floor)
 
 
 def int32_chunk(parts: list[np.ndarray], *, seed: int, allreduce_seq: int, offset: int) -> np.ndarray:
     """The int32 result of one chunk: agree on the max exponent E, add rint(x * 2**(s - E)) (clamped to +-2**s)
     exactly, scale the sum back by 2**(E - s). Deterministic: seed, allreduce_seq and offset play no part."""
-    s = 31 - len(parts).bit_length()
-    e = max(chunk_exponent(x, INT32_E_MIN, INT32_E_MAX) for x in parts)
-    scale = s - (INT32_E_MIN if e == -128 else e)
+    s = value_bits(len(parts))
+    e = max(chunk_exponent(x, EXP_MIN, EXP_MAX) for x in parts)
+    scale = s - (EXP_MIN if e == NO_EXP else e)
     limit = 2.0**s
     total = sum(np.clip(np.rint(x.astype(np.float64) * 2.0**scale), -limit, limit) for x in parts)
-    return (total * 2.0**-scale).astype(np.float32)
+    with np.errstate(over="ignore"):  # a sum beyond float32 becomes +-Inf, as a float32 sum would
+        return (total * 2.0**-scale).astype(np.float32)
 
 
 CHUNK_RESULTS = {"cnat8": cnat8_chunk, "int32": int32_chunk}  # by codec name

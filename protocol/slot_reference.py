@@ -53,8 +53,7 @@ TRANSITIONS = {
     (COMPLETE, NEWER): OPEN,  # every rank got the result of the round in between (self-clocking)
 }
 
-CNAT_EXPONENTS = (reference.E_MIN, reference.E_MAX)
-INT32_EXPONENTS = (-126, 127)
+EXPONENTS = (reference.EXP_MIN, reference.EXP_MAX)  # both codecs
 CONTROL_TYPES = (MsgType.JOIN, MsgType.LEAVE, MsgType.STATS_REQUEST)
 
 
@@ -193,7 +192,7 @@ class SlotReference:
             return "drop_wrong_count", job, h
         if h["shadow"] > 1:
             return "drop_bad_shadow", job, h
-        lo, hi = CNAT_EXPONENTS if job.codec == Codec.CNAT8 else INT32_EXPONENTS
+        lo, hi = EXPONENTS
         if any(e != NO_EXP and not lo <= e <= hi for e in (h["exp"], h["next_exp"])):
             return "drop_bad_exponent", job, h
         return "", job, h
@@ -245,21 +244,15 @@ class SlotReference:
     def _value_bits(n: int) -> int:
         return 31 - n.bit_length()  # s(n): n contributions of at most 2**s(n) fit a signed 32-bit register
 
-    def _floor(self, job: Job, exp: int) -> int:
-        return reference.E_MIN if exp == NO_EXP else max(reference.E_MIN, exp - self._value_bits(job.world))
-
     def _values(self, job: Job, h: dict, payload: bytes) -> list[int] | None:
         """The packet's values as integers in the round's unit, or None if one is out of range."""
         if job.codec == Codec.INT32:
             values = [int(v) for v in np.frombuffer(payload, ">i4")]
             limit = 1 << self._value_bits(job.world)
             return values if all(-limit <= v <= limit for v in values) else None
-        floor = self._floor(job, h["exp"])
-        ceiling = floor - 1 if h["exp"] == NO_EXP else h["exp"]  # an all-zero chunk admits only zeros
-        for code in payload:
-            if code and not (reference.is_valid(code) and floor <= (code & 0x3F) - 50 <= ceiling):
-                return None
-        return [int(v) for v in reference.to_fixed(np.frombuffer(payload, np.uint8), floor)]
+        if not all(reference.data_code_ok(code, h["exp"], job.world) for code in payload):
+            return None
+        return [int(v) for v in reference.to_fixed(np.frombuffer(payload, np.uint8))]
 
     def _result(self, job: Job, h: dict, s: ShadowSet) -> bytes:
         allreduce, chunk = s.key >> 32, (s.key & 0xFFFFFFFF) - (1 << 31)
@@ -269,8 +262,9 @@ class SlotReference:
         if job.codec == Codec.INT32:
             payload = np.array(s.sums, ">i4").tobytes()
         else:
-            codes, saturated = reference.sum_to_codes(np.array(s.sums, np.int64), self._floor(job, s.exp),
-                                                      seed=job.seed, stream=(allreduce << 24) | (2 << 16),
+            floor = reference.cnat_floor(s.exp, job.world)
+            codes, saturated = reference.sum_to_codes(np.array(s.sums, np.int64), floor, seed=job.seed,
+                                                      stream=(allreduce << 24) | (2 << 16),
                                                       offset=chunk * job.packet_elements % (1 << 64))
             job.stats["saturated_elements"] += saturated
             payload = codes.tobytes()

@@ -24,14 +24,15 @@ def run(elements: int, repeats: int, as_json: bool) -> list[dict]:
     copy = np.empty_like(x)
     acc = np.zeros(elements, np.float32)
     sums = rng.integers(-(2**28), 2**28, elements, dtype=np.int32)
-    cnat.encode(x, seed=1, stream=2, out=codes)
+    floor = arith.cnat_floor(int(arith.chunk_exponents(x, x.size, arith.CNAT_RANGE)[0]), arith.value_bits(2))
+    cnat.encode(x, seed=1, stream=2, floor=floor, out=codes)
 
     kernels = {
         "memory copy (anchor)": lambda: np.copyto(copy, x),
-        "stochastic encode": lambda: cnat.encode(x, seed=1, stream=2, out=codes),
-        "deterministic encode": lambda: cnat.encode_nearest(x, out=codes),
-        "decode": lambda: cnat.decode(codes, out=values),
-        "decode-accumulate": lambda: cnat.decode_accumulate(codes, acc),
+        "stochastic encode": lambda: cnat.encode(x, seed=1, stream=2, floor=floor, out=codes),
+        "deterministic encode": lambda: cnat.encode_nearest(x, floor=floor, out=codes),
+        "decode": lambda: cnat.decode(codes, floor=floor, out=values),
+        "decode-accumulate": lambda: cnat.decode_accumulate(codes, acc, floor=floor),
         "integer-sum re-encode": lambda: arith.sum_to_codes(sums, -40, seed=1, stream=3, out=codes),
     }
     seconds = {name: median_seconds(fn, repeats, warmup=2) for name, fn in kernels.items()}

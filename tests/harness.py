@@ -368,8 +368,9 @@ def make_inputs(n: int, size: int, packet_elements: int, kind: str, seed: int) -
     """float32 inputs of n ranks.
 
     normal: Gaussian at a random scale; zero_chunks: Gaussian with whole chunks zero on every rank (and others
-    zero on rank 0 only); zeros: all zero; huge: magnitudes around 2**12 (C_nat saturates above 2**10); tiny:
-    magnitudes below 2**-50, denormals included; mixed: log-uniform over 2**-60 .. 2**12 with zeros.
+    zero on rank 0 only); zeros: all zero; huge: log-uniform over 2**9 .. 2**128 (up to float32's largest, where
+    a C_nat sum may overflow to Inf); tiny: magnitudes below 2**-50, denormals included; mixed: log-uniform over
+    2**-60 .. 2**12 with zeros.
     """
     rng = np.random.default_rng(seed)
     chunks = -(-size // packet_elements)
@@ -388,7 +389,7 @@ def make_inputs(n: int, size: int, packet_elements: int, kind: str, seed: int) -
         elif kind == "zeros":
             x = np.zeros(size)
         elif kind == "huge":
-            x = sign * 2.0 ** rng.uniform(9, 14, size)
+            x = sign * np.minimum(2.0 ** rng.uniform(9, 128, size), float(np.finfo(np.float32).max))
         elif kind == "tiny":
             x = sign * 2.0 ** rng.uniform(-149, -50.5, size)
         elif kind == "mixed":
@@ -401,22 +402,15 @@ def make_inputs(n: int, size: int, packet_elements: int, kind: str, seed: int) -
 
 def reference_saturation(xs: Sequence[np.ndarray], *, seed: int, allreduce_seq: int,
                          packet_elements: int) -> tuple[list[int], int]:
-    """(saturated elements of each rank's encode, saturated elements of the switch's re-encode) of a C_nat
-    allreduce, from the oracle's primitives, chunk by chunk as protocol.reference.allreduce does."""
+    """(saturated elements of each rank's encode, always 0, and elements of the switch's re-encode beyond float32)
+    of a C_nat allreduce, from the oracle, chunk by chunk as protocol.reference.allreduce does."""
     n = len(xs)
-    s = 31 - n.bit_length()
     worker, switch = [0] * n, 0
     size = xs[0].size
     for lo in range(0, size, packet_elements):
         parts = [x.reshape(-1)[lo:lo + packet_elements] for x in xs]
-        e = max(reference.chunk_exponent(p, reference.E_MIN, reference.E_MAX) for p in parts)
-        floor = reference.E_MIN if e == wire.NO_EXP else max(reference.E_MIN, e - s)
-        total = np.zeros(parts[0].size, np.int64)
-        for rank, p in enumerate(parts):
-            codes, sat = reference.encode(p, seed=seed, stream=(allreduce_seq << 24) | (1 << 16) | rank,
-                                          offset=lo, floor=floor)
+        _, encoded = reference.worker_codes(parts, seed=seed, allreduce_seq=allreduce_seq, offset=lo)
+        for rank, (_, sat) in enumerate(encoded):
             worker[rank] += sat
-            total += reference.to_fixed(codes, floor)
-        _, sat = reference.sum_to_codes(total, floor, seed=seed, stream=(allreduce_seq << 24) | (2 << 16), offset=lo)
-        switch += sat
+        switch += reference.cnat8_chunk_codes(parts, seed=seed, allreduce_seq=allreduce_seq, offset=lo)[2]
     return worker, switch

@@ -29,6 +29,7 @@ from harness import (
 from intml.aggregator.core import ALL_JOBS, AggregatorCore
 from intml.aggregator.slots import STAT_NAMES
 from intml.protocol import reference, wire
+from intml.protocol.arith import data_k_max
 from intml.protocol.job import MAX_WORLD
 from intml.protocol.wire import NO_EXP, Codec, MsgType
 
@@ -81,8 +82,8 @@ def malformed_setup(codec="cnat8", opened=False):
 
     victim = net.up[find(0, 0)]
     assert header(victim[0])["chunk"] == 0 and header(victim[0])["count"] == P
-    if codec == "cnat8":  # room for codes just above the exponent and just below the floor
-        assert -50 <= _floor(victim[0]) - 1 and _exp(victim[0]) + 1 <= 10
+    if codec == "cnat8":  # room for a code just above the exponent
+        assert _k_max(victim[0]) < 63
     if opened:
         data, src, _ = net.up.pop(find(1, 0))
         assert net.to_core(0, [(data, src)]) == []
@@ -109,8 +110,9 @@ def _exp(d):
     return int(header(d)["exp"])
 
 
-def _floor(d):
-    return max(-50, _exp(d) - (31 - N3.bit_length()))
+def _k_max(d):
+    """The largest k the chunk's codes may hold (the agreed exponent's, relative to the round's floor)."""
+    return data_k_max(_exp(d), 31 - N3.bit_length())
 
 
 # (reason, core_level, mutate(datagram, src) -> (datagram, src, lengths))
@@ -142,20 +144,16 @@ CNAT_MUTATIONS = {
                                 lambda d, s: (with_header(d, count=P + 1) + b"\x00", s, None)),
     "shadow 2": ("drop_bad_shadow", False, lambda d, s: (with_header(d, shadow=2), s, None)),
     "shadow 255": ("drop_bad_shadow", False, lambda d, s: (with_header(d, shadow=255), s, None)),
-    "exp 11": ("drop_bad_exponent", False, lambda d, s: (with_header(d, exp=11), s, None)),
-    "exp -51": ("drop_bad_exponent", False, lambda d, s: (with_header(d, exp=-51), s, None)),
-    "next_exp 11": ("drop_bad_exponent", False, lambda d, s: (with_header(d, next_exp=11), s, None)),
-    "next_exp -51": ("drop_bad_exponent", False, lambda d, s: (with_header(d, next_exp=-51), s, None)),
+    "exp -127": ("drop_bad_exponent", False, lambda d, s: (with_header(d, exp=-127), s, None)),  # int8: none above
+    "next_exp -127": ("drop_bad_exponent", False, lambda d, s: (with_header(d, next_exp=-127), s, None)),
     "code 0x80": ("drop_invalid_code", False, lambda d, s: (with_payload_byte(d, 0, 0x80), s, None)),
     "code 0x3F": ("drop_invalid_code", False, lambda d, s: (with_payload_byte(d, 5, 0x3F), s, None)),
     "code k=61": ("drop_invalid_code", False, lambda d, s: (with_payload_byte(d, P - 1, 0x40 | 61), s, None)),
     "code 0xFF": ("drop_invalid_code", False, lambda d, s: (with_payload_byte(d, 1, 0xFF), s, None)),
     "code above exp": ("drop_invalid_code", False,
-                       lambda d, s: (with_payload_byte(d, 0, 0x40 | (_exp(d) + 1 + 50)), s, None)),
+                       lambda d, s: (with_payload_byte(d, 0, 0x40 | (_k_max(d) + 1)), s, None)),
     "negative code above exp": ("drop_invalid_code", False,
-                                lambda d, s: (with_payload_byte(d, 3, 0xC0 | (_exp(d) + 1 + 50)), s, None)),
-    "code below floor": ("drop_invalid_code", False,
-                         lambda d, s: (with_payload_byte(d, 0, 0x40 | (_floor(d) - 1 + 50)), s, None)),
+                                lambda d, s: (with_payload_byte(d, 3, 0xC0 | (_k_max(d) + 1)), s, None)),
     "stale key": ("drop_stale", False,  # slot 0's set 0 holds the bootstrap round (chunk -2): -3 is older
                   lambda d, s: (with_header(d, chunk=-POOL - 1, shadow=1 - int(header(d)["shadow"])), s, None)),
 }
@@ -628,7 +626,7 @@ def _joined(world: int, *, pool: int = 4, job: int = 7) -> AggregatorCore:
 
 
 def _data(rank: int, slot: int, chunk: int, codes: bytes, *, job: int = 7, shadow: int = 0) -> tuple[bytes, int]:
-    """A C_nat DATA packet of exponent 0 (codes 0x40 | k, k in [50 - s(n), 50], or 0)."""
+    """A C_nat DATA packet of exponent 0 (codes 0x40 | k, k in [0, s(n)] = 2**(k - s(n)), or 0)."""
     return wire.pack({"type": MsgType.DATA, "job": job, "rank": rank, "slot": slot, "chunk": chunk, "codec": 0,
                       "count": len(codes), "shadow": shadow, "exp": 0, "next_exp": NO_EXP}, codes), worker_addr(rank)
 
@@ -639,8 +637,8 @@ def test_output_holds_a_burst_of_completions_of_the_largest_world():
     pool = 8
     core = _joined(MAX_WORLD, pool=pool)
     for rank in range(MAX_WORLD - 1):
-        assert core_receive(core, [_data(rank, s, s, bytes([0x72])) for s in range(pool)], 0.0) == []
-    out = core_receive(core, [_data(MAX_WORLD - 1, s, s, bytes([0x72])) for s in range(pool)], 0.0)
+        assert core_receive(core, [_data(rank, s, s, bytes([0x58])) for s in range(pool)], 0.0) == []
+    out = core_receive(core, [_data(MAX_WORLD - 1, s, s, bytes([0x58])) for s in range(pool)], 0.0)
     assert len(out) == pool * MAX_WORLD
     assert [dst for _, dst in out] == [worker_addr(r) for _ in range(pool) for r in range(MAX_WORLD)]
     assert [header(d)["chunk"] for d, _ in out] == [s for s in range(pool) for _ in range(MAX_WORLD)]
@@ -651,10 +649,10 @@ def test_a_burst_larger_than_expected_grows_the_output_and_keeps_stored_results(
     replies = core_receive(core, [(join_datagram(7, r, world_size=2, packet_elements=P, pool_size=4, codec=0, seed=1,
                                                  token=2), worker_addr(r)) for r in range(2)], 0.0)
     assert [msg_type(d) for d, _ in replies] == [MsgType.JOIN_ACK] * 2
-    assert core_receive(core, [_data(0, 0, 0, bytes([0x71]))], 0.0) == []
-    (result, _), (again, _) = core_receive(core, [_data(1, 0, 0, bytes([0x72]))], 0.0)
+    assert core_receive(core, [_data(0, 0, 0, bytes([0x57]))], 0.0) == []
+    (result, _), (again, _) = core_receive(core, [_data(1, 0, 0, bytes([0x58]))], 0.0)
     assert result == again
-    resent = core_receive(core, [_data(0, 0, 0, bytes([0x71])), _data(1, 0, 0, bytes([0x72]))], 0.0)
+    resent = core_receive(core, [_data(0, 0, 0, bytes([0x57])), _data(1, 0, 0, bytes([0x58]))], 0.0)
     assert resent == [(result, worker_addr(0)), (result, worker_addr(1))]
 
 
@@ -664,9 +662,9 @@ def test_result_reused_by_a_new_round_in_the_same_burst_is_not_overwritten(world
     misbehaving sender does that) must not change the bytes the earlier outputs point at: the burst's
     datagrams are those of handing the packets over one at a time."""
     burst = []
-    for chunk, code in ((0, 0x71), (8, 0x72)):  # chunk 8 is the next use of slot 0, set 0 (pool 4, two sets)
-        burst += [_data(r, 0, chunk, bytes([code, 0x70 + r])) for r in range(world)]
-        burst.append(_data(0, 0, chunk, bytes([code, 0x70])))  # a retransmission: the result again, to rank 0
+    for chunk, code in ((0, 0x57), (8, 0x58)):  # chunk 8 is the next use of slot 0, set 0 (pool 4, two sets)
+        burst += [_data(r, 0, chunk, bytes([code, 0x50 + r])) for r in range(world)]
+        burst.append(_data(0, 0, chunk, bytes([code, 0x50])))  # a retransmission: the result again, to rank 0
     one = _joined(world)
     expected = [out for datagram in burst for out in core_receive(one, [datagram], 0.0)]
     got = core_receive(_joined(world), burst, 0.0)

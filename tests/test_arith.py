@@ -19,11 +19,13 @@ from intml.protocol.arith import (
     chunk_exponents,
     cnat_floor,
     code_in_range,
+    data_k_max,
     int32_scale_exponent,
     sum_to_codes,
     switch_stream,
     to_fixed,
     value_bits,
+    window_top,
     worker_stream,
 )
 
@@ -33,7 +35,7 @@ SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[Healt
 FEW = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 SEEDS = st.integers(0, M64)
-FLOORS = st.integers(cnat.E_MIN, cnat.E_MAX)
+FLOORS = st.one_of(st.integers(cnat.F_MIN, cnat.F_MAX), st.sampled_from([-149, -50, 0, 96, 97, 98, 127]))
 OFFSETS = st.one_of(
     st.sampled_from([0, 1, 4095, 2**32 - 3, 2**32 - 4096, 2**32 - 1, 2**32, 2**63 - 1, 2**64 - 20000]),
     st.integers(2**32 - 5000, 2**32 + 10),
@@ -41,9 +43,9 @@ OFFSETS = st.one_of(
 )
 
 
-def code_of(negative: bool, e: int) -> int:
-    """bit 7 sign, bit 6 nonzero, bits 5..0 = e + 50"""
-    return (0x80 if negative else 0) | 0x40 | (e + 50)
+def code_of(negative: bool, k: int) -> int:
+    """bit 7 sign, bit 6 nonzero, bits 5..0 = k"""
+    return (0x80 if negative else 0) | 0x40 | k
 
 
 def bad_index(excinfo) -> int:
@@ -128,13 +130,18 @@ def _safe_bits(n: int) -> int:
 def test_cnat_floor_and_int32_scale(n):
     s = _safe_bits(n)
     assert value_bits(n) == s
-    assert cnat_floor(NO_EXP, s) == -50
+    assert cnat_floor(NO_EXP, s) == -149 and data_k_max(NO_EXP, s) == -1  # an all-zero chunk: only code 0
     assert int32_scale_exponent(NO_EXP, s) == s + 126  # an all-zero chunk scales as the smallest exponent
-    for e in range(-50, 11):
+    for e in range(-126, 128):
+        top = 128 if e == 127 else e  # E = 127 also stands for max |x| in [2**127, 2**128)
+        assert window_top(e) == top
         f = cnat_floor(e, s)
-        assert f == max(-50, e - s)
-        # a code 2**e' with f <= e' <= E is a whole number of units, and n of the largest fit int32
-        assert n * 2 ** (e - f) < 2**31
+        assert f == max(-149, top - s)
+        # every value below 2**top is a code k <= top - f <= s(n): n of the largest fit int32, nothing saturates
+        assert data_k_max(e, s) == top - f <= s
+        assert n * 2 ** (top - f) < 2**31
+        # and every code of the window decodes to a float32: 2**f is at least the smallest denormal
+        assert f >= -149 and f + data_k_max(e, s) <= 128
     for e in range(-126, 128):
         assert int32_scale_exponent(e, s) == s - e
 
@@ -178,7 +185,7 @@ def test_chunk_exponents(x, chunk, codec):
 def test_chunk_exponents_hand_cases():
     x = np.array([0, 0, -0.0, 0,  1.0, 0.5, 0, 0,  -3.0, 1, 1, 1,  1e-40, 0, 0, 0,  3e38, 0, 0, 0,  0.75], np.float32)
     assert chunk_exponents(x, 4, INT32_RANGE).tolist() == [NO_EXP, 1, 2, -126, 127, 0]
-    assert chunk_exponents(x, 4, CNAT_RANGE).tolist() == [NO_EXP, 1, 2, -50, 10, 0]
+    assert chunk_exponents(x, 4, CNAT_RANGE).tolist() == [NO_EXP, 1, 2, -126, 127, 0]
     assert chunk_exponents(np.zeros(0, np.float32), 4, CNAT_RANGE).size == 0
 
 
@@ -197,55 +204,52 @@ def test_chunk_exponents_non_finite_names_index(bad, at):
 # --- codes -> fixed point --------------------------------------------------------------------------------------
 
 
-def in_range(c: int, floor: int, ceiling: int) -> bool:
-    return c == 0 or (reference.is_valid(c) and floor <= (c & 0x3F) - 50 <= ceiling)
+def in_range(c: int, k_max: int) -> bool:
+    return c == 0 or (reference.is_valid(c) and reference.k_of(c) <= k_max)
 
 
-@st.composite
-def floor_ceiling(draw):
-    floor = draw(FLOORS)
-    return floor, draw(st.integers(floor, min(cnat.E_MAX, floor + 30)))
+K_MAXES = st.integers(-1, 30)
 
 
 @SETTINGS
-@given(fc=floor_ceiling(), n=st.integers(0, 3000), seed=st.integers(0, 2**32 - 1), bad=st.booleans())
-def test_to_fixed_matches_reference(fc, n, seed, bad):
-    floor, ceiling = fc
+@given(k_max=K_MAXES, n=st.integers(0, 3000), seed=st.integers(0, 2**32 - 1), bad=st.booleans())
+def test_to_fixed_matches_reference(k_max, n, seed, bad):
     g = np.random.default_rng(seed)
-    e = g.integers(floor, ceiling + 1, n)
-    codes = np.where(g.random(n) < 0.1, 0, (g.integers(0, 2, n) << 7) | 0x40 | (e + 50)).astype(np.uint8)
+    k = g.integers(0, k_max + 1, n) if k_max >= 0 else np.zeros(n, np.int64)
+    codes = np.where((g.random(n) < 0.1) | (k_max < 0), 0, (g.integers(0, 2, n) << 7) | 0x40 | k).astype(np.uint8)
     if bad and n:
         codes[g.integers(0, n, 3)] = g.integers(0, 256, 3)  # may or may not be in range
-    ok = [in_range(c, floor, ceiling) for c in codes.tolist()]
+    ok = [in_range(c, k_max) for c in codes.tolist()]
     if all(ok):
-        got = to_fixed(codes, floor, ceiling)
+        got = to_fixed(codes, k_max)
         assert got.dtype == np.int32
-        np.testing.assert_array_equal(got, reference.to_fixed(codes, floor))
+        np.testing.assert_array_equal(got, reference.to_fixed(codes))
     else:
-        with pytest.raises(ValueError, match="not a C_nat code in") as excinfo:
-            to_fixed(codes, floor, ceiling)
+        with pytest.raises(ValueError, match="not a C_nat code with") as excinfo:
+            to_fixed(codes, k_max)
         assert bad_index(excinfo) == ok.index(False)
 
 
-@pytest.mark.parametrize("floor, ceiling", [(-50, -20), (-30, 0), (-20, 10), (0, 10), (10, 10), (-5, -5)])
-def test_code_in_range_every_code(floor, ceiling):
+@pytest.mark.parametrize("k_max", [-1, 0, 5, 29, 30, 31, 63])
+def test_code_in_range_every_code(k_max):
     for c in range(256):
-        assert bool(code_in_range(np.uint8(c), floor, ceiling)) == in_range(c, floor, ceiling), hex(c)
+        assert bool(code_in_range(np.uint8(c), k_max)) == in_range(c, k_max), hex(c)
 
 
 @SETTINGS
 @given(x=f32_arrays(), chunk=st.integers(1, 700), seed=st.integers(0, 2**64 - 1), stream=st.integers(0, 2**40),
-       floors=st.lists(FLOORS, min_size=1, max_size=4))
-def test_precode_gives_the_wire_codes_unless_a_value_is_below_the_floor(x, chunk, seed, stream, floors):
-    """precode_chunk, chunk by chunk as the worker calls it: its exponents are chunk_exponents', its saturation
-    counts add up to encode's, it names the first non-finite value by its tensor index, and for any floor the
-    agreed exponent may set, a chunk's codes are exactly encode's at that floor unless has_underflow says a
-    nonzero value lies below it; and has_underflow is exact (it says so iff one does)."""
+       floors=st.lists(FLOORS, min_size=1, max_size=4), vbits=st.sampled_from([30, 29, 24]))
+def test_precode_gives_the_wire_codes_unless_a_value_is_below_the_floor(x, chunk, seed, stream, floors, vbits):
+    """precode_chunk, chunk by chunk as the worker calls it: its exponents are chunk_exponents', nothing saturates,
+    it names the first non-finite value by its tensor index, its codes are encode's at the chunk's own floor, and
+    for any floor f at or above that the agreed exponent may set, the codes lowered by the floors' difference are
+    exactly encode's at f unless has_underflow says a nonzero value lies below 2**f; and has_underflow is exact
+    (it says so iff one does), with or without the PRECODED tag."""
     key = np.uint64(cnat.stream_key(seed, stream))
     codes = np.empty(x.size, np.uint8)
     exponents, low, saturated = [], [], 0
     for lo in range(0, x.size, chunk):
-        sat, bad, exponent, smallest = arith.precode_chunk(x[lo:lo + chunk], codes[lo:lo + chunk], key, lo)
+        sat, bad, exponent, smallest = arith.precode_chunk(x[lo:lo + chunk], codes[lo:lo + chunk], key, lo, vbits)
         part_finite = np.isfinite(x[lo:lo + chunk])
         if not part_finite.all():
             assert bad == lo + int(np.argmin(part_finite))
@@ -256,95 +260,93 @@ def test_precode_gives_the_wire_codes_unless_a_value_is_below_the_floor(x, chunk
         low.append(smallest)
         saturated += sat
     assert exponents == chunk_exponents(x, chunk, CNAT_RANGE).tolist()
-    assert saturated == cnat.encode(x, seed=seed, stream=stream).saturated
+    assert saturated == 0
     for c in range(len(exponents)):
         part = x[c * chunk:(c + 1) * chunk]
+        own = cnat_floor(exponents[c], vbits)
+        precoded = codes[c * chunk:(c + 1) * chunk]
+        assert np.array_equal(precoded, cnat.encode(part, seed=seed, stream=stream, offset=c * chunk, floor=own).codes)
+        assert low[c] & arith.PRECODED
         magnitudes = np.abs(part.astype(np.float64))
         for floor in floors:
             below = bool(((magnitudes > 0) & (magnitudes < 2.0**floor)).any())
             assert bool(cnat.has_underflow(low[c], floor)) == below
-            if not below:
+            assert bool(cnat.has_underflow(low[c] & ~arith.PRECODED, floor)) == below
+            if not below and floor >= own:
+                lowered = precoded.copy()
+                arith.lower_codes(lowered, floor - own)
                 want = cnat.encode(part, seed=seed, stream=stream, offset=c * chunk, floor=floor).codes
-                assert np.array_equal(codes[c * chunk:(c + 1) * chunk], want), (c, floor)
+                assert np.array_equal(lowered, want), (c, floor)
 
 
-@pytest.mark.parametrize("floor, ceiling", [(-50, 10), (-50, -20), (-30, 0), (10, 10), (-5, -5), (-50, -51),
-                                            (3, 2), (10, 9)])
-def test_codes_in_range_every_code_at_every_lane(floor, ceiling):
+@pytest.mark.parametrize("k_max", [-1, 0, 1, 5, 29, 30, 31, 62, 63])
+def test_codes_in_range_every_code_at_every_lane(k_max):
     """The 8-bit vector check agrees with the definition for every code, alone among valid codes, at every
-    position of a vector-width block and of the scalar tail; ceiling < floor admits only zeros."""
+    position of a vector-width block and of the scalar tail; k_max = -1 admits only zeros."""
     n = 32 * 3 + 7
     for c in range(256):
         for pos in list(range(32)) + list(range(n - 7, n)):
             codes = np.zeros(n, np.uint8)
             codes[pos] = c
-            assert bool(cnat.codes_in_range(codes, floor, ceiling)) == in_range(c, floor, ceiling), (hex(c), pos)
-    assert cnat.codes_in_range(np.zeros(0, np.uint8), floor, ceiling)
+            assert bool(cnat.codes_in_range(codes, k_max)) == in_range(c, k_max), (hex(c), pos)
+    assert cnat.codes_in_range(np.zeros(0, np.uint8), k_max)
 
 
 @settings(deadline=None)  # the first example compiles the kernels
-@given(fc=floor_ceiling(), k=st.integers(0, 9), n=st.integers(0, 300), first=st.booleans(),
+@given(k_max=st.integers(0, 30), k=st.integers(0, 9), n=st.integers(0, 300), first=st.booleans(),
        seed=st.integers(0, 2**32 - 1))
-def test_add_fixed_rows_equals_adding_rows_one_by_one(fc, k, n, first, seed):
+def test_add_fixed_rows_equals_adding_rows_one_by_one(k_max, k, n, first, seed):
     """The fused 4-row and 2-row passes give the sums of the reference's row-by-row int32 additions (mod 2**32),
     reading only the rows listed and only their columns [col, col + n)."""
-    floor, ceiling = fc
     g = np.random.default_rng(seed)
     col, height = 5, 12
-    e = g.integers(floor, ceiling + 1, (height, col + n))
-    data = np.where(g.random(e.shape) < 0.1, 0, (g.integers(0, 2, e.shape) << 7) | 0x40 | (e + 50)).astype(np.uint8)
+    e = g.integers(0, k_max + 1, (height, col + n))
+    data = np.where(g.random(e.shape) < 0.1, 0, (g.integers(0, 2, e.shape) << 7) | 0x40 | e).astype(np.uint8)
     data[:, :col] = 0xFF  # invalid codes: reading them would show
     rows = g.permutation(height)[:max(k, 1)].astype(np.int64)
     acc = g.integers(-(2**31), 2**31, n, dtype=np.int64).astype(np.int32)
     want = np.zeros(n, np.int64) if first else acc.astype(np.int64)
     for t in range(k):
-        want += reference.to_fixed(data[rows[t], col:], floor)
+        want += reference.to_fixed(data[rows[t], col:])
     if k == 0:
         want = acc.astype(np.int64)
-    arith.add_fixed_rows(data, rows, k, col, acc, floor, first)
+    arith.add_fixed_rows(data, rows, k, col, acc, first)
     np.testing.assert_array_equal(acc, want.astype(np.uint32).view(np.int32))
 
 
 def test_to_fixed_hand_cases():
-    codes = np.array([0x00, 0x72, 0xF2, 0x7C, 0x5E, 0xDE], np.uint8)  # 0, 1, -1, 2**10, 2**-20, -2**-20
-    assert to_fixed(codes, -20).tolist() == [0, 2**20, -(2**20), 2**30, 1, -1]
+    codes = np.array([0x00, 0x40, 0xC0, 0x5E, 0x54, 0xD4], np.uint8)  # 0, 1, -1, 2**30, 2**20, -2**20 units
+    assert to_fixed(codes).tolist() == [0, 1, -1, 2**30, 2**20, -(2**20)]
     with pytest.raises(ValueError) as excinfo:
-        to_fixed(codes, -19)  # 2**-20 is below the unit
-    assert bad_index(excinfo) == 4
-    with pytest.raises(ValueError) as excinfo:
-        to_fixed(codes, -20, ceiling=9)  # 2**10 is above the ceiling
+        to_fixed(codes, 29)  # 2**30 units is above k_max
     assert bad_index(excinfo) == 3
-    with pytest.raises(ValueError, match="<= 30"):
-        to_fixed(codes, -50)  # ceiling 10 - floor -50 > 30 cannot fit int32
-    with pytest.raises(ValueError, match="floor"):
-        to_fixed(codes, -51, -30)
-    for invalid in (0x80, 0x7D, 0x7F, 0x01):
+    with pytest.raises(ValueError) as excinfo:
+        to_fixed(codes, -1)  # an all-zero chunk admits only 0
+    assert bad_index(excinfo) == 1
+    with pytest.raises(ValueError, match="k_max"):
+        to_fixed(codes, 31)  # 2**31 units cannot fit int32
+    for invalid in (0x80, 0x5F, 0x7F, 0x01):
         with pytest.raises(ValueError) as excinfo:
-            to_fixed(np.array([0x72, invalid], np.uint8), -20)
+            to_fixed(np.array([0x40, invalid], np.uint8))
         assert bad_index(excinfo) == 1
-
-
-@pytest.mark.parametrize("code", [0x7D, 0x7E, 0x7F, 0xFF])
-def test_to_fixed_never_accepts_an_invalid_code(code):
-    """Codes with k > 60 are invalid whatever the caller's ceiling: to_fixed must raise ValueError (for the code
-    or for a ceiling above E_MAX = 10) rather than return 2**(k - 50 - floor) units."""
-    with pytest.raises(ValueError):
-        to_fixed(np.array([code], np.uint8), -17, 13)
 
 
 @FEW
 @given(x=f32_arrays(), n=st.integers(1, 1000), seed=SEEDS)
 def test_encode_at_agreed_exponent_fits_the_slot(x, n, seed):
-    """End to end: with E = chunk exponent and f = cnat_floor(E, n), every code of encode(x, floor=f) is accepted
-    by to_fixed(codes, f, E), and n of the largest possible contribution fit int32."""
+    """End to end: with E = chunk exponent and f = cnat_floor(E, n), nothing saturates, every code of
+    encode(x, floor=f) is accepted by to_fixed(codes, data_k_max(E, s(n))), and n of the largest possible
+    contribution fit int32 -- for every finite float32 input, 3e38 and denormals included."""
     (e,) = chunk_exponents(x, max(1, x.size), CNAT_RANGE) if x.size else [NO_EXP]
     if e == NO_EXP:
         return
-    f = cnat_floor(int(e), value_bits(n))
-    codes = cnat.encode(x, seed=seed, stream=worker_stream(1, 0), floor=f).codes
-    fixed = to_fixed(codes, f, int(e)).astype(np.int64)
-    assert np.abs(fixed).max(initial=0) <= 2 ** (int(e) - f)
-    assert n * 2 ** (int(e) - f) < 2**31
+    s = value_bits(n)
+    f = cnat_floor(int(e), s)
+    got = cnat.encode(x, seed=seed, stream=worker_stream(1, 0), floor=f)
+    assert got.saturated == 0
+    fixed = to_fixed(got.codes, data_k_max(int(e), s)).astype(np.int64)
+    assert np.abs(fixed).max(initial=0) <= 2 ** data_k_max(int(e), s)
+    assert n * 2 ** data_k_max(int(e), s) < 2**31
 
 
 # --- sum_to_codes ----------------------------------------------------------------------------------------------
@@ -353,7 +355,8 @@ def test_encode_at_agreed_exponent_fits_the_slot(x, n, seed):
 @SETTINGS
 @given(sums=int32_sums(), floor=FLOORS, seed=SEEDS, stream=SEEDS, offset=OFFSETS)
 @example(sums=np.array(SUM_SPECIALS, np.int32), floor=-50, seed=0, stream=0, offset=2**32 - 3)
-@example(sums=np.array(SUM_SPECIALS, np.int32), floor=10, seed=M64, stream=1, offset=0)
+@example(sums=np.array(SUM_SPECIALS, np.int32), floor=97, seed=M64, stream=1, offset=0)
+@example(sums=np.array(SUM_SPECIALS, np.int32), floor=-149, seed=5, stream=1, offset=0)
 def test_sum_to_codes_matches_reference(sums, floor, seed, stream, offset):
     codes, saturated = sum_to_codes(sums, floor, seed=seed, stream=stream, offset=offset)
     want, want_saturated = reference.sum_to_codes(sums, floor, seed=seed, stream=stream, offset=offset)
@@ -363,27 +366,30 @@ def test_sum_to_codes_matches_reference(sums, floor, seed, stream, offset):
 
 
 def test_sum_to_codes_hand_cases():
-    # exact powers of two and zero are deterministic; magnitude 2**b in units of 2**floor is 2**(b + floor)
+    # exact powers of two and zero are deterministic; magnitude 2**b units is the code k = b, whatever the floor
     sums = np.array([0, 1, -1, 2, 2**20, -(2**30), I32_MIN], np.int32)
     for seed in range(5):
-        codes, saturated = sum_to_codes(sums, -40, seed=seed, stream=3)
-        assert codes.tolist() == [0, code_of(False, -40), code_of(True, -40), code_of(False, -39),
-                                  code_of(False, -20), code_of(True, -10), code_of(True, -9)]
-        assert saturated == 0
-    # 2**30 units of 2**-10 is 2**20 > 2**10: saturates to 2**10 and is counted
-    codes, saturated = sum_to_codes(np.array([2**30, -(2**30), 2**20], np.int32), -10, seed=1, stream=1)
-    assert codes.tolist() == [0x7C, 0xFC, 0x7C] and saturated == 2
+        for floor in (-149, -40, 0, 96):
+            codes, overflowed = sum_to_codes(sums, floor, seed=seed, stream=3)
+            assert codes.tolist() == [0, code_of(False, 0), code_of(True, 0), code_of(False, 1),
+                                      code_of(False, 20), code_of(True, 30), code_of(True, 31)]
+            assert overflowed == 0
+    # at floor 98, 2**30 units is 2**128, beyond float32: the code is kept (it decodes to Inf) and counted
+    codes, overflowed = sum_to_codes(np.array([2**30, -(2**30), 2**29], np.int32), 98, seed=1, stream=1)
+    assert codes.tolist() == [0x5E, 0xDE, 0x5D] and overflowed == 2
+    assert cnat.decode(codes, floor=98).tolist() == [np.inf, -np.inf, 2.0**127]
 
 
 @pytest.mark.parametrize("offset", [0, 4090, 2**32 - 3])
-def test_sum_to_codes_saturation_edge(offset):
-    """In units of 2**0: 1024 = 2**10 is representable (not counted); 2048 = 2**11 is the smallest saturation,
-    alone in its block or not; powers of two are deterministic."""
-    cases = [([1024, -1024], 0), ([2048], 1), ([-2048], 1), ([1024, 2048, -2048, 4096, 0], 3)]
+def test_sum_to_codes_overflow_edge(offset):
+    """In units of 2**100: 2**27 units = 2**127 is the largest finite value (not counted); 2**28 = 2**128 is the
+    smallest overflow, alone in its block or not; powers of two are deterministic."""
+    cases = [([2**27, -(2**27)], 0), ([2**28], 1), ([-(2**28)], 1), ([2**27, 2**28, -(2**28), 2**29, 0], 3)]
     for sums, count in cases:
-        codes, saturated = sum_to_codes(np.array(sums, np.int32), 0, seed=3, stream=4, offset=offset)
-        assert saturated == count, sums
-        assert codes.tolist() == [0 if s == 0 else (0xFC if s < 0 else 0x7C) for s in sums]
+        codes, overflowed = sum_to_codes(np.array(sums, np.int32), 100, seed=3, stream=4, offset=offset)
+        assert overflowed == count, sums
+        assert codes.tolist() == [0 if s == 0 else (0x80 if s < 0 else 0) | 0x40 | (abs(s).bit_length() - 1)
+                                  for s in sums]
 
 
 @pytest.mark.parametrize("s", [3, -5, 7, 1000003, -(2**20 + 12345), 2**30 - 1, 2**30 + 2**29 + 1, I32_MAX, -I32_MAX])
@@ -392,11 +398,11 @@ def test_sum_to_codes_is_unbiased(s):
     With b = floor(log2 |S|), R = |S| - 2**b: C = 2**(b+1) with probability p = R / 2**b, else 2**b, so
     Var = 4**b p (1 - p) (units of 2**floor) and the standard error is sqrt(Var / N)."""
     n = 1 << 20
-    floor = -45  # |S| * 2**floor <= 2**-14: no saturation
-    codes, saturated = sum_to_codes(np.full(n, s, np.int32), floor, seed=9, stream=switch_stream(4),
-                                    offset=2**32 - n // 2)
-    assert saturated == 0
-    units = cnat.decode(codes).astype(np.float64) / 2.0**floor  # exact: powers of two
+    floor = -45
+    codes, overflowed = sum_to_codes(np.full(n, s, np.int32), floor, seed=9, stream=switch_stream(4),
+                                     offset=2**32 - n // 2)
+    assert overflowed == 0
+    units = cnat.decode(codes, floor=floor).astype(np.float64) / 2.0**floor  # exact: powers of two
     b = abs(s).bit_length() - 1
     p = (abs(s) - 2**b) / 2**b
     assert set(np.abs(units).tolist()) <= {2.0**b, 2.0 ** (b + 1)} and np.all(np.sign(units) == np.sign(s))
@@ -427,7 +433,7 @@ def test_sum_to_codes_two_threads_concurrently():
     n = 1 << 22
     g = np.random.default_rng(3)
     sums = (g.integers(-(2**30), 2**30, n) >> g.integers(0, 31, n)).astype(np.int32)
-    floor, seed, stream, offset = -15, 5, switch_stream(2), 2**32 - n // 2  # up to 2**15 > 2**10: saturates
+    floor, seed, stream, offset = 100, 5, switch_stream(2), 2**32 - n // 2  # up to 2**131: some overflow
     whole, whole_saturated = sum_to_codes(sums, floor, seed=seed, stream=stream, offset=offset)
     assert whole_saturated > 0
     out = np.zeros(n, np.uint8)
@@ -485,7 +491,7 @@ def test_sum_to_codes_out_non_contiguous_is_written_or_rejected():
 
 
 def test_sum_to_codes_checks_floor():
-    for floor in (-51, 11):
+    for floor in (-150, 128):
         with pytest.raises(ValueError, match="floor"):
             sum_to_codes(np.zeros(3, np.int32), floor, seed=1, stream=1)
 

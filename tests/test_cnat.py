@@ -1,6 +1,8 @@
 """Tests of protocol.cnat: the kernels against the numpy oracle (protocol.reference) bit for bit, the code
-layout, exactness on powers of two, unbiasedness and variance of the stochastic rounding, saturation, underflow,
-non-finite input, chunking/thread invariance and out= buffers."""
+layout relative to the floor, exactness on powers of two, unbiasedness and variance of the stochastic rounding,
+the 6-bit window's top, underflow, denormals, non-finite input, chunking/thread invariance and out= buffers.
+
+F0 = -50 is the floor of most hand cases: there k = e + 50."""
 
 import math
 import re
@@ -27,11 +29,12 @@ FEW = settings(max_examples=25, deadline=None, suppress_health_check=[HealthChec
 
 F32_MAX = float(np.finfo(np.float32).max)
 TINY = 2.0**-149  # smallest float32 denormal
+F0 = -50  # the hand cases' floor: k = e + 50
 
 # --- strategies ------------------------------------------------------------------------------------------------
 
 SEEDS = st.integers(0, M64)
-FLOORS = st.integers(cnat.E_MIN, cnat.E_MAX)
+FLOORS = st.one_of(st.integers(cnat.F_MIN, cnat.F_MAX), st.sampled_from([-149, -127, -126, -125, -50, 0, 64, 65, 127]))
 OFFSETS = st.one_of(
     st.sampled_from([0, 1, 4095, 4096, 2**32 - 3, 2**32 - 4096, 2**32 - 1, 2**32, 2**63 - 1, 2**64 - 20000]),
     st.integers(2**32 - 5000, 2**32 + 10),  # straddles the 2**32 block-key boundary
@@ -79,9 +82,21 @@ def f32_arrays(draw, max_size=3000, min_size=0):
     return x
 
 
-def code_of(negative: bool, e: int) -> int:
-    """bit 7 sign, bit 6 nonzero, bits 5..0 = e + 50"""
-    return (0x80 if negative else 0) | 0x40 | (e + 50)
+def code_of(negative: bool, e: int, floor: int = F0) -> int:
+    """bit 7 sign, bit 6 nonzero, bits 5..0 = k = e - floor"""
+    return (0x80 if negative else 0) | 0x40 | (e - floor)
+
+
+def code_values(codes: np.ndarray, floor: int) -> np.ndarray:
+    """float64 values +-2**(floor + k) of valid codes, by hand from the layout (beyond float32's range too)."""
+    c = codes.astype(np.int64)
+    sign = np.where(c & 0x80, -1.0, 1.0)
+    return np.where(c == 0, 0.0, sign * np.ldexp(1.0, floor + (c & 0x3F)))
+
+
+def saturating(x: np.ndarray, floor: int) -> int:
+    """Elements beyond the 6-bit window: |x| > 2**(floor + 63)."""
+    return int((np.abs(x.astype(np.float64)) > 2.0 ** (floor + 63)).sum())
 
 
 def same_floats(a: np.ndarray, b: np.ndarray) -> None:
@@ -106,12 +121,17 @@ def bad_index(excinfo) -> int:
 @given(x=f32_arrays(), seed=SEEDS, stream=SEEDS, offset=OFFSETS, floor=FLOORS)
 @example(x=np.array([TINY, -1e-40, 2.0**-50, 1.5 * 2.0**-50, -0.0, 0.0, 3e38], np.float32), seed=0, stream=0,
          offset=2**32 - 3, floor=-50)
+@example(x=np.array([TINY, -3 * TINY, 1e-40, 2.0**-126 - TINY, 2.0**-126, 3e38, -F32_MAX], np.float32), seed=1,
+         stream=2, offset=0, floor=-149)
+@example(x=np.array([TINY, 1e-40, 2.0**-126 - TINY, 2.0**-126, 1.5 * 2.0**-127], np.float32), seed=1, stream=2,
+         offset=5, floor=-127)
+@example(x=np.array([3e38, -F32_MAX, 2.0**127, 1e38, 1.0], np.float32), seed=3, stream=4, offset=0, floor=98)
 def test_encode_matches_reference(x, seed, stream, offset, floor):
     got = encode(x, seed=seed, stream=stream, offset=offset, floor=floor)
     codes, saturated = reference.encode(x, seed=seed, stream=stream, offset=offset, floor=floor)
     np.testing.assert_array_equal(got.codes, codes)
     assert got.codes.dtype == np.uint8 and got.codes.shape == x.shape
-    assert got.saturated == saturated == int((np.abs(x) > 2.0**10).sum())
+    assert got.saturated == saturated == saturating(x, floor)
 
 
 @SETTINGS
@@ -121,40 +141,52 @@ def test_encode_nearest_matches_reference(x, floor):
     got = encode_nearest(x, floor=floor)
     codes, saturated = reference.encode(x, seed=None, floor=floor)
     np.testing.assert_array_equal(got.codes, codes)
-    assert got.saturated == saturated == int((np.abs(x) > 2.0**10).sum())
+    assert got.saturated == saturated == saturating(x, floor)
 
 
-def test_decode_all_256_codes():
+@pytest.mark.parametrize("floor", [-149, -140, -127, -126, -50, 0, 64, 65, 100, 127])
+def test_decode_all_256_codes(floor):
     codes = np.arange(256, dtype=np.uint8)
-    got = decode(codes)
-    want = reference.decode(codes)
+    got = decode(codes, floor=floor)
+    want = reference.decode(codes, floor)
     assert got.dtype == np.float32
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))  # NaNs too: both are the quiet NaN
-    assert np.isnan(got).sum() == 256 - 1 - 2 * 61  # zero plus 61 exponents of each sign are valid
+    assert np.isnan(got).sum() == 256 - 1 - 2 * 64  # zero plus the 64 k of each sign are valid
     np.testing.assert_array_equal(np.isnan(got), ~np.array([reference.is_valid(c) for c in range(256)]))
-    assert cnat.DECODE_TABLE.view(np.uint32).tolist() == want.view(np.uint32).tolist()
+    valid = ~np.isnan(got)
+    finite = np.abs(code_values(codes[valid], floor)) < 2.0**128
+    np.testing.assert_array_equal(got[valid][finite].astype(np.float64), code_values(codes[valid], floor)[finite])
+    assert np.all(np.isinf(got[valid][~finite]))  # 2**128 and up: +-Inf, as a float32 overflows
+    assert cnat.decode_table(floor).view(np.uint32).tolist() == want.view(np.uint32).tolist()
+
+
+def test_decode_range_ends():
+    """The lowest floor decodes k = 0 to the smallest denormal; 2**127 is the largest finite code value."""
+    assert decode(np.array([0x40, 0xC0, 0x40 | 23], np.uint8), floor=-149).tolist() == [TINY, -TINY, 2.0**-126]
+    assert decode(np.array([0x7F, 0xFF], np.uint8), floor=64).tolist() == [2.0**127, -(2.0**127)]
+    assert decode(np.array([0x7F, 0xFF, 0x40], np.uint8), floor=65).tolist() == [np.inf, -np.inf, 2.0**65]
 
 
 @SETTINGS
-@given(codes=st.lists(st.integers(0, 255), max_size=3000), shape2=st.booleans())
-def test_decode_matches_reference(codes, shape2):
+@given(codes=st.lists(st.integers(0, 255), max_size=3000), shape2=st.booleans(), floor=FLOORS)
+def test_decode_matches_reference(codes, shape2, floor):
     c = np.array(codes, dtype=np.uint8)
     if shape2 and c.size % 2 == 0:
         c = c.reshape(2, -1)
-    got = decode(c)
+    got = decode(c, floor=floor)
     assert got.shape == c.shape
-    same_floats(got.reshape(-1), reference.decode(c))
+    same_floats(got.reshape(-1), reference.decode(c, floor))
 
 
 @SETTINGS
 @given(codes=st.lists(st.integers(0, 255), max_size=3000), acc_seed=st.integers(0, 2**32 - 1),
-       dtype=st.sampled_from([np.float32, np.float64]))
-def test_decode_accumulate_matches_reference(codes, acc_seed, dtype):
+       dtype=st.sampled_from([np.float32, np.float64]), floor=st.integers(-149, 60))
+def test_decode_accumulate_matches_reference(codes, acc_seed, dtype, floor):
     c = np.array(codes, dtype=np.uint8)
     acc = bulk_f32(np.random.default_rng(acc_seed), c.size).astype(dtype)
     acc[np.abs(acc) > 1e30] = 0  # keep clear of inf + (-inf)
-    want = acc + reference.decode(c).astype(dtype)  # the sum in the accumulator's dtype
-    got = decode_accumulate(c, acc)
+    want = acc + reference.decode(c, floor).astype(dtype)  # the sum in the accumulator's dtype
+    got = decode_accumulate(c, acc, floor=floor)
     assert got is acc
     same_floats(acc, want)
 
@@ -162,9 +194,9 @@ def test_decode_accumulate_matches_reference(codes, acc_seed, dtype):
 def test_decode_accumulate_exact_small_case():
     acc32 = np.array([1.0, 1.0, 0.5, -3.0], np.float32)
     acc64 = acc32.astype(np.float64) + 2.0**-40  # not representable in float32
-    codes = np.array([0x72, 0xF2, 0x00, 0x40], np.uint8)  # +1, -1, 0, 2**-50
-    decode_accumulate(codes, acc32)
-    decode_accumulate(codes, acc64)
+    codes = np.array([0x72, 0xF2, 0x00, 0x40], np.uint8)  # +1, -1, 0, 2**-50 at F0
+    decode_accumulate(codes, acc32, floor=F0)
+    decode_accumulate(codes, acc64, floor=F0)
     assert acc32.tolist() == [2.0, 0.0, 0.5, np.float32(-3.0 + 2.0**-50)]
     assert acc64.tolist() == [2.0 + 2.0**-40, 2.0**-40, 0.5 + 2.0**-40, -3.0 + 2.0**-40 + 2.0**-50]
 
@@ -184,7 +216,7 @@ def test_find_invalid_and_validate_on_every_code():
 
 @SETTINGS
 @given(codes=st.lists(st.integers(0, 255), max_size=3000),
-       valid=st.lists(st.sampled_from([0] + [code_of(s, e) for s in (0, 1) for e in range(-50, 11)]), max_size=3000))
+       valid=st.lists(st.sampled_from([0] + [code_of(s, e) for s in (0, 1) for e in range(-50, 14)]), max_size=3000))
 def test_find_invalid_is_the_first_invalid_index(codes, valid):
     c = np.array(valid + codes, dtype=np.uint8)
     invalid = [i for i, v in enumerate(c.tolist()) if not reference.is_valid(v)]
@@ -201,13 +233,13 @@ def test_find_invalid_2d_and_empty():
     assert find_invalid(np.zeros((0,), np.uint8)) == -1
     c = np.full((3, 4), 0x72, np.uint8)
     c[2, 1] = 0x80
-    c[2, 3] = 0x7F
+    c[2, 3] = 0x3F
     assert find_invalid(c) == 9
 
 
 # --- code layout and exactness ---------------------------------------------------------------------------------
 
-# (value, code) written out by hand from the layout: bit7 sign, bit6 nonzero, bits5..0 = e + 50.
+# (value, code) at F0 written out by hand from the layout: bit7 sign, bit6 nonzero, bits5..0 = e - F0 = e + 50.
 HAND_CODES = [
     (0.0, 0x00),
     (1.0, 0x72),  # e=0: 0x40 | 50 = 0x40 | 0x32
@@ -220,49 +252,66 @@ HAND_CODES = [
     (2.0**-50, 0x40),  # e=-50: k=0
     (-(2.0**-50), 0xC0),
     (2.0**-20, 0x5E),  # k=30
+    (2.0**13, 0x7F),  # k=63, the window's top
+    (-(2.0**13), 0xFF),
+]
+# (value, floor, code) at other floors: the code says k = e - floor whatever the floor
+HAND_CODES_FLOORS = [
+    (TINY, -149, 0x40),  # the smallest denormal, k = 0
+    (-(2.0**-126), -149, 0xD7),  # k = 23
+    (2.0**-140, -149, 0x49),  # a denormal power of two, k = 9
+    (1.0, 0, 0x40),
+    (4096.0, 0, 0x4C),  # 2**12, k = 12
+    (2.0**127, 98, 0x5D),  # k = 29
+    (2.0**127, 64, 0x7F),  # k = 63
 ]
 
 
 @pytest.mark.parametrize("value, code", HAND_CODES)
 def test_hand_computed_codes(value, code):
     x = np.array([value] * 5, np.float32)
-    assert encode(x, seed=3, stream=4).codes.tolist() == [code] * 5
-    assert encode_nearest(x).codes.tolist() == [code] * 5
-    assert decode(np.array([code], np.uint8)).tolist() == [value]
+    assert encode(x, seed=3, stream=4, floor=F0).codes.tolist() == [code] * 5
+    assert encode_nearest(x, floor=F0).codes.tolist() == [code] * 5
+    assert decode(np.array([code], np.uint8), floor=F0).tolist() == [value]
 
 
-@pytest.mark.parametrize("code", [0x80, 0x01, 0x3F, 0x7D, 0x7E, 0x7F, 0xBD, 0xFD, 0xFF, 0x3C])
+@pytest.mark.parametrize("value, floor, code", HAND_CODES_FLOORS)
+def test_hand_computed_codes_at_other_floors(value, floor, code):
+    x = np.array([value] * 5, np.float32)
+    assert encode(x, seed=3, stream=4, floor=floor).codes.tolist() == [code] * 5
+    assert encode_nearest(x, floor=floor).codes.tolist() == [code] * 5
+    assert decode(np.array([code], np.uint8), floor=floor).tolist() == [value]
+
+
+@pytest.mark.parametrize("code", [0x80, 0x01, 0x3F, 0xBD, 0xBF, 0x3C, 0x81])
 def test_hand_invalid_codes(code):
-    # 0x80 is "negative zero"; 0x01, 0x3F, 0x3C have the nonzero flag clear; 0x7D..0x7F and 0xFD, 0xFF have k > 60
-    assert np.isnan(decode(np.array([code], np.uint8))[0])
+    # 0x80 is "negative zero"; the others have the nonzero flag clear and another bit set
+    assert np.isnan(decode(np.array([code], np.uint8), floor=F0)[0])
     assert find_invalid(np.array([0x72, code], np.uint8)) == 1
 
 
-def test_powers_of_two_round_trip_exactly():
-    powers = np.array([2.0**e for e in range(-50, 11)], np.float32)
+@pytest.mark.parametrize("floor", [-149, -130, F0, 0, 64])
+def test_powers_of_two_round_trip_exactly(floor):
+    exps = range(floor, floor + 64)
+    powers = np.array([2.0**e for e in exps], np.float32)
     x = np.concatenate([powers, -powers])
-    want = np.array([code_of(False, e) for e in range(-50, 11)] + [code_of(True, e) for e in range(-50, 11)], np.uint8)
+    want = np.array([code_of(False, e, floor) for e in exps] + [code_of(True, e, floor) for e in exps], np.uint8)
     for seed, stream, offset in [(0, 0, 0), (1, 2, 2**32 - 5), (M64, M64, 12345)]:
-        np.testing.assert_array_equal(encode(x, seed=seed, stream=stream, offset=offset).codes, want)
-    enc = encode_nearest(x)
+        np.testing.assert_array_equal(encode(x, seed=seed, stream=stream, offset=offset, floor=floor).codes, want)
+    enc = encode_nearest(x, floor=floor)
     np.testing.assert_array_equal(enc.codes, want)
     assert enc.saturated == 0
-    np.testing.assert_array_equal(decode(want), x)
-    # every valid code decodes to a value that encodes back to the same code, under any floor at or below it
-    for floor in (-50, -20, 0):
-        keep = np.abs(x) >= 2.0**floor
-        np.testing.assert_array_equal(encode(x[keep], seed=5, stream=6, floor=floor).codes, want[keep])
-        np.testing.assert_array_equal(encode_nearest(x[keep], floor=floor).codes, want[keep])
+    np.testing.assert_array_equal(decode(want, floor=floor), x)
 
 
 def test_nearest_rounding_hand_cases():
-    x = np.array([1.49, 1.5, -1.5, np.float32(1.5) - np.float32(2**-23), 3.0, 0.75, 1.5 * 2.0**-50, 768.0,
-                  2.0**9.5], np.float32)
-    got = encode_nearest(x)
+    x = np.array([1.49, 1.5, -1.5, np.float32(1.5) - np.float32(2**-23), 3.0, 0.75, 1.5 * 2.0**-50, 6144.0,
+                  2.0**12.5], np.float32)
+    got = encode_nearest(x, floor=F0)
     want = [code_of(False, 0), code_of(False, 1), code_of(True, 1), code_of(False, 0), code_of(False, 2),
-            code_of(False, 0), code_of(False, -49), code_of(False, 10), code_of(False, 9)]
+            code_of(False, 0), code_of(False, -49), code_of(False, 13), code_of(False, 12)]
     assert got.codes.tolist() == want
-    assert got.saturated == 0  # 768 rounds to 2**10 exactly: representable, not saturated
+    assert got.saturated == 0  # 6144 rounds to 2**13 exactly: the window's top, not saturated
 
 
 # --- unbiasedness ----------------------------------------------------------------------------------------------
@@ -289,6 +338,14 @@ UNBIASED_CASES = [
     (0.3, -20), (-5.0, 0),
     # denormals: P(up) is exact only to 2**-32, so the mean is x to within 2**(floor - 32)
     (1e-40, -50), (-TINY, -50), (1e-39, -20),
+    # denormals at or above the lowest floors: rounded between powers of two like any value
+    (1e-40, -149), (-3 * TINY, -149), (2.0**-126 - TINY, -149), (1e-39, -130), (1e-40, -127),
+    # the magnitudes the old absolute window clipped at 2**10 or flushed below 2**-50, at the floors an
+    # allreduce gives them (cnat_floor(E, s(2)) = E - 29): 5000, 1e6, AMP's x65536 scaled values, 1e-20, 3e38
+    (5000.0, 13 - 29), (-1e6, 20 - 29), (65536 * 0.37, 15 - 29), (-65536 * 3e-5, 1 - 29), (1e-20, -66 - 29),
+    (123.456, 7 - 29), (3e38, 128 - 29), (-1.7e38, 128 - 29),
+    # and at the top of a window: 2**(floor + 62) < |x| < 2**(floor + 63)
+    (1.3 * 2.0**62, 0),
 ]
 
 
@@ -303,8 +360,9 @@ def test_encode_is_unbiased(x, floor):
     within 2**-32 (cnat docstring), so there the mean is allowed an extra 2**(floor - 32)."""
     x = _f32(x)
     n = 1 << 20
-    codes = encode(np.full(n, x, np.float32), seed=77, stream=floor + 1000, offset=2**32 - n // 3, floor=floor).codes
-    values = decode(codes).astype(np.float64)
+    got = encode(np.full(n, x, np.float32), seed=77, stream=floor + 1000, offset=2**32 - n // 3, floor=floor)
+    assert got.saturated == 0
+    values = code_values(got.codes, floor)  # in float64: 2**128 (3e38 rounded up) is beyond float32
     lo, hi, p, underflow = bernoulli_pair(x, floor)
     assert set(np.abs(values).tolist()) <= {lo, hi}
     assert np.all((values == 0) | (np.sign(values) == np.sign(x)))
@@ -318,9 +376,9 @@ def test_encode_is_unbiased_across_streams(x):
     """Mean over 1024 streams x 1024 indices (the same element index in different ranks' streams); same bound."""
     x = _f32(x)
     v = np.full(1024, x, np.float32)
-    codes = np.concatenate([encode(v, seed=5, stream=s, offset=2**32 - 512).codes for s in range(1024)])
-    values = decode(codes).astype(np.float64)
-    lo, hi, p, underflow = bernoulli_pair(x, -50)
+    codes = np.concatenate([encode(v, seed=5, stream=s, offset=2**32 - 512, floor=F0).codes for s in range(1024)])
+    values = decode(codes, floor=F0).astype(np.float64)
+    lo, hi, p, underflow = bernoulli_pair(x, F0)
     se = math.sqrt((hi - lo) ** 2 * p * (1 - p) / values.size)
     assert abs(values.mean() - x) <= 5 * se + (2.0**-82 if underflow else 0.0)
 
@@ -361,7 +419,7 @@ def test_worst_case_second_moment(a):
     over N = 2**20 encodings must be the exact ratio within 5 standard errors, hence also <= 9/8 + 5 se."""
     x = _f32(4 / 3 * 2.0**a)
     n = 1 << 20
-    c = decode(encode(np.full(n, x, np.float32), seed=a + 100, stream=9).codes).astype(np.float64)
+    c = decode(encode(np.full(n, x, np.float32), seed=a + 100, stream=9, floor=F0).codes, floor=F0).astype(np.float64)
     t = x / 2.0**a - 1
     measured = float((c * c).mean() / (x * x))
     se = 3 / (1 + t) ** 2 * math.sqrt(t * (1 - t)) / math.sqrt(n)
@@ -376,9 +434,9 @@ def test_gaussian_vector_second_moment():
     estimator's sd is sqrt(sum 9 * 16**a_i t_i (1 - t_i)) / sum x_i**2 (about 0.05% here)."""
     g = np.random.default_rng(2024)
     x = (g.standard_normal(1 << 20) * 0.01).astype(np.float32)
-    c = decode(encode(x, seed=8, stream=8).codes).astype(np.float64)
+    c = decode(encode(x, seed=8, stream=8, floor=F0).codes, floor=F0).astype(np.float64)
     xd = x.astype(np.float64)
-    assert np.abs(xd).min() > 2.0**-50 and np.abs(xd).max() < 2.0**10  # no underflow or saturation here
+    assert np.abs(xd).min() > 2.0**-50 and np.abs(xd).max() < 2.0**13  # no underflow or saturation here
     a = np.frexp(np.abs(xd))[1] - 1
     lo = np.ldexp(1.0, a)
     t = np.abs(xd) / lo - 1
@@ -394,27 +452,38 @@ def test_gaussian_vector_second_moment():
 # --- saturation, underflow, zeros, non-finite ------------------------------------------------------------------
 
 
-def test_saturation_is_counted_only_above_2_10():
-    above = [float(np.nextafter(np.float32(1024), np.float32(np.inf))), 2000.0, -3e38, F32_MAX, -1025.0]
-    not_above = [1024.0, -1024.0, 1023.9, 2.0**9.5, 768.0, -1000.0, 0.0]
+def test_saturation_is_counted_only_above_the_window():
+    """At F0 the 6-bit window tops out at 2**13: only |x| > 2**13 is clamped, and counted."""
+    above = [float(np.nextafter(np.float32(8192), np.float32(np.inf))), 10000.0, -3e38, F32_MAX, -8193.0]
+    not_above = [8192.0, -8192.0, 8191.9, 2.0**12.5, 6144.0, -8000.0, 0.0]
     x = np.array(above + not_above, np.float32)
     for seed in range(20):
-        got = encode(x, seed=seed, stream=1)
+        got = encode(x, seed=seed, stream=1, floor=F0)
         assert got.saturated == len(above)
-        assert got.codes[: len(above)].tolist() == [0x7C, 0x7C, 0xFC, 0x7C, 0xFC]
-        assert got.codes[len(above) : len(above) + 2].tolist() == [0x7C, 0xFC]
-    got = encode_nearest(x)
+        assert got.codes[: len(above)].tolist() == [0x7F, 0x7F, 0xFF, 0x7F, 0xFF]
+        assert got.codes[len(above) : len(above) + 2].tolist() == [0x7F, 0xFF]
+    got = encode_nearest(x, floor=F0)
     assert got.saturated == len(above)
-    assert got.codes[: len(above) + 2].tolist() == [0x7C, 0x7C, 0xFC, 0x7C, 0xFC, 0x7C, 0xFC]
+    assert got.codes[: len(above) + 2].tolist() == [0x7F, 0x7F, 0xFF, 0x7F, 0xFF, 0x7F, 0xFF]
 
 
-def test_2_9_5_may_round_to_2_10_without_counting():
-    x = np.full(4096, 2.0**9.5, np.float32)
-    got = encode(x, seed=1, stream=1)
+def test_nothing_saturates_from_floor_65():
+    """From floor 65 up the window reaches 2**128, beyond every float32: the largest values round to 2**127 or
+    2**128 (k = 128 - floor), unbiased, and nothing is counted."""
+    x = np.full(4096, 1.5 * 2.0**127, np.float32)
+    for floor in (65, 98, 127):
+        got = encode(x, seed=1, stream=1, floor=floor)
+        assert got.saturated == 0 and encode(x * 0 + F32_MAX, seed=1, stream=1, floor=floor).saturated == 0
+        assert set(got.codes.tolist()) == {0x40 | (127 - floor), 0x40 | (128 - floor)}
+
+
+def test_top_of_window_may_round_up_without_counting():
+    x = np.full(4096, 2.0**12.5, np.float32)
+    got = encode(x, seed=1, stream=1, floor=F0)
     assert got.saturated == 0
-    assert set(got.codes.tolist()) == {code_of(False, 9), code_of(False, 10)}  # both occur: p(up) ~ 0.41
+    assert set(got.codes.tolist()) == {code_of(False, 12), code_of(False, 13)}  # both occur: p(up) ~ 0.41
     big = np.full(5000, 3e38, np.float32)  # a whole block of saturated values, counted across blocks
-    assert encode(big, seed=1, stream=1, offset=100).saturated == 5000
+    assert encode(big, seed=1, stream=1, offset=100, floor=F0).saturated == 5000
 
 
 @SETTINGS
@@ -425,16 +494,16 @@ def test_underflow_gives_zero_or_the_floor(floor, seed, data):
     mags = mags[np.abs(mags) < 2.0**floor]
     x = np.concatenate([mags, -mags])
     got = encode(x, seed=seed, stream=0, floor=floor)
-    allowed_pos, allowed_neg = {0, code_of(False, floor)}, {0, code_of(True, floor)}
+    allowed_pos, allowed_neg = {0, code_of(False, floor, floor)}, {0, code_of(True, floor, floor)}
     assert set(got.codes[: mags.size].tolist()) <= allowed_pos
     assert set(got.codes[mags.size :].tolist()) <= allowed_neg
     assert got.saturated == 0
     near = encode_nearest(x, floor=floor).codes
-    want = np.where(np.abs(x) >= 2.0 ** (floor - 1), np.where(x < 0, code_of(True, floor), code_of(False, floor)), 0)
+    want = np.where(np.abs(x.astype(np.float64)) >= 2.0 ** (floor - 1), np.where(x < 0, 0xC0, 0x40), 0)
     np.testing.assert_array_equal(near, want.astype(np.uint8))
 
 
-@pytest.mark.parametrize("floor", [-50, -20, 0, 10])
+@pytest.mark.parametrize("floor", [-149, -50, -20, 0, 10, 127])
 def test_zeros_encode_to_0x00(floor):
     x = np.array([0.0, -0.0] * 3000, np.float32)
     for seed in (0, 1, M64):
@@ -447,9 +516,13 @@ def test_denormals_are_encoded():
     x = np.array([TINY, -TINY, 1e-40, -1e-39, 2.0**-126 - TINY], np.float32)
     assert np.all(np.abs(x) < 2.0**-126) and np.all(x != 0)
     # deterministic: all below 2**-51, so 0 under floor -50
-    assert encode_nearest(x).codes.tolist() == [0] * 5
-    got = encode(np.tile(x, 1000), seed=1, stream=1)
+    assert encode_nearest(x, floor=F0).codes.tolist() == [0] * 5
+    got = encode(np.tile(x, 1000), seed=1, stream=1, floor=F0)
     assert set(got.codes.tolist()) <= {0, 0x40, 0xC0}
+    # at the lowest floor every denormal is a multiple of the unit: a power of two encodes exactly, k = e + 149
+    assert encode_nearest(x[:2], floor=-149).codes.tolist() == [0x40, 0xC0]
+    near = encode_nearest(x, floor=-149).codes
+    assert near.tolist() == reference.encode(x, seed=None, floor=-149)[0].tolist() and np.all(near & 0x40)
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, -np.nan, "snan"])
@@ -467,9 +540,9 @@ def test_non_finite_raises_naming_first_index(bad, n, at, stochastic):
         x[at + 5] = np.nan  # a later bad value is not the one reported
     with pytest.raises(ValueError) as excinfo:
         if stochastic:
-            encode(x, seed=1, stream=2, offset=123)
+            encode(x, seed=1, stream=2, offset=123, floor=F0)
         else:
-            encode_nearest(x)
+            encode_nearest(x, floor=F0)
     assert bad_index(excinfo) == at
 
 
@@ -515,10 +588,10 @@ def test_two_threads_concurrently():
     n = 1 << 22
     x = bulk_f32(np.random.default_rng(5), n)
     seed, stream, offset = 123, 456, 2**32 - n // 2
-    whole = encode(x, seed=seed, stream=stream, offset=offset)
+    whole = encode(x, seed=seed, stream=stream, offset=offset, floor=F0)
     out = np.zeros(n, np.uint8)
     saturated = run_halves_concurrently(
-        n, lambda a, b: encode(x[a:b], seed=seed, stream=stream, offset=offset + a, out=out[a:b]).saturated)
+        n, lambda a, b: encode(x[a:b], seed=seed, stream=stream, offset=offset + a, floor=F0, out=out[a:b]).saturated)
     assert saturated == whole.saturated > 0
     np.testing.assert_array_equal(out, whole.codes)
 
@@ -529,81 +602,83 @@ def test_two_threads_concurrently():
 
 def test_encode_out_is_used_in_place():
     x = bulk_f32(np.random.default_rng(1), 1000)
-    want = encode(x, seed=1, stream=2).codes
+    want = encode(x, seed=1, stream=2, floor=F0).codes
     out = np.zeros(1000, np.uint8)
-    got = encode(x, seed=1, stream=2, out=out)
+    got = encode(x, seed=1, stream=2, floor=F0, out=out)
     assert got.codes is out and np.shares_memory(got.codes, out)
     np.testing.assert_array_equal(out, want)
     out2 = np.zeros(1000, np.uint8)
-    assert encode_nearest(x, out=out2).codes is out2
-    np.testing.assert_array_equal(out2, encode_nearest(x).codes)
+    assert encode_nearest(x, floor=F0, out=out2).codes is out2
+    np.testing.assert_array_equal(out2, encode_nearest(x, floor=F0).codes)
 
 
 @pytest.mark.parametrize("dtype", [np.int8, np.float32, np.uint16])
 def test_encode_out_wrong_dtype(dtype):
     x = np.ones(10, np.float32)
     with pytest.raises(TypeError, match="out.*uint8"):
-        encode(x, seed=1, stream=1, out=np.zeros(10, dtype))
+        encode(x, seed=1, stream=1, floor=F0, out=np.zeros(10, dtype))
     with pytest.raises(TypeError, match="out.*uint8"):
-        encode_nearest(x, out=np.zeros(10, dtype))
+        encode_nearest(x, floor=F0, out=np.zeros(10, dtype))
 
 
 @pytest.mark.parametrize("size", [0, 9, 11])
 def test_encode_out_wrong_size(size):
     x = np.ones(10, np.float32)
     with pytest.raises(ValueError, match=f"out has {size} elements, needs 10"):
-        encode(x, seed=1, stream=1, out=np.zeros(size, np.uint8))
+        encode(x, seed=1, stream=1, floor=F0, out=np.zeros(size, np.uint8))
 
 
 def test_encode_argument_checks():
     x = np.ones(10, np.float32)
     with pytest.raises(ValueError, match="contiguous"):
-        encode(x, seed=1, stream=1, out=np.zeros(20, np.uint8)[::2])
+        encode(x, seed=1, stream=1, floor=F0, out=np.zeros(20, np.uint8)[::2])
     with pytest.raises(ValueError, match="contiguous"):
-        encode(np.ones(20, np.float32)[::2], seed=1, stream=1)
+        encode(np.ones(20, np.float32)[::2], seed=1, stream=1, floor=F0)
     with pytest.raises(TypeError, match="float32"):
-        encode(np.ones(10, np.float64), seed=1, stream=1)
+        encode(np.ones(10, np.float64), seed=1, stream=1, floor=F0)
     with pytest.raises(TypeError, match="float32"):
-        encode_nearest([1.0, 2.0])
-    for floor in (-51, 11):
+        encode_nearest([1.0, 2.0], floor=F0)
+    for floor in (-150, 128):
         with pytest.raises(ValueError, match="floor"):
             encode(x, seed=1, stream=1, floor=floor)
+        with pytest.raises(ValueError, match="floor"):
+            decode(np.zeros(3, np.uint8), floor=floor)
     with pytest.raises(ValueError, match="offset"):
-        encode(x, seed=1, stream=1, offset=-1)
+        encode(x, seed=1, stream=1, offset=-1, floor=F0)
     with pytest.raises(ValueError, match="seed"):
-        encode(x, seed=-1, stream=1)
+        encode(x, seed=-1, stream=1, floor=F0)
 
 
 def test_encode_keeps_shape():
     x = bulk_f32(np.random.default_rng(2), 24).reshape(2, 3, 4)
-    got = encode(x, seed=1, stream=1)
+    got = encode(x, seed=1, stream=1, floor=F0)
     assert got.codes.shape == (2, 3, 4)
-    np.testing.assert_array_equal(got.codes.reshape(-1), encode(x.reshape(-1), seed=1, stream=1).codes)
+    np.testing.assert_array_equal(got.codes.reshape(-1), encode(x.reshape(-1), seed=1, stream=1, floor=F0).codes)
 
 
 def test_decode_out_is_used_in_place_and_checked():
     codes = np.arange(256, dtype=np.uint8)
     out = np.zeros(256, np.float32)
-    got = decode(codes, out=out)
+    got = decode(codes, floor=F0, out=out)
     assert got is out
-    same_floats(out, reference.decode(codes))
+    same_floats(out, reference.decode(codes, F0))
     with pytest.raises(TypeError, match="out.*float32"):
-        decode(codes, out=np.zeros(256, np.float64))
+        decode(codes, floor=F0, out=np.zeros(256, np.float64))
     with pytest.raises(ValueError, match="out has 255 elements, needs 256"):
-        decode(codes, out=np.zeros(255, np.float32))
+        decode(codes, floor=F0, out=np.zeros(255, np.float32))
     with pytest.raises(TypeError, match="codes.*uint8"):
-        decode(codes.astype(np.int16))
+        decode(codes.astype(np.int16), floor=F0)
 
 
 def test_decode_accumulate_checks():
     codes = np.array([0x72, 0x40], np.uint8)
     with pytest.raises(TypeError, match="float32 or float64"):
-        decode_accumulate(codes, np.zeros(2, np.int32))
+        decode_accumulate(codes, np.zeros(2, np.int32), floor=F0)
     with pytest.raises(TypeError, match="float32 or float64"):
-        decode_accumulate(codes, [0.0, 0.0])
+        decode_accumulate(codes, [0.0, 0.0], floor=F0)
     with pytest.raises(ValueError, match="acc has 3 elements, needs 2"):
-        decode_accumulate(codes, np.zeros(3, np.float32))
+        decode_accumulate(codes, np.zeros(3, np.float32), floor=F0)
     with pytest.raises(TypeError, match="codes.*uint8"):
-        decode_accumulate(codes.astype(np.int32), np.zeros(2, np.float32))
+        decode_accumulate(codes.astype(np.int32), np.zeros(2, np.float32), floor=F0)
     acc = np.zeros((1, 2), np.float64)
-    assert decode_accumulate(codes, acc) is acc and acc.tolist() == [[1.0, 2.0**-50]]
+    assert decode_accumulate(codes, acc, floor=F0) is acc and acc.tolist() == [[1.0, 2.0**-50]]

@@ -13,14 +13,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from intml.protocol import codecs, reference, wire
-from intml.protocol.arith import chunk_exponents, precode_chunk, switch_stream, value_bits, worker_stream
+from intml.protocol.arith import PRECODED, chunk_exponents, precode_chunk, switch_stream, value_bits, worker_stream
 from intml.protocol.job import CODEC_NAMES
 from intml.protocol.rng import stream_key
 from intml.protocol.wire import NO_EXP, Codec
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FUNCTIONS = {  # name: parameters, the same in every codec
-    "encode_chunk": ("x", "payload", "key", "offset", "exp", "vbits", "low"),
+    "encode_chunk": ("x", "payload", "key", "offset", "exp", "vbits", "low", "local_exp"),
     "check_payload": ("payload", "exp", "vbits"),
     "add_payloads": ("data", "rows", "k", "col", "acc", "exp", "vbits", "first"),
     "encode_result": ("acc", "payload", "key", "offset", "exp", "vbits"),
@@ -80,14 +80,15 @@ def chunk_cases(draw):
 
 
 @SETTINGS
-@given(case=chunk_cases(), key=st.integers(0, M64), offset=st.integers(0, 2**40), precoded=st.booleans())
-def test_encode_chunk_dispatch(case, key, offset, precoded) -> None:
+@given(case=chunk_cases(), key=st.integers(0, M64), offset=st.integers(0, 2**40), precoded=st.booleans(),
+       local=st.integers(-128, 127))
+def test_encode_chunk_dispatch(case, key, offset, precoded, local) -> None:
     codec, seed, n, exp, vbits = case
     x = chunk_values(seed, n)
     low = np.uint32(0xFFFFFFFF if precoded else 0)  # "already encoded" (nothing below any floor) or "encode"
     got, want = (random_bytes(seed, n * codec.WIDTH) for _ in range(2))
-    codecs.encode_chunk(int(codec.ID), x, got, np.uint64(key), offset, exp, vbits, low)
-    codec.encode_chunk(x, want, np.uint64(key), offset, exp, vbits, low)
+    codecs.encode_chunk(int(codec.ID), x, got, np.uint64(key), offset, exp, vbits, low, local)
+    codec.encode_chunk(x, want, np.uint64(key), offset, exp, vbits, low, local)
     assert got.tobytes() == want.tobytes()
 
 
@@ -100,7 +101,7 @@ def test_check_dispatch(case, kind) -> None:
         x = chunk_values(seed, n)
         if kind == "in range":
             x = np.ldexp(x.astype(np.float64), exp - 20).astype(np.float32)
-        codec.encode_chunk(x, payload, np.uint64(seed), 0, exp, vbits, np.uint32(0))
+        codec.encode_chunk(x, payload, np.uint64(seed), 0, exp, vbits, np.uint32(0), exp)
     assert codecs.check_payload(int(codec.ID), payload, exp, vbits) == codec.check_payload(payload, exp, vbits)
     assert codecs.check_result(int(codec.ID), payload, exp, vbits) == codec.check_result(payload, exp, vbits)
 
@@ -158,10 +159,11 @@ def dispatched_allreduce(codec, xs: list[np.ndarray], *, seed: int, allreduce_se
         exp = max(int(e[c]) for e in exps)
         data = np.zeros((n, codecs.width(cid) * count), np.uint8)
         for r, x in enumerate(xs):
-            low = np.uint32(0)
-            if codecs.precodes(cid):  # as the worker does: encoded at the lowest floor first
-                _, _, _, low = precode_chunk(x[lo:lo + count], data[r], worker_keys[r], lo)
-            codecs.encode_chunk(cid, x[lo:lo + count], data[r], worker_keys[r], lo, exp, vbits, low)
+            low, local = np.uint32(0), int(exps[r][c])
+            if codecs.precodes(cid):  # as the worker does: encoded at its own floor first
+                _, _, local, low = precode_chunk(x[lo:lo + count], data[r], worker_keys[r], lo, vbits)
+                assert low & PRECODED and local == exps[r][c]
+            codecs.encode_chunk(cid, x[lo:lo + count], data[r], worker_keys[r], lo, exp, vbits, low, local)
             assert codecs.check_payload(cid, data[r], exp, vbits)
         acc = np.empty(count, np.int32)
         codecs.add_payloads(cid, data, np.arange(n, dtype=np.int64), n, 0, acc, exp, vbits, True)
@@ -181,3 +183,71 @@ def test_round_trip_matches_reference(codec, kind, n) -> None:
     got = dispatched_allreduce(codec, xs, seed=n * 7919, allreduce_seq=3, packet_elements=packet)
     want = reference.allreduce(xs, codec=codec.NAME, seed=n * 7919, allreduce_seq=3, packet_elements=packet)
     assert got.tobytes() == want.tobytes()
+
+
+def test_cnat8_checks_against_the_window() -> None:
+    """DATA codes may hold k <= T - f (T = E, or 128 for E = 127), RESULT codes k <= 31; an all-zero chunk admits
+    only 0; a code without the nonzero bit is never accepted."""
+    cnat8 = codecs.cnat8
+    for exp, vbits, k_max in ((0, 29, 29), (-126, 29, 23), (-126, 24, 23), (-120, 29, 29), (127, 29, 29),
+                              (126, 30, 30), (NO_EXP, 29, -1)):
+        for c in range(256):
+            k = c & 0x3F
+            ok = c == 0 or (bool(c & 0x40) and k <= k_max)
+            assert bool(cnat8.check_payload(np.array([0, c], np.uint8), exp, vbits)) == ok, (exp, vbits, hex(c))
+            assert bool(cnat8.check_result(np.array([c, 0], np.uint8), exp, vbits)) == (
+                c == 0 or (bool(c & 0x40) and k <= 31)), hex(c)
+
+
+def allreduce_mean(xs: list[np.ndarray], seeds: range) -> tuple[np.ndarray, np.ndarray]:
+    """(mean, bound on the standard error) of the cnat8 allreduce of xs over job seeds, by the fast dispatchers;
+    each result also equals the oracle's for the first seeds. The bound is docs/arithmetic.md's variance bound,
+    mu**2 / 8 + 9/64 sum x_i**2 + 9/32 n u**2, over the number of seeds."""
+    results = []
+    for seed in seeds:
+        got = dispatched_allreduce(codecs.cnat8, xs, seed=seed, allreduce_seq=1, packet_elements=xs[0].size)
+        if seed < seeds.start + 5:
+            want = reference.allreduce(xs, codec="cnat8", seed=seed, allreduce_seq=1, packet_elements=xs[0].size)
+            assert got.tobytes() == want.tobytes()
+        results.append(got.astype(np.float64))
+    x64 = [x.astype(np.float64) for x in xs]
+    mu = sum(x64)
+    exp = max(reference.chunk_exponent(x, reference.EXP_MIN, reference.EXP_MAX) for x in xs)
+    unit = 2.0 ** reference.cnat_floor(exp, len(xs))
+    bound = mu**2 / 8 + 9 / 64 * sum(x * x for x in x64) + 9 / 32 * len(xs) * unit**2
+    return np.mean(results, axis=0), np.sqrt(bound / len(seeds))
+
+
+@pytest.mark.parametrize("values", [
+    [3, 100, 1000, 5000, 1e6, 0.1, 123.456, 1e-20],  # issue 10's example: was [8, 256, 1024, 1024, 1024, ...]
+    [65536 * 0.37, -65536 * 0.02, 65536 * 3e-5, 65536 * 1.7],  # AMP's x65536-scaled gradients
+], ids=["issue10", "amp"])
+def test_allreduce_of_large_and_small_values_is_unbiased(values) -> None:
+    """Over 2 ranks holding the same values, the mean of 4000 allreduces (job seeds) is 2x within 5 standard
+    errors (by the variance bound): nothing is clipped at 2**10 any more. 1e-20 lies far below the unit of a
+    chunk whose largest value is 1e6 (2**-9), so it rounds to 0 or one unit, unbiased."""
+    x = np.array(values, np.float32)
+    mean, se = allreduce_mean([x, x], range(4000))
+    np.testing.assert_array_less(np.abs(mean - 2 * x.astype(np.float64)), 5 * se + 1e-300)
+
+
+def test_allreduce_near_the_top_of_float32_is_unbiased() -> None:
+    """Values up to float32's largest (3e38 > 2**127) encode to 2**127 or 2**128 units, unbiased, and sums that
+    stay below 2**128 come back finite: the mean is the exact sum within 5 standard errors."""
+    xs = [np.array([3e38, 1.5e38, -1.2e38], np.float32), np.array([-2.9e38, -1.5e38, 0.5e38], np.float32)]
+    mean, se = allreduce_mean(xs, range(4000))
+    assert np.all(np.isfinite(mean))
+    exact = xs[0].astype(np.float64) + xs[1].astype(np.float64)
+    np.testing.assert_array_less(np.abs(mean - exact), 5 * se)
+
+
+def test_sums_beyond_float32_become_inf_and_are_counted() -> None:
+    """A sum whose rounded value reaches 2**128 decodes to +-Inf, as a float32 sum overflows, and the switch's
+    encode_result counts it."""
+    vbits = value_bits(2)
+    acc = np.array([2**29, -(2**29), 2**28, 3], np.int32)  # at E = 127 (f = 99): 2**128, -2**128, 2**127, tiny
+    payload = np.zeros(4, np.uint8)
+    assert codecs.cnat8.encode_result(acc, payload, np.uint64(1), 0, 127, vbits) == 2
+    out = np.zeros(4, np.float32)
+    codecs.cnat8.decode_result(payload, 127, vbits, out)
+    assert out[:3].tolist() == [np.inf, -np.inf, 2.0**127] and 0 < out[3] < 2.0**102

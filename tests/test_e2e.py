@@ -34,8 +34,8 @@ from cluster import (
 )
 
 from intml.protocol import reference, wire
-from intml.protocol.arith import E_MAX, E_MIN, cnat_floor, value_bits
-from intml.protocol.cnat import K_BIAS, K_MASK, NONZERO, SIGN
+from intml.protocol.arith import EXP_MAX, EXP_MIN, data_k_max, value_bits
+from intml.protocol.cnat import K_MASK, NONZERO, SIGN
 from intml.protocol.wire import NO_EXP, Codec, MsgType
 
 PACKET = 256  # elements per packet: odd tensor sizes leave a partial last chunk
@@ -505,8 +505,8 @@ class Fuzzer:
         header = {"type": int(MsgType.DATA), "job": self.job, "allreduce": r.randint(0, 20),
                   "chunk": r.randint(-8, 40), "rank": self.rank, "slot": r.randrange(self.pool), "count": count,
                   "codec": int(Codec.CNAT8), "shadow": r.randint(0, 1),
-                  "exp": r.choice([NO_EXP, r.randint(E_MIN, E_MAX)]),
-                  "next_exp": r.choice([NO_EXP, r.randint(E_MIN, E_MAX)])}
+                  "exp": r.choice([NO_EXP, r.randint(EXP_MIN, EXP_MAX)]),
+                  "next_exp": r.choice([NO_EXP, r.randint(EXP_MIN, EXP_MAX)])}
         return header, bytes(count)  # zero codes are valid at every exponent
 
     def rand_bytes(self, n: int) -> bytes:
@@ -609,7 +609,7 @@ class Fuzzer:
 
     def kind_bad_exponent(self):
         header, payload = self.base()
-        bad = self.rng.choice(list(range(-127, E_MIN)) + list(range(E_MAX + 1, 128)))
+        bad = self.rng.choice(list(range(-127, EXP_MIN)) + list(range(EXP_MAX + 1, 128)))
         header[self.rng.choice(["exp", "next_exp"])] = bad
         return wire.pack(header, payload), REGISTERED, "drop_bad_exponent"
 
@@ -620,17 +620,13 @@ class Fuzzer:
         header, _ = self.base()
         header["allreduce"] = r.randint(1_000_000, 2**31 - 1)
         count = r.randint(1, self.packet)
-        exp = r.choice([NO_EXP, r.randint(E_MIN, E_MAX)])
+        exp = r.choice([NO_EXP, r.randint(EXP_MIN, EXP_MAX)])
         header.update(count=count, codec=int(Codec.CNAT8), exp=exp)
         choices = [r.choice(list(range(1, NONZERO)) + list(range(SIGN, SIGN | NONZERO)))]  # no NONZERO bit
         if exp == NO_EXP:
             choices.append(NONZERO | r.randint(0, K_MASK))  # any nonzero code: the chunk has no exponent
-        else:
-            floor = cnat_floor(exp, self.vbits)
-            if exp + K_BIAS < K_MASK:
-                choices.append(NONZERO | r.randint(exp + K_BIAS + 1, K_MASK))  # above the agreed exponent
-            if floor + K_BIAS > 0:
-                choices.append(NONZERO | r.randint(0, floor + K_BIAS - 1))  # below the slot's unit
+        else:  # above the agreed exponent: k > T - f
+            choices.append(NONZERO | r.randint(data_k_max(exp, self.vbits) + 1, K_MASK))
         codes = bytearray(count)
         codes[r.randrange(count)] = r.choice(choices) | r.choice([0, SIGN])
         return wire.pack(header, bytes(codes)), REGISTERED, "drop_invalid_code"

@@ -32,11 +32,8 @@ def reference_sent(xs: list[np.ndarray], rank: int, codec: str, *, seed: int, al
         parts = [y.reshape(-1)[lo:lo + packet_elements] for y in xs]
         mine = parts[rank]
         if codec == "cnat8":
-            e = max(reference.chunk_exponent(p, reference.E_MIN, reference.E_MAX) for p in parts)
-            floor = reference.E_MIN if e == NO_EXP else max(reference.E_MIN, e - s)
-            codes, _ = reference.encode(mine, seed=seed, stream=(allreduce_seq << 24) | (1 << 16) | rank,
-                                        offset=lo, floor=floor)
-            out[lo:lo + mine.size] = reference.decode(codes)
+            floor, encoded = reference.worker_codes(parts, seed=seed, allreduce_seq=allreduce_seq, offset=lo)
+            out[lo:lo + mine.size] = reference.decode(encoded[rank][0], floor)
         else:
             e = max(reference.chunk_exponent(p, -126, 127) for p in parts)
             scale = s - (-126 if e == NO_EXP else e)

@@ -137,9 +137,10 @@ def test_recorded_stream_on_the_second_core_matches_reference():
 JOBS = ({"job": 7, "world": 2, "codec": Codec.CNAT8, "pool": 2, "seed": 3, "addr": worker_addr},
         {"job": 8, "world": 3, "codec": Codec.INT32, "pool": 2, "seed": 4, "addr": lambda r: worker_addr(r, 6000)})
 STRANGER = addr_key(0x0A000001, 4242)
-# Values that fit a round (by exponent for C_nat: 0, 3 or none; s(n) = 29 for both jobs) and values that do not.
-VALID_CODES = {0: [0x00, 0x40 | 50, 0xC0 | 48, 0x40 | 30], 3: [0x00, 0x40 | 53, 0xC0 | 40], NO_EXP: [0x00]}
-INVALID_CODES = [0x40 | 10, 0x40 | 54, 0x40 | 61, 0x80, 0x3F]
+# Values that fit a round (for C_nat: k <= T - f = 29 at exponents 0 and 3, s(n) = 29 for both jobs; only 0 for
+# none) and values that do not.
+VALID_CODES = {0: [0x00, 0x40 | 29, 0xC0 | 27, 0x40 | 9], 3: [0x00, 0x40 | 29, 0xC0 | 14], NO_EXP: [0x00]}
+INVALID_CODES = [0x40 | 30, 0x40 | 31, 0x40 | 63, 0x80, 0x3F]
 VALID_INT32 = [0, 1, -7, 1 << 29, -(1 << 29), 1 << 28]
 INVALID_INT32 = [(1 << 29) + 1, -(1 << 29) - 1]
 MUTATIONS = ("truncated", "short", "magic", "version", "type", "job", "source", "rank", "slot", "codec", "count",
@@ -171,7 +172,7 @@ def packets(draw) -> Item:
     changes = {"magic": {"magic": 0x1234}, "version": {"version": 9}, "job": {"job": 99},
                "type": {"type": draw(st.sampled_from([int(MsgType.RESULT), int(MsgType.ERROR), 77]))},
                "rank": {"rank": spec["world"]}, "slot": {"slot": spec["pool"]}, "codec": {"codec": 1 - int(codec)},
-               "count": {"count": P + 1}, "shadow": {"shadow": 2}, "exp": {"exp": 100}, "next_exp": {"next_exp": -90}}
+               "count": {"count": P + 1}, "shadow": {"shadow": 2}, "exp": {"exp": -127}, "next_exp": {"next_exp": -127}}
     header.update(changes.get(mutation, {}))
     datagram = wire.pack(header, payload)
     if mutation == "truncated":

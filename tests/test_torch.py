@@ -50,12 +50,12 @@ def agg():
 
 # ---- the error bounds ---------------------------------------------------------------------------------------
 def unit_bound(xs: np.ndarray) -> float:
-    """An upper bound on every chunk's slot unit 2**f, f = max(-50, E - s(n)), with E <= floor(log2 max|x|) + 1
+    """An upper bound on every chunk's slot unit 2**f, f = max(-149, T - s(n)), with T <= floor(log2 max|x|) + 1
     over all ranks' elements (a chunk's agreed exponent is at most the tensor's)."""
     n = xs.shape[0]
     top = float(np.abs(xs).max()) if xs.size else 0.0
-    e = np.frexp(top)[1] if top > 0 else -50
-    return 2.0 ** max(-50, int(e) - (31 - n.bit_length()))
+    e = np.frexp(top)[1] if top > 0 else -149
+    return 2.0 ** max(-149, int(e) - (31 - n.bit_length()))
 
 
 def cnat_bound(xs: np.ndarray) -> np.ndarray:

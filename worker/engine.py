@@ -22,10 +22,11 @@ One allreduce of a flat float32 tensor of N elements, packet size P and pool siz
   allreduce, chunk or shadow set), foreign (another job or source) or malformed are counted and dropped.
 * cnat8: chunk c is encoded with the floor of its agreed exponent and random words keyed by
   (seed, worker_stream(allreduce, rank), element index); the result codes decode straight to float32. The
-  tensor is read once, a chunk at a time: when the packet of chunk c is built, chunk c + W' is encoded at the
-  lowest floor straight into the payload of the slot's other datagram buffer, and its exponent proposal
-  comes out of the same pass (protocol.arith.precode_chunk). Chunk c + W' is encoded again at its agreed
-  floor only if one of its nonzero values lies below that floor, the one case where the floor changes a code.
+  tensor is read from memory once, a chunk at a time: when the packet of chunk c is built, chunk c + W' is
+  read for its exponent proposal and encoded at that proposal's floor straight into the payload of the slot's
+  other datagram buffer (protocol.arith.precode_chunk). Once its agreed floor is known, its codes are lowered
+  to it, or encoded again only if one of its nonzero values lies below that floor, the one case where the
+  floor changes which power of two a value rounds to.
   A NaN or infinity is found when its chunk is read: no chunk is sent from there on, the results of those
   already sent are still taken (so the shadow sets stay in step), then ValueError (see ``non_finite``).
   int32: chunk c is sent as rint(x * 2**(s - E)), the sum comes back as int32 and is scaled by 2**(E - s).
@@ -118,7 +119,7 @@ def _worker_key(prm):
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def _precode(st, d):
-    """cnat8: encode chunk d at the lowest floor (protocol.arith.precode_chunk) into the payload of the datagram
+    """cnat8: encode chunk d at its own floor (protocol.arith.precode_chunk) into the payload of the datagram
     buffer its slot will send it from, the one the slot's in-flight chunk does not use, and note its exponent
     proposal. A non-finite value stops it and goes to params[P_BAD]."""
     prm = st.params
@@ -128,7 +129,7 @@ def _precode(st, d):
     lo = d * prm[P_PKT]
     hi = min(prm[P_ELEMENTS], lo + prm[P_PKT])
     payload = st.packet[s, 1 - st.parity[s], HDR:HDR + hi - lo]
-    sat, bad, st.local_exp[d], st.low[d] = precode_chunk(st.x[lo:hi], payload, _worker_key(prm), lo)
+    sat, bad, st.local_exp[d], st.low[d] = precode_chunk(st.x[lo:hi], payload, _worker_key(prm), lo, prm[P_VBITS])
     if bad >= 0:
         prm[P_BAD] = bad
     st.stats[SATURATED] += sat
@@ -149,7 +150,8 @@ def _build(st, s, c, now):
     if count > 0:
         lo = c * pkt
         payload = p[HDR:HDR + size]
-        codecs.encode_chunk(codec, st.x[lo:lo + count], payload, _worker_key(prm), lo, exp, prm[P_VBITS], st.low[c])
+        codecs.encode_chunk(codec, st.x[lo:lo + count], payload, _worker_key(prm), lo, exp, prm[P_VBITS], st.low[c],
+                            st.local_exp[c])
         if st.sent.size:  # asked for (error feedback): what this rank sends, decoded from the datagram itself
             codecs.decode_result(codec, payload, exp, prm[P_VBITS], st.sent[lo:lo + count])
     nxt = c + window

@@ -5,17 +5,18 @@ A codec module has
     ID             the wire's ``Codec`` value (the header's and the JOIN's ``codec`` field)
     NAME           what users and command lines call it
     PAYLOAD_DTYPE  the numpy dtype of one payload element on the wire (big-endian); WIDTH = its size in bytes
-    EXP_RANGE      (lo, hi): the range the per-chunk exponents E are clipped to (protocol.arith)
+    EXP_RANGE      (lo, hi): the range the per-chunk exponents E are clipped to (protocol.arith: float32's, both)
     PRECODES       whether the worker encodes a chunk a window ahead, finding its exponent proposal in the same
                    read (protocol.arith.precode_chunk), or finds all exponents up front and encodes on sending
 and Numba functions with these signatures (payload: the uint8 bytes of a datagram's elements; exp: the chunk's
 agreed exponent; vbits: s(n) of the job):
-    encode_chunk(x, payload, key, offset, exp, vbits, low)   a worker's float32 chunk x (tensor elements offset..,
-                   random words keyed by key) into payload; low: precode_chunk's word for a precoded payload, or 0
+    encode_chunk(x, payload, key, offset, exp, vbits, low, local_exp)   a worker's float32 chunk x (tensor
+                   elements offset.., random words keyed by key) into payload; low and local_exp: precode_chunk's
+                   word and exponent proposal for a precoded payload, or 0 and any exponent to encode
     check_payload(payload, exp, vbits) -> bool               the switch's check of a contribution
     add_payloads(data, rows, k, col, acc, exp, vbits, first) acc = (first) or += the payloads data[rows[t], col:]
                    for t < k, acc being the slot's int32 accumulators (acc.size elements)
-    encode_result(acc, payload, key, offset, exp, vbits) -> saturated elements   the switch's result payload
+    encode_result(acc, payload, key, offset, exp, vbits) -> elements beyond float32   the switch's result payload
     check_result(payload, exp, vbits) -> bool                the worker's check of a result
     decode_result(payload, exp, vbits, out)                  float32 out = the result's values
 
@@ -54,11 +55,11 @@ def precodes(codec):
 
 
 @njit(inline="always")
-def encode_chunk(codec, x, payload, key, offset, exp, vbits, low):
+def encode_chunk(codec, x, payload, key, offset, exp, vbits, low, local_exp):
     if codec == cnat8.ID:
-        cnat8.encode_chunk(x, payload, key, offset, exp, vbits, low)
+        cnat8.encode_chunk(x, payload, key, offset, exp, vbits, low, local_exp)
     else:
-        int32.encode_chunk(x, payload, key, offset, exp, vbits, low)
+        int32.encode_chunk(x, payload, key, offset, exp, vbits, low, local_exp)
 
 
 @njit(inline="always")

@@ -1,6 +1,7 @@
-"""The cnat8 codec: one C_nat code (protocol.cnat) per element. A worker encodes its chunk with the floor of the
-agreed exponent; the switch adds codes as +-2**(e - floor) in units of 2**floor and re-encodes the sum with C_nat
-(protocol.arith), so the result decodes straight to float32.
+"""The cnat8 codec: one C_nat code (protocol.cnat) per element, relative to the slot's floor f (the exponent of
+its unit, from the agreed exponent: protocol.arith.cnat_floor). A worker encodes its chunk at that floor, so its
+codes hold k = e - f in [0, s(n)]; the switch adds them as +-2**k units, whatever the floor, and re-encodes the
+sum with C_nat (k = b + up <= 31), so the result decodes straight to float32 at the same floor.
 
 The functions have the signatures every codec module shares (see protocol.codecs)."""
 
@@ -9,57 +10,72 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from intml.protocol.arith import CNAT_RANGE, add_fixed_rows, cnat_floor, sum_to_codes_kernel
-from intml.protocol.cnat import E_MAX, E_MIN, codes_in_range, decode_kernel, encode_kernel, has_underflow
-from intml.protocol.wire import NO_EXP, Codec
+from intml.protocol.arith import (
+    CNAT_RANGE,
+    PRECODED,
+    RESULT_K_MAX,
+    add_fixed_rows,
+    cnat_floor,
+    data_k_max,
+    lower_codes,
+    sum_to_codes_kernel,
+)
+from intml.protocol.cnat import codes_in_range, decode_kernel, encode_kernel, has_underflow
+from intml.protocol.wire import Codec
 
 ID = Codec.CNAT8
 NAME = "cnat8"
 PAYLOAD_DTYPE = np.dtype(np.uint8)
 WIDTH = PAYLOAD_DTYPE.itemsize
 EXP_RANGE = CNAT_RANGE
-# The worker reads a chunk once, a window ahead: protocol.arith.precode_chunk encodes it at the lowest floor and
-# finds its exponent proposal in the same pass (encode_chunk then re-encodes only if the agreed floor matters).
+# The worker reads a chunk a window ahead: protocol.arith.precode_chunk finds its exponent proposal and encodes it
+# at its own floor (encode_chunk then lowers the codes to the agreed floor, or re-encodes if that floor matters).
 PRECODES = True
 
 
 @njit(inline="always")
-def encode_chunk(x, payload, key, offset, exp, vbits, low):
+def encode_chunk(x, payload, key, offset, exp, vbits, low, local_exp):
     """Codes of float32 x (elements offset.. of the tensor, random words keyed by key) at the floor of agreed
-    exponent exp, into payload. low is precode_chunk's smallest-magnitude word for a payload that already holds
-    x's codes at the lowest floor (then only a value below the agreed floor needs a new encode), or 0 to encode."""
+    exponent exp, into payload. low and local_exp are precode_chunk's low word and exponent proposal for a
+    payload that already holds x's codes at the proposal's floor; low without the PRECODED bit (0) asks for an
+    encode. A precoded payload needs a new encode only if a value lies below the agreed floor (or the agreed
+    exponent is below the proposal, which an honest switch never returns); else its k are lowered by the floors'
+    difference."""
     floor = cnat_floor(exp, vbits)
-    if has_underflow(low, floor):
+    own = cnat_floor(local_exp, vbits)
+    if (low & np.uint32(PRECODED)) == np.uint32(0) or floor < own or has_underflow(low, floor):
         encode_kernel(x, payload, key, np.uint64(offset), floor, True)
+    elif floor > own:
+        lower_codes(payload, floor - own)
 
 
 @njit(inline="always")
 def check_payload(payload, exp, vbits):
-    """The switch's check of a contribution: every code is 0 or +-2**e with floor <= e <= exp (only 0 when the
-    chunk is all zero, exp = NO_EXP)."""
-    floor = cnat_floor(exp, vbits)
-    return codes_in_range(payload, floor, floor - 1 if exp == NO_EXP else exp)
+    """The switch's check of a contribution: every code is 0 or +-2**(f + k) with k <= T - f <= s(n) (only 0 when
+    the chunk is all zero, exp = NO_EXP)."""
+    return codes_in_range(payload, data_k_max(exp, vbits))
 
 
 @njit(inline="always")
 def add_payloads(data, rows, k, col, acc, exp, vbits, first):
-    """acc = (first) or += the integer values of the payloads data[rows[t], col:] for t < k."""
-    add_fixed_rows(data, rows, k, col, acc, cnat_floor(exp, vbits), first)
+    """acc = (first) or += the integer values +-2**k of the payloads data[rows[t], col:] for t < k."""
+    add_fixed_rows(data, rows, k, col, acc, first)
 
 
 @njit(inline="always")
 def encode_result(acc, payload, key, offset, exp, vbits):
-    """The switch's stochastic C_nat re-encode of the sums acc into payload; returns the saturated count."""
+    """The switch's stochastic C_nat re-encode of the sums acc into payload; returns the count of elements whose
+    rounded sum exceeds float32 (they decode to +-Inf)."""
     return sum_to_codes_kernel(acc, payload, key, np.uint64(offset), cnat_floor(exp, vbits))
 
 
 @njit(inline="always")
 def check_result(payload, exp, vbits):
-    """The worker's check of a result: every code valid (a sum may exceed the chunk's exponent, up to E_MAX)."""
-    return codes_in_range(payload, E_MIN, E_MAX)
+    """The worker's check of a result: every code is 0 or has k <= 31 (a re-encoded 31-bit sum)."""
+    return codes_in_range(payload, RESULT_K_MAX)
 
 
 @njit(inline="always")
 def decode_result(payload, exp, vbits, out):
-    """float32 out = the values of the result codes."""
-    decode_kernel(payload, out.view(np.uint32))
+    """float32 out = the values of the result codes at the chunk's floor."""
+    decode_kernel(payload, out.view(np.uint32), cnat_floor(exp, vbits))

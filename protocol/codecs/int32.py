@@ -24,8 +24,9 @@ PRECODES = False
 
 
 @njit(inline="always")
-def encode_chunk(x, payload, key, offset, exp, vbits, low):
-    """payload = rint(x * 2**(s - exp)) clamped to +-2**s, big-endian (key, offset and low are unused)."""
+def encode_chunk(x, payload, key, offset, exp, vbits, low, local_exp):
+    """payload = rint(x * 2**(s - exp)) clamped to +-2**s, big-endian (key, offset, low and local_exp are
+    unused)."""
     scale = 2.0 ** int32_scale_exponent(exp, vbits)
     limit = np.int64(1) << vbits
     for i in range(x.size):
