@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from intml.aggregator.core import AggregatorCore
     from intml.aggregator.dataplane import run_core, warm_up
+    from intml.protocol.siphash import env_test_key
 
     warm_up(args.max_packet_elements, args.burst)  # before the ready line: the first JOIN is answered at once
 
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         core = AggregatorCore(core=i, cores=args.cores, rows=args.slots, max_elements=args.max_packet_elements,
                               idle_timeout=args.idle_timeout, results_group=None if group is None else (group, base),
                               burst=args.burst, allow_shared_address=args.allow_shared_address,
-                              max_jobs=args.max_jobs, max_pool=args.max_pool)
+                              max_jobs=args.max_jobs, max_pool=args.max_pool, data_mac_key=env_test_key())
         run_core(core, socks[i], args.burst, args.stats_interval)
 
     print(f"intml-aggregator listening on {args.host}:{base} cores {args.cores}", flush=True)

@@ -129,11 +129,14 @@ _ELEMENT_TYPES = (MsgType.DATA, MsgType.RESULT)  # types whose payload is `count
 
 
 MAX_DATAGRAM = 65507  # the largest UDP payload over IPv4
+TAG_SIZE = 8  # the SipHash-2-4 tag after the payload of a DATA or RESULT datagram of a job with data_mac
 
 
-def max_packet_elements(codec: Codec | int) -> int:
-    """The most elements one datagram can carry for a codec (count is also a u16)."""
-    return min(0xFFFF, (MAX_DATAGRAM - HEADER_SIZE) // Codec(codec).bytes_per_element)
+def max_packet_elements(codec: Codec | int, data_mac: bool = False) -> int:
+    """The most elements one datagram can carry for a codec (count is also a u16), with room for the tag if the
+    job has data_mac."""
+    room = MAX_DATAGRAM - HEADER_SIZE - (TAG_SIZE if data_mac else 0)
+    return min(0xFFFF, room // Codec(codec).bytes_per_element)
 
 
 def payload_dtype(codec: Codec | int) -> np.dtype:
