@@ -147,7 +147,7 @@ Jobs = namedtuple(
     "data_mac mac_key",
 )
 # Slot table: one row per slot of every job on this core, two shadow sets each. A completed set keeps its result
-# as the whole datagram (header and payload) that goes to every worker and to every re-send.
+# as the whole datagram (header, payload and any tag) that goes to every worker and to every re-send.
 Table = namedtuple("Table", "round_key bitmap count exp next_exp elements acc result result_len")
 # Scratch of one process_burst call (see there). group_of[row, set] is the set's group in the current burst, or -1
 # outside a call; a group is one round of one set: its contributions are a linked list (head, next) of received
@@ -372,8 +372,10 @@ def complete(jobs, table, b, g, core, cores):
         jobs.stats[j, SATURATED] += codecs.encode_result(codec, acc, p[HDR:HDR + size], key_switch,
                                                          np.uint64(chunk * jobs.packet_elements[j]),
                                                          table.exp[row, x], jobs.value_bits[j])
-    table.result_len[row, x] = put_tag(p, HDR + size, jobs.mac_key[j, 0], jobs.mac_key[j, 1]) if jobs.data_mac[j] \
-        else HDR + size
+    length = HDR + size
+    if jobs.data_mac[j]:  # tagged once, here: every copy and every re-send of the result carries the same bytes
+        length = put_tag(p, length, jobs.mac_key[j, 0], jobs.mac_key[j, 1])
+    table.result_len[row, x] = length
 
 
 @njit(inline="always")

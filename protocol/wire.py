@@ -29,7 +29,9 @@ Data header (26 bytes):
 Payload by message type:
 
 * DATA, RESULT: ``count`` elements of the codec's ``PAYLOAD_DTYPE`` (protocol.codecs:
-  uint8 C_nat codes for CNAT8, big-endian int32 for INT32). Left as scapy ``Raw`` in captures.
+  uint8 C_nat codes for CNAT8, big-endian int32 for INT32), then, for a job with the DATA/RESULT MAC, the
+  ``TAG_SIZE``-byte SipHash-2-4 tag of the header and payload (protocol.siphash; docs/protocol.md,
+  "DATA/RESULT MAC"). Left as scapy ``Raw`` in captures.
 * JOIN, JOIN_ACK: the JOIN payload below (JOIN_ACK echoes the JOIN's);
   dissected by scapy as ``IntmlJoin``.
 * LEAVE, STATS_REQUEST: none.

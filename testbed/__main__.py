@@ -40,7 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     mac.add_argument("--workers", type=positive(), default=4, help="ranks of the loopback allreduce (default 4)")
     mac.add_argument("--elements", type=positive(), default=4_000_000, help="its tensor size (default 4000000)")
     mac.add_argument("--cores", type=positive(), default=2, help="its aggregator cores (default 2)")
-    mac.add_argument("--rounds", type=positive(), default=5, help="its timed allreduces (default 5)")
+    mac.add_argument("--rounds", type=positive(), default=5, help="its timed allreduces per trial (default 5)")
+    mac.add_argument("--trials", type=positive(), default=3,
+                     help="aggregators started without and with the MAC, alternately (default 3 each)")
     mac.add_argument("--json", action="store_true", help="print JSON objects instead of tables")
     ar = bench.add_parser("allreduce", help="intml vs Gloo's ring allreduce on loopback")
     ar.add_argument("--workers", type=positive(), default=4)
@@ -109,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "bench" and args.bench == "mac":
         from intml.testbed import bench_mac
 
-        bench_mac.run(args.chunks, args.repeats, args.workers, args.elements, args.cores, args.rounds, args.json)
+        bench_mac.run(args.chunks, args.repeats, args.workers, args.elements, args.cores, args.rounds, args.trials,
+                      args.json)
     elif args.command == "bench" and args.bench == "allreduce":
         from intml.testbed import bench_allreduce
 

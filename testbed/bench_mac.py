@@ -5,8 +5,9 @@ over the full-size DATA datagrams of a recorded allreduce (what checking one cos
 burst kernel (process_burst, through AggregatorCore.receive) per DATA packet of the same recorded allreduce
 (bootstrap packets included) without and with the MAC, which also tags each completed result; the kernel without
 it is the anchor. Then the loopback allreduce (an aggregator and worker processes, as
-`bench allreduce`) without and with the MAC, at the same packet size (the largest a tagged datagram allows).
-Figures are medians over repeats.
+`bench allreduce`) without and with the MAC, at the same packet size (the largest a tagged datagram allows), in
+alternating trials. Figures are medians over repeats; the variants with and without the MAC alternate, so that
+both see the same load on a shared machine.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import contextlib
 import json
 import os
 import platform
+import statistics
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -97,18 +100,22 @@ def _bursts(stream: list[tuple[bytes, int]]) -> list[Burst]:
     return out
 
 
-def kernel_seconds(codec: str, packet_elements: int, stream: list[tuple[bytes, int]], mac: bool,
-                   repeats: int) -> float:
-    """Median time of AggregatorCore.receive over the whole stream in bursts of BURST, on a fresh core each run."""
-    bursts = _bursts(stream)
-    cores = [_core(codec, packet_elements, mac) for _ in range(repeats + 1)]
-
-    def replay() -> None:
-        core = cores.pop()
-        for rx in bursts:
-            core.receive(rx, 0.0)
-
-    return median_seconds(replay, repeats, warmup=1)
+def kernel_seconds(codec: str, packet_elements: int, plain: list[tuple[bytes, int]],
+                   tagged: list[tuple[bytes, int]], repeats: int) -> tuple[float, float]:
+    """Median times of AggregatorCore.receive over the whole plain stream (a core without the MAC) and the whole
+    tagged one (a core with it), in bursts of BURST, on a fresh core each run. The two alternate, so that both
+    see the same load on a shared machine."""
+    streams = {False: _bursts(plain), True: _bursts(tagged)}
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for k in range(repeats + 1):  # the first pair warms up (and compiles)
+        for mac, bursts in streams.items():
+            core = _core(codec, packet_elements, mac)
+            start = time.perf_counter()
+            for rx in bursts:
+                core.receive(rx, 0.0)
+            if k:
+                times[mac].append(time.perf_counter() - start)
+    return statistics.median(times[False]), statistics.median(times[True])
 
 
 @njit(cache=True, nogil=True)
@@ -141,14 +148,14 @@ def _test_key(on: bool) -> Iterator[None]:
             os.environ[TEST_KEY_ENV] = old
 
 
-def run(chunks: int, repeats: int, workers: int, elements: int, cores: int, rounds: int, as_json: bool) -> dict:
+def run(chunks: int, repeats: int, workers: int, elements: int, cores: int, rounds: int, trials: int,
+        as_json: bool) -> dict:
     rows = []
     for codec, p in PACKETS.items():
         plain, tagged = record(codec, p, chunks, False), record(codec, p, chunks, True)
         n = len(plain)
         assert len(tagged) == n
-        base = kernel_seconds(codec, p, plain, False, repeats) / n
-        with_mac = kernel_seconds(codec, p, tagged, True, repeats) / n
+        base, with_mac = (t / n for t in kernel_seconds(codec, p, plain, tagged, repeats))
         size = max(len(d) for d, _ in plain)
         full = [(d, a) for d, a in tagged if len(d) == size + TAG_SIZE]  # not the bootstrap packets
         tag = tag_seconds(full, repeats) / len(full)
@@ -165,18 +172,21 @@ def run(chunks: int, repeats: int, workers: int, elements: int, cores: int, roun
                 ("ratio", "× anchor", ".2f")])
     codec = "cnat8"
     p = wire.max_packet_elements(CODEC_NAMES[codec], data_mac=True)  # the same packets with and without the tag
-    loop = []
-    for on in (False, True):
-        with _test_key(on):
-            res = run_intml(workers, elements, codec, p, POOL, cores, 1, rounds, None)
-        if not res["identical_across_ranks"]:
-            raise RuntimeError("intml ranks disagree on the result: the allreduce is not bit-identical")
-        loop.append({"mac": "on" if on else "off", "median_s": res["median_s"],
-                     "retransmissions": res["retransmissions"]})
-    for row in loop:
-        row["ratio"] = row["median_s"] / loop[0]["median_s"]
+    per_round: dict[bool, list[float]] = {False: [], True: []}
+    retransmissions = {False: 0, True: 0}
+    for _ in range(trials):  # alternating, so that both see the same load on a shared machine
+        for on in (False, True):
+            with _test_key(on):
+                res = run_intml(workers, elements, codec, p, POOL, cores, 1, rounds, None)
+            if not res["identical_across_ranks"]:
+                raise RuntimeError("intml ranks disagree on the result: the allreduce is not bit-identical")
+            per_round[on] += res["per_round_s"]
+            retransmissions[on] += res["retransmissions"]
+    loop = [{"mac": "on" if on else "off", "median_s": statistics.median(per_round[on]),
+             "ratio": statistics.median(per_round[on]) / statistics.median(per_round[False]),
+             "retransmissions": retransmissions[on]} for on in (False, True)]
     allreduce = {"workers": workers, "elements": elements, "codec": codec, "packet_elements": p, "pool": POOL,
-                 "cores": cores, "rounds": rounds, "results": "unicast", "rows": loop}
+                 "cores": cores, "trials": trials, "rounds_per_trial": rounds, "results": "unicast", "rows": loop}
     if as_json:
         print(json.dumps({"benchmark": "mac", "per_packet": per_packet, "allreduce": allreduce}, indent=2))
     else:

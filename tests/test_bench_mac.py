@@ -24,7 +24,8 @@ def test_tagged_stream_is_the_plain_one_with_tags(codec):
 
 def test_bench_mac_json():
     done = subprocess.run([sys.executable, "-m", "intml.testbed", "bench", "mac", "--chunks", "64", "--repeats", "2",
-                           "--workers", "2", "--elements", "200000", "--rounds", "2", "--cores", "1", "--json"],
+                           "--workers", "2", "--elements", "200000", "--rounds", "2", "--trials", "1", "--cores", "1",
+                           "--json"],
                           cwd=REPO_ROOT, env=repo_env(), capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
