@@ -2,10 +2,15 @@
 vectors and the Numba functions against the plain-Python reference; the aggregator core drops and counts a forged
 or altered DATA packet without a change of state and tags every result; the engine refuses a forged RESULT and
 completes bit-exact once the real one arrives; whole allreduces with the MAC, in process under faults and against
-a live aggregator. (The kernel is held to protocol.slot_reference with the MAC on in tests/test_slot_reference.py.)
+a live aggregator, also with an on-path host altering results (which, without the MAC, makes the ranks diverge).
+(The kernel is held to protocol.slot_reference with the MAC on in tests/test_slot_reference.py.)
 """
 
 from __future__ import annotations
+
+import select
+import socket
+import threading
 
 import numpy as np
 import pytest
@@ -27,7 +32,7 @@ from hypothesis import strategies as st
 from intml.protocol import reference
 from intml.protocol.packet import HDR
 from intml.protocol.siphash import TEST_KEY_ENV, key_words, put_tag, siphash24, siphash24_ref, tag_ok, tag_ref
-from intml.protocol.wire import TAG_SIZE, max_packet_elements
+from intml.protocol.wire import TAG_SIZE, MsgType, max_packet_elements
 from intml.worker.engine import StreamEngine
 
 # SipHash-2-4 of the messages 00, 00 01, ..., 00 .. 3e under the key 00 .. 0f, each tag little-endian: the paper's
@@ -214,11 +219,11 @@ def test_allreduce_with_the_mac_under_faults_is_bit_exact(codec, cores):
     assert sum(e.counters()["drop_bad_mac"] for e in net.engines) == 0
 
 
-def live_worker(port: int, rank: int, n: int, seed: int) -> dict:
+def live_worker(port: int, rank: int, n: int, seed: int, job: int = 300) -> dict:
     from intml.worker import Worker
 
     x = make_inputs(n, 5000, 256, "normal", seed)[rank]
-    with Worker(f"127.0.0.1:{port}", job=300, rank=rank, world_size=n, token="mac", packet_elements=256,
+    with Worker(f"127.0.0.1:{port}", job=job, rank=rank, world_size=n, token="mac", packet_elements=256,
                 pool_size=8, seed=seed, timeout=30) as w:
         out = w.allreduce(x)
         return {"out": out, "counters": w.counters(), "sent_bytes": w.engine.packet.shape[2]}
@@ -238,3 +243,91 @@ def test_live_allreduce_with_the_mac(monkeypatch):
         assert res["out"].view(np.uint32).tolist() == want.view(np.uint32).tolist()
         assert res["sent_bytes"] == HDR + 256 + TAG_SIZE  # the engine's datagrams carry the tag
         assert res["counters"]["drop_bad_mac"] == 0
+
+
+class ResultTamperer:
+    """An on-path host between each rank and a one-core aggregator (each rank talks to a port of its own here, and
+    the aggregator sees each rank's traffic come from a socket of its own): it forwards everything, but in the
+    first copy of every `every`-th RESULT a rank is sent it flips the sign of one nonzero C_nat code, a valid code
+    of a wrong value. Retransmitted results pass unchanged."""
+
+    def __init__(self, agg_port: int, n: int, every: int = 3) -> None:
+        self.agg = ("127.0.0.1", agg_port)
+        self.every = every
+        self.pairs = []
+        for _ in range(n):
+            down, up = (socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(2))
+            down.bind(("127.0.0.1", 0))
+            up.bind(("127.0.0.1", 0))
+            self.pairs.append((down, up))
+        self.workers: list[tuple | None] = [None] * n
+        self.seen: set = set()
+        self.tampered = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def port(self, rank: int) -> int:
+        return self.pairs[rank][0].getsockname()[1]
+
+    def __enter__(self) -> ResultTamperer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+        for pair in self.pairs:
+            for sock in pair:
+                sock.close()
+
+    def _run(self) -> None:
+        side = {sock: (r, k) for r, pair in enumerate(self.pairs) for k, sock in enumerate(pair)}
+        while not self.stop.is_set():
+            for sock in select.select(list(side), [], [], 0.05)[0]:
+                data, addr = sock.recvfrom(65535)
+                rank, k = side[sock]
+                down, up = self.pairs[rank]
+                if k == 0:  # from the rank
+                    self.workers[rank] = addr
+                    up.sendto(data, self.agg)
+                elif self.workers[rank] is not None:
+                    down.sendto(self._tamper(rank, data), self.workers[rank])
+
+    def _tamper(self, rank: int, data: bytes) -> bytes:
+        h = header(data)
+        key = (rank, int(h["allreduce"]), int(h["chunk"]))
+        if h["type"] != MsgType.RESULT or h["count"] == 0 or key in self.seen:
+            return data
+        self.seen.add(key)
+        if len(self.seen) % self.every:
+            return data
+        out = bytearray(data)
+        i = next((HDR + k for k in range(int(h["count"])) if out[HDR + k] & 0x40), None)  # a nonzero code
+        if i is None:
+            return data
+        out[i] ^= 0x80  # its sign
+        self.tampered += 1
+        return bytes(out)
+
+
+@pytest.mark.parametrize("mac", [True, False], ids=["mac", "no mac"])
+def test_live_results_altered_on_the_path(monkeypatch, mac):
+    """An on-path host alters results (issue 10: a forged RESULT makes the ranks diverge). With the MAC every
+    altered result is counted and dropped, the rank's retransmission brings the real one, and every rank gets
+    the reference's bits; without it (the control) the altered results are taken and some rank's result is wrong."""
+    if mac:
+        monkeypatch.setenv(TEST_KEY_ENV, bytes(range(48, 64)).hex())
+    else:
+        monkeypatch.delenv(TEST_KEY_ENV, raising=False)
+    n, seed = 3, 10
+    with aggregator(idle_timeout=10) as agg, ResultTamperer(agg.port, n) as path:
+        results = run_ok(live_worker, [(path.port(r), r, n, seed, 301 + mac) for r in range(n)], timeout=90)
+    assert path.tampered > 0
+    want = reference.allreduce(make_inputs(n, 5000, 256, "normal", seed), codec="cnat8", seed=seed,
+                               allreduce_seq=0, packet_elements=256).view(np.uint32).tolist()
+    exact = [res["out"].view(np.uint32).tolist() == want for res in results]
+    dropped = sum(res["counters"]["drop_bad_mac"] for res in results)
+    if mac:
+        assert all(exact) and dropped == path.tampered
+    else:
+        assert not all(exact) and dropped == 0
