@@ -138,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from intml.aggregator.core import AggregatorCore
     from intml.aggregator.dataplane import run_core, warm_up
+    from intml.protocol.siphash import env_test_key
 
     limits = ControlLimits(args.control_rate, args.control_burst, args.control_global_rate,
                            args.control_global_burst, args.control_per_burst)
@@ -147,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         core = AggregatorCore(core=i, cores=args.cores, rows=args.slots, max_elements=args.max_packet_elements,
                               idle_timeout=args.idle_timeout, results_group=None if group is None else (group, base),
                               burst=args.burst, allow_shared_address=args.allow_shared_address,
-                              max_jobs=args.max_jobs, max_pool=args.max_pool, control_limits=limits)
+                              max_jobs=args.max_jobs, max_pool=args.max_pool, control_limits=limits,
+                              data_mac_key=env_test_key())
         run_core(core, socks[i], args.burst, args.stats_interval)
 
     print(f"intml-aggregator listening on {args.host}:{base} cores {args.cores}", flush=True)

@@ -80,14 +80,16 @@ class AggregatorCore:
                  idle_timeout: float = AGGREGATOR_IDLE_TIMEOUT,
                  results_group: tuple[int, int] | None = None, burst: int = BURST,
                  allow_shared_address: bool = False, max_pool: int = AGGREGATOR_MAX_POOL,
-                 control_limits: ControlLimits = ControlLimits()) -> None:
+                 control_limits: ControlLimits = ControlLimits(),
+                 data_mac_key: tuple[int, int] | None = None) -> None:
         """``burst``: the most datagrams a receive burst is expected to hold (a larger one grows the output
         memory). ``results_group`` = (first IPv4 multicast group as an integer, UDP port): job slot j sends its results
         to group + j in one datagram per completion, as a switch's multicast replication does, instead of one
         datagram per worker; retransmitted results still go to the one worker that asked. ``allow_shared_address``
         (tests only) lets one address hold several ranks of a job; otherwise such a JOIN is refused, so that one
         holder of the token cannot stand in for a whole job. ``control_limits``: how many JOIN, LEAVE and
-        STATS_REQUEST datagrams the kernel lets through to the control plane (the kernel's control admission)."""
+        STATS_REQUEST datagrams the kernel lets through to the control plane (the kernel's control admission). ``data_mac_key`` (tests only, until JOIN derives each
+        job's data key): every job registered gets the DATA/RESULT MAC under this key (k0, k1)."""
         if not 0 <= core < cores:
             raise ValueError(f"core must be in [0, {cores}), got {core}")
         if results_group is not None and not (0xE0000000 <= results_group[0] <= 0xF0000000 - max_jobs
@@ -95,6 +97,7 @@ class AggregatorCore:
             raise ValueError(f"results group must leave {max_jobs} IPv4 multicast groups (224.0.0.0/4) and a port")
         self.results_group = results_group
         self.allow_shared_address = allow_shared_address
+        self.data_mac_key = data_mac_key
         self.core, self.cores = core, cores
         self.max_elements = max_elements
         self.max_pool = max_pool
@@ -254,6 +257,8 @@ class AggregatorCore:
         jobs.group[j] = 0 if self.results_group is None else (self.results_group[0] + j) << 16 | self.results_group[1]
         jobs.last_seen[j] = now
         jobs.stats[j] = 0
+        jobs.data_mac[j] = self.data_mac_key is not None
+        jobs.mac_key[j] = self.data_mac_key or (0, 0)
         self.row_used[rows.start:rows.stop] = True
         table.round_key[rows.start:rows.stop] = -1  # a fresh job must not see a previous job's rounds
         table.count[rows.start:rows.stop] = 0

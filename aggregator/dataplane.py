@@ -17,6 +17,7 @@ import numpy as np
 import uvloop
 
 from intml.aggregator.core import AggregatorCore
+from intml.aggregator.slots import result_width
 from intml.burstio.mmsg import BurstSocket
 from intml.protocol import wire
 from intml.protocol.address import addr_key_of
@@ -32,7 +33,7 @@ class DataPlane:
     def __init__(self, core: AggregatorCore, sock: socket.socket, *, burst: int = BURST,
                  stats_interval: float = 0.0) -> None:
         self.core = core
-        max_packet = HDR + 4 * core.max_elements
+        max_packet = result_width(core.max_elements)  # the largest DATA datagram is as long as the largest RESULT
         self.io = BurstSocket(sock, burst=burst, max_packet=max_packet)
         self.stats_interval = stats_interval
 

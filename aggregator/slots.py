@@ -1,10 +1,11 @@
 """The switch's data plane as one Numba kernel per burst: the slot table, bitmaps, counts, exponent agreement,
 32-bit integer sums and result encoding. Sans-I/O: it reads a burst of received datagrams (numpy arrays) and
 describes the datagrams to send in another, pointing at the results it stores; no sockets, no clock (``now`` is an
-argument). The kernel is split into the stages a switch pipeline (and a P4 program) has: validate (header, then
-against the job, then the payload), control admission (token buckets: source_bucket, conforms), classify, bitmap
-and count (open_round, bitmap_and_count), contribute, complete and emit; docs/protocol.md ("Slot state table")
-and protocol.slot_reference hold the state machine they implement.
+argument). The kernel is split into the stages a switch pipeline (and a P4 program) has: validate (header),
+control admission (token buckets: source_bucket, conforms), authenticate (the optional tag of a job with
+data_mac), validate (against the job, then the payload), classify, bitmap and count (open_round,
+bitmap_and_count), contribute, complete and emit; docs/protocol.md ("Slot state table") and
+protocol.slot_reference hold the state machine they implement.
 
 Slot semantics (SwitchML; docs/protocol.md, "Slots" and "Slot state table")
 
@@ -25,7 +26,9 @@ Slot semantics (SwitchML; docs/protocol.md, "Slots" and "Slot state table")
   multicast group) and is kept for retransmissions.
 
 Every check happens before any state changes, so a malformed packet is counted by reason and dropped and never
-changes a sum or stalls a slot.
+changes a sum or stalls a slot. With the job's data_mac, a DATA packet is HDR + width * count + TAG_SIZE bytes: the
+tag (protocol.siphash) is checked first, and every RESULT carries one, computed once when its round completes and
+stored with it, so a re-sent result carries the same bytes.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ from intml.protocol.packet import (
 )
 from intml.protocol.job import CONTROL_SOURCE_BUCKETS, MAX_WORLD, ControlLimits
 from intml.protocol.rng import derive_key
+from intml.protocol.siphash import TAG_SIZE, put_tag, tag_ok
 from intml.protocol.wire import MAGIC, VERSION, MsgType
 
 # Statistics, per job (and, for packets that name no known job, per core). The drop reasons are the malformed or
@@ -91,6 +95,7 @@ STAT_NAMES = (
     "drop_invalid_code",
     "drop_stale",
     "drop_duplicate_incomplete",
+    "drop_bad_mac",
     "drop_bad_control",
     "drop_refused_join",
     "drop_leave_non_member",
@@ -122,6 +127,7 @@ STAT_NAMES = (
     DROP_INVALID_CODE,
     DROP_STALE,
     DROP_DUPLICATE_INCOMPLETE,
+    DROP_BAD_MAC,  # a DATA packet of a job with data_mac whose tag is missing or wrong
     DROP_BAD_CONTROL,  # counted by the control plane (aggregator.core), which parses JOIN/LEAVE/STATS
     DROP_REFUSED_JOIN,  # control plane: a well-formed JOIN answered with ERROR
     DROP_LEAVE_NON_MEMBER,  # control plane: a LEAVE for no job, or not from the address the rank joined from
@@ -140,10 +146,11 @@ NEWER = 3  # a later use of the slot: opens a new round in the set
 # Job table: one row per job slot of this core; arrays so the kernel can read them.
 Jobs = namedtuple(
     "Jobs",
-    "job_id active world value_bits packet_elements pool codec seed row_base members group last_seen stats core_stats",
+    "job_id active world value_bits packet_elements pool codec seed row_base members group last_seen stats core_stats "
+    "data_mac mac_key",
 )
 # Slot table: one row per slot of every job on this core, two shadow sets each. A completed set keeps its result
-# as the whole datagram (header and payload) that goes to every worker and to every re-send.
+# as the whole datagram (header, payload and any tag) that goes to every worker and to every re-send.
 Table = namedtuple("Table", "round_key bitmap count exp next_exp elements acc result result_len")
 # Scratch of one process_burst call (see there). group_of[row, set] is the set's group in the current burst, or -1
 # outside a call; a group is one round of one set: its contributions are a linked list (head, next) of received
@@ -198,12 +205,14 @@ def new_jobs(capacity: int) -> Jobs:
         last_seen=np.zeros((capacity, MAX_WORLD), np.float64),
         stats=np.zeros((capacity, N_STATS), np.int64),
         core_stats=np.zeros(N_STATS, np.int64),
+        data_mac=np.zeros(capacity, np.bool_),  # the job's DATA and RESULT datagrams end in a SipHash tag
+        mac_key=np.zeros((capacity, 2), np.uint64),  # its data key (k0, k1), set with data_mac at registration
     )
 
 
 def result_width(max_elements: int) -> int:
-    """Bytes of one stored result: the largest RESULT datagram (int32 codes)."""
-    return HDR + 4 * max_elements
+    """Bytes of one stored result: the largest RESULT datagram (int32 codes and a tag)."""
+    return HDR + 4 * max_elements + TAG_SIZE
 
 
 def new_table(rows: int, max_elements: int, result: np.ndarray) -> Table:
@@ -259,6 +268,17 @@ def validate_header(length, magic, version, typ):
             return CONTROL
         return DROP_UNKNOWN_TYPE
     return 0
+
+
+@njit(inline="always")
+def authenticate(p, length, data_mac, k0, k1):
+    """The first check against the job, before any other (so that nothing unauthenticated is counted under another
+    reason or keeps a member alive): a job with data_mac takes a DATA packet only if it ends in the SipHash tag
+    of its header and payload under the job's key. Returns the length of the datagram without its tag, or -1 to
+    drop it (DROP_BAD_MAC)."""
+    if not data_mac:
+        return length
+    return length - TAG_SIZE if tag_ok(p, length, k0, k1) else -1
 
 
 @njit(inline="always")
@@ -383,7 +403,10 @@ def complete(jobs, table, b, g, core, cores):
         jobs.stats[j, SATURATED] += codecs.encode_result(codec, acc, p[HDR:HDR + size], key_switch,
                                                          np.uint64(chunk * jobs.packet_elements[j]),
                                                          table.exp[row, x], jobs.value_bits[j])
-    table.result_len[row, x] = HDR + size
+    length = HDR + size
+    if jobs.data_mac[j]:  # tagged once, here: every copy and every re-send of the result carries the same bytes
+        length = put_tag(p, length, jobs.mac_key[j, 0], jobs.mac_key[j, 1])
+    table.result_len[row, x] = length
 
 
 @njit(inline="always")
@@ -460,6 +483,10 @@ def process_burst(rx_data, rx_len, rx_addr, n_rx, now, core, cores, job_arrays, 
             continue
         st = jobs.stats[j]
         st[PACKETS_IN] += 1
+        length = authenticate(p, length, jobs.data_mac[j], jobs.mac_key[j, 0], jobs.mac_key[j, 1])
+        if length < 0:
+            st[DROP_BAD_MAC] += 1
+            continue
         n = jobs.world[j]
         rank = get_u16(p, O_RANK)
         slot = get_u16(p, O_SLOT)

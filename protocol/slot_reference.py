@@ -1,7 +1,9 @@
 """The aggregator's data path as a plain-Python reference: one DATA packet at a time, dicts and ints, driven by
 the slot state machine ``TRANSITIONS`` below. It is the oracle the Numba burst kernel (``aggregator.slots``) is
 held to bit for bit: same datagrams out in the same order, same counters, same slot state. The arithmetic is
-``protocol.reference``'s; nothing here is shared with the kernel. docs/protocol.md ("Slot state table") has the same table.
+``protocol.reference``'s and the MAC is protocol.siphash's plain-Python reference; nothing here is shared with the
+kernel. docs/protocol.md ("Slot state table") has the same table. A job with a data key (``mac_key``) checks the
+tag of a DATA packet right after finding the job, before anything else, and appends one to its results.
 
 A shadow set of a slot holds one round (the use of the slot by one chunk of one allreduce, ordered by the round
 key ``allreduce << 32 | (chunk + 2**31)``, the allreduces in 32-bit serial number order, RFC 1982, so that the
@@ -26,7 +28,8 @@ import numpy as np
 
 from intml.protocol import reference
 from intml.protocol.job import CONTROL_SOURCE_BUCKETS, ControlLimits
-from intml.protocol.wire import HEADER, HEADER_SIZE, MAGIC, NO_EXP, VERSION, Codec, MsgType
+from intml.protocol.siphash import tag_ref
+from intml.protocol.wire import HEADER, HEADER_SIZE, MAGIC, NO_EXP, TAG_SIZE, VERSION, Codec, MsgType
 
 EMPTY, FILLING, COMPLETE = "EMPTY", "FILLING", "COMPLETE"
 OLDER, SAME_NEW_RANK, SAME_KNOWN_RANK, NEWER = "OLDER", "SAME_NEW_RANK", "SAME_KNOWN_RANK", "NEWER"
@@ -95,6 +98,7 @@ class Job:
     seed: int
     members: dict[int, int]  # rank -> address key it joined from
     group: int = 0  # address key of the job's results multicast group, 0 = unicast
+    mac_key: tuple[int, int] | None = None  # (k0, k1) of a job with data_mac: DATA and RESULT end in a SipHash tag
     stats: Counter = dataclasses.field(default_factory=Counter)
 
 
@@ -147,7 +151,7 @@ class SlotReference:
         """One received datagram (None: truncated on receive) at time ``now`` (which only control datagrams'
         admission reads); returns the datagrams to send, in order."""
         self.core_stats["packets_in"] += 1
-        reason, job, h = self._validate(datagram, addr)
+        reason, job, h, datagram = self._validate(datagram, addr)
         if reason == "control":
             if self.admission.admit(addr, now):
                 self.control.append((datagram, addr))
@@ -163,39 +167,49 @@ class SlotReference:
             return []
         return self._data(job, h, datagram)
 
-    def _validate(self, datagram: bytes | None, addr: int) -> tuple[str, Job | None, dict]:
+    def _validate(self, datagram: bytes | None, addr: int) -> tuple[str, Job | None, dict, bytes | None]:
+        """(drop reason or "", job, header fields, the datagram without its tag)."""
         if datagram is None:
-            return "drop_truncated", None, {}
+            return "drop_truncated", None, {}, datagram
         if len(datagram) < HEADER_SIZE:
-            return "drop_short", None, {}
+            return "drop_short", None, {}, datagram
         rec = np.frombuffer(datagram[:HEADER_SIZE], HEADER)[0]
         h = {name: int(rec[name]) for name in HEADER.names}
         if h["magic"] != MAGIC:
-            return "drop_bad_magic", None, h
+            return "drop_bad_magic", None, h, datagram
         if h["version"] != VERSION:
-            return "drop_bad_version", None, h
+            return "drop_bad_version", None, h, datagram
         if h["type"] != MsgType.DATA:
-            return ("control" if h["type"] in CONTROL_TYPES else "drop_unknown_type"), None, h
+            return ("control" if h["type"] in CONTROL_TYPES else "drop_unknown_type"), None, h, datagram
         job = self.jobs.get(h["job"])
         if job is None:
-            return "drop_unknown_job", None, h
+            return "drop_unknown_job", None, h, datagram
+        if job.mac_key is not None:  # first: nothing unauthenticated is judged further
+            body, tag = datagram[:-TAG_SIZE], datagram[-TAG_SIZE:]
+            if tag != tag_ref(*job.mac_key, body):  # the header's HEADER_SIZE bytes > TAG_SIZE are there
+                return "drop_bad_mac", job, h, datagram
+            datagram = body
+        return self._check(job, h, addr, len(datagram)), job, h, datagram
+
+    def _check(self, job: Job, h: dict, addr: int, length: int) -> str:
+        """The checks of a DATA packet of `length` bytes (without a tag) against its job."""
         if h["rank"] >= job.world:
-            return "drop_rank_out_of_range", job, h
+            return "drop_rank_out_of_range"
         if job.members.get(h["rank"]) != addr:
-            return "drop_unregistered_source", job, h
+            return "drop_unregistered_source"
         if h["slot"] >= job.pool or h["slot"] % self.cores != self.core:
-            return "drop_slot_out_of_range", job, h
+            return "drop_slot_out_of_range"
         if h["codec"] != job.codec:
-            return "drop_wrong_codec", job, h
+            return "drop_wrong_codec"
         width = 1 if job.codec == Codec.CNAT8 else 4
-        if h["count"] > job.packet_elements or len(datagram) != HEADER_SIZE + width * h["count"]:
-            return "drop_wrong_count", job, h
+        if h["count"] > job.packet_elements or length != HEADER_SIZE + width * h["count"]:
+            return "drop_wrong_count"
         if h["shadow"] > 1:
-            return "drop_bad_shadow", job, h
+            return "drop_bad_shadow"
         lo, hi = EXPONENTS
         if any(e != NO_EXP and not lo <= e <= hi for e in (h["exp"], h["next_exp"])):
-            return "drop_bad_exponent", job, h
-        return "", job, h
+            return "drop_bad_exponent"
+        return ""
 
     def _data(self, job: Job, h: dict, datagram: bytes) -> list[tuple[bytes, int]]:
         n, rank = job.world, h["rank"]
@@ -272,4 +286,5 @@ class SlotReference:
         rec["magic"], rec["version"] = MAGIC, VERSION
         for name, value in header.items():
             rec[name] = value
-        return rec.tobytes() + payload
+        result = rec.tobytes() + payload
+        return result if job.mac_key is None else result + tag_ref(*job.mac_key, result)

@@ -29,7 +29,9 @@ Data header (26 bytes):
 Payload by message type:
 
 * DATA, RESULT: ``count`` elements of the codec's ``PAYLOAD_DTYPE`` (protocol.codecs:
-  uint8 C_nat codes for CNAT8, big-endian int32 for INT32). Left as scapy ``Raw`` in captures.
+  uint8 C_nat codes for CNAT8, big-endian int32 for INT32), then, for a job with the DATA/RESULT MAC, the
+  ``TAG_SIZE``-byte SipHash-2-4 tag of the header and payload (protocol.siphash; docs/protocol.md,
+  "DATA/RESULT MAC"). Left as scapy ``Raw`` in captures.
 * JOIN, JOIN_ACK: the JOIN payload below (JOIN_ACK echoes the JOIN's);
   dissected by scapy as ``IntmlJoin``.
 * LEAVE, STATS_REQUEST: none.
@@ -129,11 +131,14 @@ _ELEMENT_TYPES = (MsgType.DATA, MsgType.RESULT)  # types whose payload is `count
 
 
 MAX_DATAGRAM = 65507  # the largest UDP payload over IPv4
+TAG_SIZE = 8  # the SipHash-2-4 tag after the payload of a DATA or RESULT datagram of a job with data_mac
 
 
-def max_packet_elements(codec: Codec | int) -> int:
-    """The most elements one datagram can carry for a codec (count is also a u16)."""
-    return min(0xFFFF, (MAX_DATAGRAM - HEADER_SIZE) // Codec(codec).bytes_per_element)
+def max_packet_elements(codec: Codec | int, data_mac: bool = False) -> int:
+    """The most elements one datagram can carry for a codec (count is also a u16), with room for the tag if the
+    job has data_mac."""
+    room = MAX_DATAGRAM - HEADER_SIZE - (TAG_SIZE if data_mac else 0)
+    return min(0xFFFF, room // Codec(codec).bytes_per_element)
 
 
 def payload_dtype(codec: Codec | int) -> np.dtype:

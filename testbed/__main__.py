@@ -34,6 +34,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"bytes per datagram (default 8192, at most {wire.MAX_DATAGRAM}: a UDP payload)")
     bio.add_argument("--burst", type=positive(), default=256, help="datagrams per burst (default 256)")
     bio.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    mac = bench.add_parser("mac", help="the DATA/RESULT MAC's cost per packet and per loopback allreduce")
+    mac.add_argument("--chunks", type=positive(), default=512, help="chunks of the recorded allreduce (default 512)")
+    mac.add_argument("--repeats", type=positive(), default=7, help="timed runs; the median is reported")
+    mac.add_argument("--workers", type=positive(), default=4, help="ranks of the loopback allreduce (default 4)")
+    mac.add_argument("--elements", type=positive(), default=4_000_000, help="its tensor size (default 4000000)")
+    mac.add_argument("--cores", type=positive(), default=2, help="its aggregator cores (default 2)")
+    mac.add_argument("--rounds", type=positive(), default=5, help="its timed allreduces per trial (default 5)")
+    mac.add_argument("--trials", type=positive(), default=3,
+                     help="aggregators started without and with the MAC, alternately (default 3 each)")
+    mac.add_argument("--json", action="store_true", help="print JSON objects instead of tables")
     ar = bench.add_parser("allreduce", help="intml vs Gloo's ring allreduce on loopback")
     ar.add_argument("--workers", type=positive(), default=4)
     ar.add_argument("--elements", type=positive(), default=25_000_000)
@@ -98,6 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         from intml.testbed import bench_burstio
 
         bench_burstio.run(args.packets, args.size, args.burst, args.json)
+    elif args.command == "bench" and args.bench == "mac":
+        from intml.testbed import bench_mac
+
+        bench_mac.run(args.chunks, args.repeats, args.workers, args.elements, args.cores, args.rounds, args.trials,
+                      args.json)
     elif args.command == "bench" and args.bench == "allreduce":
         from intml.testbed import bench_allreduce
 

@@ -139,7 +139,9 @@ class Network:
                  max_elements: int | None = None, idle_timeout: float = 30.0, rto: float = 0.02,
                  min_rto: float = 0.005, max_rto: float = 1.0, dt: float = 0.001, drop: float = 0.0, duplicate: float = 0.0,
                  reorder: float = 0.0, fault_seed: int = 0, record: bool = False, join: bool = True,
-                 aggregators: list[AggregatorCore] | None = None, worker_port: int = WORKER_PORT) -> None:
+                 aggregators: list[AggregatorCore] | None = None, worker_port: int = WORKER_PORT,
+                 data_mac_key: tuple[int, int] | None = None) -> None:
+        """``data_mac_key``: the DATA/RESULT MAC under this key (k0, k1) on every core and engine."""
         self.n = n
         self.codec = Codec.CNAT8 if codec == "cnat8" else Codec.INT32 if codec == "int32" else Codec(codec)
         self.packet_elements, self.pool_size = packet_elements, pool_size
@@ -149,7 +151,8 @@ class Network:
         self.worker_port = worker_port
         if aggregators is None:
             aggregators = [AggregatorCore(core=i, cores=cores, rows=rows, idle_timeout=idle_timeout,
-                                          max_elements=max_elements or packet_elements) for i in range(cores)]
+                                          max_elements=max_elements or packet_elements, data_mac_key=data_mac_key)
+                           for i in range(cores)]
         cores = len(aggregators)
         self.cores = aggregators
         self.core_of = {agg_addr(i): i for i in range(cores)}
@@ -157,7 +160,8 @@ class Network:
         self.engines = [
             StreamEngine(job=job, rank=r, world_size=n, codec=self.codec, packet_elements=packet_elements,
                          pool_size=pool_size, seed=seed, agg_addrs=[agg_addr(i) for i in range(cores)], rto=rto,
-                         min_rto=min_rto, max_rto=max_rto)
+                         min_rto=min_rto, max_rto=max_rto,
+                         data_mac_keys=None if data_mac_key is None else np.array([data_mac_key] * cores, np.uint64))
             for r in range(n)
         ]
         self.uplink = Link(drop=drop, duplicate=duplicate, reorder=reorder, seed=2 * fault_seed + 1)

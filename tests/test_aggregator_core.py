@@ -227,6 +227,7 @@ def test_every_drop_reason_is_tested():
     tested |= {"drop_bad_control"}  # test_malformed_control_datagram_is_counted_and_answered
     tested |= {"drop_refused_join", "drop_leave_non_member"}  # test_hardening: test_refused_joins_and_foreign_...
     tested |= {"drop_control_rate"}  # test_flood: the kernel against slot_reference, and live floods
+    tested |= {"drop_bad_mac"}  # test_data_mac: test_forged_or_altered_data_is_dropped_and_counted_...
     assert tested == {name for name in STAT_NAMES if name.startswith("drop_")}
 
 

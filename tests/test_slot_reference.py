@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from intml.aggregator.core import AggregatorCore
 from intml.aggregator.slots import STAT_NAMES
 from intml.protocol import wire
+from intml.protocol.siphash import key_words, tag_ref
 from intml.protocol.slot_reference import COMPLETE, TRANSITIONS, Job, SlotReference
 from intml.protocol.wire import NO_EXP, Codec, MsgType
 
@@ -34,8 +35,11 @@ def joined_pair(specs: list[dict], *, core: int = 0, cores: int = 1,
         acks = core_receive(agg, [(join_datagram(s["job"], r, **params), a) for r, a in members.items()], 0.0)
         assert [msg_type(d) for d, _ in acks] == [MsgType.JOIN_ACK] * s["world"]
         ack = wire.unpack_join(acks[0][0])[1]
+        if "mac_key" in s:  # the job's data key, as the control plane sets it at registration
+            j = agg.info[s["job"]].index
+            agg.jobs.data_mac[j], agg.jobs.mac_key[j] = True, s["mac_key"]
         ref.join(Job(s["job"], s["world"], params["packet_elements"], s["pool"], int(s["codec"]), s["seed"], members,
-                     addr_key(int(ack["group"]), int(ack["group_port"])) if ack["group"] else 0))
+                     addr_key(int(ack["group"]), int(ack["group_port"])) if ack["group"] else 0, s.get("mac_key")))
     ref.core_stats.update(nonzero(agg.stats(0.0)["core_counters"]))  # the JOINs, which the control plane handles
     return agg, ref
 
@@ -86,10 +90,12 @@ def assert_same_state(agg: AggregatorCore, ref: SlotReference) -> None:
 
 
 def recorded(n: int, codec: str, seed: int, *, cores: int = 1, job: int = 7, port: int = 5000,
-             aggregators: list[AggregatorCore] | None = None) -> tuple[Network, list]:
+             aggregators: list[AggregatorCore] | None = None,
+             data_mac_key: tuple[int, int] | None = None) -> tuple[Network, list]:
     """Every DATA datagram the workers of a faulty two-allreduce run sent: (datagram, source, destination)."""
     net = Network(n, codec=codec, packet_elements=P, pool_size=4, cores=cores, job=job, worker_port=port,
-                  drop=0.1, duplicate=0.1, reorder=0.2, fault_seed=seed, record=True, aggregators=aggregators)
+                  drop=0.1, duplicate=0.1, reorder=0.2, fault_seed=seed, record=True, aggregators=aggregators,
+                  data_mac_key=data_mac_key)
     for seq in range(2):
         net.start(make_inputs(n, 9 * P + 3, P, "normal", seed=seed + seq))
         net.run()
@@ -126,6 +132,24 @@ def test_recorded_stream_of_two_jobs_matches_reference(codec, group):
     replay(*joined_pair([spec_of(net) for net, _ in runs], group=group), stream, [64, 7, 128, 1])
 
 
+@pytest.mark.parametrize("codec", ["cnat8", "int32"])
+def test_recorded_stream_with_the_mac_matches_reference(codec):
+    """A job with the DATA/RESULT MAC: the tagged stream, scrambled, with every tenth packet's tag broken or
+    stripped, gives the reference's tagged results and counters."""
+    net, sent = recorded(3, codec, seed=5, data_mac_key=MAC_KEY)
+    rng = np.random.default_rng(5)
+    stream = []
+    for k, (d, s, _) in enumerate(sent):
+        if k % 10 == 3:
+            stream.append((d[:-1] + bytes([d[-1] ^ 0x10]) if k % 20 == 3 else d[:-8], s))
+        stream.append((d, s))
+    stream = [stream[k] for w in range(0, len(stream), 30) for k in w + rng.permutation(min(30, len(stream) - w))]
+    agg, ref = joined_pair([{**spec_of(net), "mac_key": MAC_KEY}])
+    replay(agg, ref, stream, [int(k) for k in rng.integers(1, 100, 20)])
+    counters = agg.stats(1.0)["jobs"][str(net.job)]["counters"]
+    assert counters["completions"] > 0 and counters["drop_bad_mac"] == len(sent[3::10])
+
+
 def test_recorded_stream_on_the_second_core_matches_reference():
     net, sent = recorded(3, "cnat8", seed=11, cores=2)
     stream = [(d, s) for d, s, dst in sent]  # both cores' packets: core 1 drops core 0's slots as out of range
@@ -134,8 +158,11 @@ def test_recorded_stream_on_the_second_core_matches_reference():
 
 # ---- (b) random streams ------------------------------------------------------------------------------------
 
+MAC_KEY = key_words(bytes(range(16, 32)))
 JOBS = ({"job": 7, "world": 2, "codec": Codec.CNAT8, "pool": 2, "seed": 3, "addr": worker_addr},
-        {"job": 8, "world": 3, "codec": Codec.INT32, "pool": 2, "seed": 4, "addr": lambda r: worker_addr(r, 6000)})
+        {"job": 8, "world": 3, "codec": Codec.INT32, "pool": 2, "seed": 4, "addr": lambda r: worker_addr(r, 6000)},
+        {"job": 9, "world": 2, "codec": Codec.CNAT8, "pool": 2, "seed": 5, "addr": lambda r: worker_addr(r, 7000),
+         "mac_key": MAC_KEY})
 STRANGER = addr_key(0x0A000001, 4242)
 # Values that fit a round (for C_nat: k <= T - f = 29 at exponents 0 and 3, s(n) = 29 for both jobs; only 0 for
 # none) and values that do not.
@@ -144,13 +171,15 @@ INVALID_CODES = [0x40 | 30, 0x40 | 31, 0x40 | 63, 0x80, 0x3F]
 VALID_INT32 = [0, 1, -7, 1 << 29, -(1 << 29), 1 << 28]
 INVALID_INT32 = [(1 << 29) + 1, -(1 << 29) - 1]
 MUTATIONS = ("truncated", "short", "magic", "version", "type", "job", "source", "rank", "slot", "codec", "count",
-             "length", "shadow", "exp", "next_exp", "disagree", "values")
+             "length", "shadow", "exp", "next_exp", "disagree", "values", "tag")
 
 
 @st.composite
 def packets(draw) -> Item:
     """A DATA packet of one of a few rounds per job (chunks 0 and 4, 1 and 5 share a set: newer and older
-    rounds meet), so that rounds complete; one in four is malformed or disagrees with its round."""
+    rounds meet), so that rounds complete; one in four is malformed or disagrees with its round. A packet of the
+    job with a data key carries its tag (after any other change: a malformed packet can be authentic), or with
+    the "tag" mutation a wrong, missing or other key's tag (a packet of another job gets 8 stray bytes)."""
     spec = draw(st.sampled_from(JOBS))
     codec = spec["codec"]
     allreduce, chunk = draw(st.integers(0, 1)), draw(st.integers(-1, 5))
@@ -177,10 +206,19 @@ def packets(draw) -> Item:
     datagram = wire.pack(header, payload)
     if mutation == "truncated":
         return None, src
-    if mutation == "short":
-        datagram = datagram[:draw(st.integers(0, wire.HEADER_SIZE - 1))]
     if mutation == "length":
         datagram += b"\x00"
+    if "mac_key" in spec or mutation == "tag":
+        tag = tag_ref(*spec.get("mac_key", MAC_KEY), datagram)
+        if mutation == "tag":
+            k0, k1 = MAC_KEY
+            tag = draw(st.sampled_from([bytes(8), tag[:7] + bytes([tag[7] ^ 1]), tag_ref(k0 ^ 1, k1, datagram)]))
+            datagram = draw(st.sampled_from([datagram + tag, datagram, datagram[:-1] + bytes([datagram[-1] ^ 0x80])
+                                             + tag_ref(*MAC_KEY, datagram)]))
+        else:
+            datagram += tag
+    if mutation == "short":
+        datagram = datagram[:draw(st.integers(0, wire.HEADER_SIZE - 1))]
     return datagram, (STRANGER if mutation == "source" else src)
 
 
@@ -203,7 +241,7 @@ def test_random_streams_reach_every_transition_and_drop_reason():
         ref = SlotReference()
         for spec in JOBS:
             ref.join(Job(spec["job"], spec["world"], P, spec["pool"], int(spec["codec"]), spec["seed"],
-                         {r: spec["addr"](r) for r in range(spec["world"])}))
+                         {r: spec["addr"](r) for r in range(spec["world"])}, mac_key=spec.get("mac_key")))
         for datagram, src in stream:
             ref.receive(datagram, src)
         seen.update(name for counter in [ref.core_stats] + [j.stats for j in ref.jobs.values()]

@@ -24,6 +24,7 @@ from intml.protocol import wire
 from intml.protocol.address import format_addr
 from intml.protocol.burst import Burst
 from intml.protocol.job import BURST, JobParams, WorkerTimers
+from intml.protocol.siphash import env_test_key
 from intml.worker.engine import StreamEngine
 from intml.worker.session import (
     Event,
@@ -118,9 +119,12 @@ class Worker:
             self._inputs.append(results)
             self._poll.register(results.fileno(), select.POLLIN)
         agg = [self.session.core_addr(i) for i in range(self.cores)]
+        test_key = env_test_key()
         self.engine = StreamEngine(job=job, rank=rank, world_size=world_size, codec=self.codec,
                                    packet_elements=packet_elements, pool_size=pool_size, seed=seed, agg_addrs=agg,
-                                   rto=timers.rto, min_rto=timers.min_rto, max_rto=timers.max_rto)
+                                   rto=timers.rto, min_rto=timers.min_rto, max_rto=timers.max_rto,
+                                   data_mac_keys=None if test_key is None else np.array([test_key] * self.cores,
+                                                                                        np.uint64))
 
     # ---- control plane: the session's datagrams over the unicast socket ---------------------------------
     def _who(self) -> str:

@@ -20,6 +20,9 @@ One allreduce of a flat float32 tensor of N elements, packet size P and pool siz
   FAST_RETRANSMIT results of slots sent after it to the same aggregator core is presumed lost and retransmitted
   at once, so a loss costs about one round trip instead of an RTO. Results that are duplicate, stale (another
   allreduce, chunk or shadow set), foreign (another job or source) or malformed are counted and dropped.
+* With the job's DATA/RESULT MAC (``data_mac_keys``), every DATA datagram ends in a SipHash-2-4 tag under the data
+  key of the core its slot lives on, and the result a slot waits for is taken only if its tag is valid: a forged
+  or altered RESULT is counted (drop_bad_mac) and dropped, so it can make no rank diverge.
 * cnat8: chunk c is encoded with the floor of its agreed exponent and random words keyed by
   (seed, worker_stream(allreduce, rank), element index); the result codes decode straight to float32. The
   tensor is read from memory once, a chunk at a time: when the packet of chunk c is built, chunk c + W' is
@@ -71,7 +74,8 @@ from intml.protocol.packet import (
 )
 from intml.protocol.job import WorkerTimers
 from intml.protocol.rng import derive_key
-from intml.protocol.wire import MAGIC, VERSION, Codec, MsgType
+from intml.protocol.siphash import put_tag, tag_ok
+from intml.protocol.wire import MAGIC, TAG_SIZE, VERSION, Codec, MsgType
 
 STAT_NAMES = (
     "packets_out",
@@ -83,9 +87,10 @@ STAT_NAMES = (
     "drop_foreign",
     "drop_stale",
     "saturated_elements",
+    "drop_bad_mac",
 )
 (PACKETS_OUT, PACKETS_IN, RETRANSMISSIONS, FAST_RETRANSMISSIONS, RESULTS, DROP_MALFORMED, DROP_FOREIGN, DROP_STALE,
- SATURATED) = range(len(STAT_NAMES))
+ SATURATED, DROP_BAD_MAC) = range(len(STAT_NAMES))
 FAST_RETRANSMIT = 3  # results of later-sent slots that mark a slot as lost
 IDLE = np.iinfo(np.int64).min  # cur_chunk of a slot with nothing in flight
 
@@ -95,12 +100,13 @@ IDLE = np.iinfo(np.int64).min  # cur_chunk of a slot with nothing in flight
 State = namedtuple(
     "State",
     "params x out local_exp agreed_exp cur_chunk parity sent_at rto retries overtaken packet packet_len agg_addr stats "
-    "timing low sent",
+    "timing low sent mac_keys",
 )
 # params (int64): job, rank, world, value_bits, codec, packet_elements, window, chunks, elements, allreduce, cores,
 #                 seed (as int64 bits), done_chunks, index of a non-finite input or -1
 (P_JOB, P_RANK, P_WORLD, P_VBITS, P_CODEC, P_PKT, P_WINDOW, P_CHUNKS, P_ELEMENTS, P_ALLREDUCE, P_CORES,
  P_SEED, P_DONE, P_BAD) = range(14)
+# mac_keys (uint64): (cores, 2), the data key (k0, k1) of each aggregator core; (0, 2) without the DATA/RESULT MAC
 # timing (float64): smoothed RTT, RTT variance, current RTO, min RTO, max RTO
 T_SRTT, T_RTTVAR, T_RTO, T_MIN, T_MAX = range(5)
 
@@ -160,7 +166,12 @@ def _build(st, s, c, now):
     next_exp = st.local_exp[nxt] if nxt < chunks else NO_EXP
     put_header(p, MsgType.DATA, prm[P_JOB], prm[P_ALLREDUCE], c, prm[P_RANK], s, count, codec, st.parity[s],
                exp, next_exp)
-    st.packet_len[s] = HDR + size
+    keys = st.mac_keys
+    if keys.shape[0]:
+        k = s % prm[P_CORES]
+        st.packet_len[s] = put_tag(p, HDR + size, keys[k, 0], keys[k, 1])
+    else:
+        st.packet_len[s] = HDR + size
     st.cur_chunk[s] = c
     st.sent_at[s] = now
     st.retries[s] = 0
@@ -265,6 +276,17 @@ def classify_result(prm, parity, cur_chunk, agg_addr, p, addr):
 
 
 @njit(inline="always")
+def authenticate(prm, keys, p, length):
+    """With the DATA/RESULT MAC: the length of the result of slot get_u16(p, O_SLOT) without its tag, or -1 if the
+    tag is missing or wrong (a forged result: counted, dropped, and the slot keeps waiting for the real one).
+    Without it, the length."""
+    if keys.shape[0] == 0:
+        return length
+    k = get_u16(p, O_SLOT) % prm[P_CORES]
+    return length - TAG_SIZE if tag_ok(p, length, keys[k, 0], keys[k, 1]) else -1
+
+
+@njit(inline="always")
 def validate_result(prm, agreed_exp, p, length, c, count):
     """DROP_MALFORMED unless the result of chunk c (count elements) has the codec, size and exponents it must
     have, else -1."""
@@ -323,7 +345,7 @@ def advance(st, s, c, next_exp, now, tx_ptr, tx_len, tx_addr, n_tx):
 def receive_kernel(state, rx_data, rx_len, rx_addr, n_rx, now, tx_ptr, tx_len, tx_addr):
     """Accept results, decode them, and queue each slot's next chunk. Returns datagrams written to tx."""
     st = State(*state)
-    prm, agreed_exp, out = st.params, st.agreed_exp, st.out
+    prm, agreed_exp, out, keys = st.params, st.agreed_exp, st.out, st.mac_keys
     n_tx = 0
     for i in range(n_rx):
         st.stats[PACKETS_IN] += 1
@@ -334,6 +356,10 @@ def receive_kernel(state, rx_data, rx_len, rx_addr, n_rx, now, tx_ptr, tx_len, t
             drop = classify_result(prm, st.parity, st.cur_chunk, st.agg_addr, p, rx_addr[i])
         c = get_i32(p, O_CHUNK)
         if drop < 0:  # c is the slot's chunk
+            length = authenticate(prm, keys, p, length)
+            if length < 0:
+                st.stats[DROP_BAD_MAC] += 1
+                continue
             count = _chunk_count(st, c)
             drop = validate_result(prm, agreed_exp, p, length, c, count)
             if drop < 0:
@@ -383,9 +409,20 @@ class StreamEngine:
 
     def __init__(self, *, job: int, rank: int, world_size: int, codec: Codec, packet_elements: int, pool_size: int,
                  seed: int, agg_addrs: list[int], rto: float = WorkerTimers.rto,
-                 min_rto: float = WorkerTimers.min_rto, max_rto: float = WorkerTimers.max_rto) -> None:
+                 min_rto: float = WorkerTimers.min_rto, max_rto: float = WorkerTimers.max_rto,
+                 data_mac_keys: np.ndarray | None = None) -> None:
+        """``data_mac_keys``: the job's data key on each aggregator core, a (cores, 2) uint64 array of (k0, k1) rows
+        (protocol.siphash.key_words), for a job with data_mac: every DATA datagram then ends in its SipHash tag
+        under its core's key, and a RESULT is taken only with a valid one. None: no MAC."""
         if not 0 < min_rto <= rto <= max_rto:
             raise ValueError(f"need 0 < min_rto <= rto <= max_rto, got {min_rto}, {rto}, {max_rto}")
+        if data_mac_keys is None:
+            self.mac_keys = np.zeros((0, 2), np.uint64)
+        else:
+            self.mac_keys = np.ascontiguousarray(data_mac_keys, np.uint64)
+            if self.mac_keys.shape != (len(agg_addrs), 2):
+                raise ValueError(f"data_mac_keys must hold one (k0, k1) row per aggregator core, shape "
+                                 f"({len(agg_addrs)}, 2), got {self.mac_keys.shape}")
         self.codec = Codec(codec)
         self.packet_elements = packet_elements
         self.pool_size = pool_size
@@ -398,7 +435,8 @@ class StreamEngine:
         self.parity = np.zeros(pool_size, np.int64)  # persists over the job's life
         width = codecs.BY_ID[self.codec].WIDTH
         # two datagram buffers per slot, by parity: the in-flight chunk's (kept for retransmission) and the next's
-        self.packet = np.zeros((pool_size, 2, HDR + packet_elements * width), np.uint8)
+        tag = TAG_SIZE if self.mac_keys.shape[0] else 0
+        self.packet = np.zeros((pool_size, 2, HDR + packet_elements * width + tag), np.uint8)
         # what each call hands out: rows pointing into self.packet. A call queues each slot at most once (its
         # next chunk, or a retransmission), so pool_size rows always suffice.
         self.tx = Burst(self.packet, pool_size)
@@ -453,7 +491,8 @@ class StreamEngine:
             retries=np.zeros(self.pool_size, np.int64), overtaken=np.zeros(self.pool_size, np.int64),
             packet=self.packet,
             packet_len=np.zeros(self.pool_size, np.int64), agg_addr=self.agg_addr, stats=self.stats,
-            timing=self.timing, low=low, sent=self._no_sent if sent is None else sent.reshape(-1))
+            timing=self.timing, low=low, sent=self._no_sent if sent is None else sent.reshape(-1),
+            mac_keys=self.mac_keys)
         self._args = tuple(self.state)
         tx = self.tx
         n = start_kernel(self._args, now, tx.ptr, tx.length, tx.addr) if window else 0
