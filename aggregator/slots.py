@@ -93,6 +93,7 @@ STAT_NAMES = (
     "drop_bad_control",
     "drop_refused_join",
     "drop_leave_non_member",
+    "drop_bad_mac",
     "send_failed",
 )
 (
@@ -123,6 +124,7 @@ STAT_NAMES = (
     DROP_BAD_CONTROL,  # counted by the control plane (aggregator.core), which parses JOIN/LEAVE/STATS
     DROP_REFUSED_JOIN,  # control plane: a well-formed JOIN answered with ERROR
     DROP_LEAVE_NON_MEMBER,  # control plane: a LEAVE for no job, or not from the address the rank joined from
+    DROP_BAD_MAC,  # a JOIN (cookie or proof), LEAVE or STATS_REQUEST whose MAC fails
     SEND_FAILED,  # the driver: datagrams the kernel refused to send (their destination), skipped
 ) = range(len(STAT_NAMES))
 N_STATS = len(STAT_NAMES)
@@ -137,7 +139,8 @@ NEWER = 3  # a later use of the slot: opens a new round in the set
 # Job table: one row per job slot of this core; arrays so the kernel can read them.
 Jobs = namedtuple(
     "Jobs",
-    "job_id active world value_bits packet_elements pool codec seed row_base members group last_seen stats core_stats",
+    "job_id active world value_bits packet_elements pool codec seed row_base members group last_seen stats core_stats "
+    "data_mac mac_key",
 )
 # Slot table: one row per slot of every job on this core, two shadow sets each. A completed set keeps its result
 # as the whole datagram (header and payload) that goes to every worker and to every re-send.
@@ -167,6 +170,8 @@ def new_jobs(capacity: int) -> Jobs:
         last_seen=np.zeros((capacity, MAX_WORLD), np.float64),
         stats=np.zeros((capacity, N_STATS), np.int64),
         core_stats=np.zeros(N_STATS, np.int64),
+        data_mac=np.zeros(capacity, np.bool_),  # the job's DATA / RESULT carry a MAC
+        mac_key=np.zeros((capacity, 2), np.uint64),  # its data key as SipHash's (k0, k1)
     )
 
 

@@ -8,6 +8,7 @@ times torch.distributed.all_reduce with Gloo on the same tensor size and prints 
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from intml.protocol import wire
 from intml.protocol.job import CODEC_NAMES
 from intml.protocol.traffic import intml_bytes, intml_packets
 from intml.testbed import rank
-from intml.testbed.procs import run_ranks, slowest_per_round
+from intml.testbed.procs import run_ranks, run_token, slowest_per_round
 from intml.testbed.timing import emit
 
 JOB = 1
@@ -33,12 +34,13 @@ def loopback_packet_elements(codec: str) -> int:
 def aggregator(cores: int, max_packet_elements: int, host: str = "127.0.0.1",
                prefix: list[str] | None = None, multicast: str | None = None) -> Iterator[int]:
     """Run `intml-aggregator --port 0` (optionally under a command prefix such as `ip netns exec NS`, and with
-    results multicast to `multicast`) and yield its base port; the process is always terminated on exit."""
+    results multicast to `multicast`) and yield its base port; the process is always terminated on exit. It
+    accepts the run's token (procs.run_token, in INTML_TOKEN), which the ranks get through rank_env."""
     cmd = [*(prefix or []), sys.executable, "-m", "intml.aggregator", "--host", host, "--port", "0", "--cores", str(cores),
            "--max-packet-elements", str(max_packet_elements), "--slots", str(max(64, (1 << 22) // max_packet_elements))]
     if multicast:
         cmd += ["--multicast", multicast]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "INTML_TOKEN": run_token()})
     try:
         line = proc.stdout.readline()
         if "listening on" not in line:

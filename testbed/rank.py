@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import sys
 import time
 
@@ -70,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--rounds", type=positive(), default=3)
     p.add_argument("--job", type=int, default=1)
-    p.add_argument("--token", default="testbed")
+    p.add_argument("--token", default=os.environ.get("INTML_TOKEN", ""),
+                   help="the job's token (default: INTML_TOKEN, as the aggregator's; not on the command line of a "
+                        "shared machine)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--timeout", type=positive(float), default=WorkerTimers.timeout)
     print(json.dumps(run(p.parse_args(argv))), flush=True)
