@@ -17,7 +17,7 @@ from test_aggregator_core import STRANGER, error_text
 from test_hardening import raw_udp  # noqa: F401 (a fixture)
 
 from intml.aggregator.__main__ import OPEN_WARNING
-from intml.aggregator.core import UNPROVED
+from intml.aggregator.core import UNPROVED, AggregatorCore
 from intml.protocol import keys, reference, wire
 from intml.protocol.wire import MsgType
 
@@ -40,7 +40,25 @@ def _counters(agg, core: int = 0) -> dict[str, int]:
     return agg.stats()[core]["core_counters"]
 
 
-# ---- in-process: the handshake's properties -------------------------------------------------------------------
+# ---- in-process: keys and the handshake's properties ----------------------------------------------------------
+
+
+def test_keys_are_domain_separated_and_the_data_key_is_two_little_endian_words():
+    tk = keys.token_key("s3cret")
+    nonce, cookie = b"n" * 16, b"c" * 16
+    derived = {keys.session_key(tk, 7, 0, nonce, cookie), keys.session_key(tk, 7, 1, nonce, cookie),
+               keys.data_key(tk, 7, keys.job_nonce(nonce, cookie)), keys.job_nonce(nonce, cookie), tk,
+               keys.token_key("s3cret!")}
+    assert len(derived) == 6 and all(len(k) == 16 for k in derived)
+    data = keys.data_key(tk, 7, b"j" * 16)
+    words = keys.key_words(data)
+    assert words.dtype == np.uint64 and [int(w) for w in words] == [int.from_bytes(data[:8], "little"),
+                                                                     int.from_bytes(data[8:], "little")]
+    datagram = keys.seal(tk, bytes(40), 24)
+    assert keys.verify(tk, datagram, 24) and not keys.verify(tk, datagram[:-1] + b"\1", 24)
+    assert not keys.verify(keys.token_key("other"), datagram, 24) and not keys.verify(tk, datagram, 30)
+
+
 
 
 @pytest.mark.parametrize("pool", [1, 8, 9, 256])
@@ -73,14 +91,13 @@ def test_a_wrong_token_cannot_join_an_existing_job_nor_learn_its_parameters():
 
 
 def test_a_job_belongs_to_the_token_that_created_it():
-    core = new_core(rows=16, max_elements=64)
-    core2 = type(core)(rows=16, max_elements=64, tokens=["tenant-a", "tenant-b"])
-    for c in (core, core2):
-        assert msg_type(handshake(c, worker_addr(0), 0.0, 7, 0, token=c is core and TOKEN or "tenant-a",
-                                  **PARAMS)[0][0]) == MsgType.JOIN_ACK
-    (reply, _), = handshake(core2, worker_addr(1), 0.0, 7, 1, token="tenant-b", **PARAMS)
+    """Two tenants' tokens on one core: tenant b cannot join (or learn anything of) tenant a's job."""
+    core = AggregatorCore(rows=16, max_elements=64, tokens=["tenant-a", "tenant-b"])
+    (reply, _), = handshake(core, worker_addr(0), 0.0, 7, 0, token="tenant-a", **PARAMS)
+    assert msg_type(reply) == MsgType.JOIN_ACK
+    (reply, _), = handshake(core, worker_addr(1), 0.0, 7, 1, token="tenant-b", **PARAMS)
     assert error_text(reply) == UNPROVED
-    (reply, _), = handshake(core2, worker_addr(1), 0.0, 7, 1, token="tenant-a", **PARAMS)
+    (reply, _), = handshake(core, worker_addr(1), 0.0, 7, 1, token="tenant-a", **PARAMS)
     assert msg_type(reply) == MsgType.JOIN_ACK
 
 
