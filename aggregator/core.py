@@ -67,7 +67,7 @@ from intml.protocol.job import (
     MAX_WORLD,
     JobParams,
 )
-from intml.protocol.packet import HDR
+from intml.protocol.packet import HDR, round_order
 from intml.protocol.wire import MsgType
 
 ALL_JOBS = 0xFFFFFFFF
@@ -251,22 +251,27 @@ class AggregatorCore:
     def _resume_point(self, info: JobInfo) -> tuple[int, bytes]:
         """Where a rank joining now starts: the allreduce its peers are in (one of whose rounds here still waits)
         or the next one, and the slot bitmap of each of this core's slots' next shadow set: the set of a round
-        that waits for contributions, else the other set than the slot's last round (0 for an unused slot)."""
+        that waits for contributions, else the other set than the slot's last round (0 for an unused slot).
+        Rounds compare in serial number order (packet.round_order), as the kernel's do; a set holds a round
+        iff its bitmap is not empty."""
         rows = slice(info.rows.start, info.rows.stop)
-        round_key, count = self.table.round_key[rows], self.table.count[rows]
-        n = info.params["world_size"]
-        local = np.arange(round_key.shape[0])
-        last = round_key.argmax(axis=1)
+        round_key, count, used = self.table.round_key[rows], self.table.count[rows], self.table.bitmap[rows] != 0
+        last = np.array([int(u[1] and (not u[0] or round_order(int(k[1]), int(k[0])) > 0))
+                         for k, u in zip(round_key, used)], np.int64)
+        local = np.arange(last.size)
+        held = used[local, last]
         last_key = round_key[local, last]
-        newest = int(last_key.max(initial=-1))
-        allreduce = 0 if newest < 0 else newest >> 32
-        waiting = (last_key >= 0) & (last_key >> 32 == allreduce) & (count[local, last] < n)
-        if newest >= 0 and not waiting.any():
-            allreduce += 1
-        sets = np.where(waiting, last, np.where(last_key >= 0, 1 - last, 0))
+        newest = None
+        for key in last_key[held]:
+            newest = int(key) if newest is None or round_order(int(key), newest) > 0 else newest
+        allreduce = 0 if newest is None else newest >> 32 & 0xFFFFFFFF
+        waiting = held & (last_key >> 32 & 0xFFFFFFFF == allreduce) & (count[local, last] < info.params["world_size"])
+        if newest is not None and not waiting.any():
+            allreduce = (allreduce + 1) & 0xFFFFFFFF
+        sets = np.where(waiting, last, np.where(held, 1 - last, 0))
         bits = np.zeros(info.params["pool_size"], np.uint8)
         bits[local * self.cores + self.core] = sets
-        return allreduce & 0xFFFFFFFF, np.packbits(bits, bitorder="little").tobytes()
+        return allreduce, np.packbits(bits, bitorder="little").tobytes()
 
     def _check_params(self, p: dict, rank: int) -> str | None:
         try:

@@ -114,10 +114,13 @@ def test_cookies_expire_and_bind_the_address():
     assert core.stats(0.0)["core_counters"]["drop_bad_mac"] == 2
 
 
-def test_resume_point_of_a_rank_joining_a_running_job():
+@pytest.mark.parametrize("first", [0, 2**31 + 5])  # past 2**31 the round keys are negative int64s
+def test_resume_point_of_a_rank_joining_a_running_job(first):
     """The JOIN_ACK names the allreduce the peers are in and each slot's next shadow set; a rank that joins a
-    job two allreduces old (a restarted one) completes the next allreduces bit-exact with its peers."""
+    job two allreduces old (a restarted one) completes the next allreduce bit-exact with its peers."""
     net = Network(2, pool_size=3)
+    for engine in net.engines:
+        engine.allreduce_seq = first - 1
     for seq in range(2):
         xs = [np.random.default_rng(seq * 2 + r).standard_normal(100).astype(np.float32) for r in range(2)]
         net.allreduce(xs)
@@ -130,13 +133,13 @@ def test_resume_point_of_a_rank_joining_a_running_job():
             for reply, _ in core_receive(net.cores[0], [(data, net.addr(1))], net.now):
                 session.receive(reply, dst, net.now)
     [joined] = [e for e in iter(session.next_event, None) if hasattr(e, "shadow_sets")]
-    assert joined.allreduce == 2 and (joined.shadow_sets == parity).all()
+    assert joined.allreduce == first + 2 and (joined.shadow_sets == parity).all()
     engine = fresh.engines[1]
     engine.allreduce_seq, engine.parity[:] = joined.allreduce - 1, joined.shadow_sets
     net.engines[1] = engine
     xs = [np.random.default_rng(50 + r).standard_normal(100).astype(np.float32) for r in range(2)]
     got = net.allreduce(xs)
-    expected = reference.allreduce(xs, codec="cnat8", seed=net.seed, allreduce_seq=2, packet_elements=64)
+    expected = reference.allreduce(xs, codec="cnat8", seed=net.seed, allreduce_seq=first + 2, packet_elements=64)
     assert all(np.array_equal(g.view(np.uint32), expected.view(np.uint32)) for g in got)
 
 
