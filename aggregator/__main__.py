@@ -6,6 +6,10 @@ Core i listens on port + i and owns slots s with s % cores == i. Once every sock
 the data plane is compiled (or loaded from Numba's cache), it prints one line,
 ``intml-aggregator listening on HOST:PORT cores K``, which scripts can wait for: a JOIN sent after it is answered
 at once.
+
+Tokens: a job can only be created with a token the aggregator knows: one per non-empty line of ``--token-file``
+(one per tenant) and the environment variable ``INTML_TOKEN``. With neither it runs open: only the empty token
+joins, and it says so in one line on stderr (``OPEN_WARNING``).
 """
 
 from __future__ import annotations
@@ -31,6 +35,24 @@ from intml.protocol.job import (
 from intml.protocol.wire import DEFAULT_PORT, Codec, max_packet_elements
 
 MAX_ELEMENTS_LIMIT = max_packet_elements(Codec.CNAT8)  # jobs are further limited by their codec at join
+OPEN_WARNING = ("intml-aggregator: warning: no --token-file or INTML_TOKEN: any host that can reach this port can "
+                "join jobs")
+
+
+def _tokens(parser: OneLineParser, path: str | None, env: dict[str, str]) -> list[str]:
+    """The accepted tokens: the non-empty lines of --token-file, then INTML_TOKEN; none: the open mode."""
+    tokens = []
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                tokens = [line.strip() for line in f if line.strip()]
+        except (OSError, UnicodeDecodeError) as exc:
+            parser.error(f"--token-file {path}: {getattr(exc, 'strerror', None) or exc}")
+        if not tokens:
+            parser.error(f"--token-file {path} holds no token (one per non-empty line)")
+    if env.get("INTML_TOKEN"):
+        tokens.append(env["INTML_TOKEN"])
+    return tokens
 
 
 def _bind(host: str, port: int, cores: int) -> list[socket.socket]:
@@ -114,6 +136,9 @@ def build_parser() -> OneLineParser:
     p.add_argument("--control-per-burst", type=positive(int), default=control.per_burst,
                    help=f"control datagrams one received burst may hand to the control plane (default "
                         f"{control.per_burst})")
+    p.add_argument("--token-file", metavar="PATH", default=None,
+                   help="the tokens jobs may be created with, one per non-empty line (one per tenant); INTML_TOKEN "
+                        "adds one. With neither, only the empty token joins (open mode, with a warning)")
     p.add_argument("--burst", type=positive(int), default=BURST,
                    help=f"datagrams per recvmmsg/sendmmsg (default {BURST})")
     return p
@@ -130,7 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     if group is not None and args.host in ("", "0.0.0.0"):
         parser.error("--multicast needs --host to name the interface the results go out on "
                      "(for example --host 127.0.0.1, or this host's address on the workers' link), not 0.0.0.0")
+    tokens = _tokens(parser, args.token_file, dict(os.environ))
     socks = _bind(args.host, args.port, args.cores)
+    if not tokens:  # warned only once everything else is valid
+        print(OPEN_WARNING, file=sys.stderr, flush=True)
+        tokens = [""]
     base = socks[0].getsockname()[1]
     if group is not None:
         for s in socks:
@@ -138,7 +167,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from intml.aggregator.core import AggregatorCore
     from intml.aggregator.dataplane import run_core, warm_up
-    from intml.protocol.siphash import env_test_key
 
     limits = ControlLimits(args.control_rate, args.control_burst, args.control_global_rate,
                            args.control_global_burst, args.control_per_burst)
@@ -148,8 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         core = AggregatorCore(core=i, cores=args.cores, rows=args.slots, max_elements=args.max_packet_elements,
                               idle_timeout=args.idle_timeout, results_group=None if group is None else (group, base),
                               burst=args.burst, allow_shared_address=args.allow_shared_address,
-                              max_jobs=args.max_jobs, max_pool=args.max_pool, control_limits=limits,
-                              data_mac_key=env_test_key())
+                              max_jobs=args.max_jobs, max_pool=args.max_pool, control_limits=limits, tokens=tokens)
         run_core(core, socks[i], args.burst, args.stats_interval)
 
     print(f"intml-aggregator listening on {args.host}:{base} cores {args.cores}", flush=True)

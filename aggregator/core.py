@@ -3,28 +3,43 @@ plane (join handshake, membership, teardown, statistics). It owns no socket and 
 hands it a Burst of received datagrams and the time, and sends the Burst it gets back, whose datagrams are the
 core's stored results (zero copy, valid until the core's next call), then the control replies of take_replies.
 
-Control plane
-    JOIN (job id, rank, world size, packet elements, pool size, codec, seed, token): the first JOIN of a job
-    registers it and gives it rows of this core's slot table; later JOINs must carry the same parameters and
-    token. A rank is bound to the address it joined from; data from any other address is dropped, and an
-    address holds at most one rank of a job. A repeated JOIN from the same address is answered again (the ACK
-    may have been lost). Replies: JOIN_ACK (echoing the parameters, with ``cores``) or ERROR with a one-line
-    reason. Refused JOINs and LEAVEs from non-members are counted per core.
-    LEAVE: the rank is done; when every joined rank has left, the job is torn down and its rows freed.
-    A job idle (no accepted packet, no join) for ``idle_timeout`` seconds is torn down too.
-    STATS_REQUEST: a JSON STATS_REPLY with per-job counters, members, how long each rank has been silent and
-    the rounds still waiting for contributions (with the missing ranks). Job id 0xFFFFFFFF asks for all jobs.
+Control plane (docs/protocol.md, "Control plane" and "Control plane authentication"; keys: protocol.keys)
+    JOIN, first round (client nonce, no cookie): answered with a CHALLENGE carrying a stateless cookie for the
+    sender's address, job, rank and nonce; nothing is kept, and the CHALLENGE is smaller than the JOIN.
+    JOIN with the cookie and a proof (a MAC under the token key): the cookie must be this core's for the sender
+    (current or previous epoch), the proof must verify under the job's token (an existing job) or one of the
+    core's tokens (a new job). Only then is anything reserved: the first proved JOIN of a job registers it
+    (rows of this core's slot table, its job nonce and data key); later ones must carry the same parameters. A
+    rank proving the job's token from a new address takes its seat (a restarted rank): the old binding is
+    replaced, and the JOIN_ACK tells it the allreduce to use next and each of this core's slots' next shadow set.
+    An address holds at most one rank of a job. Replies: JOIN_ACK (the parameters, ``cores``, the multicast
+    group, the resume point, MAC'd under the rank's session key) or ERROR with a one-line reason. A sender that
+    has not proved the token learns only that (``UNPROVED``), counted as ``drop_bad_mac``; refusals after the
+    proof name the parameter or the limit, counted as ``drop_refused_join``.
+    LEAVE (MAC'd under the session key, from the rank's address): the rank is done; when every joined rank has
+    left, the job is torn down and its rows freed. Others are counted (``drop_leave_non_member``,
+    ``drop_bad_mac``) and ignored. A job idle (no accepted packet, no join) for ``idle_timeout`` seconds is
+    torn down too.
+    STATS_REQUEST (MAC'd likewise, from a member): a STATS_REPLY with that job's counters, how long each rank
+    has been silent and the ranks its incomplete rounds miss, MAC'd, cut to at most MAX_REPLY_RATIO times the
+    request. With rank OPERATOR_RANK and a MAC under one of the core's tokens: every job's statistics (job id
+    0xFFFFFFFF) or one job's, and the core's counters. No member addresses, no seeds, to anyone. A member's
+    request for a job this core does not know gets a short ERROR (if not larger than the request); anything
+    else gets no reply (``drop_bad_mac``).
 """
 
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from intml.aggregator.slots import (
     DROP_BAD_CONTROL,
+    DROP_BAD_MAC,
     DROP_LEAVE_NON_MEMBER,
     DROP_REFUSED_JOIN,
     N_STATS,
@@ -39,7 +54,7 @@ from intml.aggregator.slots import (
     process_burst,
     result_width,
 )
-from intml.protocol import wire
+from intml.protocol import keys, wire
 from intml.protocol.address import addr_of, format_addr
 from intml.protocol.arith import value_bits
 from intml.protocol.burst import Burst
@@ -54,11 +69,16 @@ from intml.protocol.job import (
     ControlLimits,
     JobParams,
 )
-from intml.protocol.packet import HDR
+from intml.protocol.packet import HDR, round_order
+from intml.protocol.siphash import key_words
 from intml.protocol.wire import MsgType
 
 ALL_JOBS = 0xFFFFFFFF
+OPERATOR_RANK = 0xFFFF  # a STATS_REQUEST's rank for the operator's view, MAC'd under one of the core's tokens
 MAX_PENDING_LISTED = 32  # keeps a STATS_REPLY well inside one datagram
+MAX_REPLY_RATIO = 3  # no STATS_REPLY is larger than this many times its request (no amplification)
+UNPROVED = "JOIN refused: the token is wrong, or the aggregator was not started with it (--token-file / INTML_TOKEN)"
+JOB_PARAMS = ("world_size", "packet_elements", "pool_size", "codec", "seed", "flags")  # every rank must agree
 
 
 @dataclass
@@ -69,7 +89,10 @@ class JobInfo:
     params: dict
     rows: range
     joined_at: float
+    token_key: bytes  # of the token that created the job: only it can join
+    job_nonce: bytes
     left: set[int] = field(default_factory=set)
+    sessions: dict[int, bytes] = field(default_factory=dict)  # rank -> session key of its current incarnation
 
 
 class AggregatorCore:
@@ -80,16 +103,17 @@ class AggregatorCore:
                  idle_timeout: float = AGGREGATOR_IDLE_TIMEOUT,
                  results_group: tuple[int, int] | None = None, burst: int = BURST,
                  allow_shared_address: bool = False, max_pool: int = AGGREGATOR_MAX_POOL,
-                 control_limits: ControlLimits = ControlLimits(),
-                 data_mac_key: tuple[int, int] | None = None) -> None:
+                 control_limits: ControlLimits = ControlLimits(), tokens: Iterable[str] = ("",),
+                 random_bytes: Callable[[int], bytes] = os.urandom) -> None:
         """``burst``: the most datagrams a receive burst is expected to hold (a larger one grows the output
         memory). ``results_group`` = (first IPv4 multicast group as an integer, UDP port): job slot j sends its results
         to group + j in one datagram per completion, as a switch's multicast replication does, instead of one
         datagram per worker; retransmitted results still go to the one worker that asked. ``allow_shared_address``
         (tests only) lets one address hold several ranks of a job; otherwise such a JOIN is refused, so that one
         holder of the token cannot stand in for a whole job. ``control_limits``: how many JOIN, LEAVE and
-        STATS_REQUEST datagrams the kernel lets through to the control plane (the kernel's control admission). ``data_mac_key`` (tests only, until JOIN derives each
-        job's data key): every job registered gets the DATA/RESULT MAC under this key (k0, k1)."""
+        STATS_REQUEST datagrams the kernel lets through to the control plane (the kernel's control admission).
+        ``tokens``: the tokens a new job may be created with (the default, only the empty token, is the open
+        mode). ``random_bytes``: the source of the core's cookie secret (injectable for deterministic tests)."""
         if not 0 <= core < cores:
             raise ValueError(f"core must be in [0, {cores}), got {core}")
         if results_group is not None and not (0xE0000000 <= results_group[0] <= 0xF0000000 - max_jobs
@@ -97,11 +121,14 @@ class AggregatorCore:
             raise ValueError(f"results group must leave {max_jobs} IPv4 multicast groups (224.0.0.0/4) and a port")
         self.results_group = results_group
         self.allow_shared_address = allow_shared_address
-        self.data_mac_key = data_mac_key
         self.core, self.cores = core, cores
         self.max_elements = max_elements
         self.max_pool = max_pool
         self.idle_timeout = idle_timeout
+        self._token_keys = list(dict.fromkeys(keys.token_key(t) for t in tokens))
+        if not self._token_keys:
+            raise ValueError("an aggregator core needs at least one token (the open mode's is \"\")")
+        self._secret = random_bytes(keys.KEY_SIZE)  # keys the cookies; never leaves the core
         self.jobs: Jobs = new_jobs(max_jobs)
         self.row_used = np.zeros(rows, np.bool_)
         self.info: dict[int, JobInfo] = {}
@@ -167,60 +194,103 @@ class AggregatorCore:
         typ = datagram[wire.OFFSETS["type"]]
         try:
             if typ == MsgType.JOIN:
-                reply = self._join(datagram, addr, now)
-                if reply[wire.OFFSETS["type"]] == MsgType.ERROR:
-                    self.jobs.core_stats[DROP_REFUSED_JOIN] += 1
-                return reply
+                return self._join(datagram, addr, now)
             header, _ = wire.unpack(datagram)
             if typ == MsgType.LEAVE:
-                self._leave(int(header["job"]), int(header["rank"]), addr)
+                self._leave(datagram, int(header["job"]), int(header["rank"]), addr)
                 return None
-            return self._stats_reply(int(header["job"]), now)
+            return self._stats_reply(datagram, int(header["job"]), int(header["rank"]), addr, now)
         except ValueError as exc:  # a malformed JOIN, LEAVE or STATS_REQUEST: counted, answered, no state change
             self.jobs.core_stats[DROP_BAD_CONTROL] += 1
             return _error(0, str(exc))
 
+    def _refuse(self, stat: int, job_id: int, message: str) -> bytes:
+        self.jobs.core_stats[stat] += 1
+        return _error(job_id, message)
+
     def _join(self, datagram: bytes, addr: int, now: float) -> bytes:
-        header, payload = wire.unpack_join(datagram)
+        header, payload, _ = wire.unpack_join(datagram)
         job_id, rank = int(header["job"]), int(header["rank"])
-        params = {name: int(payload[name]) for name in ("world_size", "packet_elements", "pool_size", "codec",
-                                                         "seed", "token")}
+        nonce, cookie = bytes(payload["nonce"]), bytes(payload["cookie"])
+        if not any(cookie):  # the first round: a stateless challenge
+            return wire.pack_challenge(job_id, rank, nonce, keys.cookie(self._secret, addr, job_id, rank, nonce,
+                                                                        keys.epoch(now)))
+        if not keys.cookie_valid(self._secret, addr, job_id, rank, nonce, cookie, now):
+            # expired, or replayed from another address: a fresh challenge for this sender, nothing else
+            self.jobs.core_stats[DROP_BAD_MAC] += 1
+            return wire.pack_challenge(job_id, rank, nonce, keys.cookie(self._secret, addr, job_id, rank, nonce,
+                                                                        keys.epoch(now)))
+        info = self.info.get(job_id)
+        token_key = next((k for k in ([info.token_key] if info else self._token_keys)
+                          if keys.verify(k, datagram, wire.JOIN_MAC)), None)
+        if token_key is None:
+            return self._refuse(DROP_BAD_MAC, job_id, UNPROVED)
+        # proved: from here on the sender is a holder of the job's token
+        params = {name: int(payload[name]) for name in JOB_PARAMS}
         problem = self._check_params(params, rank)
         if problem:
-            return _error(job_id, problem)
-        info = self.info.get(job_id)
+            return self._refuse(DROP_REFUSED_JOIN, job_id, problem)
         if info is None:
-            info = self._register(job_id, params, now)
+            info = self._register(job_id, params, now, token_key, keys.job_nonce(nonce, cookie))
             if isinstance(info, str):  # the limit that was hit
-                return _error(job_id, info)
+                return self._refuse(DROP_REFUSED_JOIN, job_id, info)
         elif info.params != params:
-            differing = ", ".join("token (the shared secret)" if k == "token" else f"{k}={params[k]} (job has {v})"
-                                  for k, v in info.params.items() if params[k] != v)
-            return _error(job_id, f"job {job_id} already exists with other parameters: {differing}")
+            differing = ", ".join(f"{k}={params[k]} (job has {v})" for k, v in info.params.items() if params[k] != v)
+            return self._refuse(DROP_REFUSED_JOIN, job_id,
+                                f"job {job_id} already exists with other parameters: {differing}")
         j = info.index
-        bound = int(self.jobs.members[j, rank])
-        if bound not in (0, addr):
-            host, port = addr_of(bound)
-            return _error(job_id, f"rank {rank} of job {job_id} is already joined from {host}:{port}")
         held = np.flatnonzero(self.jobs.members[j, : params["world_size"]] == np.uint64(addr))
         others = [int(r) for r in held if r != rank]
         if others and not self.allow_shared_address:
             host, port = addr_of(addr)
-            return _error(job_id, f"{host}:{port} already holds rank {others[0]} of job {job_id}; each rank must "
-                                  f"join from its own address")
-        self.jobs.members[j, rank] = addr
+            return self._refuse(DROP_REFUSED_JOIN, job_id,
+                                f"{host}:{port} already holds rank {others[0]} of job {job_id}; each rank must join "
+                                f"from its own address")
+        self.jobs.members[j, rank] = addr  # a restarted rank's new address replaces its old one
         self.jobs.last_seen[j, rank] = now
         info.left.discard(rank)
+        session = info.sessions[rank] = keys.session_key(token_key, job_id, rank, nonce, cookie)
         group = int(self.jobs.group[j])
-        return wire.pack_join({**_reply_header(job_id, MsgType.JOIN_ACK), "rank": rank},
-                              {**params, "cores": self.cores, "group": group >> 16, "group_port": group & 0xFFFF})
+        allreduce, sets = self._resume_point(info)
+        ack = wire.pack_join({**_reply_header(job_id, MsgType.JOIN_ACK), "rank": rank},
+                             {**params, "cores": self.cores, "group": group >> 16, "group_port": group & 0xFFFF,
+                              "allreduce": allreduce, "nonce": nonce, "cookie": cookie, "job_nonce": info.job_nonce},
+                             sets)
+        return keys.seal(session, ack, wire.JOIN_MAC)
+
+    def _resume_point(self, info: JobInfo) -> tuple[int, bytes]:
+        """Where a rank joining now starts: the allreduce its peers are in (one of whose rounds here still waits)
+        or the next one, and the slot bitmap of each of this core's slots' next shadow set: the set of a round
+        that waits for contributions, else the other set than the slot's last round (0 for an unused slot).
+        Rounds compare in serial number order (packet.round_order), as the kernel's do; a set holds a round
+        iff its bitmap is not empty."""
+        rows = slice(info.rows.start, info.rows.stop)
+        round_key, count, used = self.table.round_key[rows], self.table.count[rows], self.table.bitmap[rows] != 0
+        last = np.array([int(u[1] and (not u[0] or round_order(int(k[1]), int(k[0])) > 0))
+                         for k, u in zip(round_key, used)], np.int64)
+        local = np.arange(last.size)
+        held = used[local, last]
+        last_key = round_key[local, last]
+        newest = None
+        for key in last_key[held]:
+            newest = int(key) if newest is None or round_order(int(key), newest) > 0 else newest
+        allreduce = 0 if newest is None else newest >> 32 & 0xFFFFFFFF
+        waiting = held & (last_key >> 32 & 0xFFFFFFFF == allreduce) & (count[local, last] < info.params["world_size"])
+        if newest is not None and not waiting.any():
+            allreduce = (allreduce + 1) & 0xFFFFFFFF
+        sets = np.where(waiting, last, np.where(held, 1 - last, 0))
+        bits = np.zeros(info.params["pool_size"], np.uint8)
+        bits[local * self.cores + self.core] = sets
+        return allreduce, np.packbits(bits, bitorder="little").tobytes()
 
     def _check_params(self, p: dict, rank: int) -> str | None:
         try:
-            problem = JobParams(**{k: p[k] for k in ("world_size", "packet_elements", "pool_size", "codec", "seed")}
-                                ).problem(self.max_elements)
+            problem = JobParams(**{k: p[k] for k in ("world_size", "packet_elements", "pool_size", "codec", "seed")},
+                                data_mac=bool(p["flags"] & wire.FLAG_DATA_MAC)).problem(self.max_elements)
         except ValueError as exc:
             problem = str(exc)
+        if problem is None and p["flags"] & ~wire.FLAG_DATA_MAC:
+            problem = f"unknown JOIN flags 0x{p['flags']:02x}"
         if problem is None and rank >= p["world_size"]:
             problem = f"rank {rank} is out of range for world size {p['world_size']}"
         return problem
@@ -228,7 +298,8 @@ class AggregatorCore:
     def _local_pool(self, pool: int) -> int:
         return len(range(self.core, pool, self.cores))
 
-    def _register(self, job_id: int, params: dict, now: float) -> JobInfo | str:
+    def _register(self, job_id: int, params: dict, now: float, token_key: bytes,
+                  job_nonce: bytes) -> JobInfo | str:
         """A new job's table entry and slot rows, or one line naming the limit that refuses it."""
         if params["pool_size"] > self.max_pool:
             return (f"pool size {params['pool_size']} exceeds this aggregator's maximum of {self.max_pool} slots per "
@@ -257,23 +328,36 @@ class AggregatorCore:
         jobs.group[j] = 0 if self.results_group is None else (self.results_group[0] + j) << 16 | self.results_group[1]
         jobs.last_seen[j] = now
         jobs.stats[j] = 0
-        jobs.data_mac[j] = self.data_mac_key is not None
-        jobs.mac_key[j] = self.data_mac_key or (0, 0)
+        jobs.data_mac[j] = bool(params["flags"] & wire.FLAG_DATA_MAC)
+        jobs.mac_key[j] = key_words(keys.data_key(token_key, job_id, job_nonce))
         self.row_used[rows.start:rows.stop] = True
         table.round_key[rows.start:rows.stop] = -1  # a fresh job must not see a previous job's rounds
         table.count[rows.start:rows.stop] = 0
         table.bitmap[rows.start:rows.stop] = 0
         jobs.active[j] = True
-        info = JobInfo(j, params, rows, now)
+        info = JobInfo(j, params, rows, now, token_key, job_nonce)
         self.info[job_id] = info
         return info
 
-    def _leave(self, job_id: int, rank: int, addr: int) -> None:
+    def _session(self, datagram: bytes, job_id: int, rank: int, addr: int, stranger: int) -> JobInfo | None:
+        """The job of a LEAVE or STATS_REQUEST from its rank's address with a good MAC under the rank's session
+        key; else None, counted as ``stranger`` (``addr`` holds no such rank) or ``drop_bad_mac``."""
         info = self.info.get(job_id)
         if info is None or rank >= MAX_WORLD or int(self.jobs.members[info.index, rank]) != addr:
-            self.jobs.core_stats[DROP_LEAVE_NON_MEMBER] += 1
+            self.jobs.core_stats[stranger] += 1
+            return None
+        session = info.sessions.get(rank)
+        if session is None or not keys.verify(session, datagram, len(datagram) - keys.MAC_SIZE):
+            self.jobs.core_stats[DROP_BAD_MAC] += 1
+            return None
+        return info
+
+    def _leave(self, datagram: bytes, job_id: int, rank: int, addr: int) -> None:
+        info = self._session(datagram, job_id, rank, addr, DROP_LEAVE_NON_MEMBER)
+        if info is None:
             return
         info.left.add(rank)
+        del info.sessions[rank]  # a replay of this LEAVE finds no key
         joined = set(np.flatnonzero(self.jobs.members[info.index, : info.params["world_size"]]).tolist())
         if joined <= info.left:
             self.teardown(job_id)
@@ -318,7 +402,7 @@ class AggregatorCore:
                 for r, x in list(zip(*waiting))[:MAX_PENDING_LISTED]
             ]
             jobs[str(jid)] = {
-                "params": {k: v for k, v in info.params.items() if k != "token"},
+                "params": info.params,
                 "members": members,
                 "silent_s": {r: round(now - float(self.jobs.last_seen[j, r]), 3) for r in members},
                 "left": sorted(info.left),
@@ -329,15 +413,66 @@ class AggregatorCore:
         return {"core": self.core, "cores": self.cores, "jobs": jobs,
                 "core_counters": dict(zip(STAT_NAMES, self.jobs.core_stats.tolist()))}
 
-    def _stats_reply(self, job_id: int, now: float) -> bytes:
-        stats = self.stats(now, job_id)
-        body = json.dumps(stats).encode()
-        if HDR + len(body) > wire.MAX_DATAGRAM:  # many jobs: keep the counters, drop the per-rank detail
-            for job in stats["jobs"].values():
-                job.pop("members"), job.pop("silent_s"), job.pop("pending")
-            stats["truncated"] = True
-            body = json.dumps(stats).encode()[: wire.MAX_DATAGRAM - HDR]
-        return wire.pack(_reply_header(job_id, MsgType.STATS_REPLY), body)
+    def _stats_reply(self, datagram: bytes, job_id: int, rank: int, addr: int, now: float) -> bytes | None:
+        """Statistics for a credential, MAC'd under it and cut to at most MAX_REPLY_RATIO times the request: a
+        member's (its session key) of its own job, an operator's (rank OPERATOR_RANK, any of the core's tokens)
+        of every job. Never member addresses or seeds. None (no reply) to anyone else."""
+        if rank == OPERATOR_RANK:
+            key = next((k for k in self._token_keys if keys.verify(k, datagram, len(datagram) - keys.MAC_SIZE)), None)
+            if key is None:
+                self.jobs.core_stats[DROP_BAD_MAC] += 1
+                return None
+            reply, cuts = self._operator_view(now, job_id)
+        else:
+            if job_id not in self.info and job_id != ALL_JOBS:  # anyone may learn this (job ids are in DATA packets)
+                error = _error(job_id, f"job {job_id} unknown")
+                return error if len(error) <= len(datagram) else None
+            info = self._session(datagram, job_id, rank, addr, DROP_BAD_MAC)
+            if info is None:
+                return None
+            key = info.sessions[rank]
+            reply, cuts = self._member_view(job_id, now)
+        body = _fit(reply, cuts, MAX_REPLY_RATIO * len(datagram) - HDR - keys.MAC_SIZE)
+        out = wire.pack({**_reply_header(job_id, MsgType.STATS_REPLY), "rank": rank}, body + bytes(keys.MAC_SIZE))
+        return keys.seal(key, out, len(out) - keys.MAC_SIZE)
+
+    def _member_view(self, job_id: int, now: float) -> tuple[dict, list[Callable[[dict], object]]]:
+        """A member's statistics of its job (what WorkerSession.request_stats needs first), and the cuts that
+        shorten it, least needed first."""
+        job = self.stats(now, job_id)["jobs"][str(job_id)]
+        missing = sorted({r for round_ in job["pending"] for r in round_["missing_ranks"]})
+        reply = {"core": self.core, "missing": missing, "pending_total": job["pending_total"], "left": job["left"],
+                 "silent_s": job["silent_s"], "counters": {k: v for k, v in job["counters"].items() if v}}
+        cuts = [lambda r: r.pop("counters"),
+                lambda r: r.update(silent_s={k: v for k, v in r["silent_s"].items() if k in missing}),
+                lambda r: r.pop("silent_s"), lambda r: r.pop("missing")]
+        return reply, cuts
+
+    def _operator_view(self, now: float, job_id: int) -> tuple[dict, list[Callable[[dict], object]]]:
+        """The statistics of every job (or of ``job_id``) and of the core, without member addresses or seeds,
+        and the cuts that shorten it."""
+        reply = self.stats(now, job_id)
+        for job in reply["jobs"].values():
+            job.pop("members")
+            job["params"] = {k: v for k, v in job["params"].items() if k != "seed"}
+
+        def drop(*names: str) -> Callable[[dict], None]:
+            return lambda r: [job.pop(n, None) for job in r["jobs"].values() for n in names]
+
+        return reply, [drop("pending"), drop("silent_s", "left"), drop("counters"), lambda r: r.pop("jobs")]
+
+
+def _fit(reply: dict, cuts: list[Callable[[dict], object]], budget: int) -> bytes:
+    """``reply`` as JSON of at most ``budget`` bytes: the cuts applied in order until it fits (then it says
+    ``"truncated": true``), or just that."""
+    body = json.dumps(reply).encode()
+    for cut in cuts:
+        if len(body) <= budget:
+            return body
+        cut(reply)
+        reply["truncated"] = True
+        body = json.dumps(reply).encode()
+    return body if len(body) <= budget else b'{"truncated": true}'[:max(0, budget)]
 
 
 def _reply_header(job_id: int, typ: MsgType) -> dict:

@@ -19,7 +19,7 @@ import uvloop
 from intml.aggregator.core import AggregatorCore
 from intml.aggregator.slots import result_width
 from intml.burstio.mmsg import BurstSocket
-from intml.protocol import wire
+from intml.protocol import keys, wire
 from intml.protocol.address import addr_key_of
 from intml.protocol.burst import Burst
 from intml.protocol.job import BURST, CODEC_NAMES
@@ -81,18 +81,23 @@ def warm_up(max_elements: int, burst: int) -> None:
     """Compile (or load from Numba's cache) every kernel the data plane runs, so that the first packet is
     answered at once: a throwaway core takes a JOIN and a completing DATA packet of each codec, and a loopback
     BurstSocket sends and receives one burst (burstio's send and receive kernels)."""
-    core = AggregatorCore(rows=2 * len(CODEC_NAMES), max_elements=max_elements, burst=burst)
+    core = AggregatorCore(rows=2 * len(CODEC_NAMES), max_elements=max_elements, burst=burst)  # open mode: token ""
     member = 0x7F000001 << 16 | 1  # 127.0.0.1:1, never sent to
+
+    def receive(datagram: bytes) -> list[tuple[bytes, int]]:
+        rx = Burst.rows_of(1, len(datagram))
+        rx.fill([(datagram, member)])
+        core.receive(rx, 0.0)
+        return core.take_replies()
+
     for job, codec in enumerate(CODEC_NAMES.values(), start=1):
-        params = {"world_size": 1, "packet_elements": 1, "pool_size": 1, "codec": int(codec), "seed": 0,
-                  "token": 0, "cores": 0}
+        params = {"world_size": 1, "packet_elements": 1, "pool_size": 1, "codec": int(codec), "nonce": bytes(16)}
+        join = {"type": int(MsgType.JOIN), "job": job, "rank": 0}
+        [(challenge, _)] = receive(wire.pack_join(join, params))  # the handshake, then a DATA packet: one per burst
+        proved = wire.pack_join(join, {**params, "cookie": bytes(wire.unpack_challenge(challenge)[1]["cookie"])})
+        receive(keys.seal(keys.token_key(""), proved, wire.JOIN_MAC))
         data = {"type": int(MsgType.DATA), "job": job, "count": 1, "codec": int(codec), "exp": 0, "next_exp": NO_EXP}
-        for datagram in (wire.pack_join({"type": int(MsgType.JOIN), "job": job, "rank": 0}, params),
-                         wire.pack(data, np.zeros(1, wire.payload_dtype(codec)))):  # the JOIN first: one per burst
-            rx = Burst.rows_of(1, len(datagram))
-            rx.fill([(datagram, member)])
-            core.receive(rx, 0.0)
-            core.take_replies()
+        receive(wire.pack(data, np.zeros(1, wire.payload_dtype(codec))))
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock, contextlib.suppress(OSError):
         sock.bind(("127.0.0.1", 0))  # no loopback (a bare network namespace): the kernels compile on first use
         io = BurstSocket(sock, burst=burst, max_packet=HDR)

@@ -23,11 +23,21 @@ from scapy.fields import (
     SignedByteField,
     SignedIntField,
     XShortField,
+    XStrFixedLenField,
 )
 from scapy.layers.inet import UDP
 from scapy.packet import Packet, bind_bottom_up, bind_layers
 
-from intml.protocol.wire import DEFAULT_PORT, HEADER_FIELDS, JOIN_FIELDS, MAGIC, VERSION, Codec, MsgType
+from intml.protocol.wire import (
+    CHALLENGE_FIELDS,
+    DEFAULT_PORT,
+    HEADER_FIELDS,
+    JOIN_FIELDS,
+    MAGIC,
+    VERSION,
+    Codec,
+    MsgType,
+)
 
 _SCAPY_FIELDS = {  # numpy dtype.str -> scapy field (scapy's IntField / LongField are unsigned)
     "|u1": ByteField,
@@ -49,13 +59,15 @@ def _scapy_fields(fields: tuple[tuple[str, str, str], ...]) -> list[Field]:
             out.append(ByteEnumField(name, default, {m.value: m.name for m in _SCAPY_ENUMS[name]}))
         elif name == "magic":
             out.append(XShortField(name, default))
+        elif np.dtype(code).kind == "V":  # nonces, cookies, MACs: raw bytes, shown in hex
+            out.append(XStrFixedLenField(name, bytes(np.dtype(code).itemsize), np.dtype(code).itemsize))
         else:
             out.append(_SCAPY_FIELDS[np.dtype(code).str](name, default))
     return out
 
 
 class IntmlHeader(Packet):
-    """intml data header. DATA / RESULT / STATS_REPLY / ERROR payloads stay ``Raw``."""
+    """intml data header. DATA / RESULT / LEAVE / STATS_REQUEST / STATS_REPLY / ERROR payloads stay ``Raw``."""
 
     name = "IntML"
     fields_desc = _scapy_fields(HEADER_FIELDS)
@@ -65,10 +77,17 @@ class IntmlHeader(Packet):
 
 
 class IntmlJoin(Packet):
-    """JOIN / JOIN_ACK payload."""
+    """JOIN / JOIN_ACK payload; the slot bitmap after it stays ``Raw``."""
 
     name = "IntML JOIN"
     fields_desc = _scapy_fields(JOIN_FIELDS)
+
+
+class IntmlChallenge(Packet):
+    """CHALLENGE payload."""
+
+    name = "IntML CHALLENGE"
+    fields_desc = _scapy_fields(CHALLENGE_FIELDS)
 
 
 def bind_port(port: int) -> None:
@@ -84,3 +103,4 @@ bind_layers(UDP, IntmlHeader, dport=DEFAULT_PORT)
 bind_port(DEFAULT_PORT)
 bind_layers(IntmlHeader, IntmlJoin, type=MsgType.JOIN)
 bind_bottom_up(IntmlHeader, IntmlJoin, type=MsgType.JOIN_ACK)
+bind_layers(IntmlHeader, IntmlChallenge, type=MsgType.CHALLENGE)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 
 from intml.protocol.codecs import BY_NAME
-from intml.protocol.wire import Codec, max_packet_elements
+from intml.protocol.wire import FLAG_DATA_MAC, Codec, max_packet_elements
 
 MAX_WORLD = 64  # ranks per job: the switch keeps one 64-bit bitmap per shadow set
 CODEC_NAMES: dict[str, Codec] = {name: codec.ID for name, codec in BY_NAME.items()}
@@ -63,6 +63,7 @@ class JobParams:
     pool_size: int = 64
     codec: Codec = Codec.CNAT8
     seed: int = 0
+    data_mac: bool = False  # DATA / RESULT carry a keyed MAC (the JOIN's flags, bit 0)
 
     def __post_init__(self) -> None:
         problem = self.problem()
@@ -89,11 +90,16 @@ class JobParams:
         return None
 
     @classmethod
-    def of(cls, *, world_size: int, codec: str = "cnat8", **fields: int) -> JobParams:
+    def of(cls, *, world_size: int, codec: str = "cnat8", **fields: int | bool) -> JobParams:
         """From a codec name (``cnat8``, ``int32``), as users and command lines give it."""
         if codec not in CODEC_NAMES:
             raise ValueError(f"codec must be one of {sorted(CODEC_NAMES)}, got {codec!r}")
         return cls(world_size=world_size, codec=CODEC_NAMES[codec], **fields)
+
+    @property
+    def flags(self) -> int:
+        """The JOIN's flags byte."""
+        return FLAG_DATA_MAC if self.data_mac else 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,8 +10,6 @@ data plane can afford (docs/protocol.md, "DATA/RESULT MAC", has its measured cos
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 from numba import njit
 
@@ -27,17 +25,6 @@ def key_words(key: bytes) -> tuple[int, int]:
     if len(key) != 16:
         raise ValueError(f"a SipHash key has 16 bytes, got {len(key)}")
     return int.from_bytes(key[:8], "little"), int.from_bytes(key[8:], "little")
-
-
-TEST_KEY_ENV = "INTML_TEST_DATA_MAC_KEY"
-
-
-def env_test_key() -> tuple[int, int] | None:
-    """Tests and benchmarks only, until the JOIN handshake derives each job's data key: a key given to the
-    aggregator and the workers alike as 32 hex digits in $INTML_TEST_DATA_MAC_KEY turns the DATA/RESULT MAC on for
-    every job under it."""
-    text = os.environ.get(TEST_KEY_ENV)
-    return None if text is None else key_words(bytes.fromhex(text))
 
 
 # ---- the plain-Python reference ---------------------------------------------------------------------------------

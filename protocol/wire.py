@@ -26,20 +26,25 @@ Data header (26 bytes):
 | exp       |     24 |    1 | i8   | agreed exponent of this chunk |
 | next_exp  |     25 |    1 | i8   | DATA: sender's max exponent for its next chunk in this slot; RESULT: agreed (max) exponent of that chunk; -128 = none |
 
-Payload by message type:
+Payload by message type (the control plane's handshake and MACs: docs/protocol.md, "Control plane
+authentication"; the keys: protocol.keys):
 
 * DATA, RESULT: ``count`` elements of the codec's ``PAYLOAD_DTYPE`` (protocol.codecs:
   uint8 C_nat codes for CNAT8, big-endian int32 for INT32), then, for a job with the DATA/RESULT MAC, the
   ``TAG_SIZE``-byte SipHash-2-4 tag of the header and payload (protocol.siphash; docs/protocol.md,
   "DATA/RESULT MAC"). Left as scapy ``Raw`` in captures.
-* JOIN, JOIN_ACK: the JOIN payload below (JOIN_ACK echoes the JOIN's);
-  dissected by scapy as ``IntmlJoin``.
-* LEAVE, STATS_REQUEST: none.
-* STATS_REPLY, ERROR: UTF-8 JSON / text to the end of the datagram (``Raw``).
+* JOIN, JOIN_ACK: the JOIN payload below, then the *slot bitmap*: ceil(pool_size / 8) bytes, bit s (byte s // 8,
+  least significant bit first) for slot s. In a JOIN it is zero (padding, so that no JOIN_ACK is larger than its
+  JOIN); in a JOIN_ACK bit s is the shadow set slot s of this core uses next (a rejoining rank's engine starts
+  there). Dissected by scapy as ``IntmlJoin`` (the bitmap stays ``Raw``).
+* CHALLENGE: the CHALLENGE payload below (dissected as ``IntmlChallenge``).
+* LEAVE: a 16-byte MAC under the rank's session key.
+* STATS_REQUEST: zero padding (the reply may be up to 3 times the request), then a 16-byte MAC.
+* STATS_REPLY: UTF-8 JSON, then a 16-byte MAC. ERROR: UTF-8 text to the end of the datagram (``Raw``).
 
 ``count`` is 0 in control messages (anything but DATA / RESULT).
 
-JOIN payload (30 bytes):
+JOIN payload (91 bytes):
 
 | field           | offset | size | type | meaning |
 |-----------------|-------:|-----:|------|---------|
@@ -49,9 +54,21 @@ JOIN payload (30 bytes):
 | codec           |      6 |    1 | u8   | Codec used by the job |
 | cores           |      7 |    1 | u8   | JOIN: 0; JOIN_ACK: data-plane cores (ports base .. base + cores - 1) |
 | seed            |      8 |    8 | u64  | shared random seed |
-| token           |     16 |    8 | u64  | job token |
-| group           |     24 |    4 | u32  | JOIN: 0; JOIN_ACK: IPv4 multicast group the job's results go to, 0 = unicast to each worker |
-| group_port      |     28 |    2 | u16  | JOIN: 0; JOIN_ACK: UDP port of that group |
+| flags           |     16 |    1 | u8   | bit 0: the job's DATA / RESULT carry a MAC (JobParams.data_mac) |
+| group           |     17 |    4 | u32  | JOIN: 0; JOIN_ACK: IPv4 multicast group the job's results go to, 0 = unicast to each worker |
+| group_port      |     21 |    2 | u16  | JOIN: 0; JOIN_ACK: UDP port of that group |
+| allreduce       |     23 |    4 | u32  | JOIN: 0; JOIN_ACK: the allreduce number the rank uses next |
+| nonce           |     27 |   16 | raw  | the worker's fresh client nonce Nc (echoed in the JOIN_ACK) |
+| cookie          |     43 |   16 | raw  | first JOIN: 0; then the CHALLENGE's cookie (echoed in the JOIN_ACK) |
+| job_nonce       |     59 |   16 | raw  | JOIN: 0; JOIN_ACK: the job nonce of this core (the data key's input) |
+| mac             |     75 |   16 | raw  | JOIN: 0, or the proof under the token key; JOIN_ACK: under the session key |
+
+CHALLENGE payload (32 bytes):
+
+| field           | offset | size | type | meaning |
+|-----------------|-------:|-----:|------|---------|
+| nonce           |      0 |   16 | raw  | the JOIN's client nonce, echoed |
+| cookie          |     16 |   16 | raw  | the core's stateless cookie for this sender, job, rank and nonce |
 """
 
 from __future__ import annotations
@@ -78,6 +95,7 @@ class MsgType(IntEnum):
     STATS_REQUEST = 6
     STATS_REPLY = 7
     ERROR = 8
+    CHALLENGE = 9
 
 
 class Codec(IntEnum):
@@ -120,12 +138,26 @@ JOIN_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("codec", "u1", "Codec"),
     ("cores", "u1", "JOIN: 0; JOIN_ACK: data-plane cores (ports base .. base + cores - 1)"),
     ("seed", ">u8", "shared random seed"),
-    ("token", ">u8", "job token"),
+    ("flags", "u1", "bit 0: DATA / RESULT carry a MAC"),
     ("group", ">u4", "JOIN: 0; JOIN_ACK: IPv4 multicast group of the job's results, 0 = unicast"),
     ("group_port", ">u2", "JOIN: 0; JOIN_ACK: UDP port of that group"),
+    ("allreduce", ">u4", "JOIN: 0; JOIN_ACK: the allreduce number the rank uses next"),
+    ("nonce", "V16", "the worker's client nonce"),
+    ("cookie", "V16", "the CHALLENGE's cookie, or 0"),
+    ("job_nonce", "V16", "JOIN: 0; JOIN_ACK: the core's job nonce"),
+    ("mac", "V16", "JOIN: proof under the token key, or 0; JOIN_ACK: under the session key"),
 )
 JOIN = np.dtype([(name, code) for name, code, _ in JOIN_FIELDS])
 JOIN_SIZE = JOIN.itemsize
+JOIN_MAC = HEADER_SIZE + JOIN.fields["mac"][1]  # offset of the MAC in a JOIN / JOIN_ACK datagram
+FLAG_DATA_MAC = 1
+
+CHALLENGE_FIELDS: tuple[tuple[str, str, str], ...] = (
+    ("nonce", "V16", "the JOIN's client nonce, echoed"),
+    ("cookie", "V16", "the core's stateless cookie"),
+)
+CHALLENGE = np.dtype([(name, code) for name, code, _ in CHALLENGE_FIELDS])
+CHALLENGE_SIZE = CHALLENGE.itemsize
 
 _ELEMENT_TYPES = (MsgType.DATA, MsgType.RESULT)  # types whose payload is `count` elements
 
@@ -205,19 +237,47 @@ def unpack(buf: bytes) -> tuple[np.void, np.ndarray]:
     return header, np.frombuffer(buf, dtype, count=count, offset=HEADER_SIZE)
 
 
-def pack_join(header_fields: Mapping[str, int], join_fields: Mapping[str, int]) -> bytes:
-    """Serialise a JOIN (or, with ``type=JOIN_ACK``, a JOIN_ACK) packet."""
+def slot_bitmap_size(pool_size: int) -> int:
+    """Bytes of the slot bitmap after a JOIN / JOIN_ACK payload: one bit per slot of the job's pool."""
+    return -(-pool_size // 8)
+
+
+def pack_join(header_fields: Mapping[str, int], join_fields: Mapping[str, int | bytes],
+              bitmap: bytes | None = None) -> bytes:
+    """Serialise a JOIN (or, with ``type=JOIN_ACK``, a JOIN_ACK) packet: the JOIN payload (bytes for the
+    16-byte fields), then the slot bitmap (default: zeros for ``pool_size`` slots)."""
     body = np.zeros(1, JOIN)
     for name, value in join_fields.items():
         body[name] = value
-    return pack({"type": MsgType.JOIN, **header_fields}, body.tobytes())
+    if bitmap is None:
+        bitmap = bytes(slot_bitmap_size(int(body["pool_size"][0])))
+    return pack({"type": MsgType.JOIN, **header_fields}, body.tobytes() + bitmap)
 
 
-def unpack_join(buf: bytes) -> tuple[np.void, np.void]:
-    """Parse a JOIN / JOIN_ACK packet into (header record, JOIN record)."""
+def unpack_join(buf: bytes) -> tuple[np.void, np.void, bytes]:
+    """Parse a JOIN / JOIN_ACK packet into (header record, JOIN record, slot bitmap)."""
     header, body = unpack(buf)
     if header["type"] not in (MsgType.JOIN, MsgType.JOIN_ACK):
         raise ValueError(f"not a JOIN / JOIN_ACK packet: type {header['type']}")
-    if body.size != JOIN_SIZE:
-        raise ValueError(f"JOIN payload is {body.size} bytes, expected {JOIN_SIZE}")
-    return header, body.view(JOIN)[0]
+    if body.size < JOIN_SIZE:
+        raise ValueError(f"JOIN payload is {body.size} bytes, expected at least {JOIN_SIZE}")
+    join = body[:JOIN_SIZE].view(JOIN)[0]
+    bitmap = body[JOIN_SIZE:].tobytes()
+    if len(bitmap) != slot_bitmap_size(int(join["pool_size"])):
+        raise ValueError(f"JOIN slot bitmap is {len(bitmap)} bytes, pool size {int(join['pool_size'])} needs "
+                         f"{slot_bitmap_size(int(join['pool_size']))}")
+    return header, join, bitmap
+
+
+def pack_challenge(job: int, rank: int, nonce: bytes, cookie: bytes) -> bytes:
+    body = np.zeros(1, CHALLENGE)
+    body["nonce"], body["cookie"] = nonce, cookie
+    return pack({"type": MsgType.CHALLENGE, "job": job, "rank": rank}, body.tobytes())
+
+
+def unpack_challenge(buf: bytes) -> tuple[np.void, np.void]:
+    """Parse a CHALLENGE into (header record, CHALLENGE record)."""
+    header, body = unpack(buf)
+    if header["type"] != MsgType.CHALLENGE or body.size != CHALLENGE_SIZE:
+        raise ValueError(f"not a CHALLENGE of {CHALLENGE_SIZE} bytes: type {header['type']}, {body.size} bytes")
+    return header, body.view(CHALLENGE)[0]

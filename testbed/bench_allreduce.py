@@ -8,6 +8,7 @@ times torch.distributed.all_reduce with Gloo on the same tensor size and prints 
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from intml.protocol import wire
 from intml.protocol.job import CODEC_NAMES
 from intml.protocol.traffic import intml_bytes, intml_packets
 from intml.testbed import rank
-from intml.testbed.procs import run_ranks, slowest_per_round
+from intml.testbed.procs import run_ranks, run_token, slowest_per_round
 from intml.testbed.timing import emit
 
 JOB = 1
@@ -33,12 +34,13 @@ def loopback_packet_elements(codec: str) -> int:
 def aggregator(cores: int, max_packet_elements: int, host: str = "127.0.0.1",
                prefix: list[str] | None = None, multicast: str | None = None) -> Iterator[int]:
     """Run `intml-aggregator --port 0` (optionally under a command prefix such as `ip netns exec NS`, and with
-    results multicast to `multicast`) and yield its base port; the process is always terminated on exit."""
+    results multicast to `multicast`) and yield its base port; the process is always terminated on exit. It
+    accepts the run's token (procs.run_token, in INTML_TOKEN), which the ranks get through rank_env."""
     cmd = [*(prefix or []), sys.executable, "-m", "intml.aggregator", "--host", host, "--port", "0", "--cores", str(cores),
            "--max-packet-elements", str(max_packet_elements), "--slots", str(max(64, (1 << 22) // max_packet_elements))]
     if multicast:
         cmd += ["--multicast", multicast]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "INTML_TOKEN": run_token()})
     try:
         line = proc.stdout.readline()
         if "listening on" not in line:
@@ -55,13 +57,14 @@ def aggregator(cores: int, max_packet_elements: int, host: str = "127.0.0.1",
 
 def run_ranks_intml(aggregators: list[str], elements: int, codec: str, packet_elements: int, pool: int,
                     warmup: int, rounds: int, prefixes: list[list[str]] | None = None, job: int = JOB,
-                    timeout: float = 600.0) -> dict:
+                    timeout: float = 600.0, data_mac: bool = False) -> dict:
     """Run one testbed.rank per entry of `aggregators` (the address rank r sends to), each optionally under a
     command prefix; round i takes as long as its slowest rank."""
     workers = len(aggregators)
     argvs = [[*(prefixes[r] if prefixes else []),
               *rank.command(aggregators[r], r, workers, elements, codec=codec, packet_elements=packet_elements,
-                            pool=pool, warmup=warmup, rounds=rounds, job=job)] for r in range(workers)]
+                            pool=pool, warmup=warmup, rounds=rounds, job=job,
+                            data_mac=data_mac)] for r in range(workers)]
     reports = run_ranks(argvs, "intml", timeout)
     per_round = slowest_per_round(reports)
     return {
@@ -77,11 +80,12 @@ def run_ranks_intml(aggregators: list[str], elements: int, codec: str, packet_el
 
 
 def run_intml(workers: int, elements: int, codec: str, packet_elements: int, pool: int, cores: int, warmup: int,
-              rounds: int, multicast: str | None) -> dict:
-    """intml on loopback: an aggregator and `workers` ranks on 127.0.0.1."""
+              rounds: int, multicast: str | None, data_mac: bool = False) -> dict:
+    """intml on loopback: an aggregator and `workers` ranks on 127.0.0.1 (``data_mac``: the job's DATA and
+    RESULT carry the SipHash tag)."""
     with aggregator(cores, packet_elements, multicast=multicast) as port:
         return run_ranks_intml([f"127.0.0.1:{port}"] * workers, elements, codec, packet_elements, pool, warmup,
-                               rounds)
+                               rounds, data_mac=data_mac)
 
 
 def run(workers: int, elements: int, codec: str, packet_elements: int, pool: int, cores: int, warmup: int,

@@ -12,13 +12,10 @@ both see the same load on a shared machine.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import platform
 import statistics
 import time
-from collections.abc import Iterator
 
 import numpy as np
 from numba import njit
@@ -26,12 +23,13 @@ from numba import njit
 from intml.aggregator.core import AggregatorCore
 from intml.protocol import wire
 from intml.protocol.burst import Burst
-from intml.protocol.job import BURST, CODEC_NAMES
-from intml.protocol.siphash import TEST_KEY_ENV, key_words, siphash24
+from intml.protocol.job import BURST, CODEC_NAMES, JobParams
+from intml.protocol.siphash import key_words, siphash24
 from intml.protocol.wire import TAG_SIZE
 from intml.testbed.bench_allreduce import run_intml
 from intml.testbed.timing import emit, median_seconds
 from intml.worker.engine import StreamEngine
+from intml.worker.session import WorkerSession
 
 KEY = bytes(range(16))
 WORLD = 4
@@ -47,16 +45,22 @@ AGG = 0x7F000001 << 16 | 4000
 
 
 def _core(codec: str, packet_elements: int, mac: bool) -> AggregatorCore:
-    """A core with the job joined by WORLD ranks."""
-    core = AggregatorCore(rows=POOL, max_elements=packet_elements, data_mac_key=key_words(KEY) if mac else None)
-    params = {"world_size": WORLD, "packet_elements": packet_elements, "pool_size": POOL,
-              "codec": int(CODEC_NAMES[codec]), "seed": 1, "token": 0, "cores": 0}
+    """A core with the job joined by WORLD ranks through the JOIN handshake; with ``mac``, the job's data key is
+    set to KEY in its table (the engines of ``record`` share it: the kernel's cost does not depend on the key)."""
+    core = AggregatorCore(rows=POOL, max_elements=packet_elements)
+    params = JobParams(world_size=WORLD, packet_elements=packet_elements, pool_size=POOL,
+                       codec=CODEC_NAMES[codec], seed=1, data_mac=mac)
     for r in range(WORLD):
-        join = wire.pack_join({"type": int(wire.MsgType.JOIN), "job": 1, "rank": r}, params)
-        rx = Burst.rows_of(1, len(join))
-        rx.fill([(join, _addr(r))])
-        core.receive(rx, 0.0)
-    core.take_replies()
+        session = WorkerSession(job=1, rank=r, params=params, token="", aggregator=AGG)
+        session.connect(0.0)
+        while not session.joined:
+            rx = Burst.rows_of(1, wire.MAX_DATAGRAM)
+            rx.fill([(d, _addr(r)) for d, _ in session.datagrams_to_send(0.0)])
+            core.receive(rx, 0.0)
+            for reply, _ in core.take_replies():
+                session.receive(reply, AGG, 0.0)
+    if mac:
+        core.jobs.mac_key[core.info[1].index] = key_words(KEY)
     return core
 
 
@@ -134,20 +138,6 @@ def tag_seconds(full: list[tuple[bytes, int]], repeats: int) -> float:
     return median_seconds(lambda: _tag_burst(rx.data, rx.length, rx.count, k0, k1), repeats, warmup=2)
 
 
-@contextlib.contextmanager
-def _test_key(on: bool) -> Iterator[None]:
-    """The aggregator and ranks started inside take the test key from the environment (until JOIN derives it)."""
-    old = os.environ.pop(TEST_KEY_ENV, None)
-    if on:
-        os.environ[TEST_KEY_ENV] = KEY.hex()
-    try:
-        yield
-    finally:
-        os.environ.pop(TEST_KEY_ENV, None)
-        if old is not None:
-            os.environ[TEST_KEY_ENV] = old
-
-
 def run(chunks: int, repeats: int, workers: int, elements: int, cores: int, rounds: int, trials: int,
         as_json: bool) -> dict:
     rows = []
@@ -176,8 +166,7 @@ def run(chunks: int, repeats: int, workers: int, elements: int, cores: int, roun
     retransmissions = {False: 0, True: 0}
     for _ in range(trials):  # alternating, so that both see the same load on a shared machine
         for on in (False, True):
-            with _test_key(on):
-                res = run_intml(workers, elements, codec, p, POOL, cores, 1, rounds, None)
+            res = run_intml(workers, elements, codec, p, POOL, cores, 1, rounds, None, data_mac=on)
             if not res["identical_across_ranks"]:
                 raise RuntimeError("intml ranks disagree on the result: the allreduce is not bit-identical")
             per_round[on] += res["per_round_s"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import socket
 import subprocess
 import tempfile
@@ -15,8 +16,16 @@ import time
 from pathlib import Path
 
 
+def run_token() -> str:
+    """This run's job token: INTML_TOKEN if the caller set one, else a fresh one, put into INTML_TOKEN so that the
+    aggregators this run starts and its ranks (rank_env) share it."""
+    return os.environ.setdefault("INTML_TOKEN", secrets.token_hex(16))
+
+
 def rank_env() -> dict[str, str]:
-    """The environment of a rank: this one, with one OpenMP thread. Ranks import the installed package."""
+    """The environment of a rank: this one (with the run's INTML_TOKEN), with one OpenMP thread. Ranks import the
+    installed package."""
+    run_token()
     env = dict(os.environ)
     # N ranks share the machine's 2 cores; torch's default of one intra-op thread per core would
     # oversubscribe them, and idle OpenMP threads spinning would steal CPU from the collective.

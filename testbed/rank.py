@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import sys
 import time
 
@@ -36,7 +37,7 @@ def run(args: argparse.Namespace) -> dict:
     times, hashes = [], []
     with Worker(args.aggregator, job=args.job, rank=args.rank, world_size=args.world_size, token=args.token,
                 codec=args.codec, packet_elements=args.packet_elements, pool_size=args.pool, seed=args.seed,
-                timeout=args.timeout) as w:
+                timeout=args.timeout, data_mac=args.data_mac) as w:
         for i in range(args.warmup + args.rounds):
             w.allreduce(one)  # barrier
             start = time.perf_counter()
@@ -50,12 +51,14 @@ def run(args: argparse.Namespace) -> dict:
 
 def command(aggregator: str, rank: int, world_size: int, elements: int, *, codec: str = codec_name(JobParams.codec),
             packet_elements: int = JobParams.packet_elements, pool: int = JobParams.pool_size, warmup: int = 1,
-            rounds: int = 3, job: int = 1, seed: int = 1, timeout: float = WorkerTimers.timeout) -> list[str]:
+            rounds: int = 3, job: int = 1, seed: int = 1, timeout: float = WorkerTimers.timeout,
+            data_mac: bool = JobParams.data_mac) -> list[str]:
     """The argv of one rank (prefix it with `ip netns exec NAME` to run it in a namespace)."""
     return [sys.executable, "-m", "intml.testbed.rank", "--aggregator", aggregator, "--rank", str(rank),
             "--world-size", str(world_size), "--elements", str(elements), "--codec", codec,
             "--packet-elements", str(packet_elements), "--pool", str(pool), "--warmup", str(warmup),
-            "--rounds", str(rounds), "--job", str(job), "--seed", str(seed), "--timeout", str(timeout)]
+            "--rounds", str(rounds), "--job", str(job), "--seed", str(seed), "--timeout", str(timeout),
+            *(["--data-mac"] if data_mac else [])]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,9 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--rounds", type=positive(), default=3)
     p.add_argument("--job", type=int, default=1)
-    p.add_argument("--token", default="testbed")
+    p.add_argument("--token", default=os.environ.get("INTML_TOKEN", ""),
+                   help="the job's token (default: INTML_TOKEN, as the aggregator's; not on the command line of a "
+                        "shared machine)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--timeout", type=positive(float), default=WorkerTimers.timeout)
+    p.add_argument("--data-mac", action="store_true", help="the job's DATA and RESULT carry a SipHash tag")
     print(json.dumps(run(p.parse_args(argv))), flush=True)
     return 0
 

@@ -337,8 +337,7 @@ def run(workers: int = 4, seeds: int = 5, epochs: int = 30, runs: tuple[str, ...
     with aggregator(cores=1, max_packet_elements=packet_elements) as port, \
             tempfile.TemporaryDirectory(prefix="intml-train-") as tmp:
         env = rank_env()
-        env.update(INTML_AGGREGATOR=f"127.0.0.1:{port}", INTML_PACKET_ELEMENTS=str(packet_elements),
-                   INTML_TOKEN="intml-testbed-train")
+        env.update(INTML_AGGREGATOR=f"127.0.0.1:{port}", INTML_PACKET_ELEMENTS=str(packet_elements))
         for seed in range(seeds):
             for spec in specs:
                 started = time.monotonic()

@@ -1,8 +1,9 @@
 """End-to-end test harness: a real aggregator process and real worker processes on 127.0.0.1.
 
 * ``Aggregator`` / ``aggregator(...)``: starts ``python -m intml.aggregator --port 0 ...`` from the repository root,
-  waits for its "listening on HOST:PORT cores K" line, answers ``stats()`` through a STATS_REQUEST datagram,
-  and always kills the process (and its core processes) at teardown.
+  waits for its "listening on HOST:PORT cores K" line, answers ``stats()`` through an operator's STATS_REQUEST
+  (MAC'd under its first token), and always kills the process (and its core processes) at teardown. It knows the
+  tokens ``TOKENS`` (through --token-file) unless given others; ``tokens=()`` runs it open.
 * ``Procs`` / ``run_procs(...)``: worker processes (multiprocessing, 'fork' by default) that report an
   ``Outcome`` through one Queue; waits are bounded and leftovers are killed on exit.
 
@@ -30,11 +31,14 @@ from pathlib import Path
 from typing import Any, Self
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-from intml.protocol import wire
+from intml.protocol import keys, wire
 
 HOST = "127.0.0.1"
 ALL_JOBS = 0xFFFFFFFF
 START_METHOD = os.environ.get("INTML_E2E_START_METHOD", "fork")
+TOKENS = ("t", "right", "test-torch")  # the tokens the tests' workers use
+STATS_REQUEST_SIZE = 16384  # an operator's request: the reply (every job) may be 3 times as large
+OPERATOR_RANK = 0xFFFF
 _LISTENING = re.compile(r"intml-aggregator listening on (\S+):(\d+) cores (\d+)")
 
 
@@ -62,9 +66,16 @@ class Aggregator:
     """A running ``python -m intml.aggregator`` process."""
 
     def __init__(self, *extra: str, cores: int = 1, idle_timeout: float | None = None,
-                 startup_timeout: float = 60.0) -> None:
+                 startup_timeout: float = 60.0, tokens: tuple[str, ...] = TOKENS) -> None:
         self.cores = cores
+        self.tokens = tokens or ("",)
         self.args = ["--host", HOST, "--port", "0", "--cores", str(cores)]
+        self._token_path = None
+        if tokens:
+            fd, self._token_path = tempfile.mkstemp(prefix="intml-agg-", suffix=".tokens")
+            with os.fdopen(fd, "w") as f:
+                f.write("\n".join(tokens) + "\n")
+            self.args += ["--token-file", self._token_path]
         if idle_timeout is not None:
             self.args += ["--idle-timeout", str(idle_timeout)]
         self.args += list(extra)
@@ -88,9 +99,11 @@ class Aggregator:
 
     def start(self) -> Aggregator:
         # O_APPEND files: the child writes at the end whatever we read; a pipe nobody drains could block it.
+        env = repo_env()
+        env.pop("INTML_TOKEN", None)  # the tokens are this object's
         with open(self._out_path, "ab") as out, open(self._err_path, "ab") as err:
             self.proc = subprocess.Popen([sys.executable, "-m", "intml.aggregator", *self.args], cwd=REPO_ROOT,
-                                         env=repo_env(), stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                         env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                                          start_new_session=True)  # its own process group: cores die with it
         deadline = time.monotonic() + self.startup_timeout
         while True:
@@ -129,7 +142,7 @@ class Aggregator:
 
     def cleanup(self) -> None:
         self.stop()
-        for path in (self._out_path, self._err_path):
+        for path in filter(None, (self._out_path, self._err_path, self._token_path)):
             with contextlib.suppress(OSError):
                 os.unlink(path)
 
@@ -141,40 +154,62 @@ class Aggregator:
 
     # ---- statistics -------------------------------------------------------------------------------------
     def stats(self, job: int = ALL_JOBS, timeout: float = 2.0, attempts: int = 3) -> list[dict]:
-        """One STATS_REPLY per core (JSON after the header), core 0 first."""
-        request = wire.pack({"type": int(wire.MsgType.STATS_REQUEST), "job": job})
-        replies = []
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.bind((HOST, 0))
-            for core in range(self.cores):
-                target = (HOST, self.port + core)
-                replies.append(self._ask(s, request, target, timeout, attempts))
-        return replies
-
-    @staticmethod
-    def _ask(s: socket.socket, request: bytes, target: tuple[str, int], timeout: float, attempts: int) -> dict:
-        for _ in range(attempts):
-            s.sendto(request, target)
-            end = time.monotonic() + timeout
-            while (left := end - time.monotonic()) > 0:
-                s.settimeout(left)
-                try:
-                    data, source = s.recvfrom(1 << 16)
-                except TimeoutError:
-                    break
-                if source == target and len(data) >= wire.HEADER_SIZE \
-                        and data[wire.OFFSETS["type"]] == wire.MsgType.STATS_REPLY:
-                    return json.loads(data[wire.HEADER_SIZE:])
-        raise AssertionError(f"no STATS_REPLY from {target[0]}:{target[1]} after {attempts} requests")
+        """One STATS_REPLY per core (JSON after the header), core 0 first: the operator's view."""
+        return operator_stats(self.port, self.cores, self.tokens[0], job, timeout, attempts)
 
     def job_ids(self) -> set[int]:
         """The jobs any core still lists."""
         return {int(j) for reply in self.stats() for j in reply["jobs"]}
 
 
+def operator_stats(port: int, cores: int, token: str, job: int = ALL_JOBS, timeout: float = 2.0,
+                   attempts: int = 3) -> list[dict]:
+    """Each core's answer (JSON) to an operator's STATS_REQUEST (MAC'd under ``token``), core 0 first."""
+    request = wire.pack({"type": int(wire.MsgType.STATS_REQUEST), "job": job, "rank": OPERATOR_RANK},
+                        bytes(STATS_REQUEST_SIZE - wire.HEADER_SIZE))
+    request = keys.seal(keys.token_key(token), request, len(request) - keys.MAC_SIZE)
+    replies = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind((HOST, 0))
+        for core in range(cores):
+            target = (HOST, port + core)
+            replies.append(_ask(s, request, target, timeout, attempts))
+    return replies
+
+
+def _ask(s: socket.socket, request: bytes, target: tuple[str, int], timeout: float, attempts: int) -> dict:
+    for _ in range(attempts):
+        s.sendto(request, target)
+        end = time.monotonic() + timeout
+        while (left := end - time.monotonic()) > 0:
+            s.settimeout(left)
+            try:
+                data, source = s.recvfrom(1 << 16)
+            except TimeoutError:
+                break
+            if source == target and len(data) >= wire.HEADER_SIZE \
+                    and data[wire.OFFSETS["type"]] == wire.MsgType.STATS_REPLY:
+                return json.loads(data[wire.HEADER_SIZE:-keys.MAC_SIZE])
+    raise AssertionError(f"no STATS_REPLY from {target[0]}:{target[1]} after {attempts} requests")
+
+
+def join_over(sock: socket.socket, target: tuple[str, int], job: int, rank: int, *, token: str = TOKENS[0],
+              timeout: float = 2.0, **params: int) -> bytes:
+    """The JOIN handshake from a bound UDP socket (JOIN, CHALLENGE, the proved JOIN); returns the core's reply to
+    the proved JOIN (a JOIN_ACK or an ERROR)."""
+    header = {"type": int(wire.MsgType.JOIN), "job": job, "rank": rank}
+    nonce = os.urandom(keys.NONCE_SIZE)
+    sock.settimeout(timeout)
+    sock.sendto(wire.pack_join(header, {**params, "nonce": nonce}), target)
+    cookie = bytes(wire.unpack_challenge(sock.recv(1 << 16))[1]["cookie"])
+    proved = wire.pack_join(header, {**params, "nonce": nonce, "cookie": cookie})
+    sock.sendto(keys.seal(keys.token_key(token), proved, wire.JOIN_MAC), target)
+    return sock.recv(1 << 16)
+
+
 @contextlib.contextmanager
-def aggregator(*extra: str, cores: int = 1, idle_timeout: float | None = None):
-    agg = Aggregator(*extra, cores=cores, idle_timeout=idle_timeout)
+def aggregator(*extra: str, cores: int = 1, idle_timeout: float | None = None, tokens: tuple[str, ...] = TOKENS):
+    agg = Aggregator(*extra, cores=cores, idle_timeout=idle_timeout, tokens=tokens)
     try:
         agg.start()
         yield agg

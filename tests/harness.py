@@ -25,13 +25,13 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from intml.aggregator.core import AggregatorCore
-from intml.protocol import reference, wire
+from intml.protocol import keys, reference, wire
 from intml.protocol.burst import Burst
 from intml.protocol.job import JobParams
 from intml.protocol.packet import HDR
 from intml.protocol.wire import Codec, MsgType
 from intml.worker.engine import StreamEngine
-from intml.worker.session import JobJoined, WorkerSession
+from intml.worker.session import STATS_REQUEST_SIZE, JobJoined, WorkerSession
 
 AGG_PORT = 48879
 WORKER_PORT = 5000
@@ -79,8 +79,35 @@ def engine_timer(engine: StreamEngine, now: float) -> list[Datagram]:
     return engine.handle_timer(now).datagrams()
 
 
-def join_datagram(job: int, rank: int, **params) -> bytes:
-    return wire.pack_join({"type": int(MsgType.JOIN), "job": job, "rank": rank}, {"cores": 0, **params})
+TOKEN = "harness-token"  # the token of the harness's cores and Networks
+NONCE = bytes(range(1, 17))  # the harness's client nonce (a Worker draws a fresh one per JOIN)
+
+
+def new_core(**options) -> AggregatorCore:
+    """An AggregatorCore that knows the harness's TOKEN (options as AggregatorCore's)."""
+    return AggregatorCore(tokens=[TOKEN], **options)
+
+
+def join_datagram(job: int, rank: int, *, nonce: bytes = NONCE, cookie: bytes = bytes(16), token: str | None = None,
+                  **params) -> bytes:
+    """A JOIN with these fields; with ``token``, proved (its MAC under the token key)."""
+    datagram = wire.pack_join({"type": int(MsgType.JOIN), "job": job, "rank": rank},
+                              {"cores": 0, "nonce": nonce, "cookie": cookie, **params})
+    return datagram if token is None else keys.seal(keys.token_key(token), datagram, wire.JOIN_MAC)
+
+
+def cookie_of(challenge: bytes) -> bytes:
+    return bytes(wire.unpack_challenge(challenge)[1]["cookie"])
+
+
+def handshake(core: AggregatorCore, src: int, now: float, job: int, rank: int, *, token: str,
+              nonce: bytes = NONCE, **params) -> list[Datagram]:
+    """The JOIN handshake with a core (JOIN, its CHALLENGE, the JOIN proved with ``token``); returns the core's
+    replies to the proved JOIN."""
+    [(challenge, _)] = core_receive(core, [(join_datagram(job, rank, nonce=nonce, **params), src)], now)
+    assert msg_type(challenge) == MsgType.CHALLENGE, challenge
+    proved = join_datagram(job, rank, nonce=nonce, cookie=cookie_of(challenge), token=token, **params)
+    return core_receive(core, [(proved, src)], now)
 
 
 def msg_type(datagram: bytes) -> int:
@@ -135,13 +162,15 @@ class Network:
     """``cores`` AggregatorCores (one job's data plane split by slot) and ``n`` StreamEngines of one job."""
 
     def __init__(self, n: int, *, codec: Codec | str = Codec.CNAT8, packet_elements: int = 64, pool_size: int = 4,
-                 seed: int = 123, job: int = 7, token: int = 99, cores: int = 1, rows: int = 256,
+                 seed: int = 123, job: int = 7, token: str = TOKEN, cores: int = 1, rows: int = 256,
                  max_elements: int | None = None, idle_timeout: float = 30.0, rto: float = 0.02,
                  min_rto: float = 0.005, max_rto: float = 1.0, dt: float = 0.001, drop: float = 0.0, duplicate: float = 0.0,
                  reorder: float = 0.0, fault_seed: int = 0, record: bool = False, join: bool = True,
                  aggregators: list[AggregatorCore] | None = None, worker_port: int = WORKER_PORT,
                  data_mac_key: tuple[int, int] | None = None) -> None:
-        """``data_mac_key``: the DATA/RESULT MAC under this key (k0, k1) on every core and engine."""
+        """``data_mac_key``: the DATA/RESULT MAC under this fixed key (k0, k1) on every core and engine, put in the
+        cores' job tables once joined (in place of the key the handshake derives), so tests can forge and check tags."""
+        self.data_mac_key = data_mac_key
         self.n = n
         self.codec = Codec.CNAT8 if codec == "cnat8" else Codec.INT32 if codec == "int32" else Codec(codec)
         self.packet_elements, self.pool_size = packet_elements, pool_size
@@ -151,7 +180,7 @@ class Network:
         self.worker_port = worker_port
         if aggregators is None:
             aggregators = [AggregatorCore(core=i, cores=cores, rows=rows, idle_timeout=idle_timeout,
-                                          max_elements=max_elements or packet_elements, data_mac_key=data_mac_key)
+                                          max_elements=max_elements or packet_elements, tokens=[token])
                            for i in range(cores)]
         cores = len(aggregators)
         self.cores = aggregators
@@ -174,6 +203,7 @@ class Network:
         self.sent_up: list[tuple[bytes, int, int]] = []  # everything the engines sent (if record)
         self.sent_down: list[tuple[bytes, int, int]] = []  # everything the cores sent (if record)
         self.steps = 0
+        self.sessions: dict[int, WorkerSession] = {}  # rank -> its joined control plane (join_all)
         if join:
             self.join_all()
 
@@ -184,13 +214,15 @@ class Network:
     # ---- control plane --------------------------------------------------------------------------------------
     def join_params(self, **overrides) -> dict:
         return {"world_size": self.n, "packet_elements": self.packet_elements, "pool_size": self.pool_size,
-                "codec": int(self.codec), "seed": self.seed, "token": self.token, **overrides}
+                "codec": int(self.codec), "seed": self.seed, **overrides}
 
     def join(self, rank: int, *, core: int = 0, src: int | None = None, job: int | None = None,
-             **overrides) -> list[Datagram]:
-        """Send one JOIN (this network's parameters, with overrides) through core.receive; returns the replies."""
-        datagram = join_datagram(self.job if job is None else job, rank, **self.join_params(**overrides))
-        return self.to_core(core, [(datagram, self.addr(rank) if src is None else src)])
+             token: str | None = None, nonce: bytes = NONCE, **overrides) -> list[Datagram]:
+        """The JOIN handshake of rank ``rank`` (this network's parameters and token, with overrides) with a core
+        through core.receive; returns the replies to the proved JOIN."""
+        return handshake(self.cores[core], self.addr(rank) if src is None else src, self.now,
+                         self.job if job is None else job, rank, token=self.token if token is None else token,
+                         nonce=nonce, **self.join_params(**overrides))
 
     def session(self, rank: int) -> WorkerSession:
         """The control plane of rank ``rank`` with this network's parameters, as a Worker builds it."""
@@ -199,26 +231,38 @@ class Network:
         return WorkerSession(job=self.job, rank=rank, params=params, token=self.token, aggregator=agg_addr(0))
 
     def join_all(self) -> list[Datagram]:
-        """Join every rank through its WorkerSession, on every core; asserts each JOIN got exactly one JOIN_ACK
-        and returns the replies (rank by rank, core by core)."""
+        """Join every rank through its WorkerSession, on every core; asserts each JOIN got exactly one reply (a
+        CHALLENGE, then a JOIN_ACK) and returns the JOIN_ACKs (rank by rank, core by core)."""
         replies = []
         for rank in range(self.n):
-            session = self.session(rank)
+            session = self.sessions[rank] = self.session(rank)
             session.connect(self.now)
             while not session.joined:
                 requests = session.datagrams_to_send(self.now)
                 assert requests, f"rank {rank}: the session sent no JOIN but has not joined: {session.next_event()}"
                 for data, dst in requests:
                     got = self.to_core(self.core_of[dst], [(data, self.addr(rank))])
-                    assert len(got) == 1 and msg_type(got[0][0]) == MsgType.JOIN_ACK, got
+                    assert len(got) == 1 and msg_type(got[0][0]) in (MsgType.CHALLENGE, MsgType.JOIN_ACK), got
                     session.receive(got[0][0], dst, self.now)
-                    replies += got
+                    replies += [g for g in got if msg_type(g[0]) == MsgType.JOIN_ACK]
             events = iter(session.next_event, None)
             [joined] = [e for e in events if isinstance(e, JobJoined)]
             assert len(joined.groups) <= 1, f"the harness routes one results group per job, got {joined.groups}"
             if joined.groups:  # the job's results are multicast: every rank listens to the group
                 self.group = joined.groups[0]
+        if self.data_mac_key is not None:
+            for core in self.cores:
+                j = core.info[self.job].index
+                core.jobs.data_mac[j], core.jobs.mac_key[j] = True, self.data_mac_key
         return replies
+
+    def leave(self, rank: int, core: int = 0) -> bytes:
+        """Rank ``rank``'s LEAVE to a core, MAC'd under its session key (join_all)."""
+        return self.sessions[rank].sealed(MsgType.LEAVE, core)
+
+    def stats_request(self, rank: int, core: int = 0, size: int = STATS_REQUEST_SIZE) -> bytes:
+        """Rank ``rank``'s STATS_REQUEST of ``size`` bytes to a core, MAC'd under its session key (join_all)."""
+        return self.sessions[rank].sealed(MsgType.STATS_REQUEST, core, size - HDR - keys.MAC_SIZE)
 
     def to_core(self, core: int, datagrams: Sequence[Datagram], lengths: Sequence[int] | None = None) -> list[Datagram]:
         """Deliver datagrams straight to a core at the current time; returns its output (not routed)."""

@@ -19,16 +19,19 @@ from harness import (
     header,
     join_datagram,
     make_inputs,
+    handshake,
     msg_type,
+    new_core,
     table_snapshot,
     with_header,
     with_payload_byte,
     worker_addr,
+    TOKEN,
 )
 
-from intml.aggregator.core import ALL_JOBS, AggregatorCore
+from intml.aggregator.core import UNPROVED, AggregatorCore
 from intml.aggregator.slots import STAT_NAMES
-from intml.protocol import reference, wire
+from intml.protocol import keys, reference, wire
 from intml.protocol.arith import data_k_max
 from intml.protocol.job import MAX_WORLD
 from intml.protocol.wire import NO_EXP, Codec, MsgType
@@ -52,12 +55,9 @@ def error_text(datagram: bytes) -> str:
     return datagram[HDR:].decode()
 
 
-def stats_request(job: int) -> bytes:
-    return wire.pack({"type": int(MsgType.STATS_REQUEST), "job": job})
-
-
-def leave(job: int, rank: int) -> bytes:
-    return wire.pack({"type": int(MsgType.LEAVE), "job": job, "rank": rank})
+def stats_request(job: int, size: int = 64) -> bytes:
+    """A STATS_REQUEST of ``size`` bytes without a credential (its MAC is zero)."""
+    return wire.pack({"type": int(MsgType.STATS_REQUEST), "job": job}, bytes(size - HDR))
 
 
 # ---- 4. malformed packets: one per drop reason --------------------------------------------------------------
@@ -227,7 +227,7 @@ def test_every_drop_reason_is_tested():
     tested |= {"drop_bad_control"}  # test_malformed_control_datagram_is_counted_and_answered
     tested |= {"drop_refused_join", "drop_leave_non_member"}  # test_hardening: test_refused_joins_and_foreign_...
     tested |= {"drop_control_rate"}  # test_flood: the kernel against slot_reference, and live floods
-    tested |= {"drop_bad_mac"}  # test_data_mac: test_forged_or_altered_data_is_dropped_and_counted_...
+    tested |= {"drop_bad_mac"}  # test_data_mac (DATA), test_auth (JOIN proofs, LEAVEs, STATS_REQUESTs)
     assert tested == {name for name in STAT_NAMES if name.startswith("drop_")}
 
 
@@ -323,17 +323,20 @@ def test_duplicate_to_complete_round_resends_to_that_worker_alone(codec):
 
 
 def test_join_ack_echoes_parameters():
-    net = Network(3, join=False, pool_size=5, packet_elements=256, seed=2**64 - 1, token=2**63 + 5)
+    net = Network(3, join=False, pool_size=5, packet_elements=256, seed=2**64 - 1, token="s3cret")
     replies = net.join_all()
     assert [dst for _, dst in replies] == [net.addr(r) for r in range(3)]
     for rank, (data, _) in enumerate(replies):
-        h, body = wire.unpack_join(data)
+        h, body, bitmap = wire.unpack_join(data)
         assert (h["type"], h["job"], h["rank"]) == (MsgType.JOIN_ACK, net.job, rank)
         unicast = {"group": 0, "group_port": 0}
-        assert {k: int(body[k]) for k in wire.JOIN.names} == {**net.join_params(), "cores": 1, **unicast}
+        numeric = [k for k in wire.JOIN.names if wire.JOIN.fields[k][0].kind != "V"]
+        assert {k: int(body[k]) for k in numeric} == {**net.join_params(), "flags": 0, "cores": 1, "allreduce": 0,
+                                                      **unicast}
+        assert bitmap == bytes(1)  # a fresh job: every slot starts at shadow set 0
     # a repeated JOIN from the same address is answered again, identically
     again = net.join(1)
-    assert again == [replies[1]]
+    assert net.join(1) == again and msg_type(again[0][0]) == MsgType.JOIN_ACK
 
 
 def test_join_ack_reports_cores():
@@ -342,20 +345,23 @@ def test_join_ack_reports_cores():
         assert int(wire.unpack_join(data)[1]["cores"]) == 3
 
 
-def test_same_rank_from_another_address_is_refused():
+def test_same_rank_proving_the_token_from_another_address_takes_its_seat():
+    """A restarted rank (a new address) replaces its old binding: the old address's data is dropped from then on."""
     net = Network(2, join=False)
     net.join_all()
     (reply, dst), = net.join(1, src=STRANGER)
-    assert dst == STRANGER
-    text = error_text(reply)
-    assert "rank 1" in text and header(reply)["job"] == net.job
-    # the binding is unchanged: rank 1's data from the stranger is still dropped, from its own address accepted
+    assert dst == STRANGER and msg_type(reply) == MsgType.JOIN_ACK
     xs = make_inputs(2, 100, P, "normal", seed=1)
     net.start(xs)
     (d1, _, _), = [item for item in net.up if item[1] == net.addr(1)][:1]
     before = net.job_counters()
-    assert net.to_core(0, [(d1, STRANGER)]) == []
+    assert net.to_core(0, [(d1, net.addr(1))]) == []
     assert counter_diff(before, net.job_counters()) == {"packets_in": 1, "drop_unregistered_source": 1}
+    assert net.to_core(0, [(d1, STRANGER)]) == []
+    assert counter_diff(before, net.job_counters()) == {"packets_in": 2, "drop_unregistered_source": 1,
+                                                        "contributions": 1}
+    (reply, _), = net.join(1)  # and back: the seat follows the latest proof
+    assert msg_type(reply) == MsgType.JOIN_ACK
     net.run()
     assert_results(net, xs)
 
@@ -374,19 +380,17 @@ def test_join_with_other_parameters_is_refused(param, value):
 
 
 def test_join_with_wrong_token_is_refused():
-    net = Network(2, token=99)
-    (reply, _), = net.join(1, token=5)
-    assert "token" in error_text(reply)
+    net = Network(2, token="right")
+    (reply, _), = net.join(1, token="wrong")
+    assert error_text(reply) == UNPROVED
     xs = make_inputs(2, 200, P, "normal", seed=2)
     assert_results_of(net, xs)
 
 
 def test_join_with_wrong_token_does_not_reveal_the_token():
-    secret = 0x5EC2E7_5EC2E7
-    net = Network(2, token=secret)
-    (reply, _), = net.join(1, src=STRANGER, token=5)
-    text = error_text(reply)
-    assert str(secret) not in text and hex(secret)[2:] not in text.lower()
+    net = Network(2, token="5ec2e7")
+    (reply, _), = net.join(1, src=STRANGER, token="guess")
+    assert "5ec2e7" not in error_text(reply) and error_text(reply) == UNPROVED
 
 
 def assert_results_of(net, xs):
@@ -414,7 +418,7 @@ def test_join_with_bad_parameters_is_refused(overrides, needle):
 
 
 def test_join_without_free_rows_is_refused():
-    core = AggregatorCore(rows=4, max_elements=P)
+    core = new_core(rows=4, max_elements=P)
     a = Network(2, pool_size=3, aggregators=[core])
     b = Network(2, pool_size=2, aggregators=[core], job=8, worker_port=6000, join=False)
     (reply, _), = b.join(0)
@@ -426,7 +430,7 @@ def test_join_without_free_rows_is_refused():
 def test_join_past_the_job_limit_names_it():
     """A full job table is refused as such (not as a lack of slots, which a user would try to fix with a
     smaller pool)."""
-    core = AggregatorCore(rows=64, max_elements=P, max_jobs=1)
+    core = new_core(rows=64, max_elements=P, max_jobs=1)
     a = Network(2, pool_size=2, aggregators=[core])
     b = Network(2, pool_size=2, aggregators=[core], job=8, worker_port=6000, join=False)
     (reply, _), = b.join(0)
@@ -436,7 +440,7 @@ def test_join_past_the_job_limit_names_it():
 
 def test_join_with_a_pool_over_the_limit_reserves_nothing():
     """One JOIN may not reserve more than --max-pool slots: refused before any row is taken."""
-    core = AggregatorCore(rows=64, max_elements=P, max_pool=8)
+    core = new_core(rows=64, max_elements=P, max_pool=8)
     net = Network(2, pool_size=9, aggregators=[core], join=False)
     (reply, _), = net.join(0)
     assert "pool size 9 exceeds this aggregator's maximum of 8 slots per job (intml-aggregator --max-pool)" in \
@@ -453,11 +457,11 @@ def test_leave_by_all_ranks_tears_down_and_frees_rows():
     net.allreduce(xs)
     rows = core.info[net.job].rows
     assert core.row_used[rows.start:rows.stop].all()
-    assert net.to_core(0, [(leave(net.job, 0), net.addr(0)), (leave(net.job, 1), net.addr(1))]) == []
+    assert net.to_core(0, [(net.leave(0), net.addr(0)), (net.leave(1), net.addr(1))]) == []
     assert net.job in core.info  # rank 2 has not left
-    assert net.to_core(0, [(leave(net.job, 2), STRANGER)]) == []  # not rank 2's address: ignored
+    assert net.to_core(0, [(net.leave(2), STRANGER)]) == []  # not rank 2's address: ignored
     assert net.job in core.info
-    assert net.to_core(0, [(leave(net.job, 2), net.addr(2))]) == []
+    assert net.to_core(0, [(net.leave(2), net.addr(2))]) == []
     assert core.info == {} and not core.row_used.any()
     assert str(net.job) not in net.stats()["jobs"]
     # its data is now of an unknown job
@@ -475,7 +479,7 @@ def test_leave_by_all_ranks_tears_down_and_frees_rows():
 
 
 def test_idle_job_is_torn_down_but_active_one_is_not():
-    core = AggregatorCore(rows=32, max_elements=P, idle_timeout=1.0)
+    core = new_core(rows=32, max_elements=P, idle_timeout=1.0)
     Network(2, aggregators=[core], job=1)  # joins, then stays idle
     active = Network(2, aggregators=[core], job=2, worker_port=6000)
     assert core.get_timer() == 1.0  # both joined at 0
@@ -494,7 +498,7 @@ def test_idle_job_is_torn_down_but_active_one_is_not():
 
 
 def test_join_counts_as_activity():
-    core = AggregatorCore(rows=32, max_elements=P, idle_timeout=1.0)
+    core = new_core(rows=32, max_elements=P, idle_timeout=1.0)
     net = Network(2, aggregators=[core])
     net.now = 0.8
     net.join(0)  # repeated JOIN at 0.8
@@ -503,7 +507,7 @@ def test_join_counts_as_activity():
 
 
 def test_handle_timer_at_get_timer_does_its_work():
-    core = AggregatorCore(rows=32, max_elements=P, idle_timeout=1.0)
+    core = new_core(rows=32, max_elements=P, idle_timeout=1.0)
     Network(2, aggregators=[core])
     deadline = core.get_timer()
     assert core.handle_timer(deadline) == [7]  # "when handle_timer next has something to do"
@@ -517,26 +521,24 @@ def test_stats_reply_lists_pending_rounds_and_missing_ranks():
         net.step()
         if _ >= 1:
             net.up = [item for item in net.up if item[1] != net.addr(2)]
-    (reply, dst), = net.to_core(0, [(stats_request(net.job), STRANGER)])
-    assert dst == STRANGER and msg_type(reply) == MsgType.STATS_REPLY and header(reply)["job"] == net.job
-    stats = json.loads(reply[HDR:])
-    job = stats["jobs"][str(net.job)]
-    assert job["counters"] == net.job_counters()
-    assert stats["core_counters"] == net.core_counters()
-    assert job["params"] == {k: v for k, v in net.join_params().items() if k != "token"}
-    assert sorted(job["members"]) == ["0", "1", "2"]
-    assert {p["slot"] for p in job["pending"]} == {0, 1, 2, 3}
-    assert all(p["missing_ranks"] == [2] for p in job["pending"])
-    assert job["silent_s"]["2"] > job["silent_s"]["0"]
-    # ALL_JOBS, and an unknown job
-    (reply, _), = net.to_core(0, [(stats_request(ALL_JOBS), STRANGER)])
-    assert list(json.loads(reply[HDR:])["jobs"]) == [str(net.job)]
+    (reply, dst), = net.to_core(0, [(net.stats_request(0), net.addr(0))])
+    assert dst == net.addr(0) and msg_type(reply) == MsgType.STATS_REPLY and header(reply)["job"] == net.job
+    job = json.loads(reply[HDR:-16])
+    assert job["counters"] == {k: v for k, v in net.job_counters().items() if v}
+    assert job["missing"] == [2] and job["pending_total"] == 4
+    assert sorted(job["silent_s"]) == ["0", "1", "2"] and job["silent_s"]["2"] > job["silent_s"]["0"]
+    # the local view (--stats-interval) has the detail
+    local = net.stats()["jobs"][str(net.job)]
+    assert {p["slot"] for p in local["pending"]} == {0, 1, 2, 3}
+    assert all(p["missing_ranks"] == [2] for p in local["pending"])
+    # an unknown job: a short ERROR, only if no larger than the request
     (reply, _), = net.to_core(0, [(stats_request(12345), STRANGER)])
-    assert json.loads(reply[HDR:])["jobs"] == {}
+    assert error_text(reply) == "job 12345 unknown"
+    assert net.to_core(0, [(stats_request(12345, size=HDR + 16), STRANGER)]) == []
 
 
 def test_two_jobs_interleaved_on_one_core():
-    core = AggregatorCore(rows=64, max_elements=256)
+    core = new_core(rows=64, max_elements=256)
     a = Network(3, codec="cnat8", packet_elements=64, pool_size=4, aggregators=[core], job=1, seed=5)
     b = Network(2, codec="int32", packet_elements=256, pool_size=3, aggregators=[core], job=2, seed=6,
                 worker_port=6000)
@@ -561,10 +563,8 @@ def test_two_jobs_interleaved_on_one_core():
 
 def test_core_accepts_only_its_slots():
     cores = 3
-    core = AggregatorCore(core=1, cores=cores, rows=16, max_elements=P)
-    replies = core_receive(core, [(join_datagram(7, r, world_size=2, packet_elements=P, pool_size=7, codec=0,
-                                                 seed=1, token=2), worker_addr(r)) for r in range(2)], 0.0)
-    assert [msg_type(d) for d, _ in replies] == [MsgType.JOIN_ACK] * 2
+    core = new_core(core=1, cores=cores, rows=16, max_elements=P)
+    _join_ranks(core, 2, pool=7)
     assert len(core.info[7].rows) == len(range(1, 7, cores)) == 2
     for slot in range(8):
         data = wire.pack({"type": MsgType.DATA, "job": 7, "rank": 0, "slot": slot, "chunk": -1, "codec": 0,
@@ -581,7 +581,7 @@ def test_core_accepts_only_its_slots():
 def test_core_index_validated():
     for core, cores in ((2, 2), (-1, 2), (0, 0)):
         with pytest.raises(ValueError):
-            AggregatorCore(core=core, cores=cores, rows=4, max_elements=P)
+            new_core(core=core, cores=cores, rows=4, max_elements=P)
 
 
 @pytest.mark.parametrize("cores,pool,codec", [(2, 4, "cnat8"), (3, 5, "int32"), (4, 7, "cnat8"), (2, 3, "int32")])
@@ -618,11 +618,16 @@ def test_pool_smaller_than_cores_can_join_every_core():
 # ---- robustness of the core's burst interface ---------------------------------------------------------------
 
 
-def _joined(world: int, *, pool: int = 4, job: int = 7) -> AggregatorCore:
-    core = AggregatorCore(rows=16, max_elements=P)
-    replies = core_receive(core, [(join_datagram(job, r, world_size=world, packet_elements=P, pool_size=pool,
-                                                 codec=0, seed=1, token=2), worker_addr(r)) for r in range(world)], 0.0)
+def _join_ranks(core: AggregatorCore, world: int, *, pool: int, job: int = 7) -> None:
+    """Ranks 0..world-1 of a job join the core (the handshake)."""
+    replies = [reply for r in range(world) for reply in handshake(
+        core, worker_addr(r), 0.0, job, r, token=TOKEN, world_size=world, packet_elements=P, pool_size=pool, seed=1)]
     assert [msg_type(d) for d, _ in replies] == [MsgType.JOIN_ACK] * world
+
+
+def _joined(world: int, *, pool: int = 4, job: int = 7) -> AggregatorCore:
+    core = new_core(rows=16, max_elements=P)
+    _join_ranks(core, world, pool=pool, job=job)
     return core
 
 
@@ -646,10 +651,8 @@ def test_output_holds_a_burst_of_completions_of_the_largest_world():
 
 
 def test_a_burst_larger_than_expected_grows_the_output_and_keeps_stored_results():
-    core = AggregatorCore(rows=16, max_elements=P, burst=1)
-    replies = core_receive(core, [(join_datagram(7, r, world_size=2, packet_elements=P, pool_size=4, codec=0, seed=1,
-                                                 token=2), worker_addr(r)) for r in range(2)], 0.0)
-    assert [msg_type(d) for d, _ in replies] == [MsgType.JOIN_ACK] * 2
+    core = new_core(rows=16, max_elements=P, burst=1)
+    _join_ranks(core, 2, pool=4)
     assert core_receive(core, [_data(0, 0, 0, bytes([0x57]))], 0.0) == []
     (result, _), (again, _) = core_receive(core, [_data(1, 0, 0, bytes([0x58]))], 0.0)
     assert result == again
@@ -673,11 +676,19 @@ def test_result_reused_by_a_new_round_in_the_same_burst_is_not_overwritten(world
     assert len({d for d, _ in got}) == 2  # two rounds, two different results
 
 
-def test_stats_reply_fits_the_data_plane_tx_layout():
-    net = Network(2, packet_elements=P)  # max_elements = P: tx rows of HDR + 4 * P bytes, as DataPlane allocates
-    out = core_receive(net.cores[0], [(stats_request(net.job), STRANGER)], 0.0)
-    assert len(out) == 1 and msg_type(out[0][0]) == MsgType.STATS_REPLY
-    assert str(net.job) in json.loads(out[0][0][HDR:])["jobs"]
+@pytest.mark.parametrize("size", [HDR + 16, 100, 512])
+def test_stats_reply_is_at_most_three_times_its_request(size):
+    """However short the member's request, the reply is cut to fit (and says so); it is still MAC'd."""
+    net = Network(MAX_WORLD, packet_elements=P, pool_size=2)
+    xs = make_inputs(MAX_WORLD, 4 * P, P, "normal", seed=3)
+    net.start(xs)
+    net.step()
+    (reply, _), = net.to_core(0, [(net.stats_request(0, size=size), net.addr(0))])
+    assert msg_type(reply) == MsgType.STATS_REPLY and len(reply) <= 3 * size
+    assert keys.verify(net.sessions[0].sessions[0], reply, len(reply) - 16)
+    body = reply[HDR:-16]
+    if size < 512:
+        assert b"truncated" in body
 
 
 def test_control_datagrams_mixed_with_data_in_one_burst():
@@ -686,11 +697,11 @@ def test_control_datagrams_mixed_with_data_in_one_burst():
     net.start(xs)
     burst = [(d, s) for d, s, _ in net.up]
     net.up = []
-    burst.insert(1, (stats_request(net.job), STRANGER))
+    burst.insert(1, (net.stats_request(0), net.addr(0)))
     burst.insert(3, (join_datagram(net.job, 1, **net.join_params()), net.addr(1)))
     out = net.to_core(0, burst)
     types = sorted(msg_type(d) for d, _ in out)
-    assert types == sorted([MsgType.RESULT] * 4 + [MsgType.STATS_REPLY, MsgType.JOIN_ACK])
+    assert types == sorted([MsgType.RESULT] * 4 + [MsgType.STATS_REPLY, MsgType.CHALLENGE])
     for data, dst in out:
         if msg_type(data) == MsgType.RESULT:
             net.down.append((data, agg_addr(0), dst))
@@ -722,10 +733,10 @@ def _recorded_uplink(codec: str, n: int, seed: int) -> tuple[Network, list[tuple
 
 
 def _joined_core(net: Network) -> AggregatorCore:
-    core = AggregatorCore(rows=16, max_elements=P)
+    core = new_core(rows=16, max_elements=P)
     for r in range(net.n):
-        reply = core_receive(core, [(join_datagram(net.job, r, **net.join_params()), net.addr(r))], 0.0)
-        assert msg_type(reply[0][0]) == MsgType.JOIN_ACK
+        (reply, _), = handshake(core, net.addr(r), 0.0, net.job, r, token=net.token, **net.join_params())
+        assert msg_type(reply) == MsgType.JOIN_ACK
     return core
 
 
@@ -771,7 +782,7 @@ def test_multicast_results_one_datagram_per_completion(codec, faults):
     """With a results group, a completion sends one datagram to the job's group (each worker's copy then lost,
     duplicated or delayed on its own), a retransmitted result goes to its one worker, and the results are
     still the reference's bit for bit. Two jobs on one core get two groups."""
-    core = AggregatorCore(rows=64, max_elements=P, results_group=GROUP)
+    core = new_core(rows=64, max_elements=P, results_group=GROUP)
     nets = [Network(3, codec=codec, packet_elements=P, pool_size=4, job=job, aggregators=[core], drop=faults,
                     duplicate=faults, reorder=faults, fault_seed=job, record=True, worker_port=5000 + 100 * job)
             for job in (1, 2)]
@@ -793,6 +804,6 @@ def test_multicast_results_one_datagram_per_completion(codec, faults):
 
 def test_results_group_must_be_multicast():
     with pytest.raises(ValueError, match="multicast"):
-        AggregatorCore(rows=4, max_elements=P, results_group=(0x7F000001, 4000))
+        new_core(rows=4, max_elements=P, results_group=(0x7F000001, 4000))
     with pytest.raises(ValueError, match="multicast"):
-        AggregatorCore(rows=4, max_elements=P, max_jobs=64, results_group=(0xEFFFFFF0, 4000))
+        new_core(rows=4, max_elements=P, max_jobs=64, results_group=(0xEFFFFFF0, 4000))

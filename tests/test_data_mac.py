@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 
 from intml.protocol import reference
 from intml.protocol.packet import HDR
-from intml.protocol.siphash import TEST_KEY_ENV, key_words, put_tag, siphash24, siphash24_ref, tag_ok, tag_ref
+from intml.protocol.siphash import key_words, put_tag, siphash24, siphash24_ref, tag_ok, tag_ref
 from intml.protocol.wire import TAG_SIZE, MsgType, max_packet_elements
 from intml.worker.engine import StreamEngine
 
@@ -219,21 +219,20 @@ def test_allreduce_with_the_mac_under_faults_is_bit_exact(codec, cores):
     assert sum(e.counters()["drop_bad_mac"] for e in net.engines) == 0
 
 
-def live_worker(port: int, rank: int, n: int, seed: int, job: int = 300) -> dict:
+def live_worker(port: int, rank: int, n: int, seed: int, job: int = 300, data_mac: bool = True) -> dict:
     from intml.worker import Worker
 
     x = make_inputs(n, 5000, 256, "normal", seed)[rank]
-    with Worker(f"127.0.0.1:{port}", job=job, rank=rank, world_size=n, token="mac", packet_elements=256,
-                pool_size=8, seed=seed, timeout=30) as w:
+    with Worker(f"127.0.0.1:{port}", job=job, rank=rank, world_size=n, token="t", packet_elements=256,
+                pool_size=8, seed=seed, timeout=30, data_mac=data_mac) as w:
         out = w.allreduce(x)
         return {"out": out, "counters": w.counters(), "sent_bytes": w.engine.packet.shape[2]}
 
 
-def test_live_allreduce_with_the_mac(monkeypatch):
-    """A live aggregator and worker processes, all given the same test key (they inherit the environment): the
-    allreduce is the reference's, which it can only be if the aggregator took the tagged DATA and the workers
-    the tagged RESULTs."""
-    monkeypatch.setenv(TEST_KEY_ENV, bytes(range(32, 48)).hex())
+def test_live_allreduce_with_the_mac():
+    """A live aggregator and worker processes of a job with data_mac, keyed by the JOIN handshake: the allreduce
+    is the reference's, which it can only be if the aggregator took the tagged DATA and the workers the tagged
+    RESULTs, all under the data key each side derived."""
     n, seed = 3, 9
     with aggregator(idle_timeout=10) as agg:
         results = run_ok(live_worker, [(agg.port, r, n, seed) for r in range(n)], timeout=90)
@@ -311,17 +310,13 @@ class ResultTamperer:
 
 
 @pytest.mark.parametrize("mac", [True, False], ids=["mac", "no mac"])
-def test_live_results_altered_on_the_path(monkeypatch, mac):
+def test_live_results_altered_on_the_path(mac):
     """An on-path host alters results (issue 10: a forged RESULT makes the ranks diverge). With the MAC every
     altered result is counted and dropped, the rank's retransmission brings the real one, and every rank gets
     the reference's bits; without it (the control) the altered results are taken and some rank's result is wrong."""
-    if mac:
-        monkeypatch.setenv(TEST_KEY_ENV, bytes(range(48, 64)).hex())
-    else:
-        monkeypatch.delenv(TEST_KEY_ENV, raising=False)
     n, seed = 3, 10
     with aggregator(idle_timeout=10) as agg, ResultTamperer(agg.port, n) as path:
-        results = run_ok(live_worker, [(path.port(r), r, n, seed, 301 + mac) for r in range(n)], timeout=90)
+        results = run_ok(live_worker, [(path.port(r), r, n, seed, 301 + mac, mac) for r in range(n)], timeout=90)
     assert path.tampered > 0
     want = reference.allreduce(make_inputs(n, 5000, 256, "normal", seed), codec="cnat8", seed=seed,
                                allreduce_seq=0, packet_elements=256).view(np.uint32).tolist()

@@ -25,12 +25,15 @@ def dtype_rows(dtype: np.dtype) -> list[list[str]]:
     rows = []
     for name in dtype.names:
         field, offset = dtype.fields[name][:2]
-        order = "big-endian" if field.itemsize > 1 else "n/a"
-        rows.append([name, str(offset), str(field.itemsize), f"{field.kind}{field.itemsize * 8}", order])
+        raw = field.kind == "V"  # nonces, cookies, MACs: byte strings
+        order = "big-endian" if field.itemsize > 1 and not raw else "n/a"
+        kind = "raw" if raw else f"{field.kind}{field.itemsize * 8}"
+        rows.append([name, str(offset), str(field.itemsize), kind, order])
     return rows
 
 
-@pytest.mark.parametrize("heading, dtype", [("Header", wire.HEADER), ("JOIN payload", wire.JOIN)])
+@pytest.mark.parametrize("heading, dtype", [("Header", wire.HEADER), ("JOIN payload", wire.JOIN),
+                                            ("CHALLENGE payload", wire.CHALLENGE)])
 def test_wire_tables_match_the_dtypes(heading: str, dtype: np.dtype) -> None:
     assert [row[:5] for row in doc_table(heading)] == dtype_rows(dtype)
     assert all(dtype.fields[n][0].byteorder in ">|" for n in dtype.names)  # network order, as documented

@@ -28,6 +28,7 @@ from cluster import (
     Procs,
     aggregator,
     free_udp_port,
+    join_over,
     run_cli,
     run_ok,
     run_procs,
@@ -133,7 +134,7 @@ def allreduce_worker(port: int, job: int, rank: int, n: int, codec: str, seed: i
         if faults else contextlib.nullcontext()
     xs = [make_input(seed, rank, k, spec) for k, spec in enumerate(plan)]
     ticks = None
-    with sockets, Worker(f"{HOST}:{port}", job=job, rank=rank, world_size=n, token=f"token-{job}", codec=codec,
+    with sockets, Worker(f"{HOST}:{port}", job=job, rank=rank, world_size=n, token="t", codec=codec,
                          packet_elements=PACKET, pool_size=pool, seed=seed, timeout=timeout) as w:
         if use_async:
             outs, ticks = asyncio.run(_allreduce_async_all(w, xs, plan))
@@ -269,12 +270,10 @@ def test_multicast_cores_naming_different_groups() -> None:
     differ between the cores. Workers join every group named and get every result by multicast."""
     group = f"239.253.{os.getpid() % 250}.0"
     with aggregator("--multicast", group, cores=2) as agg_mc:
-        join = wire.pack_join({"type": int(MsgType.JOIN), "job": new_job(), "rank": 0},
-                              dict(world_size=2, packet_elements=PACKET, pool_size=4, codec=0, seed=1, token=1))
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.settimeout(5)
-            s.sendto(join, (HOST, agg_mc.port + 1))
-            assert s.recv(2048)[wire.OFFSETS["type"]] == MsgType.JOIN_ACK
+            reply = join_over(s, (HOST, agg_mc.port + 1), new_job(), 0, timeout=5, world_size=2,
+                              packet_elements=PACKET, pool_size=4, codec=0, seed=1)
+            assert reply[wire.OFFSETS["type"]] == MsgType.JOIN_ACK
             n, seed = 3, 17
             results = run_job(agg_mc.port, n, "cnat8", seed, SMALL_PLAN)
         check_results(results, n, "cnat8", seed, SMALL_PLAN, "two groups")
@@ -656,7 +655,7 @@ def fuzzing_rank(port: int, job: int, rank: int, n: int, seed: int, plan, fuzz_s
     sent = Counter()
     xs = [make_input(seed, rank, k, spec) for k, spec in enumerate(plan)]
     target = (HOST, port)
-    with Worker(f"{HOST}:{port}", job=job, rank=rank, world_size=n, token=f"token-{job}", codec="cnat8",
+    with Worker(f"{HOST}:{port}", job=job, rank=rank, world_size=n, token="t", codec="cnat8",
                 packet_elements=PACKET, pool_size=POOL, seed=seed, timeout=30) as w, \
             socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as foreign:
         foreign.bind((HOST, 0))

@@ -4,6 +4,7 @@ whole job are refused and counted."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import socket
@@ -13,23 +14,23 @@ import time
 
 import numpy as np
 import pytest
-from cluster import HOST, Aggregator, aggregator
-from harness import Network, core_receive, join_datagram, msg_type
+from cluster import HOST, Aggregator, join_over, operator_stats
+from harness import Network, core_receive, join_datagram, msg_type, new_core
 from test_aggregator_core import STRANGER, error_text
 
 from intml.aggregator.core import AggregatorCore
-from intml.protocol import wire
+from intml.protocol import keys, wire
 from intml.protocol.address import addr_key_of
+from intml.protocol.job import BURST
 from intml.protocol.slot_reference import Job, SlotReference
 from intml.protocol.wire import NO_EXP, Codec, MsgType
 
 P = 32
-TOKEN = 5
+TOKEN = "t"
 
 
 def _params(world: int) -> dict:
-    return {"world_size": world, "packet_elements": P, "pool_size": 1, "codec": int(Codec.INT32), "seed": 3,
-            "token": TOKEN}
+    return {"world_size": world, "packet_elements": P, "pool_size": 1, "codec": int(Codec.INT32), "seed": 3}
 
 
 def _data(job: int, rank: int, allreduce: int, values: np.ndarray) -> bytes:
@@ -59,12 +60,53 @@ def raw_udp():
         yield raw
 
 
+def _serve_with_known_secret(sock: socket.socket) -> None:
+    """A data-plane core whose cookie secret is all zeros, so that a test can answer a CHALLENGE it cannot
+    receive (one sent to port 0)."""
+    from intml.aggregator.dataplane import run_core
+
+    run_core(AggregatorCore(tokens=[TOKEN], random_bytes=bytes), sock, BURST, 0.0)
+
+
+class _InProcessAggregator:
+    """An aggregator core of _serve_with_known_secret in a forked process (``proc.pid``, ``port``, ``stats()``)."""
+
+    def __enter__(self) -> _InProcessAggregator:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.bind((HOST, 0))
+        self.port = sock.getsockname()[1]
+        self.proc = multiprocessing.get_context("fork").Process(target=_serve_with_known_secret, args=(sock,),
+                                                                daemon=True)
+        self.proc.start()
+        sock.close()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.proc.kill()
+        self.proc.join(5)
+
+    def alive(self) -> bool:
+        return self.proc.is_alive()
+
+    def stats(self) -> list[dict]:
+        return operator_stats(self.port, 1, TOKEN)
+
+
+def _join_from_port_zero(raw: socket.socket, port: int, job: int, rank: int, params: dict) -> None:
+    """The JOIN handshake from source port 0: the CHALLENGE cannot reach it, so its cookie is computed with the
+    known secret."""
+    nonce = bytes(keys.NONCE_SIZE)
+    cookie = keys.cookie(bytes(keys.KEY_SIZE), addr_key_of(HOST, 0), job, rank, nonce, keys.epoch(time.monotonic()))
+    proved = join_datagram(job, rank, nonce=nonce, cookie=cookie, token=TOKEN, **params)
+    _from_port_zero(raw, proved, port)
+
+
 def test_refused_destination_is_counted_and_skipped_live(raw_udp):
     """Job 1's rank 1 joined from port 0, which the kernel refuses to send to (EINVAL). Its JOIN_ACK and every
     result to it fail; job 2, whose results follow job 1's in the same burst, still gets each one at once and
     bit for bit, and the failures are counted."""
     rng = np.random.default_rng(0)
-    with aggregator() as agg, \
+    with _InProcessAggregator() as agg, \
             socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as a0, \
             socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as b0, \
             socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as b1:
@@ -76,12 +118,9 @@ def test_refused_destination_is_counted_and_skipped_live(raw_udp):
                                                          1: addr_key_of(HOST, 0)}))
         ref.join(Job(2, 2, P, 1, int(Codec.INT32), 3, {r: addr_key_of(HOST, s.getsockname()[1])
                                                          for r, s in enumerate((b0, b1))}))
-        a0.sendto(join_datagram(1, 0, **_params(2)), target)
-        _from_port_zero(raw_udp, join_datagram(1, 1, **_params(2)), agg.port)
-        b0.sendto(join_datagram(2, 0, **_params(2)), target)
-        b1.sendto(join_datagram(2, 1, **_params(2)), target)
-        for s in (a0, b0, b1):
-            assert msg_type(_recv(s, 2.0)) == MsgType.JOIN_ACK
+        _join_from_port_zero(raw_udp, agg.port, 1, 1, _params(2))
+        for s, (job, rank) in zip((a0, b0, b1), ((1, 0), (2, 0), (2, 1))):
+            assert msg_type(join_over(s, target, job, rank, token=TOKEN, **_params(2))) == MsgType.JOIN_ACK
         rounds = 5
         for allreduce in range(rounds):
             xs = [rng.integers(-1000, 1000, P).astype(np.int32) for _ in range(4)]
@@ -117,8 +156,7 @@ def test_ready_line_means_a_join_is_answered_at_once():
             with agg, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
                 s.bind((HOST, 0))
                 start = time.monotonic()
-                s.sendto(join_datagram(9, 0, **_params(1)), (HOST, agg.port))
-                assert msg_type(_recv(s, 1.0)) == MsgType.JOIN_ACK
+                assert msg_type(join_over(s, (HOST, agg.port), 9, 0, timeout=1.0, **_params(1))) == MsgType.JOIN_ACK
                 assert time.monotonic() - start < 1.0
         finally:
             del os.environ["NUMBA_CACHE_DIR"]
@@ -140,7 +178,7 @@ def test_one_address_may_hold_one_rank_of_a_job():
 
 
 def test_shared_address_is_allowed_when_asked():
-    core = AggregatorCore(rows=16, max_elements=64, allow_shared_address=True)
+    core = new_core(rows=16, max_elements=64, allow_shared_address=True)
     net = Network(3, join=False, aggregators=[core])
     for rank in range(3):
         (reply, _), = net.join(rank, src=net.addr(0))
@@ -150,11 +188,10 @@ def test_shared_address_is_allowed_when_asked():
 def test_refused_joins_and_foreign_leaves_are_counted():
     net = Network(2)
     before = net.core_counters()
-    (reply, _), = net.join(1, token=TOKEN + 1000)  # wrong token
+    (reply, _), = net.join(1, world_size=3)  # proved, but with another world size
     assert msg_type(reply) == MsgType.ERROR
-    leave = wire.pack({"type": int(MsgType.LEAVE), "job": net.job, "rank": 1})
-    assert core_receive(net.cores[0], [(leave, STRANGER)], 0.0) == []  # not rank 1's address
-    unknown = wire.pack({"type": int(MsgType.LEAVE), "job": net.job + 1, "rank": 0})
+    assert core_receive(net.cores[0], [(net.leave(1), STRANGER)], 0.0) == []  # not rank 1's address
+    unknown = wire.pack({"type": int(MsgType.LEAVE), "job": net.job + 1, "rank": 0}, bytes(16))
     assert core_receive(net.cores[0], [(unknown, net.addr(0))], 0.0) == []  # no such job
     after = net.core_counters()
     assert after["drop_refused_join"] - before["drop_refused_join"] == 1

@@ -99,8 +99,8 @@ def test_engine_rejects_bad_sent(sent: np.ndarray) -> None:
 def test_worker_allreduce_sent(codec: str) -> None:
     """Worker.allreduce and allreduce_async pass `sent` through: at world size 1, against the reference."""
     x = make_inputs(1, 5000, 512, "normal", seed=3)[0].reshape(50, 100)
-    with aggregator() as agg, Worker(agg.address, job=3, rank=0, world_size=1, codec=codec, packet_elements=512,
-                                     pool_size=4, seed=SEED) as w:
+    with aggregator() as agg, Worker(agg.address, job=3, rank=0, world_size=1, token="t", codec=codec,
+                                     packet_elements=512, pool_size=4, seed=SEED) as w:
         sent = np.empty_like(x)
         w.allreduce(x, "mean", sent=sent)
         want = reference_sent([x], 0, codec, seed=SEED, allreduce_seq=0, packet_elements=512)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from harness import Network, addr_key, core_receive, join_datagram, make_inputs, msg_type, worker_addr
+from harness import TOKEN, Network, addr_key, core_receive, handshake, make_inputs, msg_type, new_core, worker_addr
 from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
 
@@ -26,13 +26,13 @@ Item = tuple[bytes | None, int]  # (datagram or None for one truncated on receiv
 def joined_pair(specs: list[dict], *, core: int = 0, cores: int = 1,
                 group: tuple[int, int] | None = None) -> tuple[AggregatorCore, SlotReference]:
     """A core and a reference with the same jobs joined. specs: job, world, codec, pool, seed, addr(rank)."""
-    agg = AggregatorCore(core=core, cores=cores, rows=64, max_elements=P, results_group=group)
+    agg = new_core(core=core, cores=cores, rows=64, max_elements=P, results_group=group)
     ref = SlotReference(core, cores)
     for s in specs:
         params = {"world_size": s["world"], "packet_elements": s.get("packet_elements", P), "pool_size": s["pool"],
-                  "codec": int(s["codec"]), "seed": s["seed"], "token": 5}
+                  "codec": int(s["codec"]), "seed": s["seed"]}
         members = {r: s["addr"](r) for r in range(s["world"])}
-        acks = core_receive(agg, [(join_datagram(s["job"], r, **params), a) for r, a in members.items()], 0.0)
+        acks = [ack for r, a in members.items() for ack in handshake(agg, a, 0.0, s["job"], r, token=TOKEN, **params)]
         assert [msg_type(d) for d, _ in acks] == [MsgType.JOIN_ACK] * s["world"]
         ack = wire.unpack_join(acks[0][0])[1]
         if "mac_key" in s:  # the job's data key, as the control plane sets it at registration
@@ -124,7 +124,7 @@ def test_recorded_stream_matches_reference(codec, n):
 @pytest.mark.parametrize("codec", ["cnat8", "int32"])
 @pytest.mark.parametrize("group", [None, GROUP])
 def test_recorded_stream_of_two_jobs_matches_reference(codec, group):
-    shared = AggregatorCore(rows=64, max_elements=P, results_group=group)
+    shared = new_core(rows=64, max_elements=P, results_group=group)
     runs = [recorded(n, codec, seed=job, job=job, port=5000 + 100 * job, aggregators=[shared])
             for job, n in ((1, 2), (2, 4))]
     a, b = ([(d, s) for d, s, _ in sent] for _, sent in runs)

@@ -305,6 +305,7 @@ def startup_rank(port: int, rank: int, n: int, good: str, bad: str) -> dict:
             os.environ.pop(key, None)
         os.environ.update({k: v for k, v in env.items() if v is not None})
         os.environ["INTML_CONNECT_TIMEOUT"] = "0.5"
+        os.environ["INTML_TOKEN"] = TOKEN  # the aggregator's: a refused join is not an unavailable aggregator
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:

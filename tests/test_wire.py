@@ -12,9 +12,10 @@ from scapy.packet import Raw, split_bottom_up
 from scapy.utils import rdpcap, wrpcap
 
 from intml.protocol import wire
-from intml.protocol.capture import IntmlHeader, IntmlJoin, bind_port
+from intml.protocol.capture import IntmlChallenge, IntmlHeader, IntmlJoin, bind_port
 from intml.protocol.wire import (
     DEFAULT_PORT,
+    CHALLENGE,
     HEADER,
     HEADER_SIZE,
     JOIN,
@@ -54,18 +55,18 @@ def doc_tables(doc: str) -> list[list[dict[str, str]]]:
 
 def dtype_spec(dtype: np.dtype) -> list[tuple[str, int, int, str]]:
     return [
-        (name, off, sub.itemsize, f"{sub.kind}{8 * sub.itemsize}")
+        (name, off, sub.itemsize, "raw" if sub.kind == "V" else f"{sub.kind}{8 * sub.itemsize}")
         for name, (sub, off) in ((n, dtype.fields[n][:2]) for n in dtype.names)
     ]
 
 
 def test_doc_tables_match_dtypes():
     tables = doc_tables(wire.__doc__)
-    assert len(tables) == 2
-    for table, dtype in zip(tables, (HEADER, JOIN)):
+    assert len(tables) == 3
+    for table, dtype in zip(tables, (HEADER, JOIN, CHALLENGE)):
         documented = [(r["field"], int(r["offset"]), int(r["size"]), r["type"]) for r in table]
         assert documented == dtype_spec(dtype)
-    assert HEADER_SIZE == 26 and wire.JOIN_SIZE == 30
+    assert HEADER_SIZE == 26 and wire.JOIN_SIZE == 91 and wire.CHALLENGE_SIZE == 32
 
 
 def test_offsets_are_plain_ints_of_a_packed_header():
@@ -75,7 +76,7 @@ def test_offsets_are_plain_ints_of_a_packed_header():
 
 
 def test_scapy_fields_follow_field_lists():
-    for layer, dtype in ((IntmlHeader, HEADER), (IntmlJoin, JOIN)):
+    for layer, dtype in ((IntmlHeader, HEADER), (IntmlJoin, JOIN), (IntmlChallenge, CHALLENGE)):
         assert [f.name for f in layer.fields_desc] == list(dtype.names)
         assert [f.sz for f in layer.fields_desc] == [dtype.fields[n][0].itemsize for n in dtype.names]
     assert len(IntmlHeader()) == HEADER_SIZE
@@ -103,7 +104,7 @@ def int_fields(**fixed):
     )
 
 
-NOT_JOIN = st.integers(0, 255).filter(lambda t: t not in (MsgType.JOIN, MsgType.JOIN_ACK))
+NOT_JOIN = st.integers(0, 255).filter(lambda t: t not in (MsgType.JOIN, MsgType.JOIN_ACK, MsgType.CHALLENGE))
 
 
 @given(header=int_fields(type=NOT_JOIN), payload=st.binary(max_size=64))
@@ -185,26 +186,46 @@ def test_bind_port(tmp_path, other_port):
 
 
 JOIN_VALUES = dict(world_size=8, packet_elements=256, pool_size=2**16 - 1, codec=Codec.INT32,
-                   cores=0, seed=2**64 - 1, token=0x0123456789ABCDEF, group=0xEFFF0001, group_port=48879)
+                   cores=0, seed=2**64 - 1, flags=1, group=0xEFFF0001, group_port=48879, allreduce=2**32 - 1,
+                   nonce=bytes(range(16)), cookie=b"c" * 16, job_nonce=b"j" * 16, mac=bytes(range(100, 116)))
+
+
+def _field(record: np.void, name: str) -> int | bytes:
+    return bytes(record[name]) if record.dtype.fields[name][0].kind == "V" else int(record[name])
 
 
 @pytest.mark.parametrize("kind", [MsgType.JOIN, MsgType.JOIN_ACK])
 def test_join_roundtrip_and_dissection(kind):
-    raw = pack_join({"type": kind, "job": 42, "rank": 3}, JOIN_VALUES)
-    assert len(raw) == HEADER_SIZE + wire.JOIN_SIZE
-    header, body = unpack_join(raw)
+    bitmap = bytes([0xA5]) * wire.slot_bitmap_size(JOIN_VALUES["pool_size"])
+    raw = pack_join({"type": kind, "job": 42, "rank": 3}, JOIN_VALUES, bitmap)
+    assert len(raw) == HEADER_SIZE + wire.JOIN_SIZE + 8192
+    header, body, got_bitmap = unpack_join(raw)
     assert (header["type"], header["job"], header["rank"]) == (kind, 42, 3)
-    assert {name: int(body[name]) for name in JOIN.names} == JOIN_VALUES
+    assert {name: _field(body, name) for name in JOIN.names} == JOIN_VALUES and got_bitmap == bitmap
     pkt = IntmlHeader(raw)
     assert pkt.haslayer(IntmlJoin)
     assert {name: pkt[IntmlJoin].getfieldval(name) for name in JOIN.names} == JOIN_VALUES
+    assert pkt[Raw].load == bitmap
 
 
 def test_scapy_join_build_sets_type():
-    raw = bytes(IntmlHeader(job=1) / IntmlJoin(**JOIN_VALUES))
-    header, body = unpack_join(raw)
+    raw = bytes(IntmlHeader(job=1) / IntmlJoin(**JOIN_VALUES) / Raw(bytes(8192)))
+    header, body, _ = unpack_join(raw)
     assert header["type"] == MsgType.JOIN
-    assert int(body["token"]) == JOIN_VALUES["token"]
+    assert bytes(body["mac"]) == JOIN_VALUES["mac"]
+
+
+def test_challenge_roundtrip_and_dissection():
+    raw = wire.pack_challenge(7, 2, b"n" * 16, b"k" * 16)
+    assert len(raw) == HEADER_SIZE + wire.CHALLENGE_SIZE
+    header, body = wire.unpack_challenge(raw)
+    assert (header["type"], header["job"], header["rank"]) == (MsgType.CHALLENGE, 7, 2)
+    assert (bytes(body["nonce"]), bytes(body["cookie"])) == (b"n" * 16, b"k" * 16)
+    pkt = IntmlHeader(raw)
+    assert pkt[IntmlChallenge].cookie == b"k" * 16
+    assert bytes(IntmlHeader(job=7, rank=2) / IntmlChallenge(nonce=b"n" * 16, cookie=b"k" * 16)) == raw
+    with pytest.raises(ValueError, match="not a CHALLENGE"):
+        wire.unpack_challenge(raw[:-1])
 
 
 def test_unpack_join_rejects_other_packets():
@@ -212,6 +233,8 @@ def test_unpack_join_rejects_other_packets():
         unpack_join(pack({"type": MsgType.LEAVE}))
     with pytest.raises(ValueError, match=f"JOIN payload is {wire.JOIN_SIZE - 1} bytes"):
         unpack_join(pack_join({}, {})[:-1])
+    with pytest.raises(ValueError, match="JOIN slot bitmap is 1 bytes, pool size 9 needs 2"):
+        unpack_join(pack_join({}, {"pool_size": 9})[:-1])
 
 
 def test_control_payloads_are_raw_bytes():
@@ -232,7 +255,7 @@ def patched(offset: int, value: bytes) -> bytes:
     (b"", "short buffer: 0 bytes"),
     (patched(OFFSETS["magic"], b"NI"), "bad magic 0x4E49"),
     (patched(OFFSETS["version"], b"\x02"), "bad version 2"),
-    (patched(OFFSETS["type"], b"\x09"), "unknown message type 9"),
+    (patched(OFFSETS["type"], b"\x0a"), "unknown message type 10"),
     (patched(OFFSETS["codec"], b"\x02"), "unknown codec 2"),
     (GOOD[:-1], "payload is 15 bytes but count=4 INT32 elements need 16"),
     (GOOD + b"\x00", "payload is 17 bytes but count=4"),

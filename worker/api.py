@@ -24,7 +24,6 @@ from intml.protocol import wire
 from intml.protocol.address import format_addr
 from intml.protocol.burst import Burst
 from intml.protocol.job import BURST, JobParams, WorkerTimers
-from intml.protocol.siphash import env_test_key
 from intml.worker.engine import StreamEngine
 from intml.worker.session import (
     Event,
@@ -34,9 +33,7 @@ from intml.worker.session import (
     NoProgress,
     StatsAnswered,
     WorkerSession,
-    token_hash,
 )
-
 
 
 class AllreduceTimeout(TimeoutError):
@@ -76,22 +73,24 @@ class Worker:
                  pool_size: int = JobParams.pool_size, seed: int = JobParams.seed,
                  timeout: float = WorkerTimers.timeout, rto: float = WorkerTimers.rto,
                  min_rto: float = WorkerTimers.min_rto, max_rto: float = WorkerTimers.max_rto,
-                 burst: int = BURST, connect_timeout: float | None = None) -> None:
-        """``timeout``: an allreduce that makes no progress this long raises AllreduceTimeout. ``connect_timeout``:
-        how long the JOIN may wait for the aggregator (default: ``timeout``)."""
+                 burst: int = BURST, connect_timeout: float | None = None, data_mac: bool = False) -> None:
+        """``token``: the job's shared secret, one the aggregator was started with (--token-file / INTML_TOKEN;
+        "" for an aggregator in open mode); it never travels. ``timeout``: an allreduce that makes no progress
+        this long raises AllreduceTimeout. ``connect_timeout``: how long the JOIN may wait for the aggregator
+        (default: ``timeout``). ``data_mac``: DATA and RESULT packets carry a keyed MAC (every rank must agree)."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
         if not 0 <= job <= 0xFFFFFFFE:
             raise ValueError(f"job must be in [0, 2**32 - 2], got {job}")
         params = JobParams.of(world_size=world_size, codec=codec, packet_elements=packet_elements,
-                              pool_size=pool_size, seed=seed)
+                              pool_size=pool_size, seed=seed, data_mac=data_mac)
         timers = WorkerTimers(timeout=timeout, connect_timeout=timeout if connect_timeout is None else connect_timeout,
                               rto=rto, min_rto=min_rto, max_rto=max_rto)
         self.host, self.port = parse_address(aggregator)
         self.job, self.rank, self.world_size = job, rank, world_size
         self.codec = params.codec
         self.timeout = timeout
-        self.session = WorkerSession(job=job, rank=rank, params=params, token=token_hash(token),
+        self.session = WorkerSession(job=job, rank=rank, params=params, token=token,
                                      aggregator=addr_key(self.host, self.port), timeout=timeout,
                                      connect_timeout=timers.connect_timeout)
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -119,12 +118,13 @@ class Worker:
             self._inputs.append(results)
             self._poll.register(results.fileno(), select.POLLIN)
         agg = [self.session.core_addr(i) for i in range(self.cores)]
-        test_key = env_test_key()
         self.engine = StreamEngine(job=job, rank=rank, world_size=world_size, codec=self.codec,
                                    packet_elements=packet_elements, pool_size=pool_size, seed=seed, agg_addrs=agg,
                                    rto=timers.rto, min_rto=timers.min_rto, max_rto=timers.max_rto,
-                                   data_mac_keys=None if test_key is None else np.array([test_key] * self.cores,
-                                                                                        np.uint64))
+                                   data_mac_keys=joined.data_keys if data_mac else None)
+        # where the job's peers are: a fresh job's start, or the next allreduce of one this rank rejoins
+        self.engine.allreduce_seq = joined.allreduce - 1
+        self.engine.parity[:] = joined.shadow_sets
 
     # ---- control plane: the session's datagrams over the unicast socket ---------------------------------
     def _who(self) -> str:
@@ -158,6 +158,8 @@ class Worker:
         The cores place a job in their tables independently, so they may name different groups."""
         self.session.connect(time.monotonic())
         event = self._control((JobJoined, JoinRefused, JoinTimedOut))
+        if isinstance(event, (JoinRefused, JoinTimedOut)):
+            self.close()  # LEAVE the cores that accepted: a retry must not find this rank still bound there
         if isinstance(event, JoinRefused):
             raise JoinError(f"{self._who()}: aggregator {self._core_name(event.core)} refused the join: "
                             f"{event.reason}")

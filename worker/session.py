@@ -6,26 +6,30 @@ control datagrams it receives to ``receive(datagram, addr, now)``, sends ``datag
 ``handle_timer(now)`` once ``get_timer()`` is due (None: no timer), and reads what happened from
 ``next_event()``. Aggregator core i listens on the address key ``aggregator + i`` (the next port). The data plane
 (results, chunks) is ``worker.engine.StreamEngine``'s.
+
+Joining a core is a handshake (docs/protocol.md, "Control plane authentication"): a JOIN with a fresh client nonce,
+the core's CHALLENGE (a cookie), the JOIN again with the cookie and a MAC proving the token, then the JOIN_ACK,
+accepted only with a good MAC under the session key both sides derive. LEAVE and STATS carry MACs under it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
+import os
+from collections.abc import Callable
 
-from intml.protocol import wire
+import numpy as np
+
+from intml.protocol import keys, wire
 from intml.protocol.job import JobParams, WorkerTimers
 from intml.protocol.packet import HDR
+from intml.protocol.siphash import key_words
 from intml.protocol.wire import MsgType
 
 JOIN_RESEND = 0.2  # seconds between JOIN retransmissions
 STATS_WAIT = 0.5  # seconds to wait for the cores' answers to a statistics request
-
-
-def token_hash(token: str) -> int:
-    """The 64-bit job token carried on the wire (the shared secret itself never is)."""
-    return int.from_bytes(hashlib.blake2b(token.encode(), digest_size=8).digest(), "big")
+STATS_REQUEST_SIZE = 512  # bytes: a reply may be 3 times its request; 1536 bytes hold a 64-rank job's silences
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,10 +43,21 @@ class CoreJoined:
 @dataclasses.dataclass(frozen=True)
 class JobJoined:
     """Every core acknowledged: the job's data plane has ``cores`` cores and multicasts results to ``groups``
-    (the distinct address keys the cores named; empty without multicast)."""
+    (the distinct address keys the cores named; empty without multicast). ``data_keys``: the job's DATA/RESULT
+    MAC keys, core c's in row c ((cores, 2) uint64, for StreamEngine). Where this rank resumes (a rank joining
+    a job its peers have run, e.g. after a crash): ``allreduce``, the number of its next allreduce, and
+    ``shadow_sets``, each slot's next shadow set ((pool_size,) int64)."""
 
     cores: int
     groups: list[int]
+    data_keys: np.ndarray
+    allreduce: int
+    shadow_sets: np.ndarray
+
+    def __eq__(self, other: object) -> bool:  # arrays compare by value
+        return isinstance(other, JobJoined) and (self.cores, self.groups, self.allreduce) == (
+            other.cores, other.groups, other.allreduce) and np.array_equal(self.data_keys, other.data_keys) \
+            and np.array_equal(self.shadow_sets, other.shadow_sets)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,18 +96,26 @@ Event = CoreJoined | JobJoined | JoinRefused | JoinTimedOut | NoProgress | Stats
 class WorkerSession:
     """One rank's membership in one job; see the module docstring."""
 
-    def __init__(self, *, job: int, rank: int, params: JobParams, token: int, aggregator: int,
-                 timeout: float = WorkerTimers.timeout, connect_timeout: float | None = None) -> None:
+    def __init__(self, *, job: int, rank: int, params: JobParams, token: str, aggregator: int,
+                 timeout: float = WorkerTimers.timeout, connect_timeout: float | None = None,
+                 random_bytes: Callable[[int], bytes] = os.urandom) -> None:
+        """``token``: the job's shared secret (it never travels; a JOIN proves it). ``random_bytes``: the source
+        of the client nonces (injectable for deterministic tests)."""
         self.job, self.rank, self.params = job, rank, params
         self.aggregator = aggregator
         self.timeout = timeout  # an allreduce that makes no progress this long: NoProgress
         self.connect_timeout = timeout if connect_timeout is None else connect_timeout  # a core silent to JOIN
-        self._join = wire.pack_join({"type": int(MsgType.JOIN), "job": job, "rank": rank},
-                                    dict(world_size=params.world_size, packet_elements=params.packet_elements,
-                                         pool_size=params.pool_size, codec=int(params.codec), seed=params.seed,
-                                         token=token))
+        self._token_key = keys.token_key(token)
+        self._random = random_bytes
+        self._fields = dict(world_size=params.world_size, packet_elements=params.packet_elements,
+                            pool_size=params.pool_size, codec=int(params.codec), seed=params.seed, flags=params.flags)
+        self._nonce: dict[int, bytes] = {}  # core -> client nonce of the JOIN in progress
+        self._cookie: dict[int, bytes] = {}  # core -> the cookie of its CHALLENGE
+        self.sessions: dict[int, bytes] = {}  # core -> session key, once it acknowledged
         self.cores: int | None = None  # known from core 0's JOIN_ACK
         self.acks: dict[int, dict[str, int]] = {}
+        self._job_nonces: dict[int, bytes] = {}
+        self._sets = np.zeros(params.pool_size, np.int64)
         self._joining: dict[int, list[float]] = {}  # core -> [give up at, next JOIN at]
         self._progress_deadline: float | None = None
         self._stats_deadline: float | None = None
@@ -113,21 +136,54 @@ class WorkerSession:
     # ---- joining --------------------------------------------------------------------------------------------
     def connect(self, now: float) -> None:
         """Start joining: core 0 first, which tells how many cores there are; then the others at once."""
-        self._joining[0] = [now + self.connect_timeout, now]
+        self._start_joining(0, now)
+
+    def _start_joining(self, core: int, now: float) -> None:
+        self._nonce[core] = self._random(keys.NONCE_SIZE)
+        self._cookie[core] = bytes(keys.MAC_SIZE)
+        self._joining[core] = [now + self.connect_timeout, now]
+
+    def _join_datagram(self, core: int) -> bytes:
+        """The JOIN to core: with no cookie yet, the first round; else proved with a MAC under the token key."""
+        cookie = self._cookie[core]
+        datagram = wire.pack_join({"type": int(MsgType.JOIN), "job": self.job, "rank": self.rank},
+                                  {**self._fields, "nonce": self._nonce[core], "cookie": cookie})
+        return keys.seal(self._token_key, datagram, wire.JOIN_MAC) if any(cookie) else datagram
+
+    def _challenge(self, core: int, datagram: bytes, now: float) -> None:
+        header, body = wire.unpack_challenge(datagram)
+        if (int(header["job"]), int(header["rank"])) != (self.job, self.rank) or bytes(body["nonce"]) != \
+                self._nonce[core]:
+            return  # not for this JOIN
+        self._cookie[core] = bytes(body["cookie"])
+        self._joining[core][1] = now  # the proved JOIN goes out at once
 
     def _ack(self, core: int, datagram: bytes, now: float) -> None:
-        body = wire.unpack_join(datagram)[1]
-        ack = {name: int(body[name]) for name in body.dtype.names}
+        header, body, bitmap = wire.unpack_join(datagram)
+        nonce, cookie = self._nonce[core], self._cookie[core]
+        if (bytes(body["nonce"]), bytes(body["cookie"])) != (nonce, cookie) or not any(cookie):
+            return  # not an answer to this JOIN's proof
+        session = keys.session_key(self._token_key, self.job, self.rank, nonce, cookie)
+        if not keys.verify(session, datagram, wire.JOIN_MAC) or int(header["rank"]) != self.rank:
+            return  # forged: the JOIN is sent again
+        ack = {name: int(body[name]) for name in body.dtype.names if body.dtype.fields[name][0].kind != "V"}
         del self._joining[core]
+        self.sessions[core] = session
         self.acks[core] = ack
+        self._job_nonces[core] = bytes(body["job_nonce"])
+        bits = np.unpackbits(np.frombuffer(bitmap, np.uint8), count=self.params.pool_size, bitorder="little")
+        self._sets |= bits.astype(np.int64)  # each core sets the bits of its own slots only
         self._events.append(CoreJoined(core, ack))
         if core == 0:
             self.cores = ack["cores"]
             for other in range(1, self.cores):
-                self._joining[other] = [now + self.connect_timeout, now]
+                self._start_joining(other, now)
         if self.joined:
             groups = {a["group"] << 16 | a["group_port"] for a in self.acks.values() if a["group"]}
-            self._events.append(JobJoined(self.cores, sorted(groups)))
+            data_keys = np.array([key_words(keys.data_key(self._token_key, self.job, self._job_nonces[c]))
+                                  for c in range(self.cores)], np.uint64).reshape(self.cores, 2)
+            self._events.append(JobJoined(self.cores, sorted(groups), data_keys,
+                                          max(a["allreduce"] for a in self.acks.values()), self._sets.copy()))
 
     def _stop_joining(self, event: Event) -> None:
         self._joining.clear()
@@ -143,22 +199,34 @@ class WorkerSession:
         """The allreduce ended."""
         self._progress_deadline = None
 
+    def sealed(self, typ: MsgType, core: int, padding: int = 0) -> bytes:
+        """A LEAVE or STATS_REQUEST to core: ``padding`` zero bytes, then the MAC under the core's session key."""
+        datagram = wire.pack({"type": int(typ), "job": self.job, "rank": self.rank}, bytes(padding + keys.MAC_SIZE))
+        return keys.seal(self.sessions[core], datagram, len(datagram) - keys.MAC_SIZE)
+
     def request_stats(self, now: float) -> None:
-        """Ask every core for the job's incomplete rounds; StatsAnswered once all answered or after STATS_WAIT."""
-        request = wire.pack({"type": int(MsgType.STATS_REQUEST), "job": self.job, "rank": self.rank})
-        self._stats_waiting = set(range(self.cores or 1))
-        self._out += [(request, self.core_addr(core)) for core in sorted(self._stats_waiting)]
+        """Ask every core joined for the job's incomplete rounds; StatsAnswered once all answered or after
+        STATS_WAIT."""
+        padding = STATS_REQUEST_SIZE - HDR - keys.MAC_SIZE
+        self._stats_waiting = set(self.sessions)
+        self._out += [(self.sealed(MsgType.STATS_REQUEST, core, padding), self.core_addr(core))
+                      for core in sorted(self._stats_waiting)]
         self._stats_deadline = now + STATS_WAIT
         self._missing, self._silent, self._answered = set(), None, False
 
     def _stats_reply(self, core: int, datagram: bytes) -> None:
+        """A core's STATS_REPLY (its MAC checked), or its ERROR: it does not know the job."""
+        if datagram[wire.OFFSETS["type"]] == MsgType.STATS_REPLY:
+            if not keys.verify(self.sessions[core], datagram, len(datagram) - keys.MAC_SIZE):
+                return  # forged
+            try:
+                job = json.loads(datagram[HDR:-keys.MAC_SIZE])
+            except ValueError:
+                job = {}  # cut to fit a short request: it answered, with nothing to say
+            self._silent = {**(self._silent or {}), **job.get("silent_s", {})}
+            self._missing.update(job.get("missing", []))
         self._stats_waiting.discard(core)
         self._answered = True
-        job = json.loads(datagram[HDR:]).get("jobs", {}).get(str(self.job))
-        if job:
-            self._silent = {**(self._silent or {}), **job["silent_s"]}
-            for round_ in job["pending"]:
-                self._missing.update(round_["missing_ranks"])
         if not self._stats_waiting:
             self._stats_done()
 
@@ -169,11 +237,12 @@ class WorkerSession:
 
     # ---- leaving --------------------------------------------------------------------------------------------
     def leave(self) -> None:
-        """Queue a LEAVE to every core joined (the aggregator frees the job's slots when every rank has left)."""
+        """Queue a LEAVE to every core that acknowledged the JOIN, also after a join that failed on another core
+        (the aggregator frees the job's slots when every rank has left)."""
         self._joining.clear()
         self._progress_deadline = self._stats_deadline = None
-        leave = wire.pack({"type": int(MsgType.LEAVE), "job": self.job, "rank": self.rank})
-        self._out += [(leave, self.core_addr(core)) for core in range(self.cores or 0)]
+        self._out += [(self.sealed(MsgType.LEAVE, core), self.core_addr(core)) for core in sorted(self.sessions)]
+        self.sessions.clear()
 
     # ---- the sans-I/O interface -----------------------------------------------------------------------------
     def receive(self, datagram: bytes, addr: int, now: float) -> None:
@@ -183,21 +252,23 @@ class WorkerSession:
             return
         typ = datagram[wire.OFFSETS["type"]]
         if core in self._joining:
-            if typ == MsgType.JOIN_ACK:
-                try:
+            try:
+                if typ == MsgType.CHALLENGE:
+                    self._challenge(core, datagram, now)
+                elif typ == MsgType.JOIN_ACK:
                     self._ack(core, datagram, now)
-                except ValueError:
-                    pass  # malformed: the JOIN is sent again
-            elif typ == MsgType.ERROR:
+            except ValueError:
+                pass  # malformed: the JOIN is sent again
+            if typ == MsgType.ERROR:
                 self._stop_joining(JoinRefused(core, datagram[HDR:].decode(errors="replace")))
-        elif typ == MsgType.STATS_REPLY and core in self._stats_waiting:
+        elif typ in (MsgType.STATS_REPLY, MsgType.ERROR) and core in self._stats_waiting:
             self._stats_reply(core, datagram)
 
     def datagrams_to_send(self, now: float) -> list[tuple[bytes, int]]:
         """Owned (datagram, address key) pairs to send now: queued requests and JOINs due (again)."""
         for core, due in self._joining.items():
             if due[1] <= now:
-                self._out.append((self._join, self.core_addr(core)))
+                self._out.append((self._join_datagram(core), self.core_addr(core)))
                 due[1] = now + JOIN_RESEND
         out, self._out = self._out, []
         return out

@@ -38,7 +38,7 @@ class IntmlConfig:
     is ``INTML_POOL``, ``threaded`` is ``INTML_THREAD``); keyword arguments override the environment."""
 
     aggregator: str | None = None  # host:port of intml-aggregator
-    token: str = ""  # the job's shared secret (only a hash goes on the wire)
+    token: str = ""  # INTML_TOKEN: the job's shared secret, one the aggregator knows (it never goes on the wire)
     codec: str = codec_name(JobParams.codec)  # cnat8 (8-bit C_nat) or int32 (SwitchML's fixed point)
     job: int | None = None  # job id on the aggregator; None: rank 0 draws one at random and shares it
     seed: int | None = None  # job seed of the stochastic rounding; None: rank 0 draws one
