@@ -19,6 +19,7 @@ from test_hardening import raw_udp  # noqa: F401 (a fixture)
 from intml.aggregator.__main__ import OPEN_WARNING
 from intml.aggregator.core import UNPROVED, AggregatorCore
 from intml.protocol import keys, reference, wire
+from intml.protocol.job import ControlLimits
 from intml.protocol.siphash import key_words
 from intml.protocol.wire import MsgType
 
@@ -102,7 +103,8 @@ def test_a_job_belongs_to_the_token_that_created_it():
 
 
 def test_cookies_expire_and_bind_the_address():
-    core = new_core(rows=16, max_elements=64)
+    # the clock goes back below: a source bucket deep enough that control admission lets every JOIN through
+    core = new_core(rows=16, max_elements=64, control_limits=ControlLimits(source_burst=1000, global_burst=100_000))
     [(challenge, _)] = core_receive(core, [(join_datagram(7, 0, **PARAMS), worker_addr(0))], 0.0)
     cookie = bytes(wire.unpack_challenge(challenge)[1]["cookie"])
     proved = join_datagram(7, 0, cookie=cookie, token=TOKEN, **PARAMS)
