@@ -108,6 +108,16 @@ def reference_results(xs, codec: str) -> np.ndarray:
     return reference.allreduce(xs, codec=codec, seed=123, allreduce_seq=0, packet_elements=32)
 
 
+def deliver_and_check(net: Network, results: list, xs, codec: str) -> None:
+    """The core's results go down to the ranks; the allreduce then ends with the reference's bits at every rank."""
+    for data, dst in results:
+        net.down.append((data, agg_addr(0), dst))
+    net.run()
+    want = reference_results(xs, codec)
+    for e in net.engines:
+        assert e.result.view(np.uint32).tolist() == want.view(np.uint32).tolist()
+
+
 @pytest.mark.parametrize("codec", ["cnat8", "int32"])
 def test_forged_or_altered_data_is_dropped_and_counted_without_a_change(codec):
     net, xs, _, (d0, d1) = first_packets(codec, seed=1)
@@ -136,12 +146,7 @@ def test_forged_or_altered_data_is_dropped_and_counted_without_a_change(codec):
     result = results[0][0]
     assert result[-TAG_SIZE:] == tag_ref(*KEY, result[:-TAG_SIZE])
     assert net.to_core(0, [(d0, net.addr(0))]) == [(result, net.addr(0))]
-    for data, dst in results:
-        net.down.append((data, agg_addr(0), dst))
-    net.run()
-    want = reference_results(xs, codec)
-    for e in net.engines:
-        assert e.result.view(np.uint32).tolist() == want.view(np.uint32).tolist()
+    deliver_and_check(net, results, xs, codec)
 
 
 def test_job_without_the_mac_drops_a_tagged_packet_as_the_wrong_length():
@@ -173,12 +178,7 @@ def test_engine_refuses_a_forged_result_and_completes_with_the_real_one(codec):
     assert engine_receive(engine, [(f, agg_addr(0)) for f in forged], net.now) == []
     assert counter_diff(before, engine.counters()) == {"packets_in": len(forged), "drop_bad_mac": len(forged)}
     assert all(np.array_equal(a, b) for a, b in zip(state, (engine.state.cur_chunk, engine.parity, engine.result)))
-    for data, dst in real:
-        net.down.append((data, agg_addr(0), dst))
-    net.run()
-    want = reference_results(xs, codec)
-    for e in net.engines:
-        assert e.result.view(np.uint32).tolist() == want.view(np.uint32).tolist()
+    deliver_and_check(net, real, xs, codec)
 
 
 def test_engine_tags_each_slot_with_its_cores_key():
