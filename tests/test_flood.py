@@ -35,7 +35,7 @@ from intml.protocol.burst import Burst
 from intml.protocol.job import MAX_WORLD, ControlLimits, JobParams
 from intml.protocol.slot_reference import ControlAdmission, SlotReference
 from intml.protocol.wire import Codec, MsgType
-from intml.worker.session import JobJoined, WorkerSession
+from intml.worker.session import WorkerSession
 
 P = 32
 DEFAULTS = ControlLimits()
@@ -170,12 +170,11 @@ def _session(job: int, rank: int, world: int, **options) -> WorkerSession:
 def _exchange(core: AggregatorCore, sessions: dict[int, WorkerSession], now: float) -> list[int]:
     """Every session's due datagrams in one burst (from its address) to the core, the replies back to their
     sessions; returns the reply types in order."""
-    by_addr = {addr: s for addr, s in sessions.items()}
     burst = [(d, addr) for addr, s in sessions.items() for d, _ in s.datagrams_to_send(now)]
     assert len(burst) == len(sessions)
     replies = core_receive(core, burst, now)
     for d, dst in replies:
-        by_addr[dst].receive(d, agg_addr(0), now)
+        sessions[dst].receive(d, agg_addr(0), now)
     return [msg_type(d) for d, _ in replies]
 
 
@@ -350,6 +349,7 @@ def flood(port: int, job: int, seconds: float, started) -> tuple[int, int, int]:
         sock.settimeout(5)
         sock.sendto(_hello(job), (HOST, port))
         cookie = cookie_of(sock.recv(wire.MAX_DATAGRAM))
+        sock.settimeout(None)
         kinds = flood_datagrams(job, cookie)
         rows = [(kinds[i % len(kinds)], addr_key_of(HOST, port)) for i in range(256)]
         burst = Burst.rows_of(len(rows), max(len(d) for d, _ in rows))
