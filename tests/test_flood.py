@@ -139,9 +139,9 @@ def test_admission_matches_reference(bursts):
     counters = core.stats(0.0)["core_counters"]
     for name in ("packets_in", "drop_bad_magic", "drop_control_rate"):
         assert counters[name] == ref.core_stats[name], name
-    admitted = [msg_type(d) if msg_type(d) == MsgType.LEAVE else len(d) for d, _ in ref.control]
-    assert counters["drop_leave_non_member"] == admitted.count(MsgType.LEAVE)
-    assert counters["drop_bad_control"] == admitted.count(len(_malformed_join(0)))
+    replies = [_expected_reply(d) for d, _ in ref.control]  # of every admitted datagram, None for a LEAVE
+    assert counters["drop_leave_non_member"] == replies.count(None)
+    assert counters["drop_bad_control"] == sum(r is not None and r[0] == MsgType.ERROR for r in replies)
 
 
 def test_admission_limits_bite():
