@@ -69,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tensor size (default: about 0.3 s of cnat8 traffic at the rate, at most 10M)")
     cl.add_argument("--mtu", type=int, choices=MTUS, default=MTUS[0])
     cl.add_argument("--loss", type=float, default=0.0, help="random loss per link direction, e.g. 0.01")
+    cl.add_argument("--aggregators", type=positive(), nargs="+", default=[1],
+                    help="aggregator counts to run (default 1: in the switch namespace; more: one namespace each, "
+                         "the job spread over all; e.g. 1 2 compares them, and their results must be identical)")
+    cl.add_argument("--cores", type=positive(), default=None,
+                    help="cores per aggregator (default: half the CPUs the workers leave, split over the "
+                         "aggregators, at least 1)")
     add_pool(cl)
     cl.add_argument("--warmup", type=int, default=1)
     cl.add_argument("--rounds", type=positive(), default=3)
@@ -128,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if args.bench == "cluster":
                 bench_cluster.run(args.workers, args.rate, args.elements, args.mtu, args.loss, args.warmup,
-                                  args.rounds, args.pool, args.json, args.plot)
+                                  args.rounds, args.pool, args.json, args.plot, args.aggregators, args.cores)
             else:
                 bench_cluster.run_loss(args.workers, args.rate, args.elements, args.loss, args.mtu, args.rounds,
                                        args.pool, args.json)
