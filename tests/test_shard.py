@@ -138,3 +138,21 @@ def test_an_aggregator_refuses_a_layout_its_cores_do_not_fit():
         assert msg_type(reply) == MsgType.ERROR and b"do not fit" in reply, (first, total)
     [(reply, _)] = net.join(0, first_core=2, total_cores=4)
     assert msg_type(reply) == MsgType.JOIN_ACK
+
+
+def test_worker_and_pytorch_take_a_list_of_aggregators():
+    from intml.worker.api import parse_aggregators
+    from intml.worker.torch.config import IntmlConfig
+
+    assert parse_aggregators("127.0.0.1:5000, localhost:6000") == [("127.0.0.1", 5000), ("127.0.0.1", 6000)]
+    with pytest.raises(ValueError, match="host:port"):
+        parse_aggregators("127.0.0.1:5000,")
+    config = IntmlConfig.from_env({"INTML_AGGREGATOR": "10.0.0.1:48879,10.0.0.2:48879"})
+    assert config.aggregator == "10.0.0.1:48879,10.0.0.2:48879"
+
+
+def test_a_session_needs_distinct_endpoints():
+    params = JobParams(world_size=1)
+    for endpoints in ([], [agg_addr(0), agg_addr(0)]):
+        with pytest.raises(ValueError, match="distinct"):
+            WorkerSession(job=1, rank=0, params=params, token="t", aggregator=endpoints)
