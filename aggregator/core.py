@@ -167,8 +167,9 @@ class AggregatorCore:
         if self._control.size < rx.rows:
             self._grow(rx.rows)
         out = self._out
-        out.count, n_ctl = process_burst(rx.data, rx.length, rx.addr, rx.count, now, *self._tables, self._batch, self._spill, self._spill_len, out.ptr,
-                                         out.length, out.addr, self._control, self._limiter)
+        out.count, n_ctl = process_burst(rx.data, rx.length, rx.addr, rx.count, now, *self._tables, self._batch,
+                                         self._spill, self._spill_len, out.ptr, out.length, out.addr, self._control,
+                                         self._limiter)
         for i in self._control[:n_ctl].tolist():
             self._control_in.append((bytes(rx.data[i, : rx.length[i]]), int(rx.addr[i]), now))
         return out

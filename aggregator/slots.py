@@ -498,8 +498,8 @@ def process_burst(rx_data, rx_len, rx_addr, n_rx, now, job_arrays, table_arrays,
         exp = get_i8(p, O_EXP)
         next_exp = get_i8(p, O_NEXT_EXP)
         reason = validate(length, rank, n, rx_addr[i], jobs.members[j, min(rank, MAX_WORLD - 1)], slot, jobs.pool[j],
-                          jobs.offset[j], jobs.stride[j], np.int64(p[O_CODEC]), jobs.codec[j], count, jobs.packet_elements[j], x, exp,
-                          next_exp)
+                          jobs.offset[j], jobs.stride[j], np.int64(p[O_CODEC]), jobs.codec[j], count,
+                          jobs.packet_elements[j], x, exp, next_exp)
         if reason != DROP_RANK and reason != DROP_UNREGISTERED:
             jobs.last_seen[j, rank] = now  # any packet of a member, retransmissions too, keeps the job alive
         if reason:

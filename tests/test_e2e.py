@@ -135,7 +135,8 @@ def allreduce_worker(port: int | str, job: int, rank: int, n: int, codec: str, s
         if faults else contextlib.nullcontext()
     xs = [make_input(seed, rank, k, spec) for k, spec in enumerate(plan)]
     ticks = None
-    with sockets, Worker(port if isinstance(port, str) else f"{HOST}:{port}", job=job, rank=rank, world_size=n, token="t", codec=codec,
+    address = port if isinstance(port, str) else f"{HOST}:{port}"
+    with sockets, Worker(address, job=job, rank=rank, world_size=n, token="t", codec=codec,
                          packet_elements=PACKET, pool_size=pool, seed=seed, timeout=timeout) as w:
         if use_async:
             outs, ticks = asyncio.run(_allreduce_async_all(w, xs, plan))

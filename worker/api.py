@@ -83,8 +83,9 @@ class Worker:
                  min_rto: float = WorkerTimers.min_rto, max_rto: float = WorkerTimers.max_rto,
                  burst: int = BURST, connect_timeout: float | None = None, data_mac: bool = False) -> None:
         """``aggregator``: ``host:port``, or several, comma-separated: the job's slots are spread over all their
-        cores (every rank must give the same list in the same order). ``token``: the job's shared secret, one the aggregator was started with (--token-file / INTML_TOKEN;
-        "" for an aggregator in open mode); it never travels. ``timeout``: an allreduce that makes no progress
+        cores (every rank must give the same list in the same order). ``token``: the job's shared secret, one
+        the aggregator was started with (--token-file / INTML_TOKEN; "" for an aggregator in open mode); it
+        never travels. ``timeout``: an allreduce that makes no progress
         this long raises AllreduceTimeout. ``connect_timeout``: how long the JOIN may wait for the aggregator
         (default: ``timeout``). ``data_mac``: DATA and RESULT packets carry a keyed MAC (every rank must agree)."""
         if not 0 <= rank < world_size:

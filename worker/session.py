@@ -53,9 +53,9 @@ class JobJoined:
     """Every core acknowledged: the job's data plane has ``cores`` cores, at the address keys ``addrs`` (slot s
     goes to addrs[s % cores]), and multicasts results to ``groups`` (the distinct address keys the cores named;
     empty without multicast). ``data_keys``: the job's DATA/RESULT MAC keys, core c's in row c ((cores, 2)
-    uint64, for StreamEngine). Where this rank resumes (a rank joining
-    a job its peers have run, e.g. after a crash): ``allreduce``, the number of its next allreduce, and
-    ``shadow_sets``, each slot's next shadow set ((pool_size,) int64)."""
+    uint64, for StreamEngine). Where this rank resumes (a rank joining a job its peers have run, e.g. after a
+    crash): ``allreduce``, the number of its next allreduce, and ``shadow_sets``, each slot's next shadow set
+    ((pool_size,) int64)."""
 
     cores: int
     groups: list[int]
@@ -66,8 +66,8 @@ class JobJoined:
 
     def __eq__(self, other: object) -> bool:  # arrays compare by value
         return isinstance(other, JobJoined) and (self.cores, self.groups, self.allreduce, self.addrs) == (
-            other.cores, other.groups, other.allreduce, other.addrs) and np.array_equal(self.data_keys, other.data_keys) \
-            and np.array_equal(self.shadow_sets, other.shadow_sets)
+            other.cores, other.groups, other.allreduce, other.addrs) \
+            and np.array_equal(self.data_keys, other.data_keys) and np.array_equal(self.shadow_sets, other.shadow_sets)
 
 
 @dataclasses.dataclass(frozen=True)
