@@ -71,6 +71,8 @@ UDP_GRO = 104  # linux/udp.h: coalesce on receive; a read's segment size comes i
 GSO_MAX_SEGMENTS = 64  # the kernel's UDP_MAX_SEGMENTS (64 before Linux 6.15 raised it to 128)
 GSO_MAX_BYTES = 65507  # one GSO entry is one IPv4 datagram before segmentation: 65535 - 20 (IP) - 8 (UDP)
 GRO_BUF = 65536  # a coalesced read holds at most one IPv4 datagram's worth
+GROUPS = 64  # destinations a burst is grouped by for GSO (more share one group: fewer, shorter runs)
+GRO_MAX_PACKET = 4096  # GRO by default only for sockets whose datagrams are at most this long (see MEASURED)
 _SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
 _SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
 _WANT_BUF = 64 << 20  # requested socket buffer size; the kernel may grant less (net.core.rmem_max)
@@ -210,13 +212,16 @@ def _split_gro(r, e, off, row, rows, msg, msg64, name, ctl, buf, rx_data, rx_len
         if seg <= 0 or seg > total or truncated:
             seg = total
         src = _source(name, e)
+        read = buf[e]
         while row < rows:
             size = min(seg, total - off)
             rx_addr[row] = src
             if truncated or size > max_packet:
                 rx_len[row] = -1
             else:
-                rx_data[row, :size] = buf[e, off:off + size]
+                dst, seg_bytes = rx_data[row], read[off:off + size]
+                for k in range(size):  # this loop LLVM vectorises: 4x faster than a slice assignment or read[off + k]
+                    dst[k] = seg_bytes[k]
                 rx_len[row] = size
             row += 1
             off += size
@@ -277,15 +282,39 @@ def _plan_send(count, pos, m, gso, order, tx_ptr, tx_len, tx_addr, msg64, iov, n
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def _before_send(count, gso, order, tx_ptr, tx_len, tx_addr, max_packet, msg64, iov, name, ctl, first, iov_at,
-                 ctl_at):
+def _group(count, tx_addr, order, group_key, group_at, group_of):
+    """``order``: the datagrams < count grouped by destination, each destination's in their order (a counting sort;
+    past ``GROUPS - 1`` distinct destinations, the others share the last group, still in their order)."""
+    distinct = 0
+    group_at[:] = 0
+    for i in range(count):
+        key = tx_addr[i]
+        g = 0
+        while g < distinct and group_key[g] != key:
+            g += 1
+        if g == distinct and distinct < GROUPS - 1:
+            group_key[g] = key
+            distinct += 1
+        group_of[i] = g
+        group_at[g + 1] += 1
+    for g in range(GROUPS):  # group_at[g]: where group g starts
+        group_at[g + 1] += group_at[g]
+    for i in range(count):
+        g = group_of[i]
+        order[group_at[g]] = i
+        group_at[g] += 1
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _before_send(count, gso, order, groups, tx_ptr, tx_len, tx_addr, max_packet, msg64, iov, name, ctl, first,
+                 iov_at, ctl_at):
     """Plan the sendmmsg entries of datagrams < count (grouped by destination, stably, when ``gso``); returns how
     many, or -1 (nothing written) if a length is outside [0, max_packet]."""
     for i in range(count):
         if tx_len[i] < 0 or tx_len[i] > max_packet:
             return -1
     if gso:
-        order[:count] = np.argsort(tx_addr[:count], kind="mergesort")
+        _group(count, tx_addr, order, *groups)
     else:
         for i in range(count):
             order[i] = i
@@ -342,9 +371,13 @@ def _udp_option(sock: socket.socket, option: int, value: int) -> bool:
     return True
 
 
-def offload_default() -> bool:
-    """Whether GSO/GRO are wanted by default: yes, unless ``INTML_GSO=0`` forces the plain path."""
-    return os.environ.get("INTML_GSO", "1") != "0"
+def offload_default(max_packet: int) -> tuple[bool, bool]:
+    """Whether (GSO, GRO) are wanted by default: ``INTML_GSO=0`` forces both off, ``INTML_GSO=1`` both on;
+    otherwise GSO is on, and GRO where it paid: for datagrams of at most ``GRO_MAX_PACKET`` bytes."""
+    forced = os.environ.get("INTML_GSO", "")
+    if forced in ("0", "1"):
+        return forced == "1", forced == "1"
+    return True, max_packet <= GRO_MAX_PACKET
 
 
 class BurstSocket:
@@ -357,7 +390,7 @@ class BurstSocket:
     your own without copying (the aggregator's stored results, a worker's stored datagrams), point ``tx_ptr[i]``
     at them and keep those bytes unchanged until ``send_burst`` returns.
     The arrays are reused by every call: consume received packets before the next ``recv_burst``.
-    ``gso``/``gro``: use UDP_SEGMENT / UDP_GRO where the kernel has them (default: unless ``INTML_GSO=0``); the
+    ``gso``/``gro``: use UDP_SEGMENT / UDP_GRO where the kernel has them (default: ``offload_default``); the
     attributes of the same names say whether they are in use.
     """
 
@@ -374,9 +407,9 @@ class BurstSocket:
         sock.setblocking(False)
         self.rcvbuf = _set_buf(sock, _SO_RCVBUFFORCE, socket.SO_RCVBUF, _WANT_BUF)
         self.sndbuf = _set_buf(sock, _SO_SNDBUFFORCE, socket.SO_SNDBUF, _WANT_BUF)
-        default = offload_default()
-        self.gso = (default if gso is None else gso) and _udp_option(sock, UDP_SEGMENT, 0)  # 0: per entry only
-        self.gro = (default if gro is None else gro) and _udp_option(sock, UDP_GRO, 1)
+        want_gso, want_gro = offload_default(max_packet)
+        self.gso = (want_gso if gso is None else gso) and _udp_option(sock, UDP_SEGMENT, 0)  # 0: per entry only
+        self.gro = (want_gro if gro is None else gro) and _udp_option(sock, UDP_GRO, 1)
         self.gso_fallbacks = 0  # times a GSO entry was refused where the same datagrams one by one were not
 
         self.rx = Burst.rows_of(burst, max_packet)  # what recv_burst received, as the cores take it
@@ -405,6 +438,7 @@ class BurstSocket:
         self._tx_msg["namelen"] = _SOCKADDR_IN.itemsize
         self._order = np.zeros(burst, np.int64)  # datagram of each position, grouped by destination under GSO
         self._first = np.zeros(burst + 1, np.int64)  # position of each entry's first datagram
+        self._groups = (np.zeros(GROUPS, np.uint64), np.zeros(GROUPS + 1, np.int64), np.zeros(burst, np.int64))
         self._rx_ptr = self._rx_msg.ctypes.data
         self._tx_ptr = self._tx_msg.ctypes.data
         # plain-integer views of the C structures for the kernels above
@@ -515,8 +549,8 @@ class BurstSocket:
         if count == 0:
             return 0
         words = self._tx_words
-        entries = _before_send(count, self.gso, self._order, self.tx_ptr, self.tx_len, self.tx_addr, self.max_packet,
-                               *words)
+        entries = _before_send(count, self.gso, self._order, self._groups, self.tx_ptr, self.tx_len, self.tx_addr,
+                               self.max_packet, *words)
         if entries < 0:
             raise ValueError(f"tx_len must be in [0, {self.max_packet}]")
 

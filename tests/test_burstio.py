@@ -18,6 +18,13 @@ LOCAL = "127.0.0.1"
 DEADLINE = 5.0  # seconds to wait for datagrams that must arrive
 
 
+@pytest.fixture(autouse=True, params=["1", "0"], ids=["gso-gro", "plain"])
+def offload(request, monkeypatch) -> str:
+    """Every test runs with GSO and GRO on (INTML_GSO=1) and with the plain path (INTML_GSO=0), unless it says."""
+    monkeypatch.setenv("INTML_GSO", request.param)
+    return request.param
+
+
 @pytest.fixture
 def udp():
     """Factory of bound loopback UDP sockets, closed at teardown."""
@@ -402,20 +409,28 @@ def receive_each(sockets: dict[int, BurstSocket], want: int, max_count: int | No
     return got
 
 
-def test_offload_is_on_here_and_off_with_the_environment(udp, monkeypatch) -> None:
-    """This kernel has both (the tests below exercise them); INTML_GSO=0 forces the plain path."""
-    bs = BurstSocket(udp())
-    assert bs.gso and bs.gro
-    assert bs.sock.getsockopt(17, 104) == 1  # SOL_UDP, UDP_GRO
+def test_offload_defaults_and_the_environment(udp, monkeypatch) -> None:
+    """This kernel has both (the tests below exercise them). By default GSO is on, and GRO for datagrams of at
+    most GRO_MAX_PACKET bytes (where it paid); INTML_GSO=0 forces both off, INTML_GSO=1 both on."""
+    from intml.burstio.mmsg import GRO_MAX_PACKET
+
+    monkeypatch.delenv("INTML_GSO", raising=False)
+    small, large = BurstSocket(udp(), max_packet=GRO_MAX_PACKET), BurstSocket(udp(), max_packet=GRO_MAX_PACKET + 1)
+    assert small.gso and small.gro and small.sock.getsockopt(17, 104) == 1  # SOL_UDP, UDP_GRO
+    assert large.gso and not large.gro and large.sock.getsockopt(17, 104) == 0
     monkeypatch.setenv("INTML_GSO", "0")
-    plain = BurstSocket(udp())
+    plain = BurstSocket(udp(), max_packet=100)
     assert not plain.gso and not plain.gro and plain.sock.getsockopt(17, 104) == 0
+    monkeypatch.setenv("INTML_GSO", "1")
+    assert BurstSocket(udp(), max_packet=65507).gro
+    assert not BurstSocket(udp(), max_packet=100, gso=False, gro=False).gro  # the arguments decide over both
 
 
 def test_kernel_without_offload_falls_back(udp, monkeypatch) -> None:
     """setsockopt refused (ENOPROTOOPT, EINVAL: an older kernel): the socket runs the plain path, and works."""
     from intml.burstio import mmsg
 
+    monkeypatch.setenv("INTML_GSO", "1")
     for err in (errno.ENOPROTOOPT, errno.EINVAL):
         def refuse(sock, level, option, value, err=err):
             raise OSError(err, os.strerror(err))
@@ -479,7 +494,7 @@ def test_offload_and_plain_deliver_the_same_datagrams(udp, max_count) -> None:
 def test_gro_from_many_sources_and_plain_senders(udp) -> None:
     """Many sources at once, some with GSO and some without, into one GRO socket: each source's datagrams arrive
     whole, in order, with that source's address."""
-    rx = BurstSocket(udp(), burst=32, max_packet=2000)
+    rx = BurstSocket(udp(), burst=32, max_packet=2000, gro=True)
     senders = [BurstSocket(udp(), burst=64, max_packet=2000, gso=i % 2 == 0, gro=False) for i in range(6)]
     sent = {}
     for i, s in enumerate(senders):
@@ -493,8 +508,8 @@ def test_gro_from_many_sources_and_plain_senders(udp) -> None:
 
 def test_gro_marks_long_datagrams_truncated(udp) -> None:
     """A coalesced run of datagrams longer than max_packet: each is a row of length -1, as the plain path gives."""
-    tx = BurstSocket(udp(), burst=16, max_packet=3000)
-    rx = BurstSocket(udp(), burst=16, max_packet=1000)
+    tx = BurstSocket(udp(), burst=16, max_packet=3000, gso=True)
+    rx = BurstSocket(udp(), burst=16, max_packet=1000, gro=True)
     rows = [(b"L" * 2000, key_of(rx.sock))] * 5 + [(b"s" * 900, key_of(rx.sock))] * 3 + [(b"t" * 30, key_of(rx.sock))]
     assert tx.send(burst_of(rows)) == len(rows)
     got = receive_each({0: rx}, len(rows))[0]
@@ -577,3 +592,21 @@ def test_gro_recv_errors_and_eintr(udp) -> None:
     script.append(errno.ENOMEM)
     with pytest.raises(OSError):
         rx.recv_burst()
+
+
+@pytest.mark.parametrize("distinct", [1, 4, 63, 64, 200])
+def test_grouping_by_destination_is_a_stable_sort(distinct: int) -> None:
+    """The send kernel's grouping against numpy's stable sort: up to GROUPS - 1 destinations it is that sort;
+    past them the later destinations share one group in which every datagram keeps its place."""
+    from intml.burstio.mmsg import GROUPS, _group
+
+    rng = np.random.default_rng(distinct)
+    for count in (0, 1, 255, 256):
+        addr = rng.integers(0, distinct, 256).astype(np.uint64) * np.uint64(7919) + np.uint64(1 << 40)
+        order = np.full(256, -1, np.int64)
+        _group(count, addr, order, np.zeros(GROUPS, np.uint64), np.zeros(GROUPS + 1, np.int64), np.zeros(256, np.int64))
+        assert sorted(order[:count]) == list(range(count))
+        first_seen = {k: i for i, k in reversed(list(enumerate(addr[:count].tolist())))}
+        rank = {k: r for r, k in enumerate(sorted(first_seen, key=first_seen.get))}
+        group = [min(rank[k], GROUPS - 1) for k in addr[:count].tolist()]
+        assert order[:count].tolist() == sorted(range(count), key=lambda i: group[i])
