@@ -263,21 +263,28 @@ def test_recv_error_raises():
     assert e.value.errno == errno.EBADF
 
 
-def test_partial_send_and_eagain_are_continued(udp):
-    """Fault injection: the kernel sends fewer than asked, then reports EAGAIN; all must still go out."""
-    a, b = udp(), udp()
-    tx, rx = BurstSocket(a, burst=10, max_packet=50), BurstSocket(b, burst=10, max_packet=50)
-    real = tx._sendmmsg
-    calls = []
+def flaky_sendmmsg(bs: BurstSocket, most: int) -> list[int]:
+    """Fault injection: every other sendmmsg of ``bs`` fails with EAGAIN, the others send at most ``most`` entries;
+    returns the entries asked of each call, as they come."""
+    real = bs._sendmmsg
+    calls: list[int] = []
 
     def flaky(fd, ptr, vlen, flags):
         calls.append(vlen)
         if len(calls) % 2 == 0:
             ctypes.set_errno(errno.EAGAIN)
             return -1
-        return real(fd, ptr, min(vlen, 3), flags)
+        return real(fd, ptr, min(vlen, most), flags)
 
-    tx._sendmmsg = flaky
+    bs._sendmmsg = flaky
+    return calls
+
+
+def test_partial_send_and_eagain_are_continued(udp):
+    """Fault injection: the kernel sends fewer than asked, then reports EAGAIN; all must still go out."""
+    a, b = udp(), udp()
+    tx, rx = BurstSocket(a, burst=10, max_packet=50), BurstSocket(b, burst=10, max_packet=50)
+    calls = flaky_sendmmsg(tx, most=3)
     payloads = [bytes([65 + i]) * (i + 1) for i in range(10)]
     fill_tx(tx, payloads, key_of(b))
     assert tx.send_burst(10) == 10
@@ -556,17 +563,7 @@ def test_gso_run_to_a_refused_destination_is_skipped(udp) -> None:
 def test_gso_partial_sends_and_eagain_are_continued(udp) -> None:
     """Fault injection on GSO entries: the kernel takes one entry at a time, with EAGAIN between; all arrive once."""
     tx, rx = offload_pair(udp, 256, 9000, on=True)
-    real = tx._sendmmsg
-    calls = []
-
-    def flaky(fd, ptr, vlen, flags):
-        calls.append(vlen)
-        if len(calls) % 2 == 0:
-            ctypes.set_errno(errno.EAGAIN)
-            return -1
-        return real(fd, ptr, 1, flags)
-
-    tx._sendmmsg = flaky
+    calls = flaky_sendmmsg(tx, most=1)
     rows = offload_traffic([key_of(rx.sock)], seed=7, max_packet=9000)[:256]
     assert tx.send(burst_of(rows)) == len(rows)
     assert [p for p, _ in receive_each({0: rx}, len(rows))[0]] == [p for p, _ in rows]
