@@ -98,7 +98,8 @@ def _plain(n_packets: int, size: int, burst: int) -> tuple[int, int, float]:
     return got, lost, seconds
 
 
-def run(n_packets: int = 200_000, sizes: tuple[int, ...] = SIZES, burst: int = 256, as_json: bool = False) -> list[dict]:
+def run(n_packets: int = 200_000, sizes: tuple[int, ...] = SIZES, burst: int = 256,
+        as_json: bool = False) -> list[dict]:
     rows = []
     for size in sizes:
         variants = [(f"{name} (BurstSocket)", lambda n, s, b, o=offload: _burst(n, s, b, *o))
