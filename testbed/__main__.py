@@ -28,10 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
     codec.add_argument("--elements", type=positive(), default=1 << 25, help="array length (default 2**25)")
     codec.add_argument("--repeats", type=positive(), default=11, help="timed runs; the median is reported")
     codec.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    bio = bench.add_parser("burstio", help="recvmmsg/sendmmsg bursts vs plain sendto/recvfrom on loopback")
+    bio = bench.add_parser("burstio", help="GSO/GRO and recvmmsg/sendmmsg bursts vs plain sendto/recvfrom on loopback")
     bio.add_argument("--packets", type=positive(), default=200_000, help="datagrams per variant (default 200000)")
-    bio.add_argument("--size", type=positive(int, wire.MAX_DATAGRAM), default=8192,
-                     help=f"bytes per datagram (default 8192, at most {wire.MAX_DATAGRAM}: a UDP payload)")
+    bio.add_argument("--size", type=positive(int, wire.MAX_DATAGRAM), nargs="+", default=[1050, 8218],
+                     help=f"bytes per datagram, one run each (default 1050 8218, at most {wire.MAX_DATAGRAM})")
     bio.add_argument("--burst", type=positive(), default=256, help="datagrams per burst (default 256)")
     bio.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     mac = bench.add_parser("mac", help="the DATA/RESULT MAC's cost per packet and per loopback allreduce")
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "bench" and args.bench == "burstio":
         from intml.testbed import bench_burstio
 
-        bench_burstio.run(args.packets, args.size, args.burst, args.json)
+        bench_burstio.run(args.packets, tuple(args.size), args.burst, args.json)
     elif args.command == "bench" and args.bench == "mac":
         from intml.testbed import bench_mac
 
