@@ -12,9 +12,7 @@ Topology (``Topology.up``):
   stand for aggregation servers on fat links beside the switch (as BytePS's servers, or a multi-rack SwitchML's
   switches): the workers' links stay the bottleneck, as with the aggregator in the switch namespace (the
   default, ``aggregators`` = 0);
-* every port is shaped in both directions with ``tc tbf`` on the egress of both veth ends (``--rate``); a GSO
-  batch (UDP_SEGMENT from burstio, TSO from Gloo's TCP) is cut into frames before it crosses a veth
-  (``gso_max_segs 1``), as a NIC puts frames on the wire, so shaping and loss act frame by frame;
+* every port is shaped in both directions with ``tc tbf`` on the egress of both veth ends (``--rate``);
 * loss is nftables ``numgen random`` drops on the receiving side of each link direction: in the switch
   namespace's prerouting for packets from the workers, and in each worker namespace's input for packets
   from the switch. Each link direction loses the given fraction of packets, whoever sent them. (A drop on the
@@ -167,10 +165,7 @@ class Topology:
         sw = self.switch
         _run("ip", "netns", "add", ns)
         _run("ip", "-n", ns, "link", "set", "lo", "up")
-        # gso_max_segs 1: a GSO batch (UDP_SEGMENT, TSO) is cut into MTU-sized frames before it crosses the link,
-        # as a NIC puts them on the wire, so that shaping and loss act on each frame, not on a 64 KiB batch
-        frame = ("mtu", str(self.mtu), "gso_max_segs", "1")
-        _run("ip", "link", "add", a, *frame, "type", "veth", "peer", "name", b, *frame)
+        _run("ip", "link", "add", a, "mtu", str(self.mtu), "type", "veth", "peer", "name", b, "mtu", str(self.mtu))
         _run("ip", "link", "set", a, "netns", ns)
         _run("ip", "link", "set", b, "netns", sw)
         _run("ip", "-n", ns, "link", "set", a, "name", "eth0")
