@@ -17,6 +17,7 @@ Topology (``Topology.up``):
   namespace's prerouting for packets from the workers, and in each worker namespace's input for packets
   from the switch. Each link direction loses the given fraction of packets, whoever sent them. (A drop on the
   sender's output hook would fail the send with EPERM instead of losing the packet.)
+  Under loss intml runs without UDP GSO there (``exec_prefix``), so that loss acts per datagram.
   (netem does not exist in this kernel. Duplication is not emulated on the links: nftables' dup statement
   clones a packet out through a device rather than back to the receiver; the fault-injection shim of
   tests/faults.py tests duplication instead.)
@@ -122,7 +123,11 @@ class Topology:
         return SUBNET.format(i=i, host=1)
 
     def exec_prefix(self, namespace: str) -> list[str]:
-        return ["ip", "netns", "exec", namespace]
+        """The command prefix that runs a program in ``namespace``. With loss, intml's UDP GSO is off there
+        (INTML_GSO=0): a veth carries a GSO batch as one buffer, so the loss rules would drop whole batches of up
+        to 64 datagrams, which no NIC does (it segments on the wire); GSO under per-datagram loss is tested with
+        the fault shim (tests/test_offload_e2e.py)."""
+        return ["ip", "netns", "exec", namespace, *(["env", "INTML_GSO=0"] if self.loss > 0 else [])]
 
     def up(self) -> Topology:
         problem = missing_requirements()
