@@ -136,8 +136,7 @@ class Worker:
                                    rto=timers.rto, min_rto=timers.min_rto, max_rto=timers.max_rto,
                                    data_mac_keys=joined.data_keys if data_mac else None)
         # where the job's peers are: a fresh job's start, or the next allreduce of one this rank rejoins
-        self.engine.allreduce_seq = joined.allreduce - 1
-        self.engine.parity[:] = joined.shadow_sets
+        self.engine.resume(joined.allreduce, joined.shadow_sets)
 
     # ---- control plane: the session's datagrams over the unicast socket ---------------------------------
     def _who(self) -> str:
