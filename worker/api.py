@@ -316,4 +316,5 @@ class Worker:
         return self.engine.counters()
 
     def __repr__(self) -> str:
-        return f"Worker({self._aggregator_name()}, job={self.job}, rank={self.rank}/{self.world_size}, {self.codec.name})"
+        return (f"Worker({self._aggregator_name()}, job={self.job}, rank={self.rank}/{self.world_size}, "
+                f"{self.codec.name})")
