@@ -92,10 +92,11 @@ def _multicast_group(parser: OneLineParser, text: str | None, max_jobs: int) -> 
     return group
 
 
-def _multicast_sender(sock: socket.socket, host: str) -> None:
+def _multicast_sender(sock: socket.socket, host: str, ttl: int) -> None:
     """Send multicast through the interface of `host` (loopback for 127.0.0.1), looped back to local members."""
     sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(socket.gethostbyname(host)))
     sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 1)
+    sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_TTL, ttl)
 
 
 def default_cores(cpus: int | None = None) -> int:
@@ -128,7 +129,11 @@ def build_parser() -> OneLineParser:
     p.add_argument("--multicast", metavar="GROUP", default=None,
                    help="send each job's results to one IPv4 multicast group (GROUP + the job's table index, port "
                         "= --port), one datagram per completion as a switch's replication engine does, instead "
-                        "of one per worker; for workers that share the aggregator's link or host (loopback)")
+                        "of one per worker; for workers that share the aggregator's link or host (loopback), or "
+                        "behind a multicast router (then raise --multicast-ttl)")
+    p.add_argument("--multicast-ttl", type=positive(int, 255), default=1,
+                   help="the results' IP TTL (default 1: they stay on the aggregator's link; each multicast router "
+                        "on the way takes one off)")
     p.add_argument("--allow-shared-address", action="store_true",
                    help="tests only: let one source address hold several ranks of a job (by default refused, so "
                         "that one holder of the token cannot stand in for a whole job)")
@@ -173,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     base = socks[0].getsockname()[1]
     if group is not None:
         for s in socks:
-            _multicast_sender(s, args.host)
+            _multicast_sender(s, args.host, args.multicast_ttl)
 
     from intml.aggregator.core import AggregatorCore
     from intml.aggregator.dataplane import run_core, warm_up

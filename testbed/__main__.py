@@ -8,9 +8,8 @@ import sys
 from intml.protocol import wire
 from intml.protocol.cli import OneLineParser, positive
 from intml.protocol.job import CODEC_NAMES, JobParams, codec_name
-from intml.testbed.netns import MTUS
+from intml.testbed.netns import MTUS, RESULTS_GROUP
 
-RESULTS_GROUP = "239.255.42.0"  # multicast group of the loopback benchmark's results (administratively scoped)
 
 
 def add_pool(parser: argparse.ArgumentParser) -> None:
@@ -78,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_pool(cl)
     cl.add_argument("--warmup", type=int, default=1)
     cl.add_argument("--rounds", type=positive(), default=3)
+    cl.add_argument("--results", choices=("multicast", "unicast"), default="multicast",
+                    help="how results reach the workers (default multicast: one copy per completion, replicated by "
+                         "the switch namespace; unicast where it cannot route multicast, and each row says which)")
     cl.add_argument("--plot", help="write a PNG of time per allreduce against n")
     cl.add_argument("--json", action="store_true")
     lo = bench.add_parser("loss", help="consecutive allreduces under loss vs the loss-free run (root)")
@@ -134,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if args.bench == "cluster":
                 bench_cluster.run(args.workers, args.rate, args.elements, args.mtu, args.loss, args.warmup,
-                                  args.rounds, args.pool, args.json, args.plot, args.aggregators, args.cores)
+                                  args.rounds, args.pool, args.json, args.plot, args.aggregators, args.cores,
+                                  args.results)
             else:
                 bench_cluster.run_loss(args.workers, args.rate, args.elements, args.loss, args.mtu, args.rounds,
                                        args.pool, args.json)
