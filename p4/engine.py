@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from intml.aggregator.core import AggregatorCore, JobInfo
-from intml.p4.entries import Entry, SwitchJob, job_entries, static_entries
+from intml.p4.controller import controller_entries
+from intml.p4.entries import static_entries
 from intml.p4.extern import KeyedRandom, RandomSource
 from intml.p4.layout import MAX_JOBS, MAX_WORLD, ROWS, refusal
 from intml.p4.model import PipelineModel
@@ -77,33 +78,16 @@ class P4ModelCore(AggregatorCore):
     def _register(self, job_id: int, params: dict, now: float, token_key: bytes, job_nonce: bytes) -> JobInfo | str:
         info = super()._register(job_id, params, now, token_key, job_nonce)
         if isinstance(info, JobInfo):
-            self.model.clear_rows(info.rows)
-            self.model.registers.cells["member_seen"][info.index * MAX_WORLD:(info.index + 1) * MAX_WORLD] = 0
+            self.model.clear_job(info.index, info.rows)
         return info
 
     def handle_control(self, datagram: bytes, addr: int, now: float) -> bytes | None:
         reply = super().handle_control(datagram, addr, now)
-        self.model.replace_job_entries(self.entries())
+        self.model.replace_job_entries(controller_entries(self))
         return reply
 
     def teardown(self, job_id: int) -> None:
         super().teardown(job_id)
-        self.model.replace_job_entries(self.entries())
-
-    def switch_jobs(self) -> list[SwitchJob]:
-        """The controller's view of every job on this core."""
-        out = []
-        for job_id, info in self.info.items():
-            j, p = info.index, info.params
-            stride, offset = self.layout(p)
-            members = {r: int(a) for r, a in enumerate(self.jobs.members[j, :p["world_size"]]) if a}
-            rows = {s: info.rows.start + s // stride for s in range(offset, p["pool_size"], stride)}
-            out.append(SwitchJob(job_id, j, p["world_size"], p["packet_elements"], p["pool_size"], p["codec"],
-                                 p["seed"], members, int(self.jobs.group[j]), rows))
-        return out
-
-    def entries(self) -> list[Entry]:
-        """Every per-job entry the controller writes (p4.entries.cli_commands renders them for an operator)."""
-        return [e for job in self.switch_jobs() for e in job_entries(job)]
+        self.model.replace_job_entries(controller_entries(self))
 
 

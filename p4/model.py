@@ -94,9 +94,11 @@ class PipelineModel:
         self.tables.clear(JOB_TABLES)
         self.tables.install(list(entries))
 
-    def clear_rows(self, rows: range) -> None:
-        """A new job's rows: no round in either set (the aggregator core's registration does the same)."""
+    def clear_job(self, index: int, rows: range) -> None:
+        """A new job at job index ``index`` on ``rows``: no round in either set of its rows (the aggregator
+        core's registration does the same), no packet seen from its ranks."""
         cells = self.registers.cells
+        cells["member_seen"][index * MAX_WORLD:(index + 1) * MAX_WORLD] = 0
         for x in (0, 1):
             index = slice(2 * rows.start + x, 2 * rows.stop, 2)
             cells["round_key"][index] = np.uint64(2**64 - 1)
