@@ -40,7 +40,7 @@ from intml.protocol import reference, wire
 from intml.protocol.address import addr_key_of
 from intml.protocol.burst import Burst
 from intml.protocol.job import ControlLimits
-from intml.protocol.slot_reference import TRANSITIONS, Job, SlotReference
+from intml.protocol.slot_reference import COMPLETE, TRANSITIONS, Job, SlotReference
 from intml.protocol.wire import NO_EXP, Codec, MsgType
 
 PLAIN_JOBS = [spec for spec in JOBS if "mac_key" not in spec]  # the switch refuses data_mac; its packets: unknown job
@@ -73,16 +73,16 @@ def data(rank: int, allreduce: int, codes: np.ndarray, exp: int = 0) -> bytes:
                      codes)
 
 
-def lane_sums(model: PipelineModel, slot_index: int, elements: int) -> list[int]:
-    """The int32 sums of a (row, set) gathered from its lanes over the passes."""
-    sums = model.registers.cells["lane_sum"]
-    lanes = [sums[i % layout.LANES_PER_PASS, layout.lane_index(slot_index, i // layout.LANES_PER_PASS)]
-             for i in range(elements)]
-    return np.array(lanes, np.uint32).view(np.int32).tolist()
+def lanes_of(model: PipelineModel, register: str, slot_index: int, elements: int) -> np.ndarray:
+    """A per-lane register's cells of a (row, set), gathered over the passes in element order."""
+    cells = model.registers.cells[register]
+    return np.array([cells[i % layout.LANES_PER_PASS, layout.lane_index(slot_index, i // layout.LANES_PER_PASS)]
+                     for i in range(elements)], cells.dtype)
 
 
 def assert_model_state(model: PipelineModel, core: AggregatorCore, ref: SlotReference) -> None:
-    """The model's registers hold the reference's sets: round key, bitmap, count, sums."""
+    """The model's registers hold the reference's sets: round key, bitmap, count, sums, and a complete set's
+    result (C_nat: the stored codes; int32: the sums)."""
     cells = model.registers.cells
     for (job_id, slot, x), s in ref.sets.items():
         info = core.info[job_id]
@@ -94,7 +94,11 @@ def assert_model_state(model: PipelineModel, core: AggregatorCore, ref: SlotRefe
         assert int(cells["round_key"][index]) == s.key
         assert int(cells["worker_bitmap"][index]) == sum(1 << r for r in s.ranks)
         assert int(cells["worker_count"][index]) == len(s.ranks)
-        assert lane_sums(model, index, s.elements) == s.sums
+        assert lanes_of(model, "lane_sum", index, s.elements).view(np.int32).tolist() == s.sums
+        if s.state(ref.jobs[job_id].world) == COMPLETE:
+            stored = lanes_of(model, "lane_code", index, s.elements) if ref.jobs[job_id].codec == Codec.CNAT8 \
+                else lanes_of(model, "lane_sum", index, s.elements).astype(">u4")
+            assert stored.tobytes() == s.result[wire.HEADER_SIZE:]
 
 
 def assert_model_counters(model: PipelineModel, core: AggregatorCore, ref: SlotReference, joins: dict) -> None:
