@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from intml.aggregator.slots import STAT_NAMES
 from intml.p4.entries import Entry, limit_entries
 from intml.p4.extern import RandomSource
 from intml.p4.layout import (
@@ -124,6 +125,11 @@ class PipelineModel:
             cells["round_key"][index] = np.uint64(2**64 - 1)
             cells["worker_bitmap"][index] = 0
             cells["worker_count"][index] = 0
+
+    def counters(self, job_index: int | None = None) -> dict[str, int]:
+        """The counters by name (aggregator.slots.STAT_NAMES): a job index's, or the core's."""
+        cells = self.core_counter if job_index is None else self.job_counter[job_index]
+        return dict(zip(STAT_NAMES, cells.tolist()))
 
     def new_burst(self) -> None:
         """The next datagrams are another received burst (the driver's per-burst control cap restarts)."""
