@@ -54,7 +54,8 @@ STATS_INTERVAL = 0.1  # seconds between a receiver's counter lines
 WARMUP = 0.5  # seconds the blasters send before the measured window opens
 QUIET = 0.3  # seconds without a new count after the blasters stopped: the receiver has drained its socket
 LOSS_TIMEOUT = 0.5  # seconds a worker waits for a datagram that should be in its socket already
-CORE_VARIANTS = ("aggregator core", "sink: recv only (anchor)", "sink: recv + send back (anchor)")
+CORE_VARIANTS = ("aggregator core", "sink: recv only (anchor)", "sink: recv + send back (anchor)",
+                 "aggregator core alone (no sockets)")
 WORKER_VARIANTS = ("raw: recv + send back (anchor)", "worker: recv + engine + send", "engine alone (no sockets)")
 _fork = multiprocessing.get_context("fork")  # children inherit the bound sockets and the compiled kernels
 
@@ -105,8 +106,9 @@ class Recording:
         if any(not np.array_equal(per_rank[0], h) for h in per_rank):  # the blasters' windows rely on it
             raise RuntimeError("the ranks of the recording did not send their chunks in one order")
         self.elements_per_datagram = float(head["count"].mean())
+        self.bursts = _bursts(stream)  # as a core takes them
         core, results = _core(codec, packet_elements, False), []
-        for rx in _bursts(stream):  # the same stream through a fresh core: the same results, in order
+        for rx in self.bursts:  # the same stream through a fresh core: the same results, in order
             results += [d for d, dst in core.receive(rx, 0.0).datagrams() if dst == _addr(0)]
         self.results = _rows(results)
         self.rank0 = [d for (d, _), r in zip(stream, self.rank) if r == 0]
@@ -262,6 +264,11 @@ def _blast(socks: list[socket.socket], rows: list[np.ndarray], windows: list[lis
     conn.send(sent)
 
 
+def _blaster_cpu(blaster: int, cpus: list[int]) -> int:
+    """The CPU of a blaster: those the receiver (on the first) leaves, in turn; the receiver's on a single CPU."""
+    return cpus[1 + blaster % (len(cpus) - 1)] if len(cpus) > 1 else cpus[0]
+
+
 def _rates(lines: list[tuple[float, dict[str, int]]], start: float, stop: float) -> dict[str, float]:
     """Counts per second between the first line at or after ``start`` and the last at or before ``stop``."""
     inside = [(t, c) for t, c in lines if start <= t <= stop]
@@ -290,8 +297,8 @@ def _absorb(rec: Recording, variant: str, seconds: float, cpus: list[int], blast
         for b in range(blasters):
             rows, windows = rec.windows(b, blasters, addr_key("127.0.0.1", receiver.port))
             mine, theirs = _fork.Pipe(duplex=False)
-            cpu = cpus[1 + b % (len(cpus) - 1)] if len(cpus) > 1 else cpus[0]
-            procs.append(_fork.Process(target=_blast, args=(socks, rows, windows, deadline, cpu, theirs)))
+            procs.append(_fork.Process(target=_blast, args=(socks, rows, windows, deadline, _blaster_cpu(b, cpus),
+                                                            theirs)))
             conns.append(mine)
             procs[-1].start()
         receiver.read(deadline)
@@ -304,11 +311,29 @@ def _absorb(rec: Recording, variant: str, seconds: float, cpus: list[int], blast
         for close in closers:
             close()
         receiver.stop()
-    received = total["packets_in"]
-    absorbed = rates["contributions"] if variant == CORE_VARIANTS[0] else rates["packets_in"]
-    return {"variant": variant, "offered_per_s": sent / (WARMUP + seconds), "datagrams_per_s": rates["packets_in"],
+    return _row(rec, variant, sent / (WARMUP + seconds), rates, sent, total)
+
+
+def _core_alone(rec: Recording) -> dict:
+    """A core's kernel alone (AggregatorCore.receive, no sockets, no driver) on the recorded stream, in bursts as
+    a core takes them, once."""
+    core = _core(rec.codec, rec.packet_elements, False)
+    begin = time.perf_counter()
+    for rx in rec.bursts:
+        core.receive(rx, 0.0)
+    seconds = time.perf_counter() - begin
+    total = _counts(core.stats(0.0))
+    rates = {k: v / seconds for k, v in total.items()}
+    return _row(rec, CORE_VARIANTS[3], rates["packets_in"], rates, total["packets_in"], total)
+
+
+def _row(rec: Recording, variant: str, offered: float, rates: dict[str, float], sent: int,
+         total: dict[str, int]) -> dict:
+    """A run's figures: rates (elements: of the datagrams the core added, or the sink took) and totals."""
+    absorbed = rates["packets_in"] if variant in CORE_VARIANTS[1:3] else rates["contributions"]
+    return {"variant": variant, "offered_per_s": offered, "datagrams_per_s": rates["packets_in"],
             "elements_per_s": absorbed * rec.elements_per_datagram, "results_per_s": rates["packets_out"],
-            "sent": sent, "received": received, "lost": sent - received,
+            "sent": sent, "received": total["packets_in"], "lost": sent - total["packets_in"],
             **{k: v for k, v in total.items() if k != "packets_in"}}
 
 
@@ -324,14 +349,14 @@ def core_rows(rec: Recording, seconds: float, repeats: int, blasters: int) -> tu
     runs: dict[str, list[dict]] = {v: [] for v in CORE_VARIANTS}
     for _ in range(repeats):  # the variants alternate, so that all see the same load on a shared machine
         for variant in CORE_VARIANTS:
-            runs[variant].append(_absorb(rec, variant, seconds, cpus, blasters))
+            alone = variant == CORE_VARIANTS[3]
+            runs[variant].append(_core_alone(rec) if alone else _absorb(rec, variant, seconds, cpus, blasters))
     rows = [_median_row(runs[v]) for v in CORE_VARIANTS]
     for row in rows:
         row["ratio_to_sink"] = row["datagrams_per_s"] / rows[1]["datagrams_per_s"]
         row["ratio_to_echo"] = row["datagrams_per_s"] / rows[2]["datagrams_per_s"]
     setup = {"receiver_cpu": cpus[0], "blasters": blasters,
-             "blaster_cpus": sorted({cpus[1 + b % (len(cpus) - 1)] if len(cpus) > 1 else cpus[0]
-                                     for b in range(blasters)}),
+             "blaster_cpus": sorted({_blaster_cpu(b, cpus) for b in range(blasters)}),
              "receiver_offloads": _offloads(result_width(rec.packet_elements)),
              "blaster_offloads": _offloads(rec.datagram_size, gro=False)}
     return rows, setup
@@ -351,11 +376,12 @@ def _median_row(runs: list[dict]) -> dict:
 # ---- worker ---------------------------------------------------------------------------------------------------
 
 
-def _worker_input(rec: Recording) -> np.ndarray:
-    """Rank 0's tensor in ``record``: its first draw from default_rng(0). ``_engine`` checks that the engine's
-    first datagrams are the recorded ones."""
+def _worker_input(rec: Recording) -> tuple[np.ndarray, np.ndarray]:
+    """Rank 0's tensor in ``record`` (its first draw from default_rng(0); ``_worker_sockets`` checks that the
+    engine's first datagrams are the recorded ones), and a result array already written once, as a training loop
+    reuses one: the first touch of a fresh array's pages is not the engine's cost."""
     n = rec.chunks * rec.packet_elements
-    return (np.random.default_rng(0).standard_normal(n) * 1e-3).astype(np.float32)
+    return (np.random.default_rng(0).standard_normal(n) * 1e-3).astype(np.float32), np.zeros(n, np.float32)
 
 
 def _engine(rec: Recording, agg: int) -> StreamEngine:
@@ -381,13 +407,13 @@ def _worker_sockets(rec: Recording, with_engine: bool) -> dict:
         if agg.send(results) != results.count:
             raise RuntimeError("the results did not all go out to the worker's socket")
         engine = _engine(rec, _key(agg_sock)) if with_engine else None
-        x = _worker_input(rec)
+        x, out = _worker_input(rec)
         phases = {"recv": 0.0, "engine": 0.0, "send": 0.0}
         clock = time.perf_counter
         taken = 0
         begin = last = clock()
         if engine is not None:
-            first = engine.start(x, begin)
+            first = engine.start(x, begin, out)
             if [d for d, _ in first.datagrams()] != rec.rank0[:first.count]:
                 raise RuntimeError("rank 0's engine does not send the recorded datagrams: another tensor?")
             io.send(first)
@@ -417,10 +443,10 @@ def _worker_sockets(rec: Recording, with_engine: bool) -> dict:
 
 
 def _engine_alone(rec: Recording, bursts: list[Burst]) -> dict:
-    engine, x = _engine(rec, _addr(WORLD)), _worker_input(rec)
+    engine, (x, out) = _engine(rec, _addr(WORLD)), _worker_input(rec)
     clock = time.perf_counter
     begin = clock()
-    engine.start(x, begin)
+    engine.start(x, begin, out)
     for rx in bursts:
         engine.receive(rx, clock())
     seconds = clock() - begin
