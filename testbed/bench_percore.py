@@ -32,6 +32,7 @@ import select
 import signal
 import socket
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -185,15 +186,33 @@ def _counts(stats: dict) -> dict[str, int]:
     return out
 
 
+class _Stamped:
+    """A receiver's stdout: each counter line goes out after the time and the process's CPU seconds (user and
+    system, softirq work run in its context included) when it was printed, so that the figures do not depend on
+    when a parent on a loaded machine gets to read it."""
+
+    def __init__(self, fd: int) -> None:
+        self._out = os.fdopen(fd, "w", buffering=1)
+
+    def write(self, text: str) -> int:
+        if text.startswith("{"):
+            text = f"{time.monotonic()} {time.process_time()} {text}"
+        return self._out.write(text)
+
+    def flush(self) -> None:
+        self._out.flush()
+
+
 def _serve(core: AggregatorCore | Sink, sock: socket.socket, out_fd: int, cpu: int) -> None:
     """A receiver process: the data plane over ``core``, its counter lines on ``out_fd``."""
     _pin(cpu)
-    os.dup2(out_fd, 1)
+    sys.stdout = _Stamped(out_fd)
     run_core(core, sock, BURST, STATS_INTERVAL)
 
 
 class Receiver:
-    """A receiver process on 127.0.0.1 and the counter lines it printed, each with the time it arrived."""
+    """A receiver process on 127.0.0.1 and the counter lines it printed, each with the time it printed it and the
+    CPU seconds it had used by then."""
 
     def __init__(self, core: AggregatorCore | Sink, cpu: int) -> None:
         self.sock = _bound()
@@ -203,7 +222,7 @@ class Receiver:
         self.proc.start()
         os.close(write)
         self._pipe, self._partial = read, b""
-        self.lines: list[tuple[float, dict[str, int]]] = []
+        self.lines: list[tuple[float, float, dict[str, int]]] = []
         if not self.read(time.monotonic() + 30.0, until_line=True):
             self.stop()
             raise RuntimeError("the receiver process printed no counters within 30 s")
@@ -216,9 +235,10 @@ class Receiver:
             chunk = os.read(self._pipe, 1 << 16)
             if not chunk:
                 break
-            now = time.monotonic()
             *whole, self._partial = (self._partial + chunk).split(b"\n")
-            self.lines += [(now, _counts(json.loads(line))) for line in whole if line.startswith(b"{")]
+            for line in whole:
+                t, cpu, stats = line.split(b" ", 2)
+                self.lines.append((float(t), float(cpu), _counts(json.loads(stats))))
             if until_line and self.lines:
                 return True
         return bool(self.lines)
@@ -226,12 +246,12 @@ class Receiver:
     def drain(self, most: float) -> dict[str, int]:
         """Read until the counts stay unchanged for QUIET seconds (at most ``most`` seconds); the last counts."""
         deadline = time.monotonic() + most
-        last = self.lines[-1][1]
+        last = self.lines[-1][2]
         while time.monotonic() < deadline:
             self.read(time.monotonic() + QUIET)
-            if self.lines[-1][1] == last:
+            if self.lines[-1][2] == last:
                 break
-            last = self.lines[-1][1]
+            last = self.lines[-1][2]
         return last
 
     def stop(self) -> None:
@@ -269,13 +289,20 @@ def _blaster_cpu(blaster: int, cpus: list[int]) -> int:
     return cpus[1 + blaster % (len(cpus) - 1)] if len(cpus) > 1 else cpus[0]
 
 
-def _rates(lines: list[tuple[float, dict[str, int]]], start: float, stop: float) -> dict[str, float]:
-    """Counts per second between the first line at or after ``start`` and the last at or before ``stop``."""
-    inside = [(t, c) for t, c in lines if start <= t <= stop]
+def _rates(lines: list[tuple[float, float, dict[str, int]]], start: float,
+           stop: float) -> tuple[dict[str, float], float]:
+    """Counts per second between the first line at or after ``start`` and the last at or before ``stop``, and the
+    share of a CPU the receiver used meanwhile. A data plane kept busy prints late (its timers wait behind
+    back-to-back bursts); with fewer than two lines in the window, it runs on to the first line with the final
+    counts (``lines`` ends drained): until then the receiver was still taking its backlog as fast as it could."""
+    after = [line for line in lines if line[0] >= start]
+    inside = [line for line in after if line[0] <= stop]
+    if len(inside) < 2:
+        inside = after[:1 + next((i for i, line in enumerate(after) if line[2] == lines[-1][2]), 0)]
     if len(inside) < 2:
         raise RuntimeError(f"fewer than two counter lines in the {stop - start:.2f} s window: run longer (--seconds)")
-    (t0, a), (t1, b) = inside[0], inside[-1]
-    return {k: (b[k] - a[k]) / (t1 - t0) for k in a}
+    (t0, cpu0, a), (t1, cpu1, b) = inside[0], inside[-1]
+    return {k: (b[k] - a[k]) / (t1 - t0) for k in a}, (cpu1 - cpu0) / (t1 - t0)
 
 
 def _absorb(rec: Recording, variant: str, seconds: float, cpus: list[int], blasters: int) -> dict:
@@ -305,34 +332,37 @@ def _absorb(rec: Recording, variant: str, seconds: float, cpus: list[int], blast
         sent = sum(c.recv() for c in conns)
         for proc in procs:
             proc.join()
-        rates = _rates(receiver.lines, start + WARMUP, deadline)
         total = receiver.drain(most=10.0)
+        rates, cpu = _rates(receiver.lines, start + WARMUP, deadline)
     finally:
         for close in closers:
             close()
         receiver.stop()
-    return _row(rec, variant, sent / (WARMUP + seconds), rates, sent, total)
+    return _row(rec, variant, sent / (WARMUP + seconds), rates, cpu, sent, total)
 
 
 def _core_alone(rec: Recording) -> dict:
     """A core's kernel alone (AggregatorCore.receive, no sockets, no driver) on the recorded stream, in bursts as
     a core takes them, once."""
     core = _core(rec.codec, rec.packet_elements, False)
-    begin = time.perf_counter()
+    begin, cpu = time.perf_counter(), time.thread_time()
     for rx in rec.bursts:
         core.receive(rx, 0.0)
-    seconds = time.perf_counter() - begin
+    seconds, cpu = time.perf_counter() - begin, time.thread_time() - cpu
     total = _counts(core.stats(0.0))
     rates = {k: v / seconds for k, v in total.items()}
-    return _row(rec, CORE_VARIANTS[3], rates["packets_in"], rates, total["packets_in"], total)
+    return _row(rec, CORE_VARIANTS[3], rates["packets_in"], rates, cpu / seconds, total["packets_in"], total)
 
 
-def _row(rec: Recording, variant: str, offered: float, rates: dict[str, float], sent: int,
+def _row(rec: Recording, variant: str, offered: float, rates: dict[str, float], cpu: float, sent: int,
          total: dict[str, int]) -> dict:
-    """A run's figures: rates (elements: of the datagrams the core added, or the sink took) and totals."""
+    """A run's figures: rates per second and per CPU second of the receiver (``cpu``: the share of a CPU it used;
+    elements: of the datagrams the core added, or the sink took) and totals."""
     absorbed = rates["packets_in"] if variant in CORE_VARIANTS[1:3] else rates["contributions"]
     return {"variant": variant, "offered_per_s": offered, "datagrams_per_s": rates["packets_in"],
             "elements_per_s": absorbed * rec.elements_per_datagram, "results_per_s": rates["packets_out"],
+            "cpu_share": cpu, "datagrams_per_cpu_s": rates["packets_in"] / cpu,
+            "elements_per_cpu_s": absorbed * rec.elements_per_datagram / cpu,
             "sent": sent, "received": total["packets_in"], "lost": sent - total["packets_in"],
             **{k: v for k, v in total.items() if k != "packets_in"}}
 
@@ -352,9 +382,9 @@ def core_rows(rec: Recording, seconds: float, repeats: int, blasters: int) -> tu
             alone = variant == CORE_VARIANTS[3]
             runs[variant].append(_core_alone(rec) if alone else _absorb(rec, variant, seconds, cpus, blasters))
     rows = [_median_row(runs[v]) for v in CORE_VARIANTS]
-    for row in rows:
-        row["ratio_to_sink"] = row["datagrams_per_s"] / rows[1]["datagrams_per_s"]
-        row["ratio_to_echo"] = row["datagrams_per_s"] / rows[2]["datagrams_per_s"]
+    for row in rows:  # per CPU second: what each datagram costs the receiver's CPU, whether it kept up or idled
+        row["ratio_to_sink"] = row["datagrams_per_cpu_s"] / rows[1]["datagrams_per_cpu_s"]
+        row["ratio_to_echo"] = row["datagrams_per_cpu_s"] / rows[2]["datagrams_per_cpu_s"]
     setup = {"receiver_cpu": cpus[0], "blasters": blasters,
              "blaster_cpus": sorted({_blaster_cpu(b, cpus) for b in range(blasters)}),
              "receiver_offloads": _offloads(result_width(rec.packet_elements)),
@@ -366,7 +396,7 @@ def _median_row(runs: list[dict]) -> dict:
     """Medians of the rates over repeats; the counts (sent, received, ...) of all repeats summed."""
     row = {"variant": runs[0]["variant"], "repeats": len(runs)}
     for key, value in runs[0].items():
-        if key.endswith("_per_s"):
+        if key.endswith("_per_s") or key.endswith("_per_cpu_s") or key == "cpu_share":
             row[key] = statistics.median(r[key] for r in runs)
         elif isinstance(value, int):
             row[key] = sum(r[key] for r in runs)
@@ -398,7 +428,8 @@ def _check_engine(rec: Recording, engine: StreamEngine) -> None:
 
 def _worker_sockets(rec: Recording, with_engine: bool) -> dict:
     """Rank 0 over sockets: its results wait in its socket; it takes them POOL at a time and sends what the
-    engine returns (or, without the engine, each burst straight back). Seconds per phase."""
+    engine returns (or, without the engine, each burst straight back). Wall and CPU seconds, and CPU seconds per
+    phase (the thread's: time the scheduler gives other processes on a shared machine does not count)."""
     io, agg_sock = _rank_socket(), _bound()
     agg = BurstSocket(agg_sock, burst=BURST, max_packet=rec.results.data.shape[1])
     results = rec.results
@@ -409,9 +440,10 @@ def _worker_sockets(rec: Recording, with_engine: bool) -> dict:
         engine = _engine(rec, _key(agg_sock)) if with_engine else None
         x, out = _worker_input(rec)
         phases = {"recv": 0.0, "engine": 0.0, "send": 0.0}
-        clock = time.perf_counter
+        clock, wall = time.thread_time, time.perf_counter
         taken = 0
-        begin = last = clock()
+        begin, begin_cpu = wall(), clock()
+        last = begin
         if engine is not None:
             first = engine.start(x, begin, out)
             if [d for d, _ in first.datagrams()] != rec.rank0[:first.count]:
@@ -423,35 +455,35 @@ def _worker_sockets(rec: Recording, with_engine: bool) -> dict:
             b = clock()
             phases["recv"] += b - a
             if n == 0:
-                if b - last > LOSS_TIMEOUT:
+                if wall() - last > LOSS_TIMEOUT:
                     raise RuntimeError(f"{results.count - taken} results missing from the worker's socket (its "
                                        f"buffer, {io.rcvbuf} bytes, too small?): fewer --packets")
                 continue
-            last, taken = b, taken + n
-            out = engine.receive(io.rx, b) if engine is not None else io.rx
+            last, taken = wall(), taken + n
+            reply = engine.receive(io.rx, last) if engine is not None else io.rx
             c = clock()
-            io.send(out)
+            io.send(reply)
             phases["engine"] += c - b
             phases["send"] += clock() - c
-        seconds = clock() - begin
+        seconds, cpu = wall() - begin, clock() - begin_cpu
         if engine is not None:
             _check_engine(rec, engine)
     finally:
         io.sock.close()
         agg_sock.close()
-    return {"seconds": seconds, **phases, "offloads": "+".join(["mmsg"] + ["gso"] * io.gso + ["gro"] * io.gro)}
+    return {"seconds": seconds, "cpu": cpu, **phases,
+            "offloads": "+".join(["mmsg"] + ["gso"] * io.gso + ["gro"] * io.gro)}
 
 
 def _engine_alone(rec: Recording, bursts: list[Burst]) -> dict:
     engine, (x, out) = _engine(rec, _addr(WORLD)), _worker_input(rec)
-    clock = time.perf_counter
-    begin = clock()
+    begin, begin_cpu = time.perf_counter(), time.thread_time()
     engine.start(x, begin, out)
     for rx in bursts:
-        engine.receive(rx, clock())
-    seconds = clock() - begin
+        engine.receive(rx, time.perf_counter())
+    seconds, cpu = time.perf_counter() - begin, time.thread_time() - begin_cpu
     _check_engine(rec, engine)
-    return {"seconds": seconds, "recv": 0.0, "engine": seconds, "send": 0.0, "offloads": "none"}
+    return {"seconds": seconds, "cpu": cpu, "recv": 0.0, "engine": cpu, "send": 0.0, "offloads": "none"}
 
 
 def worker_rows(rec: Recording, repeats: int) -> tuple[list[dict], dict]:
@@ -468,12 +500,14 @@ def worker_rows(rec: Recording, repeats: int) -> tuple[list[dict], dict]:
     packets, elements = rec.results.count, rec.chunks * rec.packet_elements
     rows = []
     for variant, done in runs.items():
-        seconds = statistics.median(r["seconds"] for r in done)
+        seconds, cpu = (statistics.median(r[k] for r in done) for k in ("seconds", "cpu"))
         per_packet = {k: 1e6 * statistics.median(r[k] for r in done) / packets for k in ("recv", "engine", "send")}
         rows.append({"variant": variant, "packets_per_s": packets / seconds, "elements_per_s": elements / seconds,
-                     **{f"{k}_us": v for k, v in per_packet.items()}, "offloads": done[0]["offloads"]})
+                     "cpu_share": cpu / seconds, "packets_per_cpu_s": packets / cpu,
+                     "elements_per_cpu_s": elements / cpu, **{f"{k}_us": v for k, v in per_packet.items()},
+                     "offloads": done[0]["offloads"]})
     for row in rows:
-        row["ratio_to_raw"] = row["packets_per_s"] / rows[0]["packets_per_s"]
+        row["ratio_to_raw"] = row["packets_per_cpu_s"] / rows[0]["packets_per_cpu_s"]
     return rows, {"results_per_run": packets, "data_per_run": len(rec.rank0), "burst": POOL}
 
 
@@ -501,15 +535,17 @@ def run(sizes: list[tuple[str, int]], seconds: float, packets: int, repeats: int
 
 
 def _tables(what: str, core: list[dict], core_setup: dict, worker: list[dict], worker_setup: dict) -> None:
-    emit(core, False, f"{what}: one aggregator core vs sinks on the same blasters (medians)",
+    emit(core, False, f"{what}: one aggregator core vs sinks on the same blasters (medians; the ratios per CPU-s)",
          [("variant", "receiver", ""), ("offered_per_s", "offered/s", ",.0f"),
-          ("datagrams_per_s", "datagrams/s", ",.0f"), ("elements_per_s", "elements/s", ".3e"),
-          ("results_per_s", "sent/s", ",.0f"), ("ratio_to_sink", "× recv", ".2f"), ("ratio_to_echo", "× echo", ".2f"),
-          ("lost", "lost", ",d"), ("dropped", "dropped", ",d")], core_setup)
+          ("datagrams_per_s", "datagrams/s", ",.0f"), ("results_per_s", "sent/s", ",.0f"), ("cpu_share", "CPU", ".2f"),
+          ("datagrams_per_cpu_s", "datagrams/CPU-s", ",.0f"), ("elements_per_cpu_s", "elements/CPU-s", ".3e"),
+          ("ratio_to_sink", "× recv", ".2f"), ("ratio_to_echo", "× echo", ".2f"), ("lost", "lost", ",d")],
+         core_setup)
     print()
-    emit(worker, False, f"{what}: one worker vs a raw recv + send back (medians)",
-         [("variant", "path", ""), ("packets_per_s", "packets/s", ",.0f"), ("elements_per_s", "elements/s", ".3e"),
+    emit(worker, False, f"{what}: one worker vs a raw recv + send back (medians; the ratio and µs per CPU-s)",
+         [("variant", "path", ""), ("packets_per_s", "packets/s", ",.0f"), ("cpu_share", "CPU", ".2f"),
+          ("packets_per_cpu_s", "packets/CPU-s", ",.0f"), ("elements_per_cpu_s", "elements/CPU-s", ".3e"),
           ("recv_us", "recv µs/pkt", ".3f"), ("engine_us", "engine µs/pkt", ".3f"),
-          ("send_us", "send µs/pkt", ".3f"),
-          ("ratio_to_raw", "× raw", ".2f"), ("offloads", "offloads", "")], worker_setup)
+          ("send_us", "send µs/pkt", ".3f"), ("ratio_to_raw", "× raw", ".2f"), ("offloads", "offloads", "")],
+         worker_setup)
     print()

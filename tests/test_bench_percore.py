@@ -37,8 +37,9 @@ def test_core_rows_and_their_counts(report: dict) -> None:
     rows = {row["variant"]: row for row in core["rows"]}
     assert list(rows) == list(CORE_VARIANTS)
     for row in rows.values():
-        assert all(math.isfinite(row[k]) and row[k] > 0 for k in ("ratio_to_sink", "ratio_to_echo",
-                                                                    "datagrams_per_s", "elements_per_s"))
+        assert all(math.isfinite(row[k]) and row[k] > 0 for k in ("ratio_to_sink", "ratio_to_echo", "cpu_share",
+                                                                    "datagrams_per_s", "elements_per_s",
+                                                                    "datagrams_per_cpu_s", "elements_per_cpu_s"))
         assert row["received"] > 0 and row["received"] + row["lost"] == row["sent"] and row["lost"] >= 0
     agg, sink, echo, alone = (rows[v] for v in CORE_VARIANTS)
     assert sink["ratio_to_sink"] == 1.0 and echo["ratio_to_echo"] == 1.0
@@ -58,9 +59,11 @@ def test_worker_rows(report: dict) -> None:
     assert list(rows) == list(WORKER_VARIANTS)
     assert rows[WORKER_VARIANTS[0]]["ratio_to_raw"] == 1.0
     for row in rows.values():
-        assert math.isfinite(row["ratio_to_raw"]) and row["ratio_to_raw"] > 0
-        assert row["packets_per_s"] > 0 and row["elements_per_s"] == pytest.approx(
-            row["packets_per_s"] * 256 * CHUNKS / (CHUNKS + POOL))
+        assert all(math.isfinite(row[k]) and row[k] > 0 for k in ("ratio_to_raw", "cpu_share", "packets_per_s",
+                                                                    "packets_per_cpu_s"))
+        for per in ("s", "cpu_s"):  # 256 elements in each chunk's result, none in the POOL bootstrap results
+            full = row[f"packets_per_{per}"] * 256 * CHUNKS / (CHUNKS + POOL)
+            assert row[f"elements_per_{per}"] == pytest.approx(full)
     assert rows[WORKER_VARIANTS[2]]["recv_us"] == rows[WORKER_VARIANTS[2]]["send_us"] == 0.0
 
 
