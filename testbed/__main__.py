@@ -62,8 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     pc.add_argument("--packets", type=positive(), default=4096,
                     help="chunks of the recorded allreduce: DATA datagrams per rank and pass (default 4096)")
     pc.add_argument("--repeats", type=positive(), default=3, help="runs of each variant; medians reported (default 3)")
-    pc.add_argument("--blasters", type=positive(), default=None,
-                    help="sending processes (default: one per CPU the core leaves, at most 4)")
+    pc.add_argument("--blasters", type=positive(int, 16), default=None,
+                    help="sending processes, at most 16 (default: one per CPU the core leaves, at most 4)")
     pc.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     ar = bench.add_parser("allreduce", help="intml vs Gloo's ring allreduce on loopback")
     ar.add_argument("--workers", type=positive(), default=4)

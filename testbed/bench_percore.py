@@ -10,17 +10,25 @@ and completes again and results go out. Each blaster owns a share of the slots a
 of them a window at a time (at most a share of datagrams per rank), so that a round's contributions all come
 before the next round of its shadow set. The anchors run the same driver with the core replaced by a ``Sink``
 that drops each burst (recv only) or hands it back as its output, so that each datagram goes back to its sender
-(recv + send, as the core sends a result per contribution). Every receiver prints its counters each
-STATS_INTERVAL (the aggregator's ``--stats-interval``); rates are taken between the first line after WARMUP and
-the last before the blasters stop, and totals once the receiver has drained its socket.
+(recv + send, as the core sends a result per contribution); a fourth row runs the core's kernel alone on the same
+stream from memory. Every receiver prints its counters each STATS_INTERVAL (the aggregator's
+``--stats-interval``), stamped with its own clock and CPU time; rates are taken between the first line after WARMUP
+and the last before the blasters stop (see ``_rates``), totals once the receiver has drained its socket.
+Elements are counted as the datagrams the core added (the sinks: took) times the stream's mean elements per
+datagram (its bootstrap datagrams carry none).
+
+Figures are per second and per CPU second of the receiver: on a shared machine the core and the sinks get
+different shares of their CPU, so the ratios to the anchors are taken per CPU second (what a datagram costs).
+On loopback the kernel's receive work for a datagram runs on the sending CPU: the blasters pay for the path into
+the receiver's socket queue, the receiver for the delivery of what it sends into the ranks' sockets.
 
 Worker: one rank's StreamEngine through the same recorded allreduce with a socket set up as ``Worker`` sets up its
 own. The rank's RESULT datagrams wait in its socket before the clock starts (sent there from the address the
 engine takes as its aggregator); the rank takes them POOL at a time (each slot at most once a burst, as results
 arrive self-clocked), and each ``engine.receive`` decodes them and encodes and packetises the next chunks, which
 go out with ``BurstSocket.send``. The anchor takes the same datagrams in the same bursts and sends each burst
-straight back; a third row runs the engine alone on the same bursts from memory. Time per packet is split into
-the receive call, the engine and the send call.
+straight back; a third row runs the engine alone on the same bursts from memory. Time per packet (the thread's
+CPU time) is split into the receive call, the engine and the send call.
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ import socket
 import statistics
 import sys
 import time
+
+from multiprocessing.connection import Connection
 
 import numpy as np
 
@@ -188,8 +198,8 @@ def _counts(stats: dict) -> dict[str, int]:
 
 class _Stamped:
     """A receiver's stdout: each counter line goes out after the time and the process's CPU seconds (user and
-    system, softirq work run in its context included) when it was printed, so that the figures do not depend on
-    when a parent on a loaded machine gets to read it."""
+    system; where the kernel does not account IRQ time apart, softirq work run in its context too) when it was
+    printed, so that the figures do not depend on when a parent on a loaded machine gets to read it."""
 
     def __init__(self, fd: int) -> None:
         self._out = os.fdopen(fd, "w", buffering=1)
@@ -266,7 +276,7 @@ class Receiver:
 
 
 def _blast(socks: list[socket.socket], rows: list[np.ndarray], windows: list[list[Burst]], deadline: float,
-           cpu: int, conn) -> None:
+           cpu: int, conn: Connection) -> None:
     """A blaster process: every rank's windows in turn, one sendmmsg call per rank and window (as the ranks'
     sockets send: GSO where the kernel has it), pass after pass until ``deadline``; sends the count it sent."""
     _pin(cpu)
@@ -307,17 +317,21 @@ def _rates(lines: list[tuple[float, float, dict[str, int]]], start: float,
 
 def _absorb(rec: Recording, variant: str, seconds: float, cpus: list[int], blasters: int) -> dict:
     """One run of one receiver fed by the blasters: its rates in the window and its totals."""
-    p = rec.packet_elements
-    if variant == CORE_VARIANTS[0]:
-        receiver = Receiver(AggregatorCore(rows=POOL, max_elements=p, burst=BURST), cpus[0])
-        workers = [Worker(f"127.0.0.1:{receiver.port}", job=JOB, rank=r, world_size=WORLD, codec=rec.codec,
-                          packet_elements=p, pool_size=POOL, seed=SEED, timeout=10.0) for r in range(WORLD)]
-        socks, closers = [w.io.sock for w in workers], [w.close for w in workers]
-    else:
-        receiver = Receiver(Sink(p, echo=variant == CORE_VARIANTS[2]), cpus[0])
-        ranks = [_rank_socket() for _ in range(WORLD)]
-        socks, closers = [r.sock for r in ranks], [r.sock.close for r in ranks]
+    p, core = rec.packet_elements, variant == CORE_VARIANTS[0]
+    receiver = Receiver(AggregatorCore(rows=POOL, max_elements=p, burst=BURST) if core
+                        else Sink(p, echo=variant == CORE_VARIANTS[2]), cpus[0])
+    socks, closers = [], []
     try:
+        for r in range(WORLD):  # the job's ranks join the core; the sinks take any source
+            if core:
+                worker = Worker(f"127.0.0.1:{receiver.port}", job=JOB, rank=r, world_size=WORLD, codec=rec.codec,
+                                packet_elements=p, pool_size=POOL, seed=SEED, timeout=10.0)
+                sock, close = worker.io.sock, worker.close
+            else:
+                sock = _rank_socket().sock
+                close = sock.close
+            socks.append(sock)
+            closers.append(close)
         start = time.monotonic()
         deadline = start + WARMUP + seconds
         procs, conns = [], []
@@ -325,7 +339,7 @@ def _absorb(rec: Recording, variant: str, seconds: float, cpus: list[int], blast
             rows, windows = rec.windows(b, blasters, addr_key("127.0.0.1", receiver.port))
             mine, theirs = _fork.Pipe(duplex=False)
             procs.append(_fork.Process(target=_blast, args=(socks, rows, windows, deadline, _blaster_cpu(b, cpus),
-                                                            theirs)))
+                                                            theirs), daemon=True))
             conns.append(mine)
             procs[-1].start()
         receiver.read(deadline)
