@@ -302,9 +302,11 @@ def _blaster_cpu(blaster: int, cpus: list[int]) -> int:
 def _rates(lines: list[tuple[float, float, dict[str, int]]], start: float,
            stop: float) -> tuple[dict[str, float], float]:
     """Counts per second between the first line at or after ``start`` and the last at or before ``stop``, and the
-    share of a CPU the receiver used meanwhile. A data plane kept busy prints late (its timers wait behind
-    back-to-back bursts); with fewer than two lines in the window, it runs on to the first line with the final
-    counts (``lines`` ends drained): until then the receiver was still taking its backlog as fast as it could."""
+    share of a CPU the receiver used meanwhile. An overloaded data plane prints late: while GRO reads are pending,
+    each DataPlane.on_readable queues one more re-run of itself (call_soon) besides the reader's, so the queue of
+    re-runs grows every loop iteration and the timers wait behind it. With fewer than two lines in the window, it
+    runs on to the first line with the final counts (``lines`` ends drained): until then the receiver was still
+    taking its backlog as fast as it could."""
     after = [line for line in lines if line[0] >= start]
     inside = [line for line in after if line[0] <= stop]
     if len(inside) < 2:
