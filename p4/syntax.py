@@ -3,10 +3,11 @@ specification's grammar appendix) and run the structural checks the open compile
 
 - ``check_applies``: each table, and each control instance, is applied at most once on every path through a
   control's apply block (branches of an ``if`` or ``switch`` are separate paths; sequences add up);
-- ``check_register_indexes``: every ``register<T, I>(size)`` (v1model) or ``Register<T, I>(size)`` (TNA) has an
-  index type ``I`` whose values all fit ``size``, and every ``read``/``write``/``execute`` index expression has
-  exactly ``I``'s width (widths resolved through casts, concatenations, slices, struct and header fields,
-  parameters and typedefs; an index whose width cannot be resolved is an error, so the program keeps them simple);
+- ``check_register_indexes``: every ``read``/``write`` (v1model ``register<T, I>``) or ``execute`` (TNA
+  ``RegisterAction`` of a ``Register<T, I>``) index expression has exactly ``I``'s width, and every value of it
+  fits the register's size: 2**width <= size, or, for a constant index, its value < size (widths resolved through
+  casts, concatenations, slices, struct and header fields, parameters and typedefs; an index whose width cannot
+  be resolved is an error, so the program keeps its indexes simple);
 - ``check_constants``: the program's top-level ``const`` declarations equal the given Python values (the
   generator passes ``p4/layout.py``'s) and fit their declared widths.
 
@@ -51,7 +52,7 @@ _COMMENTS = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
 _DECLARED_TYPE = re.compile(
     r"\b(?:header|header_union|struct|enum(?:\s+bit\s*<\s*\d+\s*>)?|parser|control|package)\s+([A-Za-z_]\w*)"
     r"|\bextern\s+([A-Za-z_]\w*)\s*(?:<[^>{;]*>)?\s*\{"
-    r"|\b(?:typedef|type)\b[^;{]*?([A-Za-z_]\w*)\s*;")
+    r"|(?<![.\w])(?:typedef|type)\s[^;{=]*?([A-Za-z_]\w*)\s*;")
 _TYPE_PARAMETERS = re.compile(r"\b[A-Za-z_]\w*\s*<\s*([A-Z]\w*(?:\s*,\s*[A-Z]\w*)*)\s*>\s*[({]")
 
 
@@ -65,7 +66,7 @@ class Source:
     def __init__(self, path: Path) -> None:
         self.lines: list[str] = []
         self.origin: list[tuple[Path, int]] = []
-        self._read(Path(path), set())
+        self._read(Path(path).resolve(), set())
 
     def _read(self, path: Path, seen: set[Path]) -> None:
         if path in seen:
@@ -76,7 +77,7 @@ class Source:
             if stripped.startswith("#"):
                 include, guard = _INCLUDE.match(stripped), _GUARD.match(stripped)
                 if include and include.group(1):
-                    self._read(path.parent / include.group(1), seen)
+                    self._read((path.parent / include.group(1)).resolve(), seen)
                 elif include and include.group(2) in ARCHITECTURE_INCLUDES:
                     pass
                 elif not guard:
@@ -284,7 +285,9 @@ class _Types:
         """A constant expression's value (integers, named constants, + - * << >> and parentheses)."""
         if node.data == "integer":
             return _integer(node.children[0].value)[0]
-        if node.data == "ident" and _text(node) in self.constants:
+        if node.data == "ident":
+            if _text(node) not in self.constants:
+                raise ValueError(f"line {_line(node)}: {_text(node)} is not a declared constant")
             return self.constants[_text(node)]
         if node.data == "cast":
             return self.value(node.children[1])
@@ -380,14 +383,10 @@ def check_register_indexes(tree: Tree) -> list[str]:
             type_ref, args = _type_ref(decl), [a for a in _child(decl, "argument_list").children if a is not None]
             if kind in ("register", "Register"):
                 type_args = type_ref.children[1].children if type_ref.data == "specialized_type" else []
-                size = types.value(args[0])
                 width = types.width(type_args[1]) if len(type_args) == 2 else None
                 if width is None:
                     errors.append(f"line {_line(decl)}: register {name} has no bit<W> index type")
-                elif 1 << width > size:
-                    errors.append(f"line {_line(decl)}: register {name}: a bit<{width}> index can reach "
-                                  f"{(1 << width) - 1}, beyond its {size} entries")
-                registers[name] = (width, size)
+                registers[name] = (width, types.value(args[0]))
             elif kind == "RegisterAction":
                 actions[name] = _dotted(args[0])
         for action in (d for d in control.children if isinstance(d, Tree) and d.data == "action_declaration"):
@@ -398,17 +397,73 @@ def check_register_indexes(tree: Tree) -> list[str]:
 
 
 def _index_errors(node: Tree, registers: dict, actions: dict, widths: _Widths) -> list[str]:
+    widths = _Widths(widths.types, widths.scope | dict(_named(v) for v in _declarations(node, "variable_declaration")))
     errors = []
     for callee, args, call in _calls(node):
         target, _, method = (callee or "").rpartition(".")
         register = actions.get(target, target) if method == "execute" else target
         if register not in registers or method not in _INDEX_ARGUMENT or len(args) <= _INDEX_ARGUMENT[method]:
             continue
-        width = widths.of(args[_INDEX_ARGUMENT[method]])
-        if width != registers[register][0]:
+        index, (declared, size) = args[_INDEX_ARGUMENT[method]], registers[register]
+        width = widths.of(index)
+        if width != declared:
             errors.append(f"line {_line(call)}: {callee} index is {'of unknown width' if width is None else f'bit<{width}>'}"
-                          f", the register's index type is bit<{registers[register][0]}>")
+                          f", the register's index type is bit<{declared}>")
+        elif index.data == "integer" and widths.types.value(index) >= size:
+            errors.append(f"line {_line(call)}: {callee} index {widths.types.value(index)} is beyond its {size} entries")
+        elif index.data != "integer" and 1 << width > size:
+            errors.append(f"line {_line(call)}: {callee}: a bit<{width}> index can reach {(1 << width) - 1}, beyond "
+                          f"its {size} entries")
     return errors
+
+
+# ---- the program's tables, registers and control instances, for comparing with the Python layout
+
+def tables(tree: Tree) -> dict[str, dict]:
+    """Every table: name -> keys [(field, match kind)], actions [names], size, const entries (count) and the
+    control that declares it."""
+    types, out = _Types(tree), {}
+    for control in _declarations(tree, "control_declaration"):
+        for table in (c for c in control.children if isinstance(c, Tree) and c.data == "table_declaration"):
+            info = {"keys": [], "actions": [], "size": None, "entries": 0, "control": _decl_name(control)}
+            for prop in (p for p in table.children if isinstance(p, Tree)):
+                if prop.data == "key_property":
+                    info["keys"] = [(_dotted(k.children[0]), _text(k.children[1])) for k in prop.children]
+                elif prop.data == "actions_property":
+                    info["actions"] = [_text(_child(a, "name")) for a in prop.children]
+                elif prop.data == "entries_property":
+                    info["entries"] = len(prop.children)
+                elif prop.data == "table_attribute" and _text(_child_token(prop)) == "size":
+                    info["size"] = types.value(prop.children[-1])
+            out[_decl_name(table)] = info
+    return out
+
+
+def _child_token(node: Tree) -> Token:
+    return next(c for c in node.children if isinstance(c, Token) and c.type == "IDENTIFIER")
+
+
+def registers(tree: Tree) -> dict[str, dict]:
+    """Every register: name -> value width, index width, size (cells) and the declaring control."""
+    types, out = _Types(tree), {}
+    for control in _declarations(tree, "control_declaration"):
+        for decl in (c for c in control.children if isinstance(c, Tree) and c.data == "instantiation"):
+            type_ref = _type_ref(decl)
+            if _type_name(decl) in ("register", "Register") and type_ref.data == "specialized_type":
+                value, index = type_ref.children[1].children
+                args = [a for a in _child(decl, "argument_list").children if a is not None]
+                out[_decl_name(decl)] = {"width": types.width(value), "index": types.width(index),
+                                         "size": types.value(args[0]), "control": _decl_name(control)}
+    return out
+
+
+def instances(tree: Tree) -> Counter:
+    """How many instances of each control type the program declares (in controls, or as the package's arguments:
+    ``V1Switch(IntmlParser(), ...)``)."""
+    controls = {_decl_name(c) for c in _declarations(tree, "control_declaration")}
+    declared = Counter(_type_name(i) for i in _declarations(tree, "instantiation") if _type_name(i) in controls)
+    constructed = Counter(_text(c.children[0]) for c in _declarations(tree, "construct"))
+    return declared + Counter({name: n for name, n in constructed.items() if name in controls})
 
 
 # ---- check 3: constants equal the Python configuration

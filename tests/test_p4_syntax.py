@@ -122,6 +122,12 @@ def test_register_index_too_wide_or_unknown_fails(old, new, message):
     assert any(message in e for e in errors(mutate(old, new)))
 
 
+def test_constant_index_checked_by_value():
+    small = mutate("(ROWS * 4) sums", "(ROWS * 3) sums").replace("meta.row ++ meta.set", "5w23")
+    assert errors(small.replace("(bit<5>) meta.row", "5w0")) == []
+    assert errors(small.replace("(bit<5>) meta.row", "5w24")) == ["line 34: sums.write index 24 is beyond its 24 entries"]
+
+
 def test_wrong_or_missing_constant_fails():
     assert errors(PROGRAM, {"LANES": 5, "ROWS": 8}) == ["const LANES = 4, the Python configuration says 5"]
     assert errors(PROGRAM, {**EXPECTED, "MAX_WORLD": 32}) == ["const MAX_WORLD is missing (expected 32)"]

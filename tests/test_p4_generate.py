@@ -1,0 +1,105 @@
+"""p4.generate: the committed .p4 files are what the generator writes, they parse with the P4_16 grammar, pass
+the structural checks, and declare exactly p4/layout.py's tables, registers and constants (the layout the
+pipeline model executes). If p4test or p4c is on PATH, the program also compiles; otherwise that test is
+skipped, saying so."""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from intml.p4 import entries, generate, layout, syntax
+
+P4 = generate.HERE
+PROGRAMS = {"v1model": P4 / "intml.p4", "tna": P4 / "tna" / "intml_tna.p4"}
+
+
+@pytest.fixture(scope="module")
+def trees():
+    return {name: syntax.parse(path) for name, path in PROGRAMS.items()}
+
+
+def test_committed_files_are_what_the_generator_writes():
+    assert generate.differing() == [], "run: python -m intml.p4.generate"
+    assert generate.main(["--check"]) == 0
+
+
+def test_check_names_a_file_that_differs(tmp_path: Path, capsys):
+    generate.write(tmp_path)
+    assert generate.differing(tmp_path) == []
+    (tmp_path / "next_step.p4").write_text((tmp_path / "next_step.p4").read_text().replace("drop_stale()", "add()"))
+    (tmp_path / "egress.p4").unlink()
+    assert generate.differing(tmp_path) == [Path("next_step.p4"), Path("egress.p4")]
+
+
+def test_every_file_is_part_of_a_program():
+    committed = {p.relative_to(P4) for p in P4.rglob("*.p4")}
+    included = {path.relative_to(P4) for program in PROGRAMS.values()
+                for path, _ in syntax.Source(program).origin}
+    assert committed == set(generate.files()) == included
+
+
+@pytest.mark.parametrize("program", PROGRAMS)
+def test_structural_checks_pass(trees, program):
+    tree = trees[program]
+    assert syntax.check_applies(tree) == []
+    assert syntax.check_register_indexes(tree) == []
+    assert syntax.check_constants(tree, layout.CONSTANTS) == []
+
+
+def test_tables_are_the_layouts(trees):
+    found = syntax.tables(trees["v1model"])
+    assert set(found) == {t.name for t in layout.TABLES}
+    static = entries.static_entries()
+    for table in layout.TABLES:
+        p4 = found[table.name]
+        assert p4["keys"] == [(k.field, k.match) for k in table.keys], table.name
+        assert p4["actions"] == [a.name for a in table.actions], table.name
+        assert p4["size"] == table.size, table.name
+        assert p4["entries"] == (sum(e.table == table.name for e in static) if table.const else 0), table.name
+
+
+def test_registers_are_the_layouts(trees):
+    found = syntax.registers(trees["v1model"])
+    assert set(found) == {r.name for r in layout.REGISTERS}
+    controls = syntax.instances(trees["v1model"])
+    for register in layout.REGISTERS:
+        p4 = found[register.name]
+        assert (p4["width"], p4["size"]) == (register.width, register.entries), register.name
+        # a per-lane register lives in a lane control instantiated once per lane of a pass
+        assert controls[p4["control"]] == (register.lanes or 1), register.name
+
+
+def test_lane_tables_are_one_per_lane(trees):
+    found, controls = syntax.tables(trees["v1model"]), syntax.instances(trees["v1model"])
+    for table in layout.TABLES:
+        assert controls[found[table.name]["control"]] == (table.lanes or 1), table.name
+
+
+def test_const_entries_are_rendered_from_entries_py():
+    text = (P4 / "next_step.p4").read_text()
+    for e in entries.next_step_entries():
+        assert syntax_entry(e) in text
+    text = (P4 / "cnat_encode.p4").read_text()
+    assert "(8w1 &&& 8w1)" not in text  # ternary keys are rendered with the key's width, 32 bits
+    assert "32w0x80000000 &&& 32w0x80000000 : encode_b31();" in text
+
+
+def syntax_entry(e) -> str:
+    from intml.p4.p4text import entry_text
+    return entry_text(layout.TABLE[e.table], e)
+
+
+COMPILER = shutil.which("p4test") or shutil.which("p4c")
+
+
+@pytest.mark.skipif(COMPILER is None, reason="neither p4test nor p4c is on PATH: the program is only parsed and "
+                                             "checked structurally (p4/syntax.py), not compiled")
+def test_v1model_program_compiles(tmp_path: Path):
+    if Path(COMPILER).name == "p4test":
+        command = [COMPILER, "--std", "p4-16", str(PROGRAMS["v1model"])]
+    else:
+        command = [COMPILER, "--target", "bmv2", "--arch", "v1model", "-o", str(tmp_path), str(PROGRAMS["v1model"])]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
