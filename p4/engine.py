@@ -45,6 +45,8 @@ class P4ModelCore(AggregatorCore):
 
     def receive(self, rx: Burst, now: float) -> Burst:
         """As AggregatorCore.receive; the output burst has rows of its own."""
+        if rx.data is None:
+            raise ValueError("receive needs a burst with rows of its own (Burst.rows_of)")
         self.model.new_burst()
         sent: list[tuple[bytes, int]] = []
         for i in range(rx.count):

@@ -16,6 +16,7 @@ did, and the sums and results are the same.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -27,6 +28,7 @@ from intml.p4.layout import (
     COUNTERS,
     EVENT_CODES,
     HASH_MULTIPLIER,
+    JOB_PARAMS,
     LANES_PER_PASS,
     MAX_JOBS,
     MAX_WORLD,
@@ -52,6 +54,24 @@ JOB_TABLES = ("job_table", "membership", "slot_table", "multicast_group", "egres
 ENCODE_B = {f"encode_b{b}": b for b in range(32)}
 _STEP_OF = {OPEN: STEP_OPEN, ADD: STEP_ADD, RESEND: STEP_RESEND}
 _U32 = 0xFFFFFFFF
+
+
+class JobHit(NamedTuple):
+    """The job table's hit: its action's parameters (layout.JOB_PARAMS) and the codec's lane width."""
+
+    job_index: int
+    world: int
+    value_bits: int
+    pool: int
+    packet_elements: int
+    value_limit: int
+    group: int
+    seed: int
+    codec: Codec
+    width: int
+
+
+assert JobHit._fields[:len(JOB_PARAMS)] == tuple(name for name, _ in JOB_PARAMS)
 
 
 def _int8(bits: int) -> int:
@@ -124,20 +144,18 @@ class PipelineModel:
         if reason:
             core[STAT[reason]] += 1
             return []
-        action, job = self.tables.lookup("job_table", (h["job"],))
+        action, params = self.tables.lookup("job_table", (h["job"],))
         if action == "unknown_job":
             core[STAT["drop_unknown_job"]] += 1
             return []
-        index, world, vbits, pool, packet_elements, value_limit, group, seed = job
-        counter = self.job_counter[index]
+        job = JobHit(*params, *((Codec.CNAT8, 1) if action == "set_job_cnat8" else (Codec.INT32, 4)))
+        counter = self.job_counter[job.job_index]
         counter[STAT["packets_in"]] += 1
-        codec, width = (Codec.CNAT8, 1) if action == "set_job_cnat8" else (Codec.INT32, 4)
-        reason, row = self._check(h, addr, len(datagram), index, world, codec, width, packet_elements, now)
+        reason, row = self._check(h, addr, len(datagram), job, now)
         if reason:
             counter[STAT[reason]] += 1
             return []
-        return self._slot(h, datagram, index, world, vbits, value_limit, seed, codec, width, 2 * row + h["shadow"],
-                          packet_elements, group)
+        return self._slot(h, datagram, job, 2 * row + h["shadow"])
 
     @staticmethod
     def _parse(datagram: bytes | None) -> tuple[str, dict]:
@@ -171,21 +189,20 @@ class PipelineModel:
         self.in_burst += 1
         return True
 
-    def _check(self, h: dict, addr: int, length: int, index: int, world: int, codec: Codec, width: int,
-               packet_elements: int, now: float) -> tuple[str, int]:
+    def _check(self, h: dict, addr: int, length: int, job: JobHit, now: float) -> tuple[str, int]:
         """Membership, slot, codec, length, shadow and exponent range: (drop reason or "", row)."""
         rank = h["rank"]
-        if rank >= world:
+        if rank >= job.world:
             return "drop_rank_out_of_range", 0
-        if self.tables.lookup("membership", (index, rank, addr))[0] == "not_member":
+        if self.tables.lookup("membership", (job.job_index, rank, addr))[0] == "not_member":
             return "drop_unregistered_source", 0
-        self.registers.write("member_seen", index * MAX_WORLD + rank, round(now * 1e6))
-        action, params = self.tables.lookup("slot_table", (index, h["slot"]))
+        self.registers.write("member_seen", job.job_index * MAX_WORLD + rank, round(now * 1e6))
+        action, params = self.tables.lookup("slot_table", (job.job_index, h["slot"]))
         if action == "slot_out_of_range":
             return "drop_slot_out_of_range", 0
-        if h["codec"] != codec:
+        if h["codec"] != job.codec:
             return "drop_wrong_codec", 0
-        if h["count"] > packet_elements or length != HEADER_SIZE + width * h["count"]:
+        if h["count"] > job.packet_elements or length != HEADER_SIZE + job.width * h["count"]:
             return "drop_wrong_count", 0
         if h["shadow"] > 1:
             return "drop_bad_shadow", 0
@@ -193,20 +210,19 @@ class PipelineModel:
             return "drop_bad_exponent", 0
         return "", params[0]
 
-    def _lanes_ok(self, payload: bytes, codec: Codec, vbits: int, exp: int, value_limit: int) -> bool:
+    def _lanes_ok(self, payload: bytes, job: JobHit, exp: int) -> bool:
         """Pass 0's check of every lane, before any register is written."""
-        if codec == Codec.INT32:
+        if job.codec == Codec.INT32:
             values = np.frombuffer(payload, ">i4")
-            return bool(np.all((values >= -value_limit) & (values <= value_limit)))
-        action, (k_limit, _) = self.tables.lookup("data_bound", (vbits, exp & 0xFF))
+            return bool(np.all((values >= -job.value_limit) & (values <= job.value_limit)))
+        action, (k_limit, _) = self.tables.lookup("data_bound", (job.value_bits, exp & 0xFF))
         codes = np.frombuffer(payload, np.uint8)
         ok = (codes == 0) | (((codes & NONZERO) != 0) & ((codes & 0x3F) < k_limit))
         return action == "set_bound" and bool(ok.all())
 
-    def _slot(self, h: dict, datagram: bytes, index: int, world: int, vbits: int, value_limit: int, seed: int,
-              codec: Codec, width: int, slot_index: int, packet_elements: int, group: int) -> list[tuple[bytes, int]]:
+    def _slot(self, h: dict, datagram: bytes, job: JobHit, slot_index: int) -> list[tuple[bytes, int]]:
         """The slot's state (pass 0), then the lanes, pass by pass, then the result's egress."""
-        regs, counter = self.registers, self.job_counter[index]
+        regs, counter, world = self.registers, self.job_counter[job.job_index], job.world
         key = h["allreduce"] << 32 | ((h["chunk"] + (1 << 31)) & _U32)
         bit = 1 << h["rank"]
         bitmap, count = regs.read("worker_bitmap", slot_index), regs.read("worker_count", slot_index)
@@ -230,7 +246,7 @@ class PipelineModel:
                          else "drop_wrong_count"]] += 1
             return []
         payload = datagram[HEADER_SIZE:]
-        if action != RESEND and not self._lanes_ok(payload, codec, vbits, exp, value_limit):
+        if action != RESEND and not self._lanes_ok(payload, job, exp):
             counter[STAT["drop_invalid_code"]] += 1
             return []
         completes = False
@@ -252,19 +268,18 @@ class PipelineModel:
                 counter[STAT["completions"]] += 1
         elements = regs.read("round_elements", slot_index)
         step = _STEP_OF.get(action, STEP_NONE)
-        out = bytearray(HEADER_SIZE + width * elements)
-        _, (_, k_finite) = self.tables.lookup("data_bound", (vbits, regs.read("round_exp", slot_index)))
+        out = bytearray(HEADER_SIZE + job.width * elements)
+        _, (_, k_finite) = self.tables.lookup("data_bound", (job.value_bits, regs.read("round_exp", slot_index)))
         self.last_passes = passes(elements)
         for pass_no in range(self.last_passes):
-            self._pass(pass_no, step, completes, slot_index, elements, codec, width, payload, out, seed,
-                       h["allreduce"], h["chunk"] * packet_elements, k_finite, counter)
+            self._pass(pass_no, step, completes, slot_index, elements, job, payload, out, h["allreduce"],
+                       h["chunk"] * job.packet_elements, k_finite)
         if step != STEP_RESEND and not completes:
             return []  # consumed
-        return self._egress(h, out, index, slot_index, elements, codec, group, step)
+        return self._egress(h, out, job, slot_index, elements, step)
 
-    def _pass(self, pass_no: int, step: int, completes: bool, slot_index: int, elements: int, codec: Codec,
-              width: int, payload: bytes, out: bytearray, seed: int, allreduce: int, element_base: int,
-              k_finite: int, counter: np.ndarray) -> None:
+    def _pass(self, pass_no: int, step: int, completes: bool, slot_index: int, elements: int, job: JobHit,
+              payload: bytes, out: bytearray, allreduce: int, element_base: int, k_finite: int) -> None:
         """One pass over lanes [pass_no * LANES_PER_PASS, ...): add (or write) them into lane_sum and, on the
         completing contribution, re-encode the new sums into lane_code; a re-send reads the stored result.
         The lanes of the result go into ``out``'s payload."""
@@ -274,6 +289,7 @@ class PipelineModel:
             return
         cell = lane_index(slot_index, pass_no)
         sums, codes = self.registers.cells["lane_sum"], self.registers.cells["lane_code"]
+        codec, width = job.codec, job.width
         if step in (STEP_OPEN, STEP_ADD):
             if codec == Codec.INT32:
                 values = np.frombuffer(payload, ">i4", n, width * lo).astype(np.int32).view(np.uint32)
@@ -283,20 +299,20 @@ class PipelineModel:
             new = values if step == STEP_OPEN else sums[:n, cell] + values  # uint32: wraps as the register does
             sums[:n, cell] = new
             if completes and codec == Codec.CNAT8:
-                codes[:n, cell] = self._encode(new, seed, allreduce, element_base + lo, k_finite, counter)
+                codes[:n, cell] = self._encode(new, job, allreduce, element_base + lo, k_finite)
         if codec == Codec.INT32:
             lanes = sums[:n, cell].astype(">u4").tobytes()
         else:
             lanes = codes[:n, cell].tobytes()
         out[HEADER_SIZE + width * lo:HEADER_SIZE + width * (lo + n)] = lanes
 
-    def _encode(self, sums: np.ndarray, seed: int, allreduce: int, index: int, k_finite: int,
-                counter: np.ndarray) -> np.ndarray:
+    def _encode(self, sums: np.ndarray, job: JobHit, allreduce: int, index: int, k_finite: int) -> np.ndarray:
         """cnat_encode: per lane, the leading one b of |sum| (leading_one), then encode_b<b>: round up iff the top
         b bits of the lane's random word are below the remainder under the leading one."""
         negative = (sums >> np.uint32(31)).astype(np.uint8)
         magnitude = np.where(negative, (~sums + np.uint32(1)), sums).astype(np.uint32)
-        words = self.random.words(seed, allreduce, index % (1 << 64), sums.size)
+        words = self.random.words(job.seed, allreduce, index % (1 << 64), sums.size)
+        counter = self.job_counter[job.job_index]
         out = np.zeros(sums.size, np.uint8)
         for lane, action in enumerate(self.tables.leading_one(magnitude)):
             b = ENCODE_B.get(action)
@@ -308,20 +324,21 @@ class PipelineModel:
             out[lane] = negative[lane] * SIGN | NONZERO | k
         return out
 
-    def _egress(self, h: dict, out: bytearray, index: int, slot_index: int, elements: int, codec: Codec,
-                group: int, step: int) -> list[tuple[bytes, int]]:
+    def _egress(self, h: dict, out: bytearray, job: JobHit, slot_index: int, elements: int,
+                step: int) -> list[tuple[bytes, int]]:
         """The RESULT header, then the copies: every replica of the job's multicast group (a completion) or the
         one rank (a re-send), each destination from egress_dest."""
         regs = self.registers
         rec = np.zeros(1, HEADER)
         fields = {"magic": MAGIC, "version": VERSION, "type": int(MsgType.RESULT), "job": h["job"],
                   "allreduce": h["allreduce"], "chunk": h["chunk"], "rank": 0, "slot": h["slot"], "count": elements,
-                  "codec": int(codec), "shadow": h["shadow"], "exp": _int8(regs.read("round_exp", slot_index)),
+                  "codec": int(job.codec), "shadow": h["shadow"], "exp": _int8(regs.read("round_exp", slot_index)),
                   "next_exp": _int8(regs.read("round_next_exp", slot_index))}
         for name, value in fields.items():
             rec[name] = value
         out[:HEADER_SIZE] = rec.tobytes()
         result = bytes(out)
+        index = job.job_index
         rids = (h["rank"],) if step == STEP_RESEND else self.tables.groups.get(index + 1, ())
         dests = [self.tables.lookup("egress_dest", (index, rid))[1] for rid in rids]
         sent = [(result, d[0]) for d in dests if d]
