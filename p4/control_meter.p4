@@ -19,6 +19,7 @@ control ControlMeter(inout headers_t hdr, inout metadata_t meta, inout standard_
         core_interval_ns = core_interval; core_tolerance_ns = core_tolerance;
     }
 
+    @name(".control_limits")
     table control_limits {
         actions = { set_limits; }
         default_action = set_limits(0, 0, 0, 0);

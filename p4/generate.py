@@ -210,7 +210,8 @@ def control_meter() -> str:
     tables = [
         table_text(L.TABLE["control_limits"], {
         "set_limits": "source_interval_ns = source_interval; source_tolerance_ns = source_tolerance;\n"
-                      "core_interval_ns = core_interval; core_tolerance_ns = core_tolerance;"}, []),
+                      "core_interval_ns = core_interval; core_tolerance_ns = core_tolerance;"}, [],
+                   name=".control_limits"),
     ]
     return guard("CONTROL_METER", f"""
 // JOIN, LEAVE and STATS_REQUEST go to the controller through two GCRA buckets, each a theoretical arrival time in

@@ -103,3 +103,14 @@ def test_v1model_program_compiles(tmp_path: Path):
         command = [COMPILER, "--target", "bmv2", "--arch", "v1model", "-o", str(tmp_path), str(PROGRAMS["v1model"])]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
+
+
+def test_readme_lists_the_layout():
+    rows = {line.split("|")[1].strip(): line for line in (P4 / "README.md").read_text().splitlines()
+            if line.startswith("| `")}
+    for register in layout.REGISTERS:
+        cells = [c.strip() for c in rows[f"`{register.name}`"].split("|")]
+        assert cells[2:5] == [f"{register.entries:,}", str(register.width), str(register.lanes or "")], register.name
+    for table in layout.TABLES:
+        cells = [c.strip() for c in rows[f"`{table.name}`"].split("|")]
+        assert cells[3] == f"{table.size:,}" and cells[5] == str(table.lanes or ""), table.name

@@ -9,14 +9,14 @@
 //   round_exp: (exp, biased next_exp): written on open, returns exp for an add's check, raises next_exp;
 //   worker_bitmap: (ranks 0-31, 32-63): reset to the rank's bit on open, the bit added on a same-round packet,
 //                  returns the bits before (a known rank: duplicate or re-send);
-//   worker_count: 1 on open, + 1 on an add; returns the count (n: the round completes).
+// The count is the bitmap's: the round completes when the bitmap equals the job's full mask (ranks 0..n-1), so
+// Tofino needs no worker_count register (its stateful ALU goes to the lanes; p4/README.md).
 // One departure from the v1model program: next_exp is raised before the bitmap tells a duplicate from a new rank
 // (a conforming worker's duplicate carries the same next_exp, so the max is the same).
 control SlotState(inout tna_headers_t hdr, inout tna_metadata_t ig_md) {
     Register<pair_t, slot_index_t>(SLOT_ENTRIES) round_key;
     Register<pair_t, slot_index_t>(SLOT_ENTRIES) round_exp;
     Register<pair_t, slot_index_t>(SLOT_ENTRIES) worker_bitmap;
-    Register<bit<8>, slot_index_t>(SLOT_ENTRIES) worker_count;
 
     RegisterAction<pair_t, slot_index_t, bit<8>>(round_key) classify = {
         void apply(inout pair_t value, out bit<8> order) {
@@ -44,35 +44,36 @@ control SlotState(inout tna_headers_t hdr, inout tna_metadata_t ig_md) {
         }
     };
 
+    // returns KNOWN_RANK if the rank's bit was set (a duplicate or a re-send), else COMPLETES if its bit completes
+    // the round, else 0
     RegisterAction<pair_t, slot_index_t, bit<32>>(worker_bitmap) mark = {
-        void apply(inout pair_t value, out bit<32> known) {
-            known = (value.first & ig_md.worker_bit_lo) | (value.second & ig_md.worker_bit_hi);
+        void apply(inout pair_t value, out bit<32> result) {
+            result = 0;
             if (ig_md.order == ORDER_NEWER) {
+                if (ig_md.worker_bit_lo == ig_md.full_lo && ig_md.worker_bit_hi == ig_md.full_hi) {
+                    result = COMPLETES;  // a one-rank job
+                }
                 value.first = ig_md.worker_bit_lo;
                 value.second = ig_md.worker_bit_hi;
+            } else if ((value.first & ig_md.worker_bit_lo) != 0 || (value.second & ig_md.worker_bit_hi) != 0) {
+                result = KNOWN_RANK;
             } else if (ig_md.order == ORDER_SAME && ig_md.exp_ok) {
+                if ((value.first | ig_md.worker_bit_lo) == ig_md.full_lo
+                        && (value.second | ig_md.worker_bit_hi) == ig_md.full_hi) {
+                    result = COMPLETES;
+                }
                 value.first = value.first | ig_md.worker_bit_lo;
                 value.second = value.second | ig_md.worker_bit_hi;
             }
         }
     };
 
-    RegisterAction<bit<8>, slot_index_t, bit<8>>(worker_count) count = {
-        void apply(inout bit<8> value, out bit<8> contributions) {
-            if (ig_md.order == ORDER_NEWER) {
-                value = 1;
-            } else if (ig_md.order == ORDER_SAME && ig_md.new_rank) {
-                value = value + 1;
-            }
-            contributions = value;
-        }
-    };
-
     apply {
         ig_md.order = classify.execute(ig_md.bridge.slot_index[9:0]);
         ig_md.exp_ok = agree.execute(ig_md.bridge.slot_index[9:0]) == 24w0 ++ hdr.intml.exp;
-        ig_md.new_rank = mark.execute(ig_md.bridge.slot_index[9:0]) == 0;
-        if (count.execute(ig_md.bridge.slot_index[9:0]) == ig_md.world && (ig_md.order == ORDER_NEWER || ig_md.new_rank)) {
+        bit<32> marked = mark.execute(ig_md.bridge.slot_index[9:0]);
+        ig_md.new_rank = marked != KNOWN_RANK;
+        if (marked == COMPLETES) {
             ig_md.bridge.completes = 1;
         }
     }

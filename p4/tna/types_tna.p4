@@ -6,6 +6,8 @@ const int RECIRCULATION_PORT = 68;  // Tofino-1 pipe 0's recirculation port (an 
 const int PHASE_CONSUME = 0;  // the pass adds its lanes
 const int PHASE_HARVEST_FIRST = 1;  // the pass reads back the first lanes of its register pairs
 const int PHASE_HARVEST_SECOND = 2;  // ... and the second
+const int KNOWN_RANK = 1;
+const int COMPLETES = 2;
 const int ORDER_OLDER = 0;
 const int ORDER_SAME = 1;
 const int ORDER_NEWER = 2;
@@ -218,6 +220,8 @@ struct tna_metadata_t {
     bit<32> worker_bit_lo;
     bit<32> worker_bit_hi;
     bit<8> world;
+    bit<32> full_lo;  // the job's full bitmap (ranks 0..n-1), from the job table
+    bit<32> full_hi;
     bit<2> event;
     bit<2> state;
     bit<8> order;  // ORDER_OLDER / ORDER_SAME / ORDER_NEWER: the packet's round against the set's
