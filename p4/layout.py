@@ -59,6 +59,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
+
 from intml.aggregator.slots import (
     NEWER,
     OLDER,
@@ -257,9 +259,10 @@ def lane_index(slot_index: int, pass_no: int) -> int:
     return slot_index * MAX_PASSES + pass_no
 
 
-def lane_ok(code: int, k_limit: int) -> bool:
-    """A C_nat lane passes the pass-0 check: code 0, or the NONZERO bit and k < k_limit."""
-    return code == 0 or (code & NONZERO != 0 and code & K_MASK < k_limit)
+def lane_ok(code: int | np.ndarray, k_limit: int) -> bool | np.ndarray:
+    """A C_nat lane (or each of an array of lanes) passes the pass-0 check: code 0, or the NONZERO bit and
+    k < k_limit."""
+    return (code == 0) | (((code & NONZERO) != 0) & ((code & K_MASK) < k_limit))
 
 
 def refusal(codec: int, packet_elements: int, data_mac: bool) -> str | None:

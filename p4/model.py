@@ -15,14 +15,17 @@ did, and the sums and results are the same.
 
 from __future__ import annotations
 
+from collections import namedtuple
 from collections.abc import Iterable
 from typing import NamedTuple
 
 import numpy as np
 
+from intml.aggregator.slots import STAT_NAMES
 from intml.p4.entries import Entry, limit_entries
 from intml.p4.extern import RandomSource
 from intml.p4.layout import (
+    BRIDGED,
     BUCKET_SHIFT,
     CONTROL_TYPES,
     COUNTERS,
@@ -42,6 +45,7 @@ from intml.p4.layout import (
     STEP_OPEN,
     STEP_RESEND,
     lane_index,
+    lane_ok,
     passes,
 )
 from intml.p4.tables import Registers, Tables
@@ -54,6 +58,9 @@ JOB_TABLES = ("job_table", "membership", "slot_table", "multicast_group", "egres
 ENCODE_B = {f"encode_b{b}": b for b in range(32)}
 _STEP_OF = {OPEN: STEP_OPEN, ADD: STEP_ADD, RESEND: STEP_RESEND}
 _U32 = 0xFFFFFFFF
+
+
+Bridged = namedtuple("Bridged", [name for name, _ in BRIDGED])  # the metadata a recirculation carries
 
 
 class JobHit(NamedTuple):
@@ -124,6 +131,11 @@ class PipelineModel:
             cells["round_key"][index] = np.uint64(2**64 - 1)
             cells["worker_bitmap"][index] = 0
             cells["worker_count"][index] = 0
+
+    def counters(self, job_index: int | None = None) -> dict[str, int]:
+        """The counters by name (aggregator.slots.STAT_NAMES): a job index's, or the core's."""
+        cells = self.core_counter if job_index is None else self.job_counter[job_index]
+        return dict(zip(STAT_NAMES, cells.tolist()))
 
     def new_burst(self) -> None:
         """The next datagrams are another received burst (the driver's per-burst control cap restarts)."""
@@ -216,9 +228,7 @@ class PipelineModel:
             values = np.frombuffer(payload, ">i4")
             return bool(np.all((values >= -job.value_limit) & (values <= job.value_limit)))
         action, (k_limit, _) = self.tables.lookup("data_bound", (job.value_bits, exp & 0xFF))
-        codes = np.frombuffer(payload, np.uint8)
-        ok = (codes == 0) | (((codes & NONZERO) != 0) & ((codes & 0x3F) < k_limit))
-        return action == "set_bound" and bool(ok.all())
+        return action == "set_bound" and bool(lane_ok(np.frombuffer(payload, np.uint8), k_limit).all())
 
     def _slot(self, h: dict, datagram: bytes, job: JobHit, slot_index: int) -> list[tuple[bytes, int]]:
         """The slot's state (pass 0), then the lanes, pass by pass, then the result's egress."""
@@ -266,40 +276,41 @@ class PipelineModel:
             completes = count + 1 == world
             if completes:
                 counter[STAT["completions"]] += 1
-        elements = regs.read("round_elements", slot_index)
-        step = _STEP_OF.get(action, STEP_NONE)
-        out = bytearray(HEADER_SIZE + job.width * elements)
-        _, (_, k_finite) = self.tables.lookup("data_bound", (job.value_bits, regs.read("round_exp", slot_index)))
-        self.last_passes = passes(elements)
-        for pass_no in range(self.last_passes):
-            self._pass(pass_no, step, completes, slot_index, elements, job, payload, out, h["allreduce"],
-                       h["chunk"] * job.packet_elements, k_finite)
-        if step != STEP_RESEND and not completes:
+        round_exp = regs.read("round_exp", slot_index)
+        _, (_, k_finite) = self.tables.lookup("data_bound", (job.value_bits, round_exp))
+        bridged = Bridged(0, _STEP_OF.get(action, STEP_NONE), completes, job.job_index, h["rank"], slot_index,
+                          regs.read("round_elements", slot_index), _int8(round_exp),
+                          _int8(regs.read("round_next_exp", slot_index)), k_finite)
+        out = bytearray(HEADER_SIZE + job.width * bridged.elements)
+        self.last_passes = passes(bridged.elements)
+        for pass_no in range(self.last_passes):  # pass 0, then a recirculation per further pass
+            self._pass(bridged._replace(pass_no=pass_no), h, job, payload, out)
+        if bridged.step != STEP_RESEND and not completes:
             return []  # consumed
-        return self._egress(h, out, job, slot_index, elements, step)
+        return self._egress(bridged, h, job, out)
 
-    def _pass(self, pass_no: int, step: int, completes: bool, slot_index: int, elements: int, job: JobHit,
-              payload: bytes, out: bytearray, allreduce: int, element_base: int, k_finite: int) -> None:
+    def _pass(self, bridged: Bridged, h: dict, job: JobHit, payload: bytes, out: bytearray) -> None:
         """One pass over lanes [pass_no * LANES_PER_PASS, ...): add (or write) them into lane_sum and, on the
         completing contribution, re-encode the new sums into lane_code; a re-send reads the stored result.
         The lanes of the result go into ``out``'s payload."""
-        lo = pass_no * LANES_PER_PASS
-        n = min(LANES_PER_PASS, elements - lo)
+        lo = bridged.pass_no * LANES_PER_PASS
+        n = min(LANES_PER_PASS, bridged.elements - lo)
         if n <= 0:
             return
-        cell = lane_index(slot_index, pass_no)
+        cell = lane_index(bridged.slot_index, bridged.pass_no)
         sums, codes = self.registers.cells["lane_sum"], self.registers.cells["lane_code"]
         codec, width = job.codec, job.width
-        if step in (STEP_OPEN, STEP_ADD):
+        if bridged.step in (STEP_OPEN, STEP_ADD):
             if codec == Codec.INT32:
                 values = np.frombuffer(payload, ">i4", n, width * lo).astype(np.int32).view(np.uint32)
             else:
                 hit, values = self.tables.decode(np.frombuffer(payload, np.uint8, n, lo))
                 assert hit.all()  # pass 0 checked every lane
-            new = values if step == STEP_OPEN else sums[:n, cell] + values  # uint32: wraps as the register does
+            new = values if bridged.step == STEP_OPEN else sums[:n, cell] + values  # uint32: wraps as the register
             sums[:n, cell] = new
-            if completes and codec == Codec.CNAT8:
-                codes[:n, cell] = self._encode(new, job, allreduce, element_base + lo, k_finite)
+            if bridged.completes and codec == Codec.CNAT8:
+                index = (h["chunk"] * job.packet_elements + lo) % (1 << 64)
+                codes[:n, cell] = self._encode(new, job, h["allreduce"], index, bridged.k_finite)
         if codec == Codec.INT32:
             lanes = sums[:n, cell].astype(">u4").tobytes()
         else:
@@ -311,7 +322,7 @@ class PipelineModel:
         b bits of the lane's random word are below the remainder under the leading one."""
         negative = (sums >> np.uint32(31)).astype(np.uint8)
         magnitude = np.where(negative, (~sums + np.uint32(1)), sums).astype(np.uint32)
-        words = self.random.words(job.seed, allreduce, index % (1 << 64), sums.size)
+        words = self.random.words(job.seed, allreduce, index, sums.size)
         counter = self.job_counter[job.job_index]
         out = np.zeros(sums.size, np.uint8)
         for lane, action in enumerate(self.tables.leading_one(magnitude)):
@@ -324,22 +335,20 @@ class PipelineModel:
             out[lane] = negative[lane] * SIGN | NONZERO | k
         return out
 
-    def _egress(self, h: dict, out: bytearray, job: JobHit, slot_index: int, elements: int,
-                step: int) -> list[tuple[bytes, int]]:
+    def _egress(self, bridged: Bridged, h: dict, job: JobHit, out: bytearray) -> list[tuple[bytes, int]]:
         """The RESULT header, then the copies: every replica of the job's multicast group (a completion) or the
         one rank (a re-send), each destination from egress_dest."""
-        regs = self.registers
         rec = np.zeros(1, HEADER)
         fields = {"magic": MAGIC, "version": VERSION, "type": int(MsgType.RESULT), "job": h["job"],
-                  "allreduce": h["allreduce"], "chunk": h["chunk"], "rank": 0, "slot": h["slot"], "count": elements,
-                  "codec": int(job.codec), "shadow": h["shadow"], "exp": _int8(regs.read("round_exp", slot_index)),
-                  "next_exp": _int8(regs.read("round_next_exp", slot_index))}
+                  "allreduce": h["allreduce"], "chunk": h["chunk"], "rank": 0, "slot": h["slot"],
+                  "count": bridged.elements, "codec": int(job.codec), "shadow": h["shadow"], "exp": bridged.exp,
+                  "next_exp": bridged.next_exp}
         for name, value in fields.items():
             rec[name] = value
         out[:HEADER_SIZE] = rec.tobytes()
         result = bytes(out)
-        index = job.job_index
-        rids = (h["rank"],) if step == STEP_RESEND else self.tables.groups.get(index + 1, ())
+        index = bridged.job_index
+        rids = (bridged.rank,) if bridged.step == STEP_RESEND else self.tables.groups.get(index + 1, ())
         dests = [self.tables.lookup("egress_dest", (index, rid))[1] for rid in rids]
         sent = [(result, d[0]) for d in dests if d]
         self.job_counter[index][STAT["packets_out"]] += len(sent)

@@ -29,7 +29,6 @@ from test_e2e import SMALL_PLAN, allreduce_worker, assert_bits_equal, check_resu
 from test_slot_reference import GROUP, JOBS, Item, joined_pair, nonzero, packets
 
 from intml.aggregator.core import AggregatorCore
-from intml.aggregator.slots import STAT_NAMES
 from intml.p4 import layout
 from intml.p4.controller import controller_entries
 from intml.p4.engine import P4ModelCore, engine_problem
@@ -102,11 +101,9 @@ def assert_model_state(model: PipelineModel, core: AggregatorCore, ref: SlotRefe
 
 
 def assert_model_counters(model: PipelineModel, core: AggregatorCore, ref: SlotReference, joins: dict) -> None:
-    core_counters = dict(zip(STAT_NAMES, model.core_counter.tolist()))
-    assert nonzero(core_counters) == nonzero(ref.core_stats - joins)
+    assert nonzero(model.counters()) == nonzero(ref.core_stats - joins)
     for job in ref.jobs.values():
-        got = dict(zip(STAT_NAMES, model.job_counter[core.info[job.job_id].index].tolist()))
-        assert nonzero(got) == nonzero(job.stats), job.job_id
+        assert nonzero(model.counters(core.info[job.job_id].index)) == nonzero(job.stats), job.job_id
 
 
 # ---- (a) hypothesis's random streams -----------------------------------------------------------------------
@@ -427,6 +424,5 @@ def test_control_meter_admits_as_the_core() -> None:
             ref.receive(join, src, now)
             model.receive(join, src, now)
     assert model.control == ref.control
-    assert dict(zip(STAT_NAMES, model.core_counter.tolist()))["drop_control_rate"] == ref.core_stats[
-        "drop_control_rate"] > 0
+    assert model.counters()["drop_control_rate"] == ref.core_stats["drop_control_rate"] > 0
     assert len(ref.control) > 50
