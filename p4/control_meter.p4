@@ -15,8 +15,10 @@ control ControlMeter(inout headers_t hdr, inout metadata_t meta, inout standard_
     bit<64> core_tolerance_ns;
 
     action set_limits(bit<64> source_interval, bit<64> source_tolerance, bit<64> core_interval, bit<64> core_tolerance) {
-        source_interval_ns = source_interval; source_tolerance_ns = source_tolerance;
-        core_interval_ns = core_interval; core_tolerance_ns = core_tolerance;
+        source_interval_ns = source_interval;
+        source_tolerance_ns = source_tolerance;
+        core_interval_ns = core_interval;
+        core_tolerance_ns = core_tolerance;
     }
 
     @name(".control_limits")

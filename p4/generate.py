@@ -16,6 +16,7 @@ from pathlib import Path
 
 from intml.p4 import entries as entries_module
 from intml.p4 import layout as L
+from intml.p4.actions import ACTION_BODIES
 from intml.p4.generate_tna import tna_files
 from intml.p4.p4text import HEADER_NOTE, guard, lanes, log2, table_text
 from intml.protocol.wire import DEFAULT_PORT, Codec
@@ -42,8 +43,8 @@ PROGRAM_CONSTANTS = {
     "INTML_PORT": (DEFAULT_PORT, "protocol.wire.DEFAULT_PORT: the aggregator's UDP port"),
     "CPU_PORT": (CPU_PORT, "admitted control datagrams leave here for the controller"),
     "UDP_BYTES": (8, "the UDP header"),
-    "ETHERTYPE_IPV4": (0x0800, ""),
-    "PROTO_UDP": (17, ""),
+    "ETHERTYPE_IPV4": (0x0800, "IPv4 in the Ethernet type"),
+    "PROTO_UDP": (17, "UDP in the IPv4 protocol"),
     "LANES_PER_PASS_LOG2": (log2(L.LANES_PER_PASS), "passes = (elements - 1) >> this, + 1"),
     "MEMBER_ENTRIES": (L.MEMBER_ENTRIES, "layout.MEMBER_ENTRIES: member_seen's cells"),
     "HASH_MULTIPLIER": (L.HASH_MULTIPLIER, "layout.HASH_MULTIPLIER: the control meter's Fibonacci hash"),
@@ -57,7 +58,7 @@ def headers() -> str:
 {chr(10).join(f"const int {name} = {value};" for name, value in L.CONSTANTS.items())}
 
 // ---- this program's own
-{chr(10).join(f"const int {name} = {value};{f'  // {why}' if why else ''}" for name, (value, why) in PROGRAM_CONSTANTS.items())}
+{chr(10).join(f"const int {name} = {value};  // {why}" for name, (value, why) in PROGRAM_CONSTANTS.items())}
 
 typedef bit<{L.ADDR_BITS}> addr_key_t;  // IPv4 << 16 | UDP port (protocol.address)
 typedef bit<{SLOT_BITS}> slot_index_t;  // 2 * row + shadow: SLOT_ENTRIES cells
@@ -207,12 +208,6 @@ control IntmlDeparser(packet_out pkt, in headers_t hdr) {
 
 
 def control_meter() -> str:
-    tables = [
-        table_text(L.TABLE["control_limits"], {
-        "set_limits": "source_interval_ns = source_interval; source_tolerance_ns = source_tolerance;\n"
-                      "core_interval_ns = core_interval; core_tolerance_ns = core_tolerance;"}, [],
-                   name=".control_limits"),
-    ]
     return guard("CONTROL_METER", f"""
 // JOIN, LEAVE and STATS_REQUEST go to the controller through two GCRA buckets, each a theoretical arrival time in
 // nanoseconds: one per hash bucket of the source address, one for the switch (protocol.slot_reference's
@@ -226,7 +221,7 @@ control ControlMeter(inout headers_t hdr, inout metadata_t meta, inout standard_
     bit<64> core_interval_ns;
     bit<64> core_tolerance_ns;
 
-{tables[0]}
+{table("control_limits")}
 
     apply {{
         control_limits.apply();
@@ -252,19 +247,6 @@ control ControlMeter(inout headers_t hdr, inout metadata_t meta, inout standard_
 
 
 def job_table() -> str:
-    set_job = "\n".join(f"meta.{name} = {name};" for name, _ in L.JOB_PARAMS)
-    tables = [
-        table_text(L.TABLE["job_table"], {
-        "set_job_cnat8": set_job + "\nmeta.codec = CODEC_CNAT8;",
-        "set_job_int32": set_job + "\nmeta.codec = CODEC_INT32;",
-        "unknown_job": "meta.drop_stat = STAT_DROP_UNKNOWN_JOB;"}, [], name=".job_table"),
-        table_text(L.TABLE["membership"], {
-        "set_worker": "meta.worker_bit = worker_bit;",
-        "not_member": "meta.drop_stat = STAT_DROP_UNREGISTERED_SOURCE;"}, [], name=".membership"),
-        table_text(L.TABLE["slot_table"], {
-        "set_row": "meta.row = row;",
-        "slot_out_of_range": "meta.drop_stat = STAT_DROP_SLOT_OUT_OF_RANGE;"}, [], name=".slot_table"),
-    ]
     return guard("JOB_TABLE", f"""
 // Header validation, then the packet against its job, in the aggregator core's order (protocol.slot_reference
 // _validate and _check): each failing check sets the drop reason and stops. Core-scope reasons are counted in
@@ -273,11 +255,11 @@ control Judge(inout headers_t hdr, inout metadata_t meta, inout standard_metadat
     @name(".member_seen") register<bit<{L.TIMESTAMP_BITS}>, member_index_t>(MEMBER_ENTRIES) member_seen;
     ControlMeter() control_meter;
 
-{tables[0]}
+{table("job_table")}
 
-{tables[1]}
+{table("membership")}
 
-{tables[2]}
+{table("slot_table")}
 
     apply {{
         if (!hdr.intml.isValid()) {{
@@ -406,26 +388,14 @@ control WorkerCounter(inout headers_t hdr, inout metadata_t meta) {{
 """)
 
 
-NEXT_STEP_BODIES = {
-    "open": "meta.step = STEP_OPEN;",
-    "add": "meta.step = STEP_ADD;",
-    "resend": "meta.step = STEP_RESEND;\nmeta.retransmission = true;",
-    "drop_stale": "meta.drop_stat = STAT_DROP_STALE;",
-    "drop_duplicate_incomplete": "meta.drop_stat = STAT_DROP_DUPLICATE_INCOMPLETE;\nmeta.retransmission = true;",
-}
-
-
 def next_step(static: list) -> str:
-    tables = [
-        table_text(L.TABLE["next_step"], NEXT_STEP_BODIES, static, name=".next_step"),
-    ]
     return guard("NEXT_STEP", f"""
 // (state, event) -> what the packet does, from protocol.slot_reference.TRANSITIONS (p4/entries.py). Exponent then
 // holds an add to the round's exponent and element count, and any contribution to pass 0's lane check.
 control NextStep(inout headers_t hdr, inout metadata_t meta) {{
     Exponent() exponent;
 
-{tables[0]}
+{table("next_step", static)}
 
     apply {{
         next_step.apply();
@@ -515,14 +485,6 @@ def cnat_decode(static: list) -> str:
                       f"|| code_ok(hdr.codes[{j}].code, meta.k_limit));" for j in range(L.MAX_LANES[Codec.CNAT8]))
     words = "\n".join(f"        meta.lanes_ok = meta.lanes_ok && (!hdr.words[{j}].isValid() "
                       f"|| word_ok(hdr.words[{j}].value, meta.value_limit));" for j in range(L.MAX_LANES[Codec.INT32]))
-    tables = [
-        table_text(L.TABLE["data_bound"], {
-        "set_bound": "meta.k_limit = k_limit;\nmeta.k_finite = k_finite;\nmeta.bound_hit = true;",
-        "no_bound": "meta.bound_hit = false;"}, static, name=".data_bound"),
-        table_text(L.TABLE["cnat_decode"], {
-        "decode": "lane.value = value;",
-        "invalid_code": "lane.value = 0;"}, static),
-    ]
     return guard("CNAT_DECODE", f"""
 // Pass 0 checks every element of the packet, stateless, before any register is written (a packet with one bad
 // element changes nothing: drop_invalid_code). A C_nat code passes iff it is 0, or has the NONZERO bit and
@@ -537,7 +499,7 @@ bool word_ok(in bit<32> value, in bit<32> limit) {{
 }}
 
 control LaneCheck(inout headers_t hdr, inout metadata_t meta) {{
-{tables[0]}
+{table("data_bound", static)}
 
     action check_codes() {{
         meta.lanes_ok = meta.bound_hit;
@@ -562,7 +524,7 @@ control LaneCheck(inout headers_t hdr, inout metadata_t meta) {{
 // One lane's code -> its value +-2**k in the slot's unit, a 32-bit word (Tofino has no variable shift: the
 // table holds the powers). Every code pass 0 let through hits.
 control LaneDecode(inout lane_t lane) {{
-{tables[1]}
+{table("cnat_decode", static)}
 
     apply {{
         cnat_decode.apply();
@@ -595,21 +557,7 @@ control LaneAggregate(inout lane_t lane, in metadata_t meta) {{
 """)
 
 
-def encode_action(b: int) -> str:
-    """encode_b<b>: k = b, or b + 1 iff the top b bits of the random word are below the remainder under the
-    leading one (protocol.arith._sum_code); constant shifts only."""
-    if b == 0:
-        k = "8w0"  # nothing below the leading one: never rounds up
-    else:
-        k = f"(lane.rand >> {32 - b}) < (lane.magnitude & 0x{(1 << b) - 1:x}) ? 8w{b + 1} : 8w{b}"
-    return f"lane.code = lane.sign | NONZERO | ({k});"
-
-
 def cnat_encode(static: list) -> str:
-    bodies = {f"encode_b{b}": encode_action(b) for b in range(32)} | {"encode_zero": "lane.code = 0;"}
-    tables = [
-        table_text(L.TABLE["leading_one"], bodies, static),
-    ]
     return guard("CNAT_ENCODE", f"""
 // On the completing contribution, one lane's sum -> its C_nat code, stored for every re-send (which reads it):
 // the leading one b of |sum| by a ternary table, then encode_b<b> rounds stochastically with v1model's random
@@ -617,7 +565,7 @@ def cnat_encode(static: list) -> str:
 control LaneEncode(inout lane_t lane, in metadata_t meta) {{
     register<bit<8>, lane_index_t>(LANE_ENTRIES) lane_code;
 
-{tables[0]}
+{table("leading_one", static)}
 
     apply {{
         lane_index_t cell = {LANE_INDEX};
@@ -668,12 +616,6 @@ def lanes_p4() -> str:
 
 
 def egress() -> str:
-    tables = [
-        table_text(L.TABLE["egress_dest"], {
-        "set_dest": "hdr.ipv4.src_addr = hdr.ipv4.dst_addr;\nhdr.udp.src_port = hdr.udp.dst_port;\n"
-                    "hdr.ipv4.dst_addr = addr[47:16];\nhdr.udp.dst_port = addr[15:0];\nhdr.udp.checksum = 0;",
-        "no_dest": "mark_to_drop(sm);"}, [], name=".egress_dest"),
-    ]
     return guard("EGRESS", f"""
 // Each copy of a result gets its destination (job index, rank) from egress_dest, with the switch's address as
 // its source; a pass that is not the last recirculates with the bridged metadata. packets_out is counted here,
@@ -681,7 +623,7 @@ def egress() -> str:
 control IntmlEgress(inout headers_t hdr, inout metadata_t meta, inout standard_metadata_t sm) {{
     @name(".egress_job_counter") counter<bit<32>>(MAX_JOBS * N_STATS, CounterType.packets) job_counter;
 
-{tables[0]}
+{table("egress_dest")}
 
     apply {{
         if (meta.recirculate) {{
@@ -801,6 +743,14 @@ V1MODEL_FILES: dict[str, Callable[[list], str]] = {
     "egress": lambda static: egress(),
     "intml": lambda static: intml(),
 }
+
+
+def table(name: str, static: list = ()) -> str:
+    """A layout table with its actions; the controller-written ones and the per-switch (not per-lane) const ones
+    get their layout name as control-plane name."""
+    layout_table = L.TABLE[name]
+    return table_text(layout_table, ACTION_BODIES[name], list(static),
+                      name=None if layout_table.lanes else f".{name}")
 
 
 def files() -> dict[Path, str]:

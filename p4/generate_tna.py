@@ -15,6 +15,7 @@ What changes on Tofino, following SwitchML (p4lang/p4app-switchML dev_root/p4):
 from __future__ import annotations
 
 from intml.p4 import layout as L
+from intml.p4.actions import ACTION_BODIES
 from intml.p4.p4text import HEADER_NOTE, guard, log2, table_text
 
 LANES = L.LANES_PER_PASS
@@ -227,13 +228,10 @@ control Processor(in bit<32> value_first, in bit<32> value_second, out bit<32> s
 
 
 def codec(static: list) -> str:
-    from intml.p4.generate import encode_action
-    bodies = {f"encode_b{b}": encode_action(b) for b in range(32)} | {"encode_zero": "lane.code = 0;"}
-    decode = {"decode": "lane.value = value;", "invalid_code": "lane.value = 0;"}
     return guard("TNA_CODEC", f"""
 // A consume pass's lane: code -> +-2**k (an exact table in SRAM).
 control LaneDecode(inout lane_t lane) {{
-{table_text(L.TABLE["cnat_decode"], decode, static)}
+{table_text(L.TABLE["cnat_decode"], ACTION_BODIES["cnat_decode"], static)}
 
     apply {{
         cnat_decode.apply();
@@ -245,7 +243,7 @@ control LaneDecode(inout lane_t lane) {{
 control LaneEncode(inout lane_t lane) {{
     Random<bit<32>>() random_word;
 
-{table_text(L.TABLE["leading_one"], bodies, static)}
+{table_text(L.TABLE["leading_one"], ACTION_BODIES["leading_one"], static)}
 
     apply {{
         lane.rand = random_word.get();

@@ -80,8 +80,8 @@ const int STAT_SEND_FAILED = 29;
 const int INTML_PORT = 48879;  // protocol.wire.DEFAULT_PORT: the aggregator's UDP port
 const int CPU_PORT = 255;  // admitted control datagrams leave here for the controller
 const int UDP_BYTES = 8;  // the UDP header
-const int ETHERTYPE_IPV4 = 2048;
-const int PROTO_UDP = 17;
+const int ETHERTYPE_IPV4 = 2048;  // IPv4 in the Ethernet type
+const int PROTO_UDP = 17;  // UDP in the IPv4 protocol
 const int LANES_PER_PASS_LOG2 = 6;  // passes = (elements - 1) >> this, + 1
 const int MEMBER_ENTRIES = 4096;  // layout.MEMBER_ENTRIES: member_seen's cells
 const int HASH_MULTIPLIER = 11400714819323198485;  // layout.HASH_MULTIPLIER: the control meter's Fibonacci hash

@@ -407,10 +407,12 @@ def _index_errors(node: Tree, registers: dict, actions: dict, widths: _Widths) -
         index, (declared, size) = args[_INDEX_ARGUMENT[method]], registers[register]
         width = widths.of(index)
         if width != declared:
-            errors.append(f"line {_line(call)}: {callee} index is {'of unknown width' if width is None else f'bit<{width}>'}"
-                          f", the register's index type is bit<{declared}>")
+            found = "of unknown width" if width is None else f"bit<{width}>"
+            errors.append(f"line {_line(call)}: {callee} index is {found}, the register's index type is "
+                          f"bit<{declared}>")
         elif index.data == "integer" and widths.types.value(index) >= size:
-            errors.append(f"line {_line(call)}: {callee} index {widths.types.value(index)} is beyond its {size} entries")
+            errors.append(f"line {_line(call)}: {callee} index {widths.types.value(index)} is beyond its {size} "
+                          "entries")
         elif index.data != "integer" and 1 << width > size:
             errors.append(f"line {_line(call)}: {callee}: a bit<{width}> index can reach {(1 << width) - 1}, beyond "
                           f"its {size} entries")

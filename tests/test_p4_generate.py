@@ -114,3 +114,43 @@ def test_readme_lists_the_layout():
     for table in layout.TABLES:
         cells = [c.strip() for c in rows[f"`{table.name}`"].split("|")]
         assert cells[3] == f"{table.size:,}" and cells[5] == str(table.lanes or ""), table.name
+
+
+def _run_encode(magnitude: int, negative: bool, rand: int) -> int:
+    """The code the program's leading_one entries and encode_b<b> actions give, read from their generated text."""
+    import re
+
+    from intml.p4.actions import ACTION_BODIES
+    hits = [e.action for e in entries.leading_one_entries() if magnitude & e.key[0][1] == e.key[0][0]]
+    assert len(hits) <= 1
+    if not hits:
+        return 0  # encode_zero
+    body = ACTION_BODIES["leading_one"][hits[0]]
+    b = int(hits[0].removeprefix("encode_b"))
+    k = b
+    rounding = re.fullmatch(r"lane\.code = lane\.sign \| NONZERO \| \(\(lane\.rand >> (\d+)\) < \(lane\.magnitude "
+                            r"& (0x[0-9a-f]+)\) \? 8w(\d+) : 8w(\d+)\);", body)
+    if rounding:  # b > 0
+        shift, mask, up, down = int(rounding[1]), int(rounding[2], 16), int(rounding[3]), int(rounding[4])
+        assert (shift, mask, up, down) == (32 - b, (1 << b) - 1, b + 1, b)
+        k = up if rand >> shift < magnitude & mask else down
+    else:
+        assert body == "lane.code = lane.sign | NONZERO | (8w0);" and b == 0
+    return (layout.SIGN if negative else 0) | layout.NONZERO | k
+
+
+def test_encode_actions_are_the_kernels_rounding():
+    """leading_one + encode_b<b>, as generated, give the code protocol.arith._sum_code gives, bit for bit."""
+    import numpy as np
+
+    from intml.protocol.arith import _sum_code
+    rng = np.random.default_rng(12)
+    sums = [0, 1, -1, 2, -2, 3, (1 << 30), -(1 << 30), (1 << 30) - 1, 5, -7]
+    sums += [int(x) for x in rng.integers(-(1 << 30), 1 << 30, 3000)]
+    shifts = rng.integers(0, 31, 3000)  # small magnitudes too: every leading-one position
+    sums += [int(s) >> int(shift) for s, shift in zip(rng.integers(-(1 << 30), 1 << 30, 3000), shifts)]
+    for s in sums:
+        r = int(rng.integers(0, 1 << 32))
+        neg, a, k = (int(v) for v in _sum_code(np.int32(s), np.uint32(r)))
+        expected = 0 if a == 0 else (neg << 7) | layout.NONZERO | k
+        assert _run_encode(abs(s), s < 0, r) == expected, (s, r)

@@ -125,7 +125,8 @@ def test_register_index_too_wide_or_unknown_fails(old, new, message):
 def test_constant_index_checked_by_value():
     small = mutate("(ROWS * 4) sums", "(ROWS * 3) sums").replace("meta.row ++ meta.set", "5w23")
     assert errors(small.replace("(bit<5>) meta.row", "5w0")) == []
-    assert errors(small.replace("(bit<5>) meta.row", "5w24")) == ["line 34: sums.write index 24 is beyond its 24 entries"]
+    assert errors(small.replace("(bit<5>) meta.row", "5w24")) == [
+        "line 34: sums.write index 24 is beyond its 24 entries"]
 
 
 def test_wrong_or_missing_constant_fails():
