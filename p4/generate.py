@@ -1,7 +1,9 @@
 """Writes every .p4 file of the switch program from p4/layout.py (constants, registers, tables, bridged fields)
 and p4/entries.py (the ``const entries``): the v1model program p4/*.p4 and the Tofino sketch p4/tna/*.p4.
 Repeated lanes, the per-pass load and store actions, the leading-one actions and every constant table are
-generated here, so that the text cannot drift from the Python model that executes the same layout.
+generated here, so that the text cannot drift from the Python model that executes the same layout. The action
+bodies of the layout's tables are in p4/actions.py, the rendering helpers in p4/p4text.py, the Tofino sketch in
+p4/generate_tna.py.
 
 ``python -m intml.p4.generate`` rewrites the files; ``--check`` writes nothing and exits 1 naming the files that
 differ from what it would write (tests/test_p4_generate.py runs the same comparison).
