@@ -104,8 +104,13 @@ def type_names(text: str) -> set[str]:
     return names
 
 
+_TYPE_KEYWORDS = frozenset({"bit", "int", "varbit", "bool", "tuple", "string", "error", "void"})
+
+
 class _TypeNames:
-    """lark post-lexer: an identifier that names a type becomes a TYPE_IDENTIFIER, as p4c's lexer does."""
+    """lark post-lexer doing what p4c's lexer does: an identifier that names a type becomes a TYPE_IDENTIFIER, and
+    a `<` right after an identifier and before a type opens type arguments (L_ANGLE_ARGS: `b.lookahead<bit<8>>()`),
+    not a comparison, which LALR(1) could not tell apart."""
 
     always_accept = ("IDENTIFIER",)
 
@@ -113,10 +118,28 @@ class _TypeNames:
         self.types: frozenset[str] = ARCHITECTURE_TYPES
 
     def process(self, stream: Iterator[Token]) -> Iterator[Token]:
-        for token in stream:
-            if token.type == "IDENTIFIER" and token.value in self.types:
-                token.type = "TYPE_IDENTIFIER"
+        tokens = list(self._typed(stream))
+        for i, token in enumerate(tokens):
+            if (token.value == "<" and i and tokens[i - 1].type == "IDENTIFIER" and i + 1 < len(tokens)
+                    and self._starts_type(tokens[i + 1], tokens[i + 2] if i + 2 < len(tokens) else None)):
+                token.type = "L_ANGLE_ARGS"
             yield token
+
+    def _typed(self, stream: Iterator[Token]) -> Iterator[Token]:
+        previous = None
+        for token in stream:
+            # the name an extern object declares is not yet a type there (the spec's `EXTERN nonTypeName`); an
+            # extern function's return type kept as an identifier parses as a type variable
+            if token.type == "IDENTIFIER" and token.value in self.types and previous != "extern":
+                token.type = "TYPE_IDENTIFIER"
+            previous = token.value
+            yield token
+
+    @staticmethod
+    def _starts_type(token: Token, after: Token | None) -> bool:
+        if token.value in _TYPE_KEYWORDS or token.type == "DONTCARE":
+            return True
+        return token.type == "TYPE_IDENTIFIER" and (after is None or after.value != ".")  # not Enum.member
 
 
 @functools.cache

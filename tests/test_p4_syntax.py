@@ -158,3 +158,80 @@ def test_includes_and_guards(tmp_path: Path):
     main.write_text('#include "types.p4"\n\nconst bit<8> X = ;\n')
     with pytest.raises(syntax.P4SyntaxError, match="main.p4:3"):
         syntax.parse(main)
+
+
+DECLARATIONS = """
+error { NoError, PacketTooShort }
+match_kind { exact, ternary, lpm }
+extern packet_in {
+    void extract<T>(out T hdr);
+    T lookahead<T>();
+    void advance(in bit<32> bits);
+}
+extern Checker<T> {
+    Checker(bit<32> size);
+    @pure bool check(in T value);
+}
+extern void log_value<T>(in T value);
+action NoAction() {}
+parser Parse<H>(packet_in b, out H hdr);
+control Pipe<H>(inout H hdr);
+package Switch<H>(Parse<H> p, Pipe<H> c);
+typedef bit<8> small_t;
+type bit<16> port_t;
+enum Color { RED, GREEN }
+header a_h { small_t x; varbit<32> opts; }
+header b_h { bit<8> y; }
+header_union ab_u { a_h a; b_h b; }
+struct pair_t { tuple<bit<8>, bool> t; a_h[4] stack; int<8> s; bit c; }
+const Color FAVOURITE = Color.GREEN;
+
+bit<8> twice(in bit<8> x) {
+    return x + x;
+}
+
+parser MyParse(packet_in b, out pair_t hdr) {
+    bit<8> n = 0;
+    state start {
+        b.extract(hdr.stack.next);
+        n = b.lookahead<bit<8>>();
+        transition select(n, hdr.stack.last.x) {
+            (1 .. 4, 8w0 &&& 8w0xF0): start;
+            (_, default): accept;
+        }
+    }
+}
+
+control MyPipe(inout pair_t hdr) {
+    action set(bit<8> v) { hdr.s = (int<8>) v; hdr.c = hdr.s < 0 ? 1w1 : 1w0; }
+    table t {
+        key = { hdr.stack[0].x : lpm; }
+        actions = { set; NoAction; }
+        default_action = NoAction();
+        @name("t_size") size = 4;
+    }
+    apply {
+        switch (t.apply().action_run) {
+            set: {}
+            default: { exit; }
+        }
+        if (!t.apply().hit) { return; }
+        hdr.stack[1].x = twice(hdr.stack[0].x)[7:0] |-| 8w1 ^ ~8w3 % 3;
+        log_value<bit<8>>(hdr.stack[0].x);
+    }
+}
+
+Switch(MyParse(), MyPipe()) main;
+"""
+
+
+def test_grammar_covers_the_declarations_of_p4_16():
+    """Architecture-file declarations (extern objects and functions, generic types, packages, error and
+    match_kind), type, header_union, tuple, varbit, functions, keyset ranges and masks, switch on action_run."""
+    tree = syntax.parse_text(DECLARATIONS)
+    kinds = {sub.data for sub in tree.iter_subtrees()}
+    assert {"extern_object", "extern_function", "package_type_declaration", "header_union_declaration",
+            "function_declaration", "switch_statement", "range", "mask", "typedef_declaration",
+            "serializable_enum"} - kinds == {"serializable_enum"}
+    # the table is applied twice on one path (the switch, then the if): the check says so
+    assert syntax.check_applies(tree) == ["control MyPipe: t is applied 2 times on one path"]
