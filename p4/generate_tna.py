@@ -177,6 +177,15 @@ control SlotState(inout tna_headers_t hdr, inout tna_metadata_t ig_md) {{
 """)
 
 
+def pair_readers(register: str, verb: str) -> str:
+    """The two RegisterActions that read one half of a pair register each: <verb>_first, <verb>_second."""
+    return "\n\n".join(f"""    RegisterAction<pair_t, lane_index_t, bit<32>>({register}) {verb}_{half} = {{
+        void apply(inout pair_t value, out bit<32> {half}) {{
+            {half} = value.{half};
+        }}
+    }};""" for half in ("first", "second"))
+
+
 def processor() -> str:
     return guard("TNA_PROCESSOR", f"""
 // Two lanes' sums in one 64-bit register pair (SwitchML's Processor), lanes p and p + {PAIRS}: a consume pass
@@ -199,17 +208,7 @@ control Processor(in bit<32> value_first, in bit<32> value_second, out bit<32> s
         }}
     }};
 
-    RegisterAction<pair_t, lane_index_t, bit<32>>(lane_sum) read_first = {{
-        void apply(inout pair_t value, out bit<32> first) {{
-            first = value.first;
-        }}
-    }};
-
-    RegisterAction<pair_t, lane_index_t, bit<32>>(lane_sum) read_second = {{
-        void apply(inout pair_t value, out bit<32> second) {{
-            second = value.second;
-        }}
-    }};
+{pair_readers("lane_sum", "read")}
 
     apply {{
         lane_index_t cell = {LANE_INDEX.replace("ig_md.bridge", "bridge")};
@@ -271,17 +270,7 @@ control CodeStore(in bit<32> codes, out bit<32> loaded, in bridge_h bridge) {{
         }}
     }};
 
-    RegisterAction<pair_t, lane_index_t, bit<32>>(lane_code) load_first = {{
-        void apply(inout pair_t value, out bit<32> first) {{
-            first = value.first;
-        }}
-    }};
-
-    RegisterAction<pair_t, lane_index_t, bit<32>>(lane_code) load_second = {{
-        void apply(inout pair_t value, out bit<32> second) {{
-            second = value.second;
-        }}
-    }};
+{pair_readers("lane_code", "load")}
 
     apply {{
         lane_index_t cell = {LANE_INDEX.replace("ig_md.bridge", "bridge")};
