@@ -1,0 +1,220 @@
+"""Modelled parts of a network: links, a processor with a cost model, and the switch with an aggregator in it.
+
+A ``Link`` is one direction of a cable: rate, propagation delay, MTU, a drop-tail queue in bytes, random loss
+from its own seeded generator and optional ECN marking (counted: intml's UDP traffic does not react to it). A
+datagram occupies the wire for (payload + ``overhead``) bytes at the link's rate; the overhead is the IPv4, UDP
+and Ethernet headers, which the netns testbed's ``tc tbf`` also counts.
+
+A ``Processor`` is a CPU that handles what reaches it in bursts: what arrives while it is busy waits and is taken
+together when it is free (as recvmmsg does), and each burst costs what the owner's handler says. With a zero cost
+model it handles each arrival at once.
+
+The ``Switch`` forwards by destination address and hands the datagrams addressed to its aggregator to an
+``Aggregator``: the real ``AggregatorCore``s (``CoreAggregator``) or, later, the P4 pipeline model; the switch
+needs only that small interface. Multicast groups replicate a datagram to every member port.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from intml.aggregator.core import AggregatorCore
+from intml.protocol.burst import Burst
+from intml.protocol.packet import HDR, O_COUNT
+from intml.sim.engine import Datagram, Node, Simulator
+
+WIRE_OVERHEAD = 42  # IPv4 20 + UDP 8 + Ethernet 14 bytes per datagram
+IP_UDP = 28  # the part of the overhead the MTU counts
+
+
+@dataclass
+class LinkStats:
+    sent: int = 0
+    bytes: int = 0
+    lost: int = 0
+    queue_drops: int = 0
+    too_big: int = 0
+    ecn_marked: int = 0
+
+
+class Link:
+    """One direction of a link into ``node``. Calls to ``send`` come in nondecreasing time order (each link has
+    one sender, whose clock only moves forward)."""
+
+    def __init__(self, sim: Simulator, node: Node, *, rate: float, delay: float, mtu: int = 1500,
+                 queue_bytes: int = 1 << 20, loss: float = 0.0, seed: int = 0, ecn_bytes: int | None = None,
+                 overhead: int = WIRE_OVERHEAD) -> None:
+        if rate <= 0 or delay < 0 or not 0 <= loss < 1 or queue_bytes <= 0:
+            raise ValueError(f"bad link: rate {rate}, delay {delay}, loss {loss}, queue {queue_bytes}")
+        self.sim, self.node = sim, node
+        self.byte_time = 8.0 / rate
+        self.delay, self.mtu, self.queue_bytes, self.loss = delay, mtu, queue_bytes, loss
+        self.ecn_bytes, self.overhead = ecn_bytes, overhead
+        self.random = random.Random(seed)
+        self.busy_until = 0.0
+        self.stats = LinkStats()
+
+    def send(self, datagram: Datagram, now: float) -> None:
+        """Queue ``datagram`` at time ``now``: dropped if too big or the queue is full, else serialised after
+        the queue, then lost with probability ``loss``, else delivered after the propagation delay."""
+        st = self.stats
+        size = len(datagram[0])
+        if size + IP_UDP > self.mtu:
+            st.too_big += 1
+            return
+        wire = size + self.overhead
+        backlog = (self.busy_until - now) / self.byte_time if self.busy_until > now else 0.0
+        if backlog + wire > self.queue_bytes:
+            st.queue_drops += 1
+            return
+        if self.ecn_bytes is not None and backlog > self.ecn_bytes:
+            st.ecn_marked += 1
+        start = self.busy_until if self.busy_until > now else now
+        self.busy_until = start + wire * self.byte_time
+        st.sent += 1
+        st.bytes += wire
+        if self.loss and self.random.random() < self.loss:
+            st.lost += 1
+            return
+        self.sim.deliver(self.busy_until + self.delay, self.node, datagram)
+
+
+class Processor:
+    """A CPU that takes what arrived while it was busy as one burst. ``handle(items, start)`` does the work and
+    returns (cost in seconds, what to do when it is done: called with the finish time)."""
+
+    def __init__(self, sim: Simulator, handle: Callable[[list, float], tuple[float, Callable[[float], None]]]) -> None:
+        self.sim, self.handle = sim, handle
+        self.free_at = 0.0
+        self.queue: list = []
+        self.scheduled = False
+        self.busy = 0.0  # seconds of work done
+
+    def submit(self, items: Sequence, now: float) -> None:
+        self.queue.extend(items)
+        if self.scheduled:
+            return
+        if self.free_at <= now:
+            self._run(now)
+        else:
+            self.scheduled = True
+            self.sim.at(self.free_at, self._run_scheduled)
+
+    def _run_scheduled(self) -> None:
+        self.scheduled = False
+        self._run(self.sim.now)
+
+    def _run(self, now: float) -> None:
+        items, self.queue = self.queue, []
+        cost, then = self.handle(items, now)
+        self.busy += cost
+        self.free_at = now + cost
+        then(self.free_at)
+
+
+class Aggregator(Protocol):
+    """What sits in the switch: the addresses it answers on, and a burst in, datagrams out."""
+
+    addrs: list[int]
+
+    def receive(self, datagrams: list[Datagram], now: float) -> list[Datagram]:
+        """Handle a burst of datagrams addressed to it; returns those it sends (payload, its address, dest)."""
+
+    def elements(self, datagrams: list[Datagram]) -> int:
+        """The elements a burst carries (for the cost model)."""
+
+
+def elements_of(payload: bytes) -> int:
+    """The element count field of an intml datagram (network order, at its header offset)."""
+    return int.from_bytes(payload[O_COUNT:O_COUNT + 2], "big") if len(payload) >= HDR else 0
+
+
+
+class CoreAggregator:
+    """The real ``AggregatorCore``s of one aggregator: core i listens on ``addrs[i]``."""
+
+    def __init__(self, cores: list[AggregatorCore], addrs: list[int], width: int) -> None:
+        self.cores, self.addrs = cores, addrs
+        self.index = {a: i for i, a in enumerate(addrs)}
+        self.width = width
+        self._rx = [Burst.rows_of(256, width) for _ in cores]
+
+    def receive(self, datagrams: list[Datagram], now: float) -> list[Datagram]:
+        by_core: dict[int, list[tuple[bytes, int]]] = {}
+        for payload, src, dst in datagrams:
+            by_core.setdefault(self.index[dst], []).append((payload, src))
+        out: list[Datagram] = []
+        for i in sorted(by_core):
+            got = by_core[i]
+            rx = self._rx[i]
+            if len(got) > rx.rows:
+                rx = self._rx[i] = Burst.rows_of(2 * len(got), self.width)
+            rx.fill(got)
+            core, addr = self.cores[i], self.addrs[i]
+            out += [(p, addr, dst) for p, dst in core.receive(rx, now).datagrams()]
+            out += [(p, addr, dst) for p, dst in core.take_replies()]
+        return out
+
+    def elements(self, datagrams: list[Datagram]) -> int:
+        return sum(elements_of(d[0]) for d in datagrams)
+
+
+@dataclass(frozen=True)
+class SwitchCosts:
+    """The aggregator's processing cost: zero for a switch ASIC at line rate (only ``latency``), the calibrated
+    software aggregator's for the testbed (see ``sim.costs``)."""
+
+    latency: float = 1e-6  # pipeline latency, seconds
+    per_packet: float = 0.0  # seconds per datagram handled by the aggregator
+    per_element: float = 0.0  # seconds per element aggregated
+
+
+class Switch:
+    """Ports (a downlink per attached address), multicast groups, and an aggregator behind its pipeline."""
+
+    def __init__(self, sim: Simulator, aggregator: Aggregator, costs: SwitchCosts = SwitchCosts()) -> None:
+        self.sim, self.aggregator, self.costs = sim, aggregator, costs
+        self.ports: dict[int, Link] = {}
+        self.groups: dict[int, list[int]] = {}
+        self.agg_addrs = set(aggregator.addrs)
+        self.stray = 0
+        self.cpu = Processor(sim, self._aggregate)
+
+    def attach(self, addr: int, downlink: Link) -> None:
+        self.ports[addr] = downlink
+
+    def arrive(self, datagrams: list[Datagram], now: float) -> None:
+        to_agg = []
+        at = now + self.costs.latency
+        for d in datagrams:
+            if d[2] in self.agg_addrs:
+                to_agg.append(d)
+            else:
+                self.forward(d, at)
+        if to_agg:
+            self.cpu.submit(to_agg, now)
+
+    def _aggregate(self, datagrams: list[Datagram], now: float) -> tuple[float, Callable[[float], None]]:
+        c = self.costs
+        cost = c.per_packet * len(datagrams) + (c.per_element * self.aggregator.elements(datagrams)
+                                                if c.per_element else 0.0)
+        out = self.aggregator.receive(datagrams, now)
+
+        def send(done: float) -> None:
+            for d in out:
+                self.forward(d, done + c.latency)
+        return cost, send
+
+    def forward(self, datagram: Datagram, at: float) -> None:
+        dst = datagram[2]
+        link = self.ports.get(dst)
+        if link is not None:
+            link.send(datagram, at)
+        elif dst in self.groups:
+            for member in self.groups[dst]:
+                self.ports[member].send(datagram, at)
+        else:
+            self.stray += 1
