@@ -24,7 +24,7 @@ class Simulator:
         self.now = 0.0
         self._heap: list[tuple[float, int, Callable, tuple]] = []
         self._seq = 0
-        self._arrivals: dict[float, dict[int, tuple[Node, list[Datagram]]]] = {}
+        self._arrivals: dict[float, dict[Node, list[Datagram]]] = {}
         self.events = 0
         self.packet_events = 0
 
@@ -42,14 +42,14 @@ class Simulator:
         if bucket is None:
             bucket = self._arrivals[time] = {}
             self.at(time, self._arrive, time)
-        entry = bucket.get(id(node))
+        entry = bucket.get(node)
         if entry is None:
-            bucket[id(node)] = (node, [datagram])
+            bucket[node] = [datagram]
         else:
-            entry[1].append(datagram)
+            entry.append(datagram)
 
     def _arrive(self, time: float) -> None:
-        for node, datagrams in self._arrivals.pop(time).values():
+        for node, datagrams in self._arrivals.pop(time).items():
             self.packet_events += len(datagrams)
             node.arrive(datagrams, time)
 

@@ -8,13 +8,14 @@ from collections.abc import Callable
 
 import numpy as np
 
+from intml.protocol import codecs
 from intml.protocol.burst import Burst
 from intml.protocol.job import JobParams, WorkerTimers
 from intml.protocol.packet import HDR, O_TYPE
 from intml.protocol.wire import MsgType
 from intml.sim.costs import HostCosts
 from intml.sim.engine import Datagram, Simulator
-from intml.sim.network import Link, Processor, elements_of
+from intml.sim.network import Link, Processor, elements_of, fill
 from intml.worker.engine import StreamEngine
 from intml.worker.session import CoreJoined, JobJoined, WorkerSession
 
@@ -40,6 +41,7 @@ class WorkerHost:
         self._rx: Burst | None = None
         self._timer_at: float | None = None
         self.running = False
+        self.width = codecs.BY_ID[params.codec].WIDTH
         self.groups: list[int] = []  # the job's results multicast groups, once joined
 
     # ---- driver -----------------------------------------------------------------------------------------
@@ -76,11 +78,11 @@ class WorkerHost:
             rx = self._rx
             if rx is None or rx.rows < len(results):
                 rx = self._rx = Burst.rows_of(max(256, 2 * len(results)), max(HDR, engine.max_datagram))
-            rx.fill(results)
-            cost += c.io * len(results) + c.decode * sum(elements_of(p) for p, _ in results)
+            fill(rx, results)
+            cost += c.io * len(results) + c.decode * elements_of([p for p, _ in results], self.width)
             out += engine.receive(rx, now).datagrams()
         if out:
-            cost += c.io * len(out) + c.encode * sum(elements_of(p) for p, _ in out)
+            cost += c.io * len(out) + c.encode * elements_of([p for p, _ in out], self.width)
         joined = self._poll_session()
 
         def then(done: float) -> None:

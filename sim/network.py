@@ -21,9 +21,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from intml.aggregator.core import AggregatorCore
 from intml.protocol.burst import Burst
-from intml.protocol.packet import HDR, O_COUNT
+from intml.protocol.packet import HDR
 from intml.sim.engine import Datagram, Node, Simulator
 
 WIRE_OVERHEAD = 42  # IPv4 20 + UDP 8 + Ethernet 14 bytes per datagram
@@ -32,8 +34,6 @@ IP_UDP = 28  # the part of the overhead the MTU counts
 
 @dataclass
 class LinkStats:
-    sent: int = 0
-    bytes: int = 0
     lost: int = 0
     queue_drops: int = 0
     too_big: int = 0
@@ -56,30 +56,33 @@ class Link:
         self.random = random.Random(seed)
         self.busy_until = 0.0
         self.stats = LinkStats()
+        self.sent = 0  # datagrams serialised (kept here, not in stats: the hot path)
+        self.bytes = 0  # bytes on the wire, overhead included
 
     def send(self, datagram: Datagram, now: float) -> None:
         """Queue ``datagram`` at time ``now``: dropped if too big or the queue is full, else serialised after
         the queue, then lost with probability ``loss``, else delivered after the propagation delay."""
-        st = self.stats
         size = len(datagram[0])
         if size + IP_UDP > self.mtu:
-            st.too_big += 1
+            self.stats.too_big += 1
             return
         wire = size + self.overhead
-        backlog = (self.busy_until - now) / self.byte_time if self.busy_until > now else 0.0
-        if backlog + wire > self.queue_bytes:
-            st.queue_drops += 1
-            return
-        if self.ecn_bytes is not None and backlog > self.ecn_bytes:
-            st.ecn_marked += 1
-        start = self.busy_until if self.busy_until > now else now
-        self.busy_until = start + wire * self.byte_time
-        st.sent += 1
-        st.bytes += wire
+        busy = self.busy_until
+        if busy > now:
+            backlog = (busy - now) / self.byte_time
+            if backlog + wire > self.queue_bytes:
+                self.stats.queue_drops += 1
+                return
+            if self.ecn_bytes is not None and backlog > self.ecn_bytes:
+                self.stats.ecn_marked += 1
+            now = busy
+        self.busy_until = busy = now + wire * self.byte_time
+        self.sent += 1
+        self.bytes += wire
         if self.loss and self.random.random() < self.loss:
-            st.lost += 1
+            self.stats.lost += 1
             return
-        self.sim.deliver(self.busy_until + self.delay, self.node, datagram)
+        self.sim.deliver(busy + self.delay, self.node, datagram)
 
 
 class Processor:
@@ -127,17 +130,33 @@ class Aggregator(Protocol):
         """The elements a burst carries (for the cost model)."""
 
 
-def elements_of(payload: bytes) -> int:
-    """The element count field of an intml datagram (network order, at its header offset)."""
-    return int.from_bytes(payload[O_COUNT:O_COUNT + 2], "big") if len(payload) >= HDR else 0
+def elements_of(payloads: list[bytes], width: int) -> int:
+    """The elements a list of DATA or RESULT datagrams (no MAC) carries: their payload bytes over the codec's
+    width (the cost model's count; no parsing per datagram)."""
+    return (sum(map(len, payloads)) - HDR * len(payloads)) // width
 
+
+def fill(rx: Burst, datagrams: list[tuple[bytes, int]]) -> Burst:
+    """``rx.fill(datagrams)``, in one copy when every datagram has the same length (a burst of results)."""
+    k = len(datagrams)
+    size = len(datagrams[0][0])
+    if size <= rx.data.shape[1] and all(len(p) == size for p, _ in datagrams):
+        rx.data[:k, :size] = np.frombuffer(b"".join([p for p, _ in datagrams]), np.uint8).reshape(k, size)
+        rx.length[:k] = size
+        rx.addr[:k] = [a for _, a in datagrams]
+        rx.count = k
+    else:
+        rx.fill(datagrams)
+    return rx
 
 
 class CoreAggregator:
     """The real ``AggregatorCore``s of one aggregator: core i listens on ``addrs[i]``."""
 
-    def __init__(self, cores: list[AggregatorCore], addrs: list[int], width: int) -> None:
+    def __init__(self, cores: list[AggregatorCore], addrs: list[int], width: int, element_width: int) -> None:
+        """``width``: the largest datagram; ``element_width``: the job's bytes per element."""
         self.cores, self.addrs = cores, addrs
+        self.element_width = element_width
         self.index = {a: i for i, a in enumerate(addrs)}
         self.width = width
         self._rx = [Burst.rows_of(256, width) for _ in cores]
@@ -152,14 +171,14 @@ class CoreAggregator:
             rx = self._rx[i]
             if len(got) > rx.rows:
                 rx = self._rx[i] = Burst.rows_of(2 * len(got), self.width)
-            rx.fill(got)
+            fill(rx, got)
             core, addr = self.cores[i], self.addrs[i]
             out += [(p, addr, dst) for p, dst in core.receive(rx, now).datagrams()]
             out += [(p, addr, dst) for p, dst in core.take_replies()]
         return out
 
     def elements(self, datagrams: list[Datagram]) -> int:
-        return sum(elements_of(d[0]) for d in datagrams)
+        return elements_of([d[0] for d in datagrams], self.element_width)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from intml.aggregator.core import AggregatorCore
-from intml.protocol import reference
+from intml.protocol import codecs, reference
 from intml.protocol.job import CODEC_NAMES, JobParams, WorkerTimers
 from intml.protocol.wire import element_datagram_size
 from intml.sim.costs import ASIC, FREE_HOST, HOST_COSTS, SOFTWARE_AGGREGATOR, HostCosts
@@ -74,7 +74,8 @@ class PacketResult:
     queue_drops: int
     events: int
     packet_events: int
-    wall: float
+    wall: float  # seconds of real time, setup (inputs, compilation) included
+    loop: float  # of which in the event loop
     exact: bool | None = None  # every rank's result equals protocol.reference's, if checked
     counters: dict = field(default_factory=dict)
 
@@ -90,7 +91,7 @@ def simulate(run: PacketRun) -> PacketResult:
     core = AggregatorCore(max_elements=max(run.packet_elements, 1), tokens=[TOKEN],
                           results_group=GROUP if run.multicast else None, random_bytes=lambda k: secret.bytes(k))
     width = element_datagram_size(params.codec, run.packet_elements, False) + 256
-    switch = Switch(sim, CoreAggregator([core], [AGG_ADDR], width), SWITCHES[run.switch])
+    switch = Switch(sim, CoreAggregator([core], [AGG_ADDR], width, codecs.BY_ID[params.codec].WIDTH), SWITCHES[run.switch])
     costs: HostCosts = HOST_COSTS[run.codec] if run.host_costs else FREE_HOST
     timers = WorkerTimers(rto=run.rto, min_rto=run.min_rto)
     joined: list[WorkerHost] = []
@@ -139,6 +140,7 @@ def simulate(run: PacketRun) -> PacketResult:
         hosts.append(h)
     for h in hosts:
         h.connect(0.0)
+    loop = time.perf_counter()
     sim.run(stop=lambda: len(times) == run.rounds)
     if len(times) < run.rounds:
         raise RuntimeError(f"the simulation stopped after {len(times)} of {run.rounds} allreduces")
@@ -147,7 +149,8 @@ def simulate(run: PacketRun) -> PacketResult:
     result = PacketResult(
         times=times, retransmissions=counters["retransmissions"] + counters["fast_retransmissions"],
         lost=sum(link.stats.lost for link in links), queue_drops=sum(link.stats.queue_drops for link in links),
-        events=sim.events, packet_events=sim.packet_events, wall=time.perf_counter() - wall, counters=counters)
+        events=sim.events, packet_events=sim.packet_events, wall=time.perf_counter() - wall,
+        loop=time.perf_counter() - loop, counters=counters)
     if run.check:
         expected = reference.allreduce(xs, codec=run.codec, seed=run.seed, allreduce_seq=run.rounds - 1,
                                        packet_elements=run.packet_elements)
