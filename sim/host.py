@@ -48,6 +48,7 @@ class WorkerHost:
     def connect(self, now: float) -> None:
         self.session.connect(now)
         self._send_control(now)
+        self._arm_timer(now)
 
     def start(self, x: np.ndarray, out: np.ndarray, now: float) -> None:
         """Begin the next allreduce (the CPU encodes the first window, then sends it)."""

@@ -143,7 +143,10 @@ def simulate(run: PacketRun) -> PacketResult:
     loop = time.perf_counter()
     sim.run(stop=lambda: len(times) == run.rounds)
     if len(times) < run.rounds:
-        raise RuntimeError(f"the simulation stopped after {len(times)} of {run.rounds} allreduces")
+        stuck = [f"rank {h.rank}: " + ("joining" if h.engine is None else f"{h.engine.progress} chunks")
+                 for h in hosts if h.engine is None or h.running]
+        raise RuntimeError(f"the simulation ran out of events after {len(times)} of {run.rounds} allreduces "
+                           f"at t = {sim.now:.6g} s ({'; '.join(stuck)})")
     links = [h.uplink for h in hosts] + list(switch.ports.values())
     counters = {k: sum(h.engine.counters()[k] for h in hosts) for k in hosts[0].engine.counters()}
     result = PacketResult(
