@@ -17,7 +17,8 @@ from intml.protocol.wire import element_datagram_size
 from intml.sim.costs import ASIC, FREE_HOST, HOST_COSTS, SOFTWARE_AGGREGATOR, HostCosts
 from intml.sim.engine import Simulator
 from intml.sim.host import WorkerHost
-from intml.sim.network import IP_UDP, CoreAggregator, Link, Switch, SwitchCosts
+from intml.sim.models import largest_packet
+from intml.sim.network import CoreAggregator, Link, Switch
 
 HOST_IP = 0x0A000000  # 10.0.0.(rank + 1)
 HOST_PORT = 5000
@@ -26,14 +27,6 @@ GROUP = (0xEFFF2A00, 48880)  # 239.255.42.0: results by multicast, as the testbe
 TOKEN = "intml-sim"
 JOB = 1
 SWITCHES = {"asic": ASIC, "software": SOFTWARE_AGGREGATOR}
-
-
-def largest_packet(codec: str, mtu: int) -> int:
-    """The most elements of ``codec`` one datagram carries within ``mtu`` (as the testbed chooses)."""
-    p = 1
-    while element_datagram_size(CODEC_NAMES[codec], p + 1, False) + IP_UDP <= mtu:
-        p += 1
-    return p
 
 
 @dataclass
@@ -63,7 +56,7 @@ class PacketRun:
 
     def __post_init__(self) -> None:
         if self.packet_elements is None:
-            self.packet_elements = largest_packet(self.codec, self.mtu)
+            self.packet_elements = largest_packet(codecs.BY_ID[CODEC_NAMES[self.codec]].WIDTH, self.mtu)
 
 
 @dataclass

@@ -11,7 +11,7 @@ import pytest
 from intml.protocol.packet import HDR
 from intml.sim import models
 from intml.sim.models import Net
-from intml.sim.packet_level import PacketRun, largest_packet, simulate
+from intml.sim.packet_level import PacketRun, simulate
 
 
 def test_ring_hand_computed():
@@ -56,7 +56,7 @@ def test_packet_level_agrees_with_the_model(codec, workers, rate, pool, delay):
     r = simulate(PacketRun(workers=workers, elements=elements, codec=codec, rate=rate, pool=pool, delay=delay,
                            host_costs=False, inputs="shared"))
     width = 1 if codec == "cnat8" else 4
-    model = models.in_network(Net(workers, rate, delay), elements, largest_packet(codec, 1500), pool, width)
+    model = models.in_network(Net(workers, rate, delay), elements, models.largest_packet(width, 1500), pool, width)
     assert r.times[0] == pytest.approx(model, rel=0.03)
 
 
