@@ -20,6 +20,10 @@ from intml.worker.engine import StreamEngine
 from intml.worker.session import CoreJoined, JobJoined, WorkerSession
 
 TIMER = "timer"  # the marker a due retransmission timer puts in the CPU's queue
+# A timer fires this long after its deadline: the engine resends when now - sent_at >= rto, and at exactly
+# now = sent_at + rto the float subtraction can fall short by an ulp; a timer that found nothing due would then be
+# re-armed at the same instant for ever. (A real clock always moves on.)
+TIMER_SLACK = 1e-9
 
 
 class WorkerHost:
@@ -124,7 +128,7 @@ class WorkerHost:
                  if t is not None]
         if not times:
             return
-        t = max(now, min(times))
+        t = max(now, min(times) + TIMER_SLACK)
         if self._timer_at is None or t < self._timer_at:
             self._timer_at = t
             self.sim.at(t, self._fire, t)
