@@ -103,3 +103,43 @@ SYSTEMS = {
     "ps-colocated": lambda net, n_el, pe, pool: parameter_server(net, n_el),
     "ps-dedicated": lambda net, n_el, pe, pool: parameter_server(net, n_el, servers=max(1, net.workers // 4)),
 }
+
+
+# ---- two-level leaf-spine: aggregation at the racks, then at the spine -------------------------------------------
+# Exactness: every rank encodes against the job's fixed-point unit 2^(E - s(n)), s(n) from the total n, so the sum
+# of any subset of contributions fits 31 bits. A leaf adds its rack's contributions as int32 and forwards the
+# partial sum as int32 (4 bytes per element); the spine adds the leaves' partials, still exact, and only it
+# re-encodes the total to C_nat codes for the multicast back down. So the result is bit for bit the one-switch
+# result; the cost is 4 bytes per element on the leaf uplinks.
+
+
+@dataclass(frozen=True)
+class LeafSpine:
+    """``racks`` leaves of ``workers / racks`` hosts each, host links at ``rate``, each leaf's uplink to the spine
+    at ``uplink_rate`` (oversubscription = hosts per rack x rate / uplink_rate)."""
+
+    workers: int
+    racks: int
+    rate: float
+    uplink_rate: float
+    delay: float = 1e-6
+    mtu: int = 9000
+    alpha: float = 20e-6
+    switch_latency: float = 1e-6
+
+
+def leaf_spine_in_network(t: LeafSpine, elements: int, element_size: int = 1) -> float:
+    """Hosts send codes to their leaf; leaves send int32 partial sums to the spine; each level runs at its own
+    link's rate (the pool covers the bandwidth-delay product), so the slower level sets the pace."""
+    host_pe = largest_packet(element_size, t.mtu)
+    host = math.ceil(elements / host_pe) * (host_pe * element_size + HDR + WIRE_OVERHEAD) * 8 / t.rate
+    up_pe = largest_packet(4, t.mtu)
+    up = math.ceil(elements / up_pe) * (up_pe * 4 + HDR + WIRE_OVERHEAD) * 8 / t.uplink_rate if t.racks > 1 else 0
+    rtt = 4 * t.delay + 3 * t.switch_latency
+    return max(host, up) + rtt
+
+
+def leaf_spine_ring(t: LeafSpine, elements: int, element_size: int = 4) -> float:
+    """Gloo's ring laid out rack by rack: each leaf uplink carries one ring flow each way."""
+    net = Net(t.workers, min(t.rate, t.uplink_rate) if t.racks > 1 else t.rate, t.delay, t.mtu, t.alpha)
+    return ring(net, elements, element_size)
