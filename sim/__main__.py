@@ -20,7 +20,10 @@ def _emit(meta: dict, got: list[dict], args: argparse.Namespace, columns: tuple[
     elif args.csv:
         print(output.as_csv(meta, got), end="")
     else:
-        print(f"{meta.get('scenario', '')}  (hash {meta.get('scenario_hash', '-')}, {meta['code_version']})")
+        if "scenario" in meta:
+            print(f"{meta['scenario']}  (hash {meta['scenario_hash']}, seeds {meta['seeds']}, {meta['code_version']})")
+        else:
+            print(f"intml-sim {meta['code_version']}")
         print(output.table(got, columns))
 
 
@@ -33,9 +36,10 @@ def cmd_run(args: argparse.Namespace) -> None:
     if args.plot:
         series: dict[str, list[tuple[float, float]]] = {}
         for r in got:
-            series.setdefault(r["system"], []).append((r["workers"], r["time_s"]))
-        output.plot_lines(args.plot, series, xlabel="workers", ylabel="seconds per allreduce",
-                          title=s["name"], logx=True, logy=True)
+            series.setdefault(r["system"], []).append((r[args.x], r[args.y]))
+        labels = {"time_s": "seconds per allreduce", "goodput_gbit": "goodput, Gbit/s of float32 tensor"}
+        output.plot_lines(args.plot, series, xlabel=args.x, ylabel=labels.get(args.y, args.y), title=s["name"],
+                          logx=args.x == "workers", logy=args.y == "time_s", symlogx=args.x == "loss")
 
 
 def cmd_validate(args: argparse.Namespace) -> None:
@@ -62,6 +66,13 @@ def cmd_train(args: argparse.Namespace) -> None:
         training.plot(got, args.plot)
 
 
+def cmd_bench(args: argparse.Namespace) -> None:
+    from intml.sim import bench
+    got = [bench.engine_alone(args.workers), bench.real_cores(args.workers, args.elements)]
+    _emit({"code_version": output.code_version()}, got, args, ("what", "packet_events", "loop_s", "events_per_s",
+                                                                "virtual_s"))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="intml-sim", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -73,14 +84,21 @@ def main(argv: list[str] | None = None) -> int:
         if plot:
             q.add_argument("--plot", metavar="PNG", help="write a plot (needs matplotlib: the plot extra)")
 
+    def axes(q: argparse.ArgumentParser) -> None:
+        q.add_argument("--x", default="workers", choices=("workers", "loss", "rate", "elements", "pool"),
+                       help="the plot's x axis (default workers)")
+        q.add_argument("--y", default="time_s", choices=("time_s", "goodput_gbit"), help="its y axis")
+
     r = sub.add_parser("run", help="run a scenario file")
     r.add_argument("scenario")
     outputs(r)
+    axes(r)
     r.set_defaults(fn=cmd_run)
     sw = sub.add_parser("sweep", help="run a scenario with keys swept: --set workers=2,4,8")
     sw.add_argument("scenario")
     sw.add_argument("--set", action="append", default=[], metavar="KEY=V1,V2,...")
     outputs(sw)
+    axes(sw)
     sw.set_defaults(fn=cmd_run)
     v = sub.add_parser("validate", help="replay `intml-testbed bench cluster --json` points and compare")
     v.add_argument("testbed", help="the testbed's JSON output")
@@ -101,6 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--rate", nargs="+", default=["10gbit", "25gbit", "100gbit"])
     outputs(t)
     t.set_defaults(fn=cmd_train)
+    b = sub.add_parser("bench", help="packet events per second: the engine alone, and with the real cores")
+    b.add_argument("--workers", type=int, default=64)
+    b.add_argument("--elements", type=int, default=25_000_000)
+    outputs(b, plot=False)
+    b.set_defaults(fn=cmd_bench)
     args = p.parse_args(argv)
     try:
         args.fn(args)

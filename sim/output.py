@@ -66,7 +66,7 @@ def pyplot():
 
 
 def plot_lines(path: str, series: dict[str, list[tuple[float, float]]], *, xlabel: str, ylabel: str, title: str,
-               logx: bool = False, logy: bool = False) -> None:
+               logx: bool = False, logy: bool = False, symlogx: bool = False) -> None:
     """One line per series of (x, y) points."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
@@ -76,6 +76,8 @@ def plot_lines(path: str, series: dict[str, list[tuple[float, float]]], *, xlabe
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
     if logx:
         ax.set_xscale("log", base=2)
+    if symlogx:  # loss rates from 0 up: linear near 0, logarithmic beyond
+        ax.set_xscale("symlog", linthresh=1e-4)
     if logy:
         ax.set_yscale("log")
     ax.grid(True, alpha=0.3)
