@@ -99,3 +99,15 @@ def test_processor_batches_what_arrives_while_busy():
     sim.run()
     assert bursts == [(0.0, ["a"]), (1.0, ["b", "c"]), (2.0, ["d"])]
     assert cpu.busy == 3.0
+
+
+def test_switch_takes_any_aggregator_and_multicasts():
+    """The engine alone (sim.bench): a counting aggregator behind the same Switch interface the real cores use."""
+    from intml.sim import bench
+    got = bench.engine_alone(workers=4, window=4, rounds=10, rate=1e9)
+    assert got["packet_events"] == 2 * 4 * 4 * 10  # every packet up, and every result down to each of 4 hosts
+    # link-bound (a round trip of one packet, 27 us, is shorter than a window's 4 x 12.1 us): each uplink sends its
+    # 40 packets (1472 + 42 bytes) back to back, then the last one's result takes a link delay, the pipeline, its
+    # serialisation down and a link delay
+    packet = 1514 * 8 / 1e9
+    assert got["virtual_s"] == pytest.approx(40 * packet + 1e-6 + 1e-6 + packet + 1e-6)
