@@ -63,3 +63,10 @@ def test_cli_run_sweep_json_and_errors(tmp_path, capsys):
     scenario.write_text('colour = 1\n')
     assert main(["run", str(scenario)]) == 2
     assert "unknown key 'colour'" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_is_one_line(monkeypatch, tmp_path, capsys):
+    import sys
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    assert main(["train", "--workers", "4", "--rate", "10gbit", "--plot", str(tmp_path / "x.png")]) == 2
+    assert capsys.readouterr().err == "intml-sim: error: plots need matplotlib: pip install 'intml[plot]'\n"
