@@ -87,8 +87,10 @@ def plot(rows: list[dict], path: str) -> None:
                            label=f"{system} ({kind}-bound)")
     ax.set(xscale="log", yscale="log", xlabel="measured s (testbed)", ylabel="predicted s (intml-sim)",
            title="validation against the netns testbed")
-    for axis in (ax.xaxis, ax.yaxis):  # log-axis minor labels overlap at this size
+    ticks = [t for t in (0.05, 0.1, 0.2, 0.3, 0.5, 1, 2, 3, 5, 10) if low <= t <= top]
+    for axis in (ax.xaxis, ax.yaxis):  # plain labels at round values (log-axis minor labels overlap)
         axis.set_minor_formatter(plt.NullFormatter())
+        axis.set_ticks(ticks, [f"{t:g}" for t in ticks])
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
