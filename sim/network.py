@@ -139,9 +139,10 @@ def elements_of(payloads: list[bytes], width: int) -> int:
 def fill(rx: Burst, datagrams: list[tuple[bytes, int]]) -> Burst:
     """``rx.fill(datagrams)``, in one copy when every datagram has the same length (a burst of results)."""
     k = len(datagrams)
-    size = len(datagrams[0][0])
-    if size <= rx.data.shape[1] and all(len(p) == size for p, _ in datagrams):
-        rx.data[:k, :size] = np.frombuffer(b"".join([p for p, _ in datagrams]), np.uint8).reshape(k, size)
+    payloads = [p for p, _ in datagrams]
+    size = max(map(len, payloads))
+    if size <= rx.data.shape[1] and min(map(len, payloads)) == size:
+        rx.data[:k, :size] = np.frombuffer(b"".join(payloads), np.uint8).reshape(k, size)
         rx.length[:k] = size
         rx.addr[:k] = [a for _, a in datagrams]
         rx.count = k
