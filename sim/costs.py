@@ -40,6 +40,16 @@ HOST_COSTS = {"cnat8": HostCosts(), "int32": HostCosts(encode=0.35e-9, decode=0.
 FREE_HOST = HostCosts(encode=0.0, decode=0.0, io=0.0)
 
 # The software aggregator of the netns testbed (one core): kernel work per packet and per element, plus I/O.
-SOFTWARE_AGGREGATOR = SwitchCosts(latency=5e-6, per_packet=IO_PER_DATAGRAM, per_element=0.41e-9)
+SOFTWARE_AGGREGATOR = SwitchCosts(latency=5e-6, per_packet=IO_PER_DATAGRAM, per_element=0.41e-9, pipeline=False)
 # A switch ASIC (Tofino class): line rate, a fixed pipeline latency.
 ASIC = SwitchCosts(latency=1e-6)
+ASIC_PIPELINE_PPS = 1.2e9  # packets per second one pipeline starts (a Tofino pipe, order of magnitude; assumed)
+
+
+def asic(passes: int = 1, pipeline_pps: float = ASIC_PIPELINE_PPS) -> SwitchCosts:
+    """A switch ASIC whose aggregation takes ``passes`` passes through a pipeline of ``pipeline_pps`` packets per
+    second (a P4 program too large for one pass recirculates, per the P4 resource account): each aggregated packet
+    occupies the pipeline ``passes`` / pps seconds, and waits ``passes`` pipeline latencies."""
+    if passes < 1 or pipeline_pps <= 0:
+        raise ValueError(f"need passes >= 1 and a positive pipeline rate, got {passes}, {pipeline_pps}")
+    return SwitchCosts(latency=ASIC.latency * passes, per_packet=passes / pipeline_pps)

@@ -17,7 +17,7 @@ needs only that small interface. Multicast groups replicate a datagram to every 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -86,18 +86,22 @@ class Link:
 
 
 class Processor:
-    """A CPU that takes what arrived while it was busy as one burst. ``handle(items, start)`` does the work and
-    returns (cost in seconds, what to do when it is done: called with the finish time)."""
+    """A CPU or a pipeline. ``handle(items, start)`` does the work and returns (cost in seconds, what to do when it
+    is done: called with the finish time). ``merge``: a CPU takes everything that arrived while it was busy as one
+    burst (recvmmsg); a pipeline (``merge=False``) takes one arrival instant's burst at a time, so each burst's
+    output leaves after its own work, not after everything queued behind it."""
 
-    def __init__(self, sim: Simulator, handle: Callable[[list, float], tuple[float, Callable[[float], None]]]) -> None:
-        self.sim, self.handle = sim, handle
+    def __init__(self, sim: Simulator, handle: Callable[[list, float], tuple[float, Callable[[float], None]]],
+                 merge: bool = True) -> None:
+        self.sim, self.handle, self.merge = sim, handle, merge
         self.free_at = 0.0
-        self.queue: list = []
+        self.queue: list[list] = []  # bursts waiting, oldest first
         self.scheduled = False
         self.busy = 0.0  # seconds of work done
 
-    def submit(self, items: Sequence, now: float) -> None:
-        self.queue.extend(items)
+    def submit(self, items: list, now: float) -> None:
+        """``items`` (a list the processor may keep) arrived at ``now``."""
+        self.queue.append(items)
         if self.scheduled:
             return
         if self.free_at <= now:
@@ -111,11 +115,18 @@ class Processor:
         self._run(self.sim.now)
 
     def _run(self, now: float) -> None:
-        items, self.queue = self.queue, []
+        if self.merge:
+            items = [item for burst in self.queue for item in burst] if len(self.queue) > 1 else self.queue[0]
+            self.queue = []
+        else:
+            items = self.queue.pop(0)
         cost, then = self.handle(items, now)
         self.busy += cost
         self.free_at = now + cost
         then(self.free_at)
+        if self.queue and not self.scheduled:
+            self.scheduled = True
+            self.sim.at(self.free_at, self._run_scheduled)
 
 
 class Aggregator(Protocol):
@@ -190,6 +201,7 @@ class SwitchCosts:
     latency: float = 1e-6  # pipeline latency, seconds
     per_packet: float = 0.0  # seconds per datagram handled by the aggregator
     per_element: float = 0.0  # seconds per element aggregated
+    pipeline: bool = True  # a pipeline takes one arrival instant at a time; a CPU (False) all that waited
 
 
 class Switch:
@@ -201,7 +213,7 @@ class Switch:
         self.groups: dict[int, list[int]] = {}
         self.agg_addrs = set(aggregator.addrs)
         self.stray = 0
-        self.cpu = Processor(sim, self._aggregate)
+        self.cpu = Processor(sim, self._aggregate, merge=not costs.pipeline)
 
     def attach(self, addr: int, downlink: Link) -> None:
         self.ports[addr] = downlink

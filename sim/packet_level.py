@@ -12,9 +12,9 @@ import numpy as np
 
 from intml.aggregator.core import AggregatorCore
 from intml.protocol import codecs, reference
-from intml.protocol.job import CODEC_NAMES, JobParams, WorkerTimers
+from intml.protocol.job import AGGREGATOR_SLOTS, CODEC_NAMES, JobParams, WorkerTimers
 from intml.protocol.wire import element_datagram_size
-from intml.sim.costs import ASIC, FREE_HOST, HOST_COSTS, SOFTWARE_AGGREGATOR, HostCosts
+from intml.sim.costs import FREE_HOST, HOST_COSTS, SOFTWARE_AGGREGATOR, HostCosts, asic
 from intml.sim.engine import Simulator
 from intml.sim.host import WorkerHost
 from intml.sim.models import largest_packet
@@ -26,7 +26,6 @@ AGG_ADDR = (0x0A000101 << 16) | 48879  # 10.0.1.1, the aggregator's core 0
 GROUP = (0xEFFF2A00, 48880)  # 239.255.42.0: results by multicast, as the testbed's default
 TOKEN = "intml-sim"
 JOB = 1
-SWITCHES = {"asic": ASIC, "software": SOFTWARE_AGGREGATOR}
 
 
 @dataclass
@@ -47,6 +46,8 @@ class PacketRun:
     rounds: int = 1
     seed: int = 1
     switch: str = "asic"  # or "software": the testbed's aggregator process and its CPU costs
+    passes: int = 1  # asic: pipeline passes per aggregated packet (recirculations + 1)
+    slots: int = AGGREGATOR_SLOTS  # the switch's slot memory, in rows (a job's pool must fit)
     host_costs: bool = True  # charge the hosts' CPU (sim.costs); False: free hosts
     multicast: bool = True
     inputs: str = "distinct"  # or "shared": one input array for every rank (large runs, less memory)
@@ -81,10 +82,11 @@ def simulate(run: PacketRun) -> PacketResult:
     params = JobParams.of(world_size=n, codec=run.codec, packet_elements=run.packet_elements, pool_size=run.pool,
                           seed=run.seed)
     secret = np.random.default_rng([run.seed, 7])
-    core = AggregatorCore(max_elements=max(run.packet_elements, 1), tokens=[TOKEN],
+    core = AggregatorCore(rows=run.slots, max_elements=max(run.packet_elements, 1), tokens=[TOKEN],
                           results_group=GROUP if run.multicast else None, random_bytes=lambda k: secret.bytes(k))
     width = element_datagram_size(params.codec, run.packet_elements, False) + 256
-    switch = Switch(sim, CoreAggregator([core], [AGG_ADDR], width, codecs.BY_ID[params.codec].WIDTH), SWITCHES[run.switch])
+    switch = Switch(sim, CoreAggregator([core], [AGG_ADDR], width, codecs.BY_ID[params.codec].WIDTH),
+                    SOFTWARE_AGGREGATOR if run.switch == "software" else asic(run.passes))
     costs: HostCosts = HOST_COSTS[run.codec] if run.host_costs else FREE_HOST
     timers = WorkerTimers(rto=run.rto, min_rto=run.min_rto)
     joined: list[WorkerHost] = []

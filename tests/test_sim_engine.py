@@ -86,19 +86,23 @@ def test_loss_is_seeded():
     assert 100 < len(a) < 180  # about 70% of 200 survive
 
 
-def test_processor_batches_what_arrives_while_busy():
+@pytest.mark.parametrize("merge, expected", [
+    (True, [(0.0, ["a"]), (1.0, ["b", "c"]), (2.0, ["d"])]),  # a CPU: all that waited, in one burst
+    (False, [(0.0, ["a"]), (1.0, ["b"]), (2.0, ["c"]), (3.0, ["d"])]),  # a pipeline: an arrival instant at a time
+])
+def test_processor_takes_what_arrived_while_busy(merge, expected):
     sim, bursts = Simulator(), []
 
     def handle(items, now):
         bursts.append((now, list(items)))
         return 1.0, lambda done: None
-    cpu = Processor(sim, handle)
+    cpu = Processor(sim, handle, merge=merge)
     cpu.submit(["a"], 0.0)
     for t, x in [(0.2, "b"), (0.5, "c"), (1.5, "d")]:
         sim.at(t, cpu.submit, [x], t)
     sim.run()
-    assert bursts == [(0.0, ["a"]), (1.0, ["b", "c"]), (2.0, ["d"])]
-    assert cpu.busy == 3.0
+    assert bursts == expected
+    assert cpu.busy == len(expected)
 
 
 def test_switch_takes_any_aggregator_and_multicasts():

@@ -35,3 +35,18 @@ def test_hosts_cpu_and_software_switch_slow_it_down():
     free = simulate(base).times[0]
     busy = simulate(dataclasses.replace(base, host_costs=True, switch="software")).times[0]
     assert busy > 1.5 * free
+
+
+def test_recirculation_passes_make_the_pipeline_the_bottleneck():
+    from intml.sim.costs import ASIC_PIPELINE_PPS, asic
+    assert asic(3).per_packet == 3 / ASIC_PIPELINE_PPS and asic(3).latency == 3e-6
+    # a pool of 256 covers the round trip even through 16 passes (16 us of pipeline latency)
+    base = PacketRun(workers=16, elements=2_000_000, rate=100e9, pool=256, host_costs=False, inputs="shared")
+    one = simulate(base).times[0]
+    # 16 passes: a chunk's 16 packets hold the pipeline 16 x 16 / pps = 213 ns, more than a packet's 121 ns on a
+    # 100 Gbit link, so the pipeline sets the pace: 213 ns for each chunk and each slot's empty bootstrap packet,
+    # plus a round trip with its 16 us of pipeline latency
+    many = simulate(dataclasses.replace(base, passes=16)).times[0]
+    chunks = -(-2_000_000 // base.packet_elements)
+    assert many == pytest.approx((chunks + 256) * 16 * 16 / ASIC_PIPELINE_PPS + 18e-6, rel=0.02)
+    assert one == pytest.approx(chunks * 1514 * 8 / 100e9, rel=0.1)  # link-bound with one pass
