@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         args.fn(args)
-    except (scenario.ScenarioError, output.PlotUnavailable) as exc:
+    except (ValueError, output.PlotUnavailable) as exc:  # a bad scenario (ScenarioError) or job parameter
         print(f"intml-sim: error: {exc}", file=sys.stderr)
         return 2
     except RuntimeError as exc:

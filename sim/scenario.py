@@ -122,6 +122,8 @@ def point_params(p: dict) -> dict:
                      ("queue_bytes", 1), ("packet_elements", 0), ("seed", 0), ("passes", 1)):
         if not isinstance(p[key], int) or isinstance(p[key], bool) or p[key] < low:
             raise ScenarioError(f"{key} must be an integer >= {low}, got {p[key]!r}")
+    if p["mtu"] > 65535:
+        raise ScenarioError(f"mtu must be at most 65535 (one IPv4 datagram), got {p['mtu']}")
     if not isinstance(p["loss"], (int, float)) or not 0 <= p["loss"] < 1:
         raise ScenarioError(f"loss must be in [0, 1), got {p['loss']!r}")
     if p["switch"] not in ("asic", "software"):
