@@ -1,0 +1,140 @@
+"""intml-sim: run, sweep and validate simulated allreduces (see sim/README.md)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from intml.sim import output, scenario
+from intml.sim.run import COLUMNS, Progress, rows
+
+
+def _meta(s: dict) -> dict:
+    return {"scenario": s["name"], "scenario_hash": scenario.digest(s), "seeds": s["seed"] if isinstance(
+        s["seed"], list) else [s["seed"]], "code_version": output.code_version(), "mode": s["mode"]}
+
+
+def _emit(meta: dict, got: list[dict], args: argparse.Namespace, columns: tuple[str, ...]) -> None:
+    if args.json:
+        print(output.as_json(meta, got))
+    elif args.csv:
+        print(output.as_csv(meta, got), end="")
+    else:
+        if "scenario" in meta:
+            print(f"{meta['scenario']}  (hash {meta['scenario_hash']}, seeds {meta['seeds']}, {meta['code_version']})")
+        else:
+            print(f"intml-sim {meta['code_version']}")
+        print(output.table(got, columns))
+
+
+def cmd_run(args: argparse.Namespace) -> None:
+    s = scenario.load(args.scenario)
+    if getattr(args, "set", None):
+        s = scenario.apply_sets(s, args.set)
+    got = list(rows(s, Progress()))
+    _emit(_meta(s), got, args, COLUMNS)
+    if args.plot:
+        series: dict[str, list[tuple[float, float]]] = {}
+        for r in got:
+            series.setdefault(r["system"], []).append((r[args.x], r[args.y]))
+        labels = {"time_s": "seconds per allreduce", "goodput_gbit": "goodput, Gbit/s of float32 tensor"}
+        output.plot_lines(args.plot, series, xlabel=args.x, ylabel=labels.get(args.y, args.y), title=s["name"],
+                          logx=args.x == "workers", logy=args.y == "time_s", symlogx=args.x == "loss")
+
+
+def cmd_validate(args: argparse.Namespace) -> None:
+    from intml.sim import validate
+    got = validate.compare(validate.load(args.testbed), progress=Progress())
+    meta = {"testbed": args.testbed, "code_version": output.code_version(), "calibration": validate.CALIBRATION}
+    _emit(meta, got, args, validate.COLUMNS)
+    if args.plot:
+        validate.plot(got, args.plot)
+
+
+def cmd_loss(args: argparse.Namespace) -> None:
+    from intml.sim import loss
+    got = loss.table(args.workers, args.loss, args.pool, args.rto, elements=args.elements, rate=args.rate,
+                     seed=args.seed)
+    _emit({"code_version": output.code_version(), "seeds": [args.seed]}, got, args, loss.COLUMNS)
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    from intml.sim import training
+    got = training.table(args.workers, [scenario.parse_rate(r) for r in args.rate])
+    _emit({"code_version": output.code_version(), "profiles": training.SOURCES}, got, args, training.COLUMNS)
+    if args.plot:
+        training.plot(got, args.plot)
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from intml.sim import bench
+    got = [bench.engine_alone(args.workers), bench.real_cores(args.workers, args.elements)]
+    _emit({"code_version": output.code_version()}, got, args, ("what", "packet_events", "loop_s", "events_per_s",
+                                                                "virtual_s"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="intml-sim", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def outputs(q: argparse.ArgumentParser, plot: bool = True) -> None:
+        fmt = q.add_mutually_exclusive_group()
+        fmt.add_argument("--json", action="store_true", help="one JSON object (hash, seeds, code version, rows)")
+        fmt.add_argument("--csv", action="store_true", help="CSV rows, each with the hash, seeds and code version")
+        if plot:
+            q.add_argument("--plot", metavar="PNG", help="write a plot (needs matplotlib: the plot extra)")
+
+    def axes(q: argparse.ArgumentParser) -> None:
+        q.add_argument("--x", default="workers", choices=("workers", "loss", "rate", "elements", "pool"),
+                       help="the plot's x axis (default workers)")
+        q.add_argument("--y", default="time_s", choices=("time_s", "goodput_gbit"), help="its y axis")
+
+    r = sub.add_parser("run", help="run a scenario file")
+    r.add_argument("scenario")
+    outputs(r)
+    axes(r)
+    r.set_defaults(fn=cmd_run)
+    sw = sub.add_parser("sweep", help="run a scenario with keys swept: --set workers=2,4,8")
+    sw.add_argument("scenario")
+    sw.add_argument("--set", action="append", default=[], metavar="KEY=V1,V2,...")
+    outputs(sw)
+    axes(sw)
+    sw.set_defaults(fn=cmd_run)
+    v = sub.add_parser("validate", help="replay `intml-testbed bench cluster --json` points and compare")
+    v.add_argument("testbed", help="the testbed's JSON output")
+    outputs(v)
+    v.set_defaults(fn=cmd_validate)
+    lo = sub.add_parser("loss", help="slot completion times under loss at scale (p50, p99)")
+    lo.add_argument("--workers", type=int, nargs="+", default=[64, 256, 1024])
+    lo.add_argument("--loss", type=float, nargs="+", default=[1e-4])
+    lo.add_argument("--pool", type=int, nargs="+", default=[64, 256])
+    lo.add_argument("--rto", type=float, nargs="+", default=[0.001, 0.05])
+    lo.add_argument("--elements", type=int, default=25_000_000)
+    lo.add_argument("--rate", type=scenario.parse_rate, default=100e9)
+    lo.add_argument("--seed", type=int, default=1)
+    outputs(lo, plot=False)
+    lo.set_defaults(fn=cmd_loss)
+    t = sub.add_parser("train", help="training time per iteration: DDP bucket overlap, intml vs the ring")
+    t.add_argument("--workers", type=int, default=16)
+    t.add_argument("--rate", nargs="+", default=["10gbit", "25gbit", "100gbit"])
+    outputs(t)
+    t.set_defaults(fn=cmd_train)
+    b = sub.add_parser("bench", help="packet events per second: the engine alone, and with the real cores")
+    b.add_argument("--workers", type=int, default=64)
+    b.add_argument("--elements", type=int, default=25_000_000)
+    outputs(b, plot=False)
+    b.set_defaults(fn=cmd_bench)
+    args = p.parse_args(argv)
+    try:
+        args.fn(args)
+    except (ValueError, output.PlotUnavailable) as exc:  # a bad scenario (ScenarioError) or job parameter
+        print(f"intml-sim: error: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:
+        print(f"intml-sim: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

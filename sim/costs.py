@@ -1,0 +1,55 @@
+"""The host and software-aggregator cost model, calibrated once from measurements on this 2-core VM (README,
+"Benchmarks"), each constant with its source:
+
+* encode, 0.52 ns per element: ``intml-testbed bench codec`` stochastic encode, 1.94 G elements/s (and the perf
+  profile of the 4 x 25M loopback allreduce: 13 ms for 25M elements at 0.52 ns).
+* decode, 0.29 ns per element: ``bench codec`` decode, 3.40 G elements/s.
+* int32 encode and decode, 0.35 and 0.25 ns per element: the int32 loopback allreduce moves 4x the bytes and
+  took 0.234-0.243 s against cnat8's 0.114 s; its scaling is a multiply and a byte swap per element, cheaper than
+  the C_nat random word (an estimate from that ratio, not a separate benchmark).
+* I/O, 1.15 us per datagram each way: ``intml-testbed bench burstio``, sendmmsg/recvmmsg at 0.87 M datagrams/s of
+  1050 bytes (GSO + GRO reach 5.17 M/s, 0.19 us: ``HostCosts.gso()``).
+* the software aggregator, 0.66 us per cnat8 packet of 1024 codes in its kernel (``bench mac``, 658 ns; integer
+  add 0.2 ns and re-encode 0.21 ns per input element from perf) plus the same 1.15 us of I/O per datagram in and
+  per result out. The per-core benchmark (``testbed/bench_percore.py``) was not available when this was written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from intml.sim.network import SwitchCosts
+
+IO_PER_DATAGRAM = 1.15e-6
+IO_PER_DATAGRAM_GSO = 0.19e-6
+
+
+@dataclass(frozen=True)
+class HostCosts:
+    """A worker's CPU: seconds per element encoded and decoded, per datagram sent and received."""
+
+    encode: float = 0.52e-9
+    decode: float = 0.29e-9
+    io: float = IO_PER_DATAGRAM
+
+    def gso(self) -> HostCosts:
+        return replace(self, io=IO_PER_DATAGRAM_GSO)
+
+
+HOST_COSTS = {"cnat8": HostCosts(), "int32": HostCosts(encode=0.35e-9, decode=0.25e-9)}
+FREE_HOST = HostCosts(encode=0.0, decode=0.0, io=0.0)
+
+# The software aggregator of the netns testbed (one core): kernel work per packet and per element, plus I/O.
+SOFTWARE_AGGREGATOR = SwitchCosts(latency=5e-6, per_packet=IO_PER_DATAGRAM, per_element=0.41e-9, pipeline=False)
+# A switch ASIC (Tofino class): line rate, a fixed pipeline latency.
+ASIC = SwitchCosts(latency=1e-6)
+ASIC_PIPELINE_PPS = 1.2e9  # packets per second one pipeline starts (a Tofino pipe, order of magnitude; assumed)
+
+
+def asic(passes: int = 1, pipeline_pps: float = ASIC_PIPELINE_PPS) -> SwitchCosts:
+    """A switch ASIC whose aggregation takes ``passes`` passes through a pipeline of ``pipeline_pps`` packets per
+    second (a P4 program too large for one pass recirculates, per the P4 resource account): each aggregated packet
+    occupies the pipeline ``passes`` / pps seconds, and waits ``passes`` pipeline latencies."""
+    if passes < 1 or pipeline_pps <= 0:
+        raise ValueError(f"need passes >= 1 and a positive pipeline rate, got {passes}, {pipeline_pps}")
+    return SwitchCosts(latency=ASIC.latency * passes, per_packet=passes / pipeline_pps)

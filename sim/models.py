@@ -1,0 +1,145 @@
+"""Analytic (alpha-beta) models of one allreduce of N float32 elements on n workers, each on its own link of rate
+B bit/s to one switch (one-way latency ``delay`` per link, so a host-switch-host round trip is 2 x delay plus the
+serialisation of a packet each way). All sizes count the bytes on the wire (headers included), so the models
+and the packet-level engine agree on the same links.
+
+* Gloo's ring: 2(n-1) steps, each sending a 1/n segment: 2(n-1)·alpha + 2(n-1)/n · S·(1 + h_tcp)/B, with S = 4N
+  and h_tcp the TCP/IP/Ethernet header share of an MSS. A flow-level model (TCP at line rate once its window
+  opens: the testbed's segments are 64 KB), validated against the testbed (``sim.validate``).
+* A sharded parameter server (seed 004): k servers, each holding 1/k of the parameters; every worker pushes its
+  gradient (S) and pulls the new parameters (S); each server receives n·S/k and sends n·S/k. Pushes and pulls
+  overlap on full-duplex links, so the time is the busier end: max(S, n·S/k)·(1 + h_tcp)/B + 2·alpha.
+  Colocated servers (k = n, one on each worker) move 2(n-1)/n·S each way instead, the ring's bytes.
+* In-network (intml cnat8, SwitchML int32): each worker sends and receives S_c = N·w bytes (w = 1 or 4) in
+  packets of P payload bytes and H header bytes: S_c·(P+H)/P / B + RTT, as long as the pool covers the
+  bandwidth-delay product (pool·(P+H) >= B·RTT); with a smaller pool, the rate is pool·(P+H)/RTT instead.
+  The first round of each slot carries no elements (the exponent bootstrap): one more RTT.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from intml.protocol.packet import HDR
+from intml.sim.network import IP_UDP, WIRE_OVERHEAD
+
+TCP_IP = 52  # IPv4 20 + TCP 20 + timestamps 12
+ETHERNET = 14
+
+
+@dataclass(frozen=True)
+class Net:
+    """A single-switch network: n workers, link rate (bit/s), one-way delay per link (s), MTU, and the ring's
+    per-step software latency ``alpha`` (s: a TCP send and receive through the kernel and Gloo)."""
+
+    workers: int
+    rate: float
+    delay: float = 1e-6
+    mtu: int = 1500
+    alpha: float = 20e-6
+    switch_latency: float = 1e-6  # the switch's pipeline (sim.costs.ASIC)
+
+    @property
+    def rtt(self) -> float:
+        """Host to switch and back: two link traversals and the switch's pipeline."""
+        return 2 * self.delay + self.switch_latency
+
+    @property
+    def tcp_overhead(self) -> float:
+        """Wire bytes per payload byte of a full TCP segment."""
+        mss = self.mtu - TCP_IP
+        return (mss + TCP_IP + ETHERNET) / mss
+
+
+def ring(net: Net, elements: int, element_size: int = 4) -> float:
+    """Gloo's ring allreduce (reduce-scatter, then allgather)."""
+    n = net.workers
+    if n == 1:
+        return 0.0
+    s = element_size * elements * net.tcp_overhead
+    return 2 * (n - 1) * (net.alpha + net.rtt / 2) + 2 * (n - 1) / n * s * 8 / net.rate
+
+
+def parameter_server(net: Net, elements: int, servers: int | None = None, element_size: int = 4) -> float:
+    """A sharded parameter server: ``servers`` dedicated shards (None: colocated, one per worker)."""
+    n = net.workers
+    s = element_size * elements * net.tcp_overhead
+    if servers is None:
+        busiest = 2 * (n - 1) / n * s if n > 1 else 0.0  # each worker's link, each way
+    else:
+        busiest = max(s, n * s / servers)
+    return busiest * 8 / net.rate + 2 * (net.alpha + net.rtt)
+
+
+def in_network(net: Net, elements: int, packet_elements: int, pool: int, element_size: int = 1) -> float:
+    """intml (element_size 1: cnat8) or SwitchML (4: int32): S·(P+H)/P/B + RTT, capped by the pool."""
+    chunks = math.ceil(elements / packet_elements)
+    wire_packet = packet_elements * element_size + HDR + WIRE_OVERHEAD
+    window = min(pool, chunks)
+    bootstrap = HDR + WIRE_OVERHEAD  # an empty packet per slot first
+    serial = wire_packet * 8 / net.rate
+    rtt = net.rtt + 2 * serial  # a round trip includes sending the packet and receiving its result
+    rate = min(net.rate, window * wire_packet * 8 / rtt)
+    return chunks * wire_packet * 8 / rate + window * bootstrap * 8 / net.rate + net.rtt + 2 * serial
+
+
+def pool_for(net: Net, packet_elements: int, element_size: int = 1) -> int:
+    """The smallest pool that covers the bandwidth-delay product (SwitchML's rule)."""
+    wire_packet = packet_elements * element_size + HDR + WIRE_OVERHEAD
+    rtt = net.rtt + 2 * wire_packet * 8 / net.rate
+    return math.ceil(net.rate * rtt / 8 / wire_packet)
+
+
+def largest_packet(element_size: int, mtu: int) -> int:
+    """Elements of ``element_size`` bytes that fit one datagram under ``mtu`` (no MAC)."""
+    return (mtu - IP_UDP - HDR) // element_size
+
+
+SYSTEMS = {
+    "intml-cnat8": lambda net, n_el, pe, pool: in_network(net, n_el, pe or largest_packet(1, net.mtu), pool, 1),
+    "switchml-int32": lambda net, n_el, pe, pool: in_network(net, n_el, pe or largest_packet(4, net.mtu), pool, 4),
+    "gloo-ring": lambda net, n_el, pe, pool: ring(net, n_el),
+    "ps-colocated": lambda net, n_el, pe, pool: parameter_server(net, n_el),
+    "ps-dedicated": lambda net, n_el, pe, pool: parameter_server(net, n_el, servers=max(1, net.workers // 4)),
+}
+
+
+# ---- two-level leaf-spine: aggregation at the racks, then at the spine -------------------------------------------
+# Exactness: every rank encodes against the job's fixed-point unit 2^(E - s(n)), s(n) from the total n, so the sum
+# of any subset of contributions fits 31 bits. A leaf adds its rack's contributions as int32 and forwards the
+# partial sum as int32 (4 bytes per element); the spine adds the leaves' partials, still exact, and only it
+# re-encodes the total to C_nat codes for the multicast back down. So the result is bit for bit the one-switch
+# result; the cost is 4 bytes per element on the leaf uplinks.
+
+
+@dataclass(frozen=True)
+class LeafSpine:
+    """``racks`` leaves of ``workers / racks`` hosts each, host links at ``rate``, each leaf's uplink to the spine
+    at ``uplink_rate`` (oversubscription = hosts per rack x rate / uplink_rate)."""
+
+    workers: int
+    racks: int
+    rate: float
+    uplink_rate: float
+    delay: float = 1e-6
+    mtu: int = 9000
+    alpha: float = 20e-6
+    switch_latency: float = 1e-6
+
+
+def leaf_spine_in_network(t: LeafSpine, elements: int, element_size: int = 1) -> float:
+    """Hosts send codes to their leaf; leaves send int32 partial sums to the spine; each level runs at its own
+    link's rate (the pool covers the bandwidth-delay product), so the slower level sets the pace."""
+    host_pe = largest_packet(element_size, t.mtu)
+    host = math.ceil(elements / host_pe) * (host_pe * element_size + HDR + WIRE_OVERHEAD) * 8 / t.rate
+    up_pe = largest_packet(4, t.mtu)
+    up = math.ceil(elements / up_pe) * (up_pe * 4 + HDR + WIRE_OVERHEAD) * 8 / t.uplink_rate if t.racks > 1 else 0
+    rtt = 4 * t.delay + 3 * t.switch_latency
+    return max(host, up) + rtt
+
+
+def leaf_spine_ring(t: LeafSpine, elements: int, element_size: int = 4) -> float:
+    """Gloo's ring laid out rack by rack: each leaf uplink carries one ring flow each way."""
+    net = Net(t.workers, min(t.rate, t.uplink_rate) if t.racks > 1 else t.rate, t.delay, t.mtu, t.alpha)
+    return ring(net, elements, element_size)

@@ -1,0 +1,252 @@
+"""Modelled parts of a network: links, a processor with a cost model, and the switch with an aggregator in it.
+
+A ``Link`` is one direction of a cable: rate, propagation delay, MTU, a drop-tail queue in bytes, random loss
+from its own seeded generator and optional ECN marking (counted: intml's UDP traffic does not react to it). A
+datagram occupies the wire for (payload + ``overhead``) bytes at the link's rate; the overhead is the IPv4, UDP
+and Ethernet headers, which the netns testbed's ``tc tbf`` also counts.
+
+A ``Processor`` is a CPU that handles what reaches it in bursts: what arrives while it is busy waits and is taken
+together when it is free (as recvmmsg does), and each burst costs what the owner's handler says. With a zero cost
+model it handles each arrival at once.
+
+The ``Switch`` forwards by destination address and hands the datagrams addressed to its aggregator to an
+``Aggregator``: the real ``AggregatorCore``s (``CoreAggregator``) or, later, the P4 pipeline model; the switch
+needs only that small interface. Multicast groups replicate a datagram to every member port.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from intml.aggregator.core import AggregatorCore
+from intml.protocol.burst import Burst
+from intml.protocol.packet import HDR
+from intml.sim.engine import Datagram, Node, Simulator
+
+WIRE_OVERHEAD = 42  # IPv4 20 + UDP 8 + Ethernet 14 bytes per datagram
+IP_UDP = 28  # the part of the overhead the MTU counts
+
+
+@dataclass
+class LinkStats:
+    lost: int = 0
+    queue_drops: int = 0
+    too_big: int = 0
+    ecn_marked: int = 0
+
+
+class Link:
+    """One direction of a link into ``node``. Calls to ``send`` come in nondecreasing time order (each link has
+    one sender, whose clock only moves forward)."""
+
+    def __init__(self, sim: Simulator, node: Node, *, rate: float, delay: float, mtu: int = 1500,
+                 queue_bytes: int = 1 << 20, loss: float = 0.0, seed: int = 0, ecn_bytes: int | None = None,
+                 overhead: int = WIRE_OVERHEAD) -> None:
+        if rate <= 0 or delay < 0 or not 0 <= loss < 1 or queue_bytes <= 0:
+            raise ValueError(f"bad link: rate {rate}, delay {delay}, loss {loss}, queue {queue_bytes}")
+        self.sim, self.node = sim, node
+        self.byte_time = 8.0 / rate
+        self.delay, self.mtu, self.queue_bytes, self.loss = delay, mtu, queue_bytes, loss
+        self.ecn_bytes, self.overhead = ecn_bytes, overhead
+        self.random = random.Random(seed)
+        self.busy_until = 0.0
+        self.stats = LinkStats()
+        self.sent = 0  # datagrams serialised (kept here, not in stats: the hot path)
+        self.bytes = 0  # bytes on the wire, overhead included
+
+    def send(self, datagram: Datagram, now: float) -> None:
+        """Queue ``datagram`` at time ``now``: dropped if too big or the queue is full, else serialised after
+        the queue, then lost with probability ``loss``, else delivered after the propagation delay."""
+        size = len(datagram[0])
+        if size + IP_UDP > self.mtu:
+            self.stats.too_big += 1
+            return
+        wire = size + self.overhead
+        busy = self.busy_until
+        if busy > now:
+            backlog = (busy - now) / self.byte_time
+            if backlog + wire > self.queue_bytes:
+                self.stats.queue_drops += 1
+                return
+            if self.ecn_bytes is not None and backlog > self.ecn_bytes:
+                self.stats.ecn_marked += 1
+            now = busy
+        self.busy_until = busy = now + wire * self.byte_time
+        self.sent += 1
+        self.bytes += wire
+        if self.loss and self.random.random() < self.loss:
+            self.stats.lost += 1
+            return
+        self.sim.deliver(busy + self.delay, self.node, datagram)
+
+
+class Processor:
+    """A CPU or a pipeline. ``handle(items, start)`` does the work and returns (cost in seconds, what to do when it
+    is done: called with the finish time). ``merge``: a CPU takes everything that arrived while it was busy as one
+    burst (recvmmsg); a pipeline (``merge=False``) takes one arrival instant's burst at a time, so each burst's
+    output leaves after its own work, not after everything queued behind it."""
+
+    def __init__(self, sim: Simulator, handle: Callable[[list, float], tuple[float, Callable[[float], None]]],
+                 merge: bool = True) -> None:
+        self.sim, self.handle, self.merge = sim, handle, merge
+        self.free_at = 0.0
+        self.queue: list[list] = []  # bursts waiting, oldest first
+        self.scheduled = False
+        self.busy = 0.0  # seconds of work done
+
+    def submit(self, items: list, now: float) -> None:
+        """``items`` (a list the processor may keep) arrived at ``now``."""
+        self.queue.append(items)
+        if self.scheduled:
+            return
+        if self.free_at <= now:
+            self._run(now)
+        else:
+            self.scheduled = True
+            self.sim.at(self.free_at, self._run_scheduled)
+
+    def _run_scheduled(self) -> None:
+        self.scheduled = False
+        self._run(self.sim.now)
+
+    def _run(self, now: float) -> None:
+        if self.merge:
+            items = [item for burst in self.queue for item in burst] if len(self.queue) > 1 else self.queue[0]
+            self.queue = []
+        else:
+            items = self.queue.pop(0)
+        cost, then = self.handle(items, now)
+        self.busy += cost
+        self.free_at = now + cost
+        then(self.free_at)
+        if self.queue and not self.scheduled:
+            self.scheduled = True
+            self.sim.at(self.free_at, self._run_scheduled)
+
+
+class Aggregator(Protocol):
+    """What sits in the switch: the addresses it answers on, and a burst in, datagrams out."""
+
+    addrs: list[int]
+
+    def receive(self, datagrams: list[Datagram], now: float) -> list[Datagram]:
+        """Handle a burst of datagrams addressed to it; returns those it sends (payload, its address, dest)."""
+
+    def elements(self, datagrams: list[Datagram]) -> int:
+        """The elements a burst carries (for the cost model)."""
+
+
+def elements_of(payloads: list[bytes], width: int) -> int:
+    """The elements a list of DATA or RESULT datagrams (no MAC) carries: their payload bytes over the codec's
+    width (the cost model's count; no parsing per datagram)."""
+    return (sum(map(len, payloads)) - HDR * len(payloads)) // width
+
+
+def fill(rx: Burst, datagrams: list[tuple[bytes, int]]) -> Burst:
+    """``rx.fill(datagrams)``, in one copy when every datagram has the same length (a burst of results)."""
+    k = len(datagrams)
+    payloads = [p for p, _ in datagrams]
+    size = max(map(len, payloads))
+    if size <= rx.data.shape[1] and min(map(len, payloads)) == size:
+        rx.data[:k, :size] = np.frombuffer(b"".join(payloads), np.uint8).reshape(k, size)
+        rx.length[:k] = size
+        rx.addr[:k] = [a for _, a in datagrams]
+        rx.count = k
+    else:
+        rx.fill(datagrams)
+    return rx
+
+
+class CoreAggregator:
+    """The real ``AggregatorCore``s of one aggregator: core i listens on ``addrs[i]``."""
+
+    def __init__(self, cores: list[AggregatorCore], addrs: list[int], width: int, element_width: int) -> None:
+        """``width``: the largest datagram; ``element_width``: the job's bytes per element."""
+        self.cores, self.addrs = cores, addrs
+        self.element_width = element_width
+        self.index = {a: i for i, a in enumerate(addrs)}
+        self.width = width
+        self._rx = [Burst.rows_of(256, width) for _ in cores]
+
+    def receive(self, datagrams: list[Datagram], now: float) -> list[Datagram]:
+        by_core: dict[int, list[tuple[bytes, int]]] = {}
+        for payload, src, dst in datagrams:
+            by_core.setdefault(self.index[dst], []).append((payload, src))
+        out: list[Datagram] = []
+        for i in sorted(by_core):
+            got = by_core[i]
+            rx = self._rx[i]
+            if len(got) > rx.rows:
+                rx = self._rx[i] = Burst.rows_of(2 * len(got), self.width)
+            fill(rx, got)
+            core, addr = self.cores[i], self.addrs[i]
+            out += [(p, addr, dst) for p, dst in core.receive(rx, now).datagrams()]
+            out += [(p, addr, dst) for p, dst in core.take_replies()]
+        return out
+
+    def elements(self, datagrams: list[Datagram]) -> int:
+        return elements_of([d[0] for d in datagrams], self.element_width)
+
+
+@dataclass(frozen=True)
+class SwitchCosts:
+    """The aggregator's processing cost: zero for a switch ASIC at line rate (only ``latency``), the calibrated
+    software aggregator's for the testbed (see ``sim.costs``)."""
+
+    latency: float = 1e-6  # pipeline latency, seconds
+    per_packet: float = 0.0  # seconds per datagram handled by the aggregator
+    per_element: float = 0.0  # seconds per element aggregated
+    pipeline: bool = True  # a pipeline takes one arrival instant at a time; a CPU (False) all that waited
+
+
+class Switch:
+    """Ports (a downlink per attached address), multicast groups, and an aggregator behind its pipeline."""
+
+    def __init__(self, sim: Simulator, aggregator: Aggregator, costs: SwitchCosts = SwitchCosts()) -> None:
+        self.sim, self.aggregator, self.costs = sim, aggregator, costs
+        self.ports: dict[int, Link] = {}
+        self.groups: dict[int, list[int]] = {}
+        self.agg_addrs = set(aggregator.addrs)
+        self.stray = 0
+        self.cpu = Processor(sim, self._aggregate, merge=not costs.pipeline)
+
+    def attach(self, addr: int, downlink: Link) -> None:
+        self.ports[addr] = downlink
+
+    def arrive(self, datagrams: list[Datagram], now: float) -> None:
+        to_agg = []
+        at = now + self.costs.latency
+        for d in datagrams:
+            if d[2] in self.agg_addrs:
+                to_agg.append(d)
+            else:
+                self.forward(d, at)
+        if to_agg:
+            self.cpu.submit(to_agg, now)
+
+    def _aggregate(self, datagrams: list[Datagram], now: float) -> tuple[float, Callable[[float], None]]:
+        c = self.costs
+        cost = c.per_packet * len(datagrams) + (c.per_element * self.aggregator.elements(datagrams)
+                                                if c.per_element else 0.0)
+        out = self.aggregator.receive(datagrams, now)
+
+        def send(done: float) -> None:
+            for d in out:
+                self.forward(d, done + c.latency)
+        return cost, send
+
+    def forward(self, datagram: Datagram, at: float) -> None:
+        dst = datagram[2]
+        link = self.ports.get(dst)
+        if link is not None:
+            link.send(datagram, at)
+        elif dst in self.groups:
+            for member in self.groups[dst]:
+                self.ports[member].send(datagram, at)
+        else:
+            self.stray += 1

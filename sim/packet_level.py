@@ -1,0 +1,160 @@
+"""Packet-level runs of intml (cnat8, or int32: SwitchML's arithmetic) on one switch: n hosts, each on its own
+link pair to the switch, the real aggregator cores in it, the real worker engines and sessions on the hosts.
+Every rank joins through the simulated network, then the ranks run ``rounds`` allreduces, each starting together
+once the last rank has the previous result (the testbed's barrier)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from intml.aggregator.core import AggregatorCore
+from intml.protocol import codecs, reference
+from intml.protocol.job import AGGREGATOR_SLOTS, CODEC_NAMES, JobParams, WorkerTimers
+from intml.protocol.wire import element_datagram_size
+from intml.sim.costs import FREE_HOST, HOST_COSTS, SOFTWARE_AGGREGATOR, HostCosts, asic
+from intml.sim.engine import Simulator
+from intml.sim.host import WorkerHost
+from intml.sim.models import largest_packet
+from intml.sim.network import CoreAggregator, Link, Switch
+
+HOST_IP = 0x0A000000  # 10.0.0.(rank + 1)
+HOST_PORT = 5000
+AGG_ADDR = (0x0A000101 << 16) | 48879  # 10.0.1.1, the aggregator's core 0
+GROUP = (0xEFFF2A00, 48880)  # 239.255.42.0: results by multicast, as the testbed's default
+TOKEN = "intml-sim"
+JOB = 1
+
+
+@dataclass
+class PacketRun:
+    """One packet-level scenario: n hosts on a single switch."""
+
+    workers: int = 4
+    elements: int = 1_000_000
+    codec: str = "cnat8"
+    rate: float = 10e9  # bit/s, every link
+    delay: float = 1e-6  # one-way propagation per link, s
+    mtu: int = 1500
+    queue_bytes: int = 1 << 20
+    loss: float = 0.0  # per link direction
+    ecn_bytes: int | None = None
+    packet_elements: int | None = None  # default: the largest for the MTU
+    pool: int = 64
+    rounds: int = 1
+    seed: int = 1
+    switch: str = "asic"  # or "software": the testbed's aggregator process and its CPU costs
+    passes: int = 1  # asic: pipeline passes per aggregated packet (recirculations + 1)
+    slots: int = AGGREGATOR_SLOTS  # the switch's slot memory, in rows (a job's pool must fit)
+    host_costs: bool = True  # charge the hosts' CPU (sim.costs); False: free hosts
+    multicast: bool = True
+    inputs: str = "distinct"  # or "shared": one input array for every rank (large runs, less memory)
+    rto: float = WorkerTimers.rto
+    min_rto: float = WorkerTimers.min_rto
+    check: bool = False  # compare every rank's result with protocol.reference
+
+    def __post_init__(self) -> None:
+        if self.packet_elements is None:
+            self.packet_elements = largest_packet(codecs.BY_ID[CODEC_NAMES[self.codec]].WIDTH, self.mtu)
+
+
+@dataclass
+class PacketResult:
+    times: list[float]  # seconds per allreduce
+    retransmissions: int
+    lost: int
+    queue_drops: int
+    events: int
+    packet_events: int
+    wall: float  # seconds of real time, setup (inputs, compilation) included
+    loop: float  # of which in the event loop
+    exact: bool | None = None  # every rank's result equals protocol.reference's, if checked
+    counters: dict = field(default_factory=dict)
+
+
+def simulate(run: PacketRun) -> PacketResult:
+    """Run the scenario; deterministic in ``run`` (its seed drives the inputs, the losses and the nonces)."""
+    wall = time.perf_counter()
+    sim = Simulator()
+    n = run.workers
+    params = JobParams.of(world_size=n, codec=run.codec, packet_elements=run.packet_elements, pool_size=run.pool,
+                          seed=run.seed)
+    secret = np.random.default_rng([run.seed, 7])
+    core = AggregatorCore(rows=run.slots, max_elements=max(run.packet_elements, 1), tokens=[TOKEN],
+                          results_group=GROUP if run.multicast else None, random_bytes=lambda k: secret.bytes(k))
+    width = element_datagram_size(params.codec, run.packet_elements, False) + 256
+    switch = Switch(sim, CoreAggregator([core], [AGG_ADDR], width, codecs.BY_ID[params.codec].WIDTH),
+                    SOFTWARE_AGGREGATOR if run.switch == "software" else asic(run.passes))
+    costs: HostCosts = HOST_COSTS[run.codec] if run.host_costs else FREE_HOST
+    timers = WorkerTimers(rto=run.rto, min_rto=run.min_rto)
+    joined: list[WorkerHost] = []
+    finished: list[float] = []
+    times: list[float] = []
+    rng = np.random.default_rng(run.seed)
+    if run.inputs == "shared":
+        xs = [rng.standard_normal(run.elements, dtype=np.float32)] * n
+        outs = [np.empty(run.elements, np.float32)] * n
+    else:
+        xs = [rng.standard_normal(run.elements, dtype=np.float32) for _ in range(n)]
+        outs = [np.empty(run.elements, np.float32) for _ in range(n)]
+    state = {"start": 0.0, "round": 0}
+
+    def start_round(now: float) -> None:
+        state["start"] = now
+        finished.clear()
+        for h in hosts:
+            h.start(xs[h.rank], outs[h.rank], now)
+
+    def on_joined(host: WorkerHost) -> None:
+        joined.append(host)
+        if len(joined) == n:
+            for g in host.groups:
+                switch.groups[g] = [h.addr for h in hosts]
+            start_round(sim.now)
+
+    def on_done(host: WorkerHost, now: float) -> None:
+        finished.append(now)
+        if len(finished) == n:
+            end = max(finished)
+            times.append(end - state["start"])
+            state["round"] += 1
+            if state["round"] < run.rounds:
+                sim.at(end, start_round, end)
+
+    hosts = []
+    for r in range(n):
+        addr = ((HOST_IP + r + 1) << 16) | HOST_PORT
+        h = WorkerHost(sim, rank=r, addr=addr, job=JOB, params=params, token=TOKEN, aggregator=AGG_ADDR,
+                       costs=costs, timers=timers, on_joined=on_joined, on_done=on_done, nonce_seed=run.seed * 1000 + r)
+        link = dict(rate=run.rate, delay=run.delay, mtu=run.mtu, queue_bytes=run.queue_bytes, loss=run.loss,
+                    ecn_bytes=run.ecn_bytes)
+        h.uplink = Link(sim, switch, seed=_link_seed(run.seed, r, 0), **link)
+        switch.attach(addr, Link(sim, h, seed=_link_seed(run.seed, r, 1), **link))
+        hosts.append(h)
+    for h in hosts:
+        h.connect(0.0)
+    loop = time.perf_counter()
+    sim.run(stop=lambda: len(times) == run.rounds)
+    if len(times) < run.rounds:
+        stuck = [f"rank {h.rank}: " + ("joining" if h.engine is None else f"{h.engine.progress} chunks")
+                 for h in hosts if h.engine is None or h.running]
+        raise RuntimeError(f"the simulation ran out of events after {len(times)} of {run.rounds} allreduces "
+                           f"at t = {sim.now:.6g} s ({'; '.join(stuck)})")
+    links = [h.uplink for h in hosts] + list(switch.ports.values())
+    counters = {k: sum(h.engine.counters()[k] for h in hosts) for k in hosts[0].engine.counters()}
+    result = PacketResult(
+        times=times, retransmissions=counters["retransmissions"] + counters["fast_retransmissions"],
+        lost=sum(link.stats.lost for link in links), queue_drops=sum(link.stats.queue_drops for link in links),
+        events=sim.events, packet_events=sim.packet_events, wall=time.perf_counter() - wall,
+        loop=time.perf_counter() - loop, counters=counters)
+    if run.check:
+        expected = reference.allreduce(xs, codec=run.codec, seed=run.seed, allreduce_seq=run.rounds - 1,
+                                       packet_elements=run.packet_elements)
+        result.exact = all(np.array_equal(o.view(np.uint32), expected.view(np.uint32)) for o in outs)
+    return result
+
+
+def _link_seed(seed: int, rank: int, direction: int) -> int:
+    return (seed * 1_000_003 + rank) * 2 + direction

@@ -1,0 +1,67 @@
+"""Evaluating a scenario: each grid point for each system, packet-level where the scenario asks for it and the
+system runs on the real cores (intml-cnat8, switchml-int32, up to MAX_WORLD ranks), else the analytic model."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+from intml.protocol.job import MAX_WORLD
+from intml.sim.models import SYSTEMS, Net, largest_packet
+from intml.sim.packet_level import PacketRun, simulate
+from intml.sim.scenario import PACKET_SYSTEMS, grid, point_params
+
+COLUMNS = ("system", "method", "workers", "elements", "rate", "mtu", "loss", "pool", "time_s", "goodput_gbit",
+           "retransmissions")
+
+
+def evaluate(point: dict, system: str, mode: str) -> dict:
+    """One row: the time of one allreduce (the median over ``rounds`` in packet mode) and its goodput (float32
+    tensor bytes per second, the application's view)."""
+    p = point_params(point)
+    row = {"system": system, "workers": p["workers"], "elements": p["elements"], "rate": p["rate"],
+           "mtu": p["mtu"], "loss": p["loss"], "pool": p["pool"], "seed": p["seed"], "retransmissions": 0}
+    codec = PACKET_SYSTEMS.get(system)
+    if mode == "packet" and codec is not None and p["workers"] <= MAX_WORLD:
+        r = simulate(PacketRun(workers=p["workers"], elements=p["elements"], codec=codec, rate=p["rate"],
+                               delay=p["delay"], mtu=p["mtu"], queue_bytes=p["queue_bytes"], loss=p["loss"],
+                               packet_elements=p["packet_elements"] or None, pool=p["pool"], rounds=p["rounds"],
+                               seed=p["seed"], switch=p["switch"], passes=p["passes"], host_costs=p["host_costs"],
+                               inputs="shared" if p["elements"] * p["workers"] > 50_000_000 else "distinct"))
+        t = sorted(r.times)[len(r.times) // 2]
+        row.update(method="packet", time_s=t, retransmissions=r.retransmissions, packet_events=r.packet_events,
+                   wall_s=round(r.wall, 3))
+    else:
+        net = Net(p["workers"], p["rate"], p["delay"], p["mtu"], p["alpha"])
+        t = SYSTEMS[system](net, p["elements"], p["packet_elements"] or None, p["pool"])
+        row.update(method="analytic" if codec else "flow model", time_s=t)
+    row["goodput_gbit"] = 4 * p["elements"] * 8 / t / 1e9 if t > 0 else float("inf")
+    return row
+
+
+def rows(s: dict, progress: Callable[[int, int], None] | None = None) -> Iterator[dict]:
+    points = [(pt, system) for pt in grid(s) for system in s["systems"]]
+    for i, (pt, system) in enumerate(points):
+        yield evaluate(pt, system, s["mode"])
+        if progress:
+            progress(i + 1, len(points))
+
+
+class Progress:
+    """A bar on stderr, shown once a run has lasted ``after`` seconds."""
+
+    def __init__(self, after: float = 2.0) -> None:
+        self.start, self.after, self.shown = time.monotonic(), after, False
+
+    def __call__(self, done: int, total: int) -> None:
+        if time.monotonic() - self.start < self.after:
+            return
+        self.shown = True
+        filled = 30 * done // total
+        sys.stderr.write(f"\r[{'#' * filled}{' ' * (30 - filled)}] {done}/{total}")
+        if done == total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+

@@ -1,0 +1,99 @@
+"""Validation: replay ``intml-testbed bench cluster --json`` points in the simulator and compare.
+
+Calibrated once (``CALIBRATION``) and not fitted per point: the hosts' and the software aggregator's costs are
+``sim.costs``'s (from the codec and burst I/O benchmarks); a veth pair plus ``tc tbf`` is modelled as a 20 us
+one-way delay; Gloo's ring is the flow model with a 20 us per-step latency. The testbed shares 2 CPU cores among
+the workers, the aggregator and Gloo, which the simulator does not model (each host has its own CPU), so a point
+is called link-bound when the testbed's own ``link_use`` (wire bytes per second over the rate) is at least 0.85;
+the 10% target applies to those.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+from intml.sim import models
+from intml.sim.output import pyplot
+from intml.sim.packet_level import PacketRun, simulate
+from intml.sim.scenario import ScenarioError, parse_rate
+
+CALIBRATION = {"delay_s": 20e-6, "ring_alpha_s": 20e-6, "switch": "software", "host_costs": "sim.costs",
+               "link_bound_if_link_use_at_least": 0.85}
+COLUMNS = ("system", "workers", "rate", "mtu", "loss", "measured_s", "predicted_s", "error", "bottleneck", "method")
+CODECS = {"intml cnat8": "cnat8", "intml int32": "int32"}
+
+
+def load(path: str) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as exc:
+        raise ScenarioError(f"cannot read {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ScenarioError(f"{path} is not JSON: {exc}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+        raise ScenarioError(f"{path} is not `intml-testbed bench cluster --json` output (no rows)")
+    return data
+
+
+def predict(row: dict, pool: int) -> tuple[float, str]:
+    rate = parse_rate(row["rate"])
+    codec = CODECS.get(row["system"])
+    if codec is None:  # gloo ring
+        net = models.Net(row["workers"], rate, CALIBRATION["delay_s"], row["mtu"], CALIBRATION["ring_alpha_s"])
+        return models.ring(net, row["elements"]), "flow model"
+    r = simulate(PacketRun(workers=row["workers"], elements=row["elements"], codec=codec, rate=rate,
+                           delay=CALIBRATION["delay_s"], mtu=row["mtu"], loss=row.get("loss", 0.0), pool=pool,
+                           switch="software", multicast=row.get("results", "multicast") == "multicast",
+                           inputs="shared"))
+    return r.times[0], "packet"
+
+
+def compare(data: dict, progress: Callable[[int, int], None] | None = None) -> list[dict]:
+    out = []
+    rows = data["rows"]
+    for i, row in enumerate(rows):
+        try:
+            predicted, method = predict(row, data.get("pool", 64))
+            measured = float(row["median_s"])
+            link = float(row.get("link_use", 0.0))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ScenarioError(f"testbed row {i} lacks or garbles a field: {exc}") from None
+        out.append({"system": row["system"], "workers": row["workers"], "rate": row["rate"], "mtu": row["mtu"],
+                    "loss": row.get("loss", 0.0), "measured_s": measured, "predicted_s": predicted,
+                    "error": predicted / measured - 1,
+                    "bottleneck": "link" if link >= CALIBRATION["link_bound_if_link_use_at_least"] else "cpu",
+                    "method": method})
+        if progress:
+            progress(i + 1, len(rows))
+    return out
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """Predicted against measured, one marker per system, the diagonal and the 10% band."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(5.6, 5.0))
+    top = max(max(r["measured_s"], r["predicted_s"]) for r in rows) * 1.2
+    low = min(min(r["measured_s"], r["predicted_s"]) for r in rows) / 1.2
+    ax.plot([low, top], [low, top], color="gray", lw=1)
+    ax.fill_between([low, top], [low * 0.9, top * 0.9], [low * 1.1, top * 1.1], color="gray", alpha=0.15,
+                    label="±10%")
+    for system in dict.fromkeys(r["system"] for r in rows):
+        for kind, marker in (("link", "o"), ("cpu", "x")):
+            pts = [r for r in rows if r["system"] == system and r["bottleneck"] == kind]
+            if pts:
+                ax.scatter([r["measured_s"] for r in pts], [r["predicted_s"] for r in pts], marker=marker,
+                           label=f"{system} ({kind}-bound)")
+    ax.set(xscale="log", yscale="log", xlabel="measured s (testbed)", ylabel="predicted s (intml-sim)",
+           title="validation against the netns testbed")
+    ticks = [t for t in (0.05, 0.1, 0.2, 0.3, 0.5, 1, 2, 3, 5, 10) if low <= t <= top]
+    for axis in (ax.xaxis, ax.yaxis):  # plain labels at round values (log-axis minor labels overlap)
+        axis.set_minor_formatter(plt.NullFormatter())
+        axis.set_ticks(ticks, [f"{t:g}" for t in ticks])
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+

@@ -1,0 +1,117 @@
+"""intml-sim's event loop and links: ordering, same-instant bursts, serialisation, queues, seeded loss."""
+
+from __future__ import annotations
+
+import pytest
+
+from intml.sim.engine import Simulator
+from intml.sim.network import WIRE_OVERHEAD, Link, Processor
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.got: list[tuple[float, list]] = []
+
+    def arrive(self, datagrams, now):
+        self.got.append((now, [d[0] for d in datagrams]))
+
+
+def test_events_run_in_time_then_schedule_order():
+    sim, seen = Simulator(), []
+    for t, tag in [(2.0, "c"), (1.0, "a"), (2.0, "d"), (1.0, "b"), (0.5, "first")]:
+        sim.at(t, seen.append, tag)
+    sim.run()
+    assert seen == ["first", "a", "b", "c", "d"]
+    assert sim.now == 2.0
+    with pytest.raises(ValueError):
+        sim.at(1.0, seen.append, "past")
+
+
+def test_run_stops_at_until_and_on_stop():
+    sim, seen = Simulator(), []
+    for t in range(10):
+        sim.at(float(t), seen.append, t)
+    sim.run(until=3.5)
+    assert seen == [0, 1, 2, 3]
+    sim.run(stop=lambda: len(seen) >= 6)
+    assert seen == [0, 1, 2, 3, 4, 5]
+
+
+def test_same_instant_arrivals_are_one_burst_per_node_in_order():
+    sim, a, b = Simulator(), Sink(), Sink()
+    sim.deliver(1.0, a, (b"1", 0, 0))
+    sim.deliver(1.0, b, (b"x", 0, 0))
+    sim.deliver(1.0, a, (b"2", 0, 0))
+    sim.deliver(2.0, a, (b"3", 0, 0))
+    sim.run()
+    assert a.got == [(1.0, [b"1", b"2"]), (2.0, [b"3"])]
+    assert b.got == [(1.0, [b"x"])]
+    assert sim.packet_events == 4
+
+
+def test_link_serialises_queues_and_delays():
+    sim, sink = Simulator(), Sink()
+    link = Link(sim, sink, rate=8e6, delay=0.5, queue_bytes=3 * (1000 + WIRE_OVERHEAD))  # 1 byte per us
+    for i in range(4):
+        link.send((bytes([i]) * 1000, 0, 0), 0.0)
+    sim.run()
+    wire = (1000 + WIRE_OVERHEAD) * 1e-6
+    assert [t for t, _ in sink.got] == pytest.approx([wire + 0.5, 2 * wire + 0.5, 3 * wire + 0.5])
+    assert link.stats.queue_drops == 1  # the fourth found three datagrams queued
+    assert link.sent == 3 and link.bytes == 3 * (1000 + WIRE_OVERHEAD)
+    link.send((bytes(1500), 0, 0), sim.now)  # 1500 + 28 > MTU 1500
+    assert link.stats.too_big == 1
+
+
+def test_ecn_marks_above_the_threshold():
+    sim, sink = Simulator(), Sink()
+    link = Link(sim, sink, rate=8e6, delay=0.0, ecn_bytes=1500)
+    for _ in range(4):
+        link.send((bytes(1000), 0, 0), 0.0)
+    assert link.stats.ecn_marked == 2  # the third and fourth found more than 1500 bytes queued
+
+
+def _losses(seed):
+    sim, sink = Simulator(), Sink()
+    link = Link(sim, sink, rate=1e9, delay=0.0, loss=0.3, seed=seed)
+    for i in range(200):
+        link.send((i.to_bytes(2, "big"), 0, 0), i * 1e-3)
+    sim.run()
+    return [d for _, ds in sink.got for d in ds]
+
+
+def test_loss_is_seeded():
+    a, b, c = _losses(1), _losses(1), _losses(2)
+    assert a == b and a != c
+    assert 100 < len(a) < 180  # about 70% of 200 survive
+
+
+@pytest.mark.parametrize("merge, expected", [
+    (True, [(0.0, ["a"]), (1.0, ["b", "c"]), (2.0, ["d"])]),  # a CPU: all that waited, in one burst
+    (False, [(0.0, ["a"]), (1.0, ["b"]), (2.0, ["c"]), (3.0, ["d"])]),  # a pipeline: an arrival instant at a time
+])
+def test_processor_takes_what_arrived_while_busy(merge, expected):
+    sim, bursts = Simulator(), []
+
+    def handle(items, now):
+        bursts.append((now, list(items)))
+        return 1.0, lambda done: None
+    cpu = Processor(sim, handle, merge=merge)
+    cpu.submit(["a"], 0.0)
+    for t, x in [(0.2, "b"), (0.5, "c"), (1.5, "d")]:
+        sim.at(t, cpu.submit, [x], t)
+    sim.run()
+    assert bursts == expected
+    assert cpu.busy == len(expected)
+
+
+def test_switch_takes_any_aggregator_and_multicasts():
+    """The engine alone (sim.bench): a counting aggregator behind the same Switch interface the real cores use."""
+    from intml.sim import bench
+    got = bench.engine_alone(workers=4, window=4, rounds=10, rate=1e9)
+    assert got["packet_events"] == 2 * 4 * 4 * 10  # every packet up, and every result down to each of 4 hosts
+    # link-bound (a round trip of one packet, 27 us, is shorter than a window's 4 x 12.1 us): each uplink sends its
+    # 40 packets (1472 + 42 bytes) back to back, then the last one's result takes a link delay, the pipeline, its
+    # serialisation down and a link delay
+    packet = 1514 * 8 / 1e9
+    assert got["virtual_s"] == pytest.approx(40 * packet + 1e-6 + 1e-6 + packet + 1e-6)

@@ -1,0 +1,59 @@
+"""intml-sim's loss-at-scale model (hand-computed parts, and against the packet-level engine where both run) and
+the validation against recorded testbed JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from intml.sim import loss, validate
+from intml.sim.packet_level import PacketRun, simulate
+
+DATA = Path(__file__).resolve().parent.parent / "sim" / "data"
+
+
+def test_retry_delays_hand_computed():
+    k = np.array([0, 1, 2, 3, 1])
+    fast = np.array([True, True, True, False, False])
+    got = loss.retry_delays(k, fast, t0=10.0, serial=1.0, rto=100.0, max_rto=250.0)
+    # fast: first retry after t0 + 3 packets = 13, then the timer 100, 200 (capped at 250: 250 next)
+    assert got.tolist() == [0.0, 13.0, 113.0, 100.0 + 200.0 + 250.0, 100.0]
+
+
+def test_share_of_rounds_retried_at_1024_workers():
+    rounds, totals, lossless = loss.slot_rounds(1024, 1e-4, elements=25_000_000, packet_elements=8946, pool=64,
+                                                rate=100e9, delay=1e-6, rto=0.05, repeats=50)
+    retried = np.mean(rounds > rounds.min())
+    assert retried == pytest.approx(1 - (1 - 1e-4) ** 2048, abs=0.01)  # 18.5%: 2n channels per round
+    assert (totals >= lossless).all()
+
+
+def test_loss_model_against_the_packet_engine():
+    n, p, pool = 4, 0.01, 16
+    r = simulate(PacketRun(workers=n, elements=1_000_000, rate=10e9, loss=p, pool=pool, rto=0.001, min_rto=0.001,
+                           host_costs=False, inputs="shared", rounds=20, mtu=9000, seed=2))
+    _, totals, _ = loss.slot_rounds(n, p, elements=1_000_000, packet_elements=8946, pool=pool, rate=10e9,
+                                    delay=1e-6, rto=0.001, repeats=400)
+    # the slot model is pessimistic by 10-25% at the median (measured at n 4, 8, 16; README)
+    assert np.median(totals) == pytest.approx(np.median(r.times), rel=0.3)
+    assert np.median(totals) >= np.median(r.times)
+
+
+def test_validation_against_recorded_testbed_points():
+    data = json.loads((DATA / "cluster_100mbit_2026-11-23.json").read_text())
+    data["rows"] = [r for r in data["rows"] if r["workers"] == 2]  # the link-bound points
+    rows = validate.compare(data)
+    assert [r["bottleneck"] for r in rows] == ["link"] * 3
+    errors = {r["system"]: r["error"] for r in rows}
+    assert abs(errors["gloo ring"]) < 0.10 and abs(errors["intml int32"]) < 0.10
+    assert abs(errors["intml cnat8"]) < 0.15  # -11% on a machine at load 7-11 (README: the quiet machine's -6%)
+
+
+def test_validate_refuses_other_json(tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text("[1, 2]")
+    with pytest.raises(validate.ScenarioError, match="no rows"):
+        validate.load(str(bad))

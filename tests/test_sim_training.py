@@ -1,0 +1,72 @@
+"""intml-sim's leaf-spine and DDP training-time models against hand-computed cases, and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from intml.protocol.packet import HDR
+from intml.sim import models, training
+from intml.sim.__main__ import main
+
+
+def test_leaf_spine_hand_computed():
+    t = models.LeafSpine(workers=64, racks=8, rate=100e9, uplink_rate=100e9, delay=1e-6, mtu=9000,
+                         switch_latency=1e-6)
+    n = 8946 * 100  # 100 cnat8 packets; int32 packets hold 2236 elements: 401 of them
+    host = 100 * (8946 + HDR + 42) * 8 / 100e9
+    up = 401 * (2236 * 4 + HDR + 42) * 8 / 100e9
+    assert models.leaf_spine_in_network(t, n) == pytest.approx(max(host, up) + 4e-6 + 3e-6)
+    assert up > host  # leaves forward int32 partials: the spine level is the slower one at equal rates
+    one_rack = models.LeafSpine(workers=8, racks=1, rate=100e9, uplink_rate=1e9)
+    assert models.leaf_spine_in_network(one_rack, n) == pytest.approx(host + 7e-6)
+
+
+def test_ddp_overlap_hand_computed():
+    assert training.buckets(10_000_000) == [262_144, 6_553_600, 3_184_256]
+    # compute 0.3 s: forward 0.1, backward 0.2; allreduce 0.01 s per bucket
+    t = training.iteration(10_000_000, 0.3, lambda n: 0.01)
+    # the last bucket is ready when backward ends (0.3 s) and the others are done by then: 0.3 + 0.01
+    assert t == pytest.approx(0.31)
+    slow = training.iteration(10_000_000, 0.3, lambda n: n * 1e-7)  # 1 s per 10M elements
+    # the first bucket is done (0.131 s) before the second is ready (0.1 + 0.2 x 6.8M / 10M): the second and
+    # third then go back to back
+    second_ready = 0.1 + 0.2 * (262_144 + 6_553_600) / 10_000_000
+    assert slow == pytest.approx(second_ready + 0.65536 + 0.3184256)
+
+
+def test_training_shape_matches_seed_002():
+    # seed 002: 26% (ResNet-110) and 66% (AlexNet) less training time; the communication-heavy model gains more
+    resnet = training.predict("ResNet-110", 16, 10e9)["less_time_net"]
+    alexnet = training.predict("AlexNet", 16, 10e9)["less_time_net"]
+    assert 0 < resnet < alexnet
+
+
+def test_cli_run_sweep_json_and_errors(tmp_path, capsys):
+    scenario = tmp_path / "s.toml"
+    scenario.write_text('name = "t"\nsystems = ["intml-cnat8", "gloo-ring"]\nworkers = 4\nelements = 100000\n'
+                        'mode = "packet"\nseed = 3\n')
+    assert main(["sweep", str(scenario), "--set", "workers=2,4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["seeds"] == [3] and len(out["scenario_hash"]) == 16 and out["code_version"]
+    assert [(r["system"], r["workers"], r["method"]) for r in out["rows"]] == [
+        ("intml-cnat8", 2, "packet"), ("gloo-ring", 2, "flow model"), ("intml-cnat8", 4, "packet"),
+        ("gloo-ring", 4, "flow model")]
+    assert main(["run", str(scenario), "--csv"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("scenario,scenario_hash,seeds,code_version") and len(lines) == 3
+    scenario.write_text('workers = "many"\n')
+    assert main(["run", str(scenario)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("intml-sim: error: workers must be an integer") and err.count("\n") == 1
+    scenario.write_text('colour = 1\n')
+    assert main(["run", str(scenario)]) == 2
+    assert "unknown key 'colour'" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_is_one_line(monkeypatch, tmp_path, capsys):
+    import sys
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    assert main(["train", "--workers", "4", "--rate", "10gbit", "--plot", str(tmp_path / "x.png")]) == 2
+    assert capsys.readouterr().err == "intml-sim: error: plots need matplotlib: pip install 'intml[plot]'\n"
