@@ -1,4 +1,4 @@
-"""intml-sim: run, sweep and validate simulated allreduces (see sim/README.md)."""
+"""intml-sim: run, sweep and validate simulated allreduces (see the README, "intml-sim")."""
 
 from __future__ import annotations
 
