@@ -1,5 +1,6 @@
 """Packet-level runs of intml (cnat8, or int32: SwitchML's arithmetic) on one switch: n hosts, each on its own
-link pair to the switch, the real aggregator cores in it, the real worker engines and sessions on the hosts.
+link pair to the switch, the real aggregator core in it (its data path the Numba kernel, or the P4 pipeline model:
+``engine``), the real worker engines and sessions on the hosts.
 Every rank joins through the simulated network, then the ranks run ``rounds`` allreduces, each starting together
 once the last rank has the previous result (the testbed's barrier)."""
 
@@ -11,6 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from intml.aggregator.core import AggregatorCore
+from intml.p4 import layout
+from intml.p4.engine import P4ModelCore
 from intml.protocol import codecs, reference
 from intml.protocol.job import AGGREGATOR_SLOTS, CODEC_NAMES, JobParams, WorkerTimers
 from intml.protocol.wire import element_datagram_size
@@ -25,6 +28,7 @@ HOST_PORT = 5000
 AGG_ADDR = (0x0A000101 << 16) | 48879  # 10.0.1.1, the aggregator's core 0
 GROUP = (0xEFFF2A00, 48880)  # 239.255.42.0: results by multicast, as the testbed's default
 TOKEN = "intml-sim"
+ENGINES = ("kernel", "p4model")
 JOB = 1
 
 
@@ -46,7 +50,9 @@ class PacketRun:
     rounds: int = 1
     seed: int = 1
     switch: str = "asic"  # or "software": the testbed's aggregator process and its CPU costs
-    passes: int = 1  # asic: pipeline passes per aggregated packet (recirculations + 1)
+    engine: str = "kernel"  # the switch's data path: the Numba burst kernel, or "p4model": the P4 pipeline model
+    passes: int = 0  # asic: pipeline passes per aggregated packet (recirculations + 1); 0: the engine's (p4model:
+    # the P4 program's passes for the packet size, p4.layout.passes; kernel: 1)
     slots: int = AGGREGATOR_SLOTS  # the switch's slot memory, in rows (a job's pool must fit)
     host_costs: bool = True  # charge the hosts' CPU (sim.costs); False: free hosts
     multicast: bool = True
@@ -56,8 +62,15 @@ class PacketRun:
     check: bool = False  # compare every rank's result with protocol.reference
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        codec = CODEC_NAMES[self.codec]
         if self.packet_elements is None:
-            self.packet_elements = largest_packet(codecs.BY_ID[CODEC_NAMES[self.codec]].WIDTH, self.mtu)
+            self.packet_elements = largest_packet(codecs.BY_ID[codec].WIDTH, self.mtu)
+            if self.engine == "p4model":  # what the switch's parser takes
+                self.packet_elements = min(self.packet_elements, layout.MAX_LANES[codec])
+        if self.passes == 0:
+            self.passes = layout.passes(self.packet_elements) if self.engine == "p4model" else 1
 
 
 @dataclass
@@ -82,8 +95,9 @@ def simulate(run: PacketRun) -> PacketResult:
     params = JobParams.of(world_size=n, codec=run.codec, packet_elements=run.packet_elements, pool_size=run.pool,
                           seed=run.seed)
     secret = np.random.default_rng([run.seed, 7])
-    core = AggregatorCore(rows=run.slots, max_elements=max(run.packet_elements, 1), tokens=[TOKEN],
-                          results_group=GROUP if run.multicast else None, random_bytes=lambda k: secret.bytes(k))
+    kind = P4ModelCore if run.engine == "p4model" else AggregatorCore
+    core = kind(rows=run.slots, max_elements=max(run.packet_elements, 1), tokens=[TOKEN],
+                results_group=GROUP if run.multicast else None, random_bytes=lambda k: secret.bytes(k))
     width = element_datagram_size(params.codec, run.packet_elements, False) + 256
     switch = Switch(sim, CoreAggregator([core], [AGG_ADDR], width, codecs.BY_ID[params.codec].WIDTH),
                     SOFTWARE_AGGREGATOR if run.switch == "software" else asic(run.passes))

@@ -27,7 +27,8 @@ def evaluate(point: dict, system: str, mode: str) -> dict:
         r = simulate(PacketRun(workers=p["workers"], elements=p["elements"], codec=codec, rate=p["rate"],
                                delay=p["delay"], mtu=p["mtu"], queue_bytes=p["queue_bytes"], loss=p["loss"],
                                packet_elements=p["packet_elements"] or None, pool=p["pool"], rounds=p["rounds"],
-                               seed=p["seed"], switch=p["switch"], passes=p["passes"], host_costs=p["host_costs"],
+                               seed=p["seed"], switch=p["switch"], engine=p["engine"], passes=p["passes"],
+                               host_costs=p["host_costs"],
                                inputs="shared" if p["elements"] * p["workers"] > 50_000_000 else "distinct"))
         t = sorted(r.times)[len(r.times) // 2]
         row.update(method="packet", time_s=t, retransmissions=r.retransmissions, packet_events=r.packet_events,

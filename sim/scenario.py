@@ -5,8 +5,9 @@ Keys (defaults in ``DEFAULTS``): ``name``, ``mode`` ("analytic" or "packet": the
 cores for intml-cnat8 and switchml-int32; the ring and the parameter server are flow-level models in both modes),
 ``systems``, ``seed``, ``workers``, ``elements``, ``rate`` ("10gbit", "100mbit" or bit/s), ``delay`` ("1us" or
 seconds, one way per link), ``mtu``, ``loss`` (per link direction), ``pool``, ``packet_elements`` (0: the largest
-for the MTU), ``rounds``, ``switch`` ("asic" or "software"), ``passes`` (the ASIC's pipeline passes per aggregated
-packet), ``host_costs``, ``alpha`` (the ring's per-step latency), ``queue_bytes``.
+for the MTU), ``rounds``, ``switch`` ("asic" or "software"), ``engine`` (the switch's data path: "kernel", or "p4model": the P4
+pipeline model, packet by packet), ``passes`` (the ASIC's pipeline passes per aggregated packet; 0: the engine's,
+1 for the kernel and the P4 program's for p4model), ``host_costs``, ``alpha`` (the ring's per-step latency), ``queue_bytes``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ DEFAULTS: dict[str, object] = {
     "name": "scenario", "mode": "analytic", "systems": ["intml-cnat8", "switchml-int32", "gloo-ring"], "seed": 1,
     "workers": 4, "elements": 25_000_000, "rate": "10gbit", "delay": "1us", "mtu": 1500, "loss": 0.0, "pool": 64,
     "packet_elements": 0, "rounds": 1, "switch": "asic", "host_costs": True, "alpha": "20us",
-    "queue_bytes": 1 << 20, "passes": 1,
+    "queue_bytes": 1 << 20, "passes": 0, "engine": "kernel",
 }
 SWEEPABLE = set(DEFAULTS) - {"name", "mode", "systems"}
 UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
@@ -119,7 +120,7 @@ def point_params(p: dict) -> dict:
     out["delay"] = parse_time(p["delay"])
     out["alpha"] = parse_time(p["alpha"])
     for key, low in (("workers", 1), ("elements", 1), ("mtu", 68), ("pool", 1), ("rounds", 1),
-                     ("queue_bytes", 1), ("packet_elements", 0), ("seed", 0), ("passes", 1)):
+                     ("queue_bytes", 1), ("packet_elements", 0), ("seed", 0), ("passes", 0)):
         if not isinstance(p[key], int) or isinstance(p[key], bool) or p[key] < low:
             raise ScenarioError(f"{key} must be an integer >= {low}, got {p[key]!r}")
     if p["mtu"] > 65535:
@@ -128,6 +129,8 @@ def point_params(p: dict) -> dict:
         raise ScenarioError(f"loss must be in [0, 1), got {p['loss']!r}")
     if p["switch"] not in ("asic", "software"):
         raise ScenarioError(f"switch must be asic or software, got {p['switch']!r}")
+    if p["engine"] not in ("kernel", "p4model"):
+        raise ScenarioError(f"engine must be kernel or p4model, got {p['engine']!r}")
     return out
 
 

@@ -21,6 +21,23 @@ def test_results_are_bit_identical_to_the_reference(codec, loss):
         assert r.lost > 0 and r.retransmissions > 0
 
 
+@pytest.mark.parametrize("codec", ["cnat8", "int32"])
+def test_the_p4_pipeline_model_as_the_switch(codec):
+    """engine="p4model": the P4 pipeline model is the switch's data path. Under loss its allreduces equal the
+    reference bit for bit, and with the same passes they take exactly the kernel's virtual time (the same
+    datagrams at the same instants); by default the ASIC takes the P4 program's passes for the packet size."""
+    run = PacketRun(workers=3, elements=3000, codec=codec, packet_elements=128, pool=4, rate=1e9, loss=0.05,
+                    rounds=2, check=True, seed=4, passes=1)
+    model, kernel = simulate(dataclasses.replace(run, engine="p4model")), simulate(run)
+    assert model.exact and model.lost > 0
+    assert (model.times, model.retransmissions, model.counters) == (kernel.times, kernel.retransmissions,
+                                                                    kernel.counters)
+    assert PacketRun(engine="p4model", packet_elements=256).passes == 4
+    assert PacketRun(engine="p4model").packet_elements == 1024  # the parser's limit, though MTU 1500 allows more
+    with pytest.raises(ValueError, match="engine"):
+        PacketRun(engine="bmv2")
+
+
 def test_same_scenario_same_output_and_seed_matters():
     run = PacketRun(workers=3, elements=20_000, packet_elements=512, pool=4, rate=1e9, loss=0.02, rounds=2, seed=5)
     a, b = simulate(run), simulate(run)

@@ -63,6 +63,13 @@ def test_cli_run_sweep_json_and_errors(tmp_path, capsys):
     scenario.write_text('colour = 1\n')
     assert main(["run", str(scenario)]) == 2
     assert "unknown key 'colour'" in capsys.readouterr().err
+    scenario.write_text('engine = "bmv2"\n')
+    assert main(["run", str(scenario)]) == 2
+    assert "engine must be kernel or p4model" in capsys.readouterr().err
+    scenario.write_text('mode = "packet"\nengine = "p4model"\nsystems = ["intml-cnat8"]\nworkers = 2\n'
+                        'elements = 3000\n')
+    assert main(["run", str(scenario), "--json"]) == 0
+    assert [r["method"] for r in json.loads(capsys.readouterr().out)["rows"]] == ["packet"]
 
 
 def test_plot_without_matplotlib_is_one_line(monkeypatch, tmp_path, capsys):
