@@ -93,22 +93,40 @@ STAT_NAMES = (
  SATURATED, DROP_BAD_MAC) = range(len(STAT_NAMES))
 FAST_RETRANSMIT = 3  # results of later-sent slots that mark a slot as lost
 IDLE = np.iinfo(np.int64).min  # cur_chunk of a slot with nothing in flight
+# The window (see the module docstring): the queueing delay it allows is this fraction of the RTO floor, so that
+# queueing alone never fires a timer; a delay decrease is Swift's (at most MAX_DECREASE, in proportion BETA to the
+# excess delay); a loss halves the window.
+INITIAL_WINDOW = 16
+QUEUE_DELAY_OF_MIN_RTO = 0.2
+BETA = 0.8
+MAX_DECREASE = 0.5
 
 # All engine state the kernels touch, as arrays. Python passes it to the entry kernels as a plain tuple, which
 # Numba types in C (~1 us a call), and they rebuild the namedtuple: Numba types a namedtuple argument on a slow
 # Python path (~40 us a call), which made dispatch the largest cost of a worker.
 State = namedtuple(
     "State",
-    "params x out local_exp agreed_exp cur_chunk parity sent_at rto retries overtaken packet packet_len agg_addr stats "
-    "timing low sent mac_keys",
+    "params x out local_exp agreed_exp cur_chunk held parity sent_at rto retries overtaken packet packet_len agg_addr "
+    "stats timing low sent mac_keys",
 )
-# params (int64): job, rank, world, value_bits, codec, packet_elements, window, chunks, elements, allreduce, cores,
-#                 seed (as int64 bits), done_chunks, index of a non-finite input or -1
+# params (int64): job, rank, world, value_bits, codec, packet_elements, window (W', slots in use), chunks, elements,
+#                 allreduce, cores, seed (as int64 bits), done_chunks, index of a non-finite input or -1, slots in
+#                 flight, the smallest chunk not sent yet (bootstrap chunks are -W'..-1)
 (P_JOB, P_RANK, P_WORLD, P_VBITS, P_CODEC, P_PKT, P_WINDOW, P_CHUNKS, P_ELEMENTS, P_ALLREDUCE, P_CORES,
- P_SEED, P_DONE, P_BAD) = range(14)
+ P_SEED, P_DONE, P_BAD, P_IN_FLIGHT, P_NEXT) = range(16)
+N_PARAMS = 16
 # mac_keys (uint64): (cores, 2), the data key (k0, k1) of each aggregator core; (0, 2) without the DATA/RESULT MAC
-# timing (float64): smoothed RTT, RTT variance, current RTO, min RTO, max RTO
-T_SRTT, T_RTTVAR, T_RTO, T_MIN, T_MAX = range(5)
+# cur_chunk (int64) and held (bool), per slot: in flight with chunk c: (c, False); waiting for room in the window
+#                 to send its next chunk c: (c, True); nothing left to send: (IDLE, False)
+# timing (float64): smoothed RTT, RTT variance, current RTO, min RTO, max RTO, congestion window (slots), slow
+#                   start threshold, minimum RTT, time of the last window decrease
+T_SRTT, T_RTTVAR, T_RTO, T_MIN, T_MAX, T_CWND, T_SSTHRESH, T_MIN_RTT, T_DECREASED = range(9)
+
+
+@njit(inline="always")
+def _end(prm):
+    """The chunks this rank sends: all, or, once a non-finite value was found, those before its chunk."""
+    return prm[P_CHUNKS] if prm[P_BAD] < 0 else min(prm[P_CHUNKS], prm[P_BAD] // prm[P_PKT])
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -127,16 +145,16 @@ def _worker_key(prm):
 def _precode(st, d):
     """cnat8: encode chunk d at its own floor (protocol.arith.precode_chunk) into the payload of the datagram
     buffer its slot will send it from, the one the slot's in-flight chunk does not use, and note its exponent
-    proposal. A non-finite value stops it and goes to params[P_BAD]."""
+    proposal. A non-finite value stops it and goes to params[P_BAD] (the first one in the tensor)."""
     prm = st.params
-    if not codecs.precodes(prm[P_CODEC]) or d >= prm[P_CHUNKS] or prm[P_BAD] >= 0:
+    if not codecs.precodes(prm[P_CODEC]) or d >= _end(prm):
         return
     s = d % prm[P_WINDOW]
     lo = d * prm[P_PKT]
     hi = min(prm[P_ELEMENTS], lo + prm[P_PKT])
     payload = st.packet[s, 1 - st.parity[s], HDR:HDR + hi - lo]
     sat, bad, st.local_exp[d], st.low[d] = precode_chunk(st.x[lo:hi], payload, _worker_key(prm), lo, prm[P_VBITS])
-    if bad >= 0:
+    if bad >= 0 and (prm[P_BAD] < 0 or bad < prm[P_BAD]):
         prm[P_BAD] = bad
     st.stats[SATURATED] += sat
 
@@ -147,7 +165,7 @@ def _build(st, s, c, now):
     chunk c's codes are there already (precoded), unless the agreed floor changes some. Then precode the chunk
     whose exponent this packet carries, c + window, into the slot's other buffer."""
     prm = st.params
-    window, chunks, pkt = prm[P_WINDOW], prm[P_CHUNKS], prm[P_PKT]
+    window, pkt = prm[P_WINDOW], prm[P_PKT]
     count = _chunk_count(st, c)
     exp = NO_EXP if c < 0 else st.agreed_exp[c]
     p = st.packet[s, st.parity[s]]
@@ -163,7 +181,7 @@ def _build(st, s, c, now):
     nxt = c + window
     if c >= 0:  # the bootstrap packets carry chunks 0..window-1, precoded by start_kernel
         _precode(st, nxt)
-    next_exp = st.local_exp[nxt] if nxt < chunks else NO_EXP
+    next_exp = st.local_exp[nxt] if nxt < _end(prm) else NO_EXP
     put_header(p, MsgType.DATA, prm[P_JOB], prm[P_ALLREDUCE], c, prm[P_RANK], s, count, codec, st.parity[s],
                exp, next_exp)
     keys = st.mac_keys
@@ -192,6 +210,38 @@ def _rtt_sample(timing, sample):
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
+def _decrease(timing, factor, now):
+    """Multiply the window by factor (down to one slot), at most once per smoothed round trip: the signals of one
+    congested window (its late results, timeouts, losses) make one decrease, as in TCP NewReno and Swift."""
+    if now - timing[T_DECREASED] >= timing[T_SRTT]:
+        timing[T_CWND] = max(1.0, timing[T_CWND] * factor)
+        timing[T_SSTHRESH] = timing[T_CWND]
+        timing[T_DECREASED] = now
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _window_sample(timing, sample, now, pool):
+    """Adapt the window to one round-trip sample: above the target delay the aggregator or a link queues, so
+    decrease in proportion to the excess (Swift); else grow, up to the pool: by one slot per result below the
+    slow start threshold (the window doubles each round trip), then by one slot per window of results (additive
+    increase). The target lets the queue hold the larger of one minimum RTT (the aggregator
+    stays busy) and a fifth of min_rto (queueing alone never fires a timer)."""
+    base = min(timing[T_MIN_RTT], sample)
+    timing[T_MIN_RTT] = base
+    target = base + max(base, QUEUE_DELAY_OF_MIN_RTO * timing[T_MIN])
+    if sample > target:
+        _decrease(timing, max(1.0 - BETA * (sample - target) / sample, 1.0 - MAX_DECREASE), now)
+    else:
+        step = 1.0 if timing[T_CWND] < timing[T_SSTHRESH] else 1.0 / timing[T_CWND]
+        timing[T_CWND] = min(float(pool), timing[T_CWND] + step)
+
+
+@njit(inline="always")
+def _in_flight(st, s):
+    return st.cur_chunk[s] != IDLE and not st.held[s]
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
 def _queue(st, s, tx_ptr, tx_len, tx_addr, n_tx):
     """Queue slot s's current datagram: the transmit entry points at the slot's buffer, nothing is copied (the
     buffer stays unchanged until the driver has sent the burst: see _build and _fast_retransmit)."""
@@ -217,35 +267,90 @@ def _count_overtaking(st, s):
     sent = st.sent_at[s]
     cores = st.params[P_CORES]
     for other in range(s % cores, st.params[P_WINDOW], cores):
-        if other != s and st.cur_chunk[other] != IDLE and st.sent_at[other] < sent:
+        if other != s and _in_flight(st, other) and st.sent_at[other] < sent:
             st.overtaken[other] += 1
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def _fast_retransmit(st, now, tx_ptr, tx_len, tx_addr, n_tx):
     """After a burst of results: resend the slots still in flight that FAST_RETRANSMIT results overtook (a slot
-    whose own result came later in the burst is not resent). Returns the new tx count."""
+    whose own result came later in the burst is not resent), and halve the window: a loss is taken as a sign of
+    congestion (an overflowing queue), as TCP does. Returns the new tx count."""
     for s in range(st.params[P_WINDOW]):
-        if st.cur_chunk[s] != IDLE and st.overtaken[s] >= FAST_RETRANSMIT and n_tx < tx_len.size:
+        if _in_flight(st, s) and st.overtaken[s] >= FAST_RETRANSMIT and n_tx < tx_len.size:
             n_tx = _resend(st, s, now, tx_ptr, tx_len, tx_addr, n_tx)
             st.overtaken[s] = 0
             st.stats[FAST_RETRANSMISSIONS] += 1
+            _decrease(st.timing, 1.0 - MAX_DECREASE, now)
+    return n_tx
+
+
+@njit(inline="always")
+def _sent(cur, held, s, c):
+    """Whether chunk c, of slot s, was sent (a slot sends its chunks in order; an idle one has sent them all)."""
+    return cur[s] == IDLE or cur[s] > c or (cur[s] == c and not held[s])
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _oldest_unsent(st, c):
+    """Whether every chunk below c has its result: then c may go whatever the window (see _release)."""
+    for s in range(st.params[P_WINDOW]):
+        if _in_flight(st, s) and st.cur_chunk[s] < c:
+            return False
+    return True
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _release(st, now, tx_ptr, tx_len, tx_addr, n_tx):
+    """Send held slots' next chunks while the window has room, from the slot of the smallest unsent chunk on. That
+    chunk goes even without room once every chunk below it has its result: a rank that sent later chunks before
+    its window shrank could otherwise wait on them while the other ranks wait for that chunk (see the module
+    docstring). Returns the new tx count."""
+    prm, held, cur = st.params, st.held, st.cur_chunk
+    window, chunks = prm[P_WINDOW], prm[P_CHUNKS]
+    first = prm[P_NEXT]
+    for i in range(window):
+        s = (first + window + i) % window  # first >= -window
+        if not held[s]:
+            continue
+        c = cur[s]
+        if c >= _end(prm):  # found a non-finite value before this chunk: it stays unsent
+            held[s] = False
+            cur[s] = IDLE
+            continue
+        if prm[P_IN_FLIGHT] + 1 > st.timing[T_CWND] and not (c == first and _oldest_unsent(st, c)):
+            continue
+        if n_tx >= tx_len.size:
+            break
+        held[s] = False
+        prm[P_IN_FLIGHT] += 1
+        _build(st, s, c, now)
+        _queue(st, s, tx_ptr, tx_len, tx_addr, n_tx)
+        n_tx += 1
+    c = first
+    while c < chunks and _sent(cur, held, (c + window) % window, c):
+        c += 1
+    prm[P_NEXT] = c
     return n_tx
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def start_kernel(state, now, tx_ptr, tx_len, tx_addr):
-    """Send every slot's bootstrap chunk. Returns the number of datagrams written (the window)."""
+    """Hold every slot with its bootstrap chunk and send as many as the window takes. Returns the number of
+    datagrams written."""
     st = State(*state)
-    window = st.params[P_WINDOW]
+    prm = st.params
+    window = prm[P_WINDOW]
     for d in range(window):  # the bootstrap packets carry chunks 0..window-1's exponents
         _precode(st, d)
-    if st.params[P_BAD] >= 0:
+    if prm[P_BAD] >= 0:
         return 0
     for s in range(window):
-        _build(st, s, s - window, now)
-        _queue(st, s, tx_ptr, tx_len, tx_addr, s)
-    return window
+        st.cur_chunk[s] = s - window
+        st.held[s] = True
+    prm[P_NEXT] = -window
+    prm[P_IN_FLIGHT] = 0
+    return _release(st, now, tx_ptr, tx_len, tx_addr, 0)
 
 
 # ---- the receive pipeline's stages, in datagram order: validate the header, classify the result against its
@@ -318,32 +423,35 @@ def decode_sum(prm, agreed_exp, out, p, c, count):
 
 @njit(inline="always")
 def take_result(st, s, now):
-    """Slot s's round is over: count it, sample the round trip, mark the slots it overtook, flip the shadow set."""
+    """Slot s's round is over: count it, sample the round trip (RTO and window), mark the slots it overtook, flip
+    the shadow set."""
     st.stats[RESULTS] += 1
-    if st.retries[s] == 0:  # Karn: a retransmitted slot's RTT is ambiguous
+    st.params[P_IN_FLIGHT] -= 1
+    if st.retries[s] == 0:  # Karn: a retransmitted slot's RTT is ambiguous, and so is what its result overtook
         _rtt_sample(st.timing, now - st.sent_at[s])
-    _count_overtaking(st, s)
+        _window_sample(st.timing, now - st.sent_at[s], now, st.parity.size)
+        _count_overtaking(st, s)
     st.parity[s] ^= 1
 
 
 @njit(inline="always")
-def advance(st, s, c, next_exp, now, tx_ptr, tx_len, tx_addr, n_tx):
-    """Queue slot s's next chunk, c + window, to be encoded against next_exp (or leave the slot idle if there is
-    none); returns the new tx count."""
+def advance(st, s, c, next_exp):
+    """Hold slot s's next chunk, c + window, to be encoded against next_exp and sent when the window has room
+    (_release), or leave the slot idle if there is none."""
     prm = st.params
     nxt = c + prm[P_WINDOW]
-    if nxt < prm[P_CHUNKS] and prm[P_BAD] < 0:  # no new chunk once a non-finite value was found
+    if nxt < _end(prm):
         st.agreed_exp[nxt] = next_exp
-        _build(st, s, nxt, now)
-        _queue(st, s, tx_ptr, tx_len, tx_addr, n_tx)
-        return n_tx + 1
-    st.cur_chunk[s] = IDLE
-    return n_tx
+        st.cur_chunk[s] = nxt
+        st.held[s] = True
+    else:
+        st.cur_chunk[s] = IDLE
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def receive_kernel(state, rx_data, rx_len, rx_addr, n_rx, now, tx_ptr, tx_len, tx_addr):
-    """Accept results, decode them, and queue each slot's next chunk. Returns datagrams written to tx."""
+    """Accept results, decode them, and queue the slots' next chunks the window takes. Returns datagrams written
+    to tx."""
     st = State(*state)
     prm, agreed_exp, out, keys = st.params, st.agreed_exp, st.out, st.mac_keys
     n_tx = 0
@@ -369,20 +477,38 @@ def receive_kernel(state, rx_data, rx_len, rx_addr, n_rx, now, tx_ptr, tx_len, t
             continue
         s = get_u16(p, O_SLOT)
         take_result(st, s, now)
-        n_tx = advance(st, s, c, get_i8(p, O_NEXT_EXP), now, tx_ptr, tx_len, tx_addr, n_tx)
+        advance(st, s, c, get_i8(p, O_NEXT_EXP))
+    n_tx = _release(st, now, tx_ptr, tx_len, tx_addr, n_tx)
     return _fast_retransmit(st, now, tx_ptr, tx_len, tx_addr, n_tx)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def timer_kernel(state, now, tx_ptr, tx_len, tx_addr):
-    """Retransmit every slot whose RTO expired, doubling its RTO. Returns datagrams written to tx."""
+    """Retransmit the slots whose RTO expired, doubling their RTO. A timeout also doubles the RTO that new chunks
+    start with, until the next round-trip sample (RFC 6298, 5.5), and halves the window; at most a window of
+    expired slots is resent per call, oldest chunk first, the others are due again one RTO later (resending every
+    slot of an overloaded aggregator's queue is what collapses it). Returns datagrams written to tx."""
     st = State(*state)
+    timing, prm = st.timing, st.params
+    window = prm[P_WINDOW]
+    expired = False
+    for s in range(window):
+        expired |= _in_flight(st, s) and now - st.sent_at[s] >= st.rto[s]
+    if not expired:
+        return 0
+    timing[T_RTO] = min(timing[T_MAX], 2.0 * timing[T_RTO])
+    _decrease(timing, 1.0 - MAX_DECREASE, now)
+    budget = min(tx_len.size, int(timing[T_CWND]))
     n_tx = 0
-    for s in range(st.params[P_WINDOW]):
-        if st.cur_chunk[s] != IDLE and now - st.sent_at[s] >= st.rto[s] and n_tx < tx_len.size:
-            n_tx = _resend(st, s, now, tx_ptr, tx_len, tx_addr, n_tx)
-            st.rto[s] = min(st.timing[T_MAX], 2.0 * st.rto[s])
-            st.stats[RETRANSMISSIONS] += 1
+    for i in range(window):  # from the slot of the oldest chunk that can be in flight, P_NEXT - window
+        s = (prm[P_NEXT] + window + i) % window
+        if _in_flight(st, s) and now - st.sent_at[s] >= st.rto[s]:
+            if n_tx < budget:
+                n_tx = _resend(st, s, now, tx_ptr, tx_len, tx_addr, n_tx)
+                st.rto[s] = min(timing[T_MAX], 2.0 * st.rto[s])
+                st.stats[RETRANSMISSIONS] += 1
+            else:
+                st.rto[s] = now - st.sent_at[s] + timing[T_RTO]
     return n_tx
 
 
@@ -392,7 +518,7 @@ def next_deadline(state):
     st = State(*state)
     t = np.inf
     for s in range(st.params[P_WINDOW]):
-        if st.cur_chunk[s] != IDLE:
+        if _in_flight(st, s):
             t = min(t, st.sent_at[s] + st.rto[s])
     return t
 
@@ -426,8 +552,10 @@ class StreamEngine:
         self.codec = Codec(codec)
         self.packet_elements = packet_elements
         self.pool_size = pool_size
-        self.timing = np.array([0.0, 0.0, rto, min_rto, max_rto])  # persists: later allreduces start adapted
-        self.params = np.zeros(14, np.int64)
+        # persists: later allreduces start adapted
+        self.timing = np.array([0.0, 0.0, rto, min_rto, max_rto, float(min(pool_size, INITIAL_WINDOW)), np.inf,
+                                np.inf, -np.inf])
+        self.params = np.zeros(N_PARAMS, np.int64)
         self.params[[P_JOB, P_RANK, P_WORLD, P_VBITS, P_CODEC, P_PKT, P_CORES]] = (
             job, rank, world_size, value_bits(world_size), int(self.codec), packet_elements, len(agg_addrs))
         self.params[P_SEED] = np.uint64(seed).view(np.int64)
@@ -487,7 +615,7 @@ class StreamEngine:
         self.state = State(
             params=prm, x=flat, out=out.reshape(-1), local_exp=local,
             agreed_exp=np.full(chunks, NO_EXP, np.int64), cur_chunk=np.full(self.pool_size, IDLE, np.int64),
-            parity=self.parity, sent_at=np.zeros(self.pool_size), rto=np.zeros(self.pool_size),
+            held=np.zeros(self.pool_size, np.bool_), parity=self.parity, sent_at=np.zeros(self.pool_size), rto=np.zeros(self.pool_size),
             retries=np.zeros(self.pool_size, np.int64), overtaken=np.zeros(self.pool_size, np.int64),
             packet=self.packet,
             packet_len=np.zeros(self.pool_size, np.int64), agg_addr=self.agg_addr, stats=self.stats,
@@ -553,6 +681,12 @@ class StreamEngine:
 
     def counters(self) -> dict[str, int]:
         return dict(zip(STAT_NAMES, self.stats.tolist()))
+
+    @property
+    def window(self) -> float:
+        """The congestion window: at most this many slots in flight, from one to the pool (persists across
+        allreduces)."""
+        return float(self.timing[T_CWND])
 
     @property
     def rto(self) -> float:
