@@ -6,19 +6,40 @@ engine's stored datagrams (as aioquic's QuicConnection does, without the copies)
 One allreduce of a flat float32 tensor of N elements, packet size P and pool size W:
 
 * The tensor is cut into C = ceil(N / P) chunks; chunk c goes to slot c mod W' (W' = min(W, C)), so slot s
-  carries chunks s, s + W', s + 2W', ... one at a time: the next is sent only when the previous result is back.
+  carries chunks s, s + W', s + 2W', ... one at a time: the next is sent only when the previous result is back,
+  and only when the congestion window has room (below).
 * Exponent agreement: slot s first sends a bootstrap chunk s - W' with no elements that carries this worker's
   exponent for chunk s; every DATA packet for chunk c carries the exponent for chunk c + W'. The result of each
   round carries the switch's maximum, the exponent every worker then encodes chunk c + W' against.
 * Each use of a slot flips its shadow set; the parity persists over the job's life, so consecutive uses of a
   slot alternate sets across allreduces too, as the switch requires.
+* The congestion window: at most cwnd slots in flight (1 <= cwnd <= W), because self-clocking alone does not
+  protect a software aggregator: n ranks keep n x W datagrams in flight whatever its speed, its queue grows,
+  timers fire spuriously and the retransmissions add load until goodput collapses (issue 11). The window is
+  delay-based AIMD, as Swift (Kumar et al., SIGCOMM 2020) for datacenter hosts: each round-trip sample above a
+  target of min RTT + max(min RTT, min_rto / 5) means a queue, and shrinks the window in proportion to the
+  excess (by at most half, once per round trip); each sample below it grows the window, by one slot per result
+  in slow start (from INITIAL_WINDOW, up to the first decrease) and then by one slot per round trip. Delay, not
+  loss, is the main signal: it comes before the aggregator's socket buffer overflows, a rank needs no ECN from a
+  switch that has none (ATP's signal), and a loss on a lossy link is no congestion. The target keeps the
+  aggregator busy (a standing queue of one minimum RTT) and the queueing delay well below the RTO floor, so
+  queueing alone does not fire timers. A timeout or a fast retransmit still halves the window (at most once per
+  round trip): the queue overflowed after all. The window persists across the job's allreduces.
+  The window changes only when a chunk is sent, never which slot, shadow set or exponent it uses, so results
+  stay bit-identical. Held slots are released in chunk order, and the smallest chunk not yet sent goes even
+  without room once every chunk below it has its result: a rank whose window shrank after it had sent later
+  chunks could otherwise wait for them while the other ranks wait for that chunk, a deadlock.
 * A slot whose result is late is retransmitted (the stored datagram, byte for byte) after an RTO that doubles
   on each retry up to ``max_rto``. The RTO adapts as TCP's does (RFC 6298): SRTT + 4 RTTVAR from round-trip
   samples of slots that were not retransmitted (Karn), bounded by [min_rto, max_rto]. A fixed RTO either
   fires spuriously when the aggregator's CPU is busy, which adds load exactly when it hurts, or waits too
-  long after a real loss. Fast retransmit (TCP's duplicate-ACK rule, per slot): a slot overtaken by
-  FAST_RETRANSMIT results of slots sent after it to the same aggregator core is presumed lost and retransmitted
-  at once, so a loss costs about one round trip instead of an RTO. Results that are duplicate, stale (another
+  long after a real loss. A timeout doubles the RTO new chunks start with until the next sample (RFC 6298, 5.5),
+  and a timer call resends at most a window of expired slots, oldest chunk first (the others are due one RTO
+  later): resending a whole queue of late slots is what feeds an overload. Fast retransmit (TCP's duplicate-ACK
+  rule, per slot): a slot overtaken by FAST_RETRANSMIT results of slots sent after it to the same aggregator
+  core is presumed lost and retransmitted at once, so a loss costs about one round trip instead of an RTO; the
+  result of a slot that was resent overtakes nothing (it may answer the first send: Karn again), or a spurious
+  timeout would set off spurious fast retransmits. Results that are duplicate, stale (another
   allreduce, chunk or shadow set), foreign (another job or source) or malformed are counted and dropped.
 * With the job's DATA/RESULT MAC (``data_mac_keys``), every DATA datagram ends in a SipHash-2-4 tag under the data
   key of the core its slot lives on, and the result a slot waits for is taken only if its tag is valid: a forged
@@ -30,8 +51,9 @@ One allreduce of a flat float32 tensor of N elements, packet size P and pool siz
   other datagram buffer (protocol.arith.precode_chunk). Once its agreed floor is known, its codes are lowered
   to it, or encoded again only if one of its nonzero values lies below that floor, the one case where the
   floor changes which power of two a value rounds to.
-  A NaN or infinity is found when its chunk is read: no chunk is sent from there on, the results of those
-  already sent are still taken (so the shadow sets stay in step), then ValueError (see ``non_finite``).
+  A NaN or infinity is found when its chunk is read: no chunk at or past it is sent from there on, the chunks
+  before it still are and their results are taken (so the shadow sets stay in step), then ValueError (see
+  ``non_finite``).
   int32: chunk c is sent as rint(x * 2**(s - E)), the sum comes back as int32 and is scaled by 2**(E - s).
 """
 
@@ -93,9 +115,10 @@ STAT_NAMES = (
  SATURATED, DROP_BAD_MAC) = range(len(STAT_NAMES))
 FAST_RETRANSMIT = 3  # results of later-sent slots that mark a slot as lost
 IDLE = np.iinfo(np.int64).min  # cur_chunk of a slot with nothing in flight
-# The window (see the module docstring): the queueing delay it allows is this fraction of the RTO floor, so that
-# queueing alone never fires a timer; a delay decrease is Swift's (at most MAX_DECREASE, in proportion BETA to the
-# excess delay); a loss halves the window.
+# The window (see the module docstring). INITIAL_WINDOW: a job's first window, below the default pool so that n
+# ranks' first burst (n x 16) fits an aggregator's queue; slow start reaches the pool in two round trips. The
+# queueing delay it allows is at least QUEUE_DELAY_OF_MIN_RTO of the RTO floor; a delay decrease is Swift's (at
+# most MAX_DECREASE, in proportion BETA to the excess delay); a loss halves the window.
 INITIAL_WINDOW = 16
 QUEUE_DELAY_OF_MIN_RTO = 0.2
 BETA = 0.8
@@ -632,8 +655,9 @@ class StreamEngine:
         """The index of a NaN or infinity in the current allreduce's input, once found, else None.
 
         cnat8 reads each chunk a window ahead of sending it, so one past the first window is found mid-flight.
-        From then on the engine sends no new chunk but still takes the results of the chunks it sent (and
-        retransmits them), so that its shadow sets stay in step with the other ranks' and the job's next
+        From then on the engine sends no chunk at or past it (those before it still go: another rank may
+        wait for them before it can send a chunk this rank already sent) and takes the results of the chunks it
+        sent (and retransmits them), so that its shadow sets stay in step with the other ranks' and the job's next
         allreduce works; when it is done the driver raises (check_finite). The other ranks time out."""
         bad = int(self.params[P_BAD])
         return None if bad < 0 else bad
