@@ -2,9 +2,9 @@
 (tests/harness.py, ``service`` and ``queue``), on the virtual clock.
 
 SwitchML's self-clocking keeps n x pool datagrams in flight whatever the aggregator's speed: with 8 ranks of 64
-slots, 512, against a core that serves 32 per millisecond behind a queue of 256. The engine before the window
-(main at 4768a64) overflowed that queue every round trip: 53% of its datagrams were retransmissions (18,536 of
-35,048, 18,024 of them fast retransmissions) and its goodput was 68% of the core's rate. With the window every
+slots, 512, against a core that serves 32 per millisecond behind a queue of 1024 (it holds every rank's bootstrap
+burst). The engine before the window (main at 4768a64) kept 16 ms of queue, four times its RTO floor: half its
+datagrams were retransmissions (31,656 of 64,680 over two allreduces) and its goodput was half the core's rate. With the window every
 rank's result is still the oracle's bit for bit, retransmissions stay under 1% and goodput near the core's rate.
 """
 
@@ -46,11 +46,11 @@ def retransmissions(net: Network) -> tuple[int, int]:
 
 @pytest.mark.parametrize("cores", [1, 2])
 def test_a_slowed_core_keeps_its_rate_without_retransmissions(cores):
-    """8 ranks, the default pool of 64, each core serving 32 datagrams per ms behind a 256-datagram queue: two
+    """8 ranks, the default pool of 64, each core serving 32 datagrams per ms behind a 1024-datagram queue: two
     allreduces of 2000 chunks, exact; retransmissions under 1% of the datagrams sent; goodput (elements per
     virtual second) at least 90% of what the cores can serve (a chunk costs one datagram of each rank)."""
     n, pool, chunks, service = 8, 64, 2000, 32
-    net = Network(n, packet_elements=P, pool_size=pool, cores=cores, service=service, queue=256)
+    net = Network(n, packet_elements=P, pool_size=pool, cores=cores, service=service, queue=1024)
     capacity = cores * service / net.dt * P / n  # elements per second
     for seq in range(2):
         xs = make_inputs(n, chunks * P, P, "normal", seed=seq)
@@ -65,7 +65,7 @@ def test_a_slowed_core_keeps_its_rate_without_retransmissions(cores):
 def test_a_slowed_core_with_loss_is_exact():
     """The same overload with 2% of the datagrams lost each way: every rank's results are still the oracle's."""
     n, chunks = 8, 300
-    net = Network(n, packet_elements=P, pool_size=64, service=32, queue=256, drop=0.02, fault_seed=3)
+    net = Network(n, packet_elements=P, pool_size=64, service=32, queue=1024, drop=0.02, fault_seed=3)
     for seq in range(2):
         xs = make_inputs(n, chunks * P, P, "normal", seed=10 + seq)
         allreduce(net, xs, shuffle_seed=seq)

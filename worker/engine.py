@@ -26,7 +26,8 @@ One allreduce of a flat float32 tensor of N elements, packet size P and pool siz
   queueing alone does not fire timers. A timeout or a fast retransmit still halves the window (at most once per
   round trip): the queue overflowed after all. The window persists across the job's allreduces.
   The window changes only when a chunk is sent, never which slot, shadow set or exponent it uses, so results
-  stay bit-identical. Held slots are released in chunk order, and the smallest chunk not yet sent goes even
+  stay bit-identical. The bootstrap packets (no elements) all go at the start, whatever the window: every
+  rank joins every round of the allreduce's start, so a round that waits names a missing rank, not a held one. Held slots are released in chunk order, and the smallest chunk not yet sent goes even
   without room once every chunk below it has its result: a rank whose window shrank after it had sent later
   chunks could otherwise wait for them while the other ranks wait for that chunk, a deadlock.
 * A slot whose result is late is retransmitted (the stored datagram, byte for byte) after an RTO that doubles
@@ -34,8 +35,8 @@ One allreduce of a flat float32 tensor of N elements, packet size P and pool siz
   samples of slots that were not retransmitted (Karn), bounded by [min_rto, max_rto]. A fixed RTO either
   fires spuriously when the aggregator's CPU is busy, which adds load exactly when it hurts, or waits too
   long after a real loss. A timeout doubles the RTO new chunks start with until the next sample (RFC 6298, 5.5),
-  and a timer call resends at most a window of expired slots, oldest chunk first (the others are due one RTO
-  later): resending a whole queue of late slots is what feeds an overload. Fast retransmit (TCP's duplicate-ACK
+  and a timer call resends at most a window of expired slots, least recently sent first (the others are due one
+  RTO later): resending a whole queue of late slots is what feeds an overload. Fast retransmit (TCP's duplicate-ACK
   rule, per slot): a slot overtaken by FAST_RETRANSMIT results of slots sent after it to the same aggregator
   core is presumed lost and retransmitted at once, so a loss costs about one round trip instead of an RTO; the
   result of a slot that was resent overtakes nothing (it may answer the first send: Karn again), or a spurious
@@ -116,7 +117,8 @@ STAT_NAMES = (
 FAST_RETRANSMIT = 3  # results of later-sent slots that mark a slot as lost
 IDLE = np.iinfo(np.int64).min  # cur_chunk of a slot with nothing in flight
 # The window (see the module docstring). INITIAL_WINDOW: a job's first window, below the default pool so that n
-# ranks' first burst (n x 16) fits an aggregator's queue; slow start reaches the pool in two round trips. The
+# ranks' first burst of data (n x 16 packets) fits an aggregator's queue; slow start reaches the pool in two
+# round trips. The
 # queueing delay it allows is at least QUEUE_DELAY_OF_MIN_RTO of the RTO floor; a delay decrease is Swift's (at
 # most MAX_DECREASE, in proportion BETA to the excess delay); a loss halves the window.
 INITIAL_WINDOW = 16
@@ -359,8 +361,9 @@ def _release(st, now, tx_ptr, tx_len, tx_addr, n_tx):
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def start_kernel(state, now, tx_ptr, tx_len, tx_addr):
-    """Hold every slot with its bootstrap chunk and send as many as the window takes. Returns the number of
-    datagrams written."""
+    """Send every slot's bootstrap chunk, whatever the window: they carry no elements, and a rank that sent them
+    all has joined every round of the allreduce's start, so the aggregator names a missing rank by the rounds it
+    misses alone. Returns the number of datagrams written (the window)."""
     st = State(*state)
     prm = st.params
     window = prm[P_WINDOW]
@@ -369,11 +372,11 @@ def start_kernel(state, now, tx_ptr, tx_len, tx_addr):
     if prm[P_BAD] >= 0:
         return 0
     for s in range(window):
-        st.cur_chunk[s] = s - window
-        st.held[s] = True
-    prm[P_NEXT] = -window
-    prm[P_IN_FLIGHT] = 0
-    return _release(st, now, tx_ptr, tx_len, tx_addr, 0)
+        _build(st, s, s - window, now)
+        _queue(st, s, tx_ptr, tx_len, tx_addr, s)
+    prm[P_NEXT] = 0
+    prm[P_IN_FLIGHT] = window
+    return window
 
 
 # ---- the receive pipeline's stages, in datagram order: validate the header, classify the result against its
@@ -509,8 +512,9 @@ def receive_kernel(state, rx_data, rx_len, rx_addr, n_rx, now, tx_ptr, tx_len, t
 def timer_kernel(state, now, tx_ptr, tx_len, tx_addr):
     """Retransmit the slots whose RTO expired, doubling their RTO. A timeout also doubles the RTO that new chunks
     start with, until the next round-trip sample (RFC 6298, 5.5), and halves the window; at most a window of
-    expired slots is resent per call, oldest chunk first, the others are due again one RTO later (resending every
-    slot of an overloaded aggregator's queue is what collapses it). Returns datagrams written to tx."""
+    expired slots is resent per call, least recently sent first, the others are due again one RTO later
+    (resending every slot of an overloaded aggregator's queue is what collapses it). Returns datagrams written
+    to tx."""
     st = State(*state)
     timing, prm = st.timing, st.params
     window = prm[P_WINDOW]
@@ -523,15 +527,20 @@ def timer_kernel(state, now, tx_ptr, tx_len, tx_addr):
     _decrease(timing, 1.0 - MAX_DECREASE, now)
     budget = min(tx_len.size, int(timing[T_CWND]))
     n_tx = 0
-    for i in range(window):  # from the slot of the oldest chunk that can be in flight, P_NEXT - window
-        s = (prm[P_NEXT] + window + i) % window
+    while n_tx < budget:  # least recently sent first: every expired slot gets its turn
+        last = -1
+        for s in range(window):
+            if _in_flight(st, s) and now - st.sent_at[s] >= st.rto[s] and (last < 0
+                                                                          or st.sent_at[s] < st.sent_at[last]):
+                last = s
+        if last < 0:
+            break
+        n_tx = _resend(st, last, now, tx_ptr, tx_len, tx_addr, n_tx)
+        st.rto[last] = min(timing[T_MAX], 2.0 * st.rto[last])
+        st.stats[RETRANSMISSIONS] += 1
+    for s in range(window):  # the expired slots beyond the window: due one RTO from now
         if _in_flight(st, s) and now - st.sent_at[s] >= st.rto[s]:
-            if n_tx < budget:
-                n_tx = _resend(st, s, now, tx_ptr, tx_len, tx_addr, n_tx)
-                st.rto[s] = min(timing[T_MAX], 2.0 * st.rto[s])
-                st.stats[RETRANSMISSIONS] += 1
-            else:
-                st.rto[s] = now - st.sent_at[s] + timing[T_RTO]
+            st.rto[s] = now - st.sent_at[s] + timing[T_RTO]
     return n_tx
 
 
