@@ -3,9 +3,10 @@
 
 SwitchML's self-clocking keeps n x pool datagrams in flight whatever the aggregator's speed: with 8 ranks of 64
 slots, 512, against a core that serves 32 per millisecond behind a queue of 1024 (it holds every rank's bootstrap
-burst). The engine before the window (main at 4768a64) kept 16 ms of queue, four times its RTO floor: half its
-datagrams were retransmissions (31,656 of 64,680 over two allreduces) and its goodput was half the core's rate. With the window every
-rank's result is still the oracle's bit for bit, retransmissions stay under 1% and goodput near the core's rate.
+burst). The engine before the window (main at 4768a64) kept 16 ms of queue, three times its RTO floor: half its
+datagrams were retransmissions (31,656 of 64,680 over two allreduces) and its goodput was half the core's rate.
+With the window every rank's result is still the oracle's bit for bit, retransmissions stay under 1% and goodput
+near the core's rate.
 """
 
 from __future__ import annotations

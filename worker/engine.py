@@ -27,9 +27,10 @@ One allreduce of a flat float32 tensor of N elements, packet size P and pool siz
   round trip): the queue overflowed after all. The window persists across the job's allreduces.
   The window changes only when a chunk is sent, never which slot, shadow set or exponent it uses, so results
   stay bit-identical. The bootstrap packets (no elements) all go at the start, whatever the window: every
-  rank joins every round of the allreduce's start, so a round that waits names a missing rank, not a held one. Held slots are released in chunk order, and the smallest chunk not yet sent goes even
-  without room once every chunk below it has its result: a rank whose window shrank after it had sent later
-  chunks could otherwise wait for them while the other ranks wait for that chunk, a deadlock.
+  rank joins every round of the allreduce's start, so a round that waits names a missing rank, not a held one.
+  Held slots are released in chunk order, and the smallest chunk not yet sent goes even without room once every
+  chunk below it has its result: a rank whose window shrank after it had sent later chunks could otherwise wait
+  for them while the other ranks wait for that chunk, a deadlock.
 * A slot whose result is late is retransmitted (the stored datagram, byte for byte) after an RTO that doubles
   on each retry up to ``max_rto``. The RTO adapts as TCP's does (RFC 6298): SRTT + 4 RTTVAR from round-trip
   samples of slots that were not retransmitted (Karn), bounded by [min_rto, max_rto]. A fixed RTO either
@@ -647,7 +648,8 @@ class StreamEngine:
         self.state = State(
             params=prm, x=flat, out=out.reshape(-1), local_exp=local,
             agreed_exp=np.full(chunks, NO_EXP, np.int64), cur_chunk=np.full(self.pool_size, IDLE, np.int64),
-            held=np.zeros(self.pool_size, np.bool_), parity=self.parity, sent_at=np.zeros(self.pool_size), rto=np.zeros(self.pool_size),
+            held=np.zeros(self.pool_size, np.bool_), parity=self.parity, sent_at=np.zeros(self.pool_size),
+            rto=np.zeros(self.pool_size),
             retries=np.zeros(self.pool_size, np.int64), overtaken=np.zeros(self.pool_size, np.int64),
             packet=self.packet,
             packet_len=np.zeros(self.pool_size, np.int64), agg_addr=self.agg_addr, stats=self.stats,
