@@ -2,7 +2,8 @@
 
     intml-aggregator --host 127.0.0.1 --port 48879 --cores 2 --stats-interval 5
 
-Core i listens on port + i and owns slots s with s % cores == i. Once every socket is bound and every kernel of
+Core i listens on port + i and owns slots s with s % cores == i (s % total_cores == first_core + i for a job
+spread over several aggregators, docs/protocol.md "Several aggregators"). Once every socket is bound and every kernel of
 the data plane is compiled (or loaded from Numba's cache), it prints one line,
 ``intml-aggregator listening on HOST:PORT cores K``, which scripts can wait for: a JOIN sent after it is answered
 at once.
@@ -97,11 +98,20 @@ def _multicast_sender(sock: socket.socket, host: str) -> None:
     sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 1)
 
 
+def default_cores(cpus: int | None = None) -> int:
+    """The default --cores: half the CPUs this process may run on (each core's datagrams cost the kernel about
+    as much CPU as the core itself), at least 1."""
+    return max(1, (len(os.sched_getaffinity(0)) if cpus is None else cpus) // 2)
+
+
 def build_parser() -> OneLineParser:
     p = OneLineParser(prog="intml-aggregator", description="Switch-emulating C_nat aggregator.")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"first UDP port (default {DEFAULT_PORT}; 0 = any)")
-    p.add_argument("--cores", type=positive(int), default=1, help="data-plane processes, one port each (default 1)")
+    p.add_argument("--cores", type=positive(int), default=default_cores(),
+                   help=f"data-plane processes, one port each (default {default_cores()}: half the CPUs this "
+                        f"process may use, as the kernel's packet processing needs about as much again; pass fewer "
+                        f"where workers share the host)")
     p.add_argument("--max-jobs", type=positive(int), default=AGGREGATOR_MAX_JOBS,
                    help=f"jobs per core at once (default {AGGREGATOR_MAX_JOBS})")
     p.add_argument("--max-pool", type=positive(int), default=AGGREGATOR_MAX_POOL,

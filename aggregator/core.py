@@ -78,7 +78,8 @@ OPERATOR_RANK = 0xFFFF  # a STATS_REQUEST's rank for the operator's view, MAC'd 
 MAX_PENDING_LISTED = 32  # keeps a STATS_REPLY well inside one datagram
 MAX_REPLY_RATIO = 3  # no STATS_REPLY is larger than this many times its request (no amplification)
 UNPROVED = "JOIN refused: the token is wrong, or the aggregator was not started with it (--token-file / INTML_TOKEN)"
-JOB_PARAMS = ("world_size", "packet_elements", "pool_size", "codec", "seed", "flags")  # every rank must agree
+# every rank must agree (first_core, total_cores: on the layout of the job's slots over its aggregators)
+JOB_PARAMS = ("world_size", "packet_elements", "pool_size", "codec", "seed", "flags", "first_core", "total_cores")
 
 
 @dataclass
@@ -96,7 +97,8 @@ class JobInfo:
 
 
 class AggregatorCore:
-    """One data-plane core: slots s with s % cores == core, and the control plane for its share of each job."""
+    """One data-plane core: slots s with s % cores == core of each job (s % total_cores == first_core + core for
+    a job spread over several aggregators), and the control plane for its share of each job."""
 
     def __init__(self, *, core: int = 0, cores: int = 1, rows: int = AGGREGATOR_SLOTS,
                  max_elements: int = AGGREGATOR_MAX_ELEMENTS, max_jobs: int = AGGREGATOR_MAX_JOBS,
@@ -165,9 +167,9 @@ class AggregatorCore:
         if self._control.size < rx.rows:
             self._grow(rx.rows)
         out = self._out
-        out.count, n_ctl = process_burst(rx.data, rx.length, rx.addr, rx.count, now, self.core, self.cores,
-                                         *self._tables, self._batch, self._spill, self._spill_len, out.ptr,
-                                         out.length, out.addr, self._control, self._limiter)
+        out.count, n_ctl = process_burst(rx.data, rx.length, rx.addr, rx.count, now, *self._tables, self._batch,
+                                         self._spill, self._spill_len, out.ptr, out.length, out.addr, self._control,
+                                         self._limiter)
         for i in self._control[:n_ctl].tolist():
             self._control_in.append((bytes(rx.data[i, : rx.length[i]]), int(rx.addr[i]), now))
         return out
@@ -213,13 +215,11 @@ class AggregatorCore:
         job_id, rank = int(header["job"]), int(header["rank"])
         nonce, cookie = bytes(payload["nonce"]), bytes(payload["cookie"])
         if not any(cookie):  # the first round: a stateless challenge
-            return wire.pack_challenge(job_id, rank, nonce, keys.cookie(self._secret, addr, job_id, rank, nonce,
-                                                                        keys.epoch(now)))
+            return self._challenge(job_id, rank, nonce, addr, now)
         if not keys.cookie_valid(self._secret, addr, job_id, rank, nonce, cookie, now):
             # expired, or replayed from another address: a fresh challenge for this sender, nothing else
             self.jobs.core_stats[DROP_BAD_MAC] += 1
-            return wire.pack_challenge(job_id, rank, nonce, keys.cookie(self._secret, addr, job_id, rank, nonce,
-                                                                        keys.epoch(now)))
+            return self._challenge(job_id, rank, nonce, addr, now)
         info = self.info.get(job_id)
         token_key = next((k for k in ([info.token_key] if info else self._token_keys)
                           if keys.verify(k, datagram, wire.JOIN_MAC)), None)
@@ -230,6 +230,7 @@ class AggregatorCore:
         problem = self._check_params(params, rank)
         if problem:
             return self._refuse(DROP_REFUSED_JOIN, job_id, problem)
+        params["total_cores"] = params["total_cores"] or self.cores  # the same layout, stated either way
         if info is None:
             info = self._register(job_id, params, now, token_key, keys.job_nonce(nonce, cookie))
             if isinstance(info, str):  # the limit that was hit
@@ -258,6 +259,11 @@ class AggregatorCore:
                              sets)
         return keys.seal(session, ack, wire.JOIN_MAC)
 
+    def _challenge(self, job_id: int, rank: int, nonce: bytes, addr: int, now: float) -> bytes:
+        """A CHALLENGE for this sender: a fresh cookie, and this aggregator's cores (for the job's layout)."""
+        cookie = keys.cookie(self._secret, addr, job_id, rank, nonce, keys.epoch(now))
+        return wire.pack_challenge(job_id, rank, nonce, cookie, self.cores)
+
     def _resume_point(self, info: JobInfo) -> tuple[int, bytes]:
         """Where a rank joining now starts: the allreduce its peers are in (one of whose rounds here still waits)
         or the next one, and the slot bitmap of each of this core's slots' next shadow set: the set of a round
@@ -279,8 +285,9 @@ class AggregatorCore:
         if newest is not None and not waiting.any():
             allreduce = (allreduce + 1) & 0xFFFFFFFF
         sets = np.where(waiting, last, np.where(held, 1 - last, 0))
+        stride, offset = self.layout(info.params)
         bits = np.zeros(info.params["pool_size"], np.uint8)
-        bits[local * self.cores + self.core] = sets
+        bits[local * stride + offset] = sets
         return allreduce, np.packbits(bits, bitorder="little").tobytes()
 
     def _check_params(self, p: dict, rank: int) -> str | None:
@@ -293,10 +300,15 @@ class AggregatorCore:
             problem = f"unknown JOIN flags 0x{p['flags']:02x}"
         if problem is None and rank >= p["world_size"]:
             problem = f"rank {rank} is out of range for world size {p['world_size']}"
+        if problem is None and p["first_core"] + self.cores > (p["total_cores"] or self.cores):
+            problem = (f"this aggregator's {self.cores} cores from core {p['first_core']} do not fit the job's "
+                       f"{p['total_cores']} cores: every worker must list the same aggregators in the same order")
         return problem
 
-    def _local_pool(self, pool: int) -> int:
-        return len(range(self.core, pool, self.cores))
+    def layout(self, params: dict) -> tuple[int, int]:
+        """(stride, offset) of a job on this core: it holds the job's slots s with s % stride == offset."""
+        return params["total_cores"], params["first_core"] + self.core
+
 
     def _register(self, job_id: int, params: dict, now: float, token_key: bytes,
                   job_nonce: bytes) -> JobInfo | str:
@@ -308,7 +320,8 @@ class AggregatorCore:
         if free_jobs.size == 0:
             return (f"aggregator core {self.core} already holds its maximum of {self.jobs.active.size} jobs "
                     f"(intml-aggregator --max-jobs); wait for a job to leave or use another aggregator")
-        needed = self._local_pool(params["pool_size"])
+        stride, offset = self.layout(params)
+        needed = len(range(offset, params["pool_size"], stride))
         rows = _first_fit(self.row_used, needed)
         if rows is None:
             return (f"aggregator core {self.core} has no free slots for job {job_id}: its pool needs {needed} "
@@ -330,6 +343,7 @@ class AggregatorCore:
         jobs.stats[j] = 0
         jobs.data_mac[j] = bool(params["flags"] & wire.FLAG_DATA_MAC)
         jobs.mac_key[j] = key_words(keys.data_key(token_key, job_id, job_nonce))
+        jobs.stride[j], jobs.offset[j] = stride, offset
         self.row_used[rows.start:rows.stop] = True
         table.round_key[rows.start:rows.stop] = -1  # a fresh job must not see a previous job's rounds
         table.count[rows.start:rows.stop] = 0
@@ -395,9 +409,10 @@ class AggregatorCore:
             members = {r: format_addr(a) for r, a in enumerate(self.jobs.members[j, :n]) if a}
             rows = slice(info.rows.start, info.rows.stop)
             counts, bitmaps = self.table.count[rows], self.table.bitmap[rows]
+            stride, offset = self.layout(info.params)
             waiting = np.nonzero((counts > 0) & (counts < n))
             pending = [
-                {"slot": int(r) * self.cores + self.core, "shadow": int(x),
+                {"slot": int(r) * stride + offset, "shadow": int(x),
                  "missing_ranks": [k for k in range(n) if not int(bitmaps[r, x]) >> k & 1]}
                 for r, x in list(zip(*waiting))[:MAX_PENDING_LISTED]
             ]

@@ -44,6 +44,8 @@ class DataPlane:
             if self.io.recv_burst() == 0:
                 break
             self.io.send(self.core.receive(self.io.rx, time.monotonic()))
+        if self.io.pending:  # datagrams already read (GRO) do not make the socket readable: come back for them
+            asyncio.get_running_loop().call_soon(self.on_readable)
         for reply, addr in self.core.take_replies():
             try:
                 self.io.send_one(reply, addr)

@@ -9,7 +9,8 @@ protocol.slot_reference hold the state machine they implement.
 
 Slot semantics (SwitchML; docs/protocol.md, "Slots" and "Slot state table")
 
-* Each job owns ``pool`` slots; slot s lives on data-plane core ``s % cores`` at row ``row_base + s // cores``.
+* Each job owns ``pool`` slots; slot s lives on the job's core ``s % stride`` (of the cores of every aggregator the
+  job uses) at row ``row_base + s // stride``: this core holds the slots with ``s % stride == offset``.
   Each row has two shadow sets; a worker alternates sets on consecutive uses of a slot over the job's whole life.
 * A set holds one *round*: the use of the slot by one chunk of one allreduce, identified by
   ``round_key = allreduce << 32 | (chunk + 2**31)``, which grows with every use of the slot (allreduces compare
@@ -147,7 +148,7 @@ NEWER = 3  # a later use of the slot: opens a new round in the set
 Jobs = namedtuple(
     "Jobs",
     "job_id active world value_bits packet_elements pool codec seed row_base members group last_seen stats core_stats "
-    "data_mac mac_key",
+    "data_mac mac_key stride offset",
 )
 # Slot table: one row per slot of every job on this core, two shadow sets each. A completed set keeps its result
 # as the whole datagram (header, payload and any tag) that goes to every worker and to every re-send.
@@ -207,6 +208,8 @@ def new_jobs(capacity: int) -> Jobs:
         core_stats=np.zeros(N_STATS, np.int64),
         data_mac=np.zeros(capacity, np.bool_),  # the job's DATA and RESULT datagrams end in a SipHash tag
         mac_key=np.zeros((capacity, 2), np.uint64),  # its data key (k0, k1), set with data_mac at registration
+        stride=np.ones(capacity, np.int64),  # the job's cores, on all its aggregators
+        offset=np.zeros(capacity, np.int64),  # this core's index among them: it holds slots s % stride == offset
     )
 
 
@@ -282,7 +285,7 @@ def authenticate(p, length, data_mac, k0, k1):
 
 
 @njit(inline="always")
-def validate(length, rank, world, src, member, slot, pool, core, cores, codec, job_codec, count, packet_elements,
+def validate(length, rank, world, src, member, slot, pool, offset, stride, codec, job_codec, count, packet_elements,
              shadow, exp, next_exp):
     """The checks of a DATA packet against its job, in the parser's order (``member``: the address the rank
     joined from, read only when rank < world). Returns 0 or the statistic of the drop reason."""
@@ -290,7 +293,7 @@ def validate(length, rank, world, src, member, slot, pool, core, cores, codec, j
         return DROP_RANK
     if member != src:
         return DROP_UNREGISTERED
-    if slot >= pool or slot % cores != core:
+    if slot >= pool or slot % stride != offset:
         return DROP_SLOT
     if codec != job_codec:
         return DROP_CODEC
@@ -383,7 +386,7 @@ def contribute(jobs, table, b, g, rx_data):
 
 
 @njit(inline="always")
-def complete(jobs, table, b, g, core, cores):
+def complete(jobs, table, b, g):
     """Write a completed round's result datagram into its set: the same bytes for every worker and every
     re-send (C_nat re-encodes the sum with the switch's random stream)."""
     row, x, j = b.row[g], b.shadow[g], b.job[g]
@@ -393,7 +396,7 @@ def complete(jobs, table, b, g, core, cores):
     key = table.round_key[row, x]
     allreduce = (key >> 32) & 0xFFFFFFFF  # the key is signed once allreduce >= 2**31
     chunk = (key & 0xFFFFFFFF) - (np.int64(1) << 31)
-    slot = (row - jobs.row_base[j]) * cores + core
+    slot = (row - jobs.row_base[j]) * jobs.stride[j] + jobs.offset[j]
     p = table.result[row, x]
     put_header(p, MsgType.RESULT, jobs.job_id[j], allreduce, chunk, 0, slot, count, codec, x, table.exp[row, x],
                table.next_exp[row, x])
@@ -410,10 +413,10 @@ def complete(jobs, table, b, g, core, cores):
 
 
 @njit(inline="always")
-def _finish(jobs, table, b, g, rx_data, core, cores):
+def _finish(jobs, table, b, g, rx_data):
     contribute(jobs, table, b, g, rx_data)
     if b.complete[g]:
-        complete(jobs, table, b, g, core, cores)
+        complete(jobs, table, b, g)
     b.done[g] = True
 
 
@@ -427,7 +430,7 @@ def emit(src, size, dest, out_ptr, out_len, out_addr, n_out):
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def process_burst(rx_data, rx_len, rx_addr, n_rx, now, core, cores, job_arrays, table_arrays, batch_arrays,
+def process_burst(rx_data, rx_len, rx_addr, n_rx, now, job_arrays, table_arrays, batch_arrays,
                   spill, spill_len, out_ptr, out_len, out_addr, control, limiter):
     """Handle received datagrams 0..n_rx-1. Returns (datagrams written to out, control datagrams listed in
     `control`: those the control admission let through, at most `limiter`'s per_burst; the others are counted
@@ -495,14 +498,14 @@ def process_burst(rx_data, rx_len, rx_addr, n_rx, now, core, cores, job_arrays, 
         exp = get_i8(p, O_EXP)
         next_exp = get_i8(p, O_NEXT_EXP)
         reason = validate(length, rank, n, rx_addr[i], jobs.members[j, min(rank, MAX_WORLD - 1)], slot, jobs.pool[j],
-                          core, cores, np.int64(p[O_CODEC]), jobs.codec[j], count, jobs.packet_elements[j], x, exp,
-                          next_exp)
+                          jobs.offset[j], jobs.stride[j], np.int64(p[O_CODEC]), jobs.codec[j], count,
+                          jobs.packet_elements[j], x, exp, next_exp)
         if reason != DROP_RANK and reason != DROP_UNREGISTERED:
             jobs.last_seen[j, rank] = now  # any packet of a member, retransmissions too, keeps the job alive
         if reason:
             st[reason] += 1
             continue
-        row = jobs.row_base[j] + slot // cores
+        row = jobs.row_base[j] + slot // jobs.stride[j]
         key = round_key(get_u32(p, O_ALLREDUCE), get_i32(p, O_CHUNK))
         bit = np.uint64(1) << np.uint64(rank)
         event = classify(table.round_key[row, x], table.bitmap[row, x], key, bit)
@@ -532,7 +535,7 @@ def process_burst(rx_data, rx_len, rx_addr, n_rx, now, core, cores, job_arrays, 
             st[DROP_INVALID_CODE] += 1
             continue
         if event == NEWER and g >= 0:  # the set's old round ends here: finish it before the new one opens
-            _finish(jobs, table, b, g, rx_data, core, cores)
+            _finish(jobs, table, b, g, rx_data)
             if b.emits[g]:
                 size = table.result_len[row, x]
                 spill[n_spill, :size] = table.result[row, x, :size]
@@ -561,7 +564,7 @@ def process_burst(rx_data, rx_len, rx_addr, n_rx, now, core, cores, job_arrays, 
 
     for g in range(n_groups):
         if not b.done[g]:
-            _finish(jobs, table, b, g, rx_data, core, cores)
+            _finish(jobs, table, b, g, rx_data)
         b.group_of[b.row[g], b.shadow[g]] = -1
     n_out = 0
     for e in range(n_events):

@@ -44,7 +44,7 @@ authentication"; the keys: protocol.keys):
 
 ``count`` is 0 in control messages (anything but DATA / RESULT).
 
-JOIN payload (91 bytes):
+JOIN payload (93 bytes):
 
 | field           | offset | size | type | meaning |
 |-----------------|-------:|-----:|------|---------|
@@ -53,22 +53,28 @@ JOIN payload (91 bytes):
 | pool_size       |      4 |    2 | u16  | number of slots in the job's pool |
 | codec           |      6 |    1 | u8   | Codec used by the job |
 | cores           |      7 |    1 | u8   | JOIN: 0; JOIN_ACK: data-plane cores (ports base .. base + cores - 1) |
-| seed            |      8 |    8 | u64  | shared random seed |
-| flags           |     16 |    1 | u8   | bit 0: the job's DATA / RESULT carry a MAC (JobParams.data_mac) |
-| group           |     17 |    4 | u32  | JOIN: 0; JOIN_ACK: IPv4 multicast group the job's results go to, 0 = unicast to each worker |
-| group_port      |     21 |    2 | u16  | JOIN: 0; JOIN_ACK: UDP port of that group |
-| allreduce       |     23 |    4 | u32  | JOIN: 0; JOIN_ACK: the allreduce number the rank uses next |
-| nonce           |     27 |   16 | raw  | the worker's fresh client nonce Nc (echoed in the JOIN_ACK) |
-| cookie          |     43 |   16 | raw  | first JOIN: 0; then the CHALLENGE's cookie (echoed in the JOIN_ACK) |
-| job_nonce       |     59 |   16 | raw  | JOIN: 0; JOIN_ACK: the job nonce of this core (the data key's input) |
-| mac             |     75 |   16 | raw  | JOIN: 0, or the proof under the token key; JOIN_ACK: under the session key |
+| first_core      |      8 |    1 | u8   | the job's cores on the aggregators before this one in the workers' list |
+| total_cores     |      9 |    1 | u8   | the job's cores on all its aggregators; 0: this aggregator's only |
+| seed            |     10 |    8 | u64  | shared random seed |
+| flags           |     18 |    1 | u8   | bit 0: the job's DATA / RESULT carry a MAC (JobParams.data_mac) |
+| group           |     19 |    4 | u32  | JOIN: 0; JOIN_ACK: IPv4 multicast group the job's results go to, 0 = unicast to each worker |
+| group_port      |     23 |    2 | u16  | JOIN: 0; JOIN_ACK: UDP port of that group |
+| allreduce       |     25 |    4 | u32  | JOIN: 0; JOIN_ACK: the allreduce number the rank uses next |
+| nonce           |     29 |   16 | raw  | the worker's fresh client nonce Nc (echoed in the JOIN_ACK) |
+| cookie          |     45 |   16 | raw  | first JOIN: 0; then the CHALLENGE's cookie (echoed in the JOIN_ACK) |
+| job_nonce       |     61 |   16 | raw  | JOIN: 0; JOIN_ACK: the job nonce of this core (the data key's input) |
+| mac             |     77 |   16 | raw  | JOIN: 0, or the proof under the token key; JOIN_ACK: under the session key |
 
-CHALLENGE payload (32 bytes):
+A job's slots may be spread over several aggregators (docs/protocol.md, "Several aggregators"): core c of an
+aggregator then owns the slots s with s % total_cores == first_core + c.
+
+CHALLENGE payload (33 bytes):
 
 | field           | offset | size | type | meaning |
 |-----------------|-------:|-----:|------|---------|
 | nonce           |      0 |   16 | raw  | the JOIN's client nonce, echoed |
 | cookie          |     16 |   16 | raw  | the core's stateless cookie for this sender, job, rank and nonce |
+| cores           |     32 |    1 | u8   | data-plane cores of the core's aggregator (a worker lays the job out before proving its JOIN) |
 """
 
 from __future__ import annotations
@@ -137,6 +143,8 @@ JOIN_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("pool_size", ">u2", "slots in the job's pool"),
     ("codec", "u1", "Codec"),
     ("cores", "u1", "JOIN: 0; JOIN_ACK: data-plane cores (ports base .. base + cores - 1)"),
+    ("first_core", "u1", "the job's cores on the aggregators before this one in the workers' list"),
+    ("total_cores", "u1", "the job's cores on all its aggregators; 0: this aggregator's only"),
     ("seed", ">u8", "shared random seed"),
     ("flags", "u1", "bit 0: DATA / RESULT carry a MAC"),
     ("group", ">u4", "JOIN: 0; JOIN_ACK: IPv4 multicast group of the job's results, 0 = unicast"),
@@ -155,6 +163,7 @@ FLAG_DATA_MAC = 1
 CHALLENGE_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("nonce", "V16", "the JOIN's client nonce, echoed"),
     ("cookie", "V16", "the core's stateless cookie"),
+    ("cores", "u1", "data-plane cores of the core's aggregator"),
 )
 CHALLENGE = np.dtype([(name, code) for name, code, _ in CHALLENGE_FIELDS])
 CHALLENGE_SIZE = CHALLENGE.itemsize
@@ -269,9 +278,9 @@ def unpack_join(buf: bytes) -> tuple[np.void, np.void, bytes]:
     return header, join, bitmap
 
 
-def pack_challenge(job: int, rank: int, nonce: bytes, cookie: bytes) -> bytes:
+def pack_challenge(job: int, rank: int, nonce: bytes, cookie: bytes, cores: int = 1) -> bytes:
     body = np.zeros(1, CHALLENGE)
-    body["nonce"], body["cookie"] = nonce, cookie
+    body["nonce"], body["cookie"], body["cores"] = nonce, cookie, cores
     return pack({"type": MsgType.CHALLENGE, "job": job, "rank": rank}, body.tobytes())
 
 

@@ -28,10 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
     codec.add_argument("--elements", type=positive(), default=1 << 25, help="array length (default 2**25)")
     codec.add_argument("--repeats", type=positive(), default=11, help="timed runs; the median is reported")
     codec.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    bio = bench.add_parser("burstio", help="recvmmsg/sendmmsg bursts vs plain sendto/recvfrom on loopback")
+    bio = bench.add_parser("burstio", help="GSO/GRO and recvmmsg/sendmmsg bursts vs plain sendto/recvfrom on loopback")
     bio.add_argument("--packets", type=positive(), default=200_000, help="datagrams per variant (default 200000)")
-    bio.add_argument("--size", type=positive(int, wire.MAX_DATAGRAM), default=8192,
-                     help=f"bytes per datagram (default 8192, at most {wire.MAX_DATAGRAM}: a UDP payload)")
+    bio.add_argument("--size", type=positive(int, wire.MAX_DATAGRAM), nargs="+", default=[1050, 8218],
+                     help=f"bytes per datagram, one run each (default 1050 8218, at most {wire.MAX_DATAGRAM})")
     bio.add_argument("--burst", type=positive(), default=256, help="datagrams per burst (default 256)")
     bio.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     mac = bench.add_parser("mac", help="the DATA/RESULT MAC's cost per packet and per loopback allreduce")
@@ -69,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tensor size (default: about 0.3 s of cnat8 traffic at the rate, at most 10M)")
     cl.add_argument("--mtu", type=int, choices=MTUS, default=MTUS[0])
     cl.add_argument("--loss", type=float, default=0.0, help="random loss per link direction, e.g. 0.01")
+    cl.add_argument("--aggregators", type=positive(), nargs="+", default=[1],
+                    help="aggregator counts to run (default 1: in the switch namespace; more: one namespace each, "
+                         "the job spread over all; e.g. 1 2 compares them, and their results must be identical)")
+    cl.add_argument("--cores", type=positive(), default=None,
+                    help="cores per aggregator (default: half the CPUs the workers leave, split over the "
+                         "aggregators, at least 1)")
     add_pool(cl)
     cl.add_argument("--warmup", type=int, default=1)
     cl.add_argument("--rounds", type=positive(), default=3)
@@ -107,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "bench" and args.bench == "burstio":
         from intml.testbed import bench_burstio
 
-        bench_burstio.run(args.packets, args.size, args.burst, args.json)
+        bench_burstio.run(args.packets, tuple(args.size), args.burst, args.json)
     elif args.command == "bench" and args.bench == "mac":
         from intml.testbed import bench_mac
 
@@ -128,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if args.bench == "cluster":
                 bench_cluster.run(args.workers, args.rate, args.elements, args.mtu, args.loss, args.warmup,
-                                  args.rounds, args.pool, args.json, args.plot)
+                                  args.rounds, args.pool, args.json, args.plot, args.aggregators, args.cores)
             else:
                 bench_cluster.run_loss(args.workers, args.rate, args.elements, args.loss, args.mtu, args.rounds,
                                        args.pool, args.json)

@@ -1,9 +1,11 @@
-"""`intml-testbed bench burstio`: loopback packets/s of BurstSocket (recvmmsg/sendmmsg) beside a plain
-sendto/recvfrom loop, one process, two sockets.
+"""`intml-testbed bench burstio`: loopback packets/s of BurstSocket with UDP GSO/GRO, with sendmmsg/recvmmsg alone,
+and of a plain sendto/recvfrom loop (the anchor), in one run, one process, two sockets per variant.
 
-Both variants interleave: send ``burst`` datagrams, then receive until that batch arrived (or a 0.2 s loss
-timeout), so the receive queue never overflows. The anchor is the plain loop on sockets with the same buffer
-sizes.
+Every variant interleaves: send ``burst`` datagrams of one size to one destination, then receive until that batch
+arrived (or a 0.2 s loss timeout), so the receive queue never overflows. The BurstSocket variants differ only in
+``gso``/``gro`` (GSO alone: the receiving kernel cuts each packet back into datagrams; GRO alone: loopback does
+not coalesce, so it shows the cost of 64 KiB reads and the copy into rows). The plain loop uses sockets with the
+same buffer sizes.
 """
 
 from __future__ import annotations
@@ -18,6 +20,13 @@ from intml.burstio.mmsg import _SO_RCVBUFFORCE, _SO_SNDBUFFORCE, _WANT_BUF, Burs
 from intml.testbed.timing import emit
 
 LOSS_TIMEOUT = 0.2  # seconds without the rest of a batch before it counts as lost
+SIZES = (1050, 8218)  # bytes per datagram: a cnat8 packet at MTU 1500, and the largest at MTU 9000
+OFFLOADS = {  # variant: (gso, gro)
+    "gso+gro": (True, True),
+    "gso": (True, False),
+    "gro": (False, True),
+    "mmsg": (False, False),
+}
 
 
 def _udp_pair() -> tuple[socket.socket, socket.socket]:
@@ -28,16 +37,20 @@ def _udp_pair() -> tuple[socket.socket, socket.socket]:
     return a, b
 
 
-def _burst(n_packets: int, size: int, burst: int) -> tuple[int, int, float]:
+def _burst(n_packets: int, size: int, burst: int, gso: bool, gro: bool) -> tuple[int, int, float]:
     """(received, lost, seconds) through BurstSocket."""
     a, b = _udp_pair()
-    tx, rx = BurstSocket(a, burst, size), BurstSocket(b, burst, size)
+    tx, rx = BurstSocket(a, burst, size, gso=gso, gro=gro), BurstSocket(b, burst, size, gso=gso, gro=gro)
+    if (tx.gso, rx.gro) != (gso, gro):
+        raise RuntimeError("this kernel lacks UDP GSO/GRO")
     tx.tx_data[:] = np.arange(size, dtype=np.uint8)
     tx.tx_len[:] = size
     tx.tx_addr[:] = addr_key(*b.getsockname())
-    tx.send_burst(1)  # warm-up: loads the compiled bookkeeping kernels outside the timed loop
-    while rx.recv_burst() == 0:
-        select.select([rx], [], [], LOSS_TIMEOUT)
+    tx.send_burst(burst)  # warm-up: loads the compiled bookkeeping kernels outside the timed loop
+    deadline = time.monotonic() + LOSS_TIMEOUT
+    while time.monotonic() < deadline:
+        if rx.recv_burst() == 0:
+            select.select([rx], [], [], 0.01)
     got = lost = 0
     t0 = time.perf_counter()
     left = n_packets
@@ -85,16 +98,24 @@ def _plain(n_packets: int, size: int, burst: int) -> tuple[int, int, float]:
     return got, lost, seconds
 
 
-def run(n_packets: int = 200_000, size: int = 8192, burst: int = 256, as_json: bool = False) -> list[dict]:
+def run(n_packets: int = 200_000, sizes: tuple[int, ...] = SIZES, burst: int = 256,
+        as_json: bool = False) -> list[dict]:
     rows = []
-    for variant, fn in (("burst (recvmmsg/sendmmsg)", _burst), ("plain (sendto/recvfrom, anchor)", _plain)):
-        got, lost, seconds = fn(n_packets, size, burst)
-        rows.append({"variant": variant, "packets_per_s": got / seconds, "gb_per_s": got * size / seconds / 1e9,
-                     "lost": lost})
-    for row in rows:
-        row["ratio_to_plain"] = row["packets_per_s"] / rows[-1]["packets_per_s"]
+    for size in sizes:
+        variants = [(f"{name} (BurstSocket)", lambda n, s, b, o=offload: _burst(n, s, b, *o))
+                    for name, offload in OFFLOADS.items()]
+        at = len(rows)
+        for variant, fn in [*variants, ("plain (sendto/recvfrom, anchor)", _plain)]:
+            got, lost, seconds = fn(n_packets, size, burst)
+            rows.append({"size": size, "variant": variant, "packets_per_s": got / seconds,
+                         "gb_per_s": got * size / seconds / 1e9, "lost": lost})
+        plain, mmsg = rows[-1]["packets_per_s"], rows[at + len(OFFLOADS) - 1]["packets_per_s"]
+        for row in rows[at:]:
+            row["ratio_to_plain"] = row["packets_per_s"] / plain
+            row["ratio_to_mmsg"] = row["packets_per_s"] / mmsg
     emit(rows, as_json, "UDP datagrams on loopback, one process",
-         [("variant", "variant", ""), ("packets_per_s", "packets/s", ",.0f"), ("gb_per_s", "GB/s", ".2f"),
-          ("lost", "lost", "d"), ("ratio_to_plain", "× plain", ".2f")],
-         {"packets": n_packets, "size": size, "burst": burst})
+         [("size", "bytes", "d"), ("variant", "variant", ""), ("packets_per_s", "packets/s", ",.0f"),
+          ("gb_per_s", "GB/s", ".2f"), ("lost", "lost", "d"), ("ratio_to_mmsg", "× mmsg", ".2f"),
+          ("ratio_to_plain", "× plain", ".2f")],
+         {"packets": n_packets, "sizes": list(sizes), "burst": burst})
     return rows

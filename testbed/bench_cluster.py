@@ -1,14 +1,22 @@
 """`intml-testbed bench cluster`: intml cnat8, intml int32 and Gloo's ring over the same shaped links.
 
-Each point builds a fresh namespace topology (testbed.netns), runs the aggregator in the switch namespace and
-one rank per worker namespace, then Gloo's ranks over the same ports (routed through the switch namespace),
-and tears the topology down. Reported per system: the median time per allreduce, goodput per link (payload
-bits per second each way over the shaped rate) and the speedup over Gloo, beside the ideal speedup from the
-bytes each puts on a link.
+Each point builds a fresh namespace topology (testbed.netns), runs the aggregator in the switch namespace (or,
+with ``--aggregators A`` > 1, one aggregator per aggregator namespace, the job's slots spread over all their
+cores) and one rank per worker namespace, then Gloo's ranks over the same ports (routed through the switch
+namespace), and tears the topology down. Reported per system: the median time per allreduce, goodput per link
+(payload bits per second each way over the shaped rate) and the speedup over Gloo, beside the ideal speedup from
+the bytes each puts on a link. Results go to each worker by unicast: a multicast group would need multicast
+routing in the switch namespace, which the topology does not set up. Every aggregator count must give the same
+result bits (checked).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
+
+from intml.aggregator.__main__ import default_cores as aggregator_default_cores
 from intml.protocol.job import CODEC_NAMES
 from intml.protocol.packet import HDR
 from intml.protocol.traffic import intml_bytes, ring_bytes
@@ -39,18 +47,43 @@ def wire_bytes_gloo(workers: int, elements: int, mtu: int) -> float:
     return ring_bytes(elements, workers) * (1 + TCP_OVERHEAD / (mtu - 52))
 
 
+def default_cores(workers: int, aggregators: int = 1, cpus: int | None = None) -> int:
+    """Cores each aggregator gets by default: the testbed's workers share the host, one CPU each; the
+    aggregators share what intml-aggregator's default would take of the rest, at least one core each."""
+    cpus = len(os.sched_getaffinity(0)) if cpus is None else cpus
+    return max(1, aggregator_default_cores(cpus - workers) // aggregators)
+
+
+@contextlib.contextmanager
+def aggregators_in(topo: Topology, aggregators: int, cores: int, max_packet_elements: int) -> Iterator[list[str]]:
+    """Run the aggregators of a point; yields each rank's aggregator argument. One: in the switch namespace, at
+    the switch's port on the rank's link. More: one per aggregator namespace, every rank listing them all."""
+    with contextlib.ExitStack() as stack:
+        if aggregators == 1:
+            port = stack.enter_context(aggregator(cores, max_packet_elements, host="0.0.0.0",
+                                                  prefix=topo.exec_prefix(topo.switch)))
+            yield [f"{topo.port_ip(r)}:{port}" for r in range(topo.workers)]
+            return
+        ports = [stack.enter_context(aggregator(cores, max_packet_elements, host="0.0.0.0",
+                                                prefix=topo.exec_prefix(topo.aggregator(k))))
+                 for k in range(aggregators)]
+        yield [",".join(f"{topo.aggregator_ip(k)}:{p}" for k, p in enumerate(ports))] * topo.workers
+
+
 def run_point(workers: int, rate: str, elements: int, mtu: int, loss: float, warmup: int, rounds: int,
-              pool: int, with_gloo: bool = True) -> dict:
-    """Every system over one topology; returns {"rows": [...], "hashes": {codec: [...]}, "dropped": n}."""
+              pool: int, with_gloo: bool = True, aggregators: int = 1, cores: int | None = None) -> dict:
+    """Every system over one topology, with ``aggregators`` aggregators of ``cores`` cores each (default:
+    default_cores); returns {"rows": [...], "hashes": {codec: [...]}, "dropped": n}."""
     rate_bit = parse_rate(rate)
+    cores = cores or default_cores(workers, aggregators)
     rows, hashes = [], {}
-    with Topology(workers, rate_bit, mtu=mtu, loss=loss) as topo:
+    with Topology(workers, rate_bit, mtu=mtu, loss=loss, aggregators=aggregators if aggregators > 1 else 0) as topo:
         prefixes = [topo.exec_prefix(topo.worker(r)) for r in range(workers)]
         largest = max(packet_elements_for(codec, mtu) for codec in CODEC_NAMES)
-        with aggregator(1, largest, host="0.0.0.0", prefix=topo.exec_prefix(topo.switch)) as port:
+        with aggregators_in(topo, aggregators, cores, largest) as addresses:
             for job, codec in enumerate(CODEC_NAMES, start=1):
-                result = run_ranks_intml([f"{topo.port_ip(r)}:{port}" for r in range(workers)], elements, codec,
-                                         packet_elements_for(codec, mtu), pool, warmup, rounds, prefixes, job=job)
+                result = run_ranks_intml(addresses, elements, codec, packet_elements_for(codec, mtu), pool, warmup,
+                                         rounds, prefixes, job=job)
                 if not result["identical_across_ranks"]:
                     raise RuntimeError(f"intml {codec}: ranks disagree on the result")
                 hashes[codec] = result["hashes"]
@@ -64,13 +97,18 @@ def run_point(workers: int, rate: str, elements: int, mtu: int, loss: float, war
                              wire_bytes_gloo(workers, elements, mtu), rate_bit, 0))
         dropped = topo.dropped_packets()
     if with_gloo:
-        gloo_row = rows[-1]
-        for row in rows:
-            row["speedup_vs_gloo"] = gloo_row["median_s"] / row["median_s"]
-            row["ideal_speedup"] = gloo_row["wire_bytes"] / row["wire_bytes"]
+        against(rows, rows[-1])
     for row in rows:
-        row.update(workers=workers, rate=rate, mtu=mtu, loss=loss, elements=elements)
+        row.update(workers=workers, rate=rate, mtu=mtu, loss=loss, elements=elements, aggregators=aggregators,
+                   cores=cores, results="unicast")
     return {"rows": rows, "hashes": hashes, "dropped": dropped}
+
+
+def against(rows: list[dict], gloo_row: dict) -> None:
+    """Each row's speedup over Gloo's, measured and ideal."""
+    for row in rows:
+        row["speedup_vs_gloo"] = gloo_row["median_s"] / row["median_s"]
+        row["ideal_speedup"] = gloo_row["wire_bytes"] / row["wire_bytes"]
 
 
 def _row(system: str, seconds: float, payload_bytes: float, wire_bytes: float, rate_bit: int,
@@ -80,22 +118,35 @@ def _row(system: str, seconds: float, payload_bytes: float, wire_bytes: float, r
             "retransmissions": retransmissions, "speedup_vs_gloo": float("nan"), "ideal_speedup": float("nan")}
 
 
-COLUMNS = [("workers", "n", ""), ("rate", "rate", ""), ("system", "system", ""), ("median_s", "median s", ".4f"),
+COLUMNS = [("workers", "n", ""), ("rate", "rate", ""), ("aggregators", "aggs", ""), ("cores", "cores", ""),
+           ("system", "system", ""), ("median_s", "median s", ".4f"),
            ("goodput", "goodput/rate", ".2f"), ("link_use", "wire/rate", ".2f"),
            ("speedup_vs_gloo", "× Gloo", ".2f"), ("ideal_speedup", "ideal ×", ".2f"),
            ("retransmissions", "retx", "d")]
 
 
 def run(workers: list[int], rates: list[str], elements: int | None, mtu: int, loss: float, warmup: int,
-        rounds: int, pool: int, as_json: bool, plot: str | None) -> list[dict]:
+        rounds: int, pool: int, as_json: bool, plot: str | None, aggregators: list[int] = (1,),
+        cores: int | None = None) -> list[dict]:
+    """Each rate, worker count and aggregator count (``cores`` per aggregator; default: default_cores). Gloo runs
+    once per rate and worker count, with the first aggregator count; every aggregator count must give the same
+    result bits."""
     rows = []
     for rate in rates:
         # ~0.3 s of intml cnat8 traffic per round at the link rate, at most 10M elements (memory, CPU)
         size = elements or min(10_000_000, parse_rate(rate) // 8 * 3 // 10)
         for n in workers:
-            rows += run_point(n, rate, size, mtu, loss, warmup, rounds, pool)["rows"]
+            points = [run_point(n, rate, size, mtu, loss, warmup, rounds, pool, with_gloo=k == 0, aggregators=a,
+                                cores=cores) for k, a in enumerate(aggregators)]
+            differ = [p["rows"][0]["aggregators"] for p in points if p["hashes"] != points[0]["hashes"]]
+            if differ:
+                raise RuntimeError(f"n = {n}, {rate}: {differ} aggregators' results differ from {aggregators[0]}'s")
+            point_rows = [row for p in points for row in p["rows"]]
+            against(point_rows, next(row for row in point_rows if row["system"] == "gloo ring"))
+            rows += point_rows
     emit(rows, as_json, "allreduce over shaped links (network namespaces)", COLUMNS,
-         {"mtu": mtu, "loss": loss, "rounds": rounds, "pool": pool})
+         {"mtu": mtu, "loss": loss, "rounds": rounds, "pool": pool, "results": "unicast",
+          "identical_across_aggregator_counts": True})
     if plot:
         plot_times(rows, plot)
     return rows

@@ -7,11 +7,17 @@ Topology (``Topology.up``):
   (198.18.i.1/24) in the switch. 198.18.0.0/15 is the range RFC 2544 reserves for benchmarks;
 * the switch namespace forwards IP between its ports, so Gloo's worker-to-worker traffic crosses exactly the
   same shaped ports as intml's worker-to-aggregator traffic;
+* with ``aggregators`` > 0, that many aggregator namespaces, ``<prefix>-a<k>``, each joined to the switch by an
+  unshaped veth: ``eth0`` (198.19.k.2/24) in the aggregator, port ``a<k>`` (198.19.k.1/24) in the switch. They
+  stand for aggregation servers on fat links beside the switch (as BytePS's servers, or a multi-rack SwitchML's
+  switches): the workers' links stay the bottleneck, as with the aggregator in the switch namespace (the
+  default, ``aggregators`` = 0);
 * every port is shaped in both directions with ``tc tbf`` on the egress of both veth ends (``--rate``);
 * loss is nftables ``numgen random`` drops on the receiving side of each link direction: in the switch
   namespace's prerouting for packets from the workers, and in each worker namespace's input for packets
   from the switch. Each link direction loses the given fraction of packets, whoever sent them. (A drop on the
   sender's output hook would fail the send with EPERM instead of losing the packet.)
+  Under loss intml runs without UDP GSO there (``exec_prefix``), so that loss acts per datagram.
   (netem does not exist in this kernel. Duplication is not emulated on the links: nftables' dup statement
   clones a packet out through a device rather than back to the receiver; the fault-injection shim of
   tests/faults.py tests duplication instead.)
@@ -31,6 +37,7 @@ from dataclasses import dataclass, field
 
 PREFIX = "intml-"
 SUBNET = "198.18.{i}.{host}"
+AGGREGATOR_SUBNET = "198.19.{k}.{host}"
 MTUS = (1500, 9000)  # link MTUs: Ethernet's and jumbo frames
 
 
@@ -75,6 +82,7 @@ class Topology:
     rate_bit: int
     mtu: int = 1500
     loss: float = 0.0
+    aggregators: int = 0  # aggregator namespaces; 0: the aggregator runs in the switch namespace
     prefix: str = field(default_factory=lambda: PREFIX + secrets.token_hex(3))
     _up: bool = False
 
@@ -85,6 +93,8 @@ class Topology:
             raise ValueError(f"loss must be in [0, 1), got {self.loss}")
         if self.mtu not in MTUS:
             raise ValueError(f"mtu must be one of {MTUS}, got {self.mtu}")
+        if not 0 <= self.aggregators <= 200:
+            raise ValueError(f"aggregators must be in [0, 200], got {self.aggregators}")
 
     @property
     def switch(self) -> str:
@@ -92,6 +102,17 @@ class Topology:
 
     def worker(self, i: int) -> str:
         return f"{self.prefix}-w{i}"
+
+    def aggregator(self, k: int) -> str:
+        return f"{self.prefix}-a{k}"
+
+    @property
+    def namespaces(self) -> list[str]:
+        return [self.switch, *map(self.worker, range(self.workers)), *map(self.aggregator, range(self.aggregators))]
+
+    @staticmethod
+    def aggregator_ip(k: int) -> str:
+        return AGGREGATOR_SUBNET.format(k=k, host=2)
 
     @staticmethod
     def worker_ip(i: int) -> str:
@@ -102,7 +123,11 @@ class Topology:
         return SUBNET.format(i=i, host=1)
 
     def exec_prefix(self, namespace: str) -> list[str]:
-        return ["ip", "netns", "exec", namespace]
+        """The command prefix that runs a program in ``namespace``. With loss, intml's UDP GSO is off there
+        (INTML_GSO=0): a veth carries a GSO batch as one buffer, so the loss rules would drop whole batches of up
+        to 64 datagrams, which no NIC does (it segments on the wire); GSO under per-datagram loss is tested with
+        the fault shim (tests/test_offload_e2e.py)."""
+        return ["ip", "netns", "exec", namespace, *(["env", "INTML_GSO=0"] if self.loss > 0 else [])]
 
     def up(self) -> Topology:
         problem = missing_requirements()
@@ -125,25 +150,36 @@ class Topology:
         tbf = ["tbf", "rate", f"{self.rate_bit}bit", "burst", str(burst), "latency", "100ms"]
         tag = self.prefix.removeprefix(PREFIX)
         for i in range(self.workers):
-            ns, a, b = self.worker(i), f"ix{tag}w{i}", f"ix{tag}s{i}"  # veth names: at most 15 characters
-            _run("ip", "netns", "add", ns)
-            _run("ip", "-n", ns, "link", "set", "lo", "up")
-            _run("ip", "link", "add", a, "mtu", str(self.mtu), "type", "veth", "peer", "name", b, "mtu", str(self.mtu))
-            _run("ip", "link", "set", a, "netns", ns)
-            _run("ip", "link", "set", b, "netns", sw)
-            _run("ip", "-n", ns, "link", "set", a, "name", "eth0")
-            _run("ip", "-n", sw, "link", "set", b, "name", f"p{i}")
-            _run("ip", "-n", ns, "addr", "add", f"{self.worker_ip(i)}/24", "dev", "eth0")
-            _run("ip", "-n", sw, "addr", "add", f"{self.port_ip(i)}/24", "dev", f"p{i}")
-            _run("ip", "-n", ns, "link", "set", "eth0", "up")
-            _run("ip", "-n", sw, "link", "set", f"p{i}", "up")
-            _run("ip", "-n", ns, "route", "add", "default", "via", self.port_ip(i))
+            ns = self.worker(i)
+            # veth names: at most 15 characters
+            self._attach(ns, f"ix{tag}w{i}", f"ix{tag}s{i}", f"p{i}", self.worker_ip(i), self.port_ip(i))
             _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", *tbf)
             _run("ip", "netns", "exec", sw, "tc", "qdisc", "add", "dev", f"p{i}", "root", *tbf)
             if self.loss > 0:
                 self._add_loss(ns, "input", "eth0")
+        for k in range(self.aggregators):
+            ns = self.aggregator(k)
+            self._attach(ns, f"ix{tag}a{k}", f"ix{tag}b{k}", f"a{k}", self.aggregator_ip(k),
+                         AGGREGATOR_SUBNET.format(k=k, host=1))
         if self.loss > 0:
             self._add_loss(sw, "prerouting", "p*")
+
+    def _attach(self, ns: str, a: str, b: str, port: str, ip: str, port_ip: str) -> None:
+        """A new namespace ``ns`` joined to the switch by a veth (names a, b): eth0 at ``ip`` there, ``port`` at
+        ``port_ip`` in the switch, the default route through it."""
+        sw = self.switch
+        _run("ip", "netns", "add", ns)
+        _run("ip", "-n", ns, "link", "set", "lo", "up")
+        _run("ip", "link", "add", a, "mtu", str(self.mtu), "type", "veth", "peer", "name", b, "mtu", str(self.mtu))
+        _run("ip", "link", "set", a, "netns", ns)
+        _run("ip", "link", "set", b, "netns", sw)
+        _run("ip", "-n", ns, "link", "set", a, "name", "eth0")
+        _run("ip", "-n", sw, "link", "set", b, "name", port)
+        _run("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
+        _run("ip", "-n", sw, "addr", "add", f"{port_ip}/24", "dev", port)
+        _run("ip", "-n", ns, "link", "set", "eth0", "up")
+        _run("ip", "-n", sw, "link", "set", port, "up")
+        _run("ip", "-n", ns, "route", "add", "default", "via", port_ip)
 
     def _add_loss(self, ns: str, hook: str, interfaces: str) -> None:
         threshold = round(self.loss * 1_000_000)
@@ -157,7 +193,7 @@ class Topology:
     def dropped_packets(self) -> int:
         """Packets the loss rules dropped so far, in both directions of every link."""
         total = 0
-        for ns in [self.switch, *(self.worker(i) for i in range(self.workers))]:
+        for ns in [self.switch, *(self.worker(i) for i in range(self.workers))]:  # the aggregators' links: no loss
             out = subprocess.run(["ip", "netns", "exec", ns, "nft", "list", "table", "inet", "intml"],
                                  capture_output=True, text=True).stdout
             total += sum(int(line.split("packets")[1].split()[0]) for line in out.splitlines() if "packets" in line)

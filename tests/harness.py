@@ -38,6 +38,7 @@ from intml.worker.engine import StreamEngine
 from intml.worker.session import STATS_REQUEST_SIZE, JobJoined, WorkerSession
 
 AGG_PORT = 48879
+ENDPOINT_PORTS = 100  # ports between the aggregators of a Network with several
 WORKER_PORT = 5000
 AGG_IP = 0x7F000001  # 127.0.0.1
 WORKER_IP = 0x7F000002  # 127.0.0.2
@@ -171,10 +172,12 @@ class Network:
                  min_rto: float = 0.005, max_rto: float = 1.0, dt: float = 0.001, drop: float = 0.0, duplicate: float = 0.0,
                  reorder: float = 0.0, fault_seed: int = 0, record: bool = False, join: bool = True,
                  aggregators: list[AggregatorCore] | None = None, worker_port: int = WORKER_PORT,
-                 data_mac_key: tuple[int, int] | None = None, service: int | None = None,
-                 queue: int = 1 << 30) -> None:
+                 data_mac_key: tuple[int, int] | None = None, endpoints: Sequence[int] | None = None,
+                 service: int | None = None, queue: int = 1 << 30) -> None:
         """``data_mac_key``: the DATA/RESULT MAC under this fixed key (k0, k1) on every core and engine, put in the
         cores' job tables once joined (in place of the key the handshake derives), so tests can forge and check tags.
+        ``endpoints``: the job's slots spread over several aggregators, with these many cores each (in place of
+        ``cores``); aggregator e's core i listens on agg_addr(ENDPOINT_PORTS * e + i).
         ``service``: datagrams each core handles per step (None: all), ``queue``: datagrams each core queues beyond
         those (see the module docstring)."""
         self.data_mac_key = data_mac_key
@@ -185,17 +188,20 @@ class Network:
         self.now = 0.0
         self.dt = dt
         self.worker_port = worker_port
+        endpoints = [len(aggregators) if aggregators else cores] if endpoints is None else list(endpoints)
+        self.endpoints = [agg_addr(ENDPOINT_PORTS * e) for e in range(len(endpoints))]  # each one's core 0
+        self.core_addrs = [base + i for base, k in zip(self.endpoints, endpoints) for i in range(k)]
         if aggregators is None:
-            aggregators = [AggregatorCore(core=i, cores=cores, rows=rows, idle_timeout=idle_timeout,
+            aggregators = [AggregatorCore(core=i, cores=k, rows=rows, idle_timeout=idle_timeout,
                                           max_elements=max_elements or packet_elements, tokens=[token])
-                           for i in range(cores)]
+                           for k in endpoints for i in range(k)]
         cores = len(aggregators)
         self.cores = aggregators
-        self.core_of = {agg_addr(i): i for i in range(cores)}
+        self.core_of = {addr: i for i, addr in enumerate(self.core_addrs)}
         self.rank_of = {self.addr(r): r for r in range(n)}
         self.engines = [
             StreamEngine(job=job, rank=r, world_size=n, codec=self.codec, packet_elements=packet_elements,
-                         pool_size=pool_size, seed=seed, agg_addrs=[agg_addr(i) for i in range(cores)], rto=rto,
+                         pool_size=pool_size, seed=seed, agg_addrs=self.core_addrs, rto=rto,
                          min_rto=min_rto, max_rto=max_rto,
                          data_mac_keys=None if data_mac_key is None else np.array([data_mac_key] * cores, np.uint64))
             for r in range(n)
@@ -238,7 +244,7 @@ class Network:
         """The control plane of rank ``rank`` with this network's parameters, as a Worker builds it."""
         params = JobParams(world_size=self.n, packet_elements=self.packet_elements, pool_size=self.pool_size,
                            codec=self.codec, seed=self.seed)
-        return WorkerSession(job=self.job, rank=rank, params=params, token=self.token, aggregator=agg_addr(0))
+        return WorkerSession(job=self.job, rank=rank, params=params, token=self.token, aggregator=self.endpoints)
 
     def join_all(self) -> list[Datagram]:
         """Join every rank through its WorkerSession, on every core; asserts each JOIN got exactly one reply (a
@@ -268,11 +274,11 @@ class Network:
 
     def leave(self, rank: int, core: int = 0) -> bytes:
         """Rank ``rank``'s LEAVE to a core, MAC'd under its session key (join_all)."""
-        return self.sessions[rank].sealed(MsgType.LEAVE, core)
+        return self.sessions[rank].sealed(MsgType.LEAVE, self.core_addrs[core])
 
     def stats_request(self, rank: int, core: int = 0, size: int = STATS_REQUEST_SIZE) -> bytes:
         """Rank ``rank``'s STATS_REQUEST of ``size`` bytes to a core, MAC'd under its session key (join_all)."""
-        return self.sessions[rank].sealed(MsgType.STATS_REQUEST, core, size - HDR - keys.MAC_SIZE)
+        return self.sessions[rank].sealed(MsgType.STATS_REQUEST, self.core_addrs[core], size - HDR - keys.MAC_SIZE)
 
     def to_core(self, core: int, datagrams: Sequence[Datagram], lengths: Sequence[int] | None = None) -> list[Datagram]:
         """Deliver datagrams straight to a core at the current time; returns its output (not routed)."""
@@ -315,6 +321,7 @@ class Network:
             net.up = []
         owner = {addr: net for net in nets for addr in net.rank_of}
         groups = {net.group: net for net in nets if net.group}
+        addrs = nets[0].core_addrs
         for core, datagrams in sorted(by_core.items()):
             if shuffle_seed is not None:
                 random.Random(shuffle_seed + core + 1000 * nets[0].steps).shuffle(datagrams)
@@ -323,7 +330,7 @@ class Network:
             if not datagrams:
                 continue
             for data, dst in core_receive(cores[core], datagrams, now):
-                item = (data, agg_addr(core), dst)
+                item = (data, addrs[core], dst)
                 net = owner.get(dst) or groups.get(dst)
                 if net is None:
                     nets[0].stray.append(item)
@@ -331,7 +338,7 @@ class Network:
                 if net.record:
                     net.sent_down.append(item)
                 if dst == net.group:  # multicast: a copy for each rank, each lost or delayed on its own
-                    net.down += [(data, agg_addr(core), net.addr(r)) for r in range(net.n)]
+                    net.down += [(data, addrs[core], net.addr(r)) for r in range(net.n)]
                 else:
                     net.down.append(item)
         for net in nets:

@@ -332,7 +332,7 @@ def test_join_ack_echoes_parameters():
         unicast = {"group": 0, "group_port": 0}
         numeric = [k for k in wire.JOIN.names if wire.JOIN.fields[k][0].kind != "V"]
         assert {k: int(body[k]) for k in numeric} == {**net.join_params(), "flags": 0, "cores": 1, "allreduce": 0,
-                                                      **unicast}
+                                                      "first_core": 0, "total_cores": 1, **unicast}
         assert bitmap == bytes(1)  # a fresh job: every slot starts at shadow set 0
     # a repeated JOIN from the same address is answered again, identically
     again = net.join(1)
@@ -685,7 +685,7 @@ def test_stats_reply_is_at_most_three_times_its_request(size):
     net.step()
     (reply, _), = net.to_core(0, [(net.stats_request(0, size=size), net.addr(0))])
     assert msg_type(reply) == MsgType.STATS_REPLY and len(reply) <= 3 * size
-    assert keys.verify(net.sessions[0].sessions[0], reply, len(reply) - 16)
+    assert keys.verify(net.sessions[0].sessions[agg_addr(0)], reply, len(reply) - 16)
     body = reply[HDR:-16]
     if size < 512:
         assert b"truncated" in body

@@ -122,7 +122,7 @@ def test_resume_point_of_a_rank_joining_a_running_job(first):
     job two allreduces old (a restarted one) completes the next allreduce bit-exact with its peers."""
     net = Network(2, pool_size=3)
     for engine in net.engines:
-        engine.allreduce_seq = first - 1
+        engine.resume(first, engine.parity)
     for seq in range(2):
         xs = [np.random.default_rng(seq * 2 + r).standard_normal(100).astype(np.float32) for r in range(2)]
         net.allreduce(xs)
@@ -137,7 +137,7 @@ def test_resume_point_of_a_rank_joining_a_running_job(first):
     [joined] = [e for e in iter(session.next_event, None) if hasattr(e, "shadow_sets")]
     assert joined.allreduce == first + 2 and (joined.shadow_sets == parity).all()
     engine = fresh.engines[1]
-    engine.allreduce_seq, engine.parity[:] = joined.allreduce - 1, joined.shadow_sets
+    engine.resume(joined.allreduce, joined.shadow_sets)
     net.engines[1] = engine
     xs = [np.random.default_rng(50 + r).standard_normal(100).astype(np.float32) for r in range(2)]
     got = net.allreduce(xs)

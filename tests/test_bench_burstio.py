@@ -15,12 +15,16 @@ def run_bench(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_bench_burstio_json() -> None:
-    done = run_bench("--packets", "2000", "--size", "1024", "--burst", "64", "--json")
+    """Every variant at every size in one report: GSO/GRO, each alone, sendmmsg/recvmmsg, and the plain anchor."""
+    done = run_bench("--packets", "2000", "--size", "1050", "8218", "--burst", "64", "--json")
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
-    rows = {row["variant"].split()[0]: row for row in report["rows"]}
-    assert set(rows) == {"burst", "plain"} and rows["plain"]["ratio_to_plain"] == 1.0
-    assert all(row["packets_per_s"] > 0 for row in rows.values())
+    rows = {(row["size"], row["variant"].split()[0]): row for row in report["rows"]}
+    variants = {"gso+gro", "gso", "gro", "mmsg", "plain"}
+    assert set(rows) == {(size, v) for size in (1050, 8218) for v in variants} and report["sizes"] == [1050, 8218]
+    for size in (1050, 8218):
+        assert rows[size, "plain"]["ratio_to_plain"] == 1.0 and rows[size, "mmsg"]["ratio_to_mmsg"] == 1.0
+        assert all(rows[size, v]["packets_per_s"] > 0 and rows[size, v]["lost"] == 0 for v in variants)
 
 
 @pytest.mark.parametrize("args, needle", [(["--size", "70000"], "at most 65507"), (["--packets", "0"], "> 0"),

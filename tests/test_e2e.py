@@ -120,11 +120,12 @@ def check_results(results: list[dict], n: int, codec: str, seed: int, plan, what
 
 
 # ---- worker process bodies (module level: they also work with the 'spawn' start method) -----------------
-def allreduce_worker(port: int, job: int, rank: int, n: int, codec: str, seed: int, plan, *,
+def allreduce_worker(port: int | str, job: int, rank: int, n: int, codec: str, seed: int, plan, *,
                      faults: float = 0.0, use_async: bool = False, timeout: float = 30.0, pool: int = POOL,
                      into: bool = False) -> dict:
     """Join `job`, allreduce the plan's tensors in order, leave; returns results and counters. `into`: results
-    go into caller buffers, in place (out=x) where x is contiguous float32, else a new out array."""
+    go into caller buffers, in place (out=x) where x is contiguous float32, else a new out array. ``port``: the
+    aggregator's on HOST, or the Worker's whole aggregator argument (several aggregators)."""
     from faults import faulty_sockets
 
     from intml.worker import Worker
@@ -134,7 +135,8 @@ def allreduce_worker(port: int, job: int, rank: int, n: int, codec: str, seed: i
         if faults else contextlib.nullcontext()
     xs = [make_input(seed, rank, k, spec) for k, spec in enumerate(plan)]
     ticks = None
-    with sockets, Worker(f"{HOST}:{port}", job=job, rank=rank, world_size=n, token="t", codec=codec,
+    address = port if isinstance(port, str) else f"{HOST}:{port}"
+    with sockets, Worker(address, job=job, rank=rank, world_size=n, token="t", codec=codec,
                          packet_elements=PACKET, pool_size=pool, seed=seed, timeout=timeout) as w:
         if use_async:
             outs, ticks = asyncio.run(_allreduce_async_all(w, xs, plan))
@@ -248,6 +250,27 @@ def test_two_cores() -> None:
         assert [r["core"] for r in replies] == [0, 1]
         for reply in replies:  # each core really carried data
             assert reply["core_counters"]["packets_in"] > 10, reply
+
+
+@pytest.mark.parametrize("multicast", [False, True])
+def test_two_aggregators(multicast: bool) -> None:
+    """A job over two aggregator processes (1 and 2 cores, "h:p1,h:p2"): the results are the reference's (those
+    of one aggregator with 3 cores), also under loss, duplication and reordering; every core carried data."""
+    groups = [f"239.{252 - k}.{os.getpid() % 250}.0" for k in range(2)] if multicast else []
+    extra = [("--multicast", g) for g in groups] or [(), ()]
+    with aggregator(*extra[0], cores=1) as one, aggregator(*extra[1], cores=2) as two:
+        both = f"{HOST}:{one.port},{HOST}:{two.port}"
+        n, seed = 3, 41
+        check_results(run_job(both, n, "cnat8", seed, SMALL_PLAN), n, "cnat8", seed, SMALL_PLAN, "2 aggregators")
+        faulty = run_job(both, n, "int32", seed, SMALL_PLAN, faults=0.1)
+        check_results(faulty, n, "int32", seed, SMALL_PLAN, "2 aggregators with faults")
+        replies = one.stats() + two.stats()
+        assert [r["cores"] for r in replies] == [1, 2, 2]
+        for reply in replies:
+            assert reply["core_counters"]["packets_in"] > 10, reply
+        if multicast:  # each aggregator's group, each with its own port
+            assert all(res["groups"] == sorted([f"{groups[0][:-1]}0:{one.port}", f"{groups[1][:-1]}0:{two.port}"])
+                       for res in faulty), [res["groups"] for res in faulty]
 
 
 @pytest.mark.parametrize("cores", [1, 2])

@@ -49,6 +49,36 @@ def test_lossy_cluster_is_bit_identical_and_cleaned_up(codec):
 
 
 @needs_cluster
+def test_two_aggregator_namespaces_give_the_results_of_one():
+    """The job spread over two aggregators in their own namespaces (1 and 2 cores) gives the reference's results
+    bit for bit, as one aggregator in the switch namespace does, under loss too; bench cluster checks the same."""
+    topo = netns.Topology(N, netns.parse_rate("200mbit"), loss=0.02, aggregators=2)
+    prefixes = [topo.exec_prefix(topo.worker(r)) for r in range(N)]
+    with topo:
+        assert set(netns.list_namespaces(topo.prefix)) == set(topo.namespaces) and len(topo.namespaces) == N + 3
+        with aggregator(1, P, host="0.0.0.0", prefix=topo.exec_prefix(topo.aggregator(0))) as p0, \
+                aggregator(2, P, host="0.0.0.0", prefix=topo.exec_prefix(topo.aggregator(1))) as p1:
+            both = f"{topo.aggregator_ip(0)}:{p0},{topo.aggregator_ip(1)}:{p1}"
+            spread = run_ranks_intml([both] * N, ELEMENTS, "cnat8", P, POOL, warmup=0, rounds=2, prefixes=prefixes,
+                                     timeout=120)
+        with aggregator(3, P, host="0.0.0.0", prefix=topo.exec_prefix(topo.switch)) as port:
+            one = run_ranks_intml([f"{topo.port_ip(r)}:{port}" for r in range(N)], ELEMENTS, "cnat8", P, POOL,
+                                  warmup=0, rounds=2, prefixes=prefixes, timeout=120)
+        dropped = topo.dropped_packets()
+    assert netns.list_namespaces(topo.prefix) == []
+    assert dropped > 0 and spread["identical_across_ranks"] and one["identical_across_ranks"]
+    assert spread["hashes"] == one["hashes"] == [reference_hash("cnat8", 2 * i + 1) for i in range(2)]
+
+
+def test_bench_cluster_default_cores():
+    """Workers share the testbed's host: the aggregators get half of the CPUs the workers leave, at least 1."""
+    from intml.testbed.bench_cluster import default_cores
+
+    assert [default_cores(4, 1, cpus) for cpus in (2, 8, 16)] == [1, 2, 6]
+    assert [default_cores(8, 2, cpus) for cpus in (2, 16, 32)] == [1, 2, 6]
+
+
+@needs_cluster
 def test_topology_is_removed_when_the_body_fails():
     topo = netns.Topology(2, netns.parse_rate("100mbit"))
     with pytest.raises(RuntimeError, match="boom"):
@@ -108,3 +138,5 @@ def test_topology_rejects_bad_arguments():
         netns.Topology(2, 10**8, mtu=4000)
     with pytest.raises(ValueError, match="workers"):
         netns.Topology(0, 10**8)
+    with pytest.raises(ValueError, match="aggregators"):
+        netns.Topology(2, 10**8, aggregators=-1)

@@ -144,7 +144,7 @@ def test_join_times_out_naming_the_silent_core():
         session.datagrams_to_send(t)
         t = session.get_timer()
         session.handle_timer(t)
-    assert got == [JoinTimedOut(1)] and t == pytest.approx(session.timeout)
+    assert got == [JoinTimedOut(agg_addr(1))] and t == pytest.approx(session.timeout)
     assert session.get_timer() is None and session.datagrams_to_send(t + 1) == []
 
 
@@ -156,7 +156,7 @@ def test_refused_join_reports_the_reason_and_stops():
     [_, (reply, _)] = handshake(net, 1, session, 0.0)
     assert msg_type(reply) == MsgType.ERROR
     [refused] = events(session)
-    assert isinstance(refused, JoinRefused) and refused.core == 0
+    assert isinstance(refused, JoinRefused) and refused.addr == agg_addr(0)
     assert refused.reason == reply[HDR:].decode() and "world" in refused.reason
     assert session.get_timer() is None and not session.joined
 
@@ -241,7 +241,7 @@ def test_leave_every_core_frees_the_job():
     while not session.joined:
         exchange(net, 0, session, 0.0)
     assert all(net.job in core.info for core in net.cores)
-    stale = session.sealed(MsgType.LEAVE, 0)[:-1] + b"\0"  # a LEAVE with a bad MAC changes nothing
+    stale = session.sealed(MsgType.LEAVE, agg_addr(0))[:-1] + b"\0"  # a LEAVE with a bad MAC changes nothing
     assert core_receive(net.cores[0], [(stale, net.addr(0))], 0.0) == [] and net.job in net.cores[0].info
     session.leave()
     leaves = session.datagrams_to_send(0.0)
@@ -265,7 +265,7 @@ def test_join_and_progress_deadlines_are_separate():
         session.datagrams_to_send(t)
         t = session.get_timer()
         session.handle_timer(t)
-    assert got == [JoinTimedOut(0)] and t == pytest.approx(2.0)
+    assert got == [JoinTimedOut(agg_addr(0))] and t == pytest.approx(2.0)
     session.watch_progress(5.0)
     assert session.get_timer() == 35.0
     assert WorkerSession(job=1, rank=0, params=params, token="t", aggregator=agg_addr(0),
@@ -281,7 +281,7 @@ def test_a_join_refused_by_one_core_leaves_the_others():
     session.connect(0.0)
     while not (refused := [e for e in events(session) if isinstance(e, JoinRefused)]):
         handshake(net, 0, session, 0.0)
-    assert refused[0].core == 1 and "no free slots" in refused[0].reason
+    assert refused[0].addr == agg_addr(1) and "no free slots" in refused[0].reason
     assert net.job in net.cores[0].info and net.job not in net.cores[1].info
     session.leave()
     [(leave, dst)] = session.datagrams_to_send(0.0)

@@ -23,14 +23,17 @@ GROUP = (0xEFFF0000, 4000)  # 239.255.0.0, port 4000
 Item = tuple[bytes | None, int]  # (datagram or None for one truncated on receive, source address key)
 
 
-def joined_pair(specs: list[dict], *, core: int = 0, cores: int = 1,
-                group: tuple[int, int] | None = None) -> tuple[AggregatorCore, SlotReference]:
-    """A core and a reference with the same jobs joined. specs: job, world, codec, pool, seed, addr(rank)."""
+def joined_pair(specs: list[dict], *, core: int = 0, cores: int = 1, group: tuple[int, int] | None = None,
+                layout: tuple[int, int] | None = None) -> tuple[AggregatorCore, SlotReference]:
+    """A core and a reference with the same jobs joined. specs: job, world, codec, pool, seed, addr(rank).
+    ``layout``: (first_core, total_cores) of the jobs, spread over several aggregators (the reference is then
+    the job's core first_core + core of total_cores)."""
     agg = new_core(core=core, cores=cores, rows=64, max_elements=P, results_group=group)
-    ref = SlotReference(core, cores)
+    first, total = layout or (0, cores)
+    ref = SlotReference(first + core, total)
     for s in specs:
         params = {"world_size": s["world"], "packet_elements": s.get("packet_elements", P), "pool_size": s["pool"],
-                  "codec": int(s["codec"]), "seed": s["seed"]}
+                  "codec": int(s["codec"]), "seed": s["seed"], "first_core": first, "total_cores": total}
         members = {r: s["addr"](r) for r in range(s["world"])}
         acks = [ack for r, a in members.items() for ack in handshake(agg, a, 0.0, s["job"], r, token=TOKEN, **params)]
         assert [msg_type(d) for d, _ in acks] == [MsgType.JOIN_ACK] * s["world"]
@@ -70,14 +73,15 @@ def assert_same_state(agg: AggregatorCore, ref: SlotReference) -> None:
     for job in ref.jobs.values():
         assert nonzero(stats["jobs"][str(job.job_id)]["counters"]) == nonzero(job.stats), job.job_id
         rows = agg.info[job.job_id].rows
+        stride, offset = agg.layout(agg.info[job.job_id].params)
         t = agg.table
-        used = {(int(r) * agg.cores + agg.core, int(x))
+        used = {(int(r) * stride + offset, int(x))
                 for r, x in zip(*np.nonzero(t.bitmap[rows.start:rows.stop]))}  # an opened round has a bit
         assert used == {(slot, x) for (j, slot, x), s in ref.sets.items() if j == job.job_id and s.key >= 0}
         for (j, slot, x), s in ref.sets.items():
             if j != job.job_id or s.key < 0:
                 continue
-            row = rows.start + slot // agg.cores
+            row = rows.start + slot // stride
             assert int(t.round_key[row, x]) % (1 << 64) == s.key  # the kernel's int64 holds the same 64 bits
             assert int(t.bitmap[row, x]) == sum(1 << r for r in s.ranks)
             assert int(t.count[row, x]) == len(s.ranks)
@@ -148,6 +152,13 @@ def test_recorded_stream_with_the_mac_matches_reference(codec):
     replay(agg, ref, stream, [int(k) for k in rng.integers(1, 100, 20)])
     counters = agg.stats(1.0)["jobs"][str(net.job)]["counters"]
     assert counters["completions"] > 0 and counters["drop_bad_mac"] == len(sent[3::10])
+
+
+def test_recorded_stream_on_a_core_of_the_second_aggregator_matches_reference():
+    """A job over two aggregators (1 and 2 cores): core 1 of the second holds slots s % 3 == 2."""
+    net, sent = recorded(3, "cnat8", seed=13, cores=3)
+    stream = [(d, s) for d, s, dst in sent]  # every core's packets: the others' slots are out of range here
+    replay(*joined_pair([spec_of(net)], core=1, cores=2, layout=(1, 3)), stream, [50, 3])
 
 
 def test_recorded_stream_on_the_second_core_matches_reference():

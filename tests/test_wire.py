@@ -66,7 +66,7 @@ def test_doc_tables_match_dtypes():
     for table, dtype in zip(tables, (HEADER, JOIN, CHALLENGE)):
         documented = [(r["field"], int(r["offset"]), int(r["size"]), r["type"]) for r in table]
         assert documented == dtype_spec(dtype)
-    assert HEADER_SIZE == 26 and wire.JOIN_SIZE == 91 and wire.CHALLENGE_SIZE == 32
+    assert HEADER_SIZE == 26 and wire.JOIN_SIZE == 93 and wire.CHALLENGE_SIZE == 33
 
 
 def test_offsets_are_plain_ints_of_a_packed_header():
@@ -186,7 +186,8 @@ def test_bind_port(tmp_path, other_port):
 
 
 JOIN_VALUES = dict(world_size=8, packet_elements=256, pool_size=2**16 - 1, codec=Codec.INT32,
-                   cores=0, seed=2**64 - 1, flags=1, group=0xEFFF0001, group_port=48879, allreduce=2**32 - 1,
+                   cores=0, first_core=3, total_cores=255, seed=2**64 - 1, flags=1, group=0xEFFF0001,
+                   group_port=48879, allreduce=2**32 - 1,
                    nonce=bytes(range(16)), cookie=b"c" * 16, job_nonce=b"j" * 16, mac=bytes(range(100, 116)))
 
 
@@ -216,14 +217,14 @@ def test_scapy_join_build_sets_type():
 
 
 def test_challenge_roundtrip_and_dissection():
-    raw = wire.pack_challenge(7, 2, b"n" * 16, b"k" * 16)
+    raw = wire.pack_challenge(7, 2, b"n" * 16, b"k" * 16, cores=5)
     assert len(raw) == HEADER_SIZE + wire.CHALLENGE_SIZE
     header, body = wire.unpack_challenge(raw)
     assert (header["type"], header["job"], header["rank"]) == (MsgType.CHALLENGE, 7, 2)
-    assert (bytes(body["nonce"]), bytes(body["cookie"])) == (b"n" * 16, b"k" * 16)
+    assert (bytes(body["nonce"]), bytes(body["cookie"]), int(body["cores"])) == (b"n" * 16, b"k" * 16, 5)
     pkt = IntmlHeader(raw)
-    assert pkt[IntmlChallenge].cookie == b"k" * 16
-    assert bytes(IntmlHeader(job=7, rank=2) / IntmlChallenge(nonce=b"n" * 16, cookie=b"k" * 16)) == raw
+    assert pkt[IntmlChallenge].cookie == b"k" * 16 and pkt[IntmlChallenge].cores == 5
+    assert bytes(IntmlHeader(job=7, rank=2) / IntmlChallenge(nonce=b"n" * 16, cookie=b"k" * 16, cores=5)) == raw
     with pytest.raises(ValueError, match="not a CHALLENGE"):
         wire.unpack_challenge(raw[:-1])
 

@@ -8,6 +8,9 @@ A Worker is a thin socket driver of two sans-I/O objects: the control plane's ``
 deadlines, statistics) and the data plane's ``StreamEngine``. It feeds them the datagrams it receives and the
 clock, and sends what they hand out; it blocks in poll() until a datagram arrives or their next timer is due.
 ``allreduce_async`` does the same on an asyncio event loop.
+
+A job may spread its slots over several aggregators: ``Worker("h1:p1,h2:p2", ...)`` (every rank lists the same
+ones in the same order); the job's data plane is all their cores, in that order.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import numpy as np
 
 from intml.burstio.mmsg import BurstSocket, addr_key
 from intml.protocol import wire
-from intml.protocol.address import format_addr
+from intml.protocol.address import addr_of, format_addr
 from intml.protocol.burst import Burst
 from intml.protocol.job import BURST, JobParams, WorkerTimers
 from intml.worker.engine import StreamEngine
@@ -51,6 +54,11 @@ def parse_address(text: str) -> tuple[str, int]:
     return socket.gethostbyname(host or "127.0.0.1"), int(port)
 
 
+def parse_aggregators(text: str) -> list[tuple[str, int]]:
+    """A job's aggregators, ``host:port[,host:port...]`` (each port that of the aggregator's core 0)."""
+    return [parse_address(part.strip()) for part in text.split(",")]
+
+
 def _group_socket(group: int, host: str, port: int) -> socket.socket:
     """A socket receiving the job's results multicast group (an address key) on the interface that reaches the
     aggregator at host:port. Workers on one host share the group's port (SO_REUSEADDR): each gets a copy."""
@@ -74,8 +82,10 @@ class Worker:
                  timeout: float = WorkerTimers.timeout, rto: float = WorkerTimers.rto,
                  min_rto: float = WorkerTimers.min_rto, max_rto: float = WorkerTimers.max_rto,
                  burst: int = BURST, connect_timeout: float | None = None, data_mac: bool = False) -> None:
-        """``token``: the job's shared secret, one the aggregator was started with (--token-file / INTML_TOKEN;
-        "" for an aggregator in open mode); it never travels. ``timeout``: an allreduce that makes no progress
+        """``aggregator``: ``host:port``, or several, comma-separated: the job's slots are spread over all their
+        cores (every rank must give the same list in the same order). ``token``: the job's shared secret, one
+        the aggregator was started with (--token-file / INTML_TOKEN; "" for an aggregator in open mode); it
+        never travels. ``timeout``: an allreduce that makes no progress
         this long raises AllreduceTimeout. ``connect_timeout``: how long the JOIN may wait for the aggregator
         (default: ``timeout``). ``data_mac``: DATA and RESULT packets carry a keyed MAC (every rank must agree)."""
         if not 0 <= rank < world_size:
@@ -86,12 +96,13 @@ class Worker:
                               pool_size=pool_size, seed=seed, data_mac=data_mac)
         timers = WorkerTimers(timeout=timeout, connect_timeout=timeout if connect_timeout is None else connect_timeout,
                               rto=rto, min_rto=min_rto, max_rto=max_rto)
-        self.host, self.port = parse_address(aggregator)
+        self.aggregators = parse_aggregators(aggregator)
+        self.host, self.port = self.aggregators[0]
         self.job, self.rank, self.world_size = job, rank, world_size
         self.codec = params.codec
         self.timeout = timeout
         self.session = WorkerSession(job=job, rank=rank, params=params, token=token,
-                                     aggregator=addr_key(self.host, self.port), timeout=timeout,
+                                     aggregator=[addr_key(h, p) for h, p in self.aggregators], timeout=timeout,
                                      connect_timeout=timers.connect_timeout)
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         sock.bind(("0.0.0.0", 0))
@@ -109,7 +120,9 @@ class Worker:
         self.results_groups = [format_addr(g) for g in joined.groups]  # where the cores multicast completions
         for group, name in zip(joined.groups, self.results_groups):
             try:
-                results = BurstSocket(_group_socket(group, self.host, self.port), burst=rx_burst,
+                via = next(addr for addr, ack in self.session.acks.items() if ack["group"] << 16 | ack["group_port"]
+                           == group)  # a core that named the group: the interface that reaches it
+                results = BurstSocket(_group_socket(group, *addr_of(via)), burst=rx_burst,
                                       max_packet=wire.MAX_DATAGRAM)
             except OSError as exc:
                 self.close()  # leave the job: a retry must not find this rank still bound
@@ -117,21 +130,20 @@ class Worker:
                                 f"{exc.strerror or exc}") from None
             self._inputs.append(results)
             self._poll.register(results.fileno(), select.POLLIN)
-        agg = [self.session.core_addr(i) for i in range(self.cores)]
         self.engine = StreamEngine(job=job, rank=rank, world_size=world_size, codec=self.codec,
-                                   packet_elements=packet_elements, pool_size=pool_size, seed=seed, agg_addrs=agg,
+                                   packet_elements=packet_elements, pool_size=pool_size, seed=seed,
+                                   agg_addrs=joined.addrs,
                                    rto=timers.rto, min_rto=timers.min_rto, max_rto=timers.max_rto,
                                    data_mac_keys=joined.data_keys if data_mac else None)
         # where the job's peers are: a fresh job's start, or the next allreduce of one this rank rejoins
-        self.engine.allreduce_seq = joined.allreduce - 1
-        self.engine.parity[:] = joined.shadow_sets
+        self.engine.resume(joined.allreduce, joined.shadow_sets)
 
     # ---- control plane: the session's datagrams over the unicast socket ---------------------------------
     def _who(self) -> str:
         return f"job {self.job} rank {self.rank}"
 
-    def _core_name(self, core: int) -> str:
-        return f"{self.host}:{self.port + core}"
+    def _aggregator_name(self) -> str:
+        return ",".join(f"{host}:{port}" for host, port in self.aggregators)
 
     def _control(self, wanted: tuple[type, ...]) -> Event:
         """Run the session over the unicast socket until it reports an event of a ``wanted`` type; returns it.
@@ -161,10 +173,10 @@ class Worker:
         if isinstance(event, (JoinRefused, JoinTimedOut)):
             self.close()  # LEAVE the cores that accepted: a retry must not find this rank still bound there
         if isinstance(event, JoinRefused):
-            raise JoinError(f"{self._who()}: aggregator {self._core_name(event.core)} refused the join: "
+            raise JoinError(f"{self._who()}: aggregator {format_addr(event.addr)} refused the join: "
                             f"{event.reason}")
         if isinstance(event, JoinTimedOut):
-            raise AllreduceTimeout(f"{self._who()}: no answer to JOIN from aggregator {self._core_name(event.core)} "
+            raise AllreduceTimeout(f"{self._who()}: no answer to JOIN from aggregator {format_addr(event.addr)} "
                                    f"within {self.session.connect_timeout} s; is intml-aggregator running there and "
                                    f"reachable?")
         return event
@@ -290,7 +302,7 @@ class Worker:
         stats = self._control((StatsAnswered,))
         missing, silent = stats.missing, stats.silent
         if missing is None:
-            return base + f"; the aggregator {self.host}:{self.port} did not answer a statistics request"
+            return base + f"; the aggregator {self._aggregator_name()} did not answer a statistics request"
         if silent is None:
             return base + (f"; the aggregator no longer knows job {self.job} (torn down after its --idle-timeout, "
                            f"or restarted): create the Worker again to rejoin")
@@ -304,4 +316,5 @@ class Worker:
         return self.engine.counters()
 
     def __repr__(self) -> str:
-        return f"Worker({self.host}:{self.port}, job={self.job}, rank={self.rank}/{self.world_size}, {self.codec.name})"
+        return (f"Worker({self._aggregator_name()}, job={self.job}, rank={self.rank}/{self.world_size}, "
+                f"{self.codec.name})")

@@ -607,6 +607,12 @@ class StreamEngine:
         self.state: State | None = None
         self._no_sent = np.empty(0, np.float32)
 
+    def resume(self, allreduce: int, shadow_sets: np.ndarray) -> None:
+        """Continue a job where its peers are (a JOIN_ACK's resume point): the next ``start`` is allreduce
+        ``allreduce``, and slot s uses shadow set ``shadow_sets[s]`` next."""
+        self.allreduce_seq = allreduce - 1
+        self.parity[:] = shadow_sets
+
     @property
     def max_datagram(self) -> int:
         return self.packet.shape[2]

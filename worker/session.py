@@ -4,8 +4,14 @@ deadline of an allreduce, and asking the cores which ranks a stuck allreduce wai
 Like aioquic's ``QuicConnection`` it owns no socket, clock or thread: the driver calls ``connect(now)``, feeds the
 control datagrams it receives to ``receive(datagram, addr, now)``, sends ``datagrams_to_send(now)``, calls
 ``handle_timer(now)`` once ``get_timer()`` is due (None: no timer), and reads what happened from
-``next_event()``. Aggregator core i listens on the address key ``aggregator + i`` (the next port). The data plane
-(results, chunks) is ``worker.engine.StreamEngine``'s.
+``next_event()``. The data plane (results, chunks) is ``worker.engine.StreamEngine``'s.
+
+A job may use several aggregators (endpoints), each with its own cores: core i of the endpoint at address key
+``a`` listens on ``a + i`` (the next ports). The job's cores are those of every endpoint, in the order given, and
+its slot s goes to the (s mod total)-th of them: each endpoint's JOIN states where its cores start (``first_core``)
+and how many the job has (``total_cores``). So the session first asks core 0 of every endpoint (the handshake's
+first round: each CHALLENGE says how many cores its aggregator has), lays the job out, then proves its JOIN on
+every core.
 
 Joining a core is a handshake (docs/protocol.md, "Control plane authentication"): a JOIN with a fresh client nonce,
 the core's CHALLENGE (a cookie), the JOIN again with the cookie and a MAC proving the token, then the JOIN_ACK,
@@ -17,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -29,12 +35,14 @@ from intml.protocol.wire import MsgType
 
 JOIN_RESEND = 0.2  # seconds between JOIN retransmissions
 STATS_WAIT = 0.5  # seconds to wait for the cores' answers to a statistics request
+MAX_CORES = 255  # a job's cores on all its aggregators: the JOIN's total_cores is one byte
 STATS_REQUEST_SIZE = 512  # bytes: a reply may be 3 times its request; 1536 bytes hold a 64-rank job's silences
 
 
 @dataclasses.dataclass(frozen=True)
 class CoreJoined:
-    """Core ``core`` acknowledged the JOIN; ``ack``: the JOIN_ACK's fields (cores, group, group_port, ...)."""
+    """The job's core ``core`` (counted over every endpoint, in order) acknowledged the JOIN; ``ack``: the
+    JOIN_ACK's fields (cores, group, group_port, ...)."""
 
     core: int
     ack: dict[str, int]
@@ -42,37 +50,40 @@ class CoreJoined:
 
 @dataclasses.dataclass(frozen=True)
 class JobJoined:
-    """Every core acknowledged: the job's data plane has ``cores`` cores and multicasts results to ``groups``
-    (the distinct address keys the cores named; empty without multicast). ``data_keys``: the job's DATA/RESULT
-    MAC keys, core c's in row c ((cores, 2) uint64, for StreamEngine). Where this rank resumes (a rank joining
-    a job its peers have run, e.g. after a crash): ``allreduce``, the number of its next allreduce, and
-    ``shadow_sets``, each slot's next shadow set ((pool_size,) int64)."""
+    """Every core acknowledged: the job's data plane has ``cores`` cores, at the address keys ``addrs`` (slot s
+    goes to addrs[s % cores]), and multicasts results to ``groups`` (the distinct address keys the cores named;
+    empty without multicast). ``data_keys``: the job's DATA/RESULT MAC keys, core c's in row c ((cores, 2)
+    uint64, for StreamEngine). Where this rank resumes (a rank joining a job its peers have run, e.g. after a
+    crash): ``allreduce``, the number of its next allreduce, and ``shadow_sets``, each slot's next shadow set
+    ((pool_size,) int64)."""
 
     cores: int
     groups: list[int]
     data_keys: np.ndarray
     allreduce: int
     shadow_sets: np.ndarray
+    addrs: list[int]
 
     def __eq__(self, other: object) -> bool:  # arrays compare by value
-        return isinstance(other, JobJoined) and (self.cores, self.groups, self.allreduce) == (
-            other.cores, other.groups, other.allreduce) and np.array_equal(self.data_keys, other.data_keys) \
-            and np.array_equal(self.shadow_sets, other.shadow_sets)
+        return isinstance(other, JobJoined) and (self.cores, self.groups, self.allreduce, self.addrs) == (
+            other.cores, other.groups, other.allreduce, other.addrs) \
+            and np.array_equal(self.data_keys, other.data_keys) and np.array_equal(self.shadow_sets, other.shadow_sets)
 
 
 @dataclasses.dataclass(frozen=True)
 class JoinRefused:
-    """Core ``core`` refused the JOIN with ``reason``; the session stops joining."""
+    """The core at address key ``addr`` refused the JOIN with ``reason`` (or the endpoints cannot hold the job);
+    the session stops joining."""
 
-    core: int
+    addr: int
     reason: str
 
 
 @dataclasses.dataclass(frozen=True)
 class JoinTimedOut:
-    """Core ``core`` did not answer the JOIN within the timeout; the session stops joining."""
+    """The core at address key ``addr`` did not answer the JOIN within the timeout; the session stops joining."""
 
-    core: int
+    addr: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,27 +107,33 @@ Event = CoreJoined | JobJoined | JoinRefused | JoinTimedOut | NoProgress | Stats
 class WorkerSession:
     """One rank's membership in one job; see the module docstring."""
 
-    def __init__(self, *, job: int, rank: int, params: JobParams, token: str, aggregator: int,
+    def __init__(self, *, job: int, rank: int, params: JobParams, token: str, aggregator: int | Sequence[int],
                  timeout: float = WorkerTimers.timeout, connect_timeout: float | None = None,
                  random_bytes: Callable[[int], bytes] = os.urandom) -> None:
-        """``token``: the job's shared secret (it never travels; a JOIN proves it). ``random_bytes``: the source
-        of the client nonces (injectable for deterministic tests)."""
+        """``aggregator``: the address key of core 0 of each of the job's aggregators, in the job's order (every
+        rank gives the same), or of the only one. ``token``: the job's shared secret (it never travels; a JOIN
+        proves it). ``random_bytes``: the source of the client nonces (injectable for deterministic tests)."""
         self.job, self.rank, self.params = job, rank, params
-        self.aggregator = aggregator
+        self.endpoints = [aggregator] if isinstance(aggregator, int) else list(aggregator)
+        if not self.endpoints or len(set(self.endpoints)) != len(self.endpoints):
+            raise ValueError(f"need one or more distinct aggregator addresses, got {self.endpoints}")
         self.timeout = timeout  # an allreduce that makes no progress this long: NoProgress
         self.connect_timeout = timeout if connect_timeout is None else connect_timeout  # a core silent to JOIN
         self._token_key = keys.token_key(token)
         self._random = random_bytes
         self._fields = dict(world_size=params.world_size, packet_elements=params.packet_elements,
                             pool_size=params.pool_size, codec=int(params.codec), seed=params.seed, flags=params.flags)
-        self._nonce: dict[int, bytes] = {}  # core -> client nonce of the JOIN in progress
-        self._cookie: dict[int, bytes] = {}  # core -> the cookie of its CHALLENGE
-        self.sessions: dict[int, bytes] = {}  # core -> session key, once it acknowledged
-        self.cores: int | None = None  # known from core 0's JOIN_ACK
+        # by a core's address key:
+        self._nonce: dict[int, bytes] = {}  # client nonce of the JOIN in progress
+        self._cookie: dict[int, bytes] = {}  # the cookie of its CHALLENGE
+        self.sessions: dict[int, bytes] = {}  # session key, once a proved JOIN went out (a LEAVE may be due)
         self.acks: dict[int, dict[str, int]] = {}
         self._job_nonces: dict[int, bytes] = {}
+        self._joining: dict[int, list[float]] = {}  # [give up at, next JOIN at]
+        self._endpoint_cores: dict[int, int] = {}  # endpoint -> its cores, from its core 0's CHALLENGE
+        self.addrs: list[int] | None = None  # every core of the job in order, once all endpoints said how many
+        self._place: dict[int, tuple[int, int, int]] = {}  # -> (index in addrs, its endpoint, the endpoint's first)
         self._sets = np.zeros(params.pool_size, np.int64)
-        self._joining: dict[int, list[float]] = {}  # core -> [give up at, next JOIN at]
         self._progress_deadline: float | None = None
         self._stats_deadline: float | None = None
         self._stats_waiting: set[int] = set()
@@ -126,64 +143,102 @@ class WorkerSession:
         self._out: list[tuple[bytes, int]] = []
         self._events: list[Event] = []
 
-    def core_addr(self, core: int) -> int:
-        return self.aggregator + core
+    @property
+    def cores(self) -> int | None:
+        """The job's cores on all its aggregators; None until every aggregator said how many it has."""
+        return None if self.addrs is None else len(self.addrs)
 
     @property
     def joined(self) -> bool:
-        return self.cores is not None and len(self.acks) == self.cores
+        return self.addrs is not None and len(self.acks) == len(self.addrs)
 
     # ---- joining --------------------------------------------------------------------------------------------
     def connect(self, now: float) -> None:
-        """Start joining: core 0 first, which tells how many cores there are; then the others at once."""
-        self._start_joining(0, now)
+        """Start joining: core 0 of every aggregator first, whose CHALLENGEs tell how many cores each has; then
+        the others at once."""
+        for endpoint in self.endpoints:
+            self._start_joining(endpoint, now)
 
-    def _start_joining(self, core: int, now: float) -> None:
-        self._nonce[core] = self._random(keys.NONCE_SIZE)
-        self._cookie[core] = bytes(keys.MAC_SIZE)
-        self._joining[core] = [now + self.connect_timeout, now]
+    def _start_joining(self, addr: int, now: float) -> None:
+        self._nonce[addr] = self._random(keys.NONCE_SIZE)
+        self._cookie[addr] = bytes(keys.MAC_SIZE)
+        self._joining[addr] = [now + self.connect_timeout, now]
 
-    def _join_datagram(self, core: int) -> bytes:
-        """The JOIN to core: with no cookie yet, the first round; else proved with a MAC under the token key."""
-        cookie = self._cookie[core]
+    def _join_datagram(self, addr: int) -> bytes:
+        """The JOIN to a core: the first round until it sent a cookie and the job is laid out; then proved with a
+        MAC under the token key, stating where the core's aggregator's cores start among the job's."""
+        if self.addrs is None or not any(self._cookie[addr]):
+            cookie, first, total = bytes(keys.MAC_SIZE), 0, 0
+        else:
+            cookie, first, total = self._cookie[addr], self._place[addr][2], len(self.addrs)
+            # the core may accept it even if this session gives up before its JOIN_ACK: leave() must reach it
+            self.sessions[addr] = keys.session_key(self._token_key, self.job, self.rank, self._nonce[addr], cookie)
         datagram = wire.pack_join({"type": int(MsgType.JOIN), "job": self.job, "rank": self.rank},
-                                  {**self._fields, "nonce": self._nonce[core], "cookie": cookie})
+                                  {**self._fields, "nonce": self._nonce[addr], "cookie": cookie,
+                                   "first_core": first, "total_cores": total})
         return keys.seal(self._token_key, datagram, wire.JOIN_MAC) if any(cookie) else datagram
 
-    def _challenge(self, core: int, datagram: bytes, now: float) -> None:
+    def _challenge(self, addr: int, datagram: bytes, now: float) -> None:
         header, body = wire.unpack_challenge(datagram)
         if (int(header["job"]), int(header["rank"])) != (self.job, self.rank) or bytes(body["nonce"]) != \
-                self._nonce[core]:
+                self._nonce[addr]:
             return  # not for this JOIN
-        self._cookie[core] = bytes(body["cookie"])
-        self._joining[core][1] = now  # the proved JOIN goes out at once
+        self._cookie[addr] = bytes(body["cookie"])
+        if self.addrs is not None:
+            self._joining[addr][1] = now  # the proved JOIN goes out at once
+        elif int(body["cores"]) > 0:  # core 0 of an endpoint: how many cores it has (the JOIN_ACK confirms it)
+            self._endpoint_cores[addr] = int(body["cores"])
+            if len(self._endpoint_cores) == len(self.endpoints):
+                self._lay_out(now)
 
-    def _ack(self, core: int, datagram: bytes, now: float) -> None:
+    def _lay_out(self, now: float) -> None:
+        """Every endpoint said how many cores it has: the job's cores are theirs in order. Join them all (the
+        endpoints' cores 0 have their cookies: their proved JOINs go out at once)."""
+        addrs: list[int] = []
+        for endpoint in self.endpoints:
+            first = len(addrs)
+            for c in range(self._endpoint_cores[endpoint]):
+                self._place[endpoint + c] = (len(addrs), endpoint, first)
+                addrs.append(endpoint + c)
+        if len(self._place) != len(addrs) or len(addrs) > MAX_CORES:
+            problem = "share ports" if len(self._place) != len(addrs) else f"have more than {MAX_CORES}"
+            self._stop_joining(JoinRefused(self.endpoints[0], f"the aggregators' cores {problem}: {len(addrs)} "
+                                                              f"cores at {len(self.endpoints)} addresses"))
+            return
+        self.addrs = addrs
+        for addr in addrs:
+            if addr in self._joining:
+                self._joining[addr][1] = now
+            else:
+                self._start_joining(addr, now)
+
+    def _ack(self, addr: int, datagram: bytes, now: float) -> None:
         header, body, bitmap = wire.unpack_join(datagram)
-        nonce, cookie = self._nonce[core], self._cookie[core]
+        nonce, cookie = self._nonce[addr], self._cookie[addr]
         if (bytes(body["nonce"]), bytes(body["cookie"])) != (nonce, cookie) or not any(cookie):
             return  # not an answer to this JOIN's proof
-        session = keys.session_key(self._token_key, self.job, self.rank, nonce, cookie)
-        if not keys.verify(session, datagram, wire.JOIN_MAC) or int(header["rank"]) != self.rank:
+        session = self.sessions.get(addr)  # None: its proved JOIN has not gone out yet
+        if session is None or not keys.verify(session, datagram, wire.JOIN_MAC) or int(header["rank"]) != self.rank:
             return  # forged: the JOIN is sent again
         ack = {name: int(body[name]) for name in body.dtype.names if body.dtype.fields[name][0].kind != "V"}
-        del self._joining[core]
-        self.sessions[core] = session
-        self.acks[core] = ack
-        self._job_nonces[core] = bytes(body["job_nonce"])
+        del self._joining[addr]
+        index, endpoint, _ = self._place[addr]
+        if ack["cores"] != self._endpoint_cores[endpoint]:  # its CHALLENGE said otherwise (forged, or restarted)
+            self._stop_joining(JoinRefused(addr, f"the aggregator has {ack['cores']} cores, not the "
+                                                 f"{self._endpoint_cores[endpoint]} its CHALLENGE said; join again"))
+            return
+        self.acks[addr] = ack
+        self._job_nonces[addr] = bytes(body["job_nonce"])
         bits = np.unpackbits(np.frombuffer(bitmap, np.uint8), count=self.params.pool_size, bitorder="little")
         self._sets |= bits.astype(np.int64)  # each core sets the bits of its own slots only
-        self._events.append(CoreJoined(core, ack))
-        if core == 0:
-            self.cores = ack["cores"]
-            for other in range(1, self.cores):
-                self._start_joining(other, now)
+        self._events.append(CoreJoined(index, ack))
         if self.joined:
             groups = {a["group"] << 16 | a["group_port"] for a in self.acks.values() if a["group"]}
-            data_keys = np.array([key_words(keys.data_key(self._token_key, self.job, self._job_nonces[c]))
-                                  for c in range(self.cores)], np.uint64).reshape(self.cores, 2)
-            self._events.append(JobJoined(self.cores, sorted(groups), data_keys,
-                                          max(a["allreduce"] for a in self.acks.values()), self._sets.copy()))
+            data_keys = np.array([key_words(keys.data_key(self._token_key, self.job, self._job_nonces[a]))
+                                  for a in self.addrs], np.uint64).reshape(len(self.addrs), 2)
+            self._events.append(JobJoined(len(self.addrs), sorted(groups), data_keys,
+                                          max(a["allreduce"] for a in self.acks.values()), self._sets.copy(),
+                                          list(self.addrs)))
 
     def _stop_joining(self, event: Event) -> None:
         self._joining.clear()
@@ -199,25 +254,25 @@ class WorkerSession:
         """The allreduce ended."""
         self._progress_deadline = None
 
-    def sealed(self, typ: MsgType, core: int, padding: int = 0) -> bytes:
-        """A LEAVE or STATS_REQUEST to core: ``padding`` zero bytes, then the MAC under the core's session key."""
+    def sealed(self, typ: MsgType, addr: int, padding: int = 0) -> bytes:
+        """A LEAVE or STATS_REQUEST to the core at ``addr``: ``padding`` zero bytes, then the MAC under the core's
+        session key."""
         datagram = wire.pack({"type": int(typ), "job": self.job, "rank": self.rank}, bytes(padding + keys.MAC_SIZE))
-        return keys.seal(self.sessions[core], datagram, len(datagram) - keys.MAC_SIZE)
+        return keys.seal(self.sessions[addr], datagram, len(datagram) - keys.MAC_SIZE)
 
     def request_stats(self, now: float) -> None:
         """Ask every core joined for the job's incomplete rounds; StatsAnswered once all answered or after
         STATS_WAIT."""
         padding = STATS_REQUEST_SIZE - HDR - keys.MAC_SIZE
         self._stats_waiting = set(self.sessions)
-        self._out += [(self.sealed(MsgType.STATS_REQUEST, core, padding), self.core_addr(core))
-                      for core in sorted(self._stats_waiting)]
+        self._out += [(self.sealed(MsgType.STATS_REQUEST, addr, padding), addr) for addr in sorted(self._stats_waiting)]
         self._stats_deadline = now + STATS_WAIT
         self._missing, self._silent, self._answered = set(), None, False
 
-    def _stats_reply(self, core: int, datagram: bytes) -> None:
+    def _stats_reply(self, addr: int, datagram: bytes) -> None:
         """A core's STATS_REPLY (its MAC checked), or its ERROR: it does not know the job."""
         if datagram[wire.OFFSETS["type"]] == MsgType.STATS_REPLY:
-            if not keys.verify(self.sessions[core], datagram, len(datagram) - keys.MAC_SIZE):
+            if not keys.verify(self.sessions[addr], datagram, len(datagram) - keys.MAC_SIZE):
                 return  # forged
             try:
                 job = json.loads(datagram[HDR:-keys.MAC_SIZE])
@@ -225,7 +280,7 @@ class WorkerSession:
                 job = {}  # cut to fit a short request: it answered, with nothing to say
             self._silent = {**(self._silent or {}), **job.get("silent_s", {})}
             self._missing.update(job.get("missing", []))
-        self._stats_waiting.discard(core)
+        self._stats_waiting.discard(addr)
         self._answered = True
         if not self._stats_waiting:
             self._stats_done()
@@ -237,38 +292,38 @@ class WorkerSession:
 
     # ---- leaving --------------------------------------------------------------------------------------------
     def leave(self) -> None:
-        """Queue a LEAVE to every core that acknowledged the JOIN, also after a join that failed on another core
-        (the aggregator frees the job's slots when every rank has left)."""
+        """Queue a LEAVE to every core that was sent a proved JOIN and did not refuse it, also after a join that
+        failed on another core (the aggregator frees the job's slots when every rank has left)."""
         self._joining.clear()
         self._progress_deadline = self._stats_deadline = None
-        self._out += [(self.sealed(MsgType.LEAVE, core), self.core_addr(core)) for core in sorted(self.sessions)]
+        self._out += [(self.sealed(MsgType.LEAVE, addr), addr) for addr in sorted(self.sessions)]
         self.sessions.clear()
 
     # ---- the sans-I/O interface -----------------------------------------------------------------------------
     def receive(self, datagram: bytes, addr: int, now: float) -> None:
         """A control datagram from ``addr``; results and datagrams from elsewhere than the cores are ignored."""
-        core = addr - self.aggregator
-        if len(datagram) < HDR or not 0 <= core < (self.cores or 1):
+        if len(datagram) < HDR:
             return
         typ = datagram[wire.OFFSETS["type"]]
-        if core in self._joining:
+        if addr in self._joining:
             try:
                 if typ == MsgType.CHALLENGE:
-                    self._challenge(core, datagram, now)
-                elif typ == MsgType.JOIN_ACK:
-                    self._ack(core, datagram, now)
+                    self._challenge(addr, datagram, now)
+                elif typ == MsgType.JOIN_ACK and self.addrs is not None:
+                    self._ack(addr, datagram, now)
             except ValueError:
                 pass  # malformed: the JOIN is sent again
             if typ == MsgType.ERROR:
-                self._stop_joining(JoinRefused(core, datagram[HDR:].decode(errors="replace")))
-        elif typ in (MsgType.STATS_REPLY, MsgType.ERROR) and core in self._stats_waiting:
-            self._stats_reply(core, datagram)
+                self.sessions.pop(addr, None)  # it refused: nothing to leave there
+                self._stop_joining(JoinRefused(addr, datagram[HDR:].decode(errors="replace")))
+        elif typ in (MsgType.STATS_REPLY, MsgType.ERROR) and addr in self._stats_waiting:
+            self._stats_reply(addr, datagram)
 
     def datagrams_to_send(self, now: float) -> list[tuple[bytes, int]]:
         """Owned (datagram, address key) pairs to send now: queued requests and JOINs due (again)."""
-        for core, due in self._joining.items():
+        for addr, due in self._joining.items():
             if due[1] <= now:
-                self._out.append((self._join_datagram(core), self.core_addr(core)))
+                self._out.append((self._join_datagram(addr), addr))
                 due[1] = now + JOIN_RESEND
         out, self._out = self._out, []
         return out
@@ -281,9 +336,9 @@ class WorkerSession:
 
     def handle_timer(self, now: float) -> None:
         """Fire the deadlines due by ``now`` (JOIN resends go out with the next datagrams_to_send)."""
-        late = [core for core, due in self._joining.items() if due[0] <= now]
+        late = [addr for addr, due in self._joining.items() if due[0] <= now]
         if late:
-            self._stop_joining(JoinTimedOut(min(late)))
+            self._stop_joining(JoinTimedOut(late[0]))
         if self._stats_deadline is not None and self._stats_deadline <= now:
             self._stats_done()
         if self._progress_deadline is not None and self._progress_deadline <= now:

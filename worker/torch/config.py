@@ -37,7 +37,7 @@ class IntmlConfig:
     """Where the aggregator is and how to use it. ``from_env`` reads ``INTML_<FIELD>`` (upper case; ``pool_size``
     is ``INTML_POOL``, ``threaded`` is ``INTML_THREAD``); keyword arguments override the environment."""
 
-    aggregator: str | None = None  # host:port of intml-aggregator
+    aggregator: str | None = None  # host:port of intml-aggregator, or several comma-separated (one job over all)
     token: str = ""  # INTML_TOKEN: the job's shared secret, one the aggregator knows (it never goes on the wire)
     codec: str = codec_name(JobParams.codec)  # cnat8 (8-bit C_nat) or int32 (SwitchML's fixed point)
     job: int | None = None  # job id on the aggregator; None: rank 0 draws one at random and shares it
