@@ -123,7 +123,7 @@ IDLE = np.iinfo(np.int64).min  # cur_chunk of a slot with nothing in flight
 # queueing delay it allows is at least QUEUE_DELAY_OF_MIN_RTO of the RTO floor; a delay decrease is Swift's (at
 # most MAX_DECREASE, in proportion BETA to the excess delay); a loss halves the window.
 INITIAL_WINDOW = 16
-QUEUE_DELAY_OF_MIN_RTO = 0.2
+QUEUE_DELAY_OF_MIN_RTO = 0.5
 BETA = 0.8
 MAX_DECREASE = 0.5
 
@@ -146,7 +146,7 @@ N_PARAMS = 16
 #                 to send its next chunk c: (c, True); nothing left to send: (IDLE, False)
 # timing (float64): smoothed RTT, RTT variance, current RTO, min RTO, max RTO, congestion window (slots), slow
 #                   start threshold, minimum RTT, time of the last window decrease
-T_SRTT, T_RTTVAR, T_RTO, T_MIN, T_MAX, T_CWND, T_SSTHRESH, T_MIN_RTT, T_DECREASED = range(9)
+T_SRTT, T_RTTVAR, T_RTO, T_MIN, T_MAX, T_CWND, T_SSTHRESH, T_MIN_RTT, T_DECREASED, T_ROUND_MIN, T_ROUND_END = range(11)
 
 
 @njit(inline="always")
@@ -220,7 +220,8 @@ def _build(st, s, c, now):
     st.sent_at[s] = now
     st.retries[s] = 0
     st.overtaken[s] = 0
-    st.rto[s] = st.timing[T_RTO]
+    # the bootstrap rounds go all at once: pool / window times what the window lets into a queue
+    st.rto[s] = st.timing[T_RTO] * (max(1.0, window / st.timing[T_CWND]) if c < 0 else 1.0)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -247,24 +248,33 @@ def _decrease(timing, factor, now):
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def _window_sample(timing, sample, now, pool):
-    """Adapt the window to one round-trip sample: above the target delay the aggregator or a link queues, so
-    decrease in proportion to the excess (Swift); else grow, up to the pool: by one slot per result below the
-    slow start threshold (the window doubles each round trip), then by one slot per window of results (additive
-    increase). The target lets the queue hold the larger of one minimum RTT (the aggregator
-    stays busy) and a fifth of min_rto (queueing alone never fires a timer)."""
+    """Adapt the window to one round-trip sample. A standing queue at the aggregator or a link delays every
+    result, a descheduled process (ranks that share cores) only some: so the delay signal is the smallest sample
+    of each round, at least min_rto long, and when it is above the target the window decreases in proportion to
+    the excess (Swift). Each sample below the target grows the window, up to the pool: by one slot per result
+    below the slow start threshold (the window doubles each round trip), then by one slot per window of results
+    (additive increase). The target lets the queue hold the larger of one minimum RTT (the aggregator stays
+    busy) and half of min_rto (queueing alone never fires a timer)."""
     base = min(timing[T_MIN_RTT], sample)
     timing[T_MIN_RTT] = base
     target = base + max(base, QUEUE_DELAY_OF_MIN_RTO * timing[T_MIN])
-    if sample > target:
-        _decrease(timing, max(1.0 - BETA * (sample - target) / sample, 1.0 - MAX_DECREASE), now)
-    else:
+    least = min(timing[T_ROUND_MIN], sample)
+    timing[T_ROUND_MIN] = least
+    if now >= timing[T_ROUND_END]:
+        if least > target:
+            _decrease(timing, max(1.0 - BETA * (least - target) / least, 1.0 - MAX_DECREASE), now)
+        timing[T_ROUND_MIN] = np.inf
+        timing[T_ROUND_END] = now + max(timing[T_SRTT], timing[T_MIN])
+    if sample <= target:
         step = 1.0 if timing[T_CWND] < timing[T_SSTHRESH] else 1.0 / timing[T_CWND]
         timing[T_CWND] = min(float(pool), timing[T_CWND] + step)
 
 
 @njit(inline="always")
-def _in_flight(st, s):
-    return st.cur_chunk[s] != IDLE and not st.held[s]
+def _in_flight(cur, held, s):
+    """Whether slot s has a datagram in flight. It takes the two arrays, not the State: each call that passes the
+    State increfs and decrefs all its arrays, which in the loops over slots cost more than the rest of a result."""
+    return cur[s] != IDLE and not held[s]
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -293,7 +303,7 @@ def _count_overtaking(st, s):
     sent = st.sent_at[s]
     cores = st.params[P_CORES]
     for other in range(s % cores, st.params[P_WINDOW], cores):
-        if other != s and _in_flight(st, other) and st.sent_at[other] < sent:
+        if other != s and _in_flight(st.cur_chunk, st.held, other) and st.sent_at[other] < sent:
             st.overtaken[other] += 1
 
 
@@ -303,7 +313,7 @@ def _fast_retransmit(st, now, tx_ptr, tx_len, tx_addr, n_tx):
     whose own result came later in the burst is not resent), and halve the window: a loss is taken as a sign of
     congestion (an overflowing queue), as TCP does. Returns the new tx count."""
     for s in range(st.params[P_WINDOW]):
-        if _in_flight(st, s) and st.overtaken[s] >= FAST_RETRANSMIT and n_tx < tx_len.size:
+        if _in_flight(st.cur_chunk, st.held, s) and st.overtaken[s] >= FAST_RETRANSMIT and n_tx < tx_len.size:
             n_tx = _resend(st, s, now, tx_ptr, tx_len, tx_addr, n_tx)
             st.overtaken[s] = 0
             st.stats[FAST_RETRANSMISSIONS] += 1
@@ -321,7 +331,7 @@ def _sent(cur, held, s, c):
 def _oldest_unsent(st, c):
     """Whether every chunk below c has its result: then c may go whatever the window (see _release)."""
     for s in range(st.params[P_WINDOW]):
-        if _in_flight(st, s) and st.cur_chunk[s] < c:
+        if _in_flight(st.cur_chunk, st.held, s) and st.cur_chunk[s] < c:
             return False
     return True
 
@@ -456,7 +466,8 @@ def take_result(st, s, now):
     st.params[P_IN_FLIGHT] -= 1
     if st.retries[s] == 0:  # Karn: a retransmitted slot's RTT is ambiguous, and so is what its result overtook
         _rtt_sample(st.timing, now - st.sent_at[s])
-        _window_sample(st.timing, now - st.sent_at[s], now, st.parity.size)
+        if st.cur_chunk[s] >= 0:  # a bootstrap round also waits for the ranks that start the allreduce later
+            _window_sample(st.timing, now - st.sent_at[s], now, st.parity.size)
         _count_overtaking(st, s)
     st.parity[s] ^= 1
 
@@ -521,7 +532,7 @@ def timer_kernel(state, now, tx_ptr, tx_len, tx_addr):
     window = prm[P_WINDOW]
     expired = False
     for s in range(window):
-        expired |= _in_flight(st, s) and now - st.sent_at[s] >= st.rto[s]
+        expired |= _in_flight(st.cur_chunk, st.held, s) and now - st.sent_at[s] >= st.rto[s]
     if not expired:
         return 0
     timing[T_RTO] = min(timing[T_MAX], 2.0 * timing[T_RTO])
@@ -531,7 +542,7 @@ def timer_kernel(state, now, tx_ptr, tx_len, tx_addr):
     while n_tx < budget:  # least recently sent first: every expired slot gets its turn
         last = -1
         for s in range(window):
-            if _in_flight(st, s) and now - st.sent_at[s] >= st.rto[s] and (last < 0
+            if _in_flight(st.cur_chunk, st.held, s) and now - st.sent_at[s] >= st.rto[s] and (last < 0
                                                                           or st.sent_at[s] < st.sent_at[last]):
                 last = s
         if last < 0:
@@ -540,7 +551,7 @@ def timer_kernel(state, now, tx_ptr, tx_len, tx_addr):
         st.rto[last] = min(timing[T_MAX], 2.0 * st.rto[last])
         st.stats[RETRANSMISSIONS] += 1
     for s in range(window):  # the expired slots beyond the window: due one RTO from now
-        if _in_flight(st, s) and now - st.sent_at[s] >= st.rto[s]:
+        if _in_flight(st.cur_chunk, st.held, s) and now - st.sent_at[s] >= st.rto[s]:
             st.rto[s] = now - st.sent_at[s] + timing[T_RTO]
     return n_tx
 
@@ -551,7 +562,7 @@ def next_deadline(state):
     st = State(*state)
     t = np.inf
     for s in range(st.params[P_WINDOW]):
-        if _in_flight(st, s):
+        if _in_flight(st.cur_chunk, st.held, s):
             t = min(t, st.sent_at[s] + st.rto[s])
     return t
 
@@ -587,7 +598,7 @@ class StreamEngine:
         self.pool_size = pool_size
         # persists: later allreduces start adapted
         self.timing = np.array([0.0, 0.0, rto, min_rto, max_rto, float(min(pool_size, INITIAL_WINDOW)), np.inf,
-                                np.inf, -np.inf])
+                                np.inf, -np.inf, np.inf, -np.inf])
         self.params = np.zeros(N_PARAMS, np.int64)
         self.params[[P_JOB, P_RANK, P_WORLD, P_VBITS, P_CODEC, P_PKT, P_CORES]] = (
             job, rank, world_size, value_bits(world_size), int(self.codec), packet_elements, len(agg_addrs))
