@@ -16,10 +16,14 @@ One allreduce of a flat float32 tensor of N elements, packet size P and pool siz
 * The congestion window: at most cwnd slots in flight (1 <= cwnd <= W), because self-clocking alone does not
   protect a software aggregator: n ranks keep n x W datagrams in flight whatever its speed, its queue grows,
   timers fire spuriously and the retransmissions add load until goodput collapses (issue 11). The window is
-  delay-based AIMD, as Swift (Kumar et al., SIGCOMM 2020) for datacenter hosts: each round-trip sample above a
-  target of min RTT + max(min RTT, min_rto / 5) means a queue, and shrinks the window in proportion to the
-  excess (by at most half, once per round trip); each sample below it grows the window, by one slot per result
-  in slow start (from INITIAL_WINDOW, up to the first decrease) and then by one slot per round trip. Delay, not
+  delay-based AIMD, as Swift (Kumar et al., SIGCOMM 2020) for datacenter hosts: when the smallest round-trip
+  sample of a round (at least max(SRTT, min_rto) long) is above a target of min RTT + max(min RTT, min_rto / 2),
+  a queue stands, and the window shrinks in proportion to the excess (by at most half); each sample below the
+  target grows the window, by one slot per result in slow start (from INITIAL_WINDOW, up to the first decrease)
+  and then by one slot per round trip. The smallest sample, not each: a standing queue delays every result, but
+  ranks that share cores are descheduled for tens of milliseconds, which delays only some, and shrinking the
+  window for those only starves the job. Bootstrap rounds give no sample to the window: they also wait for the
+  ranks that start the allreduce later. Delay, not
   loss, is the main signal: it comes before the aggregator's socket buffer overflows, a rank needs no ECN from a
   switch that has none (ATP's signal), and a loss on a lossy link is no congestion. The target keeps the
   aggregator busy (a standing queue of one minimum RTT) and the queueing delay well below the RTO floor, so
@@ -27,7 +31,8 @@ One allreduce of a flat float32 tensor of N elements, packet size P and pool siz
   round trip): the queue overflowed after all. The window persists across the job's allreduces.
   The window changes only when a chunk is sent, never which slot, shadow set or exponent it uses, so results
   stay bit-identical. The bootstrap packets (no elements) all go at the start, whatever the window: every
-  rank joins every round of the allreduce's start, so a round that waits names a missing rank, not a held one.
+  rank joins every round of the allreduce's start, so a round that waits names a missing rank, not a held one;
+  their timers are the RTO times pool / window, as a pool-sized burst queues that much longer than a window.
   Held slots are released in chunk order, and the smallest chunk not yet sent goes even without room once every
   chunk below it has its result: a rank whose window shrank after it had sent later chunks could otherwise wait
   for them while the other ranks wait for that chunk, a deadlock.
@@ -119,9 +124,9 @@ FAST_RETRANSMIT = 3  # results of later-sent slots that mark a slot as lost
 IDLE = np.iinfo(np.int64).min  # cur_chunk of a slot with nothing in flight
 # The window (see the module docstring). INITIAL_WINDOW: a job's first window, below the default pool so that n
 # ranks' first burst of data (n x 16 packets) fits an aggregator's queue; slow start reaches the pool in two
-# round trips. The
-# queueing delay it allows is at least QUEUE_DELAY_OF_MIN_RTO of the RTO floor; a delay decrease is Swift's (at
-# most MAX_DECREASE, in proportion BETA to the excess delay); a loss halves the window.
+# round trips. The queueing delay it allows is at least QUEUE_DELAY_OF_MIN_RTO of the RTO floor (a margin of
+# two below it); a delay decrease is Swift's (at most MAX_DECREASE, in proportion BETA to the excess delay); a
+# loss halves the window.
 INITIAL_WINDOW = 16
 QUEUE_DELAY_OF_MIN_RTO = 0.5
 BETA = 0.8
@@ -145,7 +150,8 @@ N_PARAMS = 16
 # cur_chunk (int64) and held (bool), per slot: in flight with chunk c: (c, False); waiting for room in the window
 #                 to send its next chunk c: (c, True); nothing left to send: (IDLE, False)
 # timing (float64): smoothed RTT, RTT variance, current RTO, min RTO, max RTO, congestion window (slots), slow
-#                   start threshold, minimum RTT, time of the last window decrease
+#                   start threshold, minimum RTT, time of the last window decrease, smallest sample of the
+#                   current delay round, end of that round
 T_SRTT, T_RTTVAR, T_RTO, T_MIN, T_MAX, T_CWND, T_SSTHRESH, T_MIN_RTT, T_DECREASED, T_ROUND_MIN, T_ROUND_END = range(11)
 
 
