@@ -277,10 +277,11 @@ def _window_sample(timing, sample, now, pool):
 
 
 @njit(inline="always")
-def _in_flight(cur, held, s):
-    """Whether slot s has a datagram in flight. It takes the two arrays, not the State: each call that passes the
-    State increfs and decrefs all its arrays, which in the loops over slots cost more than the rest of a result."""
-    return cur[s] != IDLE and not held[s]
+def _in_flight(chunk, held):
+    """Whether a slot with this chunk and held flag has a datagram in flight. It takes scalars: every call that
+    passes arrays increfs and decrefs them (the State: all its 20), and in the loops over slots, once per result,
+    that cost more than the rest of the result."""
+    return chunk != IDLE and not held
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -309,7 +310,7 @@ def _count_overtaking(st, s):
     sent = st.sent_at[s]
     cores = st.params[P_CORES]
     for other in range(s % cores, st.params[P_WINDOW], cores):
-        if other != s and _in_flight(st.cur_chunk, st.held, other) and st.sent_at[other] < sent:
+        if other != s and _in_flight(st.cur_chunk[other], st.held[other]) and st.sent_at[other] < sent:
             st.overtaken[other] += 1
 
 
@@ -319,7 +320,7 @@ def _fast_retransmit(st, now, tx_ptr, tx_len, tx_addr, n_tx):
     whose own result came later in the burst is not resent), and halve the window: a loss is taken as a sign of
     congestion (an overflowing queue), as TCP does. Returns the new tx count."""
     for s in range(st.params[P_WINDOW]):
-        if _in_flight(st.cur_chunk, st.held, s) and st.overtaken[s] >= FAST_RETRANSMIT and n_tx < tx_len.size:
+        if _in_flight(st.cur_chunk[s], st.held[s]) and st.overtaken[s] >= FAST_RETRANSMIT and n_tx < tx_len.size:
             n_tx = _resend(st, s, now, tx_ptr, tx_len, tx_addr, n_tx)
             st.overtaken[s] = 0
             st.stats[FAST_RETRANSMISSIONS] += 1
@@ -328,16 +329,17 @@ def _fast_retransmit(st, now, tx_ptr, tx_len, tx_addr, n_tx):
 
 
 @njit(inline="always")
-def _sent(cur, held, s, c):
-    """Whether chunk c, of slot s, was sent (a slot sends its chunks in order; an idle one has sent them all)."""
-    return cur[s] == IDLE or cur[s] > c or (cur[s] == c and not held[s])
+def _sent(chunk, held, c):
+    """Whether chunk c was sent by its slot, which holds this chunk and held flag (a slot sends its chunks in
+    order; an idle one has sent them all). Scalars, as _in_flight's."""
+    return chunk == IDLE or chunk > c or (chunk == c and not held)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def _oldest_unsent(st, c):
     """Whether every chunk below c has its result: then c may go whatever the window (see _release)."""
     for s in range(st.params[P_WINDOW]):
-        if _in_flight(st.cur_chunk, st.held, s) and st.cur_chunk[s] < c:
+        if _in_flight(st.cur_chunk[s], st.held[s]) and st.cur_chunk[s] < c:
             return False
     return True
 
@@ -370,7 +372,7 @@ def _release(st, now, tx_ptr, tx_len, tx_addr, n_tx):
         _queue(st, s, tx_ptr, tx_len, tx_addr, n_tx)
         n_tx += 1
     c = first
-    while c < chunks and _sent(cur, held, (c + window) % window, c):
+    while c < chunks and _sent(cur[(c + window) % window], held[(c + window) % window], c):
         c += 1
     prm[P_NEXT] = c
     return n_tx
@@ -538,7 +540,7 @@ def timer_kernel(state, now, tx_ptr, tx_len, tx_addr):
     window = prm[P_WINDOW]
     expired = False
     for s in range(window):
-        expired |= _in_flight(st.cur_chunk, st.held, s) and now - st.sent_at[s] >= st.rto[s]
+        expired |= _in_flight(st.cur_chunk[s], st.held[s]) and now - st.sent_at[s] >= st.rto[s]
     if not expired:
         return 0
     timing[T_RTO] = min(timing[T_MAX], 2.0 * timing[T_RTO])
@@ -548,7 +550,7 @@ def timer_kernel(state, now, tx_ptr, tx_len, tx_addr):
     while n_tx < budget:  # least recently sent first: every expired slot gets its turn
         last = -1
         for s in range(window):
-            if _in_flight(st.cur_chunk, st.held, s) and now - st.sent_at[s] >= st.rto[s] and (last < 0
+            if _in_flight(st.cur_chunk[s], st.held[s]) and now - st.sent_at[s] >= st.rto[s] and (last < 0
                                                                           or st.sent_at[s] < st.sent_at[last]):
                 last = s
         if last < 0:
@@ -557,7 +559,7 @@ def timer_kernel(state, now, tx_ptr, tx_len, tx_addr):
         st.rto[last] = min(timing[T_MAX], 2.0 * st.rto[last])
         st.stats[RETRANSMISSIONS] += 1
     for s in range(window):  # the expired slots beyond the window: due one RTO from now
-        if _in_flight(st.cur_chunk, st.held, s) and now - st.sent_at[s] >= st.rto[s]:
+        if _in_flight(st.cur_chunk[s], st.held[s]) and now - st.sent_at[s] >= st.rto[s]:
             st.rto[s] = now - st.sent_at[s] + timing[T_RTO]
     return n_tx
 
@@ -568,7 +570,7 @@ def next_deadline(state):
     st = State(*state)
     t = np.inf
     for s in range(st.params[P_WINDOW]):
-        if _in_flight(st.cur_chunk, st.held, s):
+        if _in_flight(st.cur_chunk[s], st.held[s]):
             t = min(t, st.sent_at[s] + st.rto[s])
     return t
 
