@@ -8,6 +8,11 @@ the data plane is compiled (or loaded from Numba's cache), it prints one line,
 ``intml-aggregator listening on HOST:PORT cores K``, which scripts can wait for: a JOIN sent after it is answered
 at once.
 
+Engines: ``--engine kernel`` (the default) runs each core's data path in the Numba burst kernel;
+``--engine p4model`` runs it through the P4 pipeline model (intml.p4.engine), packet by packet in Python: slow,
+with bit-identical results, for showing that the switch program computes what the kernel does. It refuses a JOIN
+with data_mac or with more elements per packet than the switch parses.
+
 Tokens: a job can only be created with a token the aggregator knows: one per non-empty line of ``--token-file``
 (one per tenant) and the environment variable ``INTML_TOKEN``. With neither it runs open: only the empty token
 joins, and it says so in one line on stderr (``OPEN_WARNING``).
@@ -36,6 +41,7 @@ from intml.protocol.job import (
 from intml.protocol.wire import DEFAULT_PORT, Codec, max_packet_elements
 
 MAX_ELEMENTS_LIMIT = max_packet_elements(Codec.CNAT8)  # jobs are further limited by their codec at join
+ENGINES = ("kernel", "p4model")
 OPEN_WARNING = ("intml-aggregator: warning: no --token-file or INTML_TOKEN: any host that can reach this port can "
                 "join jobs")
 
@@ -92,10 +98,25 @@ def _multicast_group(parser: OneLineParser, text: str | None, max_jobs: int) -> 
     return group
 
 
-def _multicast_sender(sock: socket.socket, host: str) -> None:
+def _multicast_sender(sock: socket.socket, host: str, ttl: int) -> None:
     """Send multicast through the interface of `host` (loopback for 127.0.0.1), looped back to local members."""
     sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(socket.gethostbyname(host)))
     sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 1)
+    sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_TTL, ttl)
+
+
+def _core_class(parser: OneLineParser, args) -> type:
+    """The core of --engine, or a one-line usage error where the P4 switch cannot hold the configuration."""
+    if args.engine == "kernel":
+        from intml.aggregator.core import AggregatorCore
+
+        return AggregatorCore
+    from intml.p4.engine import P4ModelCore, engine_problem
+
+    problem = engine_problem(args.slots, args.max_jobs)
+    if problem:
+        parser.error(problem)
+    return P4ModelCore
 
 
 def default_cores(cpus: int | None = None) -> int:
@@ -128,7 +149,11 @@ def build_parser() -> OneLineParser:
     p.add_argument("--multicast", metavar="GROUP", default=None,
                    help="send each job's results to one IPv4 multicast group (GROUP + the job's table index, port "
                         "= --port), one datagram per completion as a switch's replication engine does, instead "
-                        "of one per worker; for workers that share the aggregator's link or host (loopback)")
+                        "of one per worker; for workers that share the aggregator's link or host (loopback), or "
+                        "behind a multicast router (then raise --multicast-ttl)")
+    p.add_argument("--multicast-ttl", type=positive(int, 255), default=1,
+                   help="the results' IP TTL (default 1: they stay on the aggregator's link; each multicast router "
+                        "on the way takes one off)")
     p.add_argument("--allow-shared-address", action="store_true",
                    help="tests only: let one source address hold several ranks of a job (by default refused, so "
                         "that one holder of the token cannot stand in for a whole job)")
@@ -149,6 +174,9 @@ def build_parser() -> OneLineParser:
     p.add_argument("--token-file", metavar="PATH", default=None,
                    help="the tokens jobs may be created with, one per non-empty line (one per tenant); INTML_TOKEN "
                         "adds one. With neither, only the empty token joins (open mode, with a warning)")
+    p.add_argument("--engine", choices=ENGINES, default=ENGINES[0],
+                   help="data path: the Numba burst kernel (default) or the P4 pipeline model (slow; no data_mac, "
+                        "at most 1 KB of payload per packet)")
     p.add_argument("--burst", type=positive(int), default=BURST,
                    help=f"datagrams per recvmmsg/sendmmsg (default {BURST})")
     return p
@@ -162,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.port <= 65535 - args.cores:
         parser.error(f"--port must leave room for {args.cores} ports below 65536")
     group = _multicast_group(parser, args.multicast, args.max_jobs)
+    core_class = _core_class(parser, args)
     if group is not None and args.host in ("", "0.0.0.0"):
         parser.error("--multicast needs --host to name the interface the results go out on "
                      "(for example --host 127.0.0.1, or this host's address on the workers' link), not 0.0.0.0")
@@ -173,9 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     base = socks[0].getsockname()[1]
     if group is not None:
         for s in socks:
-            _multicast_sender(s, args.host)
+            _multicast_sender(s, args.host, args.multicast_ttl)
 
-    from intml.aggregator.core import AggregatorCore
     from intml.aggregator.dataplane import run_core, warm_up
 
     limits = ControlLimits(args.control_rate, args.control_burst, args.control_global_rate,
@@ -183,10 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     warm_up(args.max_packet_elements, args.burst)  # before the ready line: the first JOIN is answered at once
 
     def core_main(i: int) -> None:
-        core = AggregatorCore(core=i, cores=args.cores, rows=args.slots, max_elements=args.max_packet_elements,
-                              idle_timeout=args.idle_timeout, results_group=None if group is None else (group, base),
-                              burst=args.burst, allow_shared_address=args.allow_shared_address,
-                              max_jobs=args.max_jobs, max_pool=args.max_pool, control_limits=limits, tokens=tokens)
+        core = core_class(core=i, cores=args.cores, rows=args.slots, max_elements=args.max_packet_elements,
+                          idle_timeout=args.idle_timeout, results_group=None if group is None else (group, base),
+                          burst=args.burst, allow_shared_address=args.allow_shared_address,
+                          max_jobs=args.max_jobs, max_pool=args.max_pool, control_limits=limits, tokens=tokens)
         run_core(core, socks[i], args.burst, args.stats_interval)
 
     print(f"intml-aggregator listening on {args.host}:{base} cores {args.cores}", flush=True)

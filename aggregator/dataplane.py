@@ -36,6 +36,7 @@ class DataPlane:
         max_packet = result_width(core.max_elements)  # the largest DATA datagram is as long as the largest RESULT
         self.io = BurstSocket(sock, burst=burst, max_packet=max_packet)
         self.stats_interval = stats_interval
+        self._return_scheduled = False
 
     def on_readable(self) -> None:
         """The data plane first: every burst waiting (up to BURSTS_PER_WAKEUP) is received, aggregated and its
@@ -44,8 +45,9 @@ class DataPlane:
             if self.io.recv_burst() == 0:
                 break
             self.io.send(self.core.receive(self.io.rx, time.monotonic()))
-        if self.io.pending:  # datagrams already read (GRO) do not make the socket readable: come back for them
-            asyncio.get_running_loop().call_soon(self.on_readable)
+        if self.io.pending and not self._return_scheduled:  # datagrams already read (GRO) do not make the socket
+            self._return_scheduled = True  # readable: come back for them, once (the reader's calls must not
+            asyncio.get_running_loop().call_soon(self._come_back)  # each start another chain of returns)
         for reply, addr in self.core.take_replies():
             try:
                 self.io.send_one(reply, addr)
@@ -53,6 +55,10 @@ class DataPlane:
                 self.io.send_failed += 1
         self.core.count_send_failures(self.io.send_failed)
         self.io.send_failed = 0
+
+    def _come_back(self) -> None:
+        self._return_scheduled = False
+        self.on_readable()
 
     async def _idle_timer(self) -> None:
         while True:

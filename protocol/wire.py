@@ -182,6 +182,11 @@ def max_packet_elements(codec: Codec | int, data_mac: bool = False) -> int:
     return min(0xFFFF, room // Codec(codec).bytes_per_element)
 
 
+def element_datagram_size(codec: Codec | int, elements: int, data_mac: bool = False) -> int:
+    """The length of a DATA or RESULT datagram of ``elements`` elements (a job's largest: its packet elements)."""
+    return HEADER_SIZE + elements * Codec(codec).bytes_per_element + (TAG_SIZE if data_mac else 0)
+
+
 def payload_dtype(codec: Codec | int) -> np.dtype:
     """Wire dtype of one payload element for ``codec``."""
     from intml.protocol.codecs import BY_ID  # here, not at the top: the codec modules import Codec from here

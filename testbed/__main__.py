@@ -8,14 +8,23 @@ import sys
 from intml.protocol import wire
 from intml.protocol.cli import OneLineParser, positive
 from intml.protocol.job import CODEC_NAMES, JobParams, codec_name
-from intml.testbed.netns import MTUS
+from intml.testbed.netns import MTUS, RESULTS_GROUP
 
-RESULTS_GROUP = "239.255.42.0"  # multicast group of the loopback benchmark's results (administratively scoped)
 
 
 def add_pool(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pool", type=positive(), default=JobParams.pool_size,
                         help=f"slots in the job's pool (default {JobParams.pool_size})")
+
+
+def codec_size(text: str) -> tuple[str, int]:
+    """An argparse type: ``CODEC:ELEMENTS`` (e.g. cnat8:1024) -> (codec, elements per packet)."""
+    codec, _, elements = text.partition(":")
+    if codec not in CODEC_NAMES or not elements.isdigit() or not 0 < int(elements) <= wire.max_packet_elements(
+            CODEC_NAMES[codec]):
+        raise argparse.ArgumentTypeError(f"expected CODEC:ELEMENTS, CODEC one of {', '.join(CODEC_NAMES)} and "
+                                         f"ELEMENTS from 1 to what one datagram holds, got {text!r}")
+    return codec, int(elements)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,6 +53,17 @@ def build_parser() -> argparse.ArgumentParser:
     mac.add_argument("--trials", type=positive(), default=3,
                      help="aggregators started without and with the MAC, alternately (default 3 each)")
     mac.add_argument("--json", action="store_true", help="print JSON objects instead of tables")
+    pc = bench.add_parser("percore", help="one aggregator core and one worker vs raw UDP sinks and senders on loopback")
+    pc.add_argument("--size", type=codec_size, nargs="+", default=[("cnat8", 1024), ("cnat8", 256), ("int32", 256)],
+                    metavar="CODEC:ELEMENTS", help="packets to send, one run each (default cnat8:1024 cnat8:256 "
+                                                   "int32:256)")
+    pc.add_argument("--seconds", type=positive(float), default=2.0, help="measured seconds per run (default 2)")
+    pc.add_argument("--packets", type=positive(), default=4096,
+                    help="chunks of the recorded allreduce: DATA datagrams per rank and pass (default 4096)")
+    pc.add_argument("--repeats", type=positive(), default=3, help="runs of each variant; medians reported (default 3)")
+    pc.add_argument("--blasters", type=positive(int, 16), default=None,
+                    help="sending processes, at most 16 (default: one per CPU the core leaves, at most 4)")
+    pc.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     ar = bench.add_parser("allreduce", help="intml vs Gloo's ring allreduce on loopback")
     ar.add_argument("--workers", type=positive(), default=4)
     ar.add_argument("--elements", type=positive(), default=25_000_000)
@@ -78,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_pool(cl)
     cl.add_argument("--warmup", type=int, default=1)
     cl.add_argument("--rounds", type=positive(), default=3)
+    cl.add_argument("--results", choices=("multicast", "unicast"), default="multicast",
+                    help="how results reach the workers (default multicast: one copy per completion, replicated by "
+                         "the switch namespace; unicast where it cannot route multicast, and each row says which)")
     cl.add_argument("--plot", help="write a PNG of time per allreduce against n")
     cl.add_argument("--json", action="store_true")
     lo = bench.add_parser("loss", help="consecutive allreduces under loss vs the loss-free run (root)")
@@ -119,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
 
         bench_mac.run(args.chunks, args.repeats, args.workers, args.elements, args.cores, args.rounds, args.trials,
                       args.json)
+    elif args.command == "bench" and args.bench == "percore":
+        from intml.testbed import bench_percore
+
+        bench_percore.run(args.size, args.seconds, args.packets, args.repeats, args.blasters, args.json)
     elif args.command == "bench" and args.bench == "allreduce":
         from intml.testbed import bench_allreduce
 
@@ -134,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if args.bench == "cluster":
                 bench_cluster.run(args.workers, args.rate, args.elements, args.mtu, args.loss, args.warmup,
-                                  args.rounds, args.pool, args.json, args.plot, args.aggregators, args.cores)
+                                  args.rounds, args.pool, args.json, args.plot, args.aggregators, args.cores,
+                                  args.results)
             else:
                 bench_cluster.run_loss(args.workers, args.rate, args.elements, args.loss, args.mtu, args.rounds,
                                        args.pool, args.json)

@@ -32,14 +32,14 @@ def loopback_packet_elements(codec: str) -> int:
 
 @contextlib.contextmanager
 def aggregator(cores: int, max_packet_elements: int, host: str = "127.0.0.1",
-               prefix: list[str] | None = None, multicast: str | None = None) -> Iterator[int]:
+               prefix: list[str] | None = None, multicast: str | None = None, multicast_ttl: int = 1) -> Iterator[int]:
     """Run `intml-aggregator --port 0` (optionally under a command prefix such as `ip netns exec NS`, and with
     results multicast to `multicast`) and yield its base port; the process is always terminated on exit. It
     accepts the run's token (procs.run_token, in INTML_TOKEN), which the ranks get through rank_env."""
     cmd = [*(prefix or []), sys.executable, "-m", "intml.aggregator", "--host", host, "--port", "0", "--cores", str(cores),
            "--max-packet-elements", str(max_packet_elements), "--slots", str(max(64, (1 << 22) // max_packet_elements))]
     if multicast:
-        cmd += ["--multicast", multicast]
+        cmd += ["--multicast", multicast, "--multicast-ttl", str(multicast_ttl)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "INTML_TOKEN": run_token()})
     try:
         line = proc.stdout.readline()

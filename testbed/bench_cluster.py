@@ -5,9 +5,11 @@ with ``--aggregators A`` > 1, one aggregator per aggregator namespace, the job's
 cores) and one rank per worker namespace, then Gloo's ranks over the same ports (routed through the switch
 namespace), and tears the topology down. Reported per system: the median time per allreduce, goodput per link
 (payload bits per second each way over the shaped rate) and the speedup over Gloo, beside the ideal speedup from
-the bytes each puts on a link. Results go to each worker by unicast: a multicast group would need multicast
-routing in the switch namespace, which the topology does not set up. Every aggregator count must give the same
-result bits (checked).
+the bytes each puts on a link. Results go out by multicast (``--results``, the default): each aggregator sends
+one copy per completion to the job's group and the switch namespace replicates it to every worker port
+(testbed.mroute), as a switch's replication engine does; by unicast, one copy per worker, when asked or when the
+topology has more devices than the kernel routes multicast between (32). Each row says which. Every aggregator
+count must give the same result bits (checked).
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ import os
 from collections.abc import Iterator
 
 from intml.aggregator.__main__ import default_cores as aggregator_default_cores
-from intml.protocol.job import CODEC_NAMES
+from intml.protocol.job import AGGREGATOR_MAX_JOBS, CODEC_NAMES
 from intml.protocol.packet import HDR
 from intml.protocol.traffic import intml_bytes, ring_bytes
 from intml.testbed import gloo
 from intml.testbed.bench_allreduce import aggregator, run_ranks_intml
-from intml.testbed.netns import Topology, parse_rate
+from intml.testbed.netns import RESULTS_GROUP, Topology, parse_rate
 from intml.testbed.procs import run_ranks
+from intml.testbed.mroute import MAXVIFS
 from intml.testbed.timing import emit
 
 IP_UDP = 28
@@ -55,32 +58,52 @@ def default_cores(workers: int, aggregators: int = 1, cpus: int | None = None) -
 
 
 @contextlib.contextmanager
-def aggregators_in(topo: Topology, aggregators: int, cores: int, max_packet_elements: int) -> Iterator[list[str]]:
-    """Run the aggregators of a point; yields each rank's aggregator argument. One: in the switch namespace, at
-    the switch's port on the rank's link. More: one per aggregator namespace, every rank listing them all."""
+def aggregators_in(topo: Topology, aggregators: int, cores: int, max_packet_elements: int,
+                   multicast: bool) -> Iterator[list[str]]:
+    """Run the aggregators of a point; yields each rank's aggregator argument. One: in the switch namespace (at
+    the switch's port on the rank's link; with multicast, at port p0's address, the interface its results leave
+    on). More: one per aggregator namespace, every rank listing them all. With multicast the switch namespace
+    replicates each result to every worker port, as a switch does, so an aggregator sends one copy per
+    completion (TTL 2: one routed hop)."""
+    if aggregators == 1:
+        senders, namespaces = [(topo.port_ip(0), "p0")], [topo.switch]
+    else:
+        senders = [(topo.aggregator_ip(k), f"a{k}") for k in range(aggregators)]
+        namespaces = [topo.aggregator(k) for k in range(aggregators)]
     with contextlib.ExitStack() as stack:
-        if aggregators == 1:
-            port = stack.enter_context(aggregator(cores, max_packet_elements, host="0.0.0.0",
-                                                  prefix=topo.exec_prefix(topo.switch)))
-            yield [f"{topo.port_ip(r)}:{port}" for r in range(topo.workers)]
-            return
-        ports = [stack.enter_context(aggregator(cores, max_packet_elements, host="0.0.0.0",
-                                                prefix=topo.exec_prefix(topo.aggregator(k))))
-                 for k in range(aggregators)]
-        yield [",".join(f"{topo.aggregator_ip(k)}:{p}" for k, p in enumerate(ports))] * topo.workers
+        if multicast:
+            stack.enter_context(topo.multicast_routes(senders, RESULTS_GROUP, AGGREGATOR_MAX_JOBS))
+        ports = [stack.enter_context(aggregator(cores, max_packet_elements, host=ip if multicast else "0.0.0.0",
+                                                prefix=topo.exec_prefix(ns),
+                                                multicast=RESULTS_GROUP if multicast else None, multicast_ttl=2))
+                 for (ip, _), ns in zip(senders, namespaces)]
+        if aggregators == 1 and not multicast:
+            yield [f"{topo.port_ip(r)}:{ports[0]}" for r in range(topo.workers)]
+        else:
+            yield [",".join(f"{ip}:{p}" for (ip, _), p in zip(senders, ports))] * topo.workers
+
+
+def results_mode(requested: str, workers: int, aggregators: int) -> str:
+    """How results reach the workers: multicast when asked for and the switch namespace can route it (the
+    kernel's MAXVIFS devices), else unicast."""
+    fits = workers + (aggregators if aggregators > 1 else 0) <= MAXVIFS
+    return "multicast" if requested == "multicast" and fits else "unicast"
 
 
 def run_point(workers: int, rate: str, elements: int, mtu: int, loss: float, warmup: int, rounds: int,
-              pool: int, with_gloo: bool = True, aggregators: int = 1, cores: int | None = None) -> dict:
+              pool: int, with_gloo: bool = True, aggregators: int = 1, cores: int | None = None,
+              results: str = "multicast") -> dict:
     """Every system over one topology, with ``aggregators`` aggregators of ``cores`` cores each (default:
-    default_cores); returns {"rows": [...], "hashes": {codec: [...]}, "dropped": n}."""
+    default_cores), results by ``results`` where the topology allows (results_mode); returns
+    {"rows": [...], "hashes": {codec: [...]}, "dropped": n}."""
     rate_bit = parse_rate(rate)
     cores = cores or default_cores(workers, aggregators)
     rows, hashes = [], {}
+    results = results_mode(results, workers, aggregators)
     with Topology(workers, rate_bit, mtu=mtu, loss=loss, aggregators=aggregators if aggregators > 1 else 0) as topo:
         prefixes = [topo.exec_prefix(topo.worker(r)) for r in range(workers)]
         largest = max(packet_elements_for(codec, mtu) for codec in CODEC_NAMES)
-        with aggregators_in(topo, aggregators, cores, largest) as addresses:
+        with aggregators_in(topo, aggregators, cores, largest, results == "multicast") as addresses:
             for job, codec in enumerate(CODEC_NAMES, start=1):
                 result = run_ranks_intml(addresses, elements, codec, packet_elements_for(codec, mtu), pool, warmup,
                                          rounds, prefixes, job=job)
@@ -100,7 +123,7 @@ def run_point(workers: int, rate: str, elements: int, mtu: int, loss: float, war
         against(rows, rows[-1])
     for row in rows:
         row.update(workers=workers, rate=rate, mtu=mtu, loss=loss, elements=elements, aggregators=aggregators,
-                   cores=cores, results="unicast")
+                   cores=cores, results=results)
     return {"rows": rows, "hashes": hashes, "dropped": dropped}
 
 
@@ -127,17 +150,17 @@ COLUMNS = [("workers", "n", ""), ("rate", "rate", ""), ("aggregators", "aggs", "
 
 def run(workers: list[int], rates: list[str], elements: int | None, mtu: int, loss: float, warmup: int,
         rounds: int, pool: int, as_json: bool, plot: str | None, aggregators: list[int] = (1,),
-        cores: int | None = None) -> list[dict]:
-    """Each rate, worker count and aggregator count (``cores`` per aggregator; default: default_cores). Gloo runs
-    once per rate and worker count, with the first aggregator count; every aggregator count must give the same
-    result bits."""
+        cores: int | None = None, results: str = "multicast") -> list[dict]:
+    """Each rate, worker count and aggregator count (``cores`` per aggregator; default: default_cores; results by
+    ``results`` where the topology allows, each row says which). Gloo runs once per rate and worker count, with
+    the first aggregator count; every aggregator count must give the same result bits."""
     rows = []
     for rate in rates:
         # ~0.3 s of intml cnat8 traffic per round at the link rate, at most 10M elements (memory, CPU)
         size = elements or min(10_000_000, parse_rate(rate) // 8 * 3 // 10)
         for n in workers:
             points = [run_point(n, rate, size, mtu, loss, warmup, rounds, pool, with_gloo=k == 0, aggregators=a,
-                                cores=cores) for k, a in enumerate(aggregators)]
+                                cores=cores, results=results) for k, a in enumerate(aggregators)]
             differ = [p["rows"][0]["aggregators"] for p in points if p["hashes"] != points[0]["hashes"]]
             if differ:
                 raise RuntimeError(f"n = {n}, {rate}: {differ} aggregators' results differ from {aggregators[0]}'s")
@@ -145,7 +168,8 @@ def run(workers: list[int], rates: list[str], elements: int | None, mtu: int, lo
             against(point_rows, next(row for row in point_rows if row["system"] == "gloo ring"))
             rows += point_rows
     emit(rows, as_json, "allreduce over shaped links (network namespaces)", COLUMNS,
-         {"mtu": mtu, "loss": loss, "rounds": rounds, "pool": pool, "results": "unicast",
+         {"mtu": mtu, "loss": loss, "rounds": rounds, "pool": pool,
+          "results": sorted({row["results"] for row in rows if row["system"] != "gloo ring"}),
           "identical_across_aggregator_counts": True})
     if plot:
         plot_times(rows, plot)

@@ -12,10 +12,14 @@ Topology (``Topology.up``):
   stand for aggregation servers on fat links beside the switch (as BytePS's servers, or a multi-rack SwitchML's
   switches): the workers' links stay the bottleneck, as with the aggregator in the switch namespace (the
   default, ``aggregators`` = 0);
+* results multicast (``multicast_routes``): the switch namespace replicates what an aggregator sends to the
+  results groups out of every worker port, through static multicast routes that testbed.mroute holds, as a
+  switch's replication engine does;
 * every port is shaped in both directions with ``tc tbf`` on the egress of both veth ends (``--rate``);
 * loss is nftables ``numgen random`` drops on the receiving side of each link direction: in the switch
   namespace's prerouting for packets from the workers, and in each worker namespace's input for packets
-  from the switch. Each link direction loses the given fraction of packets, whoever sent them. (A drop on the
+  from the switch (a multicast result is lost on each copy's link, not on its way into the switch). Each link
+  direction loses the given fraction of packets, whoever sent them. (A drop on the
   sender's output hook would fail the send with EPERM instead of losing the packet.)
   Under loss intml runs without UDP GSO there (``exec_prefix``), so that loss acts per datagram.
   (netem does not exist in this kernel. Duplication is not emulated on the links: nftables' dup statement
@@ -28,16 +32,20 @@ runs on exit, on Ctrl-C and on SIGTERM; ``cleanup`` removes anything a crashed r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
 import signal
 import subprocess
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 PREFIX = "intml-"
 SUBNET = "198.18.{i}.{host}"
 AGGREGATOR_SUBNET = "198.19.{k}.{host}"
+RESULTS_GROUP = "239.255.42.0"  # the first multicast group of the testbed's results (administratively scoped)
 MTUS = (1500, 9000)  # link MTUs: Ethernet's and jumbo frames
 
 
@@ -161,8 +169,8 @@ class Topology:
             ns = self.aggregator(k)
             self._attach(ns, f"ix{tag}a{k}", f"ix{tag}b{k}", f"a{k}", self.aggregator_ip(k),
                          AGGREGATOR_SUBNET.format(k=k, host=1))
-        if self.loss > 0:
-            self._add_loss(sw, "prerouting", "p*")
+        if self.loss > 0:  # unicast only: an aggregator's own multicast loops back in through p0 to be replicated,
+            self._add_loss(sw, "prerouting", "p*", "meta pkttype unicast ")  # and loses on each copy's link
 
     def _attach(self, ns: str, a: str, b: str, port: str, ip: str, port_ip: str) -> None:
         """A new namespace ``ns`` joined to the switch by a veth (names a, b): eth0 at ``ip`` there, ``port`` at
@@ -181,10 +189,28 @@ class Topology:
         _run("ip", "-n", sw, "link", "set", port, "up")
         _run("ip", "-n", ns, "route", "add", "default", "via", port_ip)
 
-    def _add_loss(self, ns: str, hook: str, interfaces: str) -> None:
+    @contextlib.contextmanager
+    def multicast_routes(self, senders: list[tuple[str, str]], group: str, count: int) -> Iterator[None]:
+        """While the block runs, the switch namespace replicates what each (address, switch port) of ``senders``
+        sends to the groups [group, group + count) out of every worker port (testbed.mroute holds the routes).
+        The senders' datagrams need a TTL of at least 2."""
+        ports = [f"p{i}" for i in range(self.workers)]
+        cmd = [*self.exec_prefix(self.switch), sys.executable, "-m", "intml.testbed.mroute",
+               "--route", *(f"{ip}/{dev}" for ip, dev in senders), "--oif", *ports, "--group", group,
+               "--count", str(count)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            if proc.stdout.readline().strip() != "ready":
+                raise ClusterError(proc.communicate(timeout=10)[1].strip() or "mroute exited without a reason")
+            yield
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+
+    def _add_loss(self, ns: str, hook: str, interfaces: str, match: str = "") -> None:
         threshold = round(self.loss * 1_000_000)
         rules = (f"table inet intml {{ chain loss {{ type filter hook {hook} priority 0; policy accept;\n"
-                 f"  iifname \"{interfaces}\" numgen random mod 1000000 < {threshold} counter drop\n  }}\n}}\n")
+                 f"  iifname \"{interfaces}\" {match}numgen random mod 1000000 < {threshold} counter drop\n  }}\n}}\n")
         done = subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=rules, capture_output=True,
                               text=True)
         if done.returncode != 0:

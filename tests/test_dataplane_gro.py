@@ -61,3 +61,43 @@ def test_pending_gro_reads_are_served_without_new_datagrams(monkeypatch) -> None
 
         asyncio.run(serve())
         assert core.received == n and not plane.io.pending
+
+
+class EndlessPending:
+    """A BurstSocket stand-in whose read rows never run out (``pending``) and that has nothing new to read."""
+
+    pending, send_failed = True, 0
+
+    def recv_burst(self) -> int:
+        return 0
+
+    def send(self, burst: Burst) -> None:
+        pass
+
+
+def test_pending_reads_schedule_one_return_however_often_the_reader_fires() -> None:
+    """While reads are pending the data plane comes back on the next loop iteration, once: a wakeup by the reader
+    while a return is already scheduled must not start a second chain (the chains grew by one per iteration and
+    starved the timers)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        plane = DataPlane(CountingCore(), s, burst=1)
+        plane.io = EndlessPending()
+        calls = 0
+        on_readable = plane.on_readable
+
+        def counted() -> None:
+            nonlocal calls
+            calls += 1
+            on_readable()
+
+        plane.on_readable = counted
+
+        async def run() -> int:
+            for _ in range(5):  # the reader fires five times before the loop turns
+                plane.on_readable()
+            for _ in range(20):
+                await asyncio.sleep(0)
+            return calls
+
+        assert asyncio.run(run()) <= 5 + 20, calls  # the five wakeups, then at most one return per loop iteration

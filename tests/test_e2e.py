@@ -34,6 +34,7 @@ from cluster import (
     run_procs,
 )
 
+from intml.burstio.mmsg import offload_default
 from intml.protocol import reference, wire
 from intml.protocol.arith import EXP_MAX, EXP_MIN, data_k_max, value_bits
 from intml.protocol.cnat import K_MASK, NONZERO, SIGN
@@ -150,7 +151,7 @@ def allreduce_worker(port: int | str, job: int, rank: int, n: int, codec: str, s
         else:
             outs = [w.allreduce(x, op=spec.op) for x, spec in zip(xs, plan)]
         return {"outs": outs, "counters": w.counters(), "faults": dict(getattr(w.io, "counts", {})), "ticks": ticks,
-                "groups": w.results_groups}
+                "groups": w.results_groups, "group_gro": [getattr(s, "gro", None) for s in w._inputs[1:]]}
 
 
 async def _allreduce_async_all(w, xs, plan):
@@ -286,6 +287,9 @@ def test_multicast_results(cores: int) -> None:
         check_results(faulty, n, "int32", seed, SMALL_PLAN, "multicast with faults, async")
         groups = [res["groups"] for res in results + faulty]
         assert all(g and all(a.startswith(group[:-1]) for a in g) for g in groups), groups  # each worker joined
+        # a group socket's rows fit one result, so GRO is on by default: replicated GSO batches come in one read
+        gro = offload_default(wire.element_datagram_size(Codec.CNAT8, PACKET))[1]
+        assert [res["group_gro"] for res in results] == [[gro]] * n
 
 
 def test_multicast_cores_naming_different_groups() -> None:

@@ -12,8 +12,9 @@ import sys
 import pytest
 
 from intml.protocol import reference
-from intml.testbed import netns
+from intml.testbed import mroute, netns
 from intml.testbed.bench_allreduce import aggregator, run_ranks_intml
+from intml.testbed.bench_cluster import aggregators_in, results_mode
 from cluster import REPO_ROOT
 from intml.testbed.procs import rank_env
 from intml.testbed.rank import rank_input
@@ -68,6 +69,57 @@ def test_two_aggregator_namespaces_give_the_results_of_one():
     assert netns.list_namespaces(topo.prefix) == []
     assert dropped > 0 and spread["identical_across_ranks"] and one["identical_across_ranks"]
     assert spread["hashes"] == one["hashes"] == [reference_hash("cnat8", 2 * i + 1) for i in range(2)]
+
+
+def forwarded_by_switch(topo: netns.Topology) -> int:
+    """Multicast datagrams the switch namespace's routes have replicated (`ip -s mroute`: per entry "N packets")."""
+    out = subprocess.run(["ip", "netns", "exec", topo.switch, "ip", "-s", "mroute", "show"], capture_output=True,
+                         text=True, check=True).stdout
+    return sum(int(line.split()[0]) for line in out.splitlines() if " packets," in line)
+
+
+@needs_cluster
+@pytest.mark.parametrize("aggregators", [1, 2])
+def test_multicast_results_are_replicated_by_the_switch_namespace(aggregators):
+    """bench cluster's default: each aggregator multicasts a result once and the switch namespace's routes copy it
+    to every worker port (testbed.mroute). Under loss on every link, bit-identical to the reference; the routes
+    did the replicating; nothing is left behind."""
+    topo = netns.Topology(N, netns.parse_rate("200mbit"), loss=0.02, aggregators=aggregators if aggregators > 1 else 0)
+    with topo:
+        with aggregators_in(topo, aggregators, 1, P, multicast=True) as addresses:
+            result = run_ranks_intml(addresses, ELEMENTS, "cnat8", P, POOL, warmup=0, rounds=2,
+                                     prefixes=[topo.exec_prefix(topo.worker(r)) for r in range(N)], timeout=120)
+            forwarded = forwarded_by_switch(topo)
+        dropped = topo.dropped_packets()
+    assert netns.list_namespaces(topo.prefix) == []
+    assert dropped > 0 and result["identical_across_ranks"]
+    assert result["hashes"] == [reference_hash("cnat8", 2 * i + 1) for i in range(2)]
+    assert forwarded >= 2 * -(-ELEMENTS // P), "the switch namespace replicated fewer datagrams than the results"
+
+
+def test_mroute_structs_match_the_kernels():
+    """linux/mroute.h: struct vifctl is 16 bytes; struct mfcctl 60 (42 bytes of addresses, parent and ttls, padded
+    to 4, then four 4-byte counters). The kernel refuses any other length with EINVAL."""
+    assert mroute.VIFCTL.size == 16 and mroute.MFCCTL.size == 60
+    entry = mroute.MFCCTL.unpack(mroute.mfcctl("198.18.0.1", "239.255.42.3", 2, [0, 3]))
+    assert entry[:3] == (bytes([198, 18, 0, 1]), bytes([239, 255, 42, 3]), 2)
+    assert entry[3] == bytes([1, 0, 0, 1]) + bytes(28)
+
+
+@needs_cluster
+def test_multicast_routes_fail_in_one_line():
+    with netns.Topology(2, netns.parse_rate("100mbit")) as topo:
+        with pytest.raises(netns.ClusterError) as failed:
+            with topo.multicast_routes([("198.18.0.1", "nosuchdev")], netns.RESULTS_GROUP, 1):
+                pass
+    assert "cannot install multicast routes" in str(failed.value) and "\n" not in str(failed.value)
+
+
+def test_results_fall_back_to_unicast_beyond_the_kernels_multicast_devices():
+    assert results_mode("multicast", 8, 1) == "multicast"
+    assert results_mode("multicast", 30, 2) == "multicast" and results_mode("multicast", 31, 2) == "unicast"
+    assert results_mode("multicast", 32, 1) == "multicast" and results_mode("multicast", 33, 1) == "unicast"
+    assert results_mode("unicast", 4, 1) == "unicast"
 
 
 def test_bench_cluster_default_cores():

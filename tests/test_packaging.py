@@ -45,7 +45,7 @@ def test_install_puts_only_intml_in_site_packages(tmp_path: Path) -> None:
     top = sorted(p.name for p in (tmp_path / "site").iterdir() if p.name != "bin")
     assert top == ["intml", "intml-0.1.0.dist-info"]
     packages = sorted(p.name for p in (tmp_path / "site" / "intml").iterdir() if p.is_dir() and p.name != "__pycache__")
-    assert packages == ["aggregator", "burstio", "protocol", "testbed", "worker"]
+    assert packages == ["aggregator", "burstio", "p4", "protocol", "testbed", "worker"]
     assert (tmp_path / "site" / "intml" / "protocol" / "codecs" / "cnat8.py").exists()
     assert (tmp_path / "site" / "intml" / "worker" / "torch" / "backend.py").exists()
     scripts = (tmp_path / "site" / "intml-0.1.0.dist-info" / "entry_points.txt").read_text()

@@ -122,8 +122,11 @@ class Worker:
             try:
                 via = next(addr for addr, ack in self.session.acks.items() if ack["group"] << 16 | ack["group_port"]
                            == group)  # a core that named the group: the interface that reaches it
+                # only the job's results come to its group: rows of one result each, which lets GRO coalesce
+                # them (a switch's, or a kernel's, replicated GSO batch arrives in one read)
                 results = BurstSocket(_group_socket(group, *addr_of(via)), burst=rx_burst,
-                                      max_packet=wire.MAX_DATAGRAM)
+                                      max_packet=wire.element_datagram_size(params.codec, params.packet_elements,
+                                                                            params.data_mac))
             except OSError as exc:
                 self.close()  # leave the job: a retry must not find this rank still bound
                 raise JoinError(f"{self._who()}: cannot receive the job's results on multicast group {name}: "
