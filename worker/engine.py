@@ -22,8 +22,8 @@ One allreduce of a flat float32 tensor of N elements, packet size P and pool siz
   target grows the window, by one slot per result in slow start (from INITIAL_WINDOW, up to the first decrease)
   and then by one slot per round trip. The smallest sample, not each: a standing queue delays every result, but
   ranks that share cores are descheduled for tens of milliseconds, which delays only some, and shrinking the
-  window for those only starves the job. Bootstrap rounds give no sample to the window: they also wait for the
-  ranks that start the allreduce later. Delay, not
+  window for those only starves the job. Bootstrap rounds give no delay sample to the window (they also wait for
+  the ranks that start the allreduce later), but their results grow it. Delay, not
   loss, is the main signal: it comes before the aggregator's socket buffer overflows, a rank needs no ECN from a
   switch that has none (ATP's signal), and a loss on a lossy link is no congestion. The target keeps the
   aggregator busy (a standing queue of one minimum RTT) and the queueing delay well below the RTO floor, so
@@ -272,8 +272,14 @@ def _window_sample(timing, sample, now, pool):
         timing[T_ROUND_MIN] = np.inf
         timing[T_ROUND_END] = now + max(timing[T_SRTT], timing[T_MIN])
     if sample <= target:
-        step = 1.0 if timing[T_CWND] < timing[T_SSTHRESH] else 1.0 / timing[T_CWND]
-        timing[T_CWND] = min(float(pool), timing[T_CWND] + step)
+        _grow(timing, pool)
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _grow(timing, pool):
+    """One result's growth of the window, up to the pool (see _window_sample)."""
+    step = 1.0 if timing[T_CWND] < timing[T_SSTHRESH] else 1.0 / timing[T_CWND]
+    timing[T_CWND] = min(float(pool), timing[T_CWND] + step)
 
 
 @njit(inline="always")
@@ -474,8 +480,10 @@ def take_result(st, s, now):
     st.params[P_IN_FLIGHT] -= 1
     if st.retries[s] == 0:  # Karn: a retransmitted slot's RTT is ambiguous, and so is what its result overtook
         _rtt_sample(st.timing, now - st.sent_at[s])
-        if st.cur_chunk[s] >= 0:  # a bootstrap round also waits for the ranks that start the allreduce later
+        if st.cur_chunk[s] >= 0:
             _window_sample(st.timing, now - st.sent_at[s], now, st.parity.size)
+        else:  # a bootstrap round also waits for the ranks that start the allreduce later: no delay signal
+            _grow(st.timing, st.parity.size)
         _count_overtaking(st, s)
     st.parity[s] ^= 1
 
