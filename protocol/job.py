@@ -9,9 +9,7 @@ Why each default is what it is:
   bandwidth-delay product of a 10 Gbit/s link with a 50 us round trip.
 * ``min_rto = 0.05`` s: the floor of the adaptive retransmission timer. Ranks that share cores see scheduling
   delays of tens of milliseconds; a lower floor fires spurious retransmissions that add load exactly when the
-  aggregator is busiest. Real losses are mostly repaired earlier, by fast retransmit. It also bounds the
-  queueing the worker's congestion window allows (half of it, 25 ms: worker/engine.py), so that queueing
-  alone does not reach the RTO.
+  aggregator is busiest. Real losses are mostly repaired earlier, by fast retransmit.
 * ``timeout = 30`` s without progress before ``AllreduceTimeout``.
 * ``AGGREGATOR_IDLE_TIMEOUT = 300`` s: a job is torn down after this long without traffic. It must outlast a
   training pause (an evaluation pass, a checkpoint); a dead job's slots are held that long at worst.
@@ -106,8 +104,7 @@ class JobParams:
 
 @dataclasses.dataclass(frozen=True)
 class WorkerTimers:
-    """A worker's deadlines and its retransmission timer (RFC 6298 style, seconds). ``min_rto`` also sets the
-    congestion window's delay target: at least min_rto / 2 of queueing is allowed before the window shrinks."""
+    """A worker's deadlines and its retransmission timer (RFC 6298 style, seconds)."""
 
     timeout: float = 30.0  # no progress for this long: AllreduceTimeout
     connect_timeout: float = 5.0  # no JOIN_ACK for this long: the aggregator is unreachable

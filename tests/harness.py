@@ -7,10 +7,6 @@ Everything runs on a virtual clock that advances by ``dt`` per ``step``. Each st
 2. delivers the downlink datagrams (through its faults) to the workers, and queues the engines' next packets;
 3. fires the engines' retransmission timers.
 
-A core can be slowed (``service``): it then handles at most that many datagrams per step, in arrival order, and
-queues the rest for later steps in a queue of ``queue`` datagrams, dropping what arrives when it is full (tail
-drop), as an overloaded aggregator with a finite socket buffer does.
-
 Faults are seeded (``random.Random``), per direction: each datagram is dropped with probability ``drop``, else
 duplicated with probability ``duplicate``, and each copy is held back for 1-3 steps with probability ``reorder``
 (delivered batches are also shuffled when ``reorder`` > 0). Addresses are burstio address keys
@@ -172,14 +168,11 @@ class Network:
                  min_rto: float = 0.005, max_rto: float = 1.0, dt: float = 0.001, drop: float = 0.0, duplicate: float = 0.0,
                  reorder: float = 0.0, fault_seed: int = 0, record: bool = False, join: bool = True,
                  aggregators: list[AggregatorCore] | None = None, worker_port: int = WORKER_PORT,
-                 data_mac_key: tuple[int, int] | None = None, endpoints: Sequence[int] | None = None,
-                 service: int | None = None, queue: int = 1 << 30) -> None:
+                 data_mac_key: tuple[int, int] | None = None, endpoints: Sequence[int] | None = None) -> None:
         """``data_mac_key``: the DATA/RESULT MAC under this fixed key (k0, k1) on every core and engine, put in the
         cores' job tables once joined (in place of the key the handshake derives), so tests can forge and check tags.
         ``endpoints``: the job's slots spread over several aggregators, with these many cores each (in place of
-        ``cores``); aggregator e's core i listens on agg_addr(ENDPOINT_PORTS * e + i).
-        ``service``: datagrams each core handles per step (None: all), ``queue``: datagrams each core queues beyond
-        those (see the module docstring)."""
+        ``cores``); aggregator e's core i listens on agg_addr(ENDPOINT_PORTS * e + i)."""
         self.data_mac_key = data_mac_key
         self.n = n
         self.codec = Codec.CNAT8 if codec == "cnat8" else Codec.INT32 if codec == "int32" else Codec(codec)
@@ -206,9 +199,6 @@ class Network:
                          data_mac_keys=None if data_mac_key is None else np.array([data_mac_key] * cores, np.uint64))
             for r in range(n)
         ]
-        self.service, self.queue = service, queue
-        self.backlog: list[list[Datagram]] = [[] for _ in range(cores)]  # datagrams each slowed core has queued
-        self.queue_drops = 0  # datagrams the slowed cores' full queues dropped
         self.uplink = Link(drop=drop, duplicate=duplicate, reorder=reorder, seed=2 * fault_seed + 1)
         self.downlink = Link(drop=drop, duplicate=duplicate, reorder=reorder, seed=2 * fault_seed + 2)
         self.up: list[tuple[bytes, int, int]] = []  # (payload, source, destination) in flight to the aggregator
@@ -325,10 +315,6 @@ class Network:
         for core, datagrams in sorted(by_core.items()):
             if shuffle_seed is not None:
                 random.Random(shuffle_seed + core + 1000 * nets[0].steps).shuffle(datagrams)
-        for core in range(len(cores)):
-            datagrams = nets[0].serve(core, by_core.get(core, []))
-            if not datagrams:
-                continue
             for data, dst in core_receive(cores[core], datagrams, now):
                 item = (data, addrs[core], dst)
                 net = owner.get(dst) or groups.get(dst)
@@ -343,17 +329,6 @@ class Network:
                     net.down.append(item)
         for net in nets:
             net._to_workers()
-
-    def serve(self, core: int, arrived: list[Datagram]) -> list[Datagram]:
-        """The datagrams core ``core`` handles this step, given those that ``arrived``: all, or for a slowed core the
-        first ``service`` of its queue with the arrivals behind it (tail-dropped beyond ``queue``)."""
-        if self.service is None:
-            return arrived
-        backlog = self.backlog[core] + arrived
-        kept = self.service + self.queue
-        self.queue_drops += max(0, len(backlog) - kept)
-        self.backlog[core] = backlog[self.service:kept]
-        return backlog[:self.service]
 
     def _to_workers(self) -> None:
         by_rank: dict[int, list[Datagram]] = defaultdict(list)

@@ -6,47 +6,19 @@ engine's stored datagrams (as aioquic's QuicConnection does, without the copies)
 One allreduce of a flat float32 tensor of N elements, packet size P and pool size W:
 
 * The tensor is cut into C = ceil(N / P) chunks; chunk c goes to slot c mod W' (W' = min(W, C)), so slot s
-  carries chunks s, s + W', s + 2W', ... one at a time: the next is sent only when the previous result is back,
-  and only when the congestion window has room (below).
+  carries chunks s, s + W', s + 2W', ... one at a time: the next is sent only when the previous result is back.
 * Exponent agreement: slot s first sends a bootstrap chunk s - W' with no elements that carries this worker's
   exponent for chunk s; every DATA packet for chunk c carries the exponent for chunk c + W'. The result of each
   round carries the switch's maximum, the exponent every worker then encodes chunk c + W' against.
 * Each use of a slot flips its shadow set; the parity persists over the job's life, so consecutive uses of a
   slot alternate sets across allreduces too, as the switch requires.
-* The congestion window: at most cwnd slots in flight (1 <= cwnd <= W), because self-clocking alone does not
-  protect a software aggregator: n ranks keep n x W datagrams in flight whatever its speed, its queue grows,
-  timers fire spuriously and the retransmissions add load until goodput collapses (issue 11). The window is
-  delay-based AIMD, as Swift (Kumar et al., SIGCOMM 2020) for datacenter hosts: when the smallest round-trip
-  sample of a round (at least max(SRTT, min_rto) long) is above a target of min RTT + max(min RTT, min_rto / 2),
-  a queue stands, and the window shrinks in proportion to the excess (by at most half); each sample below the
-  target grows the window, by one slot per result in slow start (from INITIAL_WINDOW, up to the first decrease)
-  and then by one slot per round trip. The smallest sample, not each: a standing queue delays every result, but
-  ranks that share cores are descheduled for tens of milliseconds, which delays only some, and shrinking the
-  window for those only starves the job. Bootstrap rounds give no delay sample to the window (they also wait for
-  the ranks that start the allreduce later), but their results grow it. Delay, not
-  loss, is the main signal: it comes before the aggregator's socket buffer overflows, a rank needs no ECN from a
-  switch that has none (ATP's signal), and a loss on a lossy link is no congestion. The target keeps the
-  aggregator busy (a standing queue of one minimum RTT) and the queueing delay well below the RTO floor, so
-  queueing alone does not fire timers. A timeout or a fast retransmit still halves the window (at most once per
-  round trip): the queue overflowed after all. The window persists across the job's allreduces.
-  The window changes only when a chunk is sent, never which slot, shadow set or exponent it uses, so results
-  stay bit-identical. The bootstrap packets (no elements) all go at the start, whatever the window: every
-  rank joins every round of the allreduce's start, so a round that waits names a missing rank, not a held one;
-  their timers are the RTO times pool / window, as a pool-sized burst queues that much longer than a window.
-  Held slots are released in chunk order, and the smallest chunk not yet sent goes even without room once every
-  chunk below it has its result: a rank whose window shrank after it had sent later chunks could otherwise wait
-  for them while the other ranks wait for that chunk, a deadlock.
 * A slot whose result is late is retransmitted (the stored datagram, byte for byte) after an RTO that doubles
   on each retry up to ``max_rto``. The RTO adapts as TCP's does (RFC 6298): SRTT + 4 RTTVAR from round-trip
   samples of slots that were not retransmitted (Karn), bounded by [min_rto, max_rto]. A fixed RTO either
   fires spuriously when the aggregator's CPU is busy, which adds load exactly when it hurts, or waits too
-  long after a real loss. A timeout doubles the RTO new chunks start with until the next sample (RFC 6298, 5.5),
-  and a timer call resends at most a window of expired slots, least recently sent first (the others are due one
-  RTO later): resending a whole queue of late slots is what feeds an overload. Fast retransmit (TCP's duplicate-ACK
-  rule, per slot): a slot overtaken by FAST_RETRANSMIT results of slots sent after it to the same aggregator
-  core is presumed lost and retransmitted at once, so a loss costs about one round trip instead of an RTO; the
-  result of a slot that was resent overtakes nothing (it may answer the first send: Karn again), or a spurious
-  timeout would set off spurious fast retransmits. Results that are duplicate, stale (another
+  long after a real loss. Fast retransmit (TCP's duplicate-ACK rule, per slot): a slot overtaken by
+  FAST_RETRANSMIT results of slots sent after it to the same aggregator core is presumed lost and retransmitted
+  at once, so a loss costs about one round trip instead of an RTO. Results that are duplicate, stale (another
   allreduce, chunk or shadow set), foreign (another job or source) or malformed are counted and dropped.
 * With the job's DATA/RESULT MAC (``data_mac_keys``), every DATA datagram ends in a SipHash-2-4 tag under the data
   key of the core its slot lives on, and the result a slot waits for is taken only if its tag is valid: a forged
@@ -58,9 +30,8 @@ One allreduce of a flat float32 tensor of N elements, packet size P and pool siz
   other datagram buffer (protocol.arith.precode_chunk). Once its agreed floor is known, its codes are lowered
   to it, or encoded again only if one of its nonzero values lies below that floor, the one case where the
   floor changes which power of two a value rounds to.
-  A NaN or infinity is found when its chunk is read: no chunk at or past it is sent from there on, the chunks
-  before it still are and their results are taken (so the shadow sets stay in step), then ValueError (see
-  ``non_finite``).
+  A NaN or infinity is found when its chunk is read: no chunk is sent from there on, the results of those
+  already sent are still taken (so the shadow sets stay in step), then ValueError (see ``non_finite``).
   int32: chunk c is sent as rint(x * 2**(s - E)), the sum comes back as int32 and is scaled by 2**(E - s).
 """
 
@@ -122,43 +93,22 @@ STAT_NAMES = (
  SATURATED, DROP_BAD_MAC) = range(len(STAT_NAMES))
 FAST_RETRANSMIT = 3  # results of later-sent slots that mark a slot as lost
 IDLE = np.iinfo(np.int64).min  # cur_chunk of a slot with nothing in flight
-# The window (see the module docstring). INITIAL_WINDOW: a job's first window, below the default pool so that n
-# ranks' first burst of data (n x 16 packets) fits an aggregator's queue; slow start reaches the pool in two
-# round trips. The queueing delay it allows is at least QUEUE_DELAY_OF_MIN_RTO of the RTO floor (a margin of
-# two below it); a delay decrease is Swift's (at most MAX_DECREASE, in proportion BETA to the excess delay); a
-# loss halves the window.
-INITIAL_WINDOW = 16
-QUEUE_DELAY_OF_MIN_RTO = 0.5
-BETA = 0.8
-MAX_DECREASE = 0.5
 
 # All engine state the kernels touch, as arrays. Python passes it to the entry kernels as a plain tuple, which
 # Numba types in C (~1 us a call), and they rebuild the namedtuple: Numba types a namedtuple argument on a slow
 # Python path (~40 us a call), which made dispatch the largest cost of a worker.
 State = namedtuple(
     "State",
-    "params x out local_exp agreed_exp cur_chunk held parity sent_at rto retries overtaken packet packet_len agg_addr "
-    "stats timing low sent mac_keys",
+    "params x out local_exp agreed_exp cur_chunk parity sent_at rto retries overtaken packet packet_len agg_addr stats "
+    "timing low sent mac_keys",
 )
-# params (int64): job, rank, world, value_bits, codec, packet_elements, window (W', slots in use), chunks, elements,
-#                 allreduce, cores, seed (as int64 bits), done_chunks, index of a non-finite input or -1, slots in
-#                 flight, the smallest chunk not sent yet (bootstrap chunks are -W'..-1)
+# params (int64): job, rank, world, value_bits, codec, packet_elements, window, chunks, elements, allreduce, cores,
+#                 seed (as int64 bits), done_chunks, index of a non-finite input or -1
 (P_JOB, P_RANK, P_WORLD, P_VBITS, P_CODEC, P_PKT, P_WINDOW, P_CHUNKS, P_ELEMENTS, P_ALLREDUCE, P_CORES,
- P_SEED, P_DONE, P_BAD, P_IN_FLIGHT, P_NEXT) = range(16)
-N_PARAMS = 16
+ P_SEED, P_DONE, P_BAD) = range(14)
 # mac_keys (uint64): (cores, 2), the data key (k0, k1) of each aggregator core; (0, 2) without the DATA/RESULT MAC
-# cur_chunk (int64) and held (bool), per slot: in flight with chunk c: (c, False); waiting for room in the window
-#                 to send its next chunk c: (c, True); nothing left to send: (IDLE, False)
-# timing (float64): smoothed RTT, RTT variance, current RTO, min RTO, max RTO, congestion window (slots), slow
-#                   start threshold, minimum RTT, time of the last window decrease, smallest sample of the
-#                   current delay round, end of that round
-T_SRTT, T_RTTVAR, T_RTO, T_MIN, T_MAX, T_CWND, T_SSTHRESH, T_MIN_RTT, T_DECREASED, T_ROUND_MIN, T_ROUND_END = range(11)
-
-
-@njit(inline="always")
-def _end(prm):
-    """The chunks this rank sends: all, or, once a non-finite value was found, those before its chunk."""
-    return prm[P_CHUNKS] if prm[P_BAD] < 0 else min(prm[P_CHUNKS], prm[P_BAD] // prm[P_PKT])
+# timing (float64): smoothed RTT, RTT variance, current RTO, min RTO, max RTO
+T_SRTT, T_RTTVAR, T_RTO, T_MIN, T_MAX = range(5)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -177,16 +127,16 @@ def _worker_key(prm):
 def _precode(st, d):
     """cnat8: encode chunk d at its own floor (protocol.arith.precode_chunk) into the payload of the datagram
     buffer its slot will send it from, the one the slot's in-flight chunk does not use, and note its exponent
-    proposal. A non-finite value stops it and goes to params[P_BAD] (the first one in the tensor)."""
+    proposal. A non-finite value stops it and goes to params[P_BAD]."""
     prm = st.params
-    if not codecs.precodes(prm[P_CODEC]) or d >= _end(prm):
+    if not codecs.precodes(prm[P_CODEC]) or d >= prm[P_CHUNKS] or prm[P_BAD] >= 0:
         return
     s = d % prm[P_WINDOW]
     lo = d * prm[P_PKT]
     hi = min(prm[P_ELEMENTS], lo + prm[P_PKT])
     payload = st.packet[s, 1 - st.parity[s], HDR:HDR + hi - lo]
     sat, bad, st.local_exp[d], st.low[d] = precode_chunk(st.x[lo:hi], payload, _worker_key(prm), lo, prm[P_VBITS])
-    if bad >= 0 and (prm[P_BAD] < 0 or bad < prm[P_BAD]):
+    if bad >= 0:
         prm[P_BAD] = bad
     st.stats[SATURATED] += sat
 
@@ -197,7 +147,7 @@ def _build(st, s, c, now):
     chunk c's codes are there already (precoded), unless the agreed floor changes some. Then precode the chunk
     whose exponent this packet carries, c + window, into the slot's other buffer."""
     prm = st.params
-    window, pkt = prm[P_WINDOW], prm[P_PKT]
+    window, chunks, pkt = prm[P_WINDOW], prm[P_CHUNKS], prm[P_PKT]
     count = _chunk_count(st, c)
     exp = NO_EXP if c < 0 else st.agreed_exp[c]
     p = st.packet[s, st.parity[s]]
@@ -213,7 +163,7 @@ def _build(st, s, c, now):
     nxt = c + window
     if c >= 0:  # the bootstrap packets carry chunks 0..window-1, precoded by start_kernel
         _precode(st, nxt)
-    next_exp = st.local_exp[nxt] if nxt < _end(prm) else NO_EXP
+    next_exp = st.local_exp[nxt] if nxt < chunks else NO_EXP
     put_header(p, MsgType.DATA, prm[P_JOB], prm[P_ALLREDUCE], c, prm[P_RANK], s, count, codec, st.parity[s],
                exp, next_exp)
     keys = st.mac_keys
@@ -226,8 +176,7 @@ def _build(st, s, c, now):
     st.sent_at[s] = now
     st.retries[s] = 0
     st.overtaken[s] = 0
-    # the bootstrap rounds go all at once: pool / window times what the window lets into a queue
-    st.rto[s] = st.timing[T_RTO] * (max(1.0, window / st.timing[T_CWND]) if c < 0 else 1.0)
+    st.rto[s] = st.timing[T_RTO]
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -240,54 +189,6 @@ def _rtt_sample(timing, sample):
         timing[T_RTTVAR] = 0.75 * timing[T_RTTVAR] + 0.25 * abs(timing[T_SRTT] - sample)
         timing[T_SRTT] = 0.875 * timing[T_SRTT] + 0.125 * sample
     timing[T_RTO] = min(timing[T_MAX], max(timing[T_MIN], timing[T_SRTT] + 4.0 * timing[T_RTTVAR]))
-
-
-@njit(cache=True, nogil=True, boundscheck=False)
-def _decrease(timing, factor, now):
-    """Multiply the window by factor (down to one slot), at most once per smoothed round trip: the signals of one
-    congested window (its late results, timeouts, losses) make one decrease, as in TCP NewReno and Swift."""
-    if now - timing[T_DECREASED] >= timing[T_SRTT]:
-        timing[T_CWND] = max(1.0, timing[T_CWND] * factor)
-        timing[T_SSTHRESH] = timing[T_CWND]
-        timing[T_DECREASED] = now
-
-
-@njit(cache=True, nogil=True, boundscheck=False)
-def _window_sample(timing, sample, now, pool):
-    """Adapt the window to one round-trip sample. A standing queue at the aggregator or a link delays every
-    result, a descheduled process (ranks that share cores) only some: so the delay signal is the smallest sample
-    of each round, at least min_rto long, and when it is above the target the window decreases in proportion to
-    the excess (Swift). Each sample below the target grows the window, up to the pool: by one slot per result
-    below the slow start threshold (the window doubles each round trip), then by one slot per window of results
-    (additive increase). The target lets the queue hold the larger of one minimum RTT (the aggregator stays
-    busy) and half of min_rto (queueing alone never fires a timer)."""
-    base = min(timing[T_MIN_RTT], sample)
-    timing[T_MIN_RTT] = base
-    target = base + max(base, QUEUE_DELAY_OF_MIN_RTO * timing[T_MIN])
-    least = min(timing[T_ROUND_MIN], sample)
-    timing[T_ROUND_MIN] = least
-    if now >= timing[T_ROUND_END]:
-        if least > target:
-            _decrease(timing, max(1.0 - BETA * (least - target) / least, 1.0 - MAX_DECREASE), now)
-        timing[T_ROUND_MIN] = np.inf
-        timing[T_ROUND_END] = now + max(timing[T_SRTT], timing[T_MIN])
-    if sample <= target:
-        _grow(timing, pool)
-
-
-@njit(cache=True, nogil=True, boundscheck=False)
-def _grow(timing, pool):
-    """One result's growth of the window, up to the pool (see _window_sample)."""
-    step = 1.0 if timing[T_CWND] < timing[T_SSTHRESH] else 1.0 / timing[T_CWND]
-    timing[T_CWND] = min(float(pool), timing[T_CWND] + step)
-
-
-@njit(inline="always")
-def _in_flight(chunk, held):
-    """Whether a slot with this chunk and held flag has a datagram in flight. It takes scalars: every call that
-    passes arrays increfs and decrefs them (the State: all its 20), and in the loops over slots, once per result,
-    that cost more than the rest of the result."""
-    return chunk != IDLE and not held
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -316,91 +217,34 @@ def _count_overtaking(st, s):
     sent = st.sent_at[s]
     cores = st.params[P_CORES]
     for other in range(s % cores, st.params[P_WINDOW], cores):
-        if other != s and _in_flight(st.cur_chunk[other], st.held[other]) and st.sent_at[other] < sent:
+        if other != s and st.cur_chunk[other] != IDLE and st.sent_at[other] < sent:
             st.overtaken[other] += 1
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def _fast_retransmit(st, now, tx_ptr, tx_len, tx_addr, n_tx):
     """After a burst of results: resend the slots still in flight that FAST_RETRANSMIT results overtook (a slot
-    whose own result came later in the burst is not resent), and halve the window: a loss is taken as a sign of
-    congestion (an overflowing queue), as TCP does. Returns the new tx count."""
+    whose own result came later in the burst is not resent). Returns the new tx count."""
     for s in range(st.params[P_WINDOW]):
-        if _in_flight(st.cur_chunk[s], st.held[s]) and st.overtaken[s] >= FAST_RETRANSMIT and n_tx < tx_len.size:
+        if st.cur_chunk[s] != IDLE and st.overtaken[s] >= FAST_RETRANSMIT and n_tx < tx_len.size:
             n_tx = _resend(st, s, now, tx_ptr, tx_len, tx_addr, n_tx)
             st.overtaken[s] = 0
             st.stats[FAST_RETRANSMISSIONS] += 1
-            _decrease(st.timing, 1.0 - MAX_DECREASE, now)
-    return n_tx
-
-
-@njit(inline="always")
-def _sent(chunk, held, c):
-    """Whether chunk c was sent by its slot, which holds this chunk and held flag (a slot sends its chunks in
-    order; an idle one has sent them all). Scalars, as _in_flight's."""
-    return chunk == IDLE or chunk > c or (chunk == c and not held)
-
-
-@njit(cache=True, nogil=True, boundscheck=False)
-def _oldest_unsent(st, c):
-    """Whether every chunk below c has its result: then c may go whatever the window (see _release)."""
-    for s in range(st.params[P_WINDOW]):
-        if _in_flight(st.cur_chunk[s], st.held[s]) and st.cur_chunk[s] < c:
-            return False
-    return True
-
-
-@njit(cache=True, nogil=True, boundscheck=False)
-def _release(st, now, tx_ptr, tx_len, tx_addr, n_tx):
-    """Send held slots' next chunks while the window has room, from the slot of the smallest unsent chunk on. That
-    chunk goes even without room once every chunk below it has its result: a rank that sent later chunks before
-    its window shrank could otherwise wait on them while the other ranks wait for that chunk (see the module
-    docstring). Returns the new tx count."""
-    prm, held, cur = st.params, st.held, st.cur_chunk
-    window, chunks = prm[P_WINDOW], prm[P_CHUNKS]
-    first = prm[P_NEXT]
-    for i in range(window):
-        s = (first + window + i) % window  # first >= -window
-        if not held[s]:
-            continue
-        c = cur[s]
-        if c >= _end(prm):  # found a non-finite value before this chunk: it stays unsent
-            held[s] = False
-            cur[s] = IDLE
-            continue
-        if prm[P_IN_FLIGHT] + 1 > st.timing[T_CWND] and not (c == first and _oldest_unsent(st, c)):
-            continue
-        if n_tx >= tx_len.size:
-            break
-        held[s] = False
-        prm[P_IN_FLIGHT] += 1
-        _build(st, s, c, now)
-        _queue(st, s, tx_ptr, tx_len, tx_addr, n_tx)
-        n_tx += 1
-    c = first
-    while c < chunks and _sent(cur[(c + window) % window], held[(c + window) % window], c):
-        c += 1
-    prm[P_NEXT] = c
     return n_tx
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def start_kernel(state, now, tx_ptr, tx_len, tx_addr):
-    """Send every slot's bootstrap chunk, whatever the window: they carry no elements, and a rank that sent them
-    all has joined every round of the allreduce's start, so the aggregator names a missing rank by the rounds it
-    misses alone. Returns the number of datagrams written (the window)."""
+    """Send every slot's bootstrap chunk. Returns the number of datagrams written (the window)."""
     st = State(*state)
-    prm = st.params
-    window = prm[P_WINDOW]
+    window = st.params[P_WINDOW]
     for d in range(window):  # the bootstrap packets carry chunks 0..window-1's exponents
         _precode(st, d)
-    if prm[P_BAD] >= 0:
+    if st.params[P_BAD] >= 0:
         return 0
     for s in range(window):
         _build(st, s, s - window, now)
         _queue(st, s, tx_ptr, tx_len, tx_addr, s)
-    prm[P_NEXT] = 0
-    prm[P_IN_FLIGHT] = window
     return window
 
 
@@ -474,38 +318,32 @@ def decode_sum(prm, agreed_exp, out, p, c, count):
 
 @njit(inline="always")
 def take_result(st, s, now):
-    """Slot s's round is over: count it, sample the round trip (RTO and window), mark the slots it overtook, flip
-    the shadow set."""
+    """Slot s's round is over: count it, sample the round trip, mark the slots it overtook, flip the shadow set."""
     st.stats[RESULTS] += 1
-    st.params[P_IN_FLIGHT] -= 1
-    if st.retries[s] == 0:  # Karn: a retransmitted slot's RTT is ambiguous, and so is what its result overtook
+    if st.retries[s] == 0:  # Karn: a retransmitted slot's RTT is ambiguous
         _rtt_sample(st.timing, now - st.sent_at[s])
-        if st.cur_chunk[s] >= 0:
-            _window_sample(st.timing, now - st.sent_at[s], now, st.parity.size)
-        else:  # a bootstrap round also waits for the ranks that start the allreduce later: no delay signal
-            _grow(st.timing, st.parity.size)
-        _count_overtaking(st, s)
+    _count_overtaking(st, s)
     st.parity[s] ^= 1
 
 
 @njit(inline="always")
-def advance(st, s, c, next_exp):
-    """Hold slot s's next chunk, c + window, to be encoded against next_exp and sent when the window has room
-    (_release), or leave the slot idle if there is none."""
+def advance(st, s, c, next_exp, now, tx_ptr, tx_len, tx_addr, n_tx):
+    """Queue slot s's next chunk, c + window, to be encoded against next_exp (or leave the slot idle if there is
+    none); returns the new tx count."""
     prm = st.params
     nxt = c + prm[P_WINDOW]
-    if nxt < _end(prm):
+    if nxt < prm[P_CHUNKS] and prm[P_BAD] < 0:  # no new chunk once a non-finite value was found
         st.agreed_exp[nxt] = next_exp
-        st.cur_chunk[s] = nxt
-        st.held[s] = True
-    else:
-        st.cur_chunk[s] = IDLE
+        _build(st, s, nxt, now)
+        _queue(st, s, tx_ptr, tx_len, tx_addr, n_tx)
+        return n_tx + 1
+    st.cur_chunk[s] = IDLE
+    return n_tx
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def receive_kernel(state, rx_data, rx_len, rx_addr, n_rx, now, tx_ptr, tx_len, tx_addr):
-    """Accept results, decode them, and queue the slots' next chunks the window takes. Returns datagrams written
-    to tx."""
+    """Accept results, decode them, and queue each slot's next chunk. Returns datagrams written to tx."""
     st = State(*state)
     prm, agreed_exp, out, keys = st.params, st.agreed_exp, st.out, st.mac_keys
     n_tx = 0
@@ -531,44 +369,20 @@ def receive_kernel(state, rx_data, rx_len, rx_addr, n_rx, now, tx_ptr, tx_len, t
             continue
         s = get_u16(p, O_SLOT)
         take_result(st, s, now)
-        advance(st, s, c, get_i8(p, O_NEXT_EXP))
-    n_tx = _release(st, now, tx_ptr, tx_len, tx_addr, n_tx)
+        n_tx = advance(st, s, c, get_i8(p, O_NEXT_EXP), now, tx_ptr, tx_len, tx_addr, n_tx)
     return _fast_retransmit(st, now, tx_ptr, tx_len, tx_addr, n_tx)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def timer_kernel(state, now, tx_ptr, tx_len, tx_addr):
-    """Retransmit the slots whose RTO expired, doubling their RTO. A timeout also doubles the RTO that new chunks
-    start with, until the next round-trip sample (RFC 6298, 5.5), and halves the window; at most a window of
-    expired slots is resent per call, least recently sent first, the others are due again one RTO later
-    (resending every slot of an overloaded aggregator's queue is what collapses it). Returns datagrams written
-    to tx."""
+    """Retransmit every slot whose RTO expired, doubling its RTO. Returns datagrams written to tx."""
     st = State(*state)
-    timing, prm = st.timing, st.params
-    window = prm[P_WINDOW]
-    expired = False
-    for s in range(window):
-        expired |= _in_flight(st.cur_chunk[s], st.held[s]) and now - st.sent_at[s] >= st.rto[s]
-    if not expired:
-        return 0
-    timing[T_RTO] = min(timing[T_MAX], 2.0 * timing[T_RTO])
-    _decrease(timing, 1.0 - MAX_DECREASE, now)
-    budget = min(tx_len.size, int(timing[T_CWND]))
     n_tx = 0
-    while n_tx < budget:  # least recently sent first: every expired slot gets its turn
-        last = -1
-        for s in range(window):
-            if _in_flight(st.cur_chunk[s], st.held[s]) and now - st.sent_at[s] >= st.rto[s] and (last < 0
-                                                                          or st.sent_at[s] < st.sent_at[last]):
-                last = s
-        if last < 0:
-            break
-        n_tx = _resend(st, last, now, tx_ptr, tx_len, tx_addr, n_tx)
-        st.rto[last] = min(timing[T_MAX], 2.0 * st.rto[last])
-        st.stats[RETRANSMISSIONS] += 1
-    for s in range(window):  # the expired slots beyond the window: due one RTO from now
-        if _in_flight(st.cur_chunk[s], st.held[s]) and now - st.sent_at[s] >= st.rto[s]:
-            st.rto[s] = now - st.sent_at[s] + timing[T_RTO]
+    for s in range(st.params[P_WINDOW]):
+        if st.cur_chunk[s] != IDLE and now - st.sent_at[s] >= st.rto[s] and n_tx < tx_len.size:
+            n_tx = _resend(st, s, now, tx_ptr, tx_len, tx_addr, n_tx)
+            st.rto[s] = min(st.timing[T_MAX], 2.0 * st.rto[s])
+            st.stats[RETRANSMISSIONS] += 1
     return n_tx
 
 
@@ -578,7 +392,7 @@ def next_deadline(state):
     st = State(*state)
     t = np.inf
     for s in range(st.params[P_WINDOW]):
-        if _in_flight(st.cur_chunk[s], st.held[s]):
+        if st.cur_chunk[s] != IDLE:
             t = min(t, st.sent_at[s] + st.rto[s])
     return t
 
@@ -612,10 +426,8 @@ class StreamEngine:
         self.codec = Codec(codec)
         self.packet_elements = packet_elements
         self.pool_size = pool_size
-        # persists: later allreduces start adapted
-        self.timing = np.array([0.0, 0.0, rto, min_rto, max_rto, float(min(pool_size, INITIAL_WINDOW)), np.inf,
-                                np.inf, -np.inf, np.inf, -np.inf])
-        self.params = np.zeros(N_PARAMS, np.int64)
+        self.timing = np.array([0.0, 0.0, rto, min_rto, max_rto])  # persists: later allreduces start adapted
+        self.params = np.zeros(14, np.int64)
         self.params[[P_JOB, P_RANK, P_WORLD, P_VBITS, P_CODEC, P_PKT, P_CORES]] = (
             job, rank, world_size, value_bits(world_size), int(self.codec), packet_elements, len(agg_addrs))
         self.params[P_SEED] = np.uint64(seed).view(np.int64)
@@ -681,8 +493,7 @@ class StreamEngine:
         self.state = State(
             params=prm, x=flat, out=out.reshape(-1), local_exp=local,
             agreed_exp=np.full(chunks, NO_EXP, np.int64), cur_chunk=np.full(self.pool_size, IDLE, np.int64),
-            held=np.zeros(self.pool_size, np.bool_), parity=self.parity, sent_at=np.zeros(self.pool_size),
-            rto=np.zeros(self.pool_size),
+            parity=self.parity, sent_at=np.zeros(self.pool_size), rto=np.zeros(self.pool_size),
             retries=np.zeros(self.pool_size, np.int64), overtaken=np.zeros(self.pool_size, np.int64),
             packet=self.packet,
             packet_len=np.zeros(self.pool_size, np.int64), agg_addr=self.agg_addr, stats=self.stats,
@@ -699,9 +510,8 @@ class StreamEngine:
         """The index of a NaN or infinity in the current allreduce's input, once found, else None.
 
         cnat8 reads each chunk a window ahead of sending it, so one past the first window is found mid-flight.
-        From then on the engine sends no chunk at or past it (those before it still go: another rank may
-        wait for them before it can send a chunk this rank already sent) and takes the results of the chunks it
-        sent (and retransmits them), so that its shadow sets stay in step with the other ranks' and the job's next
+        From then on the engine sends no new chunk but still takes the results of the chunks it sent (and
+        retransmits them), so that its shadow sets stay in step with the other ranks' and the job's next
         allreduce works; when it is done the driver raises (check_finite). The other ranks time out."""
         bad = int(self.params[P_BAD])
         return None if bad < 0 else bad
@@ -749,12 +559,6 @@ class StreamEngine:
 
     def counters(self) -> dict[str, int]:
         return dict(zip(STAT_NAMES, self.stats.tolist()))
-
-    @property
-    def window(self) -> float:
-        """The congestion window: at most this many slots in flight, from one to the pool (persists across
-        allreduces)."""
-        return float(self.timing[T_CWND])
 
     @property
     def rto(self) -> float:
