@@ -67,7 +67,7 @@ from intml.protocol.packet import (
 from intml.protocol.job import CONTROL_SOURCE_BUCKETS, MAX_WORLD, ControlLimits
 from intml.protocol.rng import derive_key
 from intml.protocol.siphash import TAG_SIZE, put_tag, tag_ok
-from intml.protocol.wire import MAGIC, VERSION, MsgType
+from intml.protocol.wire import MAGIC, VERSION, Codec, MsgType, element_datagram_size
 
 # Statistics, per job (and, for packets that name no known job, per core). The drop reasons are the malformed or
 # foreign packets of docs/protocol.md ("Drop reasons"); "retransmissions" and "results_resent" are normal events.
@@ -215,7 +215,7 @@ def new_jobs(capacity: int) -> Jobs:
 
 def result_width(max_elements: int) -> int:
     """Bytes of one stored result: the largest RESULT datagram (int32 codes and a tag)."""
-    return HDR + 4 * max_elements + TAG_SIZE
+    return element_datagram_size(Codec.INT32, max_elements, data_mac=True)
 
 
 def new_table(rows: int, max_elements: int, result: np.ndarray) -> Table:

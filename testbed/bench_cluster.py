@@ -25,8 +25,8 @@ from intml.protocol.traffic import intml_bytes, ring_bytes
 from intml.testbed import gloo
 from intml.testbed.bench_allreduce import aggregator, run_ranks_intml
 from intml.testbed.netns import RESULTS_GROUP, Topology, parse_rate
-from intml.testbed.procs import run_ranks
 from intml.testbed.mroute import MAXVIFS
+from intml.testbed.procs import run_ranks
 from intml.testbed.timing import emit
 
 IP_UDP = 28

@@ -75,7 +75,7 @@ from intml.protocol.packet import (
 from intml.protocol.job import WorkerTimers
 from intml.protocol.rng import derive_key
 from intml.protocol.siphash import put_tag, tag_ok
-from intml.protocol.wire import MAGIC, TAG_SIZE, VERSION, Codec, MsgType
+from intml.protocol.wire import MAGIC, TAG_SIZE, VERSION, Codec, MsgType, element_datagram_size
 
 STAT_NAMES = (
     "packets_out",
@@ -433,10 +433,9 @@ class StreamEngine:
         self.params[P_SEED] = np.uint64(seed).view(np.int64)
         self.seed, self.rank = seed, rank
         self.parity = np.zeros(pool_size, np.int64)  # persists over the job's life
-        width = codecs.BY_ID[self.codec].WIDTH
         # two datagram buffers per slot, by parity: the in-flight chunk's (kept for retransmission) and the next's
-        tag = TAG_SIZE if self.mac_keys.shape[0] else 0
-        self.packet = np.zeros((pool_size, 2, HDR + packet_elements * width + tag), np.uint8)
+        size = element_datagram_size(self.codec, packet_elements, data_mac=bool(self.mac_keys.shape[0]))
+        self.packet = np.zeros((pool_size, 2, size), np.uint8)
         # what each call hands out: rows pointing into self.packet. A call queues each slot at most once (its
         # next chunk, or a retransmission), so pool_size rows always suffice.
         self.tx = Burst(self.packet, pool_size)
