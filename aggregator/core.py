@@ -19,11 +19,13 @@ Control plane (docs/protocol.md, "Control plane" and "Control plane authenticati
     LEAVE (MAC'd under the session key, from the rank's address): the rank is done; when every joined rank has
     left, the job is torn down and its rows freed. Others are counted (``drop_leave_non_member``,
     ``drop_bad_mac``) and ignored. A job idle (no accepted packet, no join) for ``idle_timeout`` seconds is
-    torn down too.
+    torn down too. A job's final counters, and when and why it ended (``leave``, ``idle``, ``evicted``), stay in a
+    bounded history of the last ``job_history`` finished jobs.
     STATS_REQUEST (MAC'd likewise, from a member): a STATS_REPLY with that job's counters, how long each rank
     has been silent and the ranks its incomplete rounds miss, MAC'd, cut to at most MAX_REPLY_RATIO times the
     request. With rank OPERATOR_RANK and a MAC under one of the core's tokens: every job's statistics (job id
-    0xFFFFFFFF) or one job's, and the core's counters. No member addresses, no seeds, to anyone. A member's
+    0xFFFFFFFF) or one job's, the finished jobs' history, and the core's counters (every event on the core,
+    aggregator.counters). No member addresses, no seeds, to anyone. A member's
     request for a job this core does not know gets a short ERROR (if not larger than the request); anything
     else gets no reply (``drop_bad_mac``).
 """
@@ -32,11 +34,13 @@ from __future__ import annotations
 
 import json
 import os
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from intml.aggregator.counters import END_REASONS, EVICTED, IDLE, LEAVE, CoreCounters
 from intml.aggregator.slots import (
     DROP_BAD_CONTROL,
     DROP_BAD_MAC,
@@ -60,6 +64,7 @@ from intml.protocol.arith import value_bits
 from intml.protocol.burst import Burst
 from intml.protocol.job import (
     AGGREGATOR_IDLE_TIMEOUT,
+    AGGREGATOR_JOB_HISTORY,
     AGGREGATOR_MAX_ELEMENTS,
     AGGREGATOR_MAX_JOBS,
     AGGREGATOR_MAX_POOL,
@@ -106,7 +111,8 @@ class AggregatorCore:
                  results_group: tuple[int, int] | None = None, burst: int = BURST,
                  allow_shared_address: bool = False, max_pool: int = AGGREGATOR_MAX_POOL,
                  control_limits: ControlLimits = ControlLimits(), tokens: Iterable[str] = ("",),
-                 random_bytes: Callable[[int], bytes] = os.urandom) -> None:
+                 random_bytes: Callable[[int], bytes] = os.urandom, job_history: int = AGGREGATOR_JOB_HISTORY,
+                 counters: CoreCounters | None = None) -> None:
         """``burst``: the most datagrams a receive burst is expected to hold (a larger one grows the output
         memory). ``results_group`` = (first IPv4 multicast group as an integer, UDP port): job slot j sends its results
         to group + j in one datagram per completion, as a switch's multicast replication does, instead of one
@@ -115,7 +121,9 @@ class AggregatorCore:
         holder of the token cannot stand in for a whole job. ``control_limits``: how many JOIN, LEAVE and
         STATS_REQUEST datagrams the kernel lets through to the control plane (the kernel's control admission).
         ``tokens``: the tokens a new job may be created with (the default, only the empty token, is the open
-        mode). ``random_bytes``: the source of the core's cookie secret (injectable for deterministic tests)."""
+        mode). ``random_bytes``: the source of the core's cookie secret (injectable for deterministic tests).
+        ``job_history``: how many finished jobs the statistics keep. ``counters``: the block the core keeps its
+        counters and job table flags in (for a reader elsewhere, aggregator.metrics; a private one by default)."""
         if not 0 <= core < cores:
             raise ValueError(f"core must be in [0, {cores}), got {core}")
         if results_group is not None and not (0xE0000000 <= results_group[0] <= 0xF0000000 - max_jobs
@@ -131,9 +139,16 @@ class AggregatorCore:
         if not self._token_keys:
             raise ValueError("an aggregator core needs at least one token (the open mode's is \"\")")
         self._secret = random_bytes(keys.KEY_SIZE)  # keys the cookies; never leaves the core
-        self.jobs: Jobs = new_jobs(max_jobs)
-        self.row_used = np.zeros(rows, np.bool_)
+        self.counters = CoreCounters(max_jobs, rows) if counters is None else counters
+        if (self.counters.max_jobs, self.counters.rows) != (max_jobs, rows):
+            raise ValueError(f"the counters block is for {self.counters.max_jobs} jobs and {self.counters.rows} rows, "
+                             f"not {max_jobs} and {rows}")
+        c = self.counters
+        self.jobs: Jobs = new_jobs(max_jobs)._replace(job_id=c.job_id, active=c.active, stats=c.stats,
+                                                       core_stats=c.core_stats)
+        self.row_used = c.row_used
         self.info: dict[int, JobInfo] = {}
+        self.history: deque[dict] = deque(maxlen=job_history)  # finished jobs, oldest first
         self._limiter = tuple(new_limiter(control_limits))
         self._control_in: list[tuple[bytes, int, float]] = []  # admitted control datagrams not yet handled
         width = result_width(max_elements)
@@ -199,7 +214,7 @@ class AggregatorCore:
                 return self._join(datagram, addr, now)
             header, _ = wire.unpack(datagram)
             if typ == MsgType.LEAVE:
-                self._leave(datagram, int(header["job"]), int(header["rank"]), addr)
+                self._leave(datagram, int(header["job"]), int(header["rank"]), addr, now)
                 return None
             return self._stats_reply(datagram, int(header["job"]), int(header["rank"]), addr, now)
         except ValueError as exc:  # a malformed JOIN, LEAVE or STATS_REQUEST: counted, answered, no state change
@@ -329,7 +344,6 @@ class AggregatorCore:
                     f"(intml-aggregator --slots); use a smaller pool or another aggregator")
         j = int(free_jobs[0])
         jobs, table = self.jobs, self.table
-        jobs.job_id[j] = job_id
         jobs.world[j] = params["world_size"]
         jobs.value_bits[j] = value_bits(params["world_size"])
         jobs.packet_elements[j] = params["packet_elements"]
@@ -340,7 +354,6 @@ class AggregatorCore:
         jobs.members[j] = 0
         jobs.group[j] = 0 if self.results_group is None else (self.results_group[0] + j) << 16 | self.results_group[1]
         jobs.last_seen[j] = now
-        jobs.stats[j] = 0
         jobs.data_mac[j] = bool(params["flags"] & wire.FLAG_DATA_MAC)
         jobs.mac_key[j] = key_words(keys.data_key(token_key, job_id, job_nonce))
         jobs.stride[j], jobs.offset[j] = stride, offset
@@ -348,7 +361,7 @@ class AggregatorCore:
         table.round_key[rows.start:rows.stop] = -1  # a fresh job must not see a previous job's rounds
         table.count[rows.start:rows.stop] = 0
         table.bitmap[rows.start:rows.stop] = 0
-        jobs.active[j] = True
+        self.counters.start_job(j, job_id)  # sets the job's id, then marks it active: the kernel sees it from here
         info = JobInfo(j, params, rows, now, token_key, job_nonce)
         self.info[job_id] = info
         return info
@@ -366,7 +379,7 @@ class AggregatorCore:
             return None
         return info
 
-    def _leave(self, datagram: bytes, job_id: int, rank: int, addr: int) -> None:
+    def _leave(self, datagram: bytes, job_id: int, rank: int, addr: int, now: float) -> None:
         info = self._session(datagram, job_id, rank, addr, DROP_LEAVE_NON_MEMBER)
         if info is None:
             return
@@ -374,12 +387,17 @@ class AggregatorCore:
         del info.sessions[rank]  # a replay of this LEAVE finds no key
         joined = set(np.flatnonzero(self.jobs.members[info.index, : info.params["world_size"]]).tolist())
         if joined <= info.left:
-            self.teardown(job_id)
+            self.teardown(job_id, now, LEAVE)
 
-    def teardown(self, job_id: int) -> None:
+    def teardown(self, job_id: int, now: float | None = None, reason: str = EVICTED) -> None:
+        """End a job: free its entry and rows, and keep its final counters in the history. ``reason``: one of
+        END_REASONS (``evicted`` when the driver ends it); ``now``: when (default: its last activity)."""
         info = self.info.pop(job_id)
-        self.jobs.active[info.index] = False
+        ended = self._last_activity(info) if now is None else now
+        final = self.counters.end_job(info.index, reason)
         self.row_used[info.rows.start:info.rows.stop] = False
+        self.history.append({"job": job_id, "params": info.params, "ended": reason, "ended_at": ended,
+                             "lasted_s": round(ended - info.joined_at, 3), "counters": _nonzero(final)})
 
     def _last_activity(self, info: JobInfo) -> float:
         """The job's join or the latest packet of any member, whichever is later."""
@@ -390,7 +408,7 @@ class AggregatorCore:
         idle = [job_id for job_id, info in self.info.items()
                 if now - self._last_activity(info) >= self.idle_timeout]
         for job_id in idle:
-            self.teardown(job_id)
+            self.teardown(job_id, now, IDLE)
         return idle
 
     def get_timer(self) -> float | None:
@@ -401,6 +419,8 @@ class AggregatorCore:
 
     # ---- statistics -------------------------------------------------------------------------------------
     def stats(self, now: float, job_id: int = ALL_JOBS) -> dict:
+        """The statistics of every job (or of ``job_id``), the finished jobs' history (newest first), how many
+        jobs ended for each reason, and the core's counters (docs/protocol.md, "STATS_REQUEST and STATS_REPLY")."""
         jobs = {}
         for jid, info in self.info.items():
             if job_id not in (ALL_JOBS, jid):
@@ -423,10 +443,14 @@ class AggregatorCore:
                 "left": sorted(info.left),
                 "pending": pending,
                 "pending_total": int(waiting[0].size),
-                "counters": dict(zip(STAT_NAMES, self.jobs.stats[j].tolist())),
+                "counters": dict(zip(STAT_NAMES, self.counters.job(j).tolist())),
             }
-        return {"core": self.core, "cores": self.cores, "jobs": jobs,
-                "core_counters": dict(zip(STAT_NAMES, self.jobs.core_stats.tolist()))}
+        finished = [{**{k: v for k, v in past.items() if k != "ended_at"},
+                     "ended_s_ago": round(now - past["ended_at"], 3)}
+                    for past in reversed(self.history) if job_id in (ALL_JOBS, past["job"])]
+        return {"core": self.core, "cores": self.cores, "jobs": jobs, "finished": finished,
+                "finished_total": dict(zip(END_REASONS, self.counters.finished.tolist())),
+                "core_counters": dict(zip(STAT_NAMES, self.counters.totals().tolist()))}
 
     def _stats_reply(self, datagram: bytes, job_id: int, rank: int, addr: int, now: float) -> bytes | None:
         """Statistics for a credential, MAC'd under it and cut to at most MAX_REPLY_RATIO times the request: a
@@ -467,14 +491,15 @@ class AggregatorCore:
         """The statistics of every job (or of ``job_id``) and of the core, without member addresses or seeds,
         and the cuts that shorten it."""
         reply = self.stats(now, job_id)
-        for job in reply["jobs"].values():
-            job.pop("members")
+        for job in [*reply["jobs"].values(), *reply["finished"]]:
+            job.pop("members", None)
             job["params"] = {k: v for k, v in job["params"].items() if k != "seed"}
 
         def drop(*names: str) -> Callable[[dict], None]:
             return lambda r: [job.pop(n, None) for job in r["jobs"].values() for n in names]
 
-        return reply, [drop("pending"), drop("silent_s", "left"), drop("counters"), lambda r: r.pop("jobs")]
+        return reply, [lambda r: r.pop("finished"), drop("pending"), drop("silent_s", "left"), drop("counters"),
+                       lambda r: r.pop("jobs")]
 
 
 def _fit(reply: dict, cuts: list[Callable[[dict], object]], budget: int) -> bytes:
@@ -488,6 +513,10 @@ def _fit(reply: dict, cuts: list[Callable[[dict], object]], budget: int) -> byte
         reply["truncated"] = True
         body = json.dumps(reply).encode()
     return body if len(body) <= budget else b'{"truncated": true}'[:max(0, budget)]
+
+
+def _nonzero(counters: np.ndarray) -> dict[str, int]:
+    return {name: v for name, v in zip(STAT_NAMES, counters.tolist()) if v}
 
 
 def _reply_header(job_id: int, typ: MsgType) -> dict:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from intml.aggregator.core import AggregatorCore, JobInfo
+from intml.aggregator.counters import EVICTED
 from intml.p4.controller import controller_entries
 from intml.p4.entries import static_entries
 from intml.p4.extern import KeyedRandom, RandomSource
@@ -88,8 +89,8 @@ class P4ModelCore(AggregatorCore):
         self.model.replace_job_entries(controller_entries(self))
         return reply
 
-    def teardown(self, job_id: int) -> None:
-        super().teardown(job_id)
+    def teardown(self, job_id: int, now: float | None = None, reason: str = EVICTED) -> None:
+        super().teardown(job_id, now, reason)
         self.model.replace_job_entries(controller_entries(self))
 
 

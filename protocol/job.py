@@ -18,6 +18,9 @@ Why each default is what it is:
   and half of the default table stays for other jobs.
 * ``AGGREGATOR_SLOTS = 512`` rows per core: the table costs 16 bytes x rows x max packet elements (64 MiB at
   8192 elements), and 512 rows hold eight jobs of the default pool.
+* ``AGGREGATOR_JOB_HISTORY = 64`` finished jobs kept per core with their final counters: as many as a core
+  holds live (``AGGREGATOR_MAX_JOBS``), so that a whole table's turnover can be looked back on; about 0.5 KB
+  each, and all of them fit the reply to an operator's 16 KB STATS_REQUEST.
 * ``ControlLimits``: JOIN, LEAVE and STATS_REQUEST datagrams reach the Python control plane only within token
   buckets kept by the burst kernel, one per source address (hashed into ``CONTROL_SOURCE_BUCKETS``) and one per
   core. A source is one socket: its control traffic is a JOIN handshake (2 datagrams a core), JOIN resends every
@@ -46,6 +49,7 @@ BURST = 256  # datagrams per recvmmsg/sendmmsg call, for aggregators and workers
 AGGREGATOR_IDLE_TIMEOUT = 300.0
 AGGREGATOR_MAX_JOBS = 64
 AGGREGATOR_MAX_POOL = 256
+AGGREGATOR_JOB_HISTORY = 64
 CONTROL_SOURCE_BUCKETS = 1024  # a power of two: the hash's top bits index it
 
 
