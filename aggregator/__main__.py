@@ -13,6 +13,11 @@ Engines: ``--engine kernel`` (the default) runs each core's data path in the Num
 with bit-identical results, for showing that the switch program computes what the kernel does. It refuses a JOIN
 with data_mac or with more elements per packet than the switch parses.
 
+Metrics: ``--metrics-port PORT`` (with ``--metrics-address``, default 127.0.0.1) serves every core's counters in
+Prometheus's text format at http://ADDRESS:PORT/metrics (intml.aggregator.metrics; needs the ``metrics`` extra,
+prometheus-client), and prints ``intml-aggregator metrics on http://ADDRESS:PORT/metrics`` before the ready line
+(port 0 picks a free port). ``--job-history N``: how many finished jobs each core keeps for STATS_REPLY.
+
 Tokens: a job can only be created with a token the aggregator knows: one per non-empty line of ``--token-file``
 (one per tenant) and the environment variable ``INTML_TOKEN``. With neither it runs open: only the empty token
 joins, and it says so in one line on stderr (``OPEN_WARNING``).
@@ -20,6 +25,7 @@ joins, and it says so in one line on stderr (``OPEN_WARNING``).
 
 from __future__ import annotations
 
+import mmap
 import multiprocessing
 import os
 import random
@@ -31,6 +37,7 @@ import sys
 from intml.protocol.cli import OneLineParser, positive
 from intml.protocol.job import (
     AGGREGATOR_IDLE_TIMEOUT,
+    AGGREGATOR_JOB_HISTORY,
     AGGREGATOR_MAX_ELEMENTS,
     AGGREGATOR_MAX_JOBS,
     AGGREGATOR_MAX_POOL,
@@ -119,6 +126,33 @@ def _core_class(parser: OneLineParser, args) -> type:
     return P4ModelCore
 
 
+def _metrics(parser: OneLineParser, args):
+    """The metrics module for --metrics-port (None without it), or a one-line error naming the missing extra."""
+    if args.metrics_port is None:
+        return None
+    if not 0 <= args.metrics_port <= 65535:
+        parser.error(f"--metrics-port must be a TCP port from 0 (any free one) to 65535, got {args.metrics_port}")
+    try:
+        from intml.aggregator import metrics
+    except ModuleNotFoundError as exc:
+        if not (exc.name or "").startswith("prometheus_client"):
+            raise
+        parser.error("--metrics-port needs prometheus-client: pip install 'intml[metrics]'")
+    return metrics
+
+
+def _announce(args, metrics, counters: list | None, base: int) -> None:
+    """Serve the metrics (if asked), then print the line(s) scripts wait for."""
+    if metrics is not None:
+        try:
+            port = metrics.serve(counters, args.metrics_address, args.metrics_port)
+        except OSError as exc:
+            raise SystemExit(f"intml-aggregator: cannot serve metrics on {args.metrics_address}:{args.metrics_port} "
+                             f"({exc.strerror or exc}); choose another --metrics-port or --metrics-address") from None
+        print(f"intml-aggregator metrics on http://{args.metrics_address}:{port}/metrics", flush=True)
+    print(f"intml-aggregator listening on {args.host}:{base} cores {args.cores}", flush=True)
+
+
 def default_cores(cpus: int | None = None) -> int:
     """The default --cores: half the CPUs this process may run on (each core's datagrams cost the kernel about
     as much CPU as the core itself), at least 1."""
@@ -179,6 +213,15 @@ def build_parser() -> OneLineParser:
                         "at most 1 KB of payload per packet)")
     p.add_argument("--burst", type=positive(int), default=BURST,
                    help=f"datagrams per recvmmsg/sendmmsg (default {BURST})")
+    p.add_argument("--job-history", type=int, default=AGGREGATOR_JOB_HISTORY, metavar="N",
+                   help=f"finished jobs each core keeps, with their final counters and when and why they ended, for "
+                        f"STATS_REPLY (default {AGGREGATOR_JOB_HISTORY}: a full job table's worth)")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics (every core's counters) at http://ADDRESS:PORT/metrics; 0 picks a "
+                        "free port, printed on a line before the ready line (needs: pip install 'intml[metrics]')")
+    p.add_argument("--metrics-address", default="127.0.0.1", metavar="ADDRESS",
+                   help="address the metrics endpoint listens on (default 127.0.0.1; 0.0.0.0 for a remote "
+                        "Prometheus: the counters carry job ids, no addresses or secrets)")
     return p
 
 
@@ -189,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--max-packet-elements must be at most {MAX_ELEMENTS_LIMIT} (one UDP datagram)")
     if not 0 <= args.port <= 65535 - args.cores:
         parser.error(f"--port must leave room for {args.cores} ports below 65536")
+    if args.job_history < 0:
+        parser.error(f"--job-history must be 0 or more, got {args.job_history}")
+    metrics = _metrics(parser, args)
     group = _multicast_group(parser, args.multicast, args.max_jobs)
     core_class = _core_class(parser, args)
     if group is not None and args.host in ("", "0.0.0.0"):
@@ -204,27 +250,35 @@ def main(argv: list[str] | None = None) -> int:
         for s in socks:
             _multicast_sender(s, args.host, args.multicast_ttl)
 
+    from intml.aggregator.counters import CoreCounters
     from intml.aggregator.dataplane import run_core, warm_up
 
     limits = ControlLimits(args.control_rate, args.control_burst, args.control_global_rate,
                            args.control_global_burst, args.control_per_burst)
     warm_up(args.max_packet_elements, args.burst)  # before the ready line: the first JOIN is answered at once
+    # with metrics, each core's counters live in an anonymous shared mapping: the main process reads them all
+    size = CoreCounters.nbytes(args.max_jobs, args.slots)
+    counters = None if metrics is None else [CoreCounters(args.max_jobs, args.slots, mmap.mmap(-1, size))
+                                             for _ in range(args.cores)]
 
     def core_main(i: int) -> None:
         core = core_class(core=i, cores=args.cores, rows=args.slots, max_elements=args.max_packet_elements,
                           idle_timeout=args.idle_timeout, results_group=None if group is None else (group, base),
                           burst=args.burst, allow_shared_address=args.allow_shared_address,
-                          max_jobs=args.max_jobs, max_pool=args.max_pool, control_limits=limits, tokens=tokens)
+                          max_jobs=args.max_jobs, max_pool=args.max_pool, control_limits=limits, tokens=tokens,
+                          job_history=args.job_history, counters=None if counters is None else counters[i])
         run_core(core, socks[i], args.burst, args.stats_interval)
 
-    print(f"intml-aggregator listening on {args.host}:{base} cores {args.cores}", flush=True)
-    if args.cores == 1:
+    if args.cores == 1 and metrics is None:
+        _announce(args, metrics, counters, base)
         core_main(0)
         return 0
-    ctx = multiprocessing.get_context("fork")  # the children inherit the bound sockets
+    # one process per core; with metrics even for one core, so that a scrape never holds a core's GIL
+    ctx = multiprocessing.get_context("fork")  # the children inherit the bound sockets and counter mappings
     children = [ctx.Process(target=core_main, args=(i,), daemon=True) for i in range(args.cores)]
     for c in children:
         c.start()
+    _announce(args, metrics, counters, base)  # after the fork: no server thread is copied into the cores
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         for c in children:

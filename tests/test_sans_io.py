@@ -16,8 +16,9 @@ import pytest
 
 import intml
 
-CORES = ["intml.aggregator.core", "intml.aggregator.slots", "intml.worker.engine", "intml.worker.session",
-         "intml.protocol.codecs", "intml.protocol.slot_reference", "intml.p4.model", "intml.p4.engine"]
+CORES = ["intml.aggregator.core", "intml.aggregator.counters", "intml.aggregator.slots", "intml.worker.engine",
+         "intml.worker.session", "intml.protocol.codecs", "intml.protocol.slot_reference", "intml.p4.model",
+         "intml.p4.engine"]
 IO_MODULES = {"socket", "select", "selectors", "asyncio", "uvloop", "ctypes", "time", "threading", "signal",
               "scapy"}  # scapy reads the routing table through a netlink socket when imported
 DRIVERS = {"intml.burstio", "intml.burstio.mmsg", "intml.worker.api", "intml.aggregator.dataplane"}
