@@ -33,6 +33,7 @@ import signal
 import socket
 import struct
 import sys
+from types import ModuleType
 
 from intml.protocol.cli import OneLineParser, positive
 from intml.protocol.job import (
@@ -126,7 +127,7 @@ def _core_class(parser: OneLineParser, args) -> type:
     return P4ModelCore
 
 
-def _metrics(parser: OneLineParser, args):
+def _metrics(parser: OneLineParser, args) -> ModuleType | None:
     """The metrics module for --metrics-port (None without it), or a one-line error naming the missing extra."""
     if args.metrics_port is None:
         return None
@@ -141,7 +142,7 @@ def _metrics(parser: OneLineParser, args):
     return metrics
 
 
-def _announce(args, metrics, counters: list | None, base: int) -> None:
+def _announce(args, metrics: ModuleType | None, counters: list | None, base: int) -> None:
     """Serve the metrics (if asked), then print the line(s) scripts wait for."""
     if metrics is not None:
         try:
