@@ -56,9 +56,9 @@ def _tokens(parser: OneLineParser, path: str | None, env: dict[str, str]) -> lis
             with open(path, encoding="utf-8") as f:
                 tokens = [line.strip() for line in f if line.strip()]
         except (OSError, UnicodeDecodeError) as exc:
-            parser.error(f"--token-file {path}: {getattr(exc, 'strerror', None) or exc}")
+            parser.option_error("--token-file", f"{path}: {getattr(exc, 'strerror', None) or exc}")
         if not tokens:
-            parser.error(f"--token-file {path} holds no token (one per non-empty line)")
+            parser.option_error("--token-file", f"{path} holds no token (one per non-empty line)")
     if env.get("INTML_TOKEN"):
         tokens.append(env["INTML_TOKEN"])
     return tokens
@@ -192,8 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     group = _multicast_group(parser, args.multicast, args.max_jobs)
     core_class = _core_class(parser, args)
     if group is not None and args.host in ("", "0.0.0.0"):
-        parser.option_error("--multicast", "needs --host to name the interface the results go out on (for example "
-                                           "--host 127.0.0.1, or this host's address on the workers' link), not 0.0.0.0")
+        parser.error("--multicast needs --host to name the interface the results go out on (for example "
+                     "--host 127.0.0.1, or this host's address on the workers' link), not 0.0.0.0")
     tokens = _tokens(parser, args.token_file, dict(os.environ))
     socks = _bind(args.host, args.port, args.cores)
     base = socks[0].getsockname()[1]

@@ -15,6 +15,9 @@ from intml.worker.session import MAX_CORES
 WORKERS = count(1, MAX_WORLD, "ranks per job: MAX_WORLD, one bit each in a slot's 64-bit bitmap")
 CORES = count(1, MAX_CORES, "a job's cores on all its aggregators: one byte in the JOIN")
 WARMUP = count(0)
+# Bytes per element each process of a benchmark holds at least (its arrays of --elements): a rank's float32 input
+# and result; the codec bench's input, codes, decoded values, copy, accumulator, integer sums and float64 draw.
+HELD = {"allreduce": 8, "mac": 8, "cluster": 8, "loss": 8, "codec": 4 + 1 + 4 + 4 + 4 + 4 + 8}
 
 
 def add_pool(parser: argparse.ArgumentParser) -> None:
@@ -94,7 +97,6 @@ def build_parser() -> OneLineParser:
     ar.add_argument("--rounds", type=positive(), default=5, help="timed allreduces (default 5)")
     ar.add_argument("--no-gloo", action="store_true", help="skip the Gloo anchor")
     ar.add_argument("--json", action="store_true")
-    ar.set_defaults(parser=ar)  # for check's messages
     cl = bench.add_parser("cluster", help="intml vs Gloo over shaped links between network namespaces (root)")
     cl.add_argument("--workers", type=WORKERS, nargs="+", default=[4], help="worker counts (default 4)")
     cl.add_argument("--rate", type=rate, nargs="+", default=["100mbit"], help="link rates, e.g. 100mbit 500mbit 1gbit")
@@ -117,7 +119,6 @@ def build_parser() -> OneLineParser:
                          "the switch namespace; unicast where it cannot route multicast, and each row says which)")
     cl.add_argument("--plot", type=output_file, help="write a PNG of time per allreduce against n")
     cl.add_argument("--json", action="store_true")
-    cl.set_defaults(parser=cl)
     lo = bench.add_parser("loss", help="consecutive allreduces under loss vs the loss-free run (root)")
     lo.add_argument("--workers", type=WORKERS, default=4)
     lo.add_argument("--rate", type=rate, default="500mbit")
@@ -127,6 +128,8 @@ def build_parser() -> OneLineParser:
     add_pool(lo)
     lo.add_argument("--rounds", type=positive(), default=20)
     lo.add_argument("--json", action="store_true")
+    for name, sub in bench.choices.items():
+        sub.set_defaults(parser=sub, held=HELD.get(name))  # for check
     cluster = commands.add_parser("cluster", help="manage namespace clusters").add_subparsers(
         dest="cluster", required=True)
     up = cluster.add_parser("up", help="build a topology and keep it until Ctrl-C")
@@ -142,9 +145,33 @@ def build_parser() -> OneLineParser:
     return parser
 
 
+def available_memory() -> int | None:
+    """Bytes this host can give without swapping (MemAvailable), None where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def memory_problem(processes: int, elements: int, bytes_per_element: int) -> str | None:
+    """Why ``processes`` processes holding ``bytes_per_element`` bytes for each of ``elements`` elements do not fit
+    in this host's available memory (a lower bound: it never refuses a run that fits), or None."""
+    need, have = processes * elements * bytes_per_element, available_memory()
+    if have is None or need <= have:
+        return None
+    return (f"{processes} process{'es' if processes > 1 else ''} of {elements} elements need at least {need / 2**30:.1f} GiB, and this host has "
+            f"{have / 2**30:.1f} GiB available: use fewer --elements")
+
+
 def check(args: argparse.Namespace) -> None:
-    """The checks that involve several options, before anything starts (a one-line error from the subcommand's
-    parser)."""
+    """The checks that involve several options or the host, before anything starts (a one-line error from the
+    subcommand's parser)."""
+    if args.command == "bench" and args.held and args.elements is not None:
+        workers = getattr(args, "workers", 1)  # the codec bench: one process
+        processes = max(workers) if isinstance(workers, list) else workers
+        if problem := memory_problem(processes, args.elements, args.held):
+            args.parser.option_error("--elements", problem)
     if args.command == "bench" and args.bench == "allreduce":
         from intml.testbed.bench_allreduce import loopback_packet_elements, pool_problem
 

@@ -50,6 +50,9 @@ MISUSE = [
     ("intml-testbed", "bench allreduce --elements 1e9", "expected an integer"),
     ("intml-testbed", "bench allreduce --codec int4", "invalid choice"),
     ("intml-testbed", "bench codec --elements 0", "> 0"),
+    ("intml-testbed", "bench codec --elements 10000000000000", "use fewer --elements"),  # 10^13: no host has it
+    ("intml-testbed", "bench allreduce --elements 10000000000000", "use fewer --elements"),
+    ("intml-testbed", "bench cluster --workers 2 4 --elements 10000000000000", "4 processes"),
     ("intml-testbed", "bench burstio --size 70000", "at most 65507"),
     ("intml-testbed", "bench mac --workers 65", "at most 64"),
     ("intml-testbed", "bench percore --size cnat8:70000", "CODEC:ELEMENTS"),
