@@ -154,14 +154,15 @@ def available_memory() -> int | None:
         return None
 
 
-def memory_problem(processes: int, elements: int, bytes_per_element: int) -> str | None:
-    """Why ``processes`` processes holding ``bytes_per_element`` bytes for each of ``elements`` elements do not fit
-    in this host's available memory (a lower bound: it never refuses a run that fits), or None."""
-    need, have = processes * elements * bytes_per_element, available_memory()
+def memory_problem(processes: int, items: int, bytes_each: int, option: str) -> str | None:
+    """Why ``processes`` processes holding ``bytes_each`` bytes for each of ``items`` (the value of ``option``) do
+    not fit in this host's available memory (a lower bound: it never refuses a run that fits), or None."""
+    need, have = processes * items * bytes_each, available_memory()
     if have is None or need <= have:
         return None
-    return (f"{processes} process{'es' if processes > 1 else ''} of {elements} elements need at least {need / 2**30:.1f} GiB, and this host has "
-            f"{have / 2**30:.1f} GiB available: use fewer --elements")
+    many = processes > 1
+    return (f"{processes} process{'es' if many else ''} of {items} {option[2:]} need{'' if many else 's'} at least "
+            f"{need / 2**30:.1f} GiB, and this host has {have / 2**30:.1f} GiB available: use fewer {option}")
 
 
 def check(args: argparse.Namespace) -> None:
@@ -170,8 +171,12 @@ def check(args: argparse.Namespace) -> None:
     if args.command == "bench" and args.held and args.elements is not None:
         workers = getattr(args, "workers", 1)  # the codec bench: one process
         processes = max(workers) if isinstance(workers, list) else workers
-        if problem := memory_problem(processes, args.elements, args.held):
+        if problem := memory_problem(processes, args.elements, args.held, "--elements"):
             args.parser.option_error("--elements", problem)
+    if args.command == "bench" and args.bench == "percore":  # it records one DATA datagram per packet at least
+        largest = max(wire.element_datagram_size(CODEC_NAMES[codec], n) for codec, n in args.size)
+        if problem := memory_problem(1, args.packets, largest, "--packets"):
+            args.parser.option_error("--packets", problem)
     if args.command == "bench" and args.bench == "allreduce":
         from intml.testbed.bench_allreduce import loopback_packet_elements, pool_problem
 

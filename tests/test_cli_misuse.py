@@ -58,6 +58,7 @@ MISUSE = [
     ("intml-testbed", "bench percore --size cnat8:70000", "CODEC:ELEMENTS"),
     ("intml-testbed", "bench percore --seconds nan", "finite"),
     ("intml-testbed", "bench percore --blasters 17", "at most 16"),
+    ("intml-testbed", "bench percore --packets 10000000000000", "use fewer --packets"),
     ("intml-testbed", "bench cluster --rate 100", "looks like 100mbit"),
     ("intml-testbed", "bench cluster --rate fast", "looks like 100mbit"),
     ("intml-testbed", "bench cluster --loss 1", "[0, 1)"),
