@@ -23,6 +23,7 @@ from typing import NoReturn, TypeVar
 
 T = TypeVar("T")
 
+INTERRUPTED = 128 + 2  # the exit code of a run stopped by Ctrl-C (SIGINT), as shells report it
 PORTS = 65536  # UDP ports 0..65535
 MULTICAST_FIRST = ipaddress.IPv4Address("224.0.1.0")  # 224.0.0.0/24 is the link-local control block
 MULTICAST_LAST = ipaddress.IPv4Address("239.255.255.255")

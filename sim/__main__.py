@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from intml.protocol.cli import OneLineParser, count, fraction, input_file, output_file, parsed_by, positive
+from intml.protocol.cli import (INTERRUPTED, OneLineParser, count, fraction, input_file, output_file, parsed_by,
+                                positive)
 from intml.protocol.job import MAX_WORLD
 from intml.sim import output, scenario
 from intml.sim.run import COLUMNS, Progress, rows
@@ -142,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as exc:
         print(f"intml-sim: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("intml-sim: interrupted", file=sys.stderr)
+        return INTERRUPTED
     return 0
 
 

@@ -6,7 +6,8 @@ import argparse
 import sys
 
 from intml.protocol import wire
-from intml.protocol.cli import OneLineParser, count, fraction, multicast_group, output_file, positive, rate
+from intml.protocol.cli import (INTERRUPTED, OneLineParser, count, fraction, multicast_group, output_file, positive,
+                                rate)
 from intml.protocol.job import AGGREGATOR_MAX_JOBS, AGGREGATOR_MAX_POOL, CODEC_NAMES, MAX_WORLD, JobParams, codec_name
 from intml.testbed.bench_allreduce import AggregatorError
 from intml.testbed.netns import MAX_LINKS, MTUS, RESULTS_GROUP, ClusterError
@@ -199,8 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     check(args)
     try:
         run(args)
-    except (AggregatorError, ClusterError) as exc:  # the host's doing, not the code's: one line
+    except (AggregatorError, ClusterError, TimeoutError) as exc:  # the host's doing, not the code's: one line
         raise SystemExit(f"intml-testbed: {exc}") from None
+    except KeyboardInterrupt:  # Ctrl-C: the with-blocks on the way here stopped what the run started
+        print("intml-testbed: interrupted", file=sys.stderr)
+        return INTERRUPTED
     return 0
 
 

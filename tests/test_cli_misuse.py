@@ -200,3 +200,19 @@ def test_root_only_commands_as_nobody(argv: list[str], needle: str) -> None:
     done, _ = run([SETPRIV, "--reuid=65534", "--regid=65534", "--clear-groups", *argv],
                   env={**repo_env(), "HOME": "/tmp", "NUMBA_CACHE_DIR": "/tmp/intml-numba-nobody"})
     assert done.returncode == 1 and needle in one_line(done.stderr), done.stderr
+
+
+def test_ctrl_c_is_one_line(capsys, monkeypatch) -> None:
+    """Ctrl-C during a run: one line and the shell's exit code for SIGINT, not a traceback."""
+    from intml.protocol.cli import INTERRUPTED
+    from intml.testbed import bench_codec
+
+    def interrupted(*_args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench_codec, "run", interrupted)
+    monkeypatch.setattr(sim_cli, "cmd_bench", interrupted)
+    assert testbed_cli.main(["bench", "codec"]) == INTERRUPTED
+    assert one_line(capsys.readouterr().err) == "intml-testbed: interrupted"
+    assert sim_cli.main(["bench"]) == INTERRUPTED
+    assert one_line(capsys.readouterr().err) == "intml-sim: interrupted"
