@@ -25,17 +25,18 @@ joins, and it says so in one line on stderr (``OPEN_WARNING``).
 
 from __future__ import annotations
 
+import errno
+import ipaddress
 import mmap
 import multiprocessing
 import os
 import random
 import signal
 import socket
-import struct
 import sys
 from types import ModuleType
 
-from intml.protocol.cli import OneLineParser, positive
+from intml.protocol.cli import PORTS, OneLineParser, count, multicast_group, non_negative, port, positive
 from intml.protocol.job import (
     AGGREGATOR_IDLE_TIMEOUT,
     AGGREGATOR_JOB_HISTORY,
@@ -47,6 +48,7 @@ from intml.protocol.job import (
     ControlLimits,
 )
 from intml.protocol.wire import DEFAULT_PORT, Codec, max_packet_elements
+from intml.worker.session import MAX_CORES
 
 MAX_ELEMENTS_LIMIT = max_packet_elements(Codec.CNAT8)  # jobs are further limited by their codec at join
 ENGINES = ("kernel", "p4model")
@@ -62,16 +64,17 @@ def _tokens(parser: OneLineParser, path: str | None, env: dict[str, str]) -> lis
             with open(path, encoding="utf-8") as f:
                 tokens = [line.strip() for line in f if line.strip()]
         except (OSError, UnicodeDecodeError) as exc:
-            parser.error(f"--token-file {path}: {getattr(exc, 'strerror', None) or exc}")
+            parser.option_error("--token-file", f"{path}: {getattr(exc, 'strerror', None) or exc}")
         if not tokens:
-            parser.error(f"--token-file {path} holds no token (one per non-empty line)")
+            parser.option_error("--token-file", f"{path} holds no token (one per non-empty line)")
     if env.get("INTML_TOKEN"):
         tokens.append(env["INTML_TOKEN"])
     return tokens
 
 
 def _bind(host: str, port: int, cores: int) -> list[socket.socket]:
-    """Bind `cores` consecutive UDP ports from `port`; port 0 picks a free run of them."""
+    """Bind `cores` consecutive UDP ports from `port`; port 0 picks a free run of them (trying others only while
+    the ports it drew are in use)."""
     for _ in range(100 if port == 0 else 1):
         base = random.randint(20000, 60000 - cores) if port == 0 else port
         socks: list[socket.socket] = []
@@ -84,7 +87,10 @@ def _bind(host: str, port: int, cores: int) -> list[socket.socket]:
         except OSError as exc:
             for s in socks:
                 s.close()
-            if port != 0:
+            if isinstance(exc, socket.gaierror):
+                raise SystemExit(f"intml-aggregator: cannot resolve --host {host} ({exc.strerror}); give an address "
+                                 f"of this host, e.g. 127.0.0.1") from None
+            if port != 0 or exc.errno != errno.EADDRINUSE:
                 raise SystemExit(f"intml-aggregator: cannot bind {host}:{base}..{base + cores - 1} ({exc.strerror}); "
                                  f"choose another --port or --host") from None
     raise SystemExit(f"intml-aggregator: found no {cores} free consecutive ports on {host}; pass --port")
@@ -94,16 +100,8 @@ def _multicast_group(parser: OneLineParser, text: str | None, max_jobs: int) -> 
     """--multicast as an integer (job table entry j sends to GROUP + j), or a one-line usage error."""
     if text is None:
         return None
-    try:
-        (group,) = struct.unpack("!I", socket.inet_aton(text))
-    except OSError:
-        parser.error(f"--multicast must be an IPv4 address, got {text!r}")
-    last = 0xEFFFFFFF - max_jobs
-    if not 0xE0000100 <= group <= last:  # 224.0.0.0/24 is the link-local control block
-        parser.error(f"--multicast must be an IPv4 multicast group from 224.0.1.0 to "
-                     f"{socket.inet_ntoa(struct.pack('!I', last))} (room for --max-jobs groups; for example "
-                     f"239.255.42.0), got {text}")
-    return group
+    parser.check("--multicast", multicast_group, text, max_jobs, "one per job, --max-jobs")
+    return int(ipaddress.IPv4Address(text))
 
 
 def _multicast_sender(sock: socket.socket, host: str, ttl: int) -> None:
@@ -131,8 +129,6 @@ def _metrics(parser: OneLineParser, args) -> ModuleType | None:
     """The metrics module for --metrics-port (None without it), or a one-line error naming the missing extra."""
     if args.metrics_port is None:
         return None
-    if not 0 <= args.metrics_port <= 65535:
-        parser.error(f"--metrics-port must be a TCP port from 0 (any free one) to 65535, got {args.metrics_port}")
     try:
         from intml.aggregator import metrics
     except ModuleNotFoundError as exc:
@@ -163,8 +159,9 @@ def default_cores(cpus: int | None = None) -> int:
 def build_parser() -> OneLineParser:
     p = OneLineParser(prog="intml-aggregator", description="Switch-emulating C_nat aggregator.")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"first UDP port (default {DEFAULT_PORT}; 0 = any)")
-    p.add_argument("--cores", type=positive(int), default=default_cores(),
+    p.add_argument("--port", type=port, default=DEFAULT_PORT, help=f"first UDP port (default {DEFAULT_PORT}; 0 = any)")
+    p.add_argument("--cores", type=count(1, MAX_CORES, "a job's cores: one byte in the JOIN"),
+                   default=default_cores(),
                    help=f"data-plane processes, one port each (default {default_cores()}: half the CPUs this "
                         f"process may use, as the kernel's packet processing needs about as much again; pass fewer "
                         f"where workers share the host)")
@@ -175,12 +172,14 @@ def build_parser() -> OneLineParser:
     p.add_argument("--slots", type=positive(int), default=AGGREGATOR_SLOTS,
                    help="slot rows per core, shared by jobs; memory is 10 bytes x slots x max packet elements "
                         f"(default {AGGREGATOR_SLOTS})")
-    p.add_argument("--max-packet-elements", type=positive(int), default=AGGREGATOR_MAX_ELEMENTS,
+    p.add_argument("--max-packet-elements", type=count(1, MAX_ELEMENTS_LIMIT, "one UDP datagram of cnat8"),
+                   default=AGGREGATOR_MAX_ELEMENTS,
                    help=f"largest packet a job may use (default {AGGREGATOR_MAX_ELEMENTS}, at most {MAX_ELEMENTS_LIMIT})")
     p.add_argument("--idle-timeout", type=positive(float), default=AGGREGATOR_IDLE_TIMEOUT,
                    help=f"seconds without traffic before a job is torn down (default {AGGREGATOR_IDLE_TIMEOUT:g}: "
                         "longer than a training pause for evaluation or a checkpoint)")
-    p.add_argument("--stats-interval", type=float, default=0.0, help="print statistics every N seconds (0 = never)")
+    p.add_argument("--stats-interval", type=non_negative, default=0.0,
+                   help="print statistics every N seconds (0 = never)")
     p.add_argument("--multicast", metavar="GROUP", default=None,
                    help="send each job's results to one IPv4 multicast group (GROUP + the job's table index, port "
                         "= --port), one datagram per completion as a switch's replication engine does, instead "
@@ -214,10 +213,10 @@ def build_parser() -> OneLineParser:
                         "at most 1 KB of payload per packet)")
     p.add_argument("--burst", type=positive(int), default=BURST,
                    help=f"datagrams per recvmmsg/sendmmsg (default {BURST})")
-    p.add_argument("--job-history", type=int, default=AGGREGATOR_JOB_HISTORY, metavar="N",
+    p.add_argument("--job-history", type=count(0), default=AGGREGATOR_JOB_HISTORY, metavar="N",
                    help=f"finished jobs each core keeps, with their final counters and when and why they ended, for "
                         f"STATS_REPLY (default {AGGREGATOR_JOB_HISTORY}: a full job table's worth)")
-    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+    p.add_argument("--metrics-port", type=count(0, PORTS - 1, "a TCP port; 0 picks a free one"), default=None, metavar="PORT",
                    help="serve Prometheus metrics (every core's counters) at http://ADDRESS:PORT/metrics; 0 picks a "
                         "free port, printed on a line before the ready line (needs: pip install 'intml[metrics]')")
     p.add_argument("--metrics-address", default="127.0.0.1", metavar="ADDRESS",
@@ -229,23 +228,17 @@ def build_parser() -> OneLineParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.max_packet_elements > MAX_ELEMENTS_LIMIT:
-        parser.error(f"--max-packet-elements must be at most {MAX_ELEMENTS_LIMIT} (one UDP datagram)")
-    if not 0 <= args.port <= 65535 - args.cores:
-        parser.error(f"--port must leave room for {args.cores} ports below 65536")
-    if args.job_history < 0:
-        parser.error(f"--job-history must be 0 or more, got {args.job_history}")
+    if args.port + args.cores > PORTS:
+        parser.option_error("--port", f"{args.port}..{args.port + args.cores - 1} (one port per core) runs past "
+                                      f"{PORTS - 1}: use a lower --port or fewer --cores")
     metrics = _metrics(parser, args)
     group = _multicast_group(parser, args.multicast, args.max_jobs)
     core_class = _core_class(parser, args)
     if group is not None and args.host in ("", "0.0.0.0"):
-        parser.error("--multicast needs --host to name the interface the results go out on "
-                     "(for example --host 127.0.0.1, or this host's address on the workers' link), not 0.0.0.0")
+        parser.error("--multicast needs --host to name the interface the results go out on (for example "
+                     "--host 127.0.0.1, or this host's address on the workers' link), not 0.0.0.0")
     tokens = _tokens(parser, args.token_file, dict(os.environ))
     socks = _bind(args.host, args.port, args.cores)
-    if not tokens:  # warned only once everything else is valid
-        print(OPEN_WARNING, file=sys.stderr, flush=True)
-        tokens = [""]
     base = socks[0].getsockname()[1]
     if group is not None:
         for s in socks:
@@ -256,24 +249,35 @@ def main(argv: list[str] | None = None) -> int:
 
     limits = ControlLimits(args.control_rate, args.control_burst, args.control_global_rate,
                            args.control_global_burst, args.control_per_burst)
-    warm_up(args.max_packet_elements, args.burst)  # before the ready line: the first JOIN is answered at once
     # with metrics, each core's counters live in an anonymous shared mapping: the main process reads them all
     size = CoreCounters.nbytes(args.max_jobs, args.slots)
     counters = None if metrics is None else [CoreCounters(args.max_jobs, args.slots, mmap.mmap(-1, size))
                                              for _ in range(args.cores)]
 
-    def core_main(i: int) -> None:
-        core = core_class(core=i, cores=args.cores, rows=args.slots, max_elements=args.max_packet_elements,
+    def new_core(i: int):
+        return core_class(core=i, cores=args.cores, rows=args.slots, max_elements=args.max_packet_elements,
                           idle_timeout=args.idle_timeout, results_group=None if group is None else (group, base),
                           burst=args.burst, allow_shared_address=args.allow_shared_address,
-                          max_jobs=args.max_jobs, max_pool=args.max_pool, control_limits=limits, tokens=tokens,
+                          max_jobs=args.max_jobs, max_pool=args.max_pool, control_limits=limits,
+                          tokens=tokens or [""],  # no token: the open mode's empty one
                           job_history=args.job_history, counters=None if counters is None else counters[i])
-        run_core(core, socks[i], args.burst, args.stats_interval)
 
+    def core_main(i: int) -> None:
+        run_core(new_core(i), socks[i], args.burst, args.stats_interval)
+
+    try:  # one core's tables before the ready line: a configuration this host cannot hold fails here, in one line
+        first = new_core(0)
+    except MemoryError as exc:
+        raise SystemExit(f"intml-aggregator: a core's tables do not fit in memory ({exc}); lower --slots, "
+                         f"--max-packet-elements, --max-jobs or --burst") from None
+    if not tokens:  # warned only once everything else is valid
+        print(OPEN_WARNING, file=sys.stderr, flush=True)
+    warm_up(args.max_packet_elements, args.burst)  # before the ready line: the first JOIN is answered at once
     if args.cores == 1 and metrics is None:
         _announce(args, metrics, counters, base)
-        core_main(0)
+        run_core(first, socks[0], args.burst, args.stats_interval)
         return 0
+    del first  # each child builds its own
     # one process per core; with metrics even for one core, so that a scrape never holds a core's GIL
     ctx = multiprocessing.get_context("fork")  # the children inherit the bound sockets and counter mappings
     children = [ctx.Process(target=core_main, args=(i,), daemon=True) for i in range(args.cores)]

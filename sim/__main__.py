@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from intml.protocol.cli import (INTERRUPTED, OneLineParser, count, fraction, input_file, output_file, parsed_by,
+                                positive)
+from intml.protocol.job import MAX_WORLD
 from intml.sim import output, scenario
 from intml.sim.run import COLUMNS, Progress, rows
 
@@ -60,7 +63,7 @@ def cmd_loss(args: argparse.Namespace) -> None:
 
 def cmd_train(args: argparse.Namespace) -> None:
     from intml.sim import training
-    got = training.table(args.workers, [scenario.parse_rate(r) for r in args.rate])
+    got = training.table(args.workers, args.rate)
     _emit({"code_version": output.code_version(), "profiles": training.SOURCES}, got, args, training.COLUMNS)
     if args.plot:
         training.plot(got, args.plot)
@@ -73,8 +76,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
                                                                 "virtual_s"))
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="intml-sim", description=__doc__)
+def build_parser() -> OneLineParser:
+    p = OneLineParser(prog="intml-sim", description=__doc__)
+    rate = parsed_by(scenario.parse_rate)
     sub = p.add_subparsers(dest="command", required=True)
 
     def outputs(q: argparse.ArgumentParser, plot: bool = True) -> None:
@@ -82,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         fmt.add_argument("--json", action="store_true", help="one JSON object (hash, seeds, code version, rows)")
         fmt.add_argument("--csv", action="store_true", help="CSV rows, each with the hash, seeds and code version")
         if plot:
-            q.add_argument("--plot", metavar="PNG", help="write a plot (needs matplotlib: the plot extra)")
+            q.add_argument("--plot", metavar="PNG", type=output_file,
+                           help="write a plot (needs matplotlib: the plot extra)")
 
     def axes(q: argparse.ArgumentParser) -> None:
         q.add_argument("--x", default="workers", choices=("workers", "loss", "rate", "elements", "pool"),
@@ -90,41 +95,46 @@ def main(argv: list[str] | None = None) -> int:
         q.add_argument("--y", default="time_s", choices=("time_s", "goodput_gbit"), help="its y axis")
 
     r = sub.add_parser("run", help="run a scenario file")
-    r.add_argument("scenario")
+    r.add_argument("scenario", type=input_file)
     outputs(r)
     axes(r)
     r.set_defaults(fn=cmd_run)
     sw = sub.add_parser("sweep", help="run a scenario with keys swept: --set workers=2,4,8")
-    sw.add_argument("scenario")
+    sw.add_argument("scenario", type=input_file)
     sw.add_argument("--set", action="append", default=[], metavar="KEY=V1,V2,...")
     outputs(sw)
     axes(sw)
     sw.set_defaults(fn=cmd_run)
     v = sub.add_parser("validate", help="replay `intml-testbed bench cluster --json` points and compare")
-    v.add_argument("testbed", help="the testbed's JSON output")
+    v.add_argument("testbed", type=input_file, help="the testbed's JSON output")
     outputs(v)
     v.set_defaults(fn=cmd_validate)
     lo = sub.add_parser("loss", help="slot completion times under loss at scale (p50, p99)")
-    lo.add_argument("--workers", type=int, nargs="+", default=[64, 256, 1024])
-    lo.add_argument("--loss", type=float, nargs="+", default=[1e-4])
-    lo.add_argument("--pool", type=int, nargs="+", default=[64, 256])
-    lo.add_argument("--rto", type=float, nargs="+", default=[0.001, 0.05])
-    lo.add_argument("--elements", type=int, default=25_000_000)
-    lo.add_argument("--rate", type=scenario.parse_rate, default=100e9)
-    lo.add_argument("--seed", type=int, default=1)
+    lo.add_argument("--workers", type=positive(), nargs="+", default=[64, 256, 1024])
+    lo.add_argument("--loss", type=fraction, nargs="+", default=[1e-4])
+    lo.add_argument("--pool", type=positive(), nargs="+", default=[64, 256])
+    lo.add_argument("--rto", type=positive(float), nargs="+", default=[0.001, 0.05])
+    lo.add_argument("--elements", type=positive(), default=25_000_000)
+    lo.add_argument("--rate", type=rate, default=100e9)
+    lo.add_argument("--seed", type=count(0), default=1)
     outputs(lo, plot=False)
     lo.set_defaults(fn=cmd_loss)
     t = sub.add_parser("train", help="training time per iteration: DDP bucket overlap, intml vs the ring")
-    t.add_argument("--workers", type=int, default=16)
-    t.add_argument("--rate", nargs="+", default=["10gbit", "25gbit", "100gbit"])
+    t.add_argument("--workers", type=count(2, None, "a ring needs two"), default=16)
+    t.add_argument("--rate", type=rate, nargs="+", default=[10e9, 25e9, 100e9], help="link rates (default 10gbit "
+                                                                                     "25gbit 100gbit)")
     outputs(t)
     t.set_defaults(fn=cmd_train)
     b = sub.add_parser("bench", help="packet events per second: the engine alone, and with the real cores")
-    b.add_argument("--workers", type=int, default=64)
-    b.add_argument("--elements", type=int, default=25_000_000)
+    b.add_argument("--workers", type=count(1, MAX_WORLD, "ranks of one job on the real cores: MAX_WORLD"), default=64)
+    b.add_argument("--elements", type=positive(), default=25_000_000)
     outputs(b, plot=False)
     b.set_defaults(fn=cmd_bench)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         args.fn(args)
     except (ValueError, output.PlotUnavailable) as exc:  # a bad scenario (ScenarioError) or job parameter
@@ -133,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as exc:
         print(f"intml-sim: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("intml-sim: interrupted", file=sys.stderr)
+        return INTERRUPTED
     return 0
 
 

@@ -6,15 +6,30 @@ import argparse
 import sys
 
 from intml.protocol import wire
-from intml.protocol.cli import OneLineParser, positive
-from intml.protocol.job import CODEC_NAMES, JobParams, codec_name
-from intml.testbed.netns import MTUS, RESULTS_GROUP
+from intml.protocol.cli import (INTERRUPTED, OneLineParser, count, fraction, multicast_group, output_file, positive,
+                                rate)
+from intml.protocol.job import AGGREGATOR_MAX_JOBS, AGGREGATOR_MAX_POOL, CODEC_NAMES, MAX_WORLD, JobParams, codec_name
+from intml.testbed.bench_allreduce import AggregatorError
+from intml.testbed.netns import MAX_LINKS, MTUS, RESULTS_GROUP, ClusterError
+from intml.worker.session import MAX_CORES
 
+WORKERS = count(1, MAX_WORLD, "ranks per job: MAX_WORLD, one bit each in a slot's 64-bit bitmap")
+CORES = count(1, MAX_CORES, "a job's cores on all its aggregators: one byte in the JOIN")
+WARMUP = count(0)
+# Bytes per element each process of a benchmark holds at least (its arrays of --elements): a rank's float32 input
+# and result; the codec bench's input, codes, decoded values, copy, accumulator, integer sums and float64 draw.
+HELD = {"allreduce": 8, "mac": 8, "cluster": 8, "loss": 8, "codec": 4 + 1 + 4 + 4 + 4 + 4 + 8}
 
 
 def add_pool(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--pool", type=positive(), default=JobParams.pool_size,
-                        help=f"slots in the job's pool (default {JobParams.pool_size})")
+    parser.add_argument("--pool", type=count(1, AGGREGATOR_MAX_POOL, "the slots intml-aggregator lets one job "
+                                             "reserve, its --max-pool"), default=JobParams.pool_size,
+                        help=f"slots in the job's pool (default {JobParams.pool_size}, at most {AGGREGATOR_MAX_POOL})")
+
+
+def results_group(text: str) -> str:
+    """An argparse type: the first of the aggregator's results groups, one per job it may hold."""
+    return multicast_group(text, AGGREGATOR_MAX_JOBS, "one per job of intml-aggregator's --max-jobs")
 
 
 def codec_size(text: str) -> tuple[str, int]:
@@ -27,7 +42,7 @@ def codec_size(text: str) -> tuple[str, int]:
     return codec, int(elements)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> OneLineParser:
     parser = OneLineParser(prog="intml-testbed", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     bench = commands.add_parser("bench", help="run a benchmark and print its figures").add_subparsers(
@@ -39,16 +54,17 @@ def build_parser() -> argparse.ArgumentParser:
     codec.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     bio = bench.add_parser("burstio", help="GSO/GRO and recvmmsg/sendmmsg bursts vs plain sendto/recvfrom on loopback")
     bio.add_argument("--packets", type=positive(), default=200_000, help="datagrams per variant (default 200000)")
-    bio.add_argument("--size", type=positive(int, wire.MAX_DATAGRAM), nargs="+", default=[1050, 8218],
+    bio.add_argument("--size", type=positive(int, wire.MAX_DATAGRAM, "the largest UDP payload"), nargs="+",
+                     default=[1050, 8218],
                      help=f"bytes per datagram, one run each (default 1050 8218, at most {wire.MAX_DATAGRAM})")
     bio.add_argument("--burst", type=positive(), default=256, help="datagrams per burst (default 256)")
     bio.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     mac = bench.add_parser("mac", help="the DATA/RESULT MAC's cost per packet and per loopback allreduce")
     mac.add_argument("--chunks", type=positive(), default=512, help="chunks of the recorded allreduce (default 512)")
     mac.add_argument("--repeats", type=positive(), default=7, help="timed runs; the median is reported")
-    mac.add_argument("--workers", type=positive(), default=4, help="ranks of the loopback allreduce (default 4)")
+    mac.add_argument("--workers", type=WORKERS, default=4, help="ranks of the loopback allreduce (default 4)")
     mac.add_argument("--elements", type=positive(), default=4_000_000, help="its tensor size (default 4000000)")
-    mac.add_argument("--cores", type=positive(), default=2, help="its aggregator cores (default 2)")
+    mac.add_argument("--cores", type=CORES, default=2, help="its aggregator cores (default 2)")
     mac.add_argument("--rounds", type=positive(), default=5, help="its timed allreduces per trial (default 5)")
     mac.add_argument("--trials", type=positive(), default=3,
                      help="aggregators started without and with the MAC, alternately (default 3 each)")
@@ -65,60 +81,63 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sending processes, at most 16 (default: one per CPU the core leaves, at most 4)")
     pc.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     ar = bench.add_parser("allreduce", help="intml vs Gloo's ring allreduce on loopback")
-    ar.add_argument("--workers", type=positive(), default=4)
-    ar.add_argument("--elements", type=positive(), default=25_000_000)
+    ar.add_argument("--workers", type=WORKERS, default=4, help=f"ranks (default 4, at most {MAX_WORLD})")
+    ar.add_argument("--elements", type=positive(), default=25_000_000, help="tensor size (default 25000000)")
     ar.add_argument("--codec", choices=tuple(CODEC_NAMES), default=codec_name(JobParams.codec))
     ar.add_argument("--packet-elements", type=positive(), default=None,
                     help="elements per packet (default: the most one UDP datagram holds, 65481 for cnat8 and "
                          "16370 for int32; loopback's 64 KiB MTU carries them unfragmented)")
     add_pool(ar)
-    ar.add_argument("--cores", type=positive(), default=2, help="aggregator data-plane processes (default 2)")
+    ar.add_argument("--cores", type=CORES, default=2, help="aggregator data-plane processes (default 2)")
     results = ar.add_mutually_exclusive_group()
-    results.add_argument("--multicast", metavar="GROUP", default=RESULTS_GROUP,
+    results.add_argument("--multicast", metavar="GROUP", type=results_group, default=RESULTS_GROUP,
                          help="the aggregator multicasts each result to the job's group (intml-aggregator "
                               f"--multicast; default {RESULTS_GROUP}), as a switch replicates it")
     results.add_argument("--unicast", action="store_true", help="one copy of each result per worker instead")
-    ar.add_argument("--warmup", type=int, default=2)
-    ar.add_argument("--rounds", type=positive(), default=5)
+    ar.add_argument("--warmup", type=WARMUP, default=2, help="untimed allreduces first (default 2)")
+    ar.add_argument("--rounds", type=positive(), default=5, help="timed allreduces (default 5)")
     ar.add_argument("--no-gloo", action="store_true", help="skip the Gloo anchor")
     ar.add_argument("--json", action="store_true")
     cl = bench.add_parser("cluster", help="intml vs Gloo over shaped links between network namespaces (root)")
-    cl.add_argument("--workers", type=positive(), nargs="+", default=[4], help="worker counts (default 4)")
-    cl.add_argument("--rate", nargs="+", default=["100mbit"], help="link rates, e.g. 100mbit 500mbit 1gbit")
+    cl.add_argument("--workers", type=WORKERS, nargs="+", default=[4], help="worker counts (default 4)")
+    cl.add_argument("--rate", type=rate, nargs="+", default=["100mbit"], help="link rates, e.g. 100mbit 500mbit 1gbit")
     cl.add_argument("--elements", type=positive(), default=None,
                     help="tensor size (default: about 0.3 s of cnat8 traffic at the rate, at most 10M)")
     cl.add_argument("--mtu", type=int, choices=MTUS, default=MTUS[0])
-    cl.add_argument("--loss", type=float, default=0.0, help="random loss per link direction, e.g. 0.01")
-    cl.add_argument("--aggregators", type=positive(), nargs="+", default=[1],
+    cl.add_argument("--loss", type=fraction, default=0.0, help="random loss per link direction, e.g. 0.01")
+    cl.add_argument("--aggregators", type=count(1, MAX_LINKS, "aggregator namespaces of one topology"), nargs="+",
+                    default=[1],
                     help="aggregator counts to run (default 1: in the switch namespace; more: one namespace each, "
                          "the job spread over all; e.g. 1 2 compares them, and their results must be identical)")
-    cl.add_argument("--cores", type=positive(), default=None,
+    cl.add_argument("--cores", type=CORES, default=None,
                     help="cores per aggregator (default: half the CPUs the workers leave, split over the "
                          "aggregators, at least 1)")
     add_pool(cl)
-    cl.add_argument("--warmup", type=int, default=1)
-    cl.add_argument("--rounds", type=positive(), default=3)
+    cl.add_argument("--warmup", type=WARMUP, default=1, help="untimed allreduces first (default 1)")
+    cl.add_argument("--rounds", type=positive(), default=3, help="timed allreduces (default 3)")
     cl.add_argument("--results", choices=("multicast", "unicast"), default="multicast",
                     help="how results reach the workers (default multicast: one copy per completion, replicated by "
                          "the switch namespace; unicast where it cannot route multicast, and each row says which)")
-    cl.add_argument("--plot", help="write a PNG of time per allreduce against n")
+    cl.add_argument("--plot", type=output_file, help="write a PNG of time per allreduce against n")
     cl.add_argument("--json", action="store_true")
     lo = bench.add_parser("loss", help="consecutive allreduces under loss vs the loss-free run (root)")
-    lo.add_argument("--workers", type=positive(), default=4)
-    lo.add_argument("--rate", default="500mbit")
+    lo.add_argument("--workers", type=WORKERS, default=4)
+    lo.add_argument("--rate", type=rate, default="500mbit")
     lo.add_argument("--elements", type=positive(), default=1_000_000)
-    lo.add_argument("--loss", type=float, nargs="+", default=[0.01, 0.05])
+    lo.add_argument("--loss", type=fraction, nargs="+", default=[0.01, 0.05])
     lo.add_argument("--mtu", type=int, choices=MTUS, default=MTUS[0])
     add_pool(lo)
     lo.add_argument("--rounds", type=positive(), default=20)
     lo.add_argument("--json", action="store_true")
+    for name, sub in bench.choices.items():
+        sub.set_defaults(parser=sub, held=HELD.get(name))  # for check
     cluster = commands.add_parser("cluster", help="manage namespace clusters").add_subparsers(
         dest="cluster", required=True)
     up = cluster.add_parser("up", help="build a topology and keep it until Ctrl-C")
-    up.add_argument("--workers", type=positive(), default=4)
-    up.add_argument("--rate", default="100mbit")
+    up.add_argument("--workers", type=count(1, MAX_LINKS, "worker links of one topology"), default=4)
+    up.add_argument("--rate", type=rate, default="100mbit")
     up.add_argument("--mtu", type=int, choices=MTUS, default=MTUS[0])
-    up.add_argument("--loss", type=float, default=0.0)
+    up.add_argument("--loss", type=fraction, default=0.0)
     cluster.add_parser("cleanup", help="remove namespaces left by crashed runs (names starting intml-)")
     from intml.testbed import train as train_cmd
 
@@ -127,8 +146,70 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def available_memory() -> int | None:
+    """Bytes this host can give without swapping (MemAvailable), None where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def memory_problem(processes: int, items: int, bytes_each: int, option: str) -> str | None:
+    """Why ``processes`` processes holding ``bytes_each`` bytes for each of ``items`` (the value of ``option``) do
+    not fit in this host's available memory (a lower bound: it never refuses a run that fits), or None."""
+    need, have = processes * items * bytes_each, available_memory()
+    if have is None or need <= have:
+        return None
+    many = processes > 1
+    return (f"{processes} process{'es' if many else ''} of {items} {option[2:]} need{'' if many else 's'} at least "
+            f"{need / 2**30:.1f} GiB, and this host has {have / 2**30:.1f} GiB available: use fewer {option}")
+
+
+def check(args: argparse.Namespace) -> None:
+    """The checks that involve several options or the host, before anything starts (a one-line error from the
+    subcommand's parser)."""
+    if args.command == "bench" and args.held and args.elements is not None:
+        workers = getattr(args, "workers", 1)  # the codec bench: one process
+        processes = max(workers) if isinstance(workers, list) else workers
+        if problem := memory_problem(processes, args.elements, args.held, "--elements"):
+            args.parser.option_error("--elements", problem)
+    if args.command == "bench" and args.bench == "percore":  # it records one DATA datagram per packet at least
+        largest = max(wire.element_datagram_size(CODEC_NAMES[codec], n) for codec, n in args.size)
+        if problem := memory_problem(1, args.packets, largest, "--packets"):
+            args.parser.option_error("--packets", problem)
+    if args.command == "bench" and args.bench == "allreduce":
+        from intml.testbed.bench_allreduce import loopback_packet_elements, pool_problem
+
+        limit = loopback_packet_elements(args.codec)
+        if args.packet_elements is None:
+            args.packet_elements = limit
+        elif args.packet_elements > limit:
+            args.parser.option_error("--packet-elements", f"one UDP datagram holds at most {limit} {args.codec} "
+                                                          f"elements, got {args.packet_elements}")
+        if problem := pool_problem(args.pool, args.cores, args.packet_elements):
+            args.parser.option_error("--pool", problem)
+    if args.command == "bench" and args.bench == "cluster" and args.cores is not None:
+        if max(args.aggregators) * args.cores > MAX_CORES:
+            args.parser.option_error("--cores", f"{max(args.aggregators)} aggregators of {args.cores} cores exceed "
+                                                f"a job's {MAX_CORES} cores: use fewer --cores or --aggregators")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    check(args)
+    try:
+        run(args)
+    except (AggregatorError, ClusterError, TimeoutError) as exc:  # the host's doing, not the code's: one line
+        raise SystemExit(f"intml-testbed: {exc}") from None
+    except KeyboardInterrupt:  # Ctrl-C: the with-blocks on the way here stopped what the run started
+        print("intml-testbed: interrupted", file=sys.stderr)
+        return INTERRUPTED
+    return 0
+
+
+def run(args: argparse.Namespace) -> None:
+    """Run the subcommand of valid ``args``."""
     if args.command == "bench" and args.bench == "codec":
         from intml.testbed import bench_codec
 
@@ -149,8 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "bench" and args.bench == "allreduce":
         from intml.testbed import bench_allreduce
 
-        packet_elements = args.packet_elements or bench_allreduce.loopback_packet_elements(args.codec)
-        bench_allreduce.run(args.workers, args.elements, args.codec, packet_elements, args.pool, args.cores,
+        bench_allreduce.run(args.workers, args.elements, args.codec, args.packet_elements, args.pool, args.cores,
                             args.warmup, args.rounds, not args.no_gloo, args.json,
                             None if args.unicast else args.multicast)
     elif args.command == "bench" and args.bench in ("cluster", "loss"):
@@ -166,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 bench_cluster.run_loss(args.workers, args.rate, args.elements, args.loss, args.mtu, args.rounds,
                                        args.pool, args.json)
-        except (ValueError, netns.ClusterError) as exc:
+        except ValueError as exc:
             raise SystemExit(f"intml-testbed: {exc}") from None
     elif args.command == "cluster":
         from intml.testbed import netns
@@ -197,7 +277,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"skipping the shaped 4-worker cluster: {problem}")
         else:
             bench_cluster.run([4], ["100mbit"], 3_000_000, MTUS[0], 0.0, 1, 3, JobParams.pool_size, False, None)
-    return 0
 
 
 if __name__ == "__main__":

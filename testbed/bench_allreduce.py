@@ -12,6 +12,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 
 from intml.protocol import wire
@@ -30,6 +31,26 @@ def loopback_packet_elements(codec: str) -> int:
     return wire.max_packet_elements(CODEC_NAMES[codec])
 
 
+def aggregator_slots(max_packet_elements: int) -> int:
+    """Slot rows per core of the benchmarks' aggregator: about 4M elements of rows, at least 64."""
+    return max(64, (1 << 22) // max_packet_elements)
+
+
+def pool_problem(pool: int, cores: int, max_packet_elements: int) -> str | None:
+    """Why the benchmarks' aggregator (``cores`` cores of aggregator_slots rows) cannot hold a job of ``pool``
+    slots, in one line naming the options that would fit; None if it can."""
+    slots = aggregator_slots(max_packet_elements)
+    if -(-pool // cores) <= slots:  # a core holds the job's slots s % cores == core: ceil(pool / cores) rows
+        return None
+    return (f"a pool of {pool} needs {-(-pool // cores)} slot rows per aggregator core, and at "
+            f"{max_packet_elements} elements per packet each of the {cores} cores has {slots}: use at most "
+            f"--pool {slots * cores}, more --cores or fewer --packet-elements")
+
+
+class AggregatorError(RuntimeError):
+    """The aggregator exited before it listened; the message is its last line on stderr."""
+
+
 @contextlib.contextmanager
 def aggregator(cores: int, max_packet_elements: int, host: str = "127.0.0.1",
                prefix: list[str] | None = None, multicast: str | None = None, multicast_ttl: int = 1) -> Iterator[int]:
@@ -37,14 +58,24 @@ def aggregator(cores: int, max_packet_elements: int, host: str = "127.0.0.1",
     results multicast to `multicast`) and yield its base port; the process is always terminated on exit. It
     accepts the run's token (procs.run_token, in INTML_TOKEN), which the ranks get through rank_env."""
     cmd = [*(prefix or []), sys.executable, "-m", "intml.aggregator", "--host", host, "--port", "0", "--cores", str(cores),
-           "--max-packet-elements", str(max_packet_elements), "--slots", str(max(64, (1 << 22) // max_packet_elements))]
+           "--max-packet-elements", str(max_packet_elements), "--slots", str(aggregator_slots(max_packet_elements))]
     if multicast:
         cmd += ["--multicast", multicast, "--multicast-ttl", str(multicast_ttl)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "INTML_TOKEN": run_token()})
+    # its stderr goes to a file (not a pipe, which nothing reads while it runs): a start failure becomes one line,
+    # and whatever it says later is passed on when it stops
+    errors = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errors, text=True,
+                            env={**os.environ, "INTML_TOKEN": run_token()})
+    started = False
     try:
         line = proc.stdout.readline()
         if "listening on" not in line:
-            raise RuntimeError(f"aggregator did not start: {line!r} (exit code {proc.poll()})")
+            proc.wait()
+            errors.seek(0)
+            said = errors.read().strip().splitlines()
+            raise AggregatorError(f"the aggregator did not start (exit code {proc.returncode}): "
+                                  f"{said[-1] if said else 'it printed nothing'}")
+        started = True
         yield int(line.split()[3].rsplit(":", 1)[1])
     finally:
         proc.terminate()
@@ -53,6 +84,10 @@ def aggregator(cores: int, max_packet_elements: int, host: str = "127.0.0.1",
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        if started:
+            errors.seek(0)
+            sys.stderr.write(errors.read())
+        errors.close()
 
 
 def run_ranks_intml(aggregators: list[str], elements: int, codec: str, packet_elements: int, pool: int,

@@ -17,12 +17,13 @@ takes one off.
 
 from __future__ import annotations
 
-import argparse
 import ipaddress
 import signal
 import socket
 import struct
 import sys
+
+from intml.protocol.cli import OneLineParser, OptionError, multicast_group, positive
 
 MRT_INIT, MRT_ADD_VIF, MRT_ADD_MFC = 200, 202, 204  # linux/mroute.h
 MAXVIFS = 32  # the kernel's limit on vifs per routing table
@@ -69,22 +70,38 @@ def install(routes: list[tuple[str, str]], oifs: list[str], groups: list[str]) -
 
 def _route(text: str) -> tuple[str, str]:
     source, sep, dev = text.partition("/")
-    if not sep or not dev:
-        raise argparse.ArgumentTypeError(f"a route is SOURCE/DEVICE, e.g. 198.18.0.1/p0, got {text!r}")
-    return str(ipaddress.IPv4Address(source)), dev
+    try:
+        if not sep or not dev:
+            raise ValueError
+        return str(ipaddress.IPv4Address(source)), dev
+    except ValueError:
+        raise OptionError(f"a route is SOURCE/DEVICE, an IPv4 address and a device, e.g. 198.18.0.1/p0, "
+                          f"got {text!r}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m intml.testbed.mroute", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="python -m intml.testbed.mroute", description=__doc__.split("\n\n")[0])
     p.add_argument("--route", type=_route, nargs="+", required=True,
                    help="SOURCE/DEVICE: a sender's address and the device its datagrams arrive (or loop back) on")
     p.add_argument("--oif", nargs="+", required=True, help="the devices to replicate them to")
-    p.add_argument("--group", required=True, type=ipaddress.IPv4Address, help="the first group")
-    p.add_argument("--count", type=int, default=1, help="consecutive groups from --group (default 1)")
+    p.add_argument("--group", required=True, type=multicast_group, help="the first group")
+    p.add_argument("--count", type=positive(), default=1,
+                   help="consecutive groups from --group (default 1)")
     args = p.parse_args(argv)
-    groups = [str(args.group + i) for i in range(args.count)]
+    p.check("--group", multicast_group, args.group, args.count, "--count")
+    devices = {dev for _, dev in args.route} | set(args.oif)
+    if len(devices) > MAXVIFS:
+        p.option_error("--oif", f"{len(devices)} devices in --route and --oif, the kernel routes between at most "
+                                f"{MAXVIFS} (MAXVIFS)")
+    groups = [str(ipaddress.IPv4Address(args.group) + i) for i in range(args.count)]
     try:
+        if missing := sorted(devices - {name for _, name in socket.if_nameindex()}):
+            raise ValueError(f"no device {', '.join(missing)} in this network namespace (`ip link` lists them)")
         sock = install(args.route, args.oif, groups)
+    except PermissionError:
+        print("mroute: multicast routing needs root (CAP_NET_ADMIN and CAP_NET_RAW): run it as root",
+              file=sys.stderr, flush=True)
+        return 1
     except (OSError, ValueError) as e:
         print(f"mroute: cannot install multicast routes: {e}", file=sys.stderr, flush=True)
         return 1

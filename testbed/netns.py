@@ -42,11 +42,14 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from intml.protocol.cli import bit_rate as parse_rate  # the testbed's rate syntax: tc's
+
 PREFIX = "intml-"
 SUBNET = "198.18.{i}.{host}"
 AGGREGATOR_SUBNET = "198.19.{k}.{host}"
 RESULTS_GROUP = "239.255.42.0"  # the first multicast group of the testbed's results (administratively scoped)
 MTUS = (1500, 9000)  # link MTUs: Ethernet's and jumbo frames
+MAX_LINKS = 200  # worker (and aggregator) links of one topology: each a /24 of SUBNET (AGGREGATOR_SUBNET), of 256
 
 
 class ClusterError(RuntimeError):
@@ -74,16 +77,6 @@ def _burst_bytes(rate_bit: int, mtu: int) -> int:
     return max(4 * (mtu + 14), rate_bit // 8 // 500)
 
 
-def parse_rate(text: str) -> int:
-    """'100mbit', '1gbit', '500kbit' -> bits per second."""
-    units = {"kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "bit": 1}
-    low = text.strip().lower()
-    for unit, scale in units.items():
-        if low.endswith(unit) and low[: -len(unit)].replace(".", "", 1).isdigit():
-            return int(float(low[: -len(unit)]) * scale)
-    raise ValueError(f"rate must look like 100mbit, 1gbit or 500kbit, got {text!r}")
-
-
 @dataclass
 class Topology:
     workers: int
@@ -95,14 +88,14 @@ class Topology:
     _up: bool = False
 
     def __post_init__(self) -> None:
-        if not 1 <= self.workers <= 200:
-            raise ValueError(f"workers must be in [1, 200], got {self.workers}")
+        if not 1 <= self.workers <= MAX_LINKS:
+            raise ValueError(f"workers must be in [1, {MAX_LINKS}], got {self.workers}")
         if not 0.0 <= self.loss < 1.0:
             raise ValueError(f"loss must be in [0, 1), got {self.loss}")
         if self.mtu not in MTUS:
             raise ValueError(f"mtu must be one of {MTUS}, got {self.mtu}")
-        if not 0 <= self.aggregators <= 200:
-            raise ValueError(f"aggregators must be in [0, 200], got {self.aggregators}")
+        if not 0 <= self.aggregators <= MAX_LINKS:
+            raise ValueError(f"aggregators must be in [0, {MAX_LINKS}], got {self.aggregators}")
 
     @property
     def switch(self) -> str:

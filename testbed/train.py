@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from intml.protocol.job import CODEC_NAMES, JobParams
+from intml.protocol.job import CODEC_NAMES, MAX_WORLD, JobParams
 from intml.protocol.traffic import ring_bytes
 from intml.testbed.procs import free_port, rank_env
 
@@ -379,9 +379,11 @@ def _runs_arg(text: str) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `intml-testbed train`; pass the parsed namespace to run_from_args."""
-    from intml.protocol.cli import positive
+    from intml.protocol.cli import count, output_file, positive
+    from intml.protocol.wire import max_packet_elements
 
-    parser.add_argument("--workers", type=positive(), default=4, help="ranks under torchrun (default 4)")
+    parser.add_argument("--workers", type=count(1, MAX_WORLD, "ranks per job: MAX_WORLD"), default=4,
+                        help="ranks under torchrun (default 4)")
     parser.add_argument("--seeds", type=positive(), default=5, help="seeds 0..N-1 per run (default 5)")
     parser.add_argument("--epochs", type=positive(), default=30)
     parser.add_argument("--runs", type=_runs_arg, default=",".join(DEFAULT_RUNS),
@@ -390,13 +392,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=positive(), default=16, help="batch per rank (default 16)")
     parser.add_argument("--lr", type=positive(float), default=0.2)
     parser.add_argument("--lr-decay", type=positive(float), default=0.95, help="per-epoch factor (default 0.95)")
-    parser.add_argument("--target", type=positive(float), default=0.95,
+    parser.add_argument("--target", type=positive(float, 1.0, "an accuracy"), default=0.95,
                         help="accuracy for the epochs-to-target column (default 0.95)")
-    parser.add_argument("--packet-elements", type=positive(), default=JobParams.packet_elements)
+    most = min(max_packet_elements(codec) for codec in CODEC_NAMES.values())  # every codec's runs use it
+    parser.add_argument("--packet-elements", type=count(1, most, "what one datagram holds for every codec"),
+                        default=JobParams.packet_elements)
     parser.add_argument("--bucket-cap-mb", type=positive(float), default=None,
                         help="DDP bucket size (default DDP's: the 45 640 parameters fit one bucket)")
-    parser.add_argument("--json-out", metavar="PATH", help="write the table and every run's report as JSON")
-    parser.add_argument("--plot", metavar="PATH", help="plot test accuracy vs epoch (PNG)")
+    parser.add_argument("--json-out", metavar="PATH", type=output_file,
+                        help="write the table and every run's report as JSON")
+    parser.add_argument("--plot", metavar="PATH", type=output_file, help="plot test accuracy vs epoch (PNG)")
     parser.add_argument("--run-timeout", type=positive(float), default=600.0, help="seconds per torchrun")
 
 

@@ -58,3 +58,50 @@ def test_slot_state_table_matches_the_reference() -> None:
     assert set(documented) == set(TRANSITIONS)
     for pair, action in TRANSITIONS.items():
         assert ("re-send" if action == RESEND else action) in documented[pair], pair
+
+
+README = (REPO_ROOT / "README.md").read_text()
+CLI_NAMES = ("intml-testbed", "intml-aggregator", "intml-sim")
+
+
+def readme_command_lines() -> list[str]:
+    """Every intml-testbed / intml-aggregator / intml-sim command line of README.md: the lines of its code blocks
+    that run one (continuation lines joined, after any VAR=value prefix), and the inline code spans that do."""
+    blocks = re.findall(r"^```[a-z]*\n(.*?)^```", README, flags=re.M | re.S)
+    lines = [line for block in blocks for line in block.replace("\\\n", " ").splitlines()]
+    spans = re.findall(r"(?<!`)`([^`\n]+)`(?!`)", README)
+    runs = re.compile(rf"^(?:[A-Z_]+=\S+\s+)*({'|'.join(CLI_NAMES)})\s+\S")  # a name alone is a mention
+    return [line.strip() for line in lines + spans if runs.match(line.strip())]
+
+
+def parse_readme_command(line: str) -> None:
+    """Parse ``line`` with its CLI's parser and cross-option checks (SystemExit if refused); runs nothing."""
+    import shlex
+
+    from intml.aggregator import __main__ as aggregator_cli
+    from intml.sim import __main__ as sim_cli
+    from intml.testbed import __main__ as testbed_cli
+
+    words = shlex.split(line, comments=True)
+    while "=" in words[0]:  # INTML_AGGREGATOR=... before the command
+        words.pop(0)
+    name, argv = words[0], [w for w in words[1:] if w != "&"]
+    if name == "intml-testbed":
+        testbed_cli.check(testbed_cli.build_parser().parse_args(argv))
+    elif name == "intml-aggregator":
+        aggregator_cli.build_parser().parse_args(argv)
+    else:
+        sim_cli.build_parser().parse_args(argv)
+
+
+def test_readme_finds_the_command_lines() -> None:
+    lines = readme_command_lines()
+    assert {re.search("|".join(CLI_NAMES), line)[0] for line in lines} == set(CLI_NAMES) and len(lines) > 30, lines
+
+
+@pytest.mark.parametrize("line", readme_command_lines())
+def test_readme_command_lines_parse(line: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each command line of the README is accepted by its CLI's parser as written (no [optional] brackets,
+    placeholders or out-of-range values), so that a copied example runs."""
+    monkeypatch.chdir(REPO_ROOT)  # the examples name repository files (sim/scenarios/..., docs/...)
+    parse_readme_command(line)

@@ -152,8 +152,8 @@ def test_without_prometheus_client_one_line_names_the_extra() -> None:
     assert done.stderr.count("\n") == 1 and "pip install 'intml[metrics]'" in done.stderr, done.stderr
 
 
-@pytest.mark.parametrize("args, message", [(["--metrics-port", "70000"], "--metrics-port must be a TCP port"),
-                                           (["--job-history", "-1"], "--job-history must be 0 or more")])
+@pytest.mark.parametrize("args, message", [(["--metrics-port", "70000"], "at most 65535 (a TCP port"),
+                                           (["--job-history", "-1"], "--job-history: must be at least 0")])
 def test_bad_metrics_options_are_one_line(args: list[str], message: str) -> None:
     done = subprocess.run([sys.executable, "-m", "intml.aggregator", "--port", "0", *args], cwd=REPO_ROOT,
                           env=repo_env(), capture_output=True, text=True, timeout=60, check=False)
