@@ -170,7 +170,7 @@ def build_parser() -> OneLineParser:
     p.add_argument("--max-pool", type=positive(int), default=AGGREGATOR_MAX_POOL,
                    help=f"slots one job may reserve (default {AGGREGATOR_MAX_POOL}), so that no JOIN takes the table")
     p.add_argument("--slots", type=positive(int), default=AGGREGATOR_SLOTS,
-                   help="slot rows per core, shared by jobs; memory is 10 bytes x slots x max packet elements "
+                   help="slot rows per core, shared by jobs; memory is 16 bytes x slots x max packet elements "
                         f"(default {AGGREGATOR_SLOTS})")
     p.add_argument("--max-packet-elements", type=count(1, MAX_ELEMENTS_LIMIT, "one UDP datagram of cnat8"),
                    default=AGGREGATOR_MAX_ELEMENTS,
