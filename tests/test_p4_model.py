@@ -110,9 +110,8 @@ def assert_model_counters(model: PipelineModel, core: AggregatorCore, ref: SlotR
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(stream=st.lists(packets(), min_size=1, max_size=80), sizes=st.lists(st.integers(1, 40), min_size=1,
-                                                                           max_size=5),
-       group=st.sampled_from([None, GROUP]))
+@given(stream=st.lists(packets(owners=False), min_size=1, max_size=80),
+       sizes=st.lists(st.integers(1, 40), min_size=1, max_size=5), group=st.sampled_from([None, GROUP]))
 def test_random_stream_matches_reference_and_kernel(stream: list[Item], sizes: list[int], group) -> None:
     agg, ref = joined_pair(PLAIN_JOBS, group=group)
     joins = ref.core_stats.copy()
