@@ -3,7 +3,7 @@ allreduce of the same input restricted to it, and a rank downloads the payload o
 its shard (header-only completions for the others). (a) The sans-I/O harness with loss, duplication and
 reordering, counting every byte each rank receives; (b) the kernel against protocol.slot_reference on recorded
 reduce-scatter streams; (c) real Worker processes and an aggregator process on 127.0.0.1; (d) the P4 pipeline
-model, which does not do reduce-scatter rounds yet: it counts and drops them."""
+model as the aggregator, datagram for datagram the kernel."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import asyncio
 import numpy as np
 import pytest
 from faults import faulty_sockets
-from harness import Network, make_inputs, msg_type, new_core
+from harness import TOKEN, Network, make_inputs, msg_type, new_core
 from test_e2e import PACKET, Spec, assert_bits_equal, expected_results, make_input, new_job
 from test_slot_reference import MAC_KEY, joined_pair, replay, spec_of
 
@@ -202,15 +202,23 @@ def test_live_reduce_scatter_under_faults(codec, use_async):
 # ---- (d) the P4 pipeline model ------------------------------------------------------------------------------
 
 
-def test_p4_model_counts_and_drops_reduce_scatter_rounds():
-    """The P4 program reads the rank field whole, so a DATA packet with owners is a rank >= n to it: counted as
-    drop_rank_out_of_range and dropped, nothing sent (never a wrong result); allreduce rounds are unaffected."""
-    n = 2
-    core = P4ModelCore(rows=64, max_elements=P, tokens=["harness-token"])
-    net = Network(n, packet_elements=P, pool_size=2, aggregators=[core], record=True)
-    net.start(make_inputs(n, n * 40, P, "normal", seed=1), scatter=True)
-    for _ in range(50):
-        net.step()
-    counters = net.job_counters()
-    assert counters["drop_rank_out_of_range"] > 0 and counters["completions"] == 2  # the 2 slots' bootstrap rounds
-    assert not any(msg_type(d) == MsgType.RESULT and wire.unpack(d)[0]["chunk"] >= 0 for d, _, _ in net.sent_down)
+@pytest.mark.parametrize("codec", ["cnat8", "int32"])
+def test_p4_model_serves_reduce_scatter_as_the_kernel(codec):
+    """The P4 pipeline model as the aggregator, under loss, duplication and reordering: the kernel's datagrams to
+    every rank (payloads to the owners, header-only completions to the others, re-sends by the same rule), its
+    counters, and each rank's shard of the allreduce."""
+    n = 3
+    nets = []
+    for core in (new_core(rows=64, max_elements=P), P4ModelCore(rows=64, max_elements=P, tokens=[TOKEN])):
+        net = Network(n, codec=codec, packet_elements=P, pool_size=4, seed=3, drop=0.1, duplicate=0.1, reorder=0.1,
+                      fault_seed=4, aggregators=[core], record=True)
+        net.start(make_inputs(n, n * 45, P, "normal", seed=3), scatter=True)
+        net.run()
+        nets.append(net)
+    kernel, model = nets
+    assert model.sent_down == kernel.sent_down
+    assert model.job_counters() == kernel.job_counters() and model.job_counters()["results_resent"] > 0
+    assert any(len(d) == HEADER_SIZE and msg_type(d) == MsgType.RESULT for d, _, _ in model.sent_down)
+    full, _, _ = run_both(n, codec, n * 45, faults=0.0)
+    for r in range(n):
+        assert_bits_equal(model.engines[r].result, shard_of(full.engines[r].result, r, n), f"rank {r}")
