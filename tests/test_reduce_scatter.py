@@ -17,7 +17,7 @@ from test_e2e import PACKET, Spec, assert_bits_equal, expected_results, make_inp
 from test_slot_reference import MAC_KEY, joined_pair, replay, spec_of
 
 from intml.p4.engine import P4ModelCore
-from intml.protocol import wire
+from intml.protocol import reference, wire
 from intml.protocol.packet import owner_range
 from intml.protocol.wire import HEADER_SIZE, TAG_SIZE, MsgType
 
@@ -222,3 +222,42 @@ def test_p4_model_serves_reduce_scatter_as_the_kernel(codec):
     full, _, _ = run_both(n, codec, n * 45, faults=0.0)
     for r in range(n):
         assert_bits_equal(model.engines[r].result, shard_of(full.engines[r].result, r, n), f"rank {r}")
+
+
+# ---- (e) the benchmark's ranks --------------------------------------------------------------------------------
+
+
+def test_benchmark_ranks_reduce_scatter_on_loopback():
+    """bench cluster --collective reduce_scatter's programs: Gloo's ranks check their shard of the exact sum, and
+    intml's ranks' shard hashes are those of the allreduce's result restricted to each shard."""
+    import hashlib
+
+    from intml.testbed import gloo, rank
+    from intml.testbed.bench_allreduce import aggregator, run_ranks_intml
+    from intml.testbed.procs import free_port, run_ranks
+
+    n, elements = 2, 2 * 40_000
+    port = free_port()
+    argvs = [gloo.command(r, n, "127.0.0.1", port, elements, 0, 1, ifname="lo", collective="reduce_scatter")
+             for r in range(n)]
+    ring = gloo.summarize(run_ranks(argvs, "gloo", 120), elements, "reduce_scatter")
+    assert ring["bytes_per_worker"] == gloo.ring_bytes(elements, n) / 2
+    with aggregator(1, 1024) as agg_port:
+        results = {c: run_ranks_intml([f"127.0.0.1:{agg_port}"] * n, elements, "cnat8", 1024, 16, 0, 1, job=j,
+                                      collective=c)
+                   for j, c in enumerate(rank.COLLECTIVES, start=1)}
+    xs = [rank.rank_input(r, elements, 1) for r in range(n)]  # each timed round is the job's second collective
+    total = reference.allreduce(xs, codec="cnat8", seed=1, allreduce_seq=1, packet_elements=1024)
+    assert results["allreduce"]["hashes"] == [hashlib.sha256(total).hexdigest()[:16]]
+    shards = [hashlib.sha256(shard_of(total, r, n)).hexdigest()[:16] for r in range(n)]
+    assert results["reduce_scatter"]["hashes"] == [[h] for h in shards]
+
+
+def test_gloo_check_sum_of_a_shard():
+    from intml.testbed import gloo
+
+    n, size = 3, 5
+    total = gloo.rank_input(0, n * size).mul_(n).add_(n * (n - 1) // 2)
+    gloo.check_sum(total[size:2 * size].clone(), n, shard=1)
+    with pytest.raises(RuntimeError, match="wrong at element"):
+        gloo.check_sum(total[:size].clone(), n, shard=1)
