@@ -43,7 +43,7 @@ control IntmlEgress(inout headers_t hdr, inout metadata_t meta, inout standard_m
             recirculate_preserving_field_list(1);
         } else if (meta.step != STEP_NONE) {
             if (meta.step == STEP_RESEND) {
-                meta.rid = meta.rank;
+                meta.rid = (bit<16>) meta.rank;
             } else {
                 meta.rid = sm.egress_rid;
             }

@@ -197,18 +197,17 @@ def bad_owner_codes(world: int) -> list[int]:
 
 
 @st.composite
-def packets(draw, owners: bool = True) -> Item:
+def packets(draw) -> Item:
     """A DATA packet of one of a few rounds per job (chunks 0 and 4, 1 and 5 share a set: newer and older
     rounds meet), so that rounds complete; one in four is malformed or disagrees with its round. Each round has
-    its owners (a reduce-scatter chunk's, or every rank: an allreduce's); without ``owners``, every round is an
-    allreduce's. A packet of the
-    job with a data key carries its tag (after any other change: a malformed packet can be authentic), or with
-    the "tag" mutation a wrong, missing or other key's tag (a packet of another job gets 8 stray bytes)."""
+    its owners (a reduce-scatter chunk's, or every rank: an allreduce's). A packet of the job with a data key
+    carries its tag (after any other change: a malformed packet can be authentic), or with the "tag" mutation a
+    wrong, missing or other key's tag (a packet of another job gets 8 stray bytes)."""
     spec = draw(st.sampled_from(JOBS))
     codec = spec["codec"]
     allreduce, chunk = draw(st.integers(0, 1)), draw(st.integers(-1, 5))
     count, exp = [(2, 0), (3, 3), (0, NO_EXP), (2, NO_EXP)][(allreduce + chunk) % 4]
-    codes = owner_codes(spec["world"]) if owners else [0]
+    codes = owner_codes(spec["world"])
     owners = codes[(allreduce * 7 + chunk) % len(codes)]
     mutations = MUTATIONS if len(codes) > 1 else [m for m in MUTATIONS if m != "owners"]
     mutation = draw(st.sampled_from(mutations)) if draw(st.integers(0, 3)) == 0 else "none"
