@@ -56,7 +56,7 @@ from intml.aggregator.slots import (
     new_limiter,
     new_table,
     process_burst,
-    result_width,
+    row_width,
 )
 from intml.protocol import keys, wire
 from intml.protocol.address import addr_of, format_addr
@@ -151,7 +151,7 @@ class AggregatorCore:
         self.history: deque[dict] = deque(maxlen=job_history)  # finished jobs, oldest first
         self._limiter = tuple(new_limiter(control_limits))
         self._control_in: list[tuple[bytes, int, float]] = []  # admitted control datagrams not yet handled
-        width = result_width(max_elements)
+        width = row_width(max_elements)
         self.table: Table = new_table(rows, max_elements, np.zeros((rows, 2, width), np.uint8))
         self._grow(burst)
 

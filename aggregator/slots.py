@@ -25,6 +25,9 @@ Slot semantics (SwitchML; docs/protocol.md, "Slots" and "Slot state table")
   result goes back to that worker alone, else it is dropped.
 * When the count reaches n the result goes to all n workers (one datagram per worker, or one to the job's
   multicast group) and is kept for retransmissions.
+* Reduce-scatter (docs/protocol.md, "Reduce-scatter"): a round opened with an owners code (the high byte of the
+  rank field) sends its result to its owners and, to every other rank, its header-only completion (the header
+  with count 0, and its tag), stored at the end of the set's result row; each by unicast, re-sends alike.
 
 Every check happens before any state changes, so a malformed packet is counted by reason and dropped and never
 changes a sum or stalls a slot. With the job's data_mac, a DATA packet is HDR + width * count + TAG_SIZE bytes: the
@@ -60,6 +63,7 @@ from intml.protocol.packet import (
     get_i32,
     get_u16,
     get_u32,
+    owner_range,
     put_header,
     round_key,
     round_order,
@@ -67,7 +71,7 @@ from intml.protocol.packet import (
 from intml.protocol.job import CONTROL_SOURCE_BUCKETS, MAX_WORLD, ControlLimits
 from intml.protocol.rng import derive_key
 from intml.protocol.siphash import TAG_SIZE, put_tag, tag_ok
-from intml.protocol.wire import MAGIC, VERSION, Codec, MsgType, element_datagram_size
+from intml.protocol.wire import MAGIC, OWNERS_SHIFT, RANK_MASK, VERSION, Codec, MsgType, element_datagram_size
 
 # Statistics, per job (and, for packets that name no known job, per core). The drop reasons are the malformed or
 # foreign packets of docs/protocol.md ("Drop reasons"); "retransmissions" and "results_resent" are normal events.
@@ -102,6 +106,7 @@ STAT_NAMES = (
     "drop_leave_non_member",
     "drop_control_rate",
     "send_failed",
+    "drop_bad_owner",
 )
 (
     PACKETS_IN,
@@ -134,6 +139,7 @@ STAT_NAMES = (
     DROP_LEAVE_NON_MEMBER,  # control plane: a LEAVE for no job, or not from the address the rank joined from
     DROP_CONTROL_RATE,  # control admission: a control datagram over its source's, the core's or the burst's budget
     SEND_FAILED,  # the driver: datagrams the kernel refused to send (their destination), skipped
+    DROP_BAD_OWNER,  # an owners code naming a rank >= n, or not the round's
 ) = range(len(STAT_NAMES))
 N_STATS = len(STAT_NAMES)
 CONTROL = -1  # validate_header's verdict for a JOIN, LEAVE or STATS_REQUEST: the control plane answers it
@@ -151,8 +157,10 @@ Jobs = namedtuple(
     "data_mac mac_key stride offset",
 )
 # Slot table: one row per slot of every job on this core, two shadow sets each. A completed set keeps its result
-# as the whole datagram (header, payload and any tag) that goes to every worker and to every re-send.
-Table = namedtuple("Table", "round_key bitmap count exp next_exp elements acc result result_len")
+# as the whole datagram (header, payload and any tag) that goes to every worker and to every re-send, and, for a
+# round with owners (a reduce-scatter chunk), its header-only completion in the row's last COMPLETION_SIZE bytes.
+Table = namedtuple("Table", "round_key bitmap count exp next_exp elements owners acc result result_len")
+COMPLETION_SIZE = HDR + TAG_SIZE  # room for a header-only completion and its tag
 # Scratch of one process_burst call (see there). group_of[row, set] is the set's group in the current burst, or -1
 # outside a call; a group is one round of one set: its contributions are a linked list (head, next) of received
 # packet indices; `emits` marks a group some output points at, `spilled` the spill row its result was copied to
@@ -214,12 +222,17 @@ def new_jobs(capacity: int) -> Jobs:
 
 
 def result_width(max_elements: int) -> int:
-    """Bytes of one stored result: the largest RESULT datagram (int32 codes and a tag)."""
+    """Bytes of the largest RESULT datagram (int32 codes and a tag)."""
     return element_datagram_size(Codec.INT32, max_elements, data_mac=True)
 
 
+def row_width(max_elements: int) -> int:
+    """Bytes of one stored result row: the largest result, then room for its header-only completion."""
+    return result_width(max_elements) + COMPLETION_SIZE
+
+
 def new_table(rows: int, max_elements: int, result: np.ndarray) -> Table:
-    """``result``: the (rows, 2, result_width) block the stored results live in (the core's output memory)."""
+    """``result``: the (rows, 2, row_width) block the stored results live in (the core's output memory)."""
     return Table(
         round_key=np.full((rows, 2), -1, np.int64),
         bitmap=np.zeros((rows, 2), np.uint64),
@@ -227,6 +240,7 @@ def new_table(rows: int, max_elements: int, result: np.ndarray) -> Table:
         exp=np.zeros((rows, 2), np.int64),
         next_exp=np.zeros((rows, 2), np.int64),
         elements=np.zeros((rows, 2), np.int64),
+        owners=np.zeros((rows, 2), np.int64),
         acc=np.zeros((rows, 2, max_elements), np.int32),
         result=result,
         result_len=np.zeros((rows, 2), np.int64),
@@ -286,7 +300,7 @@ def authenticate(p, length, data_mac, k0, k1):
 
 @njit(inline="always")
 def validate(length, rank, world, src, member, slot, pool, offset, stride, codec, job_codec, count, packet_elements,
-             shadow, exp, next_exp):
+             shadow, exp, next_exp, owners):
     """The checks of a DATA packet against its job, in the parser's order (``member``: the address the rank
     joined from, read only when rank < world). Returns 0 or the statistic of the drop reason."""
     if rank >= world:
@@ -304,6 +318,8 @@ def validate(length, rank, world, src, member, slot, pool, offset, stride, codec
     lo, hi = codecs.exp_range(codec)
     if (exp != NO_EXP and (exp < lo or exp > hi)) or (next_exp != NO_EXP and (next_exp < lo or next_exp > hi)):
         return DROP_BAD_EXP
+    if owner_range(owners, world)[1] >= world:
+        return DROP_BAD_OWNER
     return 0
 
 
@@ -345,7 +361,7 @@ def _new_group(b, n_groups, row, x, j, first):
 
 
 @njit(inline="always")
-def open_round(table, row, x, key, exp, count, next_exp):
+def open_round(table, row, x, key, exp, count, next_exp, owners):
     """Set x of `row` takes the round `key`: empty bitmap and count; the first contribution will write the
     accumulators (no zeroing)."""
     table.round_key[row, x] = key
@@ -354,6 +370,7 @@ def open_round(table, row, x, key, exp, count, next_exp):
     table.exp[row, x] = exp
     table.elements[row, x] = count
     table.next_exp[row, x] = next_exp
+    table.owners[row, x] = owners
 
 
 @njit(inline="always")
@@ -388,7 +405,8 @@ def contribute(jobs, table, b, g, rx_data):
 @njit(inline="always")
 def complete(jobs, table, b, g):
     """Write a completed round's result datagram into its set: the same bytes for every worker and every
-    re-send (C_nat re-encodes the sum with the switch's random stream)."""
+    re-send (C_nat re-encodes the sum with the switch's random stream); and, for a round with owners, its
+    header-only completion at the end of the row."""
     row, x, j = b.row[g], b.shadow[g], b.job[g]
     count = table.elements[row, x]
     codec = jobs.codec[j]
@@ -398,7 +416,8 @@ def complete(jobs, table, b, g):
     chunk = (key & 0xFFFFFFFF) - (np.int64(1) << 31)
     slot = (row - jobs.row_base[j]) * jobs.stride[j] + jobs.offset[j]
     p = table.result[row, x]
-    put_header(p, MsgType.RESULT, jobs.job_id[j], allreduce, chunk, 0, slot, count, codec, x, table.exp[row, x],
+    owners = table.owners[row, x] << OWNERS_SHIFT  # the RESULT's rank field
+    put_header(p, MsgType.RESULT, jobs.job_id[j], allreduce, chunk, owners, slot, count, codec, x, table.exp[row, x],
                table.next_exp[row, x])
     size = codecs.width(codec) * count
     if count:
@@ -410,6 +429,12 @@ def complete(jobs, table, b, g):
     if jobs.data_mac[j]:  # tagged once, here: every copy and every re-send of the result carries the same bytes
         length = put_tag(p, length, jobs.mac_key[j, 0], jobs.mac_key[j, 1])
     table.result_len[row, x] = length
+    if owners:
+        q = p[p.size - COMPLETION_SIZE:]
+        put_header(q, MsgType.RESULT, jobs.job_id[j], allreduce, chunk, owners, slot, 0, codec, x, table.exp[row, x],
+                   table.next_exp[row, x])
+        if jobs.data_mac[j]:
+            put_tag(q, HDR, jobs.mac_key[j, 0], jobs.mac_key[j, 1])
 
 
 @njit(inline="always")
@@ -418,6 +443,17 @@ def _finish(jobs, table, b, g, rx_data):
     if b.complete[g]:
         complete(jobs, table, b, g)
     b.done[g] = True
+
+
+@njit(inline="always")
+def emit_to(res, size, data_mac, rank, world, dest, out_ptr, out_len, out_addr, n_out):
+    """Queue the stored result row `res` (its first `size` bytes are the result) for rank `rank` at `dest`: the
+    result if the round has no owners or the rank is one, else the row's header-only completion."""
+    first, last = owner_range(np.int64(res[O_RANK]), world)  # the high byte of the result's rank field
+    if first <= rank <= last:
+        return emit(res.ctypes.data, size, dest, out_ptr, out_len, out_addr, n_out)
+    cut = res.size - COMPLETION_SIZE
+    return emit(res[cut:].ctypes.data, HDR + TAG_SIZE if data_mac else HDR, dest, out_ptr, out_len, out_addr, n_out)
 
 
 @njit(inline="always")
@@ -492,6 +528,8 @@ def process_burst(rx_data, rx_len, rx_addr, n_rx, now, job_arrays, table_arrays,
             continue
         n = jobs.world[j]
         rank = get_u16(p, O_RANK)
+        owners = rank >> OWNERS_SHIFT
+        rank &= RANK_MASK
         slot = get_u16(p, O_SLOT)
         count = get_u16(p, O_COUNT)
         x = np.int64(p[O_SHADOW])
@@ -499,7 +537,7 @@ def process_burst(rx_data, rx_len, rx_addr, n_rx, now, job_arrays, table_arrays,
         next_exp = get_i8(p, O_NEXT_EXP)
         reason = validate(length, rank, n, rx_addr[i], jobs.members[j, min(rank, MAX_WORLD - 1)], slot, jobs.pool[j],
                           jobs.offset[j], jobs.stride[j], np.int64(p[O_CODEC]), jobs.codec[j], count,
-                          jobs.packet_elements[j], x, exp, next_exp)
+                          jobs.packet_elements[j], x, exp, next_exp, owners)
         if reason != DROP_RANK and reason != DROP_UNREGISTERED:
             jobs.last_seen[j, rank] = now  # any packet of a member, retransmissions too, keeps the job alive
         if reason:
@@ -528,8 +566,10 @@ def process_burst(rx_data, rx_len, rx_addr, n_rx, now, job_arrays, table_arrays,
             else:
                 st[DROP_DUPLICATE_INCOMPLETE] += 1
             continue
-        if event == SAME_NEW_RANK and (exp != table.exp[row, x] or count != table.elements[row, x]):
-            st[DROP_EXP_MISMATCH if exp != table.exp[row, x] else DROP_COUNT] += 1
+        if event == SAME_NEW_RANK and (exp != table.exp[row, x] or count != table.elements[row, x]
+                                       or owners != table.owners[row, x]):
+            st[DROP_EXP_MISMATCH if exp != table.exp[row, x] else DROP_COUNT if count != table.elements[row, x]
+               else DROP_BAD_OWNER] += 1
             continue
         if not payload_ok(p, jobs.codec[j], count, exp, jobs.value_bits[j]):
             st[DROP_INVALID_CODE] += 1
@@ -537,15 +577,16 @@ def process_burst(rx_data, rx_len, rx_addr, n_rx, now, job_arrays, table_arrays,
         if event == NEWER and g >= 0:  # the set's old round ends here: finish it before the new one opens
             _finish(jobs, table, b, g, rx_data)
             if b.emits[g]:
-                size = table.result_len[row, x]
+                size, cut = table.result_len[row, x], spill.shape[1] - COMPLETION_SIZE
                 spill[n_spill, :size] = table.result[row, x, :size]
+                spill[n_spill, cut:] = table.result[row, x, cut:]  # the header-only completion
                 spill_len[n_spill] = size
                 b.spilled[g] = n_spill
                 n_spill += 1
             b.group_of[row, x] = -1
             g = -1
         if event == NEWER:  # (any state, NEWER): OPEN
-            open_round(table, row, x, key, exp, count, next_exp)
+            open_round(table, row, x, key, exp, count, next_exp, owners)
         else:  # (FILLING, SAME_NEW_RANK): ADD
             table.next_exp[row, x] = max(table.next_exp[row, x], next_exp)
         if g < 0:
@@ -572,17 +613,18 @@ def process_burst(rx_data, rx_len, rx_addr, n_rx, now, job_arrays, table_arrays,
         j = b.job[g]
         k = b.spilled[g]
         if k >= 0:
-            src, size = spill[k].ctypes.data, spill_len[k]
+            res, size = spill[k], spill_len[k]
         else:
-            src, size = table.result[b.row[g], b.shadow[g]].ctypes.data, table.result_len[b.row[g], b.shadow[g]]
+            res, size = table.result[b.row[g], b.shadow[g]], table.result_len[b.row[g], b.shadow[g]]
         rank = b.event_rank[e]
         first = n_out
+        n, data_mac = jobs.world[j], jobs.data_mac[j]
         if rank >= 0:
-            n_out = emit(src, size, jobs.members[j, rank], out_ptr, out_len, out_addr, n_out)
-        elif jobs.group[j]:  # one datagram to the job's multicast group reaches every worker
-            n_out = emit(src, size, jobs.group[j], out_ptr, out_len, out_addr, n_out)
+            n_out = emit_to(res, size, data_mac, rank, n, jobs.members[j, rank], out_ptr, out_len, out_addr, n_out)
+        elif jobs.group[j] and res[O_RANK] == 0:  # one datagram to the job's multicast group reaches every worker
+            n_out = emit(res.ctypes.data, size, jobs.group[j], out_ptr, out_len, out_addr, n_out)
         else:
-            for r in range(jobs.world[j]):
-                n_out = emit(src, size, jobs.members[j, r], out_ptr, out_len, out_addr, n_out)
+            for r in range(n):
+                n_out = emit_to(res, size, data_mac, r, n, jobs.members[j, r], out_ptr, out_len, out_addr, n_out)
         jobs.stats[j, PACKETS_OUT] += n_out - first
     return n_out, n_ctl

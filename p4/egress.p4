@@ -5,6 +5,9 @@
 // Each copy of a result gets its destination (job index, rank) from egress_dest, with the switch's address as
 // its source; a pass that is not the last recirculates with the bridged metadata. packets_out is counted here,
 // where the replicas exist (a v1model counter belongs to one control: this is the egress's).
+// A reduce-scatter round (owners code != 0): the copy for a rank that is not among the owners becomes the
+// header-only completion: count 0, the lengths of the headers alone, and truncate() cuts the payload off the
+// deparsed packet (a replica is a copy: the owners' copies keep theirs).
 control IntmlEgress(inout headers_t hdr, inout metadata_t meta, inout standard_metadata_t sm) {
     @name(".egress_job_counter") counter<bit<32>>(MAX_JOBS * N_STATS, CounterType.packets) job_counter;
 
@@ -28,17 +31,30 @@ control IntmlEgress(inout headers_t hdr, inout metadata_t meta, inout standard_m
         size = 4160;
     }
 
+    action completion_only() {
+        hdr.intml.count = 0;
+        hdr.udp.length = UDP_BYTES + HEADER_BYTES;
+        hdr.ipv4.total_len = IPV4_BYTES + UDP_BYTES + HEADER_BYTES;
+        truncate(ETHERNET_BYTES + IPV4_BYTES + UDP_BYTES + HEADER_BYTES);
+    }
+
     apply {
         if (meta.recirculate) {
             recirculate_preserving_field_list(1);
         } else if (meta.step != STEP_NONE) {
             if (meta.step == STEP_RESEND) {
-                meta.rid = meta.rank;
+                meta.rid = (bit<16>) meta.rank;
             } else {
                 meta.rid = sm.egress_rid;
             }
             if (egress_dest.apply().hit) {
                 job_counter.count((bit<32>) meta.job_index * N_STATS + STAT_PACKETS_OUT);
+                bit<8> owner_code = meta.owners - 1;
+                bit<8> first = 2w0 ++ owner_code[5:0];
+                if (meta.owners != 0
+                    && (meta.rid[7:0] < first || meta.rid[7:0] > first + (6w0 ++ owner_code[7:6]))) {
+                    completion_only();
+                }
             }
         }
     }

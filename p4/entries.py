@@ -1,7 +1,7 @@
 """Every table entry of the switch pipeline as plain data: the static ones (the next-step table from
 protocol.slot_reference.TRANSITIONS, the C_nat decode and bound tables, the leading-one table), which
 p4.generate renders as ``const entries``, and the per-job ones (job table, membership, slot table, multicast
-replicas, egress rewrite) from the controller's job state, which ``cli_commands`` writes as simple_switch_CLI
+replicas, the rank group of reduce-scatter rounds, egress rewrite) from the controller's job state, which ``cli_commands`` writes as simple_switch_CLI
 commands. The pipeline model (p4.model) executes exactly these entries.
 """
 
@@ -17,6 +17,7 @@ from intml.p4.layout import (
     LANES_PER_PASS,
     MAX_WORLD,
     NONZERO,
+    RANK_GROUP_BASE,
     SIGN,
     STATE_CODES,
     TABLE,
@@ -110,6 +111,7 @@ def job_entries(job: SwitchJob) -> list[Entry]:
     out += [Entry("slot_table", (job.index, slot), "set_row", (row,)) for slot, row in sorted(job.rows.items())]
     out.append(Entry("multicast_group", (job.index + 1,), "replicate",
                      (GROUP_RID,) if job.group else tuple(range(job.world))))
+    out.append(Entry("multicast_group", (RANK_GROUP_BASE + job.index + 1,), "replicate", tuple(range(job.world))))
     out += [Entry("egress_dest", (job.index, rank), "set_dest", (addr,)) for rank, addr in sorted(job.members.items())]
     if job.group:
         out.append(Entry("egress_dest", (job.index, GROUP_RID), "set_dest", (job.group,)))

@@ -44,6 +44,8 @@ LANE_INDEX = f"meta.slot_index[{SLOT_BITS - 1}:0] ++ meta.pass_no[{PASS_BITS - 1
 PROGRAM_CONSTANTS = {
     "INTML_PORT": (DEFAULT_PORT, "protocol.wire.DEFAULT_PORT: the aggregator's UDP port"),
     "CPU_PORT": (CPU_PORT, "admitted control datagrams leave here for the controller"),
+    "ETHERNET_BYTES": (14, "the Ethernet header"),
+    "IPV4_BYTES": (20, "the IPv4 header (the parser takes ihl = 5 only)"),
     "UDP_BYTES": (8, "the UDP header"),
     "ETHERTYPE_IPV4": (0x0800, "IPv4 in the Ethernet type"),
     "PROTO_UDP": (17, "UDP in the IPv4 protocol"),
@@ -279,7 +281,8 @@ control Judge(inout headers_t hdr, inout metadata_t meta, inout standard_metadat
         }} else if (job_table.apply().hit) {{
             meta.job_known = true;
             bit<16> payload_bytes = meta.codec == CODEC_CNAT8 ? hdr.intml.count : hdr.intml.count << 2;
-            if (hdr.intml.rank >= (bit<16>) meta.world) {{
+            bit<8> owner_code = hdr.intml.owners - 1;  // first owner: its low 6 bits; owners after it: its top 2
+            if (hdr.intml.rank >= meta.world) {{
                 meta.drop_stat = STAT_DROP_RANK_OUT_OF_RANGE;
             }} else if (!membership.apply().hit) {{
                 meta.drop_stat = STAT_DROP_UNREGISTERED_SOURCE;
@@ -300,6 +303,9 @@ control Judge(inout headers_t hdr, inout metadata_t meta, inout standard_metadat
                            || ((int<8>) hdr.intml.next_exp != NO_EXP
                             && ((int<8>) hdr.intml.next_exp < EXP_MIN || (int<8>) hdr.intml.next_exp > EXP_MAX))) {{
                     meta.drop_stat = STAT_DROP_BAD_EXPONENT;
+                }} else if (hdr.intml.owners != 0
+                           && (2w0 ++ owner_code[5:0]) + (6w0 ++ owner_code[7:6]) >= meta.world) {{
+                    meta.drop_stat = STAT_DROP_BAD_OWNER;  // a last owner >= n
                 }} else {{
                     meta.is_data = true;
                     meta.slot_index = (bit<16>) (meta.row[{SLOT_BITS - 2}:0] ++ hdr.intml.shadow[0:0]);
@@ -407,7 +413,7 @@ control NextStep(inout headers_t hdr, inout metadata_t meta) {{
 
 // The end of every pass: drop, recirculate for the next pass, or send the result (the RESULT header as the
 // aggregator core writes it): a completion to the job's multicast group (a replica per rank, or one for the
-// results group), a re-send back to the one rank.
+// results group; a round with owners: the job's rank group, a replica per rank), a re-send back to the one rank.
 control Forward(inout headers_t hdr, inout metadata_t meta, inout standard_metadata_t sm) {{
     apply {{
         bit<16> last_pass = meta.elements == 0 ? 16w0 : (meta.elements - 1) >> LANES_PER_PASS_LOG2;
@@ -419,12 +425,15 @@ control Forward(inout headers_t hdr, inout metadata_t meta, inout standard_metad
             sm.egress_spec = meta.in_port;  // egress recirculates it
         }} else if (meta.step == STEP_RESEND || meta.completes == 1) {{
             hdr.intml.type = TYPE_RESULT;
+            hdr.intml.owners = meta.owners;
             hdr.intml.rank = 0;
             hdr.intml.count = meta.elements;
             hdr.intml.exp = meta.exp;
             hdr.intml.next_exp = meta.next_exp;
             if (meta.step == STEP_RESEND) {{
                 sm.egress_spec = meta.in_port;
+            }} else if (meta.owners != 0) {{
+                sm.mcast_grp = RANK_GROUP_BASE + (bit<16>) meta.job_index + 1;
             }} else {{
                 sm.mcast_grp = (bit<16>) meta.job_index + 1;
             }}
@@ -438,26 +447,34 @@ control Forward(inout headers_t hdr, inout metadata_t meta, inout standard_metad
 
 def exponent() -> str:
     return guard("EXPONENT", f"""
-// The round's agreed exponent, the max of its contributions' next_exp, and its element count. An add must agree
-// with the first two checks; then any contribution must have passed pass 0's lane check (LaneCheck), and only
-// then is a register written: open writes the packet's values, add raises next_exp.
+// The round's agreed exponent, the max of its contributions' next_exp, its element count and its owners code (0:
+// every rank; a reduce-scatter chunk's otherwise). An add must agree with the exponent, the count and the owners;
+// then any contribution must have passed pass 0's lane check (LaneCheck), and only then is a register written:
+// open writes the packet's values, add raises next_exp. The owners travel to egress (bridged), which truncates
+// the replicas of ranks that are not among them; a re-send carries the round's code, not the request's.
 control Exponent(inout headers_t hdr, inout metadata_t meta) {{
     @name(".round_exp") register<bit<8>, slot_index_t>(SLOT_ENTRIES) round_exp;
     @name(".round_next_exp") register<bit<8>, slot_index_t>(SLOT_ENTRIES) round_next_exp;
     @name(".round_elements") register<bit<16>, slot_index_t>(SLOT_ENTRIES) round_elements;
+    @name(".round_owners") register<bit<8>, slot_index_t>(SLOT_ENTRIES) round_owners;
     bit<8> exp;
     bit<8> next_exp;
     bit<16> elements;
+    bit<8> owners;
 
     apply {{
         round_exp.read(exp, {SLOT_INDEX});
         round_next_exp.read(next_exp, {SLOT_INDEX});
         round_elements.read(elements, {SLOT_INDEX});
+        round_owners.read(owners, {SLOT_INDEX});
         if (meta.step == STEP_ADD && hdr.intml.exp != exp) {{
             meta.drop_stat = STAT_DROP_EXPONENT_MISMATCH;
             meta.step = STEP_NONE;
         }} else if (meta.step == STEP_ADD && hdr.intml.count != elements) {{
             meta.drop_stat = STAT_DROP_WRONG_COUNT;
+            meta.step = STEP_NONE;
+        }} else if (meta.step == STEP_ADD && hdr.intml.owners != owners) {{
+            meta.drop_stat = STAT_DROP_BAD_OWNER;
             meta.step = STEP_NONE;
         }} else if ((meta.step == STEP_OPEN || meta.step == STEP_ADD) && !meta.lanes_ok) {{
             meta.drop_stat = STAT_DROP_INVALID_CODE;
@@ -467,9 +484,11 @@ control Exponent(inout headers_t hdr, inout metadata_t meta) {{
             exp = hdr.intml.exp;
             next_exp = hdr.intml.next_exp;
             elements = hdr.intml.count;
+            owners = hdr.intml.owners;
             round_exp.write({SLOT_INDEX}, exp);
             round_next_exp.write({SLOT_INDEX}, next_exp);
             round_elements.write({SLOT_INDEX}, elements);
+            round_owners.write({SLOT_INDEX}, owners);
         }} else if (meta.step == STEP_ADD && (int<8>) hdr.intml.next_exp > (int<8>) next_exp) {{
             next_exp = hdr.intml.next_exp;
             round_next_exp.write({SLOT_INDEX}, next_exp);
@@ -477,6 +496,7 @@ control Exponent(inout headers_t hdr, inout metadata_t meta) {{
         meta.exp = exp;
         meta.next_exp = next_exp;
         meta.elements = elements;
+        meta.owners = owners;
     }}
 }}
 """)
@@ -622,22 +642,38 @@ def egress() -> str:
 // Each copy of a result gets its destination (job index, rank) from egress_dest, with the switch's address as
 // its source; a pass that is not the last recirculates with the bridged metadata. packets_out is counted here,
 // where the replicas exist (a v1model counter belongs to one control: this is the egress's).
+// A reduce-scatter round (owners code != 0): the copy for a rank that is not among the owners becomes the
+// header-only completion: count 0, the lengths of the headers alone, and truncate() cuts the payload off the
+// deparsed packet (a replica is a copy: the owners' copies keep theirs).
 control IntmlEgress(inout headers_t hdr, inout metadata_t meta, inout standard_metadata_t sm) {{
     @name(".egress_job_counter") counter<bit<32>>(MAX_JOBS * N_STATS, CounterType.packets) job_counter;
 
 {table("egress_dest")}
+
+    action completion_only() {{
+        hdr.intml.count = 0;
+        hdr.udp.length = UDP_BYTES + HEADER_BYTES;
+        hdr.ipv4.total_len = IPV4_BYTES + UDP_BYTES + HEADER_BYTES;
+        truncate(ETHERNET_BYTES + IPV4_BYTES + UDP_BYTES + HEADER_BYTES);
+    }}
 
     apply {{
         if (meta.recirculate) {{
             recirculate_preserving_field_list({FIELD_LIST});
         }} else if (meta.step != STEP_NONE) {{
             if (meta.step == STEP_RESEND) {{
-                meta.rid = meta.rank;
+                meta.rid = (bit<16>) meta.rank;
             }} else {{
                 meta.rid = sm.egress_rid;
             }}
             if (egress_dest.apply().hit) {{
                 job_counter.count((bit<32>) meta.job_index * N_STATS + STAT_PACKETS_OUT);
+                bit<8> owner_code = meta.owners - 1;
+                bit<8> first = 2w0 ++ owner_code[5:0];
+                if (meta.owners != 0
+                    && (meta.rid[7:0] < first || meta.rid[7:0] > first + (6w0 ++ owner_code[7:6]))) {{
+                    completion_only();
+                }}
             }}
         }}
     }}

@@ -102,7 +102,8 @@ def slot_state() -> str:
 // in dependency order so that each action decides from what the earlier stages returned (p4/README.md, "Tofino
 // resource account"):
 //   round_key: the packet's order against the round; opens the new round (NEWER, every lane valid);
-//   round_exp: (exp, biased next_exp): written on open, returns exp for an add's check, raises next_exp;
+//   round_exp: (owners ++ exp, biased next_exp): written on open, returns the round's owners code and exp for an
+//              add's checks (and a re-send's code), raises next_exp: the owners code costs no stateful ALU;
 //   worker_bitmap: (ranks 0-31, 32-63): reset to the rank's bit on open, the bit added on a same-round packet,
 //                  returns the bits before (a known rank: duplicate or re-send);
 // The count is the bitmap's: the round completes when the bitmap equals the job's full mask (ranks 0..n-1), so
@@ -132,7 +133,7 @@ control SlotState(inout tna_headers_t hdr, inout tna_metadata_t ig_md) {{
         void apply(inout pair_t value, out bit<32> exp) {{
             exp = value.first;
             if (ig_md.order == ORDER_NEWER) {{
-                value.first = 24w0 ++ hdr.intml.exp;
+                value.first = hdr.intml.owners ++ 16w0 ++ hdr.intml.exp;
                 value.second = 24w0 ++ (hdr.intml.next_exp ^ 0x80);
             }} else if (ig_md.order == ORDER_SAME && 24w0 ++ (hdr.intml.next_exp ^ 0x80) > value.second) {{
                 value.second = 24w0 ++ (hdr.intml.next_exp ^ 0x80);
@@ -166,7 +167,9 @@ control SlotState(inout tna_headers_t hdr, inout tna_metadata_t ig_md) {{
 
     apply {{
         ig_md.order = classify.execute({SLOT_INDEX});
-        ig_md.exp_ok = agree.execute({SLOT_INDEX}) == 24w0 ++ hdr.intml.exp;
+        bit<32> round_word = agree.execute({SLOT_INDEX});  // owners (31:24), exp (7:0)
+        ig_md.exp_ok = round_word[7:0] == hdr.intml.exp && round_word[31:24] == hdr.intml.owners;
+        ig_md.bridge.owners = ig_md.order == ORDER_NEWER ? hdr.intml.owners : round_word[31:24];
         bit<32> marked = mark.execute({SLOT_INDEX});
         ig_md.new_rank = marked != KNOWN_RANK;
         if (marked == COMPLETES) {{
@@ -376,6 +379,9 @@ control TnaIngress(inout tna_headers_t hdr, inout tna_metadata_t ig_md,
         }}
         if (ig_md.bridge.pass_no == 0 && ig_md.bridge.phase == PHASE_HARVEST_FIRST) {{
             ig_tm_md.mcast_grp_a = (MulticastGroupId_t) ig_md.bridge.job_index + 1;  // the whole result
+            if (ig_md.bridge.owners != 0) {{  // a reduce-scatter round: a replica per rank (egress: p4/README.md)
+                ig_tm_md.mcast_grp_a = ig_tm_md.mcast_grp_a + RANK_GROUP_BASE;
+            }}
         }} else {{
             hdr.bridge = ig_md.bridge;
             hdr.bridge.setValid();

@@ -26,8 +26,9 @@ const int SLOT_ENTRIES = 1024;
 const int LANE_ENTRIES = 16384;
 const int MAX_JOBS = 64;
 const int MAX_WORLD = 64;
-const int N_STATS = 30;
+const int N_STATS = 31;
 const int GROUP_RID = 65535;
+const int RANK_GROUP_BASE = 64;
 const int SIGN = 128;
 const int NONZERO = 64;
 const int K_MASK = 63;
@@ -75,10 +76,13 @@ const int STAT_DROP_REFUSED_JOIN = 26;
 const int STAT_DROP_LEAVE_NON_MEMBER = 27;
 const int STAT_DROP_CONTROL_RATE = 28;
 const int STAT_SEND_FAILED = 29;
+const int STAT_DROP_BAD_OWNER = 30;
 
 // ---- this program's own
 const int INTML_PORT = 48879;  // protocol.wire.DEFAULT_PORT: the aggregator's UDP port
 const int CPU_PORT = 255;  // admitted control datagrams leave here for the controller
+const int ETHERNET_BYTES = 14;  // the Ethernet header
+const int IPV4_BYTES = 20;  // the IPv4 header (the parser takes ihl = 5 only)
 const int UDP_BYTES = 8;  // the UDP header
 const int ETHERTYPE_IPV4 = 2048;  // IPv4 in the Ethernet type
 const int PROTO_UDP = 17;  // UDP in the IPv4 protocol
@@ -111,7 +115,8 @@ header intml_h {
     bit<32> job;
     bit<32> allreduce;
     bit<32> chunk;  // signed
-    bit<16> rank;
+    bit<8> owners;
+    bit<8> rank;
     bit<16> slot;
     bit<16> count;
     bit<8> codec;
@@ -218,7 +223,8 @@ struct metadata_t {
     @field_list(1) bit<2> step;
     @field_list(1) bit<1> completes;
     @field_list(1) bit<8> job_index;
-    @field_list(1) bit<16> rank;
+    @field_list(1) bit<8> rank;
+    @field_list(1) bit<8> owners;
     @field_list(1) bit<16> slot_index;
     @field_list(1) bit<16> elements;
     @field_list(1) bit<8> exp;

@@ -93,7 +93,8 @@ control Judge(inout headers_t hdr, inout metadata_t meta, inout standard_metadat
         } else if (job_table.apply().hit) {
             meta.job_known = true;
             bit<16> payload_bytes = meta.codec == CODEC_CNAT8 ? hdr.intml.count : hdr.intml.count << 2;
-            if (hdr.intml.rank >= (bit<16>) meta.world) {
+            bit<8> owner_code = hdr.intml.owners - 1;  // first owner: its low 6 bits; owners after it: its top 2
+            if (hdr.intml.rank >= meta.world) {
                 meta.drop_stat = STAT_DROP_RANK_OUT_OF_RANGE;
             } else if (!membership.apply().hit) {
                 meta.drop_stat = STAT_DROP_UNREGISTERED_SOURCE;
@@ -114,6 +115,9 @@ control Judge(inout headers_t hdr, inout metadata_t meta, inout standard_metadat
                            || ((int<8>) hdr.intml.next_exp != NO_EXP
                             && ((int<8>) hdr.intml.next_exp < EXP_MIN || (int<8>) hdr.intml.next_exp > EXP_MAX))) {
                     meta.drop_stat = STAT_DROP_BAD_EXPONENT;
+                } else if (hdr.intml.owners != 0
+                           && (2w0 ++ owner_code[5:0]) + (6w0 ++ owner_code[7:6]) >= meta.world) {
+                    meta.drop_stat = STAT_DROP_BAD_OWNER;  // a last owner >= n
                 } else {
                     meta.is_data = true;
                     meta.slot_index = (bit<16>) (meta.row[8:0] ++ hdr.intml.shadow[0:0]);

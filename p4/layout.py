@@ -30,6 +30,15 @@ shifts only) rounds up iff the top b bits of the lane's random word are below th
 (protocol.arith._sum_code, probability remainder / 2**b), then writes sign | NONZERO | k into ``lane_code``, the
 8-bit result register every re-send reads. A lane with k > k_finite counts ``saturated_elements``.
 
+Reduce-scatter (docs/protocol.md, "Reduce-scatter"). The parser splits the wire's 16-bit ``rank`` into two 8-bit
+fields, ``owners`` (the high byte: the chunk's owners code, 0 = every rank) and ``rank`` (the low byte); the wire is
+unchanged. Pass 0 drops a code whose last owner is >= n (``drop_bad_owner``, after the exponent range); the round
+keeps its opener's code in ``round_owners``, and an add with another code is ``drop_bad_owner`` (after the
+exponent and element count). A completion of a round with owners leaves through the job's rank group
+(``RANK_GROUP_BASE + job_index + 1``: one replica per rank, even for a job with a results group: each rank must
+learn that the round completed), a re-send through the requester's port; in egress each replica whose rank is
+not among the round's owners is truncated to the RESULT header with count 0 (the header-only completion).
+
 Slot state. ``slot_index = 2 * row + shadow`` indexes the per-(row, set) registers. The state is EMPTY (bitmap
 0), COMPLETE (count = n) or FILLING; the event is OLDER / SAME_NEW_RANK / SAME_KNOWN_RANK / NEWER
 (aggregator.slots' codes: serial-number order on the allreduce, then chunk + 2**31 unsigned, then the rank's
@@ -40,7 +49,8 @@ Jobs. ``job_table`` (job id → job index and parameters, action per codec: its 
 ((job index, rank, source address key) → the worker's bit; a miss with rank < n is an unregistered source),
 ``slot_table`` ((job index, slot) → row; a miss is a slot out of range: slots of other cores, or beyond the pool,
 have no entry, so no modulo is needed). Results leave through the v1model multicast group ``job_index + 1`` with
-one replica per rank (egress_rid = rank) or one replica (GROUP_RID) for the job's results group; ``egress_dest``
+one replica per rank (egress_rid = rank) or one replica (GROUP_RID) for the job's results group (a round with owners:
+the rank group above); ``egress_dest``
 ((job index, rid) → destination address key) rewrites the destination. A re-send goes to ``egress_dest``
 (job index, rank) alone.
 
@@ -92,6 +102,7 @@ MAX_JOBS = AGGREGATOR_MAX_JOBS
 MEMBER_ENTRIES = MAX_JOBS * MAX_WORLD
 N_STATS = len(STAT_NAMES)
 GROUP_RID = 0xFFFF  # the replica id of a job's results group (ranks use rid = rank < MAX_WORLD)
+RANK_GROUP_BASE = AGGREGATOR_MAX_JOBS  # mcast_grp RANK_GROUP_BASE + job index + 1: a replica per rank
 ADDR_BITS = 48  # an address key: IPv4 << 16 | UDP port (protocol.address)
 TIMESTAMP_BITS = 48  # v1model's ingress_global_timestamp, microseconds
 VALUE_BITS = tuple(sorted({reference.value_bits(n) for n in range(1, MAX_WORLD + 1)}))  # s(n) of every world
@@ -137,6 +148,7 @@ REGISTERS = (
     Register("round_exp", SLOT_ENTRIES, 8, doc="the round's agreed exponent (int8 bits)"),
     Register("round_next_exp", SLOT_ENTRIES, 8, doc="max of the contributions' next_exp (int8 bits)"),
     Register("round_elements", SLOT_ENTRIES, 16, doc="the round's element count"),
+    Register("round_owners", SLOT_ENTRIES, 8, doc="the round's owners code (0: every rank)"),
     Register("lane_sum", LANE_ENTRIES, 32, LANES_PER_PASS, doc="the lane's 32-bit sum (int32 mode: the result)"),
     Register("lane_code", LANE_ENTRIES, 8, LANES_PER_PASS, doc="C_nat: the lane's result code, for re-sends"),
     Register("member_seen", MEMBER_ENTRIES, TIMESTAMP_BITS, doc="last packet of (job index, rank), microseconds"),
@@ -185,7 +197,7 @@ TABLES = (
     Table("job_table", (Key("hdr.intml.job", 32),),
           (Action("set_job_cnat8", JOB_PARAMS), Action("set_job_int32", JOB_PARAMS), Action("unknown_job")),
           "unknown_job", MAX_JOBS, const=False),
-    Table("membership", (Key("meta.job_index", 8), Key("hdr.intml.rank", 16), Key("meta.src_addr", ADDR_BITS)),
+    Table("membership", (Key("meta.job_index", 8), Key("hdr.intml.rank", 8), Key("meta.src_addr", ADDR_BITS)),
           (Action("set_worker", (("worker_bit", MAX_WORLD),)), Action("not_member")),
           "not_member", MEMBER_ENTRIES, const=False),
     Table("slot_table", (Key("meta.job_index", 8), Key("hdr.intml.slot", 16)),
@@ -210,7 +222,7 @@ TABLES = (
           "set_limits", 1, const=False),
 )
 TABLE = {t.name: t for t in TABLES}
-MULTICAST_GROUPS = MAX_JOBS  # v1model mcast_grp = job index + 1; replicas written by the controller
+MULTICAST_GROUPS = 2 * MAX_JOBS  # v1model mcast_grp: job index + 1, and the rank groups; replicas by the controller
 
 
 # ---- bridged metadata (carried across recirculations) --------------------------------------------------------
@@ -219,7 +231,8 @@ BRIDGED = (
     ("step", STEP_BITS),  # the decision of pass 0: STEP_OPEN / STEP_ADD (contribute) or STEP_RESEND
     ("completes", 1),  # the contribution completes the round: encode and send the result
     ("job_index", 8),
-    ("rank", 16),  # the sender's rank (a re-send's destination)
+    ("rank", 8),  # the sender's rank (a re-send's destination)
+    ("owners", 8),  # the round's owners code: which replicas carry the payload
     ("slot_index", 16),  # 2 * row + shadow
     ("elements", 16),  # the round's element count (the result's count and its passes)
     ("exp", 8),  # the round's exponent and next_exp, for the RESULT header
@@ -229,8 +242,10 @@ BRIDGED = (
 
 
 # ---- the wire, as the parser sees it -------------------------------------------------------------------------
-INTML_HEADER = tuple((name, 8 * int(code[-1]), signed) for name, code, _ in HEADER_FIELDS
-                     for signed in [code[-2] == "i"])  # (field, bits, signed), wire order
+RANK_SPLIT = (("owners", 8, False), ("rank", 8, False))  # the wire's u16 rank: owners code (high byte), rank
+INTML_HEADER = tuple(field for name, code, _ in HEADER_FIELDS for field in
+                     (RANK_SPLIT if name == "rank" else [(name, 8 * int(code[-1]), code[-2] == "i")]))
+# (field, bits, signed), wire order
 HEADER_BYTES = HEADER_SIZE
 CONTROL_TYPES = (int(MsgType.JOIN), int(MsgType.LEAVE), int(MsgType.STATS_REQUEST))
 CONSTANTS = {  # what every .p4 file may name (``#define`` / ``const``), with its value
@@ -241,7 +256,7 @@ CONSTANTS = {  # what every .p4 file may name (``#define`` / ``const``), with it
     "LANES_PER_PASS": LANES_PER_PASS, "MAX_PASSES": MAX_PASSES, "MAX_PAYLOAD_BYTES": MAX_PAYLOAD_BYTES,
     "MAX_LANES_CNAT8": MAX_LANES[Codec.CNAT8], "MAX_LANES_INT32": MAX_LANES[Codec.INT32],
     "ROWS": ROWS, "SLOT_ENTRIES": SLOT_ENTRIES, "LANE_ENTRIES": LANE_ENTRIES, "MAX_JOBS": MAX_JOBS,
-    "MAX_WORLD": MAX_WORLD, "N_STATS": N_STATS, "GROUP_RID": GROUP_RID, "SIGN": SIGN, "NONZERO": NONZERO,
+    "MAX_WORLD": MAX_WORLD, "N_STATS": N_STATS, "GROUP_RID": GROUP_RID, "RANK_GROUP_BASE": RANK_GROUP_BASE, "SIGN": SIGN, "NONZERO": NONZERO,
     "K_MASK": K_MASK, "K_MAX": K_MAX, "CONTROL_SOURCE_BUCKETS": CONTROL_SOURCE_BUCKETS, "BUCKET_SHIFT": BUCKET_SHIFT,
     "STEP_NONE": STEP_NONE, "STEP_OPEN": STEP_OPEN, "STEP_ADD": STEP_ADD, "STEP_RESEND": STEP_RESEND,
     **{f"STATE_{s}": c for s, c in STATE_CODES.items()}, **{f"EVENT_{e}": c for e, c in EVENT_CODES.items()},

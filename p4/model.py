@@ -36,6 +36,7 @@ from intml.p4.layout import (
     MAX_JOBS,
     MAX_WORLD,
     N_STATS,
+    RANK_GROUP_BASE,
     NONZERO,
     SIGN,
     STAT,
@@ -50,9 +51,10 @@ from intml.p4.layout import (
 )
 from intml.p4.tables import Registers, Tables
 from intml.protocol.job import ControlLimits
+from intml.protocol.packet import owner_range
 from intml.protocol.reference import EXP_MAX, EXP_MIN
 from intml.protocol.slot_reference import ADD, COMPLETE, DROP_DUPLICATE, DROP_STALE, EMPTY, FILLING, OPEN, RESEND
-from intml.protocol.wire import HEADER, HEADER_SIZE, MAGIC, NO_EXP, VERSION, Codec, MsgType
+from intml.protocol.wire import HEADER, HEADER_SIZE, MAGIC, NO_EXP, OWNERS_SHIFT, RANK_MASK, VERSION, Codec, MsgType
 
 JOB_TABLES = ("job_table", "membership", "slot_table", "multicast_group", "egress_dest")
 ENCODE_B = {f"encode_b{b}": b for b in range(32)}
@@ -178,6 +180,7 @@ class PipelineModel:
             return "drop_short", {}
         rec = np.frombuffer(datagram, HEADER, count=1)[0]
         h = {name: int(rec[name]) for name in HEADER.names}
+        h["owners"], h["rank"] = h["rank"] >> OWNERS_SHIFT, h["rank"] & RANK_MASK  # the parser's two 8-bit fields
         if h["magic"] != MAGIC:
             return "drop_bad_magic", h
         if h["version"] != VERSION:
@@ -220,6 +223,8 @@ class PipelineModel:
             return "drop_bad_shadow", 0
         if any(e != NO_EXP and not EXP_MIN <= e <= EXP_MAX for e in (h["exp"], h["next_exp"])):
             return "drop_bad_exponent", 0
+        if owner_range(h["owners"], job.world)[1] >= job.world:
+            return "drop_bad_owner", 0
         return "", params[0]
 
     def _lanes_ok(self, payload: bytes, job: JobHit, exp: int) -> bool:
@@ -250,11 +255,13 @@ class PipelineModel:
                 return []
             counter[STAT["results_resent"]] += 1
         exp = h["exp"]
-        if action == ADD and (exp != _int8(regs.read("round_exp", slot_index))
-                              or h["count"] != regs.read("round_elements", slot_index)):
-            counter[STAT["drop_exponent_mismatch" if exp != _int8(regs.read("round_exp", slot_index))
-                         else "drop_wrong_count"]] += 1
-            return []
+        if action == ADD:
+            mismatch = ("drop_exponent_mismatch" if exp != _int8(regs.read("round_exp", slot_index))
+                        else "drop_wrong_count" if h["count"] != regs.read("round_elements", slot_index)
+                        else "drop_bad_owner" if h["owners"] != regs.read("round_owners", slot_index) else "")
+            if mismatch:
+                counter[STAT[mismatch]] += 1
+                return []
         payload = datagram[HEADER_SIZE:]
         if action != RESEND and not self._lanes_ok(payload, job, exp):
             counter[STAT["drop_invalid_code"]] += 1
@@ -265,6 +272,7 @@ class PipelineModel:
             regs.write("round_exp", slot_index, exp)
             regs.write("round_elements", slot_index, h["count"])
             regs.write("round_next_exp", slot_index, h["next_exp"])
+            regs.write("round_owners", slot_index, h["owners"])
             bitmap, count = 0, 0
         elif action == ADD:
             regs.write("round_next_exp", slot_index, max(_int8(regs.read("round_next_exp", slot_index)),
@@ -278,9 +286,11 @@ class PipelineModel:
                 counter[STAT["completions"]] += 1
         round_exp = regs.read("round_exp", slot_index)
         _, (_, k_finite) = self.tables.lookup("data_bound", (job.value_bits, round_exp))
-        bridged = Bridged(0, _STEP_OF.get(action, STEP_NONE), completes, job.job_index, h["rank"], slot_index,
-                          regs.read("round_elements", slot_index), _int8(round_exp),
-                          _int8(regs.read("round_next_exp", slot_index)), k_finite)
+        bridged = Bridged(pass_no=0, step=_STEP_OF.get(action, STEP_NONE), completes=completes,
+                          job_index=job.job_index, rank=h["rank"], owners=regs.read("round_owners", slot_index),
+                          slot_index=slot_index, elements=regs.read("round_elements", slot_index),
+                          exp=_int8(round_exp), next_exp=_int8(regs.read("round_next_exp", slot_index)),
+                          k_finite=k_finite)
         out = bytearray(HEADER_SIZE + job.width * bridged.elements)
         self.last_passes = passes(bridged.elements)
         for pass_no in range(self.last_passes):  # pass 0, then a recirculation per further pass
@@ -336,20 +346,28 @@ class PipelineModel:
         return out
 
     def _egress(self, bridged: Bridged, h: dict, job: JobHit, out: bytearray) -> list[tuple[bytes, int]]:
-        """The RESULT header, then the copies: every replica of the job's multicast group (a completion) or the
-        one rank (a re-send), each destination from egress_dest."""
+        """The RESULT header, then the copies: every replica of the job's multicast group (a completion; a round
+        with owners: the job's rank group) or the one rank (a re-send), each destination from egress_dest; a
+        replica whose rank is not among the round's owners is truncated to the header with count 0."""
         rec = np.zeros(1, HEADER)
         fields = {"magic": MAGIC, "version": VERSION, "type": int(MsgType.RESULT), "job": h["job"],
-                  "allreduce": h["allreduce"], "chunk": h["chunk"], "rank": 0, "slot": h["slot"],
-                  "count": bridged.elements, "codec": int(job.codec), "shadow": h["shadow"], "exp": bridged.exp,
-                  "next_exp": bridged.next_exp}
+                  "allreduce": h["allreduce"], "chunk": h["chunk"], "rank": bridged.owners << OWNERS_SHIFT,
+                  "slot": h["slot"], "count": bridged.elements, "codec": int(job.codec), "shadow": h["shadow"],
+                  "exp": bridged.exp, "next_exp": bridged.next_exp}
         for name, value in fields.items():
             rec[name] = value
         out[:HEADER_SIZE] = rec.tobytes()
         result = bytes(out)
+        rec["count"] = 0
+        completion = rec.tobytes()  # egress: count = 0, then truncate to the headers
         index = bridged.job_index
-        rids = (bridged.rank,) if bridged.step == STEP_RESEND else self.tables.groups.get(index + 1, ())
-        dests = [self.tables.lookup("egress_dest", (index, rid))[1] for rid in rids]
-        sent = [(result, d[0]) for d in dests if d]
+        group = index + 1 + (RANK_GROUP_BASE if bridged.owners else 0)
+        rids = (bridged.rank,) if bridged.step == STEP_RESEND else self.tables.groups.get(group, ())
+        first, last = owner_range(bridged.owners, job.world)
+        sent = []
+        for rid in rids:
+            action, dest = self.tables.lookup("egress_dest", (index, rid))
+            if action == "set_dest":
+                sent.append((result if not bridged.owners or first <= rid <= last else completion, dest[0]))
         self.job_counter[index][STAT["packets_out"]] += len(sent)
         return sent

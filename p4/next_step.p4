@@ -55,7 +55,7 @@ control NextStep(inout headers_t hdr, inout metadata_t meta) {
 
 // The end of every pass: drop, recirculate for the next pass, or send the result (the RESULT header as the
 // aggregator core writes it): a completion to the job's multicast group (a replica per rank, or one for the
-// results group), a re-send back to the one rank.
+// results group; a round with owners: the job's rank group, a replica per rank), a re-send back to the one rank.
 control Forward(inout headers_t hdr, inout metadata_t meta, inout standard_metadata_t sm) {
     apply {
         bit<16> last_pass = meta.elements == 0 ? 16w0 : (meta.elements - 1) >> LANES_PER_PASS_LOG2;
@@ -67,12 +67,15 @@ control Forward(inout headers_t hdr, inout metadata_t meta, inout standard_metad
             sm.egress_spec = meta.in_port;  // egress recirculates it
         } else if (meta.step == STEP_RESEND || meta.completes == 1) {
             hdr.intml.type = TYPE_RESULT;
+            hdr.intml.owners = meta.owners;
             hdr.intml.rank = 0;
             hdr.intml.count = meta.elements;
             hdr.intml.exp = meta.exp;
             hdr.intml.next_exp = meta.next_exp;
             if (meta.step == STEP_RESEND) {
                 sm.egress_spec = meta.in_port;
+            } else if (meta.owners != 0) {
+                sm.mcast_grp = RANK_GROUP_BASE + (bit<16>) meta.job_index + 1;
             } else {
                 sm.mcast_grp = (bit<16>) meta.job_index + 1;
             }

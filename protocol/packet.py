@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from intml.protocol.wire import HEADER_SIZE, MAGIC, OFFSETS, VERSION
+from intml.protocol.wire import HEADER_SIZE, MAGIC, MAX_OWNER_SPAN, OFFSETS, VERSION
 
 O_MAGIC = OFFSETS["magic"]
 O_VERSION = OFFSETS["version"]
@@ -98,3 +98,23 @@ def round_order(key, current):
         return 1 if ahead < (np.int64(1) << 31) else -1
     low, cur_low = key & 0xFFFFFFFF, current & 0xFFFFFFFF
     return (low > cur_low) - (low < cur_low)
+
+
+@njit(inline="always")
+def owners_code(first, last):
+    """The owners byte (protocol.wire, "Owners") of the ranks first .. last; ALL_OWNERS (0) when they are more
+    than MAX_OWNER_SPAN + 1, or first < 0 (every rank)."""
+    span = last - first
+    if first < 0 or span > MAX_OWNER_SPAN:
+        return 0
+    return 1 + span * 64 + first
+
+
+@njit(inline="always")
+def owner_range(code, world):
+    """(first, last) owner of the owners byte `code` in a job of `world` ranks: (0, world - 1) for ALL_OWNERS.
+    last >= world: a malformed code (drop_bad_owner)."""
+    if code == 0:
+        return 0, world - 1
+    first = (code - 1) & 63
+    return first, first + ((code - 1) >> 6)

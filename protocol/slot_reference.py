@@ -5,6 +5,10 @@ held to bit for bit: same datagrams out in the same order, same counters, same s
 kernel. docs/protocol.md ("Slot state table") has the same table. A job with a data key (``mac_key``) checks the
 tag of a DATA packet right after finding the job, before anything else, and appends one to its results.
 
+Reduce-scatter (docs/protocol.md, "Reduce-scatter"): a DATA packet's rank field carries the rank in its low byte
+and the chunk's owners code in its high byte. The round takes the code of the packet that opens it; on completion
+(and on a re-send) a rank among the owners gets the result, any other its header-only completion, by unicast.
+
 A shadow set of a slot holds one round (the use of the slot by one chunk of one allreduce, ordered by the round
 key ``allreduce << 32 | (chunk + 2**31)``, the allreduces in 32-bit serial number order, RFC 1982, so that the
 order survives their wrap). Its state is EMPTY (never used), FILLING (some ranks contributed) or
@@ -35,8 +39,9 @@ EMPTY, FILLING, COMPLETE = "EMPTY", "FILLING", "COMPLETE"
 OLDER, SAME_NEW_RANK, SAME_KNOWN_RANK, NEWER = "OLDER", "SAME_NEW_RANK", "SAME_KNOWN_RANK", "NEWER"
 
 # Actions. "open" and "add" take the packet's values after the payload checks (an "add" first checks that the
-# packet agrees with the round's exponent and element count); either completes the round when the count
-# reaches n, which sends the result to all ranks (or the job's multicast group).
+# packet agrees with the round's exponent, element count and owners); either completes the round when the count
+# reaches n, which sends the result to all ranks (or the job's multicast group; by unicast to each, header-only to
+# ranks that are not among the owners, for a round with owners).
 DROP_STALE = "drop_stale"  # a delayed duplicate of a round the set has left
 DROP_DUPLICATE = "drop_duplicate_incomplete"  # a retransmission before the round completed: never added twice
 RESEND = "resend"  # a retransmission after completion: the stored result again, to that rank alone
@@ -109,8 +114,10 @@ class ShadowSet:
     exp: int = 0
     next_exp: int = 0
     elements: int = 0
+    owners: int = 0
     sums: list[int] = dataclasses.field(default_factory=list)
     result: bytes = b""
+    completion: bytes = b""  # the header-only completion of a round with owners
 
     def state(self, n: int) -> str:
         if self.key < 0:
@@ -175,6 +182,7 @@ class SlotReference:
             return "drop_short", None, {}, datagram
         rec = np.frombuffer(datagram[:HEADER_SIZE], HEADER)[0]
         h = {name: int(rec[name]) for name in HEADER.names}
+        h["owners"], h["rank"] = divmod(h["rank"], 256)  # the rank field: owners code, rank
         if h["magic"] != MAGIC:
             return "drop_bad_magic", None, h, datagram
         if h["version"] != VERSION:
@@ -209,6 +217,8 @@ class SlotReference:
         lo, hi = EXPONENTS
         if any(e != NO_EXP and not lo <= e <= hi for e in (h["exp"], h["next_exp"])):
             return "drop_bad_exponent"
+        if h["owners"] and (h["owners"] - 1) % 64 + (h["owners"] - 1) // 64 >= job.world:
+            return "drop_bad_owner"
         return ""
 
     def _data(self, job: Job, h: dict, datagram: bytes) -> list[tuple[bytes, int]]:
@@ -227,9 +237,10 @@ class SlotReference:
                 job.stats[DROP_DUPLICATE] += 1
                 return []
             job.stats["results_resent"] += 1
-            return self._send(job, s.result, [job.members[rank]])
-        if action == ADD and (h["exp"] != s.exp or h["count"] != s.elements):
-            job.stats["drop_exponent_mismatch" if h["exp"] != s.exp else "drop_wrong_count"] += 1
+            return self._send(job, [(self._result_for(s, rank, job.world), job.members[rank])])
+        if action == ADD and (h["exp"] != s.exp or h["count"] != s.elements or h["owners"] != s.owners):
+            job.stats["drop_exponent_mismatch" if h["exp"] != s.exp else "drop_wrong_count"
+                      if h["count"] != s.elements else "drop_bad_owner"] += 1
             return []
         values = self._values(job, h, datagram[HEADER_SIZE:])
         if values is None:
@@ -237,6 +248,7 @@ class SlotReference:
             return []
         if action == OPEN:
             s.key, s.ranks, s.exp, s.elements, s.next_exp = key, set(), h["exp"], h["count"], h["next_exp"]
+            s.owners = h["owners"]
             s.sums = values
         else:
             s.next_exp = max(s.next_exp, h["next_exp"])
@@ -246,13 +258,24 @@ class SlotReference:
         if len(s.ranks) < n:
             return []
         job.stats["completions"] += 1
-        s.result = self._result(job, h, s)
-        return self._send(job, s.result, [job.group] if job.group else [job.members[r] for r in range(n)])
+        s.result, s.completion = self._result(job, h, s)
+        if job.group and not s.owners:
+            return self._send(job, [(s.result, job.group)])
+        return self._send(job, [(self._result_for(s, r, n), job.members[r]) for r in range(n)])
 
     @staticmethod
-    def _send(job: Job, result: bytes, dests: list[int]) -> list[tuple[bytes, int]]:
-        job.stats["packets_out"] += len(dests)
-        return [(result, d) for d in dests]
+    def _result_for(s: ShadowSet, rank: int, n: int) -> bytes:
+        """What rank gets of a completed round: its result, or its header-only completion if the round has owners
+        and the rank is not one of them."""
+        if not s.owners:
+            return s.result
+        first, span = (s.owners - 1) % 64, (s.owners - 1) // 64
+        return s.result if first <= rank <= first + span else s.completion
+
+    @staticmethod
+    def _send(job: Job, datagrams: list[tuple[bytes, int]]) -> list[tuple[bytes, int]]:
+        job.stats["packets_out"] += len(datagrams)
+        return datagrams
 
     @staticmethod
     def _value_bits(n: int) -> int:
@@ -268,10 +291,11 @@ class SlotReference:
             return None
         return [int(v) for v in reference.to_fixed(np.frombuffer(payload, np.uint8))]
 
-    def _result(self, job: Job, h: dict, s: ShadowSet) -> bytes:
+    def _result(self, job: Job, h: dict, s: ShadowSet) -> tuple[bytes, bytes]:
+        """The round's result datagram and its header-only completion (b"" for a round without owners)."""
         allreduce, chunk = s.key >> 32, (s.key & 0xFFFFFFFF) - (1 << 31)
         header = {"type": int(MsgType.RESULT), "job": job.job_id, "allreduce": allreduce, "chunk": chunk,
-                  "rank": 0, "slot": h["slot"], "count": s.elements, "codec": job.codec, "shadow": h["shadow"],
+                  "rank": s.owners << 8, "slot": h["slot"], "count": s.elements, "codec": job.codec, "shadow": h["shadow"],
                   "exp": s.exp, "next_exp": s.next_exp}
         if job.codec == Codec.INT32:
             payload = np.array(s.sums, ">i4").tobytes()
@@ -287,4 +311,8 @@ class SlotReference:
         for name, value in header.items():
             rec[name] = value
         result = rec.tobytes() + payload
-        return result if job.mac_key is None else result + tag_ref(*job.mac_key, result)
+        rec["count"] = 0
+        completion = rec.tobytes() if s.owners else b""
+        if job.mac_key is None:
+            return result, completion
+        return result + tag_ref(*job.mac_key, result), completion and completion + tag_ref(*job.mac_key, completion)

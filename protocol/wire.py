@@ -18,7 +18,7 @@ Data header (26 bytes):
 | job       |      4 |    4 | u32  | job id |
 | allreduce |      8 |    4 | u32  | allreduce sequence number within the job |
 | chunk     |     12 |    4 | i32  | chunk sequence number within the allreduce; negative = exponent-bootstrap chunk |
-| rank      |     16 |    2 | u16  | worker rank (0 in RESULT packets) |
+| rank      |     16 |    2 | u16  | DATA: worker rank (low byte) and the chunk's owners (high byte); RESULT: the owners (high byte) |
 | slot      |     18 |    2 | u16  | slot index within the job's pool |
 | count     |     20 |    2 | u16  | number of payload elements (DATA / RESULT) |
 | codec     |     22 |    1 | u8   | Codec of the payload elements |
@@ -43,6 +43,13 @@ authentication"; the keys: protocol.keys):
 * STATS_REPLY: UTF-8 JSON, then a 16-byte MAC. ERROR: UTF-8 text to the end of the datagram (``Raw``).
 
 ``count`` is 0 in control messages (anything but DATA / RESULT).
+
+Owners (DATA and RESULT; docs/protocol.md, "Reduce-scatter"): the high byte of ``rank`` says which ranks need the
+chunk's sum. 0 (``ALL_OWNERS``) is every rank: an allreduce, whose datagrams are byte for byte those of a
+protocol without owners. Code v > 0 names ranks lo .. lo + span with v - 1 = span * 64 + lo (span <= 3,
+``MAX_OWNER_SPAN``): the ranks whose shards a reduce-scatter chunk overlaps. A round's result goes with its payload
+to its owners and cut to its header (count 0: a *header-only completion*) to the other ranks. In control messages
+``rank`` is the whole u16 (an operator's STATS_REQUEST uses 0xFFFF).
 
 JOIN payload (93 bytes):
 
@@ -124,7 +131,7 @@ HEADER_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("job", ">u4", "job id"),
     ("allreduce", ">u4", "allreduce sequence number within the job"),
     ("chunk", ">i4", "chunk sequence number; negative = exponent bootstrap"),
-    ("rank", ">u2", "worker rank (0 in RESULT)"),
+    ("rank", ">u2", "DATA: rank (low byte) and owners (high byte); RESULT: owners (high byte)"),
     ("slot", ">u2", "slot index within the job's pool"),
     ("count", ">u2", "number of payload elements"),
     ("codec", "u1", "Codec"),
@@ -169,6 +176,13 @@ CHALLENGE = np.dtype([(name, code) for name, code, _ in CHALLENGE_FIELDS])
 CHALLENGE_SIZE = CHALLENGE.itemsize
 
 _ELEMENT_TYPES = (MsgType.DATA, MsgType.RESULT)  # types whose payload is `count` elements
+
+# The owners of a chunk, in the high byte of a DATA or RESULT's rank field (the module docstring, "Owners"). A rank
+# is below MAX_WORLD = 64, so the low byte holds it and the high byte was always 0: an allreduce's code.
+OWNERS_SHIFT = 8
+RANK_MASK = 0xFF
+ALL_OWNERS = 0
+MAX_OWNER_SPAN = 3  # a code names at most 4 consecutive ranks; a chunk over more shards is sent to all
 
 
 MAX_DATAGRAM = 65507  # the largest UDP payload over IPv4

@@ -118,6 +118,9 @@ def build_parser() -> OneLineParser:
     cl.add_argument("--results", choices=("multicast", "unicast"), default="multicast",
                     help="how results reach the workers (default multicast: one copy per completion, replicated by "
                          "the switch namespace; unicast where it cannot route multicast, and each row says which)")
+    cl.add_argument("--collective", choices=("allreduce", "reduce_scatter"), default="allreduce",
+                    help="what every system runs (default allreduce; reduce_scatter: Gloo's reduce_scatter_tensor "
+                         "against intml's)")
     cl.add_argument("--plot", type=output_file, help="write a PNG of time per allreduce against n")
     cl.add_argument("--json", action="store_true")
     lo = bench.add_parser("loss", help="consecutive allreduces under loss vs the loss-free run (root)")
@@ -242,7 +245,7 @@ def run(args: argparse.Namespace) -> None:
             if args.bench == "cluster":
                 bench_cluster.run(args.workers, args.rate, args.elements, args.mtu, args.loss, args.warmup,
                                   args.rounds, args.pool, args.json, args.plot, args.aggregators, args.cores,
-                                  args.results)
+                                  args.results, args.collective)
             else:
                 bench_cluster.run_loss(args.workers, args.rate, args.elements, args.loss, args.mtu, args.rounds,
                                        args.pool, args.json)

@@ -92,14 +92,15 @@ def aggregator(cores: int, max_packet_elements: int, host: str = "127.0.0.1",
 
 def run_ranks_intml(aggregators: list[str], elements: int, codec: str, packet_elements: int, pool: int,
                     warmup: int, rounds: int, prefixes: list[list[str]] | None = None, job: int = JOB,
-                    timeout: float = 600.0, data_mac: bool = False) -> dict:
+                    timeout: float = 600.0, data_mac: bool = False, collective: str = "allreduce") -> dict:
     """Run one testbed.rank per entry of `aggregators` (the address rank r sends to), each optionally under a
-    command prefix; round i takes as long as its slowest rank."""
+    command prefix; round i takes as long as its slowest rank. A reduce-scatter's hashes are every rank's (of its
+    own shard), in rank order, and its ranks are not compared (identical_across_ranks is true)."""
     workers = len(aggregators)
     argvs = [[*(prefixes[r] if prefixes else []),
               *rank.command(aggregators[r], r, workers, elements, codec=codec, packet_elements=packet_elements,
                             pool=pool, warmup=warmup, rounds=rounds, job=job,
-                            data_mac=data_mac)] for r in range(workers)]
+                            data_mac=data_mac, collective=collective)] for r in range(workers)]
     reports = run_ranks(argvs, "intml", timeout)
     per_round = slowest_per_round(reports)
     return {
@@ -109,8 +110,9 @@ def run_ranks_intml(aggregators: list[str], elements: int, codec: str, packet_el
         "packets_per_worker_each_way": intml_packets(elements, packet_elements, pool),
         "retransmissions": sum(r["counters"]["retransmissions"] + r["counters"]["fast_retransmissions"]
                                for r in reports),
-        "hashes": reports[0]["hashes"],
-        "identical_across_ranks": all(r["hashes"] == reports[0]["hashes"] for r in reports),
+        "hashes": [r["hashes"] for r in reports] if collective == "reduce_scatter" else reports[0]["hashes"],
+        "identical_across_ranks": collective == "reduce_scatter" or all(r["hashes"] == reports[0]["hashes"]
+                                                                        for r in reports),
     }
 
 

@@ -10,6 +10,12 @@ one copy per completion to the job's group and the switch namespace replicates i
 (testbed.mroute), as a switch's replication engine does; by unicast, one copy per worker, when asked or when the
 topology has more devices than the kernel routes multicast between (32). Each row says which. Every aggregator
 count must give the same result bits (checked).
+
+``--collective reduce_scatter``: every system runs a reduce-scatter instead (the tensor rounded down to a multiple
+of n), Gloo's ``reduce_scatter_tensor`` against intml's, whose aggregator sends each rank only the chunks of its
+shard, by unicast (docs/protocol.md, "Reduce-scatter"). A worker then downloads about 1/n of what it uploads, so
+its link's busier direction is the upload, unchanged from the allreduce: the ideal speedup uses that direction's
+bytes, and Gloo's ring reduce-scatter puts half its allreduce's on the link.
 """
 
 from __future__ import annotations
@@ -45,9 +51,11 @@ def wire_bytes_intml(codec: str, elements: int, mtu: int, pool: int) -> float:
     return intml_bytes(elements, codec, packet_elements_for(codec, mtu), pool, per_packet=HDR + IP_UDP + ETHERNET)
 
 
-def wire_bytes_gloo(workers: int, elements: int, mtu: int) -> float:
-    """Bytes one worker puts on its link each way: the ring's payload in full TCP segments, headers included."""
-    return ring_bytes(elements, workers) * (1 + TCP_OVERHEAD / (mtu - 52))
+def wire_bytes_gloo(workers: int, elements: int, mtu: int, collective: str = "allreduce") -> float:
+    """Bytes one worker puts on its link each way: the ring's payload in full TCP segments, headers included (a
+    reduce-scatter: the ring's first half)."""
+    half = 0.5 if collective == "reduce_scatter" else 1.0
+    return half * ring_bytes(elements, workers) * (1 + TCP_OVERHEAD / (mtu - 52))
 
 
 def default_cores(workers: int, aggregators: int = 1, cpus: int | None = None) -> int:
@@ -92,7 +100,7 @@ def results_mode(requested: str, workers: int, aggregators: int) -> str:
 
 def run_point(workers: int, rate: str, elements: int, mtu: int, loss: float, warmup: int, rounds: int,
               pool: int, with_gloo: bool = True, aggregators: int = 1, cores: int | None = None,
-              results: str = "multicast") -> dict:
+              results: str = "multicast", collective: str = "allreduce") -> dict:
     """Every system over one topology, with ``aggregators`` aggregators of ``cores`` cores each (default:
     default_cores), results by ``results`` where the topology allows (results_mode); returns
     {"rows": [...], "hashes": {codec: [...]}, "dropped": n}."""
@@ -106,7 +114,7 @@ def run_point(workers: int, rate: str, elements: int, mtu: int, loss: float, war
         with aggregators_in(topo, aggregators, cores, largest, results == "multicast") as addresses:
             for job, codec in enumerate(CODEC_NAMES, start=1):
                 result = run_ranks_intml(addresses, elements, codec, packet_elements_for(codec, mtu), pool, warmup,
-                                         rounds, prefixes, job=job)
+                                         rounds, prefixes, job=job, collective=collective)
                 if not result["identical_across_ranks"]:
                     raise RuntimeError(f"intml {codec}: ranks disagree on the result")
                 hashes[codec] = result["hashes"]
@@ -114,16 +122,16 @@ def run_point(workers: int, rate: str, elements: int, mtu: int, loss: float, war
                                  wire_bytes_intml(codec, elements, mtu, pool), rate_bit, result["retransmissions"]))
         if with_gloo:
             argvs = [[*prefixes[r], *gloo.command(r, workers, topo.worker_ip(0), GLOO_PORT, elements, warmup, rounds,
-                                                  ifname="eth0")] for r in range(workers)]
-            ring = gloo.summarize(run_ranks(argvs, "gloo", 900.0), elements)
+                                                  ifname="eth0", collective=collective)] for r in range(workers)]
+            ring = gloo.summarize(run_ranks(argvs, "gloo", 900.0), elements, collective)
             rows.append(_row("gloo ring", ring["median_s"], ring["bytes_per_worker"],
-                             wire_bytes_gloo(workers, elements, mtu), rate_bit, 0))
+                             wire_bytes_gloo(workers, elements, mtu, collective), rate_bit, 0))
         dropped = topo.dropped_packets()
     if with_gloo:
         against(rows, rows[-1])
     for row in rows:
         row.update(workers=workers, rate=rate, mtu=mtu, loss=loss, elements=elements, aggregators=aggregators,
-                   cores=cores, results=results)
+                   cores=cores, results=results, collective=collective)
     return {"rows": rows, "hashes": hashes, "dropped": dropped}
 
 
@@ -150,7 +158,7 @@ COLUMNS = [("workers", "n", ""), ("rate", "rate", ""), ("aggregators", "aggs", "
 
 def run(workers: list[int], rates: list[str], elements: int | None, mtu: int, loss: float, warmup: int,
         rounds: int, pool: int, as_json: bool, plot: str | None, aggregators: list[int] = (1,),
-        cores: int | None = None, results: str = "multicast") -> list[dict]:
+        cores: int | None = None, results: str = "multicast", collective: str = "allreduce") -> list[dict]:
     """Each rate, worker count and aggregator count (``cores`` per aggregator; default: default_cores; results by
     ``results`` where the topology allows, each row says which). Gloo runs once per rate and worker count, with
     the first aggregator count; every aggregator count must give the same result bits."""
@@ -159,16 +167,18 @@ def run(workers: list[int], rates: list[str], elements: int | None, mtu: int, lo
         # ~0.3 s of intml cnat8 traffic per round at the link rate, at most 10M elements (memory, CPU)
         size = elements or min(10_000_000, parse_rate(rate) // 8 * 3 // 10)
         for n in workers:
-            points = [run_point(n, rate, size, mtu, loss, warmup, rounds, pool, with_gloo=k == 0, aggregators=a,
-                                cores=cores, results=results) for k, a in enumerate(aggregators)]
+            n_size = size - size % n if collective == "reduce_scatter" else size  # whole shards
+            points = [run_point(n, rate, n_size, mtu, loss, warmup, rounds, pool, with_gloo=k == 0, aggregators=a,
+                                cores=cores, results=results, collective=collective)
+                      for k, a in enumerate(aggregators)]
             differ = [p["rows"][0]["aggregators"] for p in points if p["hashes"] != points[0]["hashes"]]
             if differ:
                 raise RuntimeError(f"n = {n}, {rate}: {differ} aggregators' results differ from {aggregators[0]}'s")
             point_rows = [row for p in points for row in p["rows"]]
             against(point_rows, next(row for row in point_rows if row["system"] == "gloo ring"))
             rows += point_rows
-    emit(rows, as_json, "allreduce over shaped links (network namespaces)", COLUMNS,
-         {"mtu": mtu, "loss": loss, "rounds": rounds, "pool": pool,
+    emit(rows, as_json, f"{collective} over shaped links (network namespaces)", COLUMNS,
+         {"mtu": mtu, "loss": loss, "rounds": rounds, "pool": pool, "collective": collective,
           "results": sorted({row["results"] for row in rows if row["system"] != "gloo ring"}),
           "identical_across_aggregator_counts": True})
     if plot:

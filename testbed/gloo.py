@@ -1,4 +1,5 @@
-"""The benchmark anchor: torch.distributed.all_reduce with the Gloo backend (a ring allreduce over TCP).
+"""The benchmark anchor: torch.distributed.all_reduce with the Gloo backend (a ring allreduce over TCP), or its
+reduce_scatter_tensor (``collective="reduce_scatter"``: the ring's first half; works on CPU in torch 2.13).
 
 Each rank is its own process started from `command()`, with explicit addresses, so the same ranks can run on
 127.0.0.1 (`run_local`) or later in network namespaces (a caller wraps the argv in `ip netns exec NAME ...`).
@@ -39,11 +40,14 @@ def rank_input(rank: int, elements: int) -> torch.Tensor:
     return torch.arange(elements, dtype=torch.int32).remainder_(PERIOD).add_(rank).to(torch.float32)
 
 
-def check_sum(result: torch.Tensor, world_size: int) -> None:
-    """Raise RuntimeError unless `result` is exactly the sum of rank_input(r, len) over r < world_size."""
+def check_sum(result: torch.Tensor, world_size: int, shard: int | None = None) -> None:
+    """Raise RuntimeError unless `result` is exactly the sum of rank_input(r, len) over r < world_size (or, given
+    ``shard``, that sum's shard of a reduce-scatter: its elements shard * len .. (shard + 1) * len)."""
     import torch
 
-    expected = rank_input(0, result.numel()).mul_(world_size).add_(world_size * (world_size - 1) // 2)
+    n = result.numel()
+    start = 0 if shard is None else shard * n
+    expected = rank_input(0, start + n)[start:].mul_(world_size).add_(world_size * (world_size - 1) // 2)
     if not torch.equal(result, expected):
         wrong = torch.nonzero(result != expected)[0].item()
         raise RuntimeError(
@@ -61,8 +65,10 @@ def rank_main(
     warmup: int,
     rounds: int,
     ifname: str | None = None,
+    collective: str = "allreduce",
 ) -> list[float]:
-    """Run one rank: check the first all_reduce, then return the seconds of each of `rounds` timed ones.
+    """Run one rank: check the first all_reduce (or reduce_scatter_tensor: ``collective="reduce_scatter"``,
+    elements a multiple of world_size), then return the seconds of each of `rounds` timed ones.
 
     `warmup` untimed calls come first; every timed call is preceded by a barrier so the ranks start together.
     ifname sets GLOO_SOCKET_IFNAME, which picks the interface Gloo binds (needed in namespaces).
@@ -86,14 +92,28 @@ def rank_main(
     try:
         inputs = rank_input(rank, elements)
         tensor = inputs.clone()
-        dist.all_reduce(tensor)
-        check_sum(tensor, world_size)
+        if collective == "reduce_scatter":
+            import torch
+
+            shard = torch.empty(elements // world_size)
+
+            def reduce():
+                dist.reduce_scatter_tensor(shard, tensor)
+
+            reduce()
+            check_sum(shard, world_size, rank)
+        else:
+            def reduce():
+                dist.all_reduce(tensor)
+
+            reduce()
+            check_sum(tensor, world_size)
         times = []
         for call in range(warmup + rounds):
             tensor.copy_(inputs)  # all_reduce is in place: reset so repeated sums cannot overflow to inf
             dist.barrier()
             start = time.perf_counter()
-            dist.all_reduce(tensor)
+            reduce()
             if call >= warmup:
                 times.append(time.perf_counter() - start)
         return times
@@ -110,6 +130,7 @@ def command(
     warmup: int,
     rounds: int,
     ifname: str | None = None,
+    collective: str = "allreduce",
 ) -> list[str]:
     """The argv that runs one rank (so a caller can wrap it, e.g. in `ip netns exec NAME ...`)."""
     argv = [
@@ -121,6 +142,7 @@ def command(
         "--elements", str(elements),
         "--warmup", str(warmup),
         "--rounds", str(rounds),
+        "--collective", collective,
     ]  # fmt: skip
     if ifname is not None:
         argv += ["--ifname", ifname]
@@ -142,7 +164,7 @@ def run_local(world_size: int, elements: int, warmup: int = 2, rounds: int = 5, 
     return summarize(run_ranks(argvs, "gloo", timeout), elements)
 
 
-def summarize(reports: list[dict], elements: int) -> dict:
+def summarize(reports: list[dict], elements: int, collective: str = "allreduce") -> dict:
     """Median over rounds, where a round takes as long as its slowest rank."""
     per_round = slowest_per_round(reports)
     world_size = len(reports)
@@ -152,7 +174,8 @@ def summarize(reports: list[dict], elements: int) -> dict:
         "rounds": len(per_round),
         "per_round_s": per_round,
         "median_s": statistics.median(per_round),
-        "bytes_per_worker": ring_bytes(elements, world_size),  # float32
+        # float32; a ring reduce-scatter is the ring allreduce's first half
+        "bytes_per_worker": ring_bytes(elements, world_size) / (2 if collective == "reduce_scatter" else 1),
     }
 
 
@@ -166,6 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--ifname", help="interface Gloo binds (GLOO_SOCKET_IFNAME)")
+    parser.add_argument("--collective", choices=("allreduce", "reduce_scatter"), default="allreduce")
     args = parser.parse_args(argv)
     times = rank_main(
         args.rank,
@@ -176,6 +200,7 @@ def main(argv: list[str] | None = None) -> None:
         args.warmup,
         args.rounds,
         args.ifname,
+        args.collective,
     )
     print(json.dumps({"rank": args.rank, "per_round_s": times}), flush=True)
 

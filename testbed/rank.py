@@ -4,6 +4,9 @@ result (to check bit-identical results across ranks and runs), and the worker's 
 
     python -m intml.testbed.rank --aggregator 198.18.0.1:48879 --rank 0 --world-size 4 --elements 1000000
 
+With ``--collective reduce_scatter`` each timed round is a reduce-scatter instead (elements a multiple of the world
+size), and the hashes are of this rank's shard.
+
 Each round starts with a one-element allreduce, which completes at every rank at the same moment: a barrier
 that needs no other channel between the namespaces.
 """
@@ -22,6 +25,8 @@ import numpy as np
 from intml.protocol.cli import OneLineParser, positive
 from intml.protocol.job import CODEC_NAMES, JobParams, WorkerTimers, codec_name
 
+COLLECTIVES = ("allreduce", "reduce_scatter")
+
 
 def rank_input(rank: int, elements: int, seed: int = 0) -> np.ndarray:
     """Gradient-like float32 data, different at every rank and reproducible."""
@@ -33,7 +38,8 @@ def run(args: argparse.Namespace) -> dict:
 
     x = rank_input(args.rank, args.elements, args.seed)
     one = np.ones(1, np.float32)
-    y = np.empty_like(x)  # reused, as Gloo's all_reduce reuses its tensor
+    scatter = args.collective == "reduce_scatter"
+    y = np.empty(x.size // args.world_size if scatter else x.size, np.float32)  # reused, as Gloo reuses its tensor
     times, hashes = [], []
     with Worker(args.aggregator, job=args.job, rank=args.rank, world_size=args.world_size, token=args.token,
                 codec=args.codec, packet_elements=args.packet_elements, pool_size=args.pool, seed=args.seed,
@@ -41,7 +47,10 @@ def run(args: argparse.Namespace) -> dict:
         for i in range(args.warmup + args.rounds):
             w.allreduce(one)  # barrier
             start = time.perf_counter()
-            w.allreduce(x, out=y)
+            if scatter:
+                w.reduce_scatter(x, out=y)
+            else:
+                w.allreduce(x, out=y)
             elapsed = time.perf_counter() - start
             if i >= args.warmup:
                 times.append(elapsed)
@@ -52,13 +61,13 @@ def run(args: argparse.Namespace) -> dict:
 def command(aggregator: str, rank: int, world_size: int, elements: int, *, codec: str = codec_name(JobParams.codec),
             packet_elements: int = JobParams.packet_elements, pool: int = JobParams.pool_size, warmup: int = 1,
             rounds: int = 3, job: int = 1, seed: int = 1, timeout: float = WorkerTimers.timeout,
-            data_mac: bool = JobParams.data_mac) -> list[str]:
+            data_mac: bool = JobParams.data_mac, collective: str = "allreduce") -> list[str]:
     """The argv of one rank (prefix it with `ip netns exec NAME` to run it in a namespace)."""
     return [sys.executable, "-m", "intml.testbed.rank", "--aggregator", aggregator, "--rank", str(rank),
             "--world-size", str(world_size), "--elements", str(elements), "--codec", codec,
             "--packet-elements", str(packet_elements), "--pool", str(pool), "--warmup", str(warmup),
             "--rounds", str(rounds), "--job", str(job), "--seed", str(seed), "--timeout", str(timeout),
-            *(["--data-mac"] if data_mac else [])]
+            "--collective", collective, *(["--data-mac"] if data_mac else [])]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--timeout", type=positive(float), default=WorkerTimers.timeout)
     p.add_argument("--data-mac", action="store_true", help="the job's DATA and RESULT carry a SipHash tag")
+    p.add_argument("--collective", choices=COLLECTIVES, default="allreduce",
+                   help="what each timed round runs (reduce_scatter: elements a multiple of the world size)")
     print(json.dumps(run(p.parse_args(argv))), flush=True)
     return 0
 

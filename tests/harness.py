@@ -65,8 +65,9 @@ def core_receive(core: AggregatorCore, datagrams: Sequence[Datagram], now: float
     return core.receive(rx, now).datagrams() + core.take_replies()
 
 
-def engine_start(engine: StreamEngine, x: np.ndarray, now: float, out: np.ndarray | None = None) -> list[Datagram]:
-    return engine.start(x, now, out).datagrams()
+def engine_start(engine: StreamEngine, x: np.ndarray, now: float, out: np.ndarray | None = None, *,
+                 scatter: bool = False) -> list[Datagram]:
+    return engine.start(x, now, out, scatter=scatter).datagrams()
 
 
 def engine_receive(engine: StreamEngine, datagrams: Sequence[Datagram], now: float) -> list[Datagram]:
@@ -275,11 +276,13 @@ class Network:
         return core_receive(self.cores[core], datagrams, self.now, lengths)
 
     # ---- data plane -----------------------------------------------------------------------------------------
-    def start(self, xs: Sequence[np.ndarray], outs: Sequence[np.ndarray | None] | None = None) -> None:
-        """Begin the next allreduce on every engine (xs[r] is rank r's input, outs[r] its result buffer)."""
+    def start(self, xs: Sequence[np.ndarray], outs: Sequence[np.ndarray | None] | None = None, *,
+              scatter: bool = False) -> None:
+        """Begin the next allreduce (``scatter``: reduce-scatter) on every engine (xs[r] is rank r's input, outs[r]
+        its result buffer)."""
         assert len(xs) == self.n
         for r, (engine, x) in enumerate(zip(self.engines, xs)):
-            self._from_worker(r, engine_start(engine, x, self.now, None if outs is None else outs[r]))
+            self._from_worker(r, engine_start(engine, x, self.now, None if outs is None else outs[r], scatter=scatter))
 
     def _from_worker(self, rank: int, datagrams: list[Datagram]) -> None:
         for data, dst in datagrams:

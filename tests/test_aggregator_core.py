@@ -108,6 +108,11 @@ def _exp(d):
     return int(header(d)["exp"])
 
 
+def _with_owners(d, code):
+    """The DATA packet with owners code `code` in its rank field's high byte (docs/protocol.md, "Reduce-scatter")."""
+    return with_header(d, rank=code << 8 | int(header(d)["rank"]))
+
+
 def _k_max(d):
     """The largest k the chunk's codes may hold (the agreed exponent's, relative to the round's floor)."""
     return data_k_max(_exp(d), 31 - N3.bit_length())
@@ -144,6 +149,9 @@ CNAT_MUTATIONS = {
     "shadow 255": ("drop_bad_shadow", False, lambda d, s: (with_header(d, shadow=255), s, None)),
     "exp -127": ("drop_bad_exponent", False, lambda d, s: (with_header(d, exp=-127), s, None)),  # int8: none above
     "next_exp -127": ("drop_bad_exponent", False, lambda d, s: (with_header(d, next_exp=-127), s, None)),
+    "owner = n": ("drop_bad_owner", False, lambda d, s: (_with_owners(d, 1 + N3), s, None)),
+    "owners n-1 .. n": ("drop_bad_owner", False, lambda d, s: (_with_owners(d, 1 + 64 + N3 - 1), s, None)),
+    "owners code 255": ("drop_bad_owner", False, lambda d, s: (_with_owners(d, 255), s, None)),
     "code 0x80": ("drop_invalid_code", False, lambda d, s: (with_payload_byte(d, 0, 0x80), s, None)),
     "code 0x3F": ("drop_invalid_code", False, lambda d, s: (with_payload_byte(d, 5, 0x3F), s, None)),
     "code k=61": ("drop_invalid_code", False, lambda d, s: (with_payload_byte(d, P - 1, 0x40 | 61), s, None)),
@@ -158,6 +166,7 @@ CNAT_MUTATIONS = {
 OPEN_ONLY = {  # need the round's first packet to disagree with
     "exponent mismatch": ("drop_exponent_mismatch", False, lambda d, s: (with_header(d, exp=_exp(d) - 1), s, None)),
     "count mismatch": ("drop_wrong_count", False, lambda d, s: (with_header(d, count=P - 1)[:-1], s, None)),
+    "owners mismatch": ("drop_bad_owner", False, lambda d, s: (_with_owners(d, 1), s, None)),  # the round's: all
 }
 
 

@@ -502,7 +502,8 @@ def test_dead_workers_job_freed_after_idle_timeout() -> None:
 WORKER_CAUSED = ("drop_stale", "drop_duplicate_incomplete")  # normal retransmissions produce these
 FUZZ_REASONS = {"drop_short", "drop_bad_control", "drop_truncated", "drop_bad_magic", "drop_bad_version", "drop_unknown_type",
                 "drop_unknown_job", "drop_rank_out_of_range", "drop_unregistered_source", "drop_slot_out_of_range",
-                "drop_wrong_codec", "drop_wrong_count", "drop_bad_shadow", "drop_bad_exponent", "drop_invalid_code"}
+                "drop_wrong_codec", "drop_wrong_count", "drop_bad_shadow", "drop_bad_exponent", "drop_invalid_code",
+                "drop_bad_owner"}
 FOREIGN, REGISTERED = "foreign", "registered"
 CONTROL = (MsgType.DATA, MsgType.JOIN, MsgType.LEAVE, MsgType.STATS_REQUEST)
 OVERSIZE = (26 + 4 * 8192 + 1, 65000)  # beyond the default --max-packet-elements: truncated on receipt
@@ -594,8 +595,15 @@ class Fuzzer:
     # ---- the live job's own checks (per-job counters)
     def kind_rank_out_of_range(self):
         header, payload = self.base()
-        header["rank"] = self.rng.randint(self.world, 0xFFFF)
+        header["rank"] = self.rng.randint(0, 255) << 8 | self.rng.randint(self.world, 255)  # any owners byte
         return wire.pack(header, payload), self.either(), "drop_rank_out_of_range"
+
+    def kind_bad_owner(self):
+        """An owners code (the rank field's high byte) that names a rank >= n."""
+        header, payload = self.base()
+        code = self.rng.choice([1 + self.rng.randint(self.world, 63), 1 + 64 * 3 + self.world - 1, 255])
+        header["rank"] = code << 8 | self.rank
+        return wire.pack(header, payload), REGISTERED, "drop_bad_owner"
 
     def kind_foreign_source(self):
         header, payload = self.base()

@@ -1,6 +1,6 @@
 """``intml-aggregator --engine p4model``: the same workers over real UDP on 127.0.0.1, with the data path run
-through the P4 pipeline model, get the kernel engine's results bit for bit (and protocol.reference's); the engine
-refuses, in one line, what the switch cannot do."""
+through the P4 pipeline model, get the kernel engine's results bit for bit (and protocol.reference's), for
+allreduces and reduce-scatters; the engine refuses, in one line, what the switch cannot do."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import socket
 
 import numpy as np
 import pytest
-from cluster import HOST, aggregator, join_over
-from test_e2e import CODECS, SMALL_PLAN, check_results, new_job, run_job
+from cluster import HOST, aggregator, join_over, run_ok
+from test_e2e import CODECS, SMALL_PLAN, assert_bits_equal, check_results, expected_results, new_job, run_job
+from test_reduce_scatter import PLAN, reduce_scatter_worker, shard_of
 
 from intml.protocol import wire
 from intml.protocol.wire import MsgType
@@ -32,6 +33,25 @@ def test_p4model_engine_is_bit_identical_to_the_kernel(codec: str) -> None:
                 assert counters["packets_in"] > 100, counters
     check_results(runs["p4model"], n, codec, seed, SMALL_PLAN, f"p4model {codec}")
     assert result_bytes(runs["p4model"]) == result_bytes(runs["kernel"])
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_p4model_engine_serves_reduce_scatter_as_the_kernel(codec: str) -> None:
+    """Four workers' Worker.reduce_scatter calls (shards straddling chunks, a mean, an allreduce between them), 10%
+    loss, duplication and reordering: --engine p4model gives each rank the kernel engine's shards byte for byte,
+    the allreduce's restricted to the rank's shard."""
+    n, seed = 4, 63
+    runs = {}
+    for engine in ("kernel", "p4model"):
+        with aggregator("--engine", engine, idle_timeout=10) as agg:
+            job = new_job()
+            runs[engine] = run_ok(reduce_scatter_worker, [(agg.port, job, r, n, codec, seed, PLAN, 0.1, False)
+                                                          for r in range(n)], timeout=120)
+    assert result_bytes(runs["p4model"]) == result_bytes(runs["kernel"])
+    want = expected_results(n, codec, seed, [spec for _, spec in PLAN])
+    for r, res in enumerate(runs["p4model"]):
+        for (kind, spec), got, w in zip(PLAN, res["outs"], want):
+            assert_bits_equal(got, shard_of(w, r, n) if kind == "rs" else w, f"rank {r} {kind} {spec}")
 
 
 def test_p4model_engine_on_two_cores() -> None:

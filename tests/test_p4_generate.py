@@ -33,6 +33,26 @@ def test_check_names_a_file_that_differs(tmp_path: Path, capsys):
     assert generate.differing(tmp_path) == [Path("next_step.p4"), Path("egress.p4")]
 
 
+def test_the_intml_header_is_the_wire_layout():
+    """headers.p4's intml_h, field by field, lies at protocol.wire's offsets; the wire's 16-bit rank is the
+    owners code (its high byte: first in network order) and the rank (its low byte)."""
+    import re
+
+    from intml.protocol import wire
+
+    body = re.search(r"header intml_h \{(.*?)\}", (P4 / "headers.p4").read_text(), re.S)[1]
+    fields = [(name, int(bits)) for bits, name in re.findall(r"bit<(\d+)> (\w+);", body)]
+    offsets, bit = {}, 0
+    for name, bits in fields:
+        offsets[name] = (bit // 8, bits)
+        bit += bits
+    assert bit == 8 * wire.HEADER_SIZE
+    split = {"owners": (wire.OFFSETS["rank"], 8), "rank": (wire.OFFSETS["rank"] + 1, 8)}
+    assert wire.OWNERS_SHIFT == 8 and wire.RANK_MASK == 0xFF
+    assert offsets == {name: split.get(name, (wire.OFFSETS[name], 8 * wire.HEADER.fields[name][0].itemsize))
+                       for name in wire.HEADER.names if name != "rank"} | split
+
+
 def test_every_file_is_part_of_a_program():
     committed = {p.relative_to(P4) for p in P4.rglob("*.p4")}
     included = {path.relative_to(P4) for program in PROGRAMS.values()

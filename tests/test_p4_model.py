@@ -22,7 +22,7 @@ import time
 import numpy as np
 import pytest
 from cluster import HOST, run_ok
-from harness import TOKEN, Network, core_receive, handshake, make_inputs, worker_addr
+from harness import TOKEN, Network, core_receive, handshake, make_inputs, msg_type, worker_addr
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_e2e import SMALL_PLAN, allreduce_worker, assert_bits_equal, check_results, new_job
@@ -93,6 +93,7 @@ def assert_model_state(model: PipelineModel, core: AggregatorCore, ref: SlotRefe
         assert int(cells["round_key"][index]) == s.key
         assert int(cells["worker_bitmap"][index]) == sum(1 << r for r in s.ranks)
         assert int(cells["worker_count"][index]) == len(s.ranks)
+        assert int(cells["round_owners"][index]) == s.owners
         assert lanes_of(model, "lane_sum", index, s.elements).view(np.int32).tolist() == s.sums
         if s.state(ref.jobs[job_id].world) == COMPLETE:
             stored = lanes_of(model, "lane_code", index, s.elements) if ref.jobs[job_id].codec == Codec.CNAT8 \
@@ -110,9 +111,8 @@ def assert_model_counters(model: PipelineModel, core: AggregatorCore, ref: SlotR
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(stream=st.lists(packets(), min_size=1, max_size=80), sizes=st.lists(st.integers(1, 40), min_size=1,
-                                                                           max_size=5),
-       group=st.sampled_from([None, GROUP]))
+@given(stream=st.lists(packets(), min_size=1, max_size=80),
+       sizes=st.lists(st.integers(1, 40), min_size=1, max_size=5), group=st.sampled_from([None, GROUP]))
 def test_random_stream_matches_reference_and_kernel(stream: list[Item], sizes: list[int], group) -> None:
     agg, ref = joined_pair(PLAIN_JOBS, group=group)
     joins = ref.core_stats.copy()
@@ -150,11 +150,15 @@ class Recording:
 
 
 def run_network(core: AggregatorCore, n: int, codec: str, packet_elements: int, seed: int) -> tuple[Network, list]:
-    """Two allreduces through ``core`` with 10% loss and duplication, 20% reordering; (network, results)."""
+    """An allreduce, then a reduce-scatter (shards of packet_elements / 2 + 3: chunks with one owner, with two,
+    and with none of a rank's), through ``core`` with 10% loss and duplication, 20% reordering; (network,
+    results)."""
     net = Network(n, codec=codec, packet_elements=packet_elements, pool_size=4, drop=0.1, duplicate=0.1,
                   reorder=0.2, fault_seed=seed, aggregators=[core], record=True)
-    return net, [net.allreduce(make_inputs(n, 7 * packet_elements + 3, packet_elements, "normal", seed + k))
-                 for k in range(2)]
+    results = [net.allreduce(make_inputs(n, 7 * packet_elements + 3, packet_elements, "normal", seed))]
+    net.start(make_inputs(n, n * (packet_elements // 2 + 3), packet_elements, "normal", seed + 1), scatter=True)
+    net.run()
+    return net, results + [[engine.result for engine in net.engines]]
 
 
 FAULTY_RUNS = [(n, codec, elements) for n in (2, 5, 17, 32) for codec, elements in (("cnat8", 200), ("int32", 150))] \
@@ -163,8 +167,9 @@ FAULTY_RUNS = [(n, codec, elements) for n in (2, 5, 17, 32) for codec, elements 
 
 @pytest.mark.parametrize("n, codec, packet_elements", FAULTY_RUNS)
 def test_faulty_runs_match_kernel_and_reference(n: int, codec: str, packet_elements: int) -> None:
-    """The same faulty run with the kernel and with the model as the aggregator: the same datagrams to the
-    workers, the same results and counters; and every DATA packet the model took gives the reference's output."""
+    """The same faulty run (an allreduce and a reduce-scatter) with the kernel and with the model as the
+    aggregator: the same datagrams to the workers (header-only completions included), the same results and
+    counters; and every DATA packet the model took gives the reference's output."""
     kernel, kernel_results = run_network(AggregatorCore(rows=64, max_elements=packet_elements, tokens=[TOKEN]), n,
                                          codec, packet_elements, seed=n)
     core = P4ModelCore(rows=64, max_elements=packet_elements, tokens=[TOKEN])
@@ -176,6 +181,7 @@ def test_faulty_runs_match_kernel_and_reference(n: int, codec: str, packet_eleme
             assert_bits_equal(y, x, f"n={n} {codec}")
     assert model.job_counters() == kernel.job_counters()
     assert model.job_counters()["retransmissions"] > 0 and model.job_counters()["completions"] > 0
+    assert any(len(d) == wire.HEADER_SIZE and msg_type(d) == MsgType.RESULT for d, _, _ in model.sent_down)
     ref = SlotReference()
     ref.join(Job(model.job, n, packet_elements, 4, int(model.codec), model.seed,
                  {r: model.addr(r) for r in range(n)}))
@@ -187,7 +193,7 @@ def test_faulty_runs_match_kernel_and_reference(n: int, codec: str, packet_eleme
 
 def test_two_jobs_on_two_cores_with_multicast_match_kernel() -> None:
     """Two jobs of different codecs on one aggregator of two cores, results multicast: the model cores' output
-    equals the kernel cores'."""
+    equals the kernel cores', for an allreduce and a reduce-scatter."""
     runs = []
     for core_class in (AggregatorCore, P4ModelCore):
         cores = [core_class(core=i, cores=2, rows=64, max_elements=100, tokens=[TOKEN], results_group=GROUP)
@@ -195,9 +201,9 @@ def test_two_jobs_on_two_cores_with_multicast_match_kernel() -> None:
         nets = [Network(n, codec=codec, packet_elements=100, pool_size=6, job=job, worker_port=5000 + 100 * job,
                         drop=0.05, duplicate=0.05, reorder=0.1, fault_seed=job, aggregators=cores, record=True)
                 for job, n, codec in ((1, 3, "cnat8"), (2, 4, "int32"))]
-        for k in range(2):
+        for k in range(2):  # an allreduce (to the group), then a reduce-scatter (by unicast, through the rank group)
             for net in nets:
-                net.start(make_inputs(net.n, 1003, 100, "normal", seed=k))
+                net.start(make_inputs(net.n, net.n * 251 if k else 1003, 100, "normal", seed=k), scatter=k == 1)
             Network.run_together(nets, shuffle_seed=k)
         runs.append([(net.sent_down, [e.result.tobytes() for e in net.engines], net.total_job_counters())
                      for net in nets])

@@ -188,36 +188,56 @@ INVALID_CODES = [0x40 | 30, 0x40 | 31, 0x40 | 63, 0x80, 0x3F]
 VALID_INT32 = [0, 1, -7, 1 << 29, -(1 << 29), 1 << 28]
 INVALID_INT32 = [(1 << 29) + 1, -(1 << 29) - 1]
 MUTATIONS = ("truncated", "short", "magic", "version", "type", "job", "source", "rank", "slot", "codec", "count",
-             "length", "shadow", "exp", "next_exp", "disagree", "values", "tag")
+             "length", "shadow", "exp", "next_exp", "owners", "disagree", "values", "tag")
+
+
+def owner_codes(world: int) -> list[int]:
+    """Every valid owners code of a job of `world` ranks (protocol.wire, "Owners"): every rank, then ranks
+    first .. first + span."""
+    return [0] + [1 + 64 * span + first for span in range(4) for first in range(world - span)]
+
+
+def bad_owner_codes(world: int) -> list[int]:
+    """Codes naming a rank >= world."""
+    return [1 + world, 1 + 64 + world - 1, 255]
 
 
 @st.composite
 def packets(draw) -> Item:
     """A DATA packet of one of a few rounds per job (chunks 0 and 4, 1 and 5 share a set: newer and older
-    rounds meet), so that rounds complete; one in four is malformed or disagrees with its round. A packet of the
-    job with a data key carries its tag (after any other change: a malformed packet can be authentic), or with
-    the "tag" mutation a wrong, missing or other key's tag (a packet of another job gets 8 stray bytes)."""
+    rounds meet), so that rounds complete; one in four is malformed or disagrees with its round. Each round has
+    its owners (a reduce-scatter chunk's, or every rank: an allreduce's). A packet of the job with a data key
+    carries its tag (after any other change: a malformed packet can be authentic), or with the "tag" mutation a
+    wrong, missing or other key's tag (a packet of another job gets 8 stray bytes)."""
     spec = draw(st.sampled_from(JOBS))
     codec = spec["codec"]
     allreduce, chunk = draw(st.integers(0, 1)), draw(st.integers(-1, 5))
     count, exp = [(2, 0), (3, 3), (0, NO_EXP), (2, NO_EXP)][(allreduce + chunk) % 4]
-    mutation = draw(st.sampled_from(MUTATIONS)) if draw(st.integers(0, 3)) == 0 else "none"
+    codes = owner_codes(spec["world"])
+    owners = codes[(allreduce * 7 + chunk) % len(codes)]
+    mutations = MUTATIONS if len(codes) > 1 else [m for m in MUTATIONS if m != "owners"]
+    mutation = draw(st.sampled_from(mutations)) if draw(st.integers(0, 3)) == 0 else "none"
     if mutation == "disagree":
-        count, exp = draw(st.sampled_from([(count, 0 if exp else 3), (count + 1, exp)]))
+        other_exp = (count, 0 if exp else 3, owners)
+        count, exp, owners = draw(st.sampled_from([other_exp, other_exp, (count + 1, exp, owners),
+                                                   (count, exp, codes[(codes.index(owners) + 1) % len(codes)])]))
+    if mutation == "owners":
+        owners = draw(st.sampled_from(bad_owner_codes(spec["world"])))
     rank = draw(st.integers(0, spec["world"] - 1))
     if codec == Codec.CNAT8:
         pool = INVALID_CODES if mutation == "values" else VALID_CODES[exp]
     else:
         pool = INVALID_INT32 if mutation == "values" else VALID_INT32
     values = [draw(st.sampled_from(pool)) for _ in range(count)]
-    header = {"type": int(MsgType.DATA), "job": spec["job"], "allreduce": allreduce, "chunk": chunk, "rank": rank,
+    header = {"type": int(MsgType.DATA), "job": spec["job"], "allreduce": allreduce, "chunk": chunk,
+              "rank": owners << 8 | rank,
               "slot": chunk % 2, "count": count, "codec": int(codec), "shadow": chunk // 2 % 2, "exp": exp,
               "next_exp": draw(st.sampled_from([NO_EXP, 1, 2]))}
     src = spec["addr"](rank)
     payload = np.array(values, np.uint8 if codec == Codec.CNAT8 else ">i4").tobytes()
     changes = {"magic": {"magic": 0x1234}, "version": {"version": 9}, "job": {"job": 99},
                "type": {"type": draw(st.sampled_from([int(MsgType.RESULT), int(MsgType.ERROR), 77]))},
-               "rank": {"rank": spec["world"]}, "slot": {"slot": spec["pool"]}, "codec": {"codec": 1 - int(codec)},
+               "rank": {"rank": owners << 8 | spec["world"]}, "slot": {"slot": spec["pool"]}, "codec": {"codec": 1 - int(codec)},
                "count": {"count": P + 1}, "shadow": {"shadow": 2}, "exp": {"exp": -127}, "next_exp": {"next_exp": -127}}
     header.update(changes.get(mutation, {}))
     datagram = wire.pack(header, payload)
@@ -267,7 +287,7 @@ def test_random_streams_reach_every_transition_and_drop_reason():
         return reasons | set(TRANSITIONS) <= seen
 
     find(st.lists(packets(), min_size=80, max_size=80), covers_everything,
-         settings=settings(max_examples=50, derandomize=True, database=None, phases=[Phase.generate]))
+         settings=settings(max_examples=80, derandomize=True, database=None, phases=[Phase.generate]))
 
 
 # ---- the allreduce counter's wrap ---------------------------------------------------------------------------

@@ -205,7 +205,8 @@ class Worker:
         self.close()
 
     # ---- allreduce --------------------------------------------------------------------------------------
-    def _prepare(self, x: np.ndarray, op: str, out: np.ndarray | None, sent: np.ndarray | None) -> np.ndarray:
+    def _prepare(self, x: np.ndarray, op: str, out: np.ndarray | None, sent: np.ndarray | None,
+                 scatter: bool = False) -> np.ndarray:
         if op not in ("sum", "mean"):
             raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
         if self._closed:
@@ -214,7 +215,7 @@ class Worker:
         if arr.dtype.kind != "f":
             raise TypeError(f"allreduce takes a floating-point array, got {arr.dtype}")
         now = time.monotonic()
-        self._send(self.engine.start(arr, now, out, sent=sent))
+        self._send(self.engine.start(arr, now, out, sent=sent, scatter=scatter))
         self.session.watch_progress(now)
         return arr
 
@@ -252,10 +253,11 @@ class Worker:
                 self.engine.check_finite()  # the real cause, if this rank stopped sending at a NaN or infinity
                 raise AllreduceTimeout(self._timeout_message())
 
-    def _finish(self, arr: np.ndarray, op: str, out: np.ndarray | None) -> np.ndarray:
+    def _finish(self, arr: np.ndarray, op: str, out: np.ndarray | None, scatter: bool = False) -> np.ndarray:
         self.session.unwatch_progress()
         self.engine.check_finite()
-        out = self.engine.result.reshape(arr.shape) if out is None else out
+        if out is None:
+            out = self.engine.result if scatter else self.engine.result.reshape(arr.shape)
         if op == "mean":
             out /= np.float32(self.world_size)
         return out
@@ -268,22 +270,42 @@ class Worker:
         for an in-place allreduce, as torch.distributed does); reusing one across calls avoids allocating and
         page-faulting a tensor-sized result every time. ``sent``: a float32 array of the same layout that receives
         what this rank put on the wire, decoded (before the mean's division; see StreamEngine.start)."""
-        arr = self._prepare(x, op, out, sent)
+        return self._run(x, op, out, sent, scatter=False)
+
+    def reduce_scatter(self, x: np.ndarray, op: str = "sum", out: np.ndarray | None = None) -> np.ndarray:
+        """This rank's shard of the sum (or mean) of x over all ranks: of the x.size elements (a multiple of the
+        world size; any shape, flattened), the x.size / world_size from rank * x.size / world_size, as a flat
+        float32 array. Bit for bit the allreduce of x restricted to the shard; the aggregator sends each chunk's
+        sum only to the ranks whose shards it overlaps (docs/protocol.md, "Reduce-scatter"). ``out``: a
+        C-contiguous float32 array of the shard's size to write it into and return."""
+        return self._run(x, op, out, None, scatter=True)
+
+    def _run(self, x: np.ndarray, op: str, out: np.ndarray | None, sent: np.ndarray | None, *,
+             scatter: bool) -> np.ndarray:
+        arr = self._prepare(x, op, out, sent, scatter)
         while not self.engine.done:
             if (wait := self._wait()) > 0:
                 self._poll.poll(wait * 1000)
             self._step()
-        return self._finish(arr, op, out)
+        return self._finish(arr, op, out, scatter)
 
     async def allreduce_async(self, x: np.ndarray, op: str = "sum", out: np.ndarray | None = None, *,
                               sent: np.ndarray | None = None) -> np.ndarray:
         """allreduce on the running asyncio event loop (other tasks run while waiting for results)."""
+        return await self._run_async(x, op, out, sent, scatter=False)
+
+    async def reduce_scatter_async(self, x: np.ndarray, op: str = "sum", out: np.ndarray | None = None) -> np.ndarray:
+        """reduce_scatter on the running asyncio event loop."""
+        return await self._run_async(x, op, out, None, scatter=True)
+
+    async def _run_async(self, x: np.ndarray, op: str, out: np.ndarray | None, sent: np.ndarray | None, *,
+                         scatter: bool) -> np.ndarray:
         loop = asyncio.get_running_loop()
         readable = asyncio.Event()
         for rx in self._inputs:
             loop.add_reader(rx.fileno(), readable.set)
         try:
-            arr = self._prepare(x, op, out, sent)
+            arr = self._prepare(x, op, out, sent, scatter)
             while not self.engine.done:
                 if (wait := self._wait()) > 0:
                     try:
@@ -292,7 +314,7 @@ class Worker:
                         pass
                 readable.clear()
                 self._step()
-            return self._finish(arr, op, out)
+            return self._finish(arr, op, out, scatter)
         finally:
             for rx in self._inputs:
                 loop.remove_reader(rx.fileno())

@@ -33,6 +33,10 @@ One allreduce of a flat float32 tensor of N elements, packet size P and pool siz
   A NaN or infinity is found when its chunk is read: no chunk is sent from there on, the results of those
   already sent are still taken (so the shadow sets stay in step), then ValueError (see ``non_finite``).
   int32: chunk c is sent as rint(x * 2**(s - E)), the sum comes back as int32 and is scaled by 2**(E - s).
+* Reduce-scatter (``start(..., scatter=True)``; docs/protocol.md, "Reduce-scatter"): the same rounds, with each
+  chunk's owners (the ranks whose shards of N / n elements it overlaps) in its DATA packets. The output is this
+  rank's shard: the engine decodes the part of each owned chunk that lies in it, and takes a header-only
+  completion (count 0) of any other chunk as a result.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ from intml.protocol.packet import (
     O_JOB,
     O_MAGIC,
     O_NEXT_EXP,
+    O_RANK,
     O_SHADOW,
     O_SLOT,
     O_TYPE,
@@ -70,12 +75,14 @@ from intml.protocol.packet import (
     get_i32,
     get_u16,
     get_u32,
+    owner_range,
+    owners_code,
     put_header,
 )
 from intml.protocol.job import WorkerTimers
 from intml.protocol.rng import derive_key
 from intml.protocol.siphash import put_tag, tag_ok
-from intml.protocol.wire import MAGIC, TAG_SIZE, VERSION, Codec, MsgType, element_datagram_size
+from intml.protocol.wire import MAGIC, OWNERS_SHIFT, TAG_SIZE, VERSION, Codec, MsgType, element_datagram_size
 
 STAT_NAMES = (
     "packets_out",
@@ -103,9 +110,10 @@ State = namedtuple(
     "timing low sent mac_keys",
 )
 # params (int64): job, rank, world, value_bits, codec, packet_elements, window, chunks, elements, allreduce, cores,
-#                 seed (as int64 bits), done_chunks, index of a non-finite input or -1
+#                 seed (as int64 bits), done_chunks, index of a non-finite input or -1, shard elements of a
+#                 reduce-scatter (0: an allreduce), the first element the output holds
 (P_JOB, P_RANK, P_WORLD, P_VBITS, P_CODEC, P_PKT, P_WINDOW, P_CHUNKS, P_ELEMENTS, P_ALLREDUCE, P_CORES,
- P_SEED, P_DONE, P_BAD) = range(14)
+ P_SEED, P_DONE, P_BAD, P_SHARD, P_OUT_LO) = range(16)
 # mac_keys (uint64): (cores, 2), the data key (k0, k1) of each aggregator core; (0, 2) without the DATA/RESULT MAC
 # timing (float64): smoothed RTT, RTT variance, current RTO, min RTO, max RTO
 T_SRTT, T_RTTVAR, T_RTO, T_MIN, T_MAX = range(5)
@@ -115,6 +123,18 @@ T_SRTT, T_RTTVAR, T_RTO, T_MIN, T_MAX = range(5)
 def _chunk_count(st, c):
     pkt = st.params[P_PKT]
     return 0 if c < 0 else min(pkt, st.params[P_ELEMENTS] - c * pkt)
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _owners(prm, c):
+    """The owners code of chunk c: in a reduce-scatter, the ranks whose shards its elements overlap; else (and for
+    a bootstrap chunk) ALL_OWNERS."""
+    shard = prm[P_SHARD]
+    if c < 0 or shard == 0:
+        return 0
+    lo = c * prm[P_PKT]
+    hi = min(prm[P_ELEMENTS], lo + prm[P_PKT])
+    return owners_code(lo // shard, (hi - 1) // shard)
 
 
 @njit(inline="always")
@@ -164,8 +184,8 @@ def _build(st, s, c, now):
     if c >= 0:  # the bootstrap packets carry chunks 0..window-1, precoded by start_kernel
         _precode(st, nxt)
     next_exp = st.local_exp[nxt] if nxt < chunks else NO_EXP
-    put_header(p, MsgType.DATA, prm[P_JOB], prm[P_ALLREDUCE], c, prm[P_RANK], s, count, codec, st.parity[s],
-               exp, next_exp)
+    put_header(p, MsgType.DATA, prm[P_JOB], prm[P_ALLREDUCE], c, _owners(prm, c) << OWNERS_SHIFT | prm[P_RANK], s,
+               count, codec, st.parity[s], exp, next_exp)
     keys = st.mac_keys
     if keys.shape[0]:
         k = s % prm[P_CORES]
@@ -287,14 +307,23 @@ def authenticate(prm, keys, p, length):
 
 
 @njit(inline="always")
+def owned_count(prm, c, count):
+    """The elements a result of chunk c (count elements) must carry to this rank: all of them, or none (a
+    header-only completion) for a reduce-scatter chunk this rank does not own."""
+    first, last = owner_range(_owners(prm, c), prm[P_WORLD])
+    return count if first <= prm[P_RANK] <= last else 0
+
+
+@njit(inline="always")
 def validate_result(prm, agreed_exp, p, length, c, count):
-    """DROP_MALFORMED unless the result of chunk c (count elements) has the codec, size and exponents it must
-    have, else -1."""
+    """DROP_MALFORMED unless the result of chunk c (count elements to this rank) has the codec, owners, size and
+    exponents it must have, else -1."""
     codec = prm[P_CODEC]
     exp = NO_EXP if c < 0 else agreed_exp[c]
     next_exp = get_i8(p, O_NEXT_EXP)
     lo_exp, hi_exp = codecs.exp_range(codec)
     if (np.int64(p[O_CODEC]) != codec or get_u16(p, O_COUNT) != count or length != HDR + codecs.width(codec) * count
+            or get_u16(p, O_RANK) != _owners(prm, c) << OWNERS_SHIFT
             or get_i8(p, O_EXP) != exp or (next_exp != NO_EXP and not lo_exp <= next_exp <= hi_exp)):
         return DROP_MALFORMED
     return -1
@@ -302,16 +331,22 @@ def validate_result(prm, agreed_exp, p, length, c, count):
 
 @njit(inline="always")
 def decode_sum(prm, agreed_exp, out, p, c, count):
-    """Chunk c's sum (count elements) from its result into the output tensor ``out``; DROP_MALFORMED instead if
-    the payload is invalid for the codec, else -1."""
-    if count == 0:  # a bootstrap round carries only the next exponent
+    """Chunk c's sum (count elements) from its result into the output ``out`` (the part of it that lies there:
+    out holds elements P_OUT_LO .. P_OUT_LO + out.size); DROP_MALFORMED instead if the payload is invalid for the
+    codec, else -1. Count 0: a bootstrap round, which carries only the next exponent, or a header-only
+    completion."""
+    if c < 0:
         return -1
-    lo = c * prm[P_PKT]
-    codec, exp = prm[P_CODEC], agreed_exp[c]
-    payload = p[HDR:HDR + codecs.width(codec) * count]
-    if not codecs.check_result(codec, payload, exp, prm[P_VBITS]):
-        return DROP_MALFORMED
-    codecs.decode_result(codec, payload, exp, prm[P_VBITS], out[lo:lo + count])
+    if count:
+        lo = c * prm[P_PKT]
+        codec, exp, width = prm[P_CODEC], agreed_exp[c], codecs.width(prm[P_CODEC])
+        payload = p[HDR:HDR + width * count]
+        if not codecs.check_result(codec, payload, exp, prm[P_VBITS]):
+            return DROP_MALFORMED
+        a, b = max(lo, prm[P_OUT_LO]), min(lo + count, prm[P_OUT_LO] + out.size)  # codes decode one by one
+        if a < b:  # a chunk owned by every rank (more than 4 shards) may miss this one's
+            codecs.decode_result(codec, payload[(a - lo) * width:(b - lo) * width], exp, prm[P_VBITS],
+                                 out[a - prm[P_OUT_LO]:b - prm[P_OUT_LO]])
     prm[P_DONE] += 1
     return -1
 
@@ -360,7 +395,7 @@ def receive_kernel(state, rx_data, rx_len, rx_addr, n_rx, now, tx_ptr, tx_len, t
             if length < 0:
                 st.stats[DROP_BAD_MAC] += 1
                 continue
-            count = _chunk_count(st, c)
+            count = owned_count(prm, c, _chunk_count(st, c))
             drop = validate_result(prm, agreed_exp, p, length, c, count)
             if drop < 0:
                 drop = decode_sum(prm, agreed_exp, out, p, c, count)
@@ -427,7 +462,7 @@ class StreamEngine:
         self.packet_elements = packet_elements
         self.pool_size = pool_size
         self.timing = np.array([0.0, 0.0, rto, min_rto, max_rto])  # persists: later allreduces start adapted
-        self.params = np.zeros(14, np.int64)
+        self.params = np.zeros(16, np.int64)
         self.params[[P_JOB, P_RANK, P_WORLD, P_VBITS, P_CODEC, P_PKT, P_CORES]] = (
             job, rank, world_size, value_bits(world_size), int(self.codec), packet_elements, len(agg_addrs))
         self.params[P_SEED] = np.uint64(seed).view(np.int64)
@@ -461,8 +496,10 @@ class StreamEngine:
         return self.tx
 
     def start(self, x: np.ndarray, now: float, out: np.ndarray | None = None, *,
-              sent: np.ndarray | None = None) -> Burst:
+              sent: np.ndarray | None = None, scatter: bool = False) -> Burst:
         """Begin the next allreduce of float32 x (any shape); returns the bootstrap datagrams (one per slot).
+        ``scatter``: a reduce-scatter instead, x.size a multiple of the world size: the result is this rank's
+        shard, its x.size / world elements from rank * x.size / world (``out`` then has that many).
 
         The result goes to ``out`` (float32, C-contiguous, x.size elements; it may be x itself: a chunk's input is
         encoded into its stored datagram before its result can arrive) or, by default, to a new array: reusing
@@ -472,18 +509,23 @@ class StreamEngine:
         this rank puts on the wire, decoded from its datagrams (error feedback's compressed gradient). Complete
         once the allreduce is; without it the engine does no extra work."""
         flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+        world, rank = int(self.params[P_WORLD]), int(self.params[P_RANK])
+        if scatter and flat.size % world:
+            raise ValueError(f"a reduce-scatter needs a multiple of the world size {world} elements, got {flat.size}")
+        shard = flat.size // world if scatter else 0
+        size = shard if scatter else flat.size
         if out is None:
-            out = np.empty(flat.size, np.float32)
+            out = np.empty(size, np.float32)
         else:
-            _check_output("out", out, flat.size)
+            _check_output("out", out, size)
         if sent is not None:
             _check_output("sent", sent, flat.size)
         chunks = -(-flat.size // self.packet_elements)
         window = min(self.pool_size, chunks)
         self.allreduce_seq += 1
         prm = self.params
-        prm[[P_WINDOW, P_CHUNKS, P_ELEMENTS, P_ALLREDUCE, P_DONE, P_BAD]] = (window, chunks, flat.size,
-                                                                              self.allreduce_seq, 0, -1)
+        prm[[P_WINDOW, P_CHUNKS, P_ELEMENTS, P_ALLREDUCE, P_DONE, P_BAD, P_SHARD, P_OUT_LO]] = (
+            window, chunks, flat.size, self.allreduce_seq, 0, -1, shard, rank * shard)
         codec = codecs.BY_ID[self.codec]
         local = np.empty(chunks, np.int64)
         low = np.zeros(chunks, np.uint32)  # 0: not precoded, encode_chunk encodes the chunk when it is sent

@@ -497,6 +497,9 @@ control TnaIngress(inout tna_headers_t hdr, inout tna_metadata_t ig_md,
         }
         if (ig_md.bridge.pass_no == 0 && ig_md.bridge.phase == PHASE_HARVEST_FIRST) {
             ig_tm_md.mcast_grp_a = (MulticastGroupId_t) ig_md.bridge.job_index + 1;  // the whole result
+            if (ig_md.bridge.owners != 0) {  // a reduce-scatter round: a replica per rank (egress: p4/README.md)
+                ig_tm_md.mcast_grp_a = ig_tm_md.mcast_grp_a + RANK_GROUP_BASE;
+            }
         } else {
             hdr.bridge = ig_md.bridge;
             hdr.bridge.setValid();

@@ -18,7 +18,8 @@ header bridge_h {
     bit<2> step;
     bit<1> completes;
     bit<8> job_index;
-    bit<16> rank;
+    bit<8> rank;
+    bit<8> owners;
     bit<16> slot_index;
     bit<16> elements;
     bit<8> exp;

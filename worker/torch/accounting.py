@@ -17,26 +17,39 @@ class Traffic:
     """Counters of one hook state or process group (per worker, each way)."""
 
     intml_allreduces: int = 0
+    intml_reduce_scatters: int = 0  # their elements and bytes (the upload's) are in intml_elements and intml_bytes
     intml_elements: int = 0
     intml_bytes: int = 0
     gloo_allreduces: int = 0
+    gloo_reduce_scatters: int = 0  # their elements and ring bytes are in gloo_elements and gloo_bytes
     gloo_elements: int = 0
     gloo_bytes: float = 0.0
     packets_out: int = 0
     retransmissions: int = 0
     gloo_reasons: dict[str, int] = dataclasses.field(default_factory=dict)  # routing reason: Gloo allreduces
 
-    def add_intml(self, elements: int, wire_bytes: int, before: dict[str, int], after: dict[str, int]) -> None:
-        """One allreduce through the aggregator; `before` and `after` are the worker's counters around it."""
-        self.intml_allreduces += 1
+    def add_intml(self, elements: int, wire_bytes: int, before: dict[str, int], after: dict[str, int],
+                  reduce_scatter: bool = False) -> None:
+        """One allreduce (or reduce-scatter) through the aggregator; `before` and `after` are the worker's counters
+        around it."""
+        if reduce_scatter:
+            self.intml_reduce_scatters += 1
+        else:
+            self.intml_allreduces += 1
         self.intml_elements += elements
         self.intml_bytes += wire_bytes
         self.packets_out += after["packets_out"] - before["packets_out"]
         self.retransmissions += after["retransmissions"] - before["retransmissions"]
 
-    def add_gloo(self, tensors: Sequence[torch.Tensor], world_size: int, reason: str) -> None:
-        """One allreduce of `tensors` through Gloo's ring (its bytes from the ring model), for `reason`."""
-        self.gloo_allreduces += 1
+    def add_gloo(self, tensors: Sequence[torch.Tensor], world_size: int, reason: str,
+                 reduce_scatter: bool = False) -> None:
+        """One allreduce (or reduce-scatter: half the ring's bytes) of `tensors` through Gloo's ring (its bytes
+        from the ring model), for `reason`."""
+        if reduce_scatter:
+            self.gloo_reduce_scatters += 1
+        else:
+            self.gloo_allreduces += 1
         self.gloo_reasons[reason] = self.gloo_reasons.get(reason, 0) + 1
         self.gloo_elements += sum(t.numel() for t in tensors)
-        self.gloo_bytes += sum(ring_bytes(t.numel(), world_size, t.element_size()) for t in tensors)
+        share = 0.5 if reduce_scatter else 1.0  # a ring reduce-scatter is the allreduce's first half
+        self.gloo_bytes += sum(share * ring_bytes(t.numel(), world_size, t.element_size()) for t in tensors)

@@ -2,6 +2,8 @@
 ``INTML_MIN_ELEMENTS`` elements (default 64 Ki) with SUM or AVG through the aggregator, and sends every smaller
 allreduce (losses, metrics, counters: exact), every other collective, op and dtype to an inner Gloo group on the
 same store (SwitchML's PyTorch patch falls back to Gloo the same way). ``routing`` has the rule and its reasons.
+``reduce_scatter_tensor`` (FSDP's and ZeRO's gradient reduction) follows the same rule through the aggregator,
+which sends each rank only the chunks of its shard.
 
 Every intml allreduce runs on the link's thread, so ``dist.all_reduce(t, async_op=True)`` returns a Work at once,
 as Gloo's does, and ``work.wait()`` / ``work.is_completed()`` / ``work.get_future()`` behave as Gloo's. The
@@ -89,6 +91,33 @@ class IntmlProcessGroup(AggregatorLinked, dist.ProcessGroup):
             return self._gloo_mean(tensors, opts)
         return self.gloo.allreduce(tensors, opts)
 
+    def reduce_scatter_single(self, output, input, opts=None):  # noqa: A002 -- c10d's names
+        """``reduce_scatter_tensor`` (and FSDP's gradient reduce-scatter): a float32 CPU input of at least
+        ``config.min_elements`` elements, SUM or AVG, through the aggregator, which sends each rank only the chunks
+        of its shard (bit for bit the allreduce restricted to it); anything else through Gloo (AVG as its sum over
+        the world size, waited for in the call: Gloo's reduce-scatter Work has no Future), counted under its routing
+        reason."""
+        if opts is None or isinstance(opts, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
+            reduce_op = opts if opts is not None else dist.ReduceOp.SUM
+            opts = dist.ReduceScatterOptions()
+            opts.reduceOp = reduce_op
+        kind = _intml_op(opts.reduceOp)
+        reason = (routing.FALLBACK if self.link is None
+                  else routing.scatter_route(output, input, kind, self.config.min_elements, self.size()))
+        if reason is None:
+            return _Work(self.link.submit_reduce_scatter(input, output, kind))
+        self._to_gloo([input], reason, reduce_scatter=True)
+        if kind != "mean" or not output.is_floating_point():
+            return self.gloo.reduce_scatter_single(output, input, opts)
+        sum_opts = dist.ReduceScatterOptions()
+        sum_opts.reduceOp, sum_opts.timeout = dist.ReduceOp.SUM, opts.timeout
+        self.gloo.reduce_scatter_single(output, input, sum_opts).wait()  # Gloo's Work here has no Future to chain
+        fut: Future = Future()
+        fut.set_result([output.div_(self.size())])
+        return _Work(fut)
+
+    _reduce_scatter_base = reduce_scatter_single  # the older name of the same call (dist._reduce_scatter_base)
+
     def _gloo_mean(self, tensors: list[torch.Tensor], opts: dist.AllreduceOptions) -> _Work:
         """AVG through Gloo, which has no AVG: its sum, divided by the world size when it completes."""
         sum_opts = sum_op()
@@ -130,8 +159,8 @@ def _delegate(name: str):
 # functional collectives call through looks them up by name, so __getattr__ would not be seen.
 for _name in ("broadcast", "allgather", "_allgather_base", "allgather_coalesced", "allgather_into_tensor_coalesced",
               "all_gather_single", "all_gather_single_coalesced", "allreduce_coalesced", "reduce", "gather",
-              "scatter", "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single",
-              "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced", "alltoall", "alltoall_base",
+              "scatter", "reduce_scatter", "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced",
+              "alltoall", "alltoall_base",
               "all_to_all_single", "send", "recv", "recv_anysource", "barrier", "monitored_barrier"):
     if hasattr(dist.ProcessGroup, _name):
         setattr(IntmlProcessGroup, _name, _delegate(_name))

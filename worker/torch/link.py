@@ -68,8 +68,17 @@ class Link:
     def submit(self, tensor: torch.Tensor, op: str, *, inplace: bool, residual: torch.Tensor | None = None) -> Future:
         """Allreduce the flat float32 CPU `tensor` (sum or mean); the Future holds [tensor] (inplace) or a new
         tensor. With `residual` (error feedback), send tensor + residual and keep the new residual in it."""
+        return self._submit(lambda: self._allreduce(tensor, op, inplace, residual))
+
+    def submit_reduce_scatter(self, input: torch.Tensor, output: torch.Tensor, op: str) -> Future:  # noqa: A002
+        """Reduce-scatter the flat float32 CPU `input` (sum or mean) into `output`, this rank's shard (its
+        input.numel() / world size elements from rank * that); the Future holds [output]."""
+        return self._submit(lambda: self._reduce_scatter(input, output, op))
+
+    def _submit(self, collective: Callable[[], object]) -> Future:
+        """Run `collective` (in the caller, or queued for the thread); its value or exception goes to the Future."""
         fut: Future = Future()
-        item = (tensor, op, inplace, residual, fut)
+        item = (collective, fut)
         if self.failed is not None or self._closed:
             self._fail(fut, self._failure())
         elif self._thread is None:
@@ -98,9 +107,9 @@ class Link:
                 self._run(item)
 
     def _run(self, item) -> None:
-        tensor, op, inplace, residual, fut = item
+        collective, fut = item
         try:
-            value = self._allreduce(tensor, op, inplace, residual)
+            value = collective()
         except BaseException as exc:  # noqa: BLE001 -- every failure goes to the waiting Future
             self.failed = exc
             self._fail(fut, exc)
@@ -124,6 +133,16 @@ class Link:
         if inplace:
             return [tensor]
         return torch.from_numpy(out).view(tensor.shape)
+
+    def _reduce_scatter(self, input, output, op):  # noqa: A002
+        w = self.worker
+        x = input.detach().reshape(-1).numpy()  # views: both are contiguous float32 on the CPU
+        before = w.counters()
+        w.reduce_scatter(x, op, out=output.detach().reshape(-1).numpy())
+        c = self.config
+        self.traffic.add_intml(x.size, intml_bytes(x.size, c.codec, c.packet_elements, c.pool_size), before,
+                               w.counters(), reduce_scatter=True)
+        return [output]
 
     def close(self, wait: float | None = None) -> None:
         """Stop the thread once the queued allreduces are done (waiting at most `wait` seconds, default the
@@ -224,10 +243,10 @@ class AggregatorLinked:
         if self.link is not None:
             _LINKS.add(self.link)
 
-    def _to_gloo(self, tensors: Sequence[torch.Tensor], reason: str) -> None:
-        """Count an allreduce that goes to Gloo for `reason`, warning the first time for a reason the user did
-        not choose (``routing``)."""
-        self.traffic.add_gloo(tensors, self.gloo.size(), reason)
+    def _to_gloo(self, tensors: Sequence[torch.Tensor], reason: str, reduce_scatter: bool = False) -> None:
+        """Count an allreduce (or reduce-scatter) that goes to Gloo for `reason`, warning the first time for a
+        reason the user did not choose (``routing``)."""
+        self.traffic.add_gloo(tensors, self.gloo.size(), reason, reduce_scatter)
         if reason not in routing.CHOSEN and reason not in self._warned:
             self._warned.add(reason)
             warnings.warn(routing.warning_text(reason, sum(t.numel() for t in tensors)),

@@ -24,6 +24,7 @@ DTYPE = "dtype"  # not float32
 DEVICE = "device"  # not on the CPU
 LAYOUT = "layout"  # not contiguous
 COALESCED = "coalesced"  # several tensors in one call
+SHAPE = "shape"  # reduce-scatter: the input is not world size times the output
 
 CHOSEN = frozenset({FALLBACK, WARMUP, SMALL})  # configured by the user: no warning
 
@@ -33,6 +34,7 @@ WHY = {
     DEVICE: "intml takes CPU tensors only",
     LAYOUT: "the tensor is not contiguous",
     COALESCED: "intml takes one tensor per allreduce",
+    SHAPE: "a reduce-scatter's input must hold world size times its output's elements",
 }
 
 
@@ -61,6 +63,16 @@ def backend_route(tensors: Sequence[torch.Tensor], op: str | None, min_elements:
     if len(tensors) != 1:
         return COALESCED
     return unsupported(tensors[0])
+
+
+def scatter_route(output: torch.Tensor, input: torch.Tensor, op: str | None, min_elements: int,  # noqa: A002
+                  world_size: int) -> str | None:
+    """As backend_route, for a reduce-scatter of `input` into `output` (``reduce_scatter_tensor``): both tensors
+    must be ones intml can take, the input world_size times the output."""
+    reason = backend_route([input], op, min_elements) or unsupported(output)
+    if reason is None and input.numel() != world_size * output.numel():
+        return SHAPE
+    return reason
 
 
 def warning_text(reason: str, elements: int) -> str:
