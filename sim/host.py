@@ -15,7 +15,7 @@ from intml.protocol.packet import HDR, O_TYPE
 from intml.protocol.wire import MsgType
 from intml.sim.costs import HostCosts
 from intml.sim.engine import Datagram, Simulator
-from intml.sim.network import Link, Processor, elements_of, fill
+from intml.sim.network import Link, Processor, elements_of, fill, owned
 from intml.worker.engine import StreamEngine
 from intml.worker.session import CoreJoined, JobJoined, WorkerSession
 
@@ -70,10 +70,10 @@ class WorkerHost:
         for item in items:
             if item == TIMER:
                 if engine is not None and (t := engine.get_timer()) is not None and t <= now:
-                    out += engine.handle_timer(now).datagrams()
+                    out += owned(engine.handle_timer(now))
             elif item[0] == "start":
                 self.running = True
-                out += engine.start(item[1], now, item[2]).datagrams()
+                out += owned(engine.start(item[1], now, item[2]))
             elif item[0][O_TYPE] == MsgType.RESULT:
                 if engine is not None:
                     results.append((item[0], item[1]))
@@ -85,14 +85,14 @@ class WorkerHost:
                 rx = self._rx = Burst.rows_of(max(256, 2 * len(results)), max(HDR, engine.max_datagram))
             fill(rx, results)
             cost += c.io * len(results) + c.decode * elements_of([p for p, _ in results], self.width)
-            out += engine.receive(rx, now).datagrams()
+            out += owned(engine.receive(rx, now))
         if out:
             cost += c.io * len(out) + c.encode * elements_of([p for p, _ in out], self.width)
         joined = self._poll_session()
 
         def then(done: float) -> None:
-            for payload, dst in out:
-                self.uplink.send((payload, self.addr, dst), done)
+            addr = self.addr
+            self.uplink.send_many([(payload, addr, dst) for payload, dst in out], done)
             self._send_control(done)
             if joined:
                 self.on_joined(self)

@@ -17,7 +17,7 @@ needs only that small interface. Multicast groups replicate a datagram to every 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -62,27 +62,105 @@ class Link:
     def send(self, datagram: Datagram, now: float) -> None:
         """Queue ``datagram`` at time ``now``: dropped if too big or the queue is full, else serialised after
         the queue, then lost with probability ``loss``, else delivered after the propagation delay."""
-        size = len(datagram[0])
-        if size + IP_UDP > self.mtu:
-            self.stats.too_big += 1
+        self.send_many((datagram,), now)
+
+    def send_many(self, datagrams: Sequence[Datagram], now: float) -> None:
+        """``send`` each of ``datagrams`` at ``now``, in order (a host's burst), in one call."""
+        mtu, overhead, byte_time, queue_bytes, ecn_bytes = (self.mtu, self.overhead, self.byte_time,
+                                                            self.queue_bytes, self.ecn_bytes)
+        loss, draw, stats = self.loss, self.random.random, self.stats
+        busy, sent, wire_bytes = self.busy_until, 0, 0
+        times, passed = [], []
+        for datagram in datagrams:
+            size = len(datagram[0])
+            if size + IP_UDP > mtu:
+                stats.too_big += 1
+                continue
+            wire = size + overhead
+            start = now
+            if busy > now:
+                backlog = (busy - now) / byte_time
+                if backlog + wire > queue_bytes:
+                    stats.queue_drops += 1
+                    continue
+                if ecn_bytes is not None and backlog > ecn_bytes:
+                    stats.ecn_marked += 1
+                start = busy
+            busy = start + wire * byte_time
+            sent += 1
+            wire_bytes += wire
+            if loss and draw() < loss:
+                stats.lost += 1
+                continue
+            times.append(busy + self.delay)
+            passed.append(datagram)
+        self.busy_until = busy
+        self.sent += sent
+        self.bytes += wire_bytes
+        if passed:
+            self.sim.deliver_train(times, self.node, passed)
+
+
+def fan_out(sim: Simulator, links: list[Link], datagram: Datagram, now: float) -> None:
+    """``link.send(datagram, now)`` on every link of ``links``, in order, with the same outcome; a multicast
+    result's replication. When the links share their parameters and are equally busy (a switch's ports to the
+    members of a job, in step), the queue and serialisation are computed once and the arrivals are one call to
+    ``sim.deliver_all``; each link still draws its own loss."""
+    first = links[0]
+    busy = first.busy_until
+    params = (first.byte_time, first.delay, first.mtu, first.queue_bytes, first.ecn_bytes, first.overhead,
+              first.loss)
+    for link in links:
+        if link.busy_until != busy or (link.byte_time, link.delay, link.mtu, link.queue_bytes, link.ecn_bytes,
+                                       link.overhead, link.loss) != params:
+            for each in links:
+                each.send(datagram, now)
             return
-        wire = size + self.overhead
-        busy = self.busy_until
-        if busy > now:
-            backlog = (busy - now) / self.byte_time
-            if backlog + wire > self.queue_bytes:
-                self.stats.queue_drops += 1
-                return
-            if self.ecn_bytes is not None and backlog > self.ecn_bytes:
-                self.stats.ecn_marked += 1
-            now = busy
-        self.busy_until = busy = now + wire * self.byte_time
-        self.sent += 1
-        self.bytes += wire
-        if self.loss and self.random.random() < self.loss:
-            self.stats.lost += 1
+    size = len(datagram[0])
+    if size + IP_UDP > first.mtu:
+        for link in links:
+            link.stats.too_big += 1
+        return
+    wire = size + first.overhead
+    if busy > now:
+        backlog = (busy - now) / first.byte_time
+        if backlog + wire > first.queue_bytes:
+            for link in links:
+                link.stats.queue_drops += 1
             return
-        self.sim.deliver(busy + self.delay, self.node, datagram)
+        if first.ecn_bytes is not None and backlog > first.ecn_bytes:
+            for link in links:
+                link.stats.ecn_marked += 1
+        now = busy
+    busy = now + wire * first.byte_time
+    loss = first.loss
+    nodes = []
+    for link in links:
+        link.busy_until = busy
+        link.sent += 1
+        link.bytes += wire
+        if loss and link.random.random() < loss:
+            link.stats.lost += 1
+        else:
+            nodes.append(link.node)
+    sim.deliver_all(busy + first.delay, nodes, datagram)
+
+
+def owned(burst: Burst) -> list[tuple[bytes, int]]:
+    """``burst.datagrams()``: owned (bytes, address) pairs of its first ``count`` datagrams, in order, with its
+    bounds check, but with the descriptors read as Python lists at once (the simulator's hot path; numpy scalar
+    conversions per datagram cost more than the copies)."""
+    k = burst.count
+    if k == 0:
+        return []
+    flat = burst.memory.reshape(-1).view(np.uint8)
+    starts = burst.ptr[:k].astype(np.int64) - burst.memory.ctypes.data
+    sizes = burst.length[:k].astype(np.int64)
+    if (starts < 0).any() or (starts + sizes > flat.size).any():
+        raise ValueError("a datagram points outside its burst's memory")
+    view = memoryview(flat)
+    return [(view[a:a + n].tobytes(), addr)
+            for a, n, addr in zip(starts.tolist(), sizes.tolist(), burst.addr[:k].tolist())]
 
 
 class Processor:
@@ -174,9 +252,12 @@ class CoreAggregator:
         self._rx = [Burst.rows_of(256, width) for _ in cores]
 
     def receive(self, datagrams: list[Datagram], now: float) -> list[Datagram]:
-        by_core: dict[int, list[tuple[bytes, int]]] = {}
-        for payload, src, dst in datagrams:
-            by_core.setdefault(self.index[dst], []).append((payload, src))
+        if len(self.cores) == 1:
+            by_core = {0: [(payload, src) for payload, src, _ in datagrams]}
+        else:
+            by_core: dict[int, list[tuple[bytes, int]]] = {}
+            for payload, src, dst in datagrams:
+                by_core.setdefault(self.index[dst], []).append((payload, src))
         out: list[Datagram] = []
         for i in sorted(by_core):
             got = by_core[i]
@@ -185,7 +266,7 @@ class CoreAggregator:
                 rx = self._rx[i] = Burst.rows_of(2 * len(got), self.width)
             fill(rx, got)
             core, addr = self.cores[i], self.addrs[i]
-            out += [(p, addr, dst) for p, dst in core.receive(rx, now).datagrams()]
+            out += [(p, addr, dst) for p, dst in owned(core.receive(rx, now))]
             out += [(p, addr, dst) for p, dst in core.take_replies()]
         return out
 
@@ -211,6 +292,7 @@ class Switch:
         self.sim, self.aggregator, self.costs = sim, aggregator, costs
         self.ports: dict[int, Link] = {}
         self.groups: dict[int, list[int]] = {}
+        self._fan: dict[int, tuple[list[int], list[Link]]] = {}
         self.agg_addrs = set(aggregator.addrs)
         self.stray = 0
         self.cpu = Processor(sim, self._aggregate, merge=not costs.pipeline)
@@ -246,7 +328,10 @@ class Switch:
         if link is not None:
             link.send(datagram, at)
         elif dst in self.groups:
-            for member in self.groups[dst]:
-                self.ports[member].send(datagram, at)
+            members = self.groups[dst]
+            cached = self._fan.get(dst)
+            if cached is None or cached[0] is not members:  # the member ports, looked up once per group
+                cached = self._fan[dst] = (members, [self.ports[m] for m in members])
+            fan_out(self.sim, cached[1], datagram, at)
         else:
             self.stray += 1
