@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from intml.sim import output, scenario
@@ -23,7 +24,8 @@ def _emit(meta: dict, got: list[dict], args: argparse.Namespace, columns: tuple[
         if "scenario" in meta:
             print(f"{meta['scenario']}  (hash {meta['scenario_hash']}, seeds {meta['seeds']}, {meta['code_version']})")
         else:
-            print(f"intml-sim {meta['code_version']}")
+            load = f"  (load average {' '.join(f'{x:.2f}' for x in meta['load_average'])})" if "load_average" in meta else ""
+            print(f"intml-sim {meta['code_version']}{load}")
         print(output.table(got, columns))
 
 
@@ -69,8 +71,8 @@ def cmd_train(args: argparse.Namespace) -> None:
 def cmd_bench(args: argparse.Namespace) -> None:
     from intml.sim import bench
     got = [bench.engine_alone(args.workers), bench.real_cores(args.workers, args.elements)]
-    _emit({"code_version": output.code_version()}, got, args, ("what", "packet_events", "loop_s", "events_per_s",
-                                                                "virtual_s"))
+    _emit({"code_version": output.code_version(), "load_average": os.getloadavg()}, got, args,
+          ("what", "packet_events", "loop_s", "cpu_s", "events_per_s", "events_per_cpu_s", "virtual_s"))
 
 
 def main(argv: list[str] | None = None) -> int:

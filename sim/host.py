@@ -15,7 +15,7 @@ from intml.protocol.packet import HDR, O_TYPE
 from intml.protocol.wire import MsgType
 from intml.sim.costs import HostCosts
 from intml.sim.engine import Datagram, Simulator
-from intml.sim.network import Link, Processor, elements_of, fill, owned
+from intml.sim.network import Copier, Link, Processor, Receiver, elements_of
 from intml.worker.engine import StreamEngine
 from intml.worker.session import CoreJoined, JobJoined, WorkerSession
 
@@ -42,7 +42,8 @@ class WorkerHost:
         self.engine: StreamEngine | None = None
         self.on_joined, self.on_done = on_joined, on_done
         self.cpu = Processor(sim, self._work)
-        self._rx: Burst | None = None
+        self._rx: Receiver | None = None
+        self._copy = Copier()
         self._timer_at: float | None = None
         self.running = False
         self.width = codecs.BY_ID[params.codec].WIDTH
@@ -70,22 +71,20 @@ class WorkerHost:
         for item in items:
             if item == TIMER:
                 if engine is not None and (t := engine.get_timer()) is not None and t <= now:
-                    out += owned(engine.handle_timer(now))
+                    out += self._copy(engine.handle_timer(now))
             elif item[0] == "start":
                 self.running = True
-                out += owned(engine.start(item[1], now, item[2]))
+                out += self._copy(engine.start(item[1], now, item[2]))
             elif item[0][O_TYPE] == MsgType.RESULT:
                 if engine is not None:
                     results.append((item[0], item[1]))
             else:
                 self.session.receive(item[0], item[1], now)
         if results:
-            rx = self._rx
-            if rx is None or rx.rows < len(results):
-                rx = self._rx = Burst.rows_of(max(256, 2 * len(results)), max(HDR, engine.max_datagram))
-            fill(rx, results)
+            if self._rx is None:
+                self._rx = Receiver(max(HDR, engine.max_datagram))
             cost += c.io * len(results) + c.decode * elements_of([p for p, _ in results], self.width)
-            out += owned(engine.receive(rx, now))
+            out += self._copy(engine.receive(self._rx.fill(results), now))
         if out:
             cost += c.io * len(out) + c.encode * elements_of([p for p, _ in out], self.width)
         joined = self._poll_session()

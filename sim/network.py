@@ -146,21 +146,65 @@ def fan_out(sim: Simulator, links: list[Link], datagram: Datagram, now: float) -
     sim.deliver_all(busy + first.delay, nodes, datagram)
 
 
-def owned(burst: Burst) -> list[tuple[bytes, int]]:
-    """``burst.datagrams()``: owned (bytes, address) pairs of its first ``count`` datagrams, in order, with its
-    bounds check, but with the descriptors read as Python lists at once (the simulator's hot path; numpy scalar
-    conversions per datagram cost more than the copies)."""
-    k = burst.count
-    if k == 0:
-        return []
-    flat = burst.memory.reshape(-1).view(np.uint8)
-    starts = burst.ptr[:k].astype(np.int64) - burst.memory.ctypes.data
-    sizes = burst.length[:k].astype(np.int64)
-    if (starts < 0).any() or (starts + sizes > flat.size).any():
-        raise ValueError("a datagram points outside its burst's memory")
-    view = memoryview(flat)
-    return [(view[a:a + n].tobytes(), addr)
-            for a, n, addr in zip(starts.tolist(), sizes.tolist(), burst.addr[:k].tolist())]
+class Copier:
+    """``burst.datagrams()`` for a core's output bursts: owned (bytes, address) pairs of the first ``count``
+    datagrams, in order, with the same bounds check, but with the descriptors read as lists at once and the memory
+    block's address and view looked up once per block (a core reuses its own; numpy scalar conversions and
+    ``ctypes`` per call cost more than the copies on the simulator's hot path)."""
+
+    def __init__(self) -> None:
+        self._memory: np.ndarray | None = None
+        self._base = self._end = 0
+        self._view = memoryview(b"")
+
+    def __call__(self, burst: Burst) -> list[tuple[bytes, int]]:
+        k = burst.count
+        if k == 0:
+            return []
+        if burst.memory is not self._memory:
+            memory = self._memory = burst.memory
+            flat = memory.reshape(-1).view(np.uint8)
+            self._base, self._end, self._view = memory.ctypes.data, flat.size, memoryview(flat)
+        base, end, view = self._base, self._end, self._view
+        out = []
+        for ptr, size, addr in zip(burst.ptr[:k].tolist(), burst.length[:k].tolist(), burst.addr[:k].tolist()):
+            start = ptr - base
+            if start < 0 or start + size > end:
+                raise ValueError("a datagram points outside its burst's memory")
+            out.append((view[start:start + size].tobytes(), addr))
+        return out
+
+
+class Receiver:
+    """Receive bursts for a core: ``fill`` puts datagrams into a burst's own rows, as ``Burst.fill`` does (the
+    same rows, lengths and addresses). Datagrams of one length (a burst of data packets or of results) go into a
+    burst whose rows are exactly that long, in one copy; any other mix through ``Burst.fill``."""
+
+    def __init__(self, width: int) -> None:
+        """``width``: the longest datagram a row holds (longer ones are truncated, as a socket's rows do)."""
+        self.width = width
+        self._exact: dict[int, tuple[Burst, memoryview]] = {}
+        self._any = Burst.rows_of(256, width)
+
+    def fill(self, datagrams: list[tuple[bytes, int]]) -> Burst:
+        k = len(datagrams)
+        payloads = [p for p, _ in datagrams]
+        size = max(map(len, payloads))
+        if size <= self.width and min(map(len, payloads)) == size:
+            entry = self._exact.get(size)
+            if entry is None or entry[0].rows < k:
+                burst = Burst.rows_of(max(256, 2 * k), size)
+                entry = self._exact[size] = (burst, memoryview(burst.data.reshape(-1)))
+            rx, view = entry
+            view[:k * size] = b"".join(payloads)
+            rx.length[:k] = size
+            rx.addr[:k] = [a for _, a in datagrams]
+            rx.count = k
+            return rx
+        if self._any.rows < k:
+            self._any = Burst.rows_of(2 * k, self.width)
+        self._any.fill(datagrams)
+        return self._any
 
 
 class Processor:
@@ -225,21 +269,6 @@ def elements_of(payloads: list[bytes], width: int) -> int:
     return (sum(map(len, payloads)) - HDR * len(payloads)) // width
 
 
-def fill(rx: Burst, datagrams: list[tuple[bytes, int]]) -> Burst:
-    """``rx.fill(datagrams)``, in one copy when every datagram has the same length (a burst of results)."""
-    k = len(datagrams)
-    payloads = [p for p, _ in datagrams]
-    size = max(map(len, payloads))
-    if size <= rx.data.shape[1] and min(map(len, payloads)) == size:
-        rx.data[:k, :size] = np.frombuffer(b"".join(payloads), np.uint8).reshape(k, size)
-        rx.length[:k] = size
-        rx.addr[:k] = [a for _, a in datagrams]
-        rx.count = k
-    else:
-        rx.fill(datagrams)
-    return rx
-
-
 class CoreAggregator:
     """The real ``AggregatorCore``s of one aggregator: core i listens on ``addrs[i]``."""
 
@@ -249,7 +278,8 @@ class CoreAggregator:
         self.element_width = element_width
         self.index = {a: i for i, a in enumerate(addrs)}
         self.width = width
-        self._rx = [Burst.rows_of(256, width) for _ in cores]
+        self._rx = [Receiver(width) for _ in cores]
+        self._copy = [Copier() for _ in cores]
 
     def receive(self, datagrams: list[Datagram], now: float) -> list[Datagram]:
         if len(self.cores) == 1:
@@ -260,13 +290,8 @@ class CoreAggregator:
                 by_core.setdefault(self.index[dst], []).append((payload, src))
         out: list[Datagram] = []
         for i in sorted(by_core):
-            got = by_core[i]
-            rx = self._rx[i]
-            if len(got) > rx.rows:
-                rx = self._rx[i] = Burst.rows_of(2 * len(got), self.width)
-            fill(rx, got)
             core, addr = self.cores[i], self.addrs[i]
-            out += [(p, addr, dst) for p, dst in owned(core.receive(rx, now))]
+            out += [(p, addr, dst) for p, dst in self._copy[i](core.receive(self._rx[i].fill(by_core[i]), now))]
             out += [(p, addr, dst) for p, dst in core.take_replies()]
         return out
 
