@@ -7,6 +7,7 @@ import os
 import sys
 
 from intml.sim import output, scenario
+from intml.sim.costs import TESTBED_CPUS
 from intml.sim.run import COLUMNS, Progress, rows
 
 
@@ -46,7 +47,7 @@ def cmd_run(args: argparse.Namespace) -> None:
 
 def cmd_validate(args: argparse.Namespace) -> None:
     from intml.sim import validate
-    got = validate.compare(validate.load(args.testbed), progress=Progress())
+    got = validate.compare(validate.load(args.testbed), progress=Progress(), cpus=args.cpus)
     meta = {"testbed": args.testbed, "code_version": output.code_version(), "calibration": validate.CALIBRATION}
     _emit(meta, got, args, validate.COLUMNS)
     if args.plot:
@@ -104,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     sw.set_defaults(fn=cmd_run)
     v = sub.add_parser("validate", help="replay `intml-testbed bench cluster --json` points and compare")
     v.add_argument("testbed", help="the testbed's JSON output")
+    v.add_argument("--cpus", type=int, default=TESTBED_CPUS, help="CPUs of the machine every rank, the aggregator and the "
+                   "kernel's forwarding share (the testbed's VM: 2); 0: every host its own CPU")
     outputs(v)
     v.set_defaults(fn=cmd_validate)
     lo = sub.add_parser("loss", help="slot completion times under loss at scale (p50, p99)")

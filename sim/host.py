@@ -15,7 +15,7 @@ from intml.protocol.packet import HDR, O_TYPE
 from intml.protocol.wire import MsgType
 from intml.sim.costs import HostCosts
 from intml.sim.engine import Datagram, Simulator
-from intml.sim.network import Copier, Link, Processor, Receiver, elements_of
+from intml.sim.network import Copier, Link, Machine, Processor, Receiver, elements_of
 from intml.worker.engine import StreamEngine
 from intml.worker.session import CoreJoined, JobJoined, WorkerSession
 
@@ -32,7 +32,9 @@ class WorkerHost:
 
     def __init__(self, sim: Simulator, *, rank: int, addr: int, job: int, params: JobParams, token: str,
                  aggregator: int, costs: HostCosts, timers: WorkerTimers, on_joined: Callable[[WorkerHost], None],
-                 on_done: Callable[[WorkerHost, float], None], nonce_seed: int) -> None:
+                 on_done: Callable[[WorkerHost, float], None], nonce_seed: int,
+                 machine: Machine | None = None) -> None:
+        """``machine``: the rank's process shares that machine's CPUs (None: a CPU of its own)."""
         self.sim, self.rank, self.addr, self.params, self.costs, self.timers = sim, rank, addr, params, costs, timers
         rng = np.random.default_rng(nonce_seed)  # deterministic client nonces: same scenario, same bytes
         self.session = WorkerSession(job=job, rank=rank, params=params, token=token, aggregator=aggregator,
@@ -41,7 +43,7 @@ class WorkerHost:
         self.uplink: Link | None = None
         self.engine: StreamEngine | None = None
         self.on_joined, self.on_done = on_joined, on_done
-        self.cpu = Processor(sim, self._work)
+        self.cpu = Processor(sim, self._work, machine=machine)
         self._rx: Receiver | None = None
         self._copy = Copier()
         self._timer_at: float | None = None
@@ -86,7 +88,7 @@ class WorkerHost:
             cost += c.io * len(results) + c.decode * elements_of([p for p, _ in results], self.width)
             out += self._copy(engine.receive(self._rx.fill(results), now))
         if out:
-            cost += c.io * len(out) + c.encode * elements_of([p for p, _ in out], self.width)
+            cost += (c.io + c.forward) * len(out) + c.encode * elements_of([p for p, _ in out], self.width)
         joined = self._poll_session()
 
         def then(done: float) -> None:

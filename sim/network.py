@@ -32,6 +32,32 @@ WIRE_OVERHEAD = 42  # IPv4 20 + UDP 8 + Ethernet 14 bytes per datagram
 IP_UDP = 28  # the part of the overhead the MTU counts
 
 
+class Machine:
+    """``cpus`` CPUs shared by every ``Processor`` given it: the netns testbed, whose ranks, aggregator and kernel
+    forwarding all run on one 2-core VM (the kernel's veth/tbf/routing work for a datagram runs in softirq context
+    on the sending CPU: the sender's cost model charges it, ``HostCosts.forward``, ``SwitchCosts.forward``).
+    Work is not preempted: a burst runs on the CPU free first, from when it is free."""
+
+    def __init__(self, cpus: int) -> None:
+        if cpus < 1:
+            raise ValueError(f"a machine needs at least one CPU, got {cpus}")
+        self.free = [0.0] * cpus
+        self.busy = 0.0  # CPU-seconds of work done
+
+    @property
+    def free_at(self) -> float:
+        """When the first CPU is free."""
+        return min(self.free)
+
+    def occupy(self, now: float, cost: float) -> float:
+        """Run ``cost`` seconds of work on the CPU free first, not before ``now``; returns when it is done."""
+        free = self.free
+        i = free.index(min(free))
+        free[i] = done = max(free[i], now) + cost
+        self.busy += cost
+        return done
+
+
 @dataclass
 class LinkStats:
     lost: int = 0
@@ -214,27 +240,38 @@ class Processor:
     output leaves after its own work, not after everything queued behind it."""
 
     def __init__(self, sim: Simulator, handle: Callable[[list, float], tuple[float, Callable[[float], None]]],
-                 merge: bool = True) -> None:
-        self.sim, self.handle, self.merge = sim, handle, merge
+                 merge: bool = True, machine: Machine | None = None) -> None:
+        """``machine``: the processor runs on one of its CPUs when one is free (None: a CPU of its own)."""
+        self.sim, self.handle, self.merge, self.machine = sim, handle, merge, machine
         self.free_at = 0.0
         self.queue: list[list] = []  # bursts waiting, oldest first
         self.scheduled = False
         self.busy = 0.0  # seconds of work done
+
+    def _ready_at(self) -> float:
+        """When it can take its next burst: it is free, and so is a CPU of its machine."""
+        return self.free_at if self.machine is None else max(self.free_at, self.machine.free_at)
 
     def submit(self, items: list, now: float) -> None:
         """``items`` (a list the processor may keep) arrived at ``now``."""
         self.queue.append(items)
         if self.scheduled:
             return
-        if self.free_at <= now:
+        ready = self._ready_at()
+        if ready <= now:
             self._run(now)
         else:
             self.scheduled = True
-            self.sim.at(self.free_at, self._run_scheduled)
+            self.sim.at(ready, self._run_scheduled)
 
     def _run_scheduled(self) -> None:
+        now = self.sim.now
+        ready = self._ready_at()
+        if ready > now:  # the machine's CPUs were taken meanwhile
+            self.sim.at(ready, self._run_scheduled)
+            return
         self.scheduled = False
-        self._run(self.sim.now)
+        self._run(now)
 
     def _run(self, now: float) -> None:
         if self.merge:
@@ -244,11 +281,11 @@ class Processor:
             items = self.queue.pop(0)
         cost, then = self.handle(items, now)
         self.busy += cost
-        self.free_at = now + cost
+        self.free_at = now + cost if self.machine is None else self.machine.occupy(now, cost)
         then(self.free_at)
         if self.queue and not self.scheduled:
             self.scheduled = True
-            self.sim.at(self.free_at, self._run_scheduled)
+            self.sim.at(self._ready_at(), self._run_scheduled)
 
 
 class Aggregator(Protocol):
@@ -308,19 +345,22 @@ class SwitchCosts:
     per_packet: float = 0.0  # seconds per datagram handled by the aggregator
     per_element: float = 0.0  # seconds per element aggregated
     pipeline: bool = True  # a pipeline takes one arrival instant at a time; a CPU (False) all that waited
+    forward: float = 0.0  # seconds per datagram copy sent: the kernel's forwarding (the netns testbed, sim.costs)
 
 
 class Switch:
     """Ports (a downlink per attached address), multicast groups, and an aggregator behind its pipeline."""
 
-    def __init__(self, sim: Simulator, aggregator: Aggregator, costs: SwitchCosts = SwitchCosts()) -> None:
+    def __init__(self, sim: Simulator, aggregator: Aggregator, costs: SwitchCosts = SwitchCosts(),
+                 machine: Machine | None = None) -> None:
+        """``machine``: the aggregator's process shares that machine's CPUs (a software aggregator)."""
         self.sim, self.aggregator, self.costs = sim, aggregator, costs
         self.ports: dict[int, Link] = {}
         self.groups: dict[int, list[int]] = {}
         self._fan: dict[int, tuple[list[int], list[Link]]] = {}
         self.agg_addrs = set(aggregator.addrs)
         self.stray = 0
-        self.cpu = Processor(sim, self._aggregate, merge=not costs.pipeline)
+        self.cpu = Processor(sim, self._aggregate, merge=not costs.pipeline, machine=machine)
 
     def attach(self, addr: int, downlink: Link) -> None:
         self.ports[addr] = downlink
@@ -341,6 +381,9 @@ class Switch:
         cost = c.per_packet * len(datagrams) + (c.per_element * self.aggregator.elements(datagrams)
                                                 if c.per_element else 0.0)
         out = self.aggregator.receive(datagrams, now)
+        if c.forward:  # each copy a multicast group replicates crosses its own veth pair
+            groups = self.groups
+            cost += c.forward * sum(len(groups[d[2]]) if d[2] in groups else 1 for d in out)
 
         def send(done: float) -> None:
             for d in out:

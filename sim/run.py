@@ -28,7 +28,7 @@ def evaluate(point: dict, system: str, mode: str) -> dict:
                                delay=p["delay"], mtu=p["mtu"], queue_bytes=p["queue_bytes"], loss=p["loss"],
                                packet_elements=p["packet_elements"] or None, pool=p["pool"], rounds=p["rounds"],
                                seed=p["seed"], switch=p["switch"], engine=p["engine"], passes=p["passes"],
-                               host_costs=p["host_costs"],
+                               host_costs=p["host_costs"], cpus=p["cpus"],
                                inputs="shared" if p["elements"] * p["workers"] > 50_000_000 else "distinct"))
         t = sorted(r.times)[len(r.times) // 2]
         row.update(method="packet", time_s=t, retransmissions=r.retransmissions, packet_events=r.packet_events,

@@ -7,7 +7,9 @@ cores for intml-cnat8 and switchml-int32; the ring and the parameter server are 
 seconds, one way per link), ``mtu``, ``loss`` (per link direction), ``pool``, ``packet_elements`` (0: the largest
 for the MTU), ``rounds``, ``switch`` ("asic" or "software"), ``engine`` (the switch's data path: "kernel", or "p4model": the P4
 pipeline model, packet by packet), ``passes`` (the ASIC's pipeline passes per aggregated packet; 0: the engine's,
-1 for the kernel and the P4 program's for p4model), ``host_costs``, ``alpha`` (the ring's per-step latency), ``queue_bytes``.
+1 for the kernel and the P4 program's for p4model), ``host_costs``, ``alpha`` (the ring's per-step latency), ``queue_bytes``,
+``cpus`` (packet mode: > 0 puts every rank, a software switch's aggregator and the links' kernel forwarding on
+one machine of that many CPUs, as the netns testbed; 0: every host its own CPU).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ DEFAULTS: dict[str, object] = {
     "name": "scenario", "mode": "analytic", "systems": ["intml-cnat8", "switchml-int32", "gloo-ring"], "seed": 1,
     "workers": 4, "elements": 25_000_000, "rate": "10gbit", "delay": "1us", "mtu": 1500, "loss": 0.0, "pool": 64,
     "packet_elements": 0, "rounds": 1, "switch": "asic", "host_costs": True, "alpha": "20us",
-    "queue_bytes": 1 << 20, "passes": 0, "engine": "kernel",
+    "queue_bytes": 1 << 20, "passes": 0, "engine": "kernel", "cpus": 0,
 }
 SWEEPABLE = set(DEFAULTS) - {"name", "mode", "systems"}
 UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
@@ -120,7 +122,7 @@ def point_params(p: dict) -> dict:
     out["delay"] = parse_time(p["delay"])
     out["alpha"] = parse_time(p["alpha"])
     for key, low in (("workers", 1), ("elements", 1), ("mtu", 68), ("pool", 1), ("rounds", 1),
-                     ("queue_bytes", 1), ("packet_elements", 0), ("seed", 0), ("passes", 0)):
+                     ("queue_bytes", 1), ("packet_elements", 0), ("seed", 0), ("passes", 0), ("cpus", 0)):
         if not isinstance(p[key], int) or isinstance(p[key], bool) or p[key] < low:
             raise ScenarioError(f"{key} must be an integer >= {low}, got {p[key]!r}")
     if p["mtu"] > 65535:

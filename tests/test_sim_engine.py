@@ -141,3 +141,17 @@ def test_fan_out_is_a_send_on_each_link():
     stats = _fan(True)[1]
     assert sum(s.queue_drops for s, *_ in stats) > 0 and sum(s.ecn_marked for s, *_ in stats) > 0
     assert sum(s.lost for s, *_ in stats) > 0
+
+
+def test_a_machine_shares_its_cpus_among_processors():
+    from intml.sim.network import Machine
+    for cpus, done in [(1, [1.0, 2.0, 3.0]), (2, [1.0, 1.0, 2.0]), (3, [1.0, 1.0, 1.0])]:
+        sim, finished = Simulator(), []
+        machine = Machine(cpus)
+
+        def handle(items, now):
+            return 1.0, finished.append
+        for _ in range(3):  # three processors, each given one burst of 1 s at time 0
+            Processor(sim, handle, machine=machine).submit(["x"], 0.0)
+        sim.run()
+        assert sorted(finished) == done and machine.busy == 3.0
