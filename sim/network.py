@@ -351,14 +351,15 @@ class SwitchCosts:
 class Switch:
     """Ports (a downlink per attached address), multicast groups, and an aggregator behind its pipeline."""
 
-    def __init__(self, sim: Simulator, aggregator: Aggregator, costs: SwitchCosts = SwitchCosts(),
+    def __init__(self, sim: Simulator, aggregator: Aggregator | None, costs: SwitchCosts = SwitchCosts(),
                  machine: Machine | None = None) -> None:
-        """``machine``: the aggregator's process shares that machine's CPUs (a software aggregator)."""
+        """``aggregator``: None for a plain switch (TCP baselines); ``machine``: the aggregator's process shares
+        that machine's CPUs (a software aggregator)."""
         self.sim, self.aggregator, self.costs = sim, aggregator, costs
         self.ports: dict[int, Link] = {}
         self.groups: dict[int, list[int]] = {}
         self._fan: dict[int, tuple[list[int], list[Link]]] = {}
-        self.agg_addrs = set(aggregator.addrs)
+        self.agg_addrs = set(aggregator.addrs) if aggregator is not None else set()
         self.stray = 0
         self.cpu = Processor(sim, self._aggregate, merge=not costs.pipeline, machine=machine)
 

@@ -153,8 +153,8 @@ def simulate(run: PacketRun) -> PacketResult:
                        machine=machine)
         link = dict(rate=run.rate, delay=run.delay, mtu=run.mtu, queue_bytes=run.queue_bytes, loss=run.loss,
                     ecn_bytes=run.ecn_bytes)
-        h.uplink = Link(sim, switch, seed=_link_seed(run.seed, r, 0), **link)
-        switch.attach(addr, Link(sim, h, seed=_link_seed(run.seed, r, 1), **link))
+        h.uplink = Link(sim, switch, seed=link_seed(run.seed, r, 0), **link)
+        switch.attach(addr, Link(sim, h, seed=link_seed(run.seed, r, 1), **link))
         hosts.append(h)
     for h in hosts:
         h.connect(0.0)
@@ -180,5 +180,5 @@ def simulate(run: PacketRun) -> PacketResult:
     return result
 
 
-def _link_seed(seed: int, rank: int, direction: int) -> int:
+def link_seed(seed: int, rank: int, direction: int) -> int:
     return (seed * 1_000_003 + rank) * 2 + direction

@@ -2,7 +2,7 @@
 
 Calibrated once (``CALIBRATION``) and not fitted per point: the hosts' and the software aggregator's costs are
 ``sim.costs``'s (from the codec and burst I/O benchmarks); a veth pair plus ``tc tbf`` is modelled as a 20 us
-one-way delay; Gloo's ring is the flow model with a 20 us per-step latency. The testbed runs every rank, the
+one-way delay; Gloo's ring runs over the engine's TCP (``sim.collectives``) with a 20 us per-step latency. The testbed runs every rank, the
 aggregator and the kernel's forwarding on one 2-CPU machine: ``cpus`` (default ``TESTBED_CPUS``) replays it so,
 with ``sim.costs.KERNEL_FORWARD`` per datagram per link direction (0: every host its own CPU, no forwarding). A
 point is called link-bound when the testbed's own ``link_use`` (wire bytes per second over the rate) is at least
@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from intml.sim import models
+from intml.sim.collectives import TcpRun, simulate_tcp
 from intml.sim.costs import KERNEL_FORWARD, TESTBED_CPUS
 from intml.sim.models import largest_packet
 from intml.sim.output import pyplot
@@ -48,9 +48,11 @@ def load(path: str) -> dict:
 def predict(row: dict, pool: int, cpus: int = TESTBED_CPUS) -> tuple[float, str]:
     rate = parse_rate(row["rate"])
     codec = CODECS.get(row["system"])
-    if codec is None:  # gloo ring
-        net = models.Net(row["workers"], rate, CALIBRATION["delay_s"], row["mtu"], CALIBRATION["ring_alpha_s"])
-        return models.ring(net, row["elements"]), "flow model"
+    if codec is None:  # gloo ring, over the engine's TCP
+        r = simulate_tcp(TcpRun(workers=row["workers"], elements=row["elements"], algorithm="ring", rate=rate,
+                                delay=CALIBRATION["delay_s"], mtu=row["mtu"], loss=row.get("loss", 0.0),
+                                alpha=CALIBRATION["ring_alpha_s"]))
+        return r.times[0], "packet (tcp)"
     r = simulate(PacketRun(workers=row["workers"], elements=row["elements"], codec=codec, rate=rate,
                            delay=CALIBRATION["delay_s"], mtu=row["mtu"], loss=row.get("loss", 0.0), pool=pool,
                            switch="software", multicast=row.get("results", "multicast") == "multicast",
