@@ -25,8 +25,9 @@ def _emit(meta: dict, got: list[dict], args: argparse.Namespace, columns: tuple[
         if "scenario" in meta:
             print(f"{meta['scenario']}  (hash {meta['scenario_hash']}, seeds {meta['seeds']}, {meta['code_version']})")
         else:
-            load = f"  (load average {' '.join(f'{x:.2f}' for x in meta['load_average'])})" if "load_average" in meta else ""
-            print(f"intml-sim {meta['code_version']}{load}")
+            load = meta.get("load_average")
+            print(f"intml-sim {meta['code_version']}" + (f"  (load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f})"
+                                                          if load else ""))
         print(output.table(got, columns))
 
 
@@ -105,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     sw.set_defaults(fn=cmd_run)
     v = sub.add_parser("validate", help="replay `intml-testbed bench cluster --json` points and compare")
     v.add_argument("testbed", help="the testbed's JSON output")
-    v.add_argument("--cpus", type=int, default=TESTBED_CPUS, help="CPUs of the machine every rank, the aggregator and the "
-                   "kernel's forwarding share (the testbed's VM: 2); 0: every host its own CPU")
+    v.add_argument("--cpus", type=int, default=TESTBED_CPUS, help="CPUs of the machine every rank, the aggregator "
+                   "and the kernel's forwarding share (the testbed's VM: 2); 0: every host its own CPU")
     outputs(v)
     v.set_defaults(fn=cmd_validate)
     lo = sub.add_parser("loss", help="slot completion times under loss at scale (p50, p99)")

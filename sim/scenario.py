@@ -2,15 +2,16 @@
 every combination, each point run for every system. ``ScenarioError`` carries a one-line message for the CLI.
 
 Keys (defaults in ``DEFAULTS``): ``name``, ``mode`` ("analytic" or "packet": the packet-level engine with the real
-cores for intml-cnat8 and switchml-int32; the ring and the parameter server are flow models unless ``baselines = "packet"``),
-``systems``, ``seed``, ``workers``, ``elements``, ``rate`` ("10gbit", "100mbit" or bit/s), ``delay`` ("1us" or
-seconds, one way per link), ``mtu``, ``loss`` (per link direction), ``pool``, ``packet_elements`` (0: the largest
-for the MTU), ``rounds``, ``switch`` ("asic" or "software"), ``engine`` (the switch's data path: "kernel", or "p4model": the P4
-pipeline model, packet by packet), ``passes`` (the ASIC's pipeline passes per aggregated packet; 0: the engine's,
-1 for the kernel and the P4 program's for p4model), ``host_costs``, ``alpha`` (the ring's per-step latency), ``queue_bytes``,
-``cpus`` (packet mode: > 0 puts every rank, a software switch's aggregator and the links' kernel forwarding on
-one machine of that many CPUs, as the netns testbed; 0: every host its own CPU), ``baselines`` ("flow": the ring
-and the parameter server as flow models; "packet": in packet mode, over the engine's TCP, ``sim.collectives``).
+cores for intml-cnat8 and switchml-int32; the ring and the parameter server are flow models unless ``baselines =
+"packet"``), ``systems``, ``seed``, ``workers``, ``elements``, ``rate`` ("10gbit", "100mbit" or bit/s), ``delay``
+("1us" or seconds, one way per link), ``mtu``, ``loss`` (per link direction), ``pool``, ``packet_elements`` (0: the
+largest for the MTU), ``rounds``, ``switch`` ("asic" or "software"), ``engine`` (the switch's data path: "kernel",
+or "p4model": the P4 pipeline model, packet by packet), ``passes`` (the ASIC's pipeline passes per aggregated
+packet; 0: the engine's, 1 for the kernel and the P4 program's for p4model), ``host_costs``, ``alpha`` (the ring's
+per-step latency), ``queue_bytes``, ``cpus`` (packet mode: > 0 puts every rank and a software switch's aggregator on
+one machine of that many CPUs, each sender paying the kernel's forwarding, as the netns testbed; 0: every host its
+own CPU), ``baselines`` ("flow": the ring and the parameter server as flow models; "packet": in packet mode, over
+the engine's TCP, ``sim.collectives``).
 """
 
 from __future__ import annotations

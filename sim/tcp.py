@@ -5,14 +5,16 @@ Reno-style congestion control (RFC 5681) with NewReno's partial acknowledgements
 * an initial window of ``INITIAL_WINDOW`` segments (Linux's IW10), slow start until ``ssthresh``, then congestion
   avoidance (one MSS per window of acknowledged data);
 * fast retransmit on the third duplicate acknowledgement, fast recovery (ssthresh = flight / 2, the window
-  inflated by each duplicate), a partial acknowledgement retransmitting the next hole;
+  inflated by each duplicate), a partial acknowledgement retransmitting the next hole; Limited Transmit (RFC
+  3042: a new segment on each of the first two duplicates);
 * a retransmission timer per flow (RFC 6298: smoothed RTT and variance, exponential backoff), at least
   ``MIN_RTO`` = 200 ms (Linux's TCP_RTO_MIN) and 1 s before the first sample; on expiry the window falls to one
   segment and the flow goes back to its first unacknowledged byte. RTT samples come from timestamps (RFC 7323,
   on in Linux): every acknowledgement of new data echoes the send time of the segment that caused it, so
   retransmissions are timed too and a backed-off timer recovers at the next acknowledgement.
 Not modelled: delayed and selective acknowledgements (the receiver acknowledges every segment cumulatively),
-the receive window (the application reads at once), Nagle, pacing.
+RACK and tail loss probes (Linux has both: a lost tail or a lost retransmission waits for the timer here, so
+under loss this TCP is slower than Linux's), the receive window (the application reads at once), Nagle, pacing.
 
 Sizes: the MSS is the MTU less IPv4 (20) and TCP with timestamps (32) bytes; ``len(segment)`` is its IP payload
 less the 28 bytes ``Link`` adds for IPv4 + UDP, so that a segment of d data bytes takes d + 66 bytes on the wire
@@ -94,11 +96,13 @@ class Flow:
         self._order += 1
 
     # ---- the sender ----------------------------------------------------------------------------------
-    def _push(self, now: float) -> None:
+    def _push(self, now: float, extra: int = 0) -> None:
+        """Send what the window (``cwnd`` + ``extra`` bytes) and the host's queue let out."""
         out = []
         room = self.src.room(now)
-        while self.nxt < self.limit and self.nxt - self.una < self.cwnd:
-            size = min(self.mss, self.limit - self.nxt, max(self.cwnd - (self.nxt - self.una), 0))
+        window = self.cwnd + extra
+        while self.nxt < self.limit and self.nxt - self.una < window:
+            size = min(self.mss, self.limit - self.nxt, max(window - (self.nxt - self.una), 0))
             if size < min(self.mss, self.limit - self.nxt):  # send only whole segments (no silly windows)
                 break
             if room <= 0:  # the host's queue is full: wait in the socket until it drains
@@ -169,7 +173,9 @@ class Flow:
                 self._arm(now)
             elif self.recover is not None:
                 self.cwnd += self.mss
-        self._push(now)
+        # Limited Transmit (RFC 3042): the first two duplicates each let one new segment out beyond the window,
+        # so that a small window still gets its three duplicates
+        self._push(now, self.dupacks * self.mss if self.recover is None and self.dupacks < DUPACKS else 0)
 
     def _sample(self, rtt: float) -> None:
         if self.srtt is None:

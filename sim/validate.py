@@ -2,11 +2,11 @@
 
 Calibrated once (``CALIBRATION``) and not fitted per point: the hosts' and the software aggregator's costs are
 ``sim.costs``'s (from the codec and burst I/O benchmarks); a veth pair plus ``tc tbf`` is modelled as a 20 us
-one-way delay; Gloo's ring runs over the engine's TCP (``sim.collectives``) with a 20 us per-step latency. The testbed runs every rank, the
-aggregator and the kernel's forwarding on one 2-CPU machine: ``cpus`` (default ``TESTBED_CPUS``) replays it so,
-with ``sim.costs.KERNEL_FORWARD`` per datagram per link direction (0: every host its own CPU, no forwarding). A
-point is called link-bound when the testbed's own ``link_use`` (wire bytes per second over the rate) is at least
-0.85; the 10% target applies to those.
+one-way delay; Gloo's ring runs over the engine's TCP (``sim.collectives``) with a 20 us per-step latency. The
+testbed runs every rank, the aggregator and the kernel's forwarding on one 2-CPU machine: ``cpus`` (default
+``TESTBED_CPUS``) replays it so, each sender paying ``sim.costs.KERNEL_FORWARD`` per datagram copy (0: every host
+its own CPU, no forwarding). A point is called link-bound when the testbed's own ``link_use`` (wire bytes per
+second over the rate) is at least 0.85; the 10% target applies to those.
 
 ``implied_rtt_ms`` (intml rows): the round trip at which the pool alone would give the measured time (pool x time
 / chunks per rank): a window-bound allreduce moves ``pool`` datagrams per round trip. Where it is far above the

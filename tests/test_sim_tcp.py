@@ -32,7 +32,7 @@ class DropOnce(Link):
         super().send_many(keep, now)
 
 
-def _one_flow(nbytes, rate=1e9, delay=10e-6, drop=()):
+def _one_flow(nbytes, rate=1e9, delay=10e-6, drop=(), cwnd=None):
     sim = Simulator()
     switch = Switch(sim, None, ASIC)
     a, b = TcpHost(sim, 1), TcpHost(sim, 2)
@@ -41,6 +41,8 @@ def _one_flow(nbytes, rate=1e9, delay=10e-6, drop=()):
     switch.attach(1, Link(sim, a, rate=rate, delay=delay))
     switch.attach(2, DropOnce(sim, b, rate=rate, delay=delay, drop=set(drop)))
     flow = Network(sim, switch, [a, b], 1500).flow(0, 1)
+    if cwnd is not None:
+        flow.cwnd = cwnd
     done = []
     flow.write(nbytes, 0.0)
     flow.when_received(nbytes, done.append)
@@ -64,6 +66,10 @@ def test_a_lost_segment_is_fast_retransmitted_and_the_last_waits_for_the_timer()
     flow, t = _one_flow(40 * seg, drop={5 * seg})
     assert flow.retransmits == 1 and flow.timeouts == 0 and t < 0.01
     assert flow.recover is None and flow.cwnd >= flow.ssthresh  # fast recovery ended on the full acknowledgement
+    # a window of three: the loss of the first leaves two duplicates, and Limited Transmit's two new segments
+    # bring the third: fast retransmit, not the timer
+    flow, t = _one_flow(20 * seg, drop={0}, cwnd=3 * seg)
+    assert flow.retransmits == 1 and flow.timeouts == 0 and t < 0.01
     # the last segment lost: no later segment to make duplicate acknowledgements, so the timer (at least
     # MIN_RTO) resends it
     flow, t = _one_flow(10 * seg, drop={9 * seg})
