@@ -71,9 +71,11 @@ class Simulator:
                 entry.append(datagram)
 
     def _arrive(self, time: float) -> None:
+        count = 0
         for node, datagrams in self._arrivals.pop(time).items():
-            self.packet_events += len(datagrams)
+            count += len(datagrams)
             node.arrive(datagrams, time)
+        self.packet_events += count
 
     def run(self, until: float = float("inf"), stop: Callable[[], bool] | None = None) -> None:
         """Run events in order until the heap is empty, the next event is after ``until``, or ``stop()``."""
