@@ -190,8 +190,10 @@ class Flow:
         end = seq + size
         if seq <= self.rcv_nxt < end:
             self.rcv_nxt = end
-            while self.rcv_nxt in self.ooo:
-                self.rcv_nxt = self.ooo.pop(self.rcv_nxt)
+            # absorb what was held beyond the hole (a resent segment may end inside a held one: segment
+            # boundaries move when a flow goes back and its data has grown since)
+            while self.ooo and (joined := [s for s in self.ooo if s <= self.rcv_nxt]):
+                self.rcv_nxt = max(self.rcv_nxt, *(self.ooo.pop(s) for s in joined))
         elif seq > self.rcv_nxt:
             self.ooo[seq] = max(end, self.ooo.get(seq, 0))
         self.dst.send([(Segment(self.id, 0, 0, self.rcv_nxt, ts), self.dst.addr, self.src.addr)], now)

@@ -117,3 +117,20 @@ def test_tcp_run_refuses_bad_input():
         TcpRun(workers=1)
     assert TcpRun(algorithm="ps-dedicated", workers=8).servers == 2
     assert WIRE_OVERHEAD + 24 == 66  # a segment's len() adds the TCP header beyond what Link counts
+
+
+def test_the_receiver_joins_held_data_across_moved_segment_boundaries():
+    sim = Simulator()
+    switch = Switch(sim, None, ASIC)
+    a, b = TcpHost(sim, 1), TcpHost(sim, 2)
+    for h in (a, b):
+        h.uplink = Link(sim, switch, rate=1e9, delay=0.0)
+        switch.attach(h.addr, Link(sim, h, rate=1e9, delay=0.0))
+    flow = Network(sim, switch, [a, b], 1500).flow(0, 1)
+    flow.on_data(1000, 500, 0.0, 0.0)  # held beyond a hole at 0
+    flow.on_data(2000, 100, 0.0, 0.0)
+    assert flow.rcv_nxt == 0
+    flow.on_data(0, 1200, 0.0, 0.0)  # a resent segment ending inside the held one
+    assert flow.rcv_nxt == 1500 and set(flow.ooo) == {2000}
+    flow.on_data(1500, 500, 0.0, 0.0)
+    assert flow.rcv_nxt == 2100 and not flow.ooo
