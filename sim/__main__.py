@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from intml.protocol.cli import (INTERRUPTED, OneLineParser, count, fraction, input_file, output_file, parsed_by,
                                 positive)
 from intml.protocol.job import MAX_WORLD
 from intml.sim import output, scenario
+from intml.sim.costs import TESTBED_CPUS
 from intml.sim.run import COLUMNS, Progress, rows
 
 
@@ -26,7 +28,9 @@ def _emit(meta: dict, got: list[dict], args: argparse.Namespace, columns: tuple[
         if "scenario" in meta:
             print(f"{meta['scenario']}  (hash {meta['scenario_hash']}, seeds {meta['seeds']}, {meta['code_version']})")
         else:
-            print(f"intml-sim {meta['code_version']}")
+            load = meta.get("load_average")
+            print(f"intml-sim {meta['code_version']}" + (f"  (load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f})"
+                                                          if load else ""))
         print(output.table(got, columns))
 
 
@@ -47,7 +51,7 @@ def cmd_run(args: argparse.Namespace) -> None:
 
 def cmd_validate(args: argparse.Namespace) -> None:
     from intml.sim import validate
-    got = validate.compare(validate.load(args.testbed), progress=Progress())
+    got = validate.compare(validate.load(args.testbed), progress=Progress(), cpus=args.cpus)
     meta = {"testbed": args.testbed, "code_version": output.code_version(), "calibration": validate.CALIBRATION}
     _emit(meta, got, args, validate.COLUMNS)
     if args.plot:
@@ -72,8 +76,8 @@ def cmd_train(args: argparse.Namespace) -> None:
 def cmd_bench(args: argparse.Namespace) -> None:
     from intml.sim import bench
     got = [bench.engine_alone(args.workers), bench.real_cores(args.workers, args.elements)]
-    _emit({"code_version": output.code_version()}, got, args, ("what", "packet_events", "loop_s", "events_per_s",
-                                                                "virtual_s"))
+    _emit({"code_version": output.code_version(), "load_average": os.getloadavg()}, got, args,
+          ("what", "packet_events", "loop_s", "cpu_s", "events_per_s", "events_per_cpu_s", "virtual_s"))
 
 
 def build_parser() -> OneLineParser:
@@ -107,6 +111,8 @@ def build_parser() -> OneLineParser:
     sw.set_defaults(fn=cmd_run)
     v = sub.add_parser("validate", help="replay `intml-testbed bench cluster --json` points and compare")
     v.add_argument("testbed", type=input_file, help="the testbed's JSON output")
+    v.add_argument("--cpus", type=count(0), default=TESTBED_CPUS, help="CPUs of the machine every rank, the "
+                   "aggregator and the kernel's forwarding share (the testbed's VM: 2); 0: every host its own CPU")
     outputs(v)
     v.set_defaults(fn=cmd_validate)
     lo = sub.add_parser("loss", help="slot completion times under loss at scale (p50, p99)")

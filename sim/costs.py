@@ -22,6 +22,8 @@ from intml.sim.network import SwitchCosts
 
 IO_PER_DATAGRAM = 1.15e-6
 IO_PER_DATAGRAM_GSO = 0.19e-6
+KERNEL_FORWARD = 0.65e-6
+TESTBED_CPUS = 2  # the VM the netns testbed ran on
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,7 @@ class HostCosts:
     encode: float = 0.52e-9
     decode: float = 0.29e-9
     io: float = IO_PER_DATAGRAM
+    forward: float = 0.0  # per datagram sent: the kernel's forwarding in the netns testbed (KERNEL_FORWARD)
 
     def gso(self) -> HostCosts:
         return replace(self, io=IO_PER_DATAGRAM_GSO)

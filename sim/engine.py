@@ -38,20 +38,44 @@ class Simulator:
     def deliver(self, time: float, node: Node, datagram: Datagram) -> None:
         """``datagram`` reaches ``node`` at ``time``; everything reaching one node at one instant arrives as one
         burst, in the order delivered."""
+        self.deliver_train([time], node, [datagram])
+
+    def deliver_train(self, times: list[float], node: Node, datagrams: list[Datagram]) -> None:
+        """``deliver(times[i], node, datagrams[i])`` for each i, in one call (a link's burst)."""
+        arrivals = self._arrivals
+        for time, datagram in zip(times, datagrams):
+            bucket = arrivals.get(time)
+            if bucket is None:
+                bucket = arrivals[time] = {node: [datagram]}
+                self.at(time, self._arrive, time)
+                continue
+            entry = bucket.get(node)
+            if entry is None:
+                bucket[node] = [datagram]
+            else:
+                entry.append(datagram)
+
+    def deliver_all(self, time: float, nodes: list[Node], datagram: Datagram) -> None:
+        """``datagram`` reaches every node of ``nodes`` at ``time`` (a multicast fan-out): the same as ``deliver``
+        to each in turn, in one call."""
         bucket = self._arrivals.get(time)
         if bucket is None:
             bucket = self._arrivals[time] = {}
             self.at(time, self._arrive, time)
-        entry = bucket.get(node)
-        if entry is None:
-            bucket[node] = [datagram]
-        else:
-            entry.append(datagram)
+        get = bucket.get
+        for node in nodes:
+            entry = get(node)
+            if entry is None:
+                bucket[node] = [datagram]
+            else:
+                entry.append(datagram)
 
     def _arrive(self, time: float) -> None:
+        count = 0
         for node, datagrams in self._arrivals.pop(time).items():
-            self.packet_events += len(datagrams)
+            count += len(datagrams)
             node.arrive(datagrams, time)
+        self.packet_events += count
 
     def run(self, until: float = float("inf"), stop: Callable[[], bool] | None = None) -> None:
         """Run events in order until the heap is empty, the next event is after ``until``, or ``stop()``."""

@@ -15,7 +15,7 @@ from intml.protocol.packet import HDR, O_TYPE
 from intml.protocol.wire import MsgType
 from intml.sim.costs import HostCosts
 from intml.sim.engine import Datagram, Simulator
-from intml.sim.network import Link, Processor, elements_of, fill
+from intml.sim.network import Copier, Link, Machine, Processor, Receiver, elements_of
 from intml.worker.engine import StreamEngine
 from intml.worker.session import CoreJoined, JobJoined, WorkerSession
 
@@ -32,7 +32,9 @@ class WorkerHost:
 
     def __init__(self, sim: Simulator, *, rank: int, addr: int, job: int, params: JobParams, token: str,
                  aggregator: int, costs: HostCosts, timers: WorkerTimers, on_joined: Callable[[WorkerHost], None],
-                 on_done: Callable[[WorkerHost, float], None], nonce_seed: int) -> None:
+                 on_done: Callable[[WorkerHost, float], None], nonce_seed: int,
+                 machine: Machine | None = None) -> None:
+        """``machine``: the rank's process shares that machine's CPUs (None: a CPU of its own)."""
         self.sim, self.rank, self.addr, self.params, self.costs, self.timers = sim, rank, addr, params, costs, timers
         rng = np.random.default_rng(nonce_seed)  # deterministic client nonces: same scenario, same bytes
         self.session = WorkerSession(job=job, rank=rank, params=params, token=token, aggregator=aggregator,
@@ -41,8 +43,9 @@ class WorkerHost:
         self.uplink: Link | None = None
         self.engine: StreamEngine | None = None
         self.on_joined, self.on_done = on_joined, on_done
-        self.cpu = Processor(sim, self._work)
-        self._rx: Burst | None = None
+        self.cpu = Processor(sim, self._work, machine=machine)
+        self._rx: Receiver | None = None
+        self._copy = Copier()
         self._timer_at: float | None = None
         self.running = False
         self.width = codecs.BY_ID[params.codec].WIDTH
@@ -70,29 +73,27 @@ class WorkerHost:
         for item in items:
             if item == TIMER:
                 if engine is not None and (t := engine.get_timer()) is not None and t <= now:
-                    out += engine.handle_timer(now).datagrams()
+                    out += self._copy(engine.handle_timer(now))
             elif item[0] == "start":
                 self.running = True
-                out += engine.start(item[1], now, item[2]).datagrams()
+                out += self._copy(engine.start(item[1], now, item[2]))
             elif item[0][O_TYPE] == MsgType.RESULT:
                 if engine is not None:
                     results.append((item[0], item[1]))
             else:
                 self.session.receive(item[0], item[1], now)
         if results:
-            rx = self._rx
-            if rx is None or rx.rows < len(results):
-                rx = self._rx = Burst.rows_of(max(256, 2 * len(results)), max(HDR, engine.max_datagram))
-            fill(rx, results)
+            if self._rx is None:
+                self._rx = Receiver(max(HDR, engine.max_datagram))
             cost += c.io * len(results) + c.decode * elements_of([p for p, _ in results], self.width)
-            out += engine.receive(rx, now).datagrams()
+            out += self._copy(engine.receive(self._rx.fill(results), now))
         if out:
-            cost += c.io * len(out) + c.encode * elements_of([p for p, _ in out], self.width)
+            cost += (c.io + c.forward) * len(out) + c.encode * elements_of([p for p, _ in out], self.width)
         joined = self._poll_session()
 
         def then(done: float) -> None:
-            for payload, dst in out:
-                self.uplink.send((payload, self.addr, dst), done)
+            addr = self.addr
+            self.uplink.send_many([(payload, addr, dst) for payload, dst in out], done)
             self._send_control(done)
             if joined:
                 self.on_joined(self)

@@ -17,7 +17,7 @@ needs only that small interface. Multicast groups replicate a datagram to every 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -30,6 +30,32 @@ from intml.sim.engine import Datagram, Node, Simulator
 
 WIRE_OVERHEAD = 42  # IPv4 20 + UDP 8 + Ethernet 14 bytes per datagram
 IP_UDP = 28  # the part of the overhead the MTU counts
+
+
+class Machine:
+    """``cpus`` CPUs shared by every ``Processor`` given it: the netns testbed, whose ranks, aggregator and kernel
+    forwarding all run on one 2-core VM (the kernel's veth/tbf/routing work for a datagram runs in softirq context
+    on the sending CPU: the sender's cost model charges it, ``HostCosts.forward``, ``SwitchCosts.forward``).
+    Work is not preempted: a burst runs on the CPU free first, from when it is free."""
+
+    def __init__(self, cpus: int) -> None:
+        if cpus < 1:
+            raise ValueError(f"a machine needs at least one CPU, got {cpus}")
+        self.free = [0.0] * cpus
+        self.busy = 0.0  # CPU-seconds of work done
+
+    @property
+    def free_at(self) -> float:
+        """When the first CPU is free."""
+        return min(self.free)
+
+    def occupy(self, now: float, cost: float) -> float:
+        """Run ``cost`` seconds of work on the CPU free first, not before ``now``; returns when it is done."""
+        free = self.free
+        i = free.index(min(free))
+        free[i] = done = max(free[i], now) + cost
+        self.busy += cost
+        return done
 
 
 @dataclass
@@ -62,27 +88,149 @@ class Link:
     def send(self, datagram: Datagram, now: float) -> None:
         """Queue ``datagram`` at time ``now``: dropped if too big or the queue is full, else serialised after
         the queue, then lost with probability ``loss``, else delivered after the propagation delay."""
-        size = len(datagram[0])
-        if size + IP_UDP > self.mtu:
-            self.stats.too_big += 1
+        self.send_many((datagram,), now)
+
+    def send_many(self, datagrams: Sequence[Datagram], now: float) -> None:
+        """``send`` each of ``datagrams`` at ``now``, in order (a host's burst), in one call."""
+        mtu, overhead, byte_time, queue_bytes, ecn_bytes = (self.mtu, self.overhead, self.byte_time,
+                                                            self.queue_bytes, self.ecn_bytes)
+        loss, draw, stats = self.loss, self.random.random, self.stats
+        busy, sent, wire_bytes = self.busy_until, 0, 0
+        times, passed = [], []
+        for datagram in datagrams:
+            size = len(datagram[0])
+            if size + IP_UDP > mtu:
+                stats.too_big += 1
+                continue
+            wire = size + overhead
+            start = now
+            if busy > now:
+                backlog = (busy - now) / byte_time
+                if backlog + wire > queue_bytes:
+                    stats.queue_drops += 1
+                    continue
+                if ecn_bytes is not None and backlog > ecn_bytes:
+                    stats.ecn_marked += 1
+                start = busy
+            busy = start + wire * byte_time
+            sent += 1
+            wire_bytes += wire
+            if loss and draw() < loss:
+                stats.lost += 1
+                continue
+            times.append(busy + self.delay)
+            passed.append(datagram)
+        self.busy_until = busy
+        self.sent += sent
+        self.bytes += wire_bytes
+        if passed:
+            self.sim.deliver_train(times, self.node, passed)
+
+
+def fan_out(sim: Simulator, links: list[Link], datagram: Datagram, now: float) -> None:
+    """``link.send(datagram, now)`` on every link of ``links``, in order, with the same outcome; a multicast
+    result's replication. When the links share their parameters and are equally busy (a switch's ports to the
+    members of a job, in step), the queue and serialisation are computed once and the arrivals are one call to
+    ``sim.deliver_all``; each link still draws its own loss."""
+    first = links[0]
+    busy = first.busy_until
+    params = (first.byte_time, first.delay, first.mtu, first.queue_bytes, first.ecn_bytes, first.overhead,
+              first.loss)
+    for link in links:
+        if link.busy_until != busy or (link.byte_time, link.delay, link.mtu, link.queue_bytes, link.ecn_bytes,
+                                       link.overhead, link.loss) != params:
+            for each in links:
+                each.send(datagram, now)
             return
-        wire = size + self.overhead
-        busy = self.busy_until
-        if busy > now:
-            backlog = (busy - now) / self.byte_time
-            if backlog + wire > self.queue_bytes:
-                self.stats.queue_drops += 1
-                return
-            if self.ecn_bytes is not None and backlog > self.ecn_bytes:
-                self.stats.ecn_marked += 1
-            now = busy
-        self.busy_until = busy = now + wire * self.byte_time
-        self.sent += 1
-        self.bytes += wire
-        if self.loss and self.random.random() < self.loss:
-            self.stats.lost += 1
+    size = len(datagram[0])
+    if size + IP_UDP > first.mtu:
+        for link in links:
+            link.stats.too_big += 1
+        return
+    wire = size + first.overhead
+    if busy > now:
+        backlog = (busy - now) / first.byte_time
+        if backlog + wire > first.queue_bytes:
+            for link in links:
+                link.stats.queue_drops += 1
             return
-        self.sim.deliver(busy + self.delay, self.node, datagram)
+        if first.ecn_bytes is not None and backlog > first.ecn_bytes:
+            for link in links:
+                link.stats.ecn_marked += 1
+        now = busy
+    busy = now + wire * first.byte_time
+    loss = first.loss
+    nodes = []
+    for link in links:
+        link.busy_until = busy
+        link.sent += 1
+        link.bytes += wire
+        if loss and link.random.random() < loss:
+            link.stats.lost += 1
+        else:
+            nodes.append(link.node)
+    sim.deliver_all(busy + first.delay, nodes, datagram)
+
+
+class Copier:
+    """``burst.datagrams()`` for a core's output bursts: owned (bytes, address) pairs of the first ``count``
+    datagrams, in order, with the same bounds check, but with the descriptors read as lists at once and the memory
+    block's address and view looked up once per block (a core reuses its own; numpy scalar conversions and
+    ``ctypes`` per call cost more than the copies on the simulator's hot path)."""
+
+    def __init__(self) -> None:
+        self._memory: np.ndarray | None = None
+        self._base = self._end = 0
+        self._view = memoryview(b"")
+
+    def __call__(self, burst: Burst) -> list[tuple[bytes, int]]:
+        k = burst.count
+        if k == 0:
+            return []
+        if burst.memory is not self._memory:
+            memory = self._memory = burst.memory
+            flat = memory.reshape(-1).view(np.uint8)
+            self._base, self._end, self._view = memory.ctypes.data, flat.size, memoryview(flat)
+        base, end, view = self._base, self._end, self._view
+        out = []
+        for ptr, size, addr in zip(burst.ptr[:k].tolist(), burst.length[:k].tolist(), burst.addr[:k].tolist()):
+            start = ptr - base
+            if start < 0 or start + size > end:
+                raise ValueError("a datagram points outside its burst's memory")
+            out.append((view[start:start + size].tobytes(), addr))
+        return out
+
+
+class Receiver:
+    """Receive bursts for a core: ``fill`` puts datagrams into a burst's own rows, as ``Burst.fill`` does (the
+    same rows, lengths and addresses). Datagrams of one length (a burst of data packets or of results) go into a
+    burst whose rows are exactly that long, in one copy; any other mix through ``Burst.fill``."""
+
+    def __init__(self, width: int) -> None:
+        """``width``: the longest datagram a row holds (longer ones are truncated, as a socket's rows do)."""
+        self.width = width
+        self._exact: dict[int, tuple[Burst, memoryview]] = {}
+        self._any = Burst.rows_of(256, width)
+
+    def fill(self, datagrams: list[tuple[bytes, int]]) -> Burst:
+        k = len(datagrams)
+        payloads = [p for p, _ in datagrams]
+        size = max(map(len, payloads))
+        if size <= self.width and min(map(len, payloads)) == size:
+            entry = self._exact.get(size)
+            if entry is None or entry[0].rows < k:
+                burst = Burst.rows_of(max(256, 2 * k), size)
+                entry = self._exact[size] = (burst, memoryview(burst.data.reshape(-1)))
+            rx, view = entry
+            view[:k * size] = b"".join(payloads)
+            rx.length[:k] = size
+            rx.addr[:k] = [a for _, a in datagrams]
+            rx.count = k
+            return rx
+        if self._any.rows < k:
+            self._any = Burst.rows_of(2 * k, self.width)
+        self._any.fill(datagrams)
+        return self._any
 
 
 class Processor:
@@ -92,27 +240,38 @@ class Processor:
     output leaves after its own work, not after everything queued behind it."""
 
     def __init__(self, sim: Simulator, handle: Callable[[list, float], tuple[float, Callable[[float], None]]],
-                 merge: bool = True) -> None:
-        self.sim, self.handle, self.merge = sim, handle, merge
+                 merge: bool = True, machine: Machine | None = None) -> None:
+        """``machine``: the processor runs on one of its CPUs when one is free (None: a CPU of its own)."""
+        self.sim, self.handle, self.merge, self.machine = sim, handle, merge, machine
         self.free_at = 0.0
         self.queue: list[list] = []  # bursts waiting, oldest first
         self.scheduled = False
         self.busy = 0.0  # seconds of work done
+
+    def _ready_at(self) -> float:
+        """When it can take its next burst: it is free, and so is a CPU of its machine."""
+        return self.free_at if self.machine is None else max(self.free_at, self.machine.free_at)
 
     def submit(self, items: list, now: float) -> None:
         """``items`` (a list the processor may keep) arrived at ``now``."""
         self.queue.append(items)
         if self.scheduled:
             return
-        if self.free_at <= now:
+        ready = self._ready_at()
+        if ready <= now:
             self._run(now)
         else:
             self.scheduled = True
-            self.sim.at(self.free_at, self._run_scheduled)
+            self.sim.at(ready, self._run_scheduled)
 
     def _run_scheduled(self) -> None:
+        now = self.sim.now
+        ready = self._ready_at()
+        if ready > now:  # the machine's CPUs were taken meanwhile
+            self.sim.at(ready, self._run_scheduled)
+            return
         self.scheduled = False
-        self._run(self.sim.now)
+        self._run(now)
 
     def _run(self, now: float) -> None:
         if self.merge:
@@ -122,11 +281,11 @@ class Processor:
             items = self.queue.pop(0)
         cost, then = self.handle(items, now)
         self.busy += cost
-        self.free_at = now + cost
+        self.free_at = now + cost if self.machine is None else self.machine.occupy(now, cost)
         then(self.free_at)
         if self.queue and not self.scheduled:
             self.scheduled = True
-            self.sim.at(self.free_at, self._run_scheduled)
+            self.sim.at(self._ready_at(), self._run_scheduled)
 
 
 class Aggregator(Protocol):
@@ -147,21 +306,6 @@ def elements_of(payloads: list[bytes], width: int) -> int:
     return (sum(map(len, payloads)) - HDR * len(payloads)) // width
 
 
-def fill(rx: Burst, datagrams: list[tuple[bytes, int]]) -> Burst:
-    """``rx.fill(datagrams)``, in one copy when every datagram has the same length (a burst of results)."""
-    k = len(datagrams)
-    payloads = [p for p, _ in datagrams]
-    size = max(map(len, payloads))
-    if size <= rx.data.shape[1] and min(map(len, payloads)) == size:
-        rx.data[:k, :size] = np.frombuffer(b"".join(payloads), np.uint8).reshape(k, size)
-        rx.length[:k] = size
-        rx.addr[:k] = [a for _, a in datagrams]
-        rx.count = k
-    else:
-        rx.fill(datagrams)
-    return rx
-
-
 class CoreAggregator:
     """The real ``AggregatorCore``s of one aggregator: core i listens on ``addrs[i]``."""
 
@@ -171,21 +315,20 @@ class CoreAggregator:
         self.element_width = element_width
         self.index = {a: i for i, a in enumerate(addrs)}
         self.width = width
-        self._rx = [Burst.rows_of(256, width) for _ in cores]
+        self._rx = [Receiver(width) for _ in cores]
+        self._copy = [Copier() for _ in cores]
 
     def receive(self, datagrams: list[Datagram], now: float) -> list[Datagram]:
-        by_core: dict[int, list[tuple[bytes, int]]] = {}
-        for payload, src, dst in datagrams:
-            by_core.setdefault(self.index[dst], []).append((payload, src))
+        if len(self.cores) == 1:
+            by_core = {0: [(payload, src) for payload, src, _ in datagrams]}
+        else:
+            by_core: dict[int, list[tuple[bytes, int]]] = {}
+            for payload, src, dst in datagrams:
+                by_core.setdefault(self.index[dst], []).append((payload, src))
         out: list[Datagram] = []
         for i in sorted(by_core):
-            got = by_core[i]
-            rx = self._rx[i]
-            if len(got) > rx.rows:
-                rx = self._rx[i] = Burst.rows_of(2 * len(got), self.width)
-            fill(rx, got)
             core, addr = self.cores[i], self.addrs[i]
-            out += [(p, addr, dst) for p, dst in core.receive(rx, now).datagrams()]
+            out += [(p, addr, dst) for p, dst in self._copy[i](core.receive(self._rx[i].fill(by_core[i]), now))]
             out += [(p, addr, dst) for p, dst in core.take_replies()]
         return out
 
@@ -202,18 +345,23 @@ class SwitchCosts:
     per_packet: float = 0.0  # seconds per datagram handled by the aggregator
     per_element: float = 0.0  # seconds per element aggregated
     pipeline: bool = True  # a pipeline takes one arrival instant at a time; a CPU (False) all that waited
+    forward: float = 0.0  # seconds per datagram copy sent: the kernel's forwarding (the netns testbed, sim.costs)
 
 
 class Switch:
     """Ports (a downlink per attached address), multicast groups, and an aggregator behind its pipeline."""
 
-    def __init__(self, sim: Simulator, aggregator: Aggregator, costs: SwitchCosts = SwitchCosts()) -> None:
+    def __init__(self, sim: Simulator, aggregator: Aggregator | None, costs: SwitchCosts = SwitchCosts(),
+                 machine: Machine | None = None) -> None:
+        """``aggregator``: None for a plain switch (TCP baselines); ``machine``: the aggregator's process shares
+        that machine's CPUs (a software aggregator)."""
         self.sim, self.aggregator, self.costs = sim, aggregator, costs
         self.ports: dict[int, Link] = {}
         self.groups: dict[int, list[int]] = {}
-        self.agg_addrs = set(aggregator.addrs)
+        self._fan: dict[int, tuple[list[int], list[Link]]] = {}
+        self.agg_addrs = set(aggregator.addrs) if aggregator is not None else set()
         self.stray = 0
-        self.cpu = Processor(sim, self._aggregate, merge=not costs.pipeline)
+        self.cpu = Processor(sim, self._aggregate, merge=not costs.pipeline, machine=machine)
 
     def attach(self, addr: int, downlink: Link) -> None:
         self.ports[addr] = downlink
@@ -234,6 +382,9 @@ class Switch:
         cost = c.per_packet * len(datagrams) + (c.per_element * self.aggregator.elements(datagrams)
                                                 if c.per_element else 0.0)
         out = self.aggregator.receive(datagrams, now)
+        if c.forward:  # each copy a multicast group replicates crosses its own veth pair
+            groups = self.groups
+            cost += c.forward * sum(len(groups[d[2]]) if d[2] in groups else 1 for d in out)
 
         def send(done: float) -> None:
             for d in out:
@@ -246,7 +397,10 @@ class Switch:
         if link is not None:
             link.send(datagram, at)
         elif dst in self.groups:
-            for member in self.groups[dst]:
-                self.ports[member].send(datagram, at)
+            members = self.groups[dst]
+            cached = self._fan.get(dst)
+            if cached is None or cached[0] is not members:  # the member ports, looked up once per group
+                cached = self._fan[dst] = (members, [self.ports[m] for m in members])
+            fan_out(self.sim, cached[1], datagram, at)
         else:
             self.stray += 1

@@ -7,7 +7,7 @@ once the last rank has the previous result (the testbed's barrier)."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -17,11 +17,11 @@ from intml.p4.engine import P4ModelCore
 from intml.protocol import codecs, reference
 from intml.protocol.job import AGGREGATOR_SLOTS, CODEC_NAMES, JobParams, WorkerTimers
 from intml.protocol.wire import element_datagram_size
-from intml.sim.costs import FREE_HOST, HOST_COSTS, SOFTWARE_AGGREGATOR, HostCosts, asic
+from intml.sim.costs import FREE_HOST, HOST_COSTS, KERNEL_FORWARD, SOFTWARE_AGGREGATOR, HostCosts, asic
 from intml.sim.engine import Simulator
 from intml.sim.host import WorkerHost
 from intml.sim.models import largest_packet
-from intml.sim.network import CoreAggregator, Link, Switch
+from intml.sim.network import CoreAggregator, Link, Machine, Switch
 
 HOST_IP = 0x0A000000  # 10.0.0.(rank + 1)
 HOST_PORT = 5000
@@ -60,6 +60,9 @@ class PacketRun:
     rto: float = WorkerTimers.rto
     min_rto: float = WorkerTimers.min_rto
     check: bool = False  # compare every rank's result with protocol.reference
+    cpus: int = 0  # > 0: one machine of that many CPUs runs every rank and the software aggregator, each sender
+    # paying the kernel's forwarding per datagram copy (the netns testbed); 0: every host its own CPU, no forwarding
+    forward_cost: float = KERNEL_FORWARD  # CPU seconds per datagram copy sent, with cpus
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -85,6 +88,7 @@ class PacketResult:
     loop: float  # of which in the event loop
     exact: bool | None = None  # every rank's result equals protocol.reference's, if checked
     counters: dict = field(default_factory=dict)
+    cpu_seconds: dict = field(default_factory=dict)  # CPU work charged: hosts (all), software aggregator
 
 
 def simulate(run: PacketRun) -> PacketResult:
@@ -99,9 +103,13 @@ def simulate(run: PacketRun) -> PacketResult:
     core = kind(rows=run.slots, max_elements=max(run.packet_elements, 1), tokens=[TOKEN],
                 results_group=GROUP if run.multicast else None, random_bytes=lambda k: secret.bytes(k))
     width = element_datagram_size(params.codec, run.packet_elements, False) + 256
+    machine = Machine(run.cpus) if run.cpus else None
+    software = run.switch == "software"
+    forward = run.forward_cost if machine else 0.0
+    switch_costs = replace(SOFTWARE_AGGREGATOR, forward=forward) if software else asic(run.passes)
     switch = Switch(sim, CoreAggregator([core], [AGG_ADDR], width, codecs.BY_ID[params.codec].WIDTH),
-                    SOFTWARE_AGGREGATOR if run.switch == "software" else asic(run.passes))
-    costs: HostCosts = HOST_COSTS[run.codec] if run.host_costs else FREE_HOST
+                    switch_costs, machine if software else None)
+    costs: HostCosts = replace(HOST_COSTS[run.codec] if run.host_costs else FREE_HOST, forward=forward)
     timers = WorkerTimers(rto=run.rto, min_rto=run.min_rto)
     joined: list[WorkerHost] = []
     finished: list[float] = []
@@ -141,11 +149,12 @@ def simulate(run: PacketRun) -> PacketResult:
     for r in range(n):
         addr = ((HOST_IP + r + 1) << 16) | HOST_PORT
         h = WorkerHost(sim, rank=r, addr=addr, job=JOB, params=params, token=TOKEN, aggregator=AGG_ADDR,
-                       costs=costs, timers=timers, on_joined=on_joined, on_done=on_done, nonce_seed=run.seed * 1000 + r)
+                       costs=costs, timers=timers, on_joined=on_joined, on_done=on_done, nonce_seed=run.seed * 1000 + r,
+                       machine=machine)
         link = dict(rate=run.rate, delay=run.delay, mtu=run.mtu, queue_bytes=run.queue_bytes, loss=run.loss,
                     ecn_bytes=run.ecn_bytes)
-        h.uplink = Link(sim, switch, seed=_link_seed(run.seed, r, 0), **link)
-        switch.attach(addr, Link(sim, h, seed=_link_seed(run.seed, r, 1), **link))
+        h.uplink = Link(sim, switch, seed=link_seed(run.seed, r, 0), **link)
+        switch.attach(addr, Link(sim, h, seed=link_seed(run.seed, r, 1), **link))
         hosts.append(h)
     for h in hosts:
         h.connect(0.0)
@@ -162,7 +171,8 @@ def simulate(run: PacketRun) -> PacketResult:
         times=times, retransmissions=counters["retransmissions"] + counters["fast_retransmissions"],
         lost=sum(link.stats.lost for link in links), queue_drops=sum(link.stats.queue_drops for link in links),
         events=sim.events, packet_events=sim.packet_events, wall=time.perf_counter() - wall,
-        loop=time.perf_counter() - loop, counters=counters)
+        loop=time.perf_counter() - loop, counters=counters,
+        cpu_seconds={"hosts": sum(h.cpu.busy for h in hosts), "aggregator": switch.cpu.busy if software else 0.0})
     if run.check:
         expected = reference.allreduce(xs, codec=run.codec, seed=run.seed, allreduce_seq=run.rounds - 1,
                                        packet_elements=run.packet_elements)
@@ -170,5 +180,5 @@ def simulate(run: PacketRun) -> PacketResult:
     return result
 
 
-def _link_seed(seed: int, rank: int, direction: int) -> int:
+def link_seed(seed: int, rank: int, direction: int) -> int:
     return (seed * 1_000_003 + rank) * 2 + direction

@@ -1,5 +1,7 @@
 """Evaluating a scenario: each grid point for each system, packet-level where the scenario asks for it and the
-system runs on the real cores (intml-cnat8, switchml-int32, up to MAX_WORLD ranks), else the analytic model."""
+system runs on the real cores (intml-cnat8, switchml-int32, up to MAX_WORLD ranks) or, with ``baselines =
+"packet"``, over the engine's TCP (gloo-ring, ps-colocated, ps-dedicated; ``sim.collectives``), else the analytic
+or flow model."""
 
 from __future__ import annotations
 
@@ -8,9 +10,10 @@ import time
 from collections.abc import Callable, Iterator
 
 from intml.protocol.job import MAX_WORLD
+from intml.sim.collectives import TcpRun, simulate_tcp
 from intml.sim.models import SYSTEMS, Net, largest_packet
 from intml.sim.packet_level import PacketRun, simulate
-from intml.sim.scenario import PACKET_SYSTEMS, grid, point_params
+from intml.sim.scenario import PACKET_SYSTEMS, TCP_SYSTEMS, grid, point_params
 
 COLUMNS = ("system", "method", "workers", "elements", "rate", "mtu", "loss", "pool", "time_s", "goodput_gbit",
            "retransmissions")
@@ -28,11 +31,18 @@ def evaluate(point: dict, system: str, mode: str) -> dict:
                                delay=p["delay"], mtu=p["mtu"], queue_bytes=p["queue_bytes"], loss=p["loss"],
                                packet_elements=p["packet_elements"] or None, pool=p["pool"], rounds=p["rounds"],
                                seed=p["seed"], switch=p["switch"], engine=p["engine"], passes=p["passes"],
-                               host_costs=p["host_costs"],
+                               host_costs=p["host_costs"], cpus=p["cpus"],
                                inputs="shared" if p["elements"] * p["workers"] > 50_000_000 else "distinct"))
         t = sorted(r.times)[len(r.times) // 2]
         row.update(method="packet", time_s=t, retransmissions=r.retransmissions, packet_events=r.packet_events,
                    wall_s=round(r.wall, 3))
+    elif mode == "packet" and p["baselines"] == "packet" and system in TCP_SYSTEMS and p["workers"] > 1:
+        r = simulate_tcp(TcpRun(workers=p["workers"], elements=p["elements"], algorithm=TCP_SYSTEMS[system],
+                                rate=p["rate"], delay=p["delay"], mtu=p["mtu"], queue_bytes=p["queue_bytes"],
+                                loss=p["loss"], alpha=p["alpha"], rounds=p["rounds"], seed=p["seed"]))
+        t = sorted(r.times)[len(r.times) // 2]
+        row.update(method="packet (tcp)", time_s=t, retransmissions=r.retransmissions,
+                   packet_events=r.packet_events, wall_s=round(r.wall, 3))
     else:
         net = Net(p["workers"], p["rate"], p["delay"], p["mtu"], p["alpha"])
         t = SYSTEMS[system](net, p["elements"], p["packet_elements"] or None, p["pool"])

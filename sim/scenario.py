@@ -2,12 +2,16 @@
 every combination, each point run for every system. ``ScenarioError`` carries a one-line message for the CLI.
 
 Keys (defaults in ``DEFAULTS``): ``name``, ``mode`` ("analytic" or "packet": the packet-level engine with the real
-cores for intml-cnat8 and switchml-int32; the ring and the parameter server are flow-level models in both modes),
-``systems``, ``seed``, ``workers``, ``elements``, ``rate`` ("10gbit", "100mbit" or bit/s), ``delay`` ("1us" or
-seconds, one way per link), ``mtu``, ``loss`` (per link direction), ``pool``, ``packet_elements`` (0: the largest
-for the MTU), ``rounds``, ``switch`` ("asic" or "software"), ``engine`` (the switch's data path: "kernel", or "p4model": the P4
-pipeline model, packet by packet), ``passes`` (the ASIC's pipeline passes per aggregated packet; 0: the engine's,
-1 for the kernel and the P4 program's for p4model), ``host_costs``, ``alpha`` (the ring's per-step latency), ``queue_bytes``.
+cores for intml-cnat8 and switchml-int32; the ring and the parameter server are flow models unless ``baselines =
+"packet"``), ``systems``, ``seed``, ``workers``, ``elements``, ``rate`` ("10gbit", "100mbit" or bit/s), ``delay``
+("1us" or seconds, one way per link), ``mtu``, ``loss`` (per link direction), ``pool``, ``packet_elements`` (0: the
+largest for the MTU), ``rounds``, ``switch`` ("asic" or "software"), ``engine`` (the switch's data path: "kernel",
+or "p4model": the P4 pipeline model, packet by packet), ``passes`` (the ASIC's pipeline passes per aggregated
+packet; 0: the engine's, 1 for the kernel and the P4 program's for p4model), ``host_costs``, ``alpha`` (the ring's
+per-step latency), ``queue_bytes``, ``cpus`` (packet mode: > 0 puts every rank and a software switch's aggregator on
+one machine of that many CPUs, each sender paying the kernel's forwarding, as the netns testbed; 0: every host its
+own CPU), ``baselines`` ("flow": the ring and the parameter server as flow models; "packet": in packet mode, over
+the engine's TCP, ``sim.collectives``).
 """
 
 from __future__ import annotations
@@ -30,12 +34,13 @@ DEFAULTS: dict[str, object] = {
     "name": "scenario", "mode": "analytic", "systems": ["intml-cnat8", "switchml-int32", "gloo-ring"], "seed": 1,
     "workers": 4, "elements": 25_000_000, "rate": "10gbit", "delay": "1us", "mtu": 1500, "loss": 0.0, "pool": 64,
     "packet_elements": 0, "rounds": 1, "switch": "asic", "host_costs": True, "alpha": "20us",
-    "queue_bytes": 1 << 20, "passes": 0, "engine": "kernel",
+    "queue_bytes": 1 << 20, "passes": 0, "engine": "kernel", "cpus": 0, "baselines": "flow",
 }
 SWEEPABLE = set(DEFAULTS) - {"name", "mode", "systems"}
 UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 TIMES = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
 PACKET_SYSTEMS = {"intml-cnat8": "cnat8", "switchml-int32": "int32"}
+TCP_SYSTEMS = {"gloo-ring": "ring", "ps-colocated": "ps-colocated", "ps-dedicated": "ps-dedicated"}
 
 
 def parse_rate(value: object) -> float:
@@ -120,7 +125,7 @@ def point_params(p: dict) -> dict:
     out["delay"] = parse_time(p["delay"])
     out["alpha"] = parse_time(p["alpha"])
     for key, low in (("workers", 1), ("elements", 1), ("mtu", 68), ("pool", 1), ("rounds", 1),
-                     ("queue_bytes", 1), ("packet_elements", 0), ("seed", 0), ("passes", 0)):
+                     ("queue_bytes", 1), ("packet_elements", 0), ("seed", 0), ("passes", 0), ("cpus", 0)):
         if not isinstance(p[key], int) or isinstance(p[key], bool) or p[key] < low:
             raise ScenarioError(f"{key} must be an integer >= {low}, got {p[key]!r}")
     if p["mtu"] > 65535:
@@ -129,6 +134,8 @@ def point_params(p: dict) -> dict:
         raise ScenarioError(f"loss must be in [0, 1), got {p['loss']!r}")
     if p["switch"] not in ("asic", "software"):
         raise ScenarioError(f"switch must be asic or software, got {p['switch']!r}")
+    if p["baselines"] not in ("flow", "packet"):
+        raise ScenarioError(f"baselines must be flow or packet, got {p['baselines']!r}")
     if p["engine"] not in ("kernel", "p4model"):
         raise ScenarioError(f"engine must be kernel or p4model, got {p['engine']!r}")
     return out

@@ -2,10 +2,15 @@
 
 Calibrated once (``CALIBRATION``) and not fitted per point: the hosts' and the software aggregator's costs are
 ``sim.costs``'s (from the codec and burst I/O benchmarks); a veth pair plus ``tc tbf`` is modelled as a 20 us
-one-way delay; Gloo's ring is the flow model with a 20 us per-step latency. The testbed shares 2 CPU cores among
-the workers, the aggregator and Gloo, which the simulator does not model (each host has its own CPU), so a point
-is called link-bound when the testbed's own ``link_use`` (wire bytes per second over the rate) is at least 0.85;
-the 10% target applies to those.
+one-way delay; Gloo's ring runs over the engine's TCP (``sim.collectives``) with a 20 us per-step latency. The
+testbed runs every rank, the aggregator and the kernel's forwarding on one 2-CPU machine: ``cpus`` (default
+``TESTBED_CPUS``) replays it so, each sender paying ``sim.costs.KERNEL_FORWARD`` per datagram copy (0: every host
+its own CPU, no forwarding). A point is called link-bound when the testbed's own ``link_use`` (wire bytes per
+second over the rate) is at least 0.85; the 10% target applies to those.
+
+``implied_rtt_ms`` (intml rows): the round trip at which the pool alone would give the measured time (pool x time
+/ chunks per rank): a window-bound allreduce moves ``pool`` datagrams per round trip. Where it is far above the
+model's round trip, what slows the testbed is latency per round trip, not CPU work (see the README).
 """
 
 from __future__ import annotations
@@ -13,14 +18,17 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from intml.sim import models
+from intml.sim.collectives import TcpRun, simulate_tcp
+from intml.sim.costs import KERNEL_FORWARD, TESTBED_CPUS
+from intml.sim.models import largest_packet
 from intml.sim.output import pyplot
 from intml.sim.packet_level import PacketRun, simulate
 from intml.sim.scenario import ScenarioError, parse_rate
 
 CALIBRATION = {"delay_s": 20e-6, "ring_alpha_s": 20e-6, "switch": "software", "host_costs": "sim.costs",
-               "link_bound_if_link_use_at_least": 0.85}
-COLUMNS = ("system", "workers", "rate", "mtu", "loss", "measured_s", "predicted_s", "error", "bottleneck", "method")
+               "kernel_forward_s": KERNEL_FORWARD, "link_bound_if_link_use_at_least": 0.85}
+COLUMNS = ("system", "workers", "rate", "mtu", "loss", "measured_s", "predicted_s", "error", "bottleneck", "method",
+           "cpus", "implied_rtt_ms")
 CODECS = {"intml cnat8": "cnat8", "intml int32": "int32"}
 
 
@@ -37,25 +45,28 @@ def load(path: str) -> dict:
     return data
 
 
-def predict(row: dict, pool: int) -> tuple[float, str]:
+def predict(row: dict, pool: int, cpus: int = TESTBED_CPUS) -> tuple[float, str]:
     rate = parse_rate(row["rate"])
     codec = CODECS.get(row["system"])
-    if codec is None:  # gloo ring
-        net = models.Net(row["workers"], rate, CALIBRATION["delay_s"], row["mtu"], CALIBRATION["ring_alpha_s"])
-        return models.ring(net, row["elements"]), "flow model"
+    if codec is None:  # gloo ring, over the engine's TCP
+        r = simulate_tcp(TcpRun(workers=row["workers"], elements=row["elements"], algorithm="ring", rate=rate,
+                                delay=CALIBRATION["delay_s"], mtu=row["mtu"], loss=row.get("loss", 0.0),
+                                alpha=CALIBRATION["ring_alpha_s"]))
+        return r.times[0], "packet (tcp)"
     r = simulate(PacketRun(workers=row["workers"], elements=row["elements"], codec=codec, rate=rate,
                            delay=CALIBRATION["delay_s"], mtu=row["mtu"], loss=row.get("loss", 0.0), pool=pool,
                            switch="software", multicast=row.get("results", "multicast") == "multicast",
-                           inputs="shared"))
+                           inputs="shared", cpus=cpus, forward_cost=KERNEL_FORWARD))
     return r.times[0], "packet"
 
 
-def compare(data: dict, progress: Callable[[int, int], None] | None = None) -> list[dict]:
+def compare(data: dict, progress: Callable[[int, int], None] | None = None, cpus: int = TESTBED_CPUS) -> list[dict]:
     out = []
     rows = data["rows"]
+    pool = data.get("pool", 64)
     for i, row in enumerate(rows):
         try:
-            predicted, method = predict(row, data.get("pool", 64))
+            predicted, method = predict(row, pool, cpus)
             measured = float(row["median_s"])
             link = float(row.get("link_use", 0.0))
         except (KeyError, TypeError, ValueError) as exc:
@@ -64,10 +75,18 @@ def compare(data: dict, progress: Callable[[int, int], None] | None = None) -> l
                     "loss": row.get("loss", 0.0), "measured_s": measured, "predicted_s": predicted,
                     "error": predicted / measured - 1,
                     "bottleneck": "link" if link >= CALIBRATION["link_bound_if_link_use_at_least"] else "cpu",
-                    "method": method})
+                    "method": method, "cpus": cpus if method == "packet" else "",
+                    "implied_rtt_ms": implied_rtt(row, pool, measured) * 1e3 if method == "packet" else ""})
         if progress:
             progress(i + 1, len(rows))
     return out
+
+
+def implied_rtt(row: dict, pool: int, measured: float) -> float:
+    """The round trip (s) at which ``pool`` datagrams per round trip take ``measured`` for a rank's chunks."""
+    width = 1 if CODECS[row["system"]] == "cnat8" else 4
+    chunks = -(-row["elements"] // largest_packet(width, row["mtu"]))
+    return pool * measured / chunks
 
 
 def plot(rows: list[dict], path: str) -> None:

@@ -115,3 +115,43 @@ def test_switch_takes_any_aggregator_and_multicasts():
     # serialisation down and a link delay
     packet = 1514 * 8 / 1e9
     assert got["virtual_s"] == pytest.approx(40 * packet + 1e-6 + 1e-6 + packet + 1e-6)
+
+
+def _fan(batched: bool):
+    """Three rounds of a datagram to four equally-configured links, with a queue, ECN and loss; one link made
+    busier in the middle round (the fan-out's general path)."""
+    from intml.sim.network import fan_out
+    sim, sinks = Simulator(), [Sink() for _ in range(4)]
+    links = [Link(sim, s, rate=8e6, delay=0.1, queue_bytes=2500, ecn_bytes=500, loss=0.3, seed=i)
+             for i, s in enumerate(sinks)]
+    for t, extra in [(0.0, False), (0.0005, True), (0.0007, False), (0.0009, False)]:
+        if extra:
+            links[2].send((bytes(100), 0, 0), t)
+        if batched:
+            fan_out(sim, links, (bytes(1000), 0, 0), t)
+        else:
+            for link in links:
+                link.send((bytes(1000), 0, 0), t)
+    sim.run()
+    return [s.got for s in sinks], [(link.stats, link.sent, link.bytes, link.busy_until) for link in links]
+
+
+def test_fan_out_is_a_send_on_each_link():
+    assert _fan(True) == _fan(False)
+    stats = _fan(True)[1]
+    assert sum(s.queue_drops for s, *_ in stats) > 0 and sum(s.ecn_marked for s, *_ in stats) > 0
+    assert sum(s.lost for s, *_ in stats) > 0
+
+
+def test_a_machine_shares_its_cpus_among_processors():
+    from intml.sim.network import Machine
+    for cpus, done in [(1, [1.0, 2.0, 3.0]), (2, [1.0, 1.0, 2.0]), (3, [1.0, 1.0, 1.0])]:
+        sim, finished = Simulator(), []
+        machine = Machine(cpus)
+
+        def handle(items, now):
+            return 1.0, finished.append
+        for _ in range(3):  # three processors, each given one burst of 1 s at time 0
+            Processor(sim, handle, machine=machine).submit(["x"], 0.0)
+        sim.run()
+        assert sorted(finished) == done and machine.busy == 3.0

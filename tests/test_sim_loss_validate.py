@@ -57,3 +57,18 @@ def test_validate_refuses_other_json(tmp_path):
     bad.write_text("[1, 2]")
     with pytest.raises(validate.ScenarioError, match="no rows"):
         validate.load(str(bad))
+
+
+def test_validation_replays_the_shared_machine_and_the_implied_round_trip():
+    """The CPU-bound points replayed on the testbed's 2-CPU machine (every rank, the aggregator, the kernel's
+    forwarding): they stay far under the measurement, and the implied round trip says why (hand-computed)."""
+    data = json.loads((DATA / "cluster_2026-11-23.json").read_text())
+    data["rows"] = [r for r in data["rows"] if r["rate"] == "500mbit" and r["system"] == "intml cnat8"]
+    shared = validate.compare(data)
+    own = validate.compare(data, cpus=0)
+    for s, o in zip(shared, own):
+        assert s["cpus"] == 2 and o["cpus"] == 0 and s["bottleneck"] == "cpu"
+        assert o["predicted_s"] <= s["predicted_s"] < 1.1 * o["predicted_s"]  # CPU work explains little
+        assert s["error"] < -0.5
+    # n = 2: 10M elements in 1446-element datagrams = 6916 chunks; 64 per round trip in 0.5153 s
+    assert shared[0]["implied_rtt_ms"] == pytest.approx(64 * 0.5153416110006219 / 6916 * 1e3)

@@ -67,3 +67,23 @@ def test_recirculation_passes_make_the_pipeline_the_bottleneck():
     chunks = -(-2_000_000 // base.packet_elements)
     assert many == pytest.approx((chunks + 256) * 16 * 16 / ASIC_PIPELINE_PPS + 18e-6, rel=0.02)
     assert one == pytest.approx(chunks * 1514 * 8 / 100e9, rel=0.1)  # link-bound with one pass
+
+
+def test_a_shared_machine():
+    """cpus: every rank and the software aggregator on one machine. With a CPU for each and no forwarding cost it
+    is the model of own CPUs, to the bit; with one CPU the same work takes longer, and forwarding adds to it."""
+    base = PacketRun(workers=4, elements=200_000, rate=10e9, switch="software", rounds=2, seed=2)
+    own = simulate(base)
+    plenty = simulate(dataclasses.replace(base, cpus=5, forward_cost=0.0))
+    assert plenty.times == own.times and plenty.counters == own.counters
+    one = simulate(dataclasses.replace(base, cpus=1, forward_cost=0.0))
+    assert one.times[0] > 1.5 * own.times[0]
+    forwarding = simulate(dataclasses.replace(base, cpus=1, forward_cost=1e-6))
+    assert forwarding.times[0] > one.times[0]
+    # every data and result copy sent was charged once (results are multicast: the switch pays a copy per port)
+    data = forwarding.counters["packets_out"] + forwarding.counters["results"]
+    extra = sum(forwarding.cpu_seconds.values()) - sum(one.cpu_seconds.values())
+    assert extra == pytest.approx(data * 1e-6, rel=0.02)
+    # what one CPU must do bounds the time from below
+    work = sum(one.cpu_seconds.values())
+    assert sum(one.times) >= work * 0.9

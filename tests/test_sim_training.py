@@ -70,6 +70,16 @@ def test_cli_run_sweep_json_and_errors(tmp_path, capsys):
                         'elements = 3000\n')
     assert main(["run", str(scenario), "--json"]) == 0
     assert [r["method"] for r in json.loads(capsys.readouterr().out)["rows"]] == ["packet"]
+    scenario.write_text('baselines = "ns3"\n')
+    assert main(["run", str(scenario)]) == 2
+    assert "baselines must be flow or packet" in capsys.readouterr().err
+    # the baselines over the engine's TCP, intml on a shared 2-CPU machine
+    scenario.write_text('mode = "packet"\nbaselines = "packet"\ncpus = 2\nswitch = "software"\n'
+                        'systems = ["intml-cnat8", "gloo-ring", "ps-colocated", "ps-dedicated"]\nworkers = 4\n'
+                        'elements = 20000\n')
+    assert main(["run", str(scenario), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["method"] for r in rows] == ["packet"] + ["packet (tcp)"] * 3
 
 
 def test_plot_without_matplotlib_is_one_line(monkeypatch, tmp_path, capsys):
