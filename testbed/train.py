@@ -300,43 +300,31 @@ def summarise(reports: list[dict], target: float) -> list[dict]:
     return rows
 
 
-def collectives(report: dict) -> dict[str, dict[str, float]] | None:
-    """Per step and kind of collective, how many went through intml and how many through Gloo, and their bytes per
-    worker each way, from the group's traffic counters (``Traffic``: ``intml_<kind>s``, ``gloo_<kind>s``, and the
-    bytes ``intml_<kind>_bytes``, or ``intml_bytes`` for allreduces); a kind the counters do not know is left out.
-    None without counters (plain Gloo)."""
+def collectives(report: dict) -> dict[str, float] | None:
+    """Per step: how many collectives of each kind went through intml and through Gloo, from the group's traffic
+    counters (``Traffic.intml_<kind>s`` and ``gloo_<kind>s``; a kind they do not count is left out), and the bytes
+    of all of them per worker each way (``intml_bytes``, ``gloo_bytes``). None without counters (plain Gloo)."""
     traffic = report.get("traffic")
     if traffic is None:
         return None
     steps = report["epochs"] * report["steps_per_epoch"]
-    out = {}
-    for kind in ("allreduce", "reduce_scatter"):
-        if f"intml_{kind}s" not in traffic:
-            continue
-        row = {}
-        for path in ("intml", "gloo"):
-            size = traffic.get(f"{path}_{kind}_bytes", traffic[f"{path}_bytes"] if kind == "allreduce" else None)
-            row[f"{path}_per_step"] = traffic[f"{path}_{kind}s"] / steps
-            row[f"{path}_bytes_per_step"] = None if size is None else size / steps
-        out[kind] = row
-    return out
+    return {f"{path}_{kind}s": traffic[f"{path}_{kind}s"] / steps
+            for kind in ("allreduce", "reduce_scatter") for path in ("intml", "gloo")
+            if f"{path}_{kind}s" in traffic} | {f"{path}_bytes": traffic[f"{path}_bytes"] / steps
+                                                 for path in ("intml", "gloo")}
 
 
 def collectives_text(rows: list[dict]) -> str:
     """One line per run with traffic counters: each kind of collective per step, through intml and through Gloo."""
     lines = []
     for r in rows:
-        if not r["collectives"]:
+        c = r["collectives"]
+        if not c:
             continue
-        kinds = []
-        for kind, c in r["collectives"].items():
-            paths = []
-            for path, name in (("intml", "intml"), ("gloo", "Gloo")):
-                size = c[f"{path}_bytes_per_step"]
-                paths.append(f"{c[f'{path}_per_step']:g} through {name}"
-                             + ("" if size is None else f" ({size:,.0f} B each way)"))
-            kinds.append(f"{kind}s " + ", ".join(paths))
-        lines.append(f"{r['run']}, per step and worker (seed 0): " + "; ".join(kinds))
+        kinds = [f"{kind.replace('_', '-')}s {c[f'intml_{kind}s']:g} through intml, {c[f'gloo_{kind}s']:g} through "
+                 f"Gloo" for kind in ("allreduce", "reduce_scatter") if f"intml_{kind}s" in c]
+        lines.append(f"{r['run']}, per step and worker (seed 0): {'; '.join(kinds)}; bytes each way "
+                     f"{c['intml_bytes']:,.0f} through intml, {c['gloo_bytes']:,.0f} through Gloo")
     return "\n".join(lines)
 
 
