@@ -1,4 +1,4 @@
-"""`intml-testbed train`: does DDP training converge with intml as it does with Gloo?
+"""`intml-testbed train`: does DDP (or FSDP2) training converge with intml as it does with Gloo?
 
 The seed-001 network shape adapted to scikit-learn's bundled digits (8x8 images, so 64 inputs instead of
 MNIST's 784): a 64-392-50-10 MLP with tanh hidden layers (softmax cross-entropy output), trained with plain
@@ -14,7 +14,13 @@ Runs (``--runs``; every run is repeated for each seed):
   backend (``init_process_group("intml")``, DDP without a hook) instead of the hook, ``-thread`` allreduces
   on the background thread (``INTML_THREAD=1``) instead of completed in the hook.
 
-Each rank checks after every step that all ranks hold bit-identical parameters (a BLAKE2 hash of them,
+``--parallel fsdp2`` trains the same model with FSDP2 instead of DDP: ``fully_shard`` on each Linear layer and on
+the root over a 1-D DeviceMesh of all ranks, so the gradients are reduce-scattered (each rank keeps its shard of
+the parameters) and the parameters all-gathered; its runs are ``gloo`` and ``<codec>-backend`` (the hook is a DDP
+hook). Its gradient reduce-scatters go wherever the backend's ``reduce_scatter_tensor`` sends them, and each report
+carries the group's traffic counters, which say how many collectives of each kind went through intml and Gloo.
+
+With DDP, each rank checks after every step that all ranks hold bit-identical parameters (a BLAKE2 hash of them,
 all-gathered over Gloo) and fails the run otherwise. Rank 0 writes one JSON report per run; the parent prints
 the table (median over seeds of the final test accuracy, epochs to reach ``--target``, time per step, bytes
 per step), writes all reports to ``--json-out`` and plots test accuracy against epoch to ``--plot``.
@@ -47,6 +53,8 @@ from intml.testbed.procs import free_port, rank_env
 
 BASES = ("gloo", *CODEC_NAMES)
 DEFAULT_RUNS = ("gloo", "int32", "cnat8", "cnat8-ef")
+PARALLEL = ("ddp", "fsdp2")
+FSDP2_RUNS = ("gloo", "int32-backend", "cnat8-backend")  # the default runs of --parallel fsdp2
 HIDDEN = (392, 50)  # seed 001: 784-392-50-10 tanh; digits has 64 inputs
 CLASSES = 10
 TEST_FRACTION = 0.25
@@ -79,6 +87,16 @@ def parse_run(spec: str) -> dict:
     return run
 
 
+def check_parallel(specs: tuple[str, ...], parallel: str) -> None:
+    """FSDP2 has no DDP communication hook: its intml runs go through the backend."""
+    if parallel not in PARALLEL:
+        raise ValueError(f"parallel must be one of {', '.join(PARALLEL)}, got {parallel!r}")
+    hooked = [s for s in specs if parse_run(s)["integration"] == "hook"]
+    if parallel == "fsdp2" and hooked:
+        raise ValueError(f"runs {', '.join(hooked)} use the DDP hook, which FSDP2 cannot take; use the backend "
+                         f"instead (for example {parse_run(hooked[0])['codec']}-backend)")
+
+
 # ---- data and model -------------------------------------------------------------------------------------------
 def load_data():
     """(x_train, y_train, x_test, y_test) as numpy: load_digits standardised with the training statistics."""
@@ -107,6 +125,20 @@ def make_model(seed: int):
         width = hidden
     layers.append(torch.nn.Linear(width, CLASSES))
     return torch.nn.Sequential(*layers)
+
+
+def shard_fsdp2(model, world: int):
+    """FSDP2: each Linear layer a unit of its own, then the root, over a 1-D mesh of all ranks (on the default
+    process group, so with the intml backend the mesh's group is the intml group)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 def parameter_hash(model) -> int:
@@ -145,7 +177,14 @@ def rank_main(cfg: dict) -> None:
     x_test, y_test = torch.from_numpy(x_te), torch.from_numpy(y_te)
 
     model = make_model(cfg["seed"])
-    ddp = DDP(model) if cfg.get("bucket_cap_mb") is None else DDP(model, bucket_cap_mb=cfg["bucket_cap_mb"])
+    parameters = sum(p.numel() for p in model.parameters())  # before FSDP2 leaves each rank its shards
+    fsdp2 = cfg.get("parallel", "ddp") == "fsdp2"
+    if fsdp2:
+        ddp = shard_fsdp2(model, world)  # the same module, its parameters now this rank's shards
+    elif cfg.get("bucket_cap_mb") is None:
+        ddp = DDP(model)
+    else:
+        ddp = DDP(model, bucket_cap_mb=cfg["bucket_cap_mb"])
     state = None
     if run["integration"] == "hook":
         from intml.worker.torch import IntmlHookState, intml_hook
@@ -174,6 +213,8 @@ def rank_main(cfg: dict) -> None:
             opt.step()
             step_s.append(time.perf_counter() - start)
             total += loss.item()
+            if fsdp2:  # each rank holds only its shard: no replicas to compare
+                continue
             # consistency: every rank holds the same parameters after every step
             control.allgather([hashes], [torch.tensor([parameter_hash(model)])]).wait()
             values = {int(h) for h in hashes}
@@ -187,10 +228,11 @@ def rank_main(cfg: dict) -> None:
         loss_curve.append(total / steps_per_epoch)
     steps = cfg["epochs"] * steps_per_epoch
     report = {
-        "run": cfg["run"], "seed": cfg["seed"], "world_size": world, "epochs": cfg["epochs"],
+        "run": cfg["run"], "parallel": cfg.get("parallel", "ddp"), "seed": cfg["seed"], "world_size": world,
+        "epochs": cfg["epochs"],
         "steps_per_epoch": steps_per_epoch, "batch_per_rank": batch, "bucket_cap_mb": cfg.get("bucket_cap_mb"),
         "lr": cfg["lr"], "lr_decay": cfg["lr_decay"],
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "parameters": parameters,
         "test_accuracy": accuracy, "train_loss": loss_curve, "final_accuracy": accuracy[-1],
         "step_s_median": statistics.median(step_s[steps_per_epoch:] or step_s),
         "hash_checked_steps": checked,
@@ -198,6 +240,9 @@ def rank_main(cfg: dict) -> None:
     }
     if traffic is not None:
         report["traffic"] = dict(vars(traffic))
+    if fsdp2:  # all-gathers and reduce-scatters: the allreduce byte models do not apply
+        report["bytes_per_step"] = None
+    elif traffic is not None:
         report["bytes_per_step"] = (traffic.intml_bytes + traffic.gloo_bytes) / steps
     else:  # plain Gloo: the ring model for every parameter once per step
         report["bytes_per_step"] = ring_bytes(report["parameters"], world)
@@ -246,11 +291,41 @@ def summarise(reports: list[dict], target: float) -> list[dict]:
             "epochs_to_target_median": statistics.median(reached) if len(reached) == len(mine) else None,
             "reached": f"{len(reached)}/{len(mine)}",
             "step_ms_median": 1e3 * statistics.median(r["step_s_median"] for r in mine),
-            "bytes_per_step": statistics.median(r["bytes_per_step"] for r in mine),
+            "bytes_per_step": (None if mine[0]["bytes_per_step"] is None
+                               else statistics.median(r["bytes_per_step"] for r in mine)),
+            "collectives": collectives(mine[0]),
             "retransmissions": sum(r.get("traffic", {}).get("retransmissions", 0) for r in mine),
             "hash_checked_steps": sum(r["hash_checked_steps"] for r in mine),
         })
     return rows
+
+
+def collectives(report: dict) -> dict[str, float] | None:
+    """Per step: how many collectives of each kind went through intml and through Gloo, from the group's traffic
+    counters (``Traffic.intml_<kind>s`` and ``gloo_<kind>s``; a kind they do not count is left out), and the bytes
+    of all of them per worker each way (``intml_bytes``, ``gloo_bytes``). None without counters (plain Gloo)."""
+    traffic = report.get("traffic")
+    if traffic is None:
+        return None
+    steps = report["epochs"] * report["steps_per_epoch"]
+    return {f"{path}_{kind}s": traffic[f"{path}_{kind}s"] / steps
+            for kind in ("allreduce", "reduce_scatter") for path in ("intml", "gloo")
+            if f"{path}_{kind}s" in traffic} | {f"{path}_bytes": traffic[f"{path}_bytes"] / steps
+                                                 for path in ("intml", "gloo")}
+
+
+def collectives_text(rows: list[dict]) -> str:
+    """One line per run with traffic counters: each kind of collective per step, through intml and through Gloo."""
+    lines = []
+    for r in rows:
+        c = r["collectives"]
+        if not c:
+            continue
+        kinds = [f"{kind.replace('_', '-')}s {c[f'intml_{kind}s']:g} through intml, {c[f'gloo_{kind}s']:g} through "
+                 f"Gloo" for kind in ("allreduce", "reduce_scatter") if f"intml_{kind}s" in c]
+        lines.append(f"{r['run']}, per step and worker (seed 0): {'; '.join(kinds)}; bytes each way "
+                     f"{c['intml_bytes']:,.0f} through intml, {c['gloo_bytes']:,.0f} through Gloo")
+    return "\n".join(lines)
 
 
 def table(rows: list[dict], target: float) -> str:
@@ -261,9 +336,13 @@ def table(rows: list[dict], target: float) -> str:
         reach = "—" if r["epochs_to_target_median"] is None else f"{r['epochs_to_target_median']:g}"
         lines.append(f"| {r['run']} | {100 * r['final_acc_median']:.2f}% ({100 * r['final_acc_min']:.2f}–"
                      f"{100 * r['final_acc_max']:.2f}) | {reach} ({r['reached']} seeds) | "
-                     f"{r['step_ms_median']:.2f} ms | {r['bytes_per_step']:,.0f} | {r['retransmissions']} | "
+                     f"{r['step_ms_median']:.2f} ms | {bytes_text(r['bytes_per_step'])} | {r['retransmissions']} | "
                      f"{r['hash_checked_steps']} |")
     return "\n".join(lines)
+
+
+def bytes_text(per_step: float | None) -> str:
+    return "—" if per_step is None else f"{per_step:,.0f}"
 
 
 def verdict(rows: list[dict], tolerance_pp: float = 1.0) -> str:
@@ -316,7 +395,8 @@ def plot(reports: list[dict], path: Path, target: float) -> None:
     right.grid(alpha=0.3)
     right.legend(loc="lower right", fontsize=8)
     meta = reports[0]
-    fig.suptitle(f"64-392-50-10 tanh MLP on load_digits, {meta['world_size']} workers under torchrun, DDP, "
+    fig.suptitle(f"64-392-50-10 tanh MLP on load_digits, {meta['world_size']} workers under torchrun, "
+                 f"{meta.get('parallel', 'ddp').upper()}, "
                  f"{len(curves[names[0]])} seeds", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -324,15 +404,20 @@ def plot(reports: list[dict], path: Path, target: float) -> None:
     plt.close(fig)
 
 
-def run(workers: int = 4, seeds: int = 5, epochs: int = 30, runs: tuple[str, ...] = DEFAULT_RUNS, batch: int = 16,
+def run(workers: int = 4, seeds: int = 5, epochs: int = 30, runs: tuple[str, ...] | None = None, batch: int = 16,
         lr: float = 0.2, lr_decay: float = 0.95, target: float = 0.95, packet_elements: int = JobParams.packet_elements,
         bucket_cap_mb: float | None = None, json_out: str | None = None, plot_out: str | None = None,
-        run_timeout: float = 600.0, quiet: bool = False) -> dict:
-    """The whole experiment: one aggregator, then every run for every seed (seeds 0..seeds-1) in turn."""
+        run_timeout: float = 600.0, quiet: bool = False, parallel: str = "ddp") -> dict:
+    """The whole experiment: one aggregator, then every run for every seed (seeds 0..seeds-1) in turn. `runs`
+    defaults to DEFAULT_RUNS with DDP and FSDP2_RUNS with FSDP2."""
     from intml.testbed.bench_allreduce import aggregator
 
+    if runs is None:
+        runs = FSDP2_RUNS if parallel == "fsdp2" else DEFAULT_RUNS
     specs = [parse_run(r)["name"] for r in runs]
-    args = {"epochs": epochs, "batch": batch, "lr": lr, "lr_decay": lr_decay, "bucket_cap_mb": bucket_cap_mb}
+    check_parallel(tuple(specs), parallel)
+    args = {"epochs": epochs, "batch": batch, "lr": lr, "lr_decay": lr_decay, "bucket_cap_mb": bucket_cap_mb,
+            "parallel": parallel}
     reports = []
     with aggregator(cores=1, max_packet_elements=packet_elements) as port, \
             tempfile.TemporaryDirectory(prefix="intml-train-") as tmp:
@@ -352,7 +437,8 @@ def run(workers: int = 4, seeds: int = 5, epochs: int = 30, runs: tuple[str, ...
                           f"{1e3 * report['step_s_median']:.2f} ms/step ({time.monotonic() - started:.0f} s)",
                           file=sys.stderr, flush=True)
     rows = summarise(reports, target)
-    result = {"workers": workers, "seeds": seeds, "epochs": epochs, "batch_per_rank": batch, "lr": lr,
+    result = {"parallel": parallel, "workers": workers, "seeds": seeds, "epochs": epochs, "batch_per_rank": batch,
+              "lr": lr,
               "lr_decay": lr_decay, "target_accuracy": target, "packet_elements": packet_elements,
               "bucket_cap_mb": bucket_cap_mb,
               "rows": rows, "verdict": verdict(rows), "reports": reports}
@@ -361,9 +447,11 @@ def run(workers: int = 4, seeds: int = 5, epochs: int = 30, runs: tuple[str, ...
     if plot_out:
         plot(reports, Path(plot_out), target)
     if not quiet:
-        print(f"DDP training on load_digits: {workers} workers, {seeds} seeds, {epochs} epochs, batch {batch} per "
-              f"rank, SGD lr {lr} x {lr_decay}/epoch")
+        print(f"{parallel.upper()} training on load_digits: {workers} workers, {seeds} seeds, {epochs} epochs, batch "
+              f"{batch} per rank, SGD lr {lr} x {lr_decay}/epoch")
         print(table(rows, target))
+        if parallel == "fsdp2":
+            print(collectives_text(rows))
         print(result["verdict"])
     return result
 
@@ -386,9 +474,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ranks under torchrun (default 4)")
     parser.add_argument("--seeds", type=positive(), default=5, help="seeds 0..N-1 per run (default 5)")
     parser.add_argument("--epochs", type=positive(), default=30)
-    parser.add_argument("--runs", type=_runs_arg, default=",".join(DEFAULT_RUNS),
+    parser.add_argument("--parallel", choices=PARALLEL, default="ddp",
+                        help="DDP, or FSDP2 (fully_shard; its intml runs take -backend) (default ddp)")
+    parser.add_argument("--runs", type=_runs_arg, default=None,
                         help="comma-separated: gloo, int32, cnat8 with optional -ef, -wK, -backend, -thread "
-                             f"(default {','.join(DEFAULT_RUNS)})")
+                             f"(default {','.join(DEFAULT_RUNS)}; with fsdp2 {','.join(FSDP2_RUNS)})")
     parser.add_argument("--batch", type=positive(), default=16, help="batch per rank (default 16)")
     parser.add_argument("--lr", type=positive(float), default=0.2)
     parser.add_argument("--lr-decay", type=positive(float), default=0.95, help="per-epoch factor (default 0.95)")
@@ -406,7 +496,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_from_args(args: argparse.Namespace) -> dict:
-    return run(workers=args.workers, seeds=args.seeds, epochs=args.epochs, runs=tuple(args.runs.split(",")),
+    runs = None if args.runs is None else tuple(args.runs.split(","))
+    if runs is not None:
+        try:
+            check_parallel(runs, args.parallel)
+        except ValueError as exc:
+            raise SystemExit(f"intml-testbed: {exc}") from None
+    return run(workers=args.workers, seeds=args.seeds, epochs=args.epochs, runs=runs, parallel=args.parallel,
                batch=args.batch, lr=args.lr, lr_decay=args.lr_decay, target=args.target,
                packet_elements=args.packet_elements, bucket_cap_mb=args.bucket_cap_mb, json_out=args.json_out,
                plot_out=args.plot, run_timeout=args.run_timeout)

@@ -1,4 +1,5 @@
-"""A short 2-worker training run of the convergence experiment (testbed/train.py) under torchrun.
+"""Short 2-worker training runs of the convergence experiment (testbed/train.py) under torchrun: DDP with the hook,
+and FSDP2 over the backend.
 
 One run of 2 epochs on load_digits with 2 ranks: the hook with cnat8, error feedback and a 5-step Gloo
 warm-up (DDP over the "intml" backend is checked in test_torch.py). Every rank checks
@@ -38,3 +39,24 @@ def test_two_worker_training_under_torchrun() -> None:
     hook = reports[f"cnat8-ef-w{WARMUP}"]["traffic"]
     steps = EPOCHS * reports[f"cnat8-ef-w{WARMUP}"]["steps_per_epoch"]
     assert hook["gloo_allreduces"] == WARMUP and hook["intml_allreduces"] == steps - WARMUP, hook
+
+
+def test_fsdp2_training_under_torchrun() -> None:
+    """FSDP2 (fully_shard per Linear layer and the root) over the intml backend: it learns as the DDP run does, and
+    the report carries the group's counters per kind of collective. FSDP2 reduces gradients by reduce-scatter,
+    never by allreduce."""
+    result = train.run(workers=2, seeds=1, epochs=EPOCHS, runs=("cnat8-backend",), parallel="fsdp2", quiet=True,
+                       run_timeout=120)
+    [r] = result["reports"]
+    assert result["parallel"] == r["parallel"] == "fsdp2"
+    assert r["using_intml"]
+    assert r["final_accuracy"] >= MIN_ACCURACY, f"test accuracy {r['final_accuracy']:.3f}"
+    assert r["hash_checked_steps"] == 0 and r["bytes_per_step"] is None  # shards, not replicas; no allreduce model
+    [row] = result["rows"]
+    c = row["collectives"]
+    assert c["intml_allreduces"] == c["gloo_allreduces"] == 0, c
+    if "intml_reduce_scatters" in c:  # once the backend counts reduce-scatters: one per Linear layer and step
+        assert c["intml_reduce_scatters"] + c["gloo_reduce_scatters"] == 3, c
+        assert c["intml_bytes"] + c["gloo_bytes"] > 0, c
+    with pytest.raises(ValueError, match="use the backend instead"):
+        train.run(runs=("cnat8",), parallel="fsdp2")

@@ -19,6 +19,15 @@ Two ways in, both configured from ``INTML_*`` environment variables (or keyword 
   default bucket is above the threshold) and a small tail bucket exactly through Gloo; the hook compresses every
   bucket. ``dist.all_reduce(t, async_op=True)`` returns at once and completes later, as with Gloo.
 
+  The group is named and registered with c10d as a Gloo group is, so functional collectives, ``init_device_mesh``
+  (1-D, or 2-D with intml on every dimension or, through ``backend_override={"dp": "intml"}``, on the
+  data-parallel one only) and FSDP2 ``fully_shard`` use it. Every intml group other than the default one
+  (``new_group(backend="intml")``, a mesh dimension's groups) is a job of its own on the aggregator, its id drawn
+  by the group's rank 0 (``INTML_JOB`` names the default group's). ``destroy_process_group()`` leaves the jobs,
+  and ``init_process_group("intml")`` may follow it in the same process, any number of times.
+  ``intml.monitored_barrier(group, timeout)`` is ``dist.monitored_barrier`` for intml groups (torch's refuses
+  every backend but Gloo by name).
+
 Routing: ``.traffic`` of the hook state or process group counts the allreduces and bytes through intml and
 through Gloo, and ``.traffic.gloo_reasons`` why each went to Gloo (``routing``). A tensor a user may have expected
 to be compressed that goes to Gloo (large but not float32, not on the CPU, not contiguous, an op other than SUM
@@ -48,7 +57,7 @@ from __future__ import annotations
 
 from intml.protocol.traffic import intml_bytes, ring_bytes
 from intml.worker.torch.accounting import Traffic
-from intml.worker.torch.backend import BACKEND, IntmlProcessGroup  # importing it registers the backend
+from intml.worker.torch.backend import BACKEND, IntmlProcessGroup, monitored_barrier  # importing it registers the backend
 from intml.worker.torch.config import IntmlConfig
 from intml.worker.torch.hook import IntmlHookState, intml_hook
 from intml.worker.torch.link import AggregatorUnavailable, IntmlError, IntmlFallbackWarning
@@ -66,5 +75,6 @@ __all__ = [
     "Traffic",
     "intml_bytes",
     "intml_hook",
+    "monitored_barrier",
     "ring_bytes",
 ]

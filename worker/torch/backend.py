@@ -15,6 +15,7 @@ every rank must issue them in. Importing this module registers the backend."""
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import timedelta
 
 import torch
@@ -26,6 +27,7 @@ from intml.worker.torch.config import IntmlConfig
 from intml.worker.torch.link import AggregatorLinked, sum_op, value
 
 BACKEND = "intml"
+CPU = torch.device("cpu")
 
 
 class _Work(dist._Work):
@@ -49,10 +51,21 @@ class _Work(dist._Work):
 
 
 def _gloo_group(store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroup:
-    """A ProcessGroup with a Gloo backend, as init_process_group('gloo') builds (not registered with c10d)."""
+    """A ProcessGroup with a Gloo backend, as init_process_group('gloo') builds (not registered with c10d), on
+    keys of its own in `store`: this incarnation's.
+
+    Why not the store's keys as they are: a store can outlive the group (torchrun's agent store lives as long as
+    the job), and ``destroy_process_group()`` resets c10d's group counter, so a re-initialised group gets the same
+    name and store prefix as the one before. Gloo's rendezvous would then read the previous incarnation's
+    addresses, whose listeners are gone ("Gloo connectFullMesh failed ... Connection refused", while a rank that
+    read the new keys waits out the timeout). Every rank adds 1 to a counter in the store before the rendezvous,
+    and no rank can finish a rendezvous before every rank has added, so (count - 1) // size numbers the
+    incarnation alike at every rank."""
+    incarnation = (store.add("intml-incarnations", 1) - 1) // size
+    store = dist.PrefixStore(f"intml-gloo/{incarnation}/", store)
     pg = dist.ProcessGroup(store, rank, size)
     backend = dist.ProcessGroupGloo(store, rank, size, timeout)
-    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    pg._register_backend(CPU, dist.ProcessGroup.BackendType.GLOO, backend)
     pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
     return pg
 
@@ -65,7 +78,14 @@ class IntmlProcessGroup(AggregatorLinked, dist.ProcessGroup):
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta,
                  config: IntmlConfig | None = None) -> None:
         super().__init__(rank, size)
-        self.gloo = _gloo_group(dist.PrefixStore("intml-gloo/", store), rank, size, timeout)
+        self.gloo = _gloo_group(store, rank, size, timeout)
+        # c10d keeps a group's name and description in its backends (ProcessGroup::setGroupName forwards to them,
+        # getGroupName reads the first), so a group with none has no name ("ProcessGroup name not set"), and
+        # functional collectives, DeviceMesh and FSDP2, which find groups by name, cannot use it. The inner Gloo
+        # backend holds them, as it would for init_process_group("gloo"). The collectives still come here: the
+        # C++ trampoline calls this class's methods first.
+        self._register_backend(CPU, dist.ProcessGroup.BackendType.GLOO, self.gloo._get_backend(CPU))
+        self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
         # always on a thread: async_op=True must return at once, and a call does not say whether it is async
         self._attach(config if config is not None else IntmlConfig.from_env(), rank, size, threaded=True)
 
@@ -166,9 +186,31 @@ for _name in ("broadcast", "allgather", "_allgather_base", "allgather_coalesced"
         setattr(IntmlProcessGroup, _name, _delegate(_name))
 
 
-def _create_process_group(store, rank, size, timeout) -> IntmlProcessGroup:
-    return IntmlProcessGroup(store, rank, size, timeout)
+def monitored_barrier(group: dist.ProcessGroup | None = None, timeout: timedelta | None = None,
+                      wait_all_ranks: bool = False) -> None:
+    """``dist.monitored_barrier`` for any group, an intml group included: rank 0 waits at most `timeout` (default:
+    the group's) for every other rank and raises naming the first one missing (all of them with
+    `wait_all_ranks`). Torch's own refuses every backend but Gloo by name ("only implemented for GLOO backend":
+    distributed_c10d compares ``get_backend(group)`` with "gloo", then calls the group's ``monitored_barrier``),
+    so it cannot take a third-party backend; an intml group's runs on its inner Gloo group, and any other group
+    goes to torch's."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    if not isinstance(pg, IntmlProcessGroup):
+        dist.monitored_barrier(group, timeout, wait_all_ranks)
+        return
+    pg.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
+
+
+def _create_process_group(opts, pg_options) -> IntmlProcessGroup:
+    """c10d's creator (its extended API, which names the group's global ranks: none for the default group).
+    INTML_JOB is the default group's job id; every other intml group (``new_group``, a DeviceMesh dimension's
+    groups) is a job of its own whose id its rank 0 draws at random, so that groups never collide on the
+    aggregator."""
+    config = IntmlConfig.from_env()
+    if opts.global_ranks_in_group:
+        config = dataclasses.replace(config, job=None)
+    return IntmlProcessGroup(opts.store, opts.group_rank, opts.group_size, opts.timeout, config)
 
 
 if not hasattr(dist.Backend, BACKEND.upper()):
-    dist.Backend.register_backend(BACKEND, _create_process_group, devices=["cpu"])
+    dist.Backend.register_backend(BACKEND, _create_process_group, extended_api=True, devices=["cpu"])

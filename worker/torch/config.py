@@ -69,10 +69,11 @@ class IntmlConfig:
             elif kind == "bool":
                 values[f.name] = _parse_bool(text, name)
             else:
+                number = "a number" if "float" in kind else "an integer"
                 try:
                     values[f.name] = float(text) if "float" in kind else int(text, 0)
                 except ValueError:
-                    raise ValueError(f"{name} must be a number, got {text!r}") from None
+                    raise ValueError(f"{name} must be {number}, got {text!r}") from None
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise TypeError(f"unknown intml option(s): {sorted(unknown)}")
@@ -88,6 +89,7 @@ class IntmlConfig:
             raise ValueError(f"INTML_MIN_ELEMENTS must be >= 0, got {self.min_elements}")
         if self.warmup_steps < 0:
             raise ValueError(f"INTML_WARMUP_STEPS must be >= 0, got {self.warmup_steps}")
-        if not (self.timeout > 0 and self.connect_timeout > 0):
-            raise ValueError("INTML_TIMEOUT and INTML_CONNECT_TIMEOUT must be > 0")
+        for name, seconds in (("INTML_TIMEOUT", self.timeout), ("INTML_CONNECT_TIMEOUT", self.connect_timeout)):
+            if not seconds > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {seconds}")
         return self

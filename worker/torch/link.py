@@ -90,9 +90,11 @@ class Link:
     def _failure(self) -> IntmlError:
         w = self.worker
         if self.failed is None:
-            return IntmlError(f"intml: job {w.job} rank {w.rank}: the link to the aggregator is closed")
-        return IntmlError(f"intml: job {w.job} rank {w.rank}: an earlier allreduce through the aggregator "
-                          f"{w.host}:{w.port} failed, so this group cannot allreduce any more: {self.failed}")
+            return IntmlError(f"intml: job {w.job} rank {w.rank} cannot allreduce: its link to the aggregator was "
+                              f"closed (the process group was destroyed or the hook state closed)")
+        return IntmlError(f"intml: job {w.job} rank {w.rank} cannot allreduce any more because an earlier "
+                          f"allreduce through the aggregator {w.host}:{w.port} failed ({self.failed}); destroy the "
+                          f"process group and initialise a new one to go on")
 
     @staticmethod
     def _fail(fut: Future, exc: BaseException) -> None:
@@ -170,41 +172,66 @@ def connect(config: IntmlConfig, rank: int, world_size: int, control_allreduce: 
     control_allreduce(ids)
     job, seed = int(ids[0]), int(ids[1])
 
-    # Status per rank: 0 joined, 1 unreachable (or no address), 2 refused or misconfigured.
+    # Each rank's outcome, summed over the group so that every rank takes the same path.
     w = None
     reason = ""
     status = torch.zeros(world_size, dtype=torch.int64)
     if not config.aggregator:
-        status[rank], reason = 1, "no aggregator address (set INTML_AGGREGATOR=host:port)"
+        status[rank] = NO_ADDRESS
     else:
         try:
             w = Worker(config.aggregator, job=job, rank=rank, world_size=world_size, token=config.token,
                        codec=config.codec, packet_elements=config.packet_elements, pool_size=config.pool_size,
                        seed=seed, timeout=config.timeout, connect_timeout=config.connect_timeout)
         except (AllreduceTimeout, OSError) as exc:
-            status[rank], reason = 1, f"{type(exc).__name__}: {exc}"
-        except (JoinError, ValueError) as exc:
-            status[rank], reason = 2, f"{type(exc).__name__}: {exc}"
+            status[rank], reason = UNREACHABLE, f"{type(exc).__name__}: {exc}"
+        except JoinError as exc:
+            status[rank], reason = REFUSED, str(exc)
+        except ValueError as exc:
+            status[rank], reason = MISCONFIGURED, str(exc)
     control_allreduce(status)
     if not status.any():
         return Link(w, config, traffic, threaded)
     if w is not None:
         w.close()
-    failed = status.nonzero().flatten().tolist()
-    where = f"aggregator {config.aggregator}" if config.aggregator else "no aggregator configured"
-    mine = f" (this rank: {reason})" if reason else ""
-    if bool((status == 2).any()):
-        refused = (status == 2).nonzero().flatten().tolist()
-        raise AggregatorUnavailable(f"intml: ranks {refused} could not join job {job} at {where}: refused by the "
-                                    f"aggregator or misconfigured{mine}; check INTML_AGGREGATOR, INTML_TOKEN, "
-                                    f"INTML_CODEC, INTML_PACKET_ELEMENTS and INTML_JOB")
-    message = f"intml: {where} unreachable from ranks {failed} of {world_size} at start-up{mine}"
+    message = startup_failure(status.tolist(), job, config.aggregator, reason)
+    if status.max() >= REFUSED:  # a configuration error: falling back would hide it
+        raise AggregatorUnavailable(message)
     if config.fallback == "gloo":
         warnings.warn(f"{message}; falling back to Gloo's ring allreduce (INTML_FALLBACK=gloo)",
                       IntmlFallbackWarning, stacklevel=3)
         return None
-    raise AggregatorUnavailable(f"{message}. Start `intml-aggregator --host HOST --port PORT` and set "
-                                f"INTML_AGGREGATOR=HOST:PORT, or set INTML_FALLBACK=gloo to train with Gloo instead")
+    raise AggregatorUnavailable(f"{message}; start `intml-aggregator --host HOST --port PORT` and set "
+                                f"INTML_AGGREGATOR=HOST:PORT at every rank, or set INTML_FALLBACK=gloo to train with "
+                                f"Gloo instead")
+
+
+# A rank's start-up outcome (connect), worst last: the group goes by the worst.
+JOINED, NO_ADDRESS, UNREACHABLE, REFUSED, MISCONFIGURED = range(5)
+
+
+def startup_failure(status: list[int], job: int, address: str | None, reason: str) -> str:
+    """The start of the one-sentence error every rank raises (or warns) when some rank could not join: what went
+    wrong at which ranks, with this rank's own reason, and for a configuration error what to check."""
+    def ranks(outcome: int) -> list[int]:
+        return [r for r, s in enumerate(status) if s == outcome]
+
+    n = len(status)
+    mine = f" (this rank: {reason})" if reason else ""
+    at = f"the aggregator at {address}" if address else "the aggregator"
+    if ranks(MISCONFIGURED):
+        return (f"intml: ranks {ranks(MISCONFIGURED)} of {n} have an invalid intml setting{mine}; correct it "
+                f"(INTML_AGGREGATOR is host:port; INTML_JOB, INTML_PACKET_ELEMENTS and INTML_POOL have limits) there")
+    if ranks(REFUSED):
+        return (f"intml: {at} refused ranks {ranks(REFUSED)} of {n} for job {job}{mine}; check that INTML_TOKEN is "
+                f"one the aggregator was started with and that INTML_CODEC, INTML_PACKET_ELEMENTS, INTML_POOL and "
+                f"INTML_JOB are the same at every rank and free on the aggregator")
+    problems = []
+    if ranks(NO_ADDRESS):
+        problems.append(f"INTML_AGGREGATOR is not set at ranks {ranks(NO_ADDRESS)} of {n}")
+    if ranks(UNREACHABLE):
+        problems.append(f"{at} is unreachable from ranks {ranks(UNREACHABLE)} of {n} at start-up{mine}")
+    return "intml: " + " and ".join(problems)
 
 
 _LINKS: weakref.WeakSet = weakref.WeakSet()
