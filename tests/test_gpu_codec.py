@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from numba.core import config
 
 from intml.protocol import arith, cnat
-from intml.protocol.rng import BLOCK
+from intml.protocol.rng import BLOCK, stream_key
 
 if "numba.cuda" not in sys.modules and os.environ.get("INTML_TEST_CUDA_DEVICE") != "1":
     config.ENABLE_CUDASIM = True
@@ -91,6 +91,35 @@ def test_encode_equals_cpu(data, floor, offset, seed, stream):
     got = cnat_cuda.encode_nearest(cuda.to_device(x), floor=floor)
     assert got.codes.copy_to_host().tolist() == nearest.codes.tolist()
     assert got.saturated == nearest.saturated
+
+
+@FEW
+@given(data=st.data(), chunk=st.sampled_from([1, 7, 64, 100]), offset=offsets, seed=st.integers(0, 2**64 - 1))
+def test_per_chunk_floors_equal_cpu(data, chunk, offset, seed):
+    """A floor per chunk (a bucket's chunks at their own or agreed floors): each chunk's codes are the CPU's encode
+    of that chunk at its floor and offset, and each chunk's values its decode."""
+    x = data.draw(finite_values(data.draw(floors), max_size=200))
+    chunks = -(-x.size // chunk)
+    chunk_floors = data.draw(st.lists(floors, min_size=chunks, max_size=chunks))
+    parts = [cnat.encode(x[c * chunk : (c + 1) * chunk], seed=seed, stream=9, floor=f, offset=offset + c * chunk)
+             for c, f in enumerate(chunk_floors)]
+    got = cnat_cuda.encode_chunks(cuda.to_device(x), key=stream_key(seed, 9), floors=chunk_floors,
+                                  chunk_elements=chunk, offset=offset)
+    codes = np.concatenate([p.codes for p in parts])
+    assert got.codes.copy_to_host().tolist() == codes.tolist()
+    assert got.saturated == sum(p.saturated for p in parts)
+    values = cnat_cuda.decode_chunks(got.codes, floors=chunk_floors, chunk_elements=chunk).copy_to_host()
+    want = np.concatenate([cnat.decode(codes[c * chunk : (c + 1) * chunk], floor=f)
+                           for c, f in enumerate(chunk_floors)])
+    assert _bits(values).tolist() == _bits(want).tolist()
+
+
+def test_per_chunk_floors_are_checked():
+    x = cuda.to_device(np.zeros(10, np.float32))
+    with pytest.raises(ValueError, match="3 floors for 10 elements"):
+        cnat_cuda.encode_chunks(x, key=1, floors=[0, 0, 0], chunk_elements=2)
+    with pytest.raises(ValueError, match="floors must be in"):
+        cnat_cuda.decode_chunks(cuda.to_device(np.zeros(10, np.uint8)), floors=[0, -150], chunk_elements=5)
 
 
 def test_encode_saturates_and_chunks_like_cpu():
@@ -249,10 +278,10 @@ def test_ptx_wraps():
         print("kernels-compiled")
         u8, i64 = t.Array(t.uint8, 1, "C"), t.Array(t.int64, 1, "C")
         f32 = t.Array(t.float32, 1, "C")
-        for name, sig in [("_encode_kernel", (u32, u8, t.uint64, t.uint64, t.int64, t.boolean, i64)),
+        for name, sig in [("_encode_kernel", (u32, u8, t.uint64, t.uint64, i64, t.int64, t.boolean, i64)),
                           ("_chunk_stats_kernel", (u32, t.int64, t.int64, t.int64, t.Array(t.int8, 1, "C"), u32,
                                                    i64)),
-                          ("_decode_kernel", (u8, u32, t.uint32)), ("_decode_accumulate_kernel", (u8, f32, f32))]:
+                          ("_decode_kernel", (u8, u32, i64, t.int64)), ("_decode_accumulate_kernel", (u8, f32, f32))]:
             cuda.compile_ptx(getattr(kernels, name).py_func, sig, cc=(9, 0))
         """, cnat_cuda.__file__)
     if result.returncode == 77:

@@ -9,7 +9,8 @@ every integer at a fixed width and those functions cast each step with ``np.uint
 ``tests/test_gpu_codec.py`` checks the codes under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) and, where
 NVVM is installed, that the PTX multiplies at those widths.
 
-Per element, the device computes what the CPU computes per element:
+Per element, at its chunk's floor (``floors[j // chunk_elements]``: a bucket's chunks at their own or agreed
+floors in one launch; the single-floor functions are one chunk), the device computes what the CPU computes:
 
 * the random word of global element g = offset + j: ``lowbias32(lo ^ block_key(key, hi))``, lo and hi being
   g's low and high 32 bits (the CPU derives the block key once per block; it is the same number);
@@ -31,6 +32,8 @@ from numba import config, cuda
 from intml.protocol.arith import EXP_MAX, EXP_MIN, chunk_exponent
 from intml.protocol.cnat import (
     F32_LARGEST,
+    F_MAX,
+    F_MIN,
     check_floor,
     decode_bits,
     decode_origin,
@@ -62,13 +65,12 @@ class ChunkStats(NamedTuple):
 
 
 @cuda.jit
-def _encode_kernel(bits, out, key, offset, floor, stochastic, counts):
-    """out = codes of bits (float32 bits of elements offset.. of the tensor) at floor; counts[0] += saturated
-    elements, counts[1] = min(counts[1], index of a non-finite value)."""
-    fast_floor, kfl, small_bits, bias, sat_bits = encode_params(floor)
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for j in range(start, bits.size, stride):
+def _encode_kernel(bits, out, key, offset, floors, chunk_elements, stochastic, counts):
+    """out = codes of bits (float32 bits of elements offset.. of the tensor), element j at floors[j //
+    chunk_elements]; counts[0] += saturated elements, counts[1] = min(counts[1], index of a non-finite value)."""
+    for j in range(cuda.grid(1), bits.size, cuda.gridsize(1)):
+        floor = floors[j // chunk_elements]
+        fast_floor, kfl, small_bits, bias, sat_bits = encode_params(floor)
         g = _U64(_U64(offset) + _U64(j))
         r = encode_word(stochastic, _U32(g & _U64(0xFFFFFFFF)), block_key(key, g >> _U64(32)))
         b = bits[j]
@@ -114,10 +116,10 @@ def _chunk_stats_kernel(bits, chunk_elements, lo, hi, exponents, lows, bad):
 
 
 @cuda.jit
-def _decode_kernel(codes, out, t0):
-    """out (uint32 view of float32) = the values of codes (t0 = decode_origin(floor))."""
+def _decode_kernel(codes, out, floors, chunk_elements):
+    """out (uint32 view of float32) = the values of codes, code j at floors[j // chunk_elements]."""
     for j in range(cuda.grid(1), codes.size, cuda.gridsize(1)):
-        out[j] = decode_bits(codes[j], t0)
+        out[j] = decode_bits(codes[j], decode_origin(floors[j // chunk_elements]))
 
 
 @cuda.jit
@@ -158,26 +160,47 @@ def _out(out: Any, n: int, dtype: type, stream: Any) -> Any:
     return flat
 
 
-def launch_encode(x: Any, out: Any, key: int, offset: int, floor: int, stochastic: bool, stream: Any = 0) -> Any:
-    """Queue the encode of float32 x into uint8 out on stream, without waiting: returns the device array
-    counts, [saturated elements, index of the first non-finite value or x.size], valid once the stream has run."""
+def _floors(floors: Any, n: int, chunk_elements: int, stream: Any) -> Any:
+    """The per-chunk floors as an int64 device array, checked: one per chunk of chunk_elements (the last may be
+    short) covering n elements."""
+    if chunk_elements < 1:
+        raise ValueError(f"chunk_elements must be >= 1, got {chunk_elements}")
+    host = np.asarray(floors, np.int64).reshape(-1)
+    if host.size != max(1, -(-n // chunk_elements)):
+        raise ValueError(f"{host.size} floors for {n} elements in chunks of {chunk_elements}")
+    if host.size and not (F_MIN <= host.min() and host.max() <= F_MAX):
+        raise ValueError(f"floors must be in [{F_MIN}, {F_MAX}], got [{host.min()}, {host.max()}]")
+    return cuda.to_device(host, stream=stream)
+
+
+def launch_encode(x: Any, out: Any, key: int, offset: int, floors: Any, chunk_elements: int, stochastic: bool,
+                  stream: Any = 0) -> Any:
+    """Queue the encode of float32 x into uint8 out on stream, element j at floors[j // chunk_elements] (host
+    values, one per chunk), without waiting: returns the device array counts, [saturated elements, index of the
+    first non-finite value or x.size], valid once the stream has run."""
     flat = _device(x, np.float32, "x")
     codes = _out(out, flat.size, np.uint8, stream)
     if offset < 0:
         raise ValueError(f"offset must be >= 0, got {offset}")
     counts = cuda.to_device(np.array([0, flat.size], np.int64), stream=stream)
     _encode_kernel[_blocks(flat.size), THREADS, stream](
-        flat.view(np.uint32), codes, _U64(key), _U64(offset), check_floor(floor), bool(stochastic), counts
+        flat.view(np.uint32), codes, _U64(key), _U64(offset), _floors(floors, flat.size, chunk_elements, stream),
+        chunk_elements, bool(stochastic), counts
     )
     return counts
 
 
-def _run_encode(x: Any, out: Any, key: int, offset: int, floor: int, stochastic: bool, stream: Any) -> Encoded:
+def encode_chunks(x: Any, *, key: int, floors: Any, chunk_elements: int, offset: int = 0, out: Any = None,
+                  stochastic: bool = True, cuda_stream: Any = 0) -> Encoded:
+    """Codes of float32 x, chunk c (elements c * chunk_elements..) at floors[c], random words keyed by (key,
+    offset + j): each chunk's codes are protocol.cnat's encode of that chunk at its floor and offset. Raises
+    ValueError naming the first non-finite value."""
     flat = _device(x, np.float32, "x")
-    codes = _out(out, flat.size, np.uint8, stream)
-    saturated, bad = launch_encode(flat, codes, key, offset, floor, stochastic, stream).copy_to_host(stream=stream)
+    codes = _out(out, flat.size, np.uint8, cuda_stream)
+    counts = launch_encode(flat, codes, key, offset, floors, chunk_elements, stochastic, cuda_stream)
+    saturated, bad = counts.copy_to_host(stream=cuda_stream)
     if bad < flat.size:
-        value = flat[bad : bad + 1].copy_to_host(stream=stream)[0]
+        value = flat[bad : bad + 1].copy_to_host(stream=cuda_stream)[0]
         raise ValueError(f"cannot encode non-finite value {value} at index {bad}")
     return Encoded(codes, int(saturated))
 
@@ -185,12 +208,16 @@ def _run_encode(x: Any, out: Any, key: int, offset: int, floor: int, stochastic:
 def encode(x: Any, *, seed: int, stream: int, floor: int, offset: int = 0, out: Any = None,
            cuda_stream: Any = 0) -> Encoded:
     """protocol.cnat.encode on the device: the same codes, saturation count and non-finite error."""
-    return _run_encode(x, out, stream_key(seed, stream), offset, floor, True, cuda_stream)
+    n = _device(x, np.float32, "x").size
+    return encode_chunks(x, key=stream_key(seed, stream), floors=[check_floor(floor)], chunk_elements=max(1, n),
+                         offset=offset, out=out, cuda_stream=cuda_stream)
 
 
 def encode_nearest(x: Any, *, floor: int, out: Any = None, cuda_stream: Any = 0) -> Encoded:
     """protocol.cnat.encode_nearest on the device."""
-    return _run_encode(x, out, 0, 0, floor, False, cuda_stream)
+    n = _device(x, np.float32, "x").size
+    return encode_chunks(x, key=0, floors=[check_floor(floor)], chunk_elements=max(1, n), out=out,
+                         stochastic=False, cuda_stream=cuda_stream)
 
 
 def chunk_stats(x: Any, chunk_elements: int, codec_range: tuple[int, int] = (EXP_MIN, EXP_MAX),
@@ -214,13 +241,21 @@ def chunk_stats(x: Any, chunk_elements: int, codec_range: tuple[int, int] = (EXP
     return ChunkStats(exponents.copy_to_host(stream=cuda_stream), lows.copy_to_host(stream=cuda_stream))
 
 
-def decode(codes: Any, *, floor: int, out: Any = None, cuda_stream: Any = 0) -> Any:
-    """protocol.cnat.decode on the device: float32 values of uint8 codes at floor (invalid codes give NaN)."""
+def decode_chunks(codes: Any, *, floors: Any, chunk_elements: int, out: Any = None, cuda_stream: Any = 0) -> Any:
+    """float32 values of uint8 codes, chunk c at floors[c] (protocol.cnat.decode of each chunk; invalid codes give
+    NaN): a result's chunks decode straight into the bucket at their agreed floors."""
     flat = _device(codes, np.uint8, "codes")
     values = _out(out, flat.size, np.float32, cuda_stream)
-    _decode_kernel[_blocks(flat.size), THREADS, cuda_stream](flat, values.view(np.uint32),
-                                                             decode_origin(check_floor(floor)))
+    _decode_kernel[_blocks(flat.size), THREADS, cuda_stream](
+        flat, values.view(np.uint32), _floors(floors, flat.size, chunk_elements, cuda_stream), chunk_elements)
     return values
+
+
+def decode(codes: Any, *, floor: int, out: Any = None, cuda_stream: Any = 0) -> Any:
+    """protocol.cnat.decode on the device: float32 values of uint8 codes at floor (invalid codes give NaN)."""
+    n = _device(codes, np.uint8, "codes").size
+    return decode_chunks(codes, floors=[check_floor(floor)], chunk_elements=max(1, n), out=out,
+                         cuda_stream=cuda_stream)
 
 
 def decode_accumulate(codes: Any, acc: Any, *, floor: int, cuda_stream: Any = 0) -> Any:
