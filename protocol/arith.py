@@ -110,7 +110,7 @@ def switch_stream(allreduce: int) -> int:
 
 
 @njit(inline="always")
-def _exponent(top, lo, hi):
+def chunk_exponent(top, lo, hi):
     """E of a chunk whose largest magnitude has float32 bits `top` (finite), clipped to [lo, hi]."""
     return NO_EXP if top == _U32(0) else min(hi, max(lo, int(top >> _U32(23)) - 126))
 
@@ -134,7 +134,7 @@ def chunk_exponents_kernel(x, chunk_elements, lo, hi, out):
             for j in range(c * chunk_elements, bits.size):
                 if (bits[j] & _U32(0x7FFFFFFF)) >= _U32(0x7F800000):
                     return j
-        out[c] = _exponent(top, lo, hi)
+        out[c] = chunk_exponent(top, lo, hi)
     return -1
 
 
@@ -163,7 +163,7 @@ def precode_chunk(x, codes, key, offset, value_bits):
     Once the agreed exponent E >= E_r is known (floor f >= f_r), which power of two a value rounds to changes only
     for values below 2**f, ``has_underflow(low, f)``; otherwise the wire codes are these with k lowered by
     f - f_r (codecs.cnat8.encode_chunk)."""
-    exponent = _exponent(_largest(x.view(np.uint32), 0, x.size), EXP_MIN, EXP_MAX)
+    exponent = chunk_exponent(_largest(x.view(np.uint32), 0, x.size), EXP_MIN, EXP_MAX)
     saturated, bad, _, low = encode_kernel(x, codes, key, _U64(offset), cnat_floor(exponent, value_bits), True)
     return saturated, (offset + bad if bad >= 0 else -1), exponent, _U32(low | _U32(PRECODED))
 

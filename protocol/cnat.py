@@ -64,7 +64,7 @@ K_MASK = 0x3F
 _U32 = np.uint32
 _U64 = np.uint64
 _F32_EXP_BIAS = 127
-_F32_LARGEST = 0x7F7FFFFF  # float32 bits of the largest finite magnitude: above it, Inf and NaN
+F32_LARGEST = 0x7F7FFFFF  # float32 bits of the largest finite magnitude: above it, Inf and NaN
 _DETERMINISTIC_WORD = 0x7FFFFFFF  # r with (r >> 9) = 2**22 - 1: rounds up iff m >= 2**22, i.e. ties away
 
 
@@ -94,7 +94,7 @@ def has_underflow(low, floor):
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def _small_code(b, r, floor):
+def small_code(b, r, floor):
     """The code of float32 bits b with 0 < |x| < 2**max(floor, -126), which the vectorised pass leaves at 0: below
     the floor, 2**floor with probability |x| / 2**floor, else 0; at or above it (a denormal, floor < -126), 2**a
     or 2**(a+1) as for any value. Float64 products of integers and powers of two, all exact."""
@@ -116,30 +116,48 @@ def _small_code(b, r, floor):
 
 
 @njit(inline="always")
-def _word(stochastic, lo, k):
+def encode_word(stochastic, lo, k):
     return lowbias32(_U32(lo ^ k)) if stochastic else _U32(_DETERMINISTIC_WORD)
+
+
+@njit(inline="always")
+def fast_code(b, r, kfl, bias):
+    """The code of float32 bits b with random word r, for the vectorised pass: 0 if the biased exponent is below
+    kfl (zero, or a value small_code must encode), else k = exponent field - bias (= floor + 127, mod 2**32)
+    plus the round-up, capped at K_MAX. Shared by the CPU block loop and the device kernels (worker.gpu)."""
+    e = _U32(_U32(b & _U32(0x7FFFFFFF)) >> 23)
+    kk = _U32(_U32(e - bias) + _U32(_U32(r >> 9) < _U32(b & _U32(0x7FFFFF))))
+    kk = _U32(K_MAX) if kk > _U32(K_MAX) else kk
+    code = _U32(_U32(_U32(b >> 31) << 7) | _U32(NONZERO) | kk)
+    return np.uint8(0) if e < kfl else np.uint8(code)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def _encode_block(bits, out, lo0, k, kfl, bias, stochastic):
     """The branch-free loop that vectorises; kept in its own function because LLVM will not vectorise it inside
-    the block walk. Values with a biased float32 exponent below kfl get 0 (the scalar pass fixes them); k is
-    the exponent field minus bias (= floor + 127, mod 2**32) plus the round-up, capped at K_MAX. Returns the
+    the block walk. Each code is fast_code's (the scalar pass fixes the values it leaves at 0). Returns the
     largest magnitude and the smallest nonzero magnitude minus one, as float bits."""
     top = _U32(0)
     low = _U32(0xFFFFFFFF)
     for j in range(bits.size):
         b = bits[j]
-        r = _word(stochastic, _U32(lo0 + _U32(j)), k)
         ab = _U32(b & _U32(0x7FFFFFFF))
-        e = _U32(ab >> 23)
-        kk = _U32(_U32(e - bias) + _U32(_U32(r >> 9) < _U32(b & _U32(0x7FFFFF))))
-        kk = _U32(K_MAX) if kk > _U32(K_MAX) else kk
-        code = _U32(_U32(_U32(b >> 31) << 7) | _U32(NONZERO) | kk)
-        out[j] = np.uint8(0) if e < kfl else np.uint8(code)
+        out[j] = fast_code(b, encode_word(stochastic, _U32(lo0 + _U32(j)), k), kfl, bias)
         top = max(top, ab)
         low = min(low, _U32(ab - _U32(1)))  # zeros wrap to the maximum and drop out
     return top, low
+
+
+@njit(inline="always")
+def encode_params(floor):
+    """(fast_floor, kfl, small_bits, bias, sat_bits) of an encode at floor: from 2**fast_floor up fast_code
+    encodes (kfl is its biased exponent, small_bits its float32 bits); a nonzero |x| below small_bits takes
+    small_code; bias is fast_code's; a magnitude above sat_bits saturates (or, above the largest float32, is
+    non-finite)."""
+    fast_floor = max(floor, 1 - _F32_EXP_BIAS)
+    bias = _U32(np.int64(floor + _F32_EXP_BIAS) & 0xFFFFFFFF)
+    sat_bits = power_bits(floor + K_MAX) if floor + K_MAX <= F_MAX else _U32(F32_LARGEST)
+    return fast_floor, _U32(fast_floor + _F32_EXP_BIAS), power_bits(fast_floor), bias, sat_bits
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -154,11 +172,7 @@ def encode_kernel(x, out, key, offset, floor, stochastic):
     """
     bits = x.view(np.uint32)
     n = bits.size
-    fast_floor = max(floor, 1 - _F32_EXP_BIAS)  # from here up the vectorised pass encodes; below, _small_code
-    kfl = _U32(fast_floor + _F32_EXP_BIAS)
-    small_bits = power_bits(fast_floor)
-    bias = _U32(np.int64(floor + _F32_EXP_BIAS) & 0xFFFFFFFF)
-    sat_bits = power_bits(floor + K_MAX) if floor + K_MAX <= F_MAX else _U32(_F32_LARGEST)
+    fast_floor, kfl, small_bits, bias, sat_bits = encode_params(floor)
     saturated = 0
     top_all = _U32(0)
     low_all = _U32(0xFFFFFFFF)
@@ -174,7 +188,7 @@ def encode_kernel(x, out, key, offset, floor, stochastic):
         if top > sat_bits:
             for j in range(start, end):
                 ab = bits[j] & _U32(0x7FFFFFFF)
-                if ab > _U32(_F32_LARGEST):
+                if ab > _U32(F32_LARGEST):
                     return saturated, j, top_all, low_all
                 saturated += ab > sat_bits
         if has_underflow(low, fast_floor):
@@ -182,24 +196,37 @@ def encode_kernel(x, out, key, offset, floor, stochastic):
                 b = bits[j]
                 ab = _U32(b & _U32(0x7FFFFFFF))
                 if ab != _U32(0) and ab < small_bits:
-                    out[j] = _small_code(b, _word(stochastic, _U32(lo0 + _U32(j - start)), k), floor)
+                    out[j] = small_code(b, encode_word(stochastic, _U32(lo0 + _U32(j - start)), k), floor)
         start = end
     return saturated, -1, top_all, low_all
+
+
+@njit(inline="always")
+def decode_origin(floor):
+    """t0 = floor - F_MIN: with t = t0 + k, 2**(f + k) is 2**t denormal units, or normal from t = 23."""
+    return _U32(floor - F_MIN)
+
+
+@njit(inline="always")
+def decode_bits(code, t0):
+    """float32 bits of one code's value (t0 = decode_origin(floor)): NaN for an invalid code, +-Inf from
+    f + k = 128. Shared by the CPU loop and the device kernels (worker.gpu)."""
+    c = _U32(code)
+    t = _U32(_U32(c & _U32(K_MASK)) + t0)
+    normal = shl32(min(_U32(t - _U32(22)), _U32(0xFF)), _U32(23))  # exponent field 255: Inf
+    magnitude = normal if t > _U32(22) else shl32(_U32(1), _U32(t & _U32(31)))
+    value = _U32(_U32(_U32(c & _U32(SIGN)) << 24) | magnitude)
+    ok = _U32(c & _U32(NONZERO)) != _U32(0)
+    return value if ok else (_U32(0) if c == _U32(0) else _U32(0x7FC00000))
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def decode_kernel(codes, out, floor):
     """out (uint32 view of float32) = the value of each code at ``floor``; invalid codes give NaN, and values of
     2**128 or more (f + k > 127) +-Inf."""
-    t0 = _U32(floor - F_MIN)  # t = f + k - F_MIN: 2**(f + k) is 2**t denormal units, or normal from t = 23
+    t0 = decode_origin(floor)
     for j in range(codes.size):
-        c = _U32(codes[j])
-        t = _U32(_U32(c & _U32(K_MASK)) + t0)
-        normal = shl32(min(_U32(t - _U32(22)), _U32(0xFF)), _U32(23))  # exponent field 255: Inf
-        magnitude = normal if t > _U32(22) else shl32(_U32(1), _U32(t & _U32(31)))
-        value = _U32(_U32(_U32(c & _U32(SIGN)) << 24) | magnitude)
-        ok = _U32(c & _U32(NONZERO)) != _U32(0)
-        out[j] = value if ok else (_U32(0) if c == _U32(0) else _U32(0x7FC00000))
+        out[j] = decode_bits(codes[j], t0)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
