@@ -205,7 +205,7 @@ class Flow:
 
     def _timeout(self, now: float) -> None:
         self.timeouts += 1
-        self.ssthresh = max((self.nxt - self.una) // 2, 2 * self.mss)
+        self._reduce()
         self.cwnd = self.mss
         for s in self.scoreboard:
             if not s[3]:
@@ -213,7 +213,7 @@ class Flow:
                 self.lost += s[1] - s[0]
         self.recover, self.after_rto, self.probe = self.nxt, True, None
         self.rto = min(2 * self.rto, MAX_RTO)
-        self.rto_at = None  # re-armed by the resend
+        self.rto_at = now + self.rto  # backed off (even if the host's queue holds the resend back)
 
     def _send_probe(self, now: float) -> None:
         self.probes += 1
@@ -309,6 +309,7 @@ class Flow:
         return first
 
     def _reduce(self) -> None:
+        """Halve the window (Reno): ssthresh and cwnd to half the flight, at least two segments."""
         self.ssthresh = max((self.nxt - self.una) // 2, 2 * self.mss)
         self.cwnd = self.ssthresh
 
