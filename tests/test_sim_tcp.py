@@ -4,29 +4,34 @@ parameter server (sim.collectives) against the flow models where both run."""
 from __future__ import annotations
 
 import dataclasses
+import pathlib
+from collections import Counter
 
 import pytest
 
-from intml.sim import models
+from intml.sim import models, validate
 from intml.sim.collectives import TcpRun, simulate_tcp
 from intml.sim.costs import ASIC
 from intml.sim.engine import Simulator
 from intml.sim.network import WIRE_OVERHEAD, Link, Switch
-from intml.sim.tcp import MIN_RTO, Network, TcpHost, mss
+from intml.sim.tcp import MIN_RTO, TLP_SLACK, Network, TcpHost, mss
+
+DATA = pathlib.Path(__file__).resolve().parent.parent / "sim" / "data"
 
 
 class DropOnce(Link):
-    """A link that drops the data segments starting at the given sequence numbers, the first time each passes."""
+    """A link that drops the data segments starting at the given sequence numbers, the first time each passes (a
+    number given k times: the first k times)."""
 
-    def __init__(self, *args, drop: set[int], **kwargs) -> None:
+    def __init__(self, *args, drop, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.drop = set(drop)
+        self.drop = Counter(drop)
 
     def send_many(self, datagrams, now):
         keep = []
         for d in datagrams:
-            if d[0].size and d[0].seq in self.drop:
-                self.drop.discard(d[0].seq)
+            if d[0].size and self.drop[d[0].seq] > 0:
+                self.drop[d[0].seq] -= 1
                 continue
             keep.append(d)
         super().send_many(keep, now)
@@ -39,7 +44,7 @@ def _one_flow(nbytes, rate=1e9, delay=10e-6, drop=(), cwnd=None):
     for h in (a, b):
         h.uplink = Link(sim, switch, rate=rate, delay=delay, queue_bytes=1 << 40)
     switch.attach(1, Link(sim, a, rate=rate, delay=delay))
-    switch.attach(2, DropOnce(sim, b, rate=rate, delay=delay, drop=set(drop)))
+    switch.attach(2, DropOnce(sim, b, rate=rate, delay=delay, drop=drop))
     flow = Network(sim, switch, [a, b], 1500).flow(0, 1)
     if cwnd is not None:
         flow.cwnd = cwnd
@@ -61,19 +66,58 @@ def test_initial_window_hand_computed():
     assert flow.retransmits == 0 and flow.una == 10 * seg  # every segment acknowledged
 
 
-def test_a_lost_segment_is_fast_retransmitted_and_the_last_waits_for_the_timer():
+def test_a_single_loss_is_recovered_by_sack_in_one_round_trip():
+    """Segment 5 of 40 lost: the SACKs of the next three mark it lost (RACK with no reordering window once
+    DupThresh segments are SACKed), it is resent at once, and the flow ends less than a round trip later than
+    without the loss (the resend's own trip), with no timer and no probe."""
     seg = mss(1500)
+    _, clean = _one_flow(40 * seg)
     flow, t = _one_flow(40 * seg, drop={5 * seg})
-    assert flow.retransmits == 1 and flow.timeouts == 0 and t < 0.01
-    assert flow.recover is None and flow.cwnd >= flow.ssthresh  # fast recovery ended on the full acknowledgement
-    # a window of three: the loss of the first leaves two duplicates, and Limited Transmit's two new segments
-    # bring the third: fast retransmit, not the timer
+    assert (flow.retransmits, flow.timeouts, flow.probes) == (1, 0, 0)
+    assert clean < t < clean + flow.min_rtt
+    assert flow.recover is None and flow.cwnd >= flow.ssthresh  # recovery ended on the full acknowledgement
+    assert not flow.scoreboard and flow.sacked == flow.lost == 0
+
+
+def test_a_small_window_recovers_without_duplicate_counting():
+    """A window of three with the first segment lost: the two SACKed segments let two new ones out (pipe, as
+    Limited Transmit), their SACKs reach DupThresh and the hole is resent, not left to the timer."""
+    seg = mss(1500)
     flow, t = _one_flow(20 * seg, drop={0}, cwnd=3 * seg)
-    assert flow.retransmits == 1 and flow.timeouts == 0 and t < 0.01
-    # the last segment lost: no later segment to make duplicate acknowledgements, so the timer (at least
-    # MIN_RTO) resends it
+    assert (flow.retransmits, flow.timeouts) == (1, 0) and t < 0.01
+
+
+def test_a_lost_retransmission_is_recovered_by_rack_without_the_timer():
+    """Segment 5 lost twice: its resend is lost too; the segments sent after the resend are SACKed, and one
+    RACK.rtt after the resend it is marked lost again and resent (NewReno would wait for the 200 ms timer)."""
+    seg = mss(1500)
+    _, clean = _one_flow(40 * seg)
+    flow, t = _one_flow(40 * seg, drop=[5 * seg, 5 * seg])
+    assert (flow.retransmits, flow.timeouts, flow.probes) == (2, 0, 0)
+    assert clean < t < clean + 3 * flow.min_rtt  # two more trips for the hole, far below MIN_RTO
+
+
+def test_a_lost_tail_is_recovered_by_a_probe():
+    """The last two of ten segments lost: no later segment brings SACKs, so 2 SRTT + TLP_SLACK after the last
+    acknowledgement the probe resends the last segment; its SACK makes RACK mark the other lost, and it is resent:
+    about TLP_SLACK plus a few round trips, no timeout. With a single segment out the probe waits as long as the
+    timer would (Linux adds the peer's delayed-acknowledgement allowance, MIN_RTO) but is still a probe."""
+    seg = mss(1500)
+    flow, t = _one_flow(10 * seg, drop={8 * seg, 9 * seg})
+    assert (flow.retransmits, flow.timeouts, flow.probes) == (2, 0, 1)
+    assert TLP_SLACK < t < TLP_SLACK + 6 * flow.srtt
     flow, t = _one_flow(10 * seg, drop={9 * seg})
-    assert flow.timeouts == 1 and MIN_RTO < t < MIN_RTO + 0.01
+    assert (flow.retransmits, flow.timeouts, flow.probes) == (1, 0, 1)
+    assert MIN_RTO < t < MIN_RTO + 0.01
+
+
+def test_the_timer_is_the_last_resort():
+    """The tail and its probe both lost: the retransmission timer fires (at least MIN_RTO after the probe), the
+    window falls to one segment and the unSACKed segments are resent."""
+    seg = mss(1500)
+    flow, t = _one_flow(10 * seg, drop=[8 * seg, 9 * seg, 9 * seg])
+    assert flow.timeouts == 1 and flow.probes == 1
+    assert TLP_SLACK + MIN_RTO < t < TLP_SLACK + MIN_RTO + 0.01
 
 
 @pytest.mark.parametrize("case", [
@@ -134,3 +178,16 @@ def test_the_receiver_joins_held_data_across_moved_segment_boundaries():
     assert flow.rcv_nxt == 1500 and set(flow.ooo) == {2000}
     flow.on_data(1500, 500, 0.0, 0.0)
     assert flow.rcv_nxt == 2100 and not flow.ooo
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_gloo_at_one_percent_loss_against_the_testbed(workers):
+    """The testbed's Gloo ring at 1% loss (Linux TCP with SACK and RACK-TLP, n = 2, 4 at 100 Mbit, MTU 1500):
+    predicted within 20% (recorded: +7.7%, +14.2%; the points are not purely link-bound, link use 0.74-0.85).
+    At 5% the model does not validate (about 12x and 15x too slow: 200 ms timeouts when a window of a few
+    segments loses its tail and its probe, see sim.tcp), so no tolerance is claimed there."""
+    data = validate.load(str(DATA / "cluster_loss1_2026-11-23.json"))
+    row = next(r for r in data["rows"] if r["system"] == "gloo ring" and r["workers"] == workers)
+    predicted, method = validate.predict(row, data["pool"])
+    assert method == "packet (tcp)"
+    assert abs(predicted / row["median_s"] - 1) < 0.20
