@@ -217,7 +217,7 @@ class SlotReference:
         lo, hi = EXPONENTS
         if any(e != NO_EXP and not lo <= e <= hi for e in (h["exp"], h["next_exp"])):
             return "drop_bad_exponent"
-        if h["owners"] and (h["owners"] - 1) % 64 + (h["owners"] - 1) // 64 >= job.world:
+        if h["owners"] and _owners(h["owners"])[1] >= job.world:
             return "drop_bad_owner"
         return ""
 
@@ -269,8 +269,8 @@ class SlotReference:
         and the rank is not one of them."""
         if not s.owners:
             return s.result
-        first, span = (s.owners - 1) % 64, (s.owners - 1) // 64
-        return s.result if first <= rank <= first + span else s.completion
+        first, last = _owners(s.owners)
+        return s.result if first <= rank <= last else s.completion
 
     @staticmethod
     def _send(job: Job, datagrams: list[tuple[bytes, int]]) -> list[tuple[bytes, int]]:
@@ -316,3 +316,10 @@ class SlotReference:
         if job.mac_key is None:
             return result, completion
         return result + tag_ref(*job.mac_key, result), completion and completion + tag_ref(*job.mac_key, completion)
+
+
+def _owners(code: int) -> tuple[int, int]:
+    """The first and last rank of a nonzero owners code (docs/protocol.md, "Reduce-scatter"): code - 1 = 64 span +
+    first. Written out here, apart from protocol.packet.owner_range, so that the reference checks the kernel."""
+    first, span = (code - 1) % 64, (code - 1) // 64
+    return first, first + span
