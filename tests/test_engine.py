@@ -311,14 +311,22 @@ def test_non_finite_input_raises_and_the_job_goes_on(codec, where, value, faults
         else:
             net._from_worker(r, engine_start(net.engines[r], x, net.now))
 
+    def chunks_sent() -> set[int]:
+        return {int(header(d)["chunk"]) for d, src, _ in net.sent_up if src == net.addr(0)}
+
     def stuck() -> bool:
         """Rank 0 is done, and the others wait only for rounds it never joined (they keep retransmitting the
         rest until they have its result, as real ranks do until their timeout)."""
-        sent = {int(header(d)["chunk"]) for d, src, _ in net.sent_up if src == net.addr(0)}
+        sent = chunks_sent()
         return e.done and all(int(c) not in sent for o in net.engines[1:] for c in o.state.cur_chunk if c != IDLE)
 
+    # what rank 0 had sent when it found the value: a chunk past it may be among them (read a window ahead, by a
+    # slot that ran ahead of the others under faults), but nothing new goes out from then on
+    sent_when_found = chunks_sent() if e.non_finite is not None else None
     for _ in range(20_000):
         net.step()
+        if sent_when_found is None and e.non_finite is not None:
+            sent_when_found = chunks_sent()
         if stuck():
             break
     assert stuck() and not any(other.done for other in net.engines[1:])
@@ -326,8 +334,8 @@ def test_non_finite_input_raises_and_the_job_goes_on(codec, where, value, faults
         assert e.non_finite == where
         with pytest.raises(ValueError, match=f"cannot allreduce non-finite value {value} at index {where}"):
             e.check_finite()
-    sent = {int(header(d)["chunk"]) for d, src, _ in net.sent_up if src == net.addr(0)}
-    assert all(c < where // P64 for c in sent)
+    sent = chunks_sent()
+    assert sent == sent_when_found and where // P64 not in sent
     assert bool(sent) != early
     ys = make_inputs(n, chunks * P64 + 7, P64, "normal", seed=10)
     assert_all_equal(net.allreduce(ys), ref(ys, codec, P64, seq=1))
@@ -582,20 +590,36 @@ def test_engine_late_result_of_earlier_allreduce_is_stale_not_foreign():
     assert counter_diff(before, engine.counters()) == {"packets_in": 1, "drop_stale": 1}
 
 
-def test_engine_timers_retransmit_identically_with_backoff():
+def test_engine_timer_probes_a_silent_core_one_slot_at_a_time_with_backoff():
+    """Both slots wait on a silent core: each timeout retransmits only the earliest due slot (byte for byte),
+    restarts the core's silence and doubles the core's backoff, up to max_rto."""
     engine, _, sent = lone_engine(rto=1.0, min_rto=0.25, max_rto=5.0)
     assert engine.get_timer() == 1.0
     assert engine_timer(engine, 0.999) == []
-    t, deadlines = 1.0, []
-    for _ in range(6):
-        out = engine_timer(engine, t)
-        assert out == sent  # the stored datagrams, byte for byte, to the same addresses
-        deadlines.append(engine.get_timer() - t)
-        t = engine.get_timer()
-    assert deadlines == [2.0, 4.0, 5.0, 5.0, 5.0, 5.0]  # doubling, capped at max_rto
-    assert engine.counters()["retransmissions"] == 6 * POOL
-    assert engine.counters()["packets_out"] == 7 * POOL
+    # due at max(sent at, the core's last probe) + min(max_rto, RTO x backoff); of slots due at once the least
+    # recently sent first, so that they take turns
+    probes = [(1.0, 0), (3.0, 1), (7.0, 0), (12.0, 1), (17.0, 0), (22.0, 1)]
+    for t, slot in probes:
+        assert engine.get_timer() == t
+        assert engine_timer(engine, t) == [sent[slot]]  # the stored datagram, to the same address
+    assert engine.counters()["retransmissions"] == len(probes)
+    assert engine.counters()["packets_out"] == POOL + len(probes)
     assert engine.rto == 1.0  # no round-trip sample yet: the initial RTO
+
+
+def test_engine_timer_probes_each_silent_core_and_a_result_restarts_its_core():
+    """Slots 0 and 2 live on core 0, 1 and 3 on core 1: each core has its own silence and backoff. Core 1 answers
+    slot 1 at 0.5: its slot 3 is due an RTO after that, not after its sending, while silent core 0's earliest
+    slot is probed at 1.0."""
+    agg1 = agg_addr(1)
+    engine, _, sent = lone_engine(rto=1.0, min_rto=0.25, max_rto=8.0, agg_addrs=(AGG, agg1), pool=4, size=64)
+    engine_receive(engine, [(result_for(sent[1][0], next_exp=3), agg1)], 0.5)
+    assert engine_timer(engine, 1.0) == [sent[0]]
+    assert engine.get_timer() == 1.5  # slot 3: core 1 was heard at 0.5, and is not backed off
+    assert engine_timer(engine, 1.5) == [sent[3]]
+    assert engine.get_timer() == 3.0  # slot 2: core 0's probe at 1.0, then its RTO doubled
+    assert engine_timer(engine, 3.0) == [sent[2]]
+    assert engine.counters()["retransmissions"] == 3
 
 
 class Rfc6298:
@@ -615,6 +639,41 @@ class Rfc6298:
         self.rto = min(self.hi, max(self.lo, self.srtt + 4 * self.rttvar))
 
 
+@pytest.mark.parametrize("late_peer", [False, True])
+def test_engine_timer_resends_the_rest_soon_once_a_silent_core_answers_a_probe(late_peer):
+    """Slot 3 samples the round trip (0.1) and finishes; slots 0-2 wait on a silent core. Slot 0's probe (at
+    1.2) is answered at 1.25: the core is alive, so slots 1 and 2, sent before that answer, are lost and go out
+    together SRTT (0.1) later, not one at a time an RTO (1.0) apart. Unless a result of a slot that was not
+    retransmitted follows (a late peer: its slots' results come together), which makes them wait an RTO again
+    and be probed one at a time."""
+    engine, _, sent = lone_engine(rto=1.0, min_rto=0.25, max_rto=8.0, pool=4, size=32)
+    (chunk3, _), = engine_receive(engine, [(result_for(sent[3][0], next_exp=3), AGG)], 0.1)
+    assert engine_receive(engine, [(result_for(chunk3, next_exp=NO_EXP), AGG)], 0.2) == []
+    assert engine.timing[0] == pytest.approx(0.1)  # SRTT
+    assert engine_timer(engine, 1.2) == [sent[0]]
+    (chunk0, _), = engine_receive(engine, [(result_for(sent[0][0], next_exp=3), AGG)], 1.25)
+    if late_peer:
+        engine_receive(engine, [(result_for(chunk0, next_exp=NO_EXP), AGG)], 1.3)
+        assert engine.get_timer() == 1.3 + 1.0
+        assert engine_timer(engine, 2.3) == [sent[1]]
+    else:
+        assert engine.get_timer() == pytest.approx(1.25 + 0.1)
+        assert engine_timer(engine, 1.35) == [sent[1], sent[2]]
+        assert engine.get_timer() == pytest.approx(1.35 + 2 * 0.25)  # chunk 0: its own RTO, after the resend
+
+
+def test_answered_probes_do_not_fast_retransmit_the_slots_they_seem_to_overtake():
+    """A late peer: slots 0-2 are probed at 1, 3 and 7 while the core waits for it; then the results of all four
+    come. Those of the probed slots may answer their first sending (Karn), so they overtake nothing: slot 3 is
+    not fast retransmitted, though three of them came before its own."""
+    engine, _, sent = lone_engine(rto=1.0, min_rto=0.25, max_rto=8.0, pool=4, size=64)
+    for t, slot in ((1.0, 0), (3.0, 1), (7.0, 2)):
+        assert engine_timer(engine, t) == [sent[slot]]
+    out = engine_receive(engine, [(result_for(sent[s][0], next_exp=3), AGG) for s in (0, 1, 2)], 7.5)
+    assert [int(header(d)["chunk"]) for d, _ in out] == [0, 1, 2]
+    assert engine.counters()["fast_retransmissions"] == 0
+
+
 def test_engine_timer_earliest_deadline_and_adaptive_rto():
     model = Rfc6298(1.0, 0.25, 8.0)
     engine, _, sent = lone_engine(rto=1.0, min_rto=0.25, max_rto=8.0)
@@ -622,22 +681,28 @@ def test_engine_timer_earliest_deadline_and_adaptive_rto():
     (data0, _), = engine_receive(engine, [(result_for(sent[0][0], next_exp=3), AGG)], 0.5)
     model.sample(0.5)
     assert engine.rto == model.rto == 1.5
-    assert engine.get_timer() == 1.0  # slot 1 still waits on its first RTO; slot 0 is due at 0.5 + 1.5
-    assert engine_timer(engine, 1.0) == [sent[1]]  # only the expired slot
-    assert engine.get_timer() == 2.0  # slot 0: 0.5 + 1.5; slot 1: 1.0 + 2 * 1.0
-    # slot 1's result after its retransmission: no sample (Karn); its next chunk gets the current RTO
-    (data1, _), = engine_receive(engine, [(result_for(sent[1][0], next_exp=3), AGG)], 1.25)
+    assert engine.get_timer() == 1.5  # slot 1's RTO counts from the core's result at 0.5; slot 0 is due at 2.0
+    assert engine_timer(engine, 1.5) == [sent[1]]  # only the expired slot
+    assert engine.get_timer() == 3.5  # backed off: slot 1 at 1.5 + 2 * 1.0, slot 0 at 1.5 + 2 * 1.5
+    # slot 1's result 0.25 after its retransmission, sooner than SRTT (0.5): the original's, a spurious one; no
+    # sample (Karn); its next chunk gets the current RTO
+    (data1, _), = engine_receive(engine, [(result_for(sent[1][0], next_exp=3), AGG)], 1.75)
     assert engine.rto == model.rto
-    assert engine.get_timer() == 2.0
-    # slot 0's chunk 0 result, 1.0 after it was sent: a second sample; chunk 2 goes out with the new RTO
-    (data2, _), = engine_receive(engine, [(result_for(data0, next_exp=3), AGG)], 1.5)
-    model.sample(1.0)
-    assert engine.rto == model.rto == 1.8125
+    assert engine.counters()["spurious_retransmissions"] == 1
+    # the backoff ended; slot 0, sent before this answer to a retransmission, is due SRTT after it
+    assert engine.get_timer() == 1.75 + 0.5
+    # slot 0's chunk 0 result, 1.5 after it was sent: a second sample; chunk 2 goes out with the new RTO
+    (data2, _), = engine_receive(engine, [(result_for(data0, next_exp=3), AGG)], 2.0)
+    model.sample(1.5)
+    assert engine.rto == model.rto == 2.375
     assert header(data2)["chunk"] == 2
-    assert engine.get_timer() == 1.25 + 1.5  # slot 1 (sent at 1.25) before slot 0 (1.5 + 1.8125)
+    assert engine.get_timer() == 2.0 + 1.5  # slot 1 (RTO 1.5) before slot 0 (2.0 + 2.375)
     assert engine.counters()["retransmissions"] == 1
-    assert engine_timer(engine, 2.75) == [(data1, AGG)]
-    assert engine.get_timer() == 1.5 + 1.8125
+    assert engine_timer(engine, 3.5) == [(data1, AGG)]
+    assert engine.get_timer() == 3.5 + 2 * 1.5  # slot 1 backed off, before slot 0 (3.5 + 2 * 2.375)
+    # slot 1's result a round trip after its retransmission (0.7 > SRTT 0.625): not counted as spurious
+    engine_receive(engine, [(result_for(data1, next_exp=3), AGG)], 4.2)
+    assert engine.counters()["spurious_retransmissions"] == 1
 
 
 def test_engine_rto_bounded_by_min_and_max():
@@ -687,4 +752,4 @@ def test_engine_hands_out_bursts_over_its_own_datagram_buffers():
     assert out is engine.tx and out.count == 1
     assert int(out.ptr[0]) == engine.packet[0, engine.parity[0]].ctypes.data  # slot 0's next chunk, in place
     assert engine.handle_timer(0.002).count == 0
-    assert engine.get_timer() == WorkerTimers.rto  # the other slots, sent at 0 with the default RTO
+    assert engine.get_timer() == 0.001 + WorkerTimers.rto  # the other slots: the default RTO from the result

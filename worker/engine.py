@@ -12,14 +12,27 @@ One allreduce of a flat float32 tensor of N elements, packet size P and pool siz
   round carries the switch's maximum, the exponent every worker then encodes chunk c + W' against.
 * Each use of a slot flips its shadow set; the parity persists over the job's life, so consecutive uses of a
   slot alternate sets across allreduces too, as the switch requires.
-* A slot whose result is late is retransmitted (the stored datagram, byte for byte) after an RTO that doubles
-  on each retry up to ``max_rto``. The RTO adapts as TCP's does (RFC 6298): SRTT + 4 RTTVAR from round-trip
-  samples of slots that were not retransmitted (Karn), bounded by [min_rto, max_rto]. A fixed RTO either
-  fires spuriously when the aggregator's CPU is busy, which adds load exactly when it hurts, or waits too
-  long after a real loss. Fast retransmit (TCP's duplicate-ACK rule, per slot): a slot overtaken by
-  FAST_RETRANSMIT results of slots sent after it to the same aggregator core is presumed lost and retransmitted
-  at once, so a loss costs about one round trip instead of an RTO. Results that are duplicate, stale (another
-  allreduce, chunk or shadow set), foreign (another job or source) or malformed are counted and dropped.
+* A slot whose result is late is retransmitted (the stored datagram, byte for byte). The RTO adapts as TCP's
+  does (RFC 6298): SRTT + 4 RTTVAR from round-trip samples of slots that were not retransmitted (Karn), bounded
+  by [min_rto, max_rto]. A fixed RTO either fires spuriously when the aggregator's CPU is busy, which adds load
+  exactly when it hurts, or waits too long after a real loss. Fast retransmit (TCP's duplicate-ACK rule, per
+  slot): a slot overtaken by FAST_RETRANSMIT results of slots sent after it to the same aggregator core is
+  presumed lost and retransmitted at once, so a loss costs about one round trip instead of an RTO; it recurs
+  while results flow, so losses amid a stream need no timer.
+  The timer is for a silent aggregator core, and it measures silence, as TCP's does (RFC 6298 5.3: restarted by
+  every result): a slot is due once its RTO passed since the later of its own sending and its core's last
+  result or probe. A busy, queueing core keeps answering, so its queue's delay fires nothing however far it
+  exceeds the RTO. When a core does fall silent (a peer that has not sent yet, a process off the CPU), every
+  slot in flight there is due at once: the timer retransmits only the earliest due one, a probe, and backs the
+  core off, doubling its slots' RTOs (up to ``max_rto``) until it answers. Retransmitting every due slot (as
+  each slot's own timer did) multiplied a silence of k RTOs by the window, into the queue of the aggregator
+  it waited on; losses amid a stream are fast retransmitted instead. A core whose last answer was to a
+  retransmission is alive and was not waiting for a peer (a late peer's slots complete together, so a probe's
+  answer comes with the other slots' results, not retransmitted): the slots sent before that answer are due
+  SRTT after it, all at once, as losses at the end of a stream need.
+  A result of a retransmitted slot that comes sooner than the fastest round trip seen after the retransmission
+  answers the original: counted as spurious_retransmissions. Results that are duplicate, stale (another allreduce, chunk or shadow
+  set), foreign (another job or source) or malformed are counted and dropped.
 * With the job's DATA/RESULT MAC (``data_mac_keys``), every DATA datagram ends in a SipHash-2-4 tag under the data
   key of the core its slot lives on, and the result a slot waits for is taken only if its tag is valid: a forged
   or altered RESULT is counted (drop_bad_mac) and dropped, so it can make no rank diverge.
@@ -95,9 +108,10 @@ STAT_NAMES = (
     "drop_stale",
     "saturated_elements",
     "drop_bad_mac",
+    "spurious_retransmissions",
 )
 (PACKETS_OUT, PACKETS_IN, RETRANSMISSIONS, FAST_RETRANSMISSIONS, RESULTS, DROP_MALFORMED, DROP_FOREIGN, DROP_STALE,
- SATURATED, DROP_BAD_MAC) = range(len(STAT_NAMES))
+ SATURATED, DROP_BAD_MAC, SPURIOUS) = range(len(STAT_NAMES))
 FAST_RETRANSMIT = 3  # results of later-sent slots that mark a slot as lost
 IDLE = np.iinfo(np.int64).min  # cur_chunk of a slot with nothing in flight
 
@@ -107,7 +121,7 @@ IDLE = np.iinfo(np.int64).min  # cur_chunk of a slot with nothing in flight
 State = namedtuple(
     "State",
     "params x out local_exp agreed_exp cur_chunk parity sent_at rto retries overtaken packet packet_len agg_addr stats "
-    "timing low sent mac_keys",
+    "timing low sent mac_keys silence",
 )
 # params (int64): job, rank, world, value_bits, codec, packet_elements, window, chunks, elements, allreduce, cores,
 #                 seed (as int64 bits), done_chunks, index of a non-finite input or -1, shard elements of a
@@ -115,8 +129,12 @@ State = namedtuple(
 (P_JOB, P_RANK, P_WORLD, P_VBITS, P_CODEC, P_PKT, P_WINDOW, P_CHUNKS, P_ELEMENTS, P_ALLREDUCE, P_CORES,
  P_SEED, P_DONE, P_BAD, P_SHARD, P_OUT_LO) = range(16)
 # mac_keys (uint64): (cores, 2), the data key (k0, k1) of each aggregator core; (0, 2) without the DATA/RESULT MAC
-# timing (float64): smoothed RTT, RTT variance, current RTO, min RTO, max RTO
-T_SRTT, T_RTTVAR, T_RTO, T_MIN, T_MAX = range(5)
+# timing (float64): smoothed RTT, RTT variance, current RTO, min RTO, max RTO, fastest round trip seen
+T_SRTT, T_RTTVAR, T_RTO, T_MIN, T_MAX, T_FLOOR = range(6)
+# silence (float64): (cores, 3), per aggregator core: since when it is silent (the allreduce's start, its last
+# result taken, or its last probe), the backoff its slots' RTOs are multiplied by (1, doubled by each probe),
+# and 1 if its last result answered a retransmission (its next timeout resends every due slot), else 0
+S_SINCE, S_BACKOFF, S_ALIVE = range(3)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -208,6 +226,7 @@ def _rtt_sample(timing, sample):
     else:
         timing[T_RTTVAR] = 0.75 * timing[T_RTTVAR] + 0.25 * abs(timing[T_SRTT] - sample)
         timing[T_SRTT] = 0.875 * timing[T_SRTT] + 0.125 * sample
+    timing[T_FLOOR] = min(timing[T_FLOOR], sample)
     timing[T_RTO] = min(timing[T_MAX], max(timing[T_MIN], timing[T_SRTT] + 4.0 * timing[T_RTTVAR]))
 
 
@@ -258,6 +277,9 @@ def start_kernel(state, now, tx_ptr, tx_len, tx_addr):
     """Send every slot's bootstrap chunk. Returns the number of datagrams written (the window)."""
     st = State(*state)
     window = st.params[P_WINDOW]
+    st.silence[:, S_SINCE] = now
+    st.silence[:, S_BACKOFF] = 1.0
+    st.silence[:, S_ALIVE] = 0.0
     for d in range(window):  # the bootstrap packets carry chunks 0..window-1's exponents
         _precode(st, d)
     if st.params[P_BAD] >= 0:
@@ -353,11 +375,20 @@ def decode_sum(prm, agreed_exp, out, p, c, count):
 
 @njit(inline="always")
 def take_result(st, s, now):
-    """Slot s's round is over: count it, sample the round trip, mark the slots it overtook, flip the shadow set."""
+    """Slot s's round is over: count it, sample the round trip, mark the slots it overtook, restart its core's
+    silence, flip the shadow set."""
     st.stats[RESULTS] += 1
-    if st.retries[s] == 0:  # Karn: a retransmitted slot's RTT is ambiguous
+    if st.retries[s] == 0:
         _rtt_sample(st.timing, now - st.sent_at[s])
-    _count_overtaking(st, s)
+        _count_overtaking(st, s)
+    elif now - st.sent_at[s] < st.timing[T_FLOOR]:  # faster than any round trip: the original's result
+        st.stats[SPURIOUS] += 1
+    # (Karn: a retransmitted slot's result may answer the original, so neither its round trip nor its order is
+    # known; counted as overtaking, the probes answered after a late peer's silence fast-retransmitted the window)
+    quiet = st.silence[s % st.params[P_CORES]]
+    quiet[S_SINCE] = now
+    quiet[S_BACKOFF] = 1.0
+    quiet[S_ALIVE] = st.retries[s] > 0
     st.parity[s] ^= 1
 
 
@@ -408,16 +439,47 @@ def receive_kernel(state, rx_data, rx_len, rx_addr, n_rx, now, tx_ptr, tx_len, t
     return _fast_retransmit(st, now, tx_ptr, tx_len, tx_addr, n_tx)
 
 
+@njit(inline="always")
+def _deadline(st, s):
+    """When slot s (in flight) is due: its RTO, backed off as its core is, after the later of its sending and the
+    start of its core's silence; SRTT after it, if sooner, when the core's last answer was to a retransmission
+    and s was sent before it."""
+    quiet = st.silence[s % st.params[P_CORES]]
+    wait = min(st.timing[T_MAX], st.rto[s] * quiet[S_BACKOFF])
+    if quiet[S_ALIVE] and st.sent_at[s] < quiet[S_SINCE] and st.timing[T_SRTT] > 0.0:
+        wait = min(wait, st.timing[T_SRTT])
+    return max(st.sent_at[s], quiet[S_SINCE]) + wait
+
+
 @njit(cache=True, nogil=True, boundscheck=False)
 def timer_kernel(state, now, tx_ptr, tx_len, tx_addr):
-    """Retransmit every slot whose RTO expired, doubling its RTO. Returns datagrams written to tx."""
+    """On each silent aggregator core with slots due, retransmit the earliest due one (the probe; of slots due
+    at once, the least recently sent, so that they take turns), or every due one if the core's last answer was
+    to a retransmission; restart the core's silence and double its backoff. Returns datagrams written to tx."""
     st = State(*state)
     n_tx = 0
-    for s in range(st.params[P_WINDOW]):
-        if st.cur_chunk[s] != IDLE and now - st.sent_at[s] >= st.rto[s] and n_tx < tx_len.size:
-            n_tx = _resend(st, s, now, tx_ptr, tx_len, tx_addr, n_tx)
-            st.rto[s] = min(st.timing[T_MAX], 2.0 * st.rto[s])
+    cores = st.params[P_CORES]
+    for k in range(cores):
+        probe, first = -1, np.inf
+        for s in range(k, st.params[P_WINDOW], cores):
+            if st.cur_chunk[s] != IDLE:
+                due = _deadline(st, s)
+                if due < first or (due == first and st.sent_at[s] < st.sent_at[probe]):
+                    probe, first = s, due
+        if first > now or n_tx == tx_len.size:
+            continue
+        quiet = st.silence[k]
+        if quiet[S_ALIVE]:
+            for s in range(k, st.params[P_WINDOW], cores):
+                if st.cur_chunk[s] != IDLE and _deadline(st, s) <= now:
+                    n_tx = _resend(st, s, now, tx_ptr, tx_len, tx_addr, n_tx)
+                    st.stats[RETRANSMISSIONS] += 1
+        else:
+            n_tx = _resend(st, probe, now, tx_ptr, tx_len, tx_addr, n_tx)
             st.stats[RETRANSMISSIONS] += 1
+        quiet[S_SINCE] = now
+        quiet[S_BACKOFF] *= 2.0
+        quiet[S_ALIVE] = 0.0
     return n_tx
 
 
@@ -428,7 +490,7 @@ def next_deadline(state):
     t = np.inf
     for s in range(st.params[P_WINDOW]):
         if st.cur_chunk[s] != IDLE:
-            t = min(t, st.sent_at[s] + st.rto[s])
+            t = min(t, _deadline(st, s))
     return t
 
 
@@ -461,7 +523,8 @@ class StreamEngine:
         self.codec = Codec(codec)
         self.packet_elements = packet_elements
         self.pool_size = pool_size
-        self.timing = np.array([0.0, 0.0, rto, min_rto, max_rto])  # persists: later allreduces start adapted
+        self.timing = np.array([0.0, 0.0, rto, min_rto, max_rto, np.inf])  # persists: later allreduces start adapted
+        self.silence = np.zeros((len(agg_addrs), 3))
         self.params = np.zeros(16, np.int64)
         self.params[[P_JOB, P_RANK, P_WORLD, P_VBITS, P_CODEC, P_PKT, P_CORES]] = (
             job, rank, world_size, value_bits(world_size), int(self.codec), packet_elements, len(agg_addrs))
@@ -539,7 +602,7 @@ class StreamEngine:
             packet=self.packet,
             packet_len=np.zeros(self.pool_size, np.int64), agg_addr=self.agg_addr, stats=self.stats,
             timing=self.timing, low=low, sent=self._no_sent if sent is None else sent.reshape(-1),
-            mac_keys=self.mac_keys)
+            mac_keys=self.mac_keys, silence=self.silence)
         self._args = tuple(self.state)
         tx = self.tx
         n = start_kernel(self._args, now, tx.ptr, tx.length, tx.addr) if window else 0
