@@ -31,8 +31,8 @@ One allreduce of a flat float32 tensor of N elements, packet size P and pool siz
   answer comes with the other slots' results, not retransmitted): the slots sent before that answer are due
   SRTT after it, all at once, as losses at the end of a stream need.
   A result of a retransmitted slot that comes sooner than the fastest round trip seen after the retransmission
-  answers the original: counted as spurious_retransmissions. Results that are duplicate, stale (another allreduce, chunk or shadow
-  set), foreign (another job or source) or malformed are counted and dropped.
+  answers the original: counted as spurious_retransmissions. Results that are duplicate, stale (another
+  allreduce, chunk or shadow set), foreign (another job or source) or malformed are counted and dropped.
 * With the job's DATA/RESULT MAC (``data_mac_keys``), every DATA datagram ends in a SipHash-2-4 tag under the data
   key of the core its slot lives on, and the result a slot waits for is taken only if its tag is valid: a forged
   or altered RESULT is counted (drop_bad_mac) and dropped, so it can make no rank diverge.
