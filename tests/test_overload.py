@@ -1,7 +1,10 @@
 """Graceful overload (issue 11): workers over real loopback UDP against a deliberately slowed aggregator
-(tests/slow_aggregator.py: the real data plane, asleep ``PER_DATAGRAM`` seconds per datagram, with a small
-receive buffer). The aggregator is the bottleneck, its queue holds every worker's window, and the machine is
-shared, so round trips stretch far past the RTO's floor. Checked:
+(tests/slow_aggregator.py: the real data plane, asleep ``PER_DATAGRAM`` seconds per datagram, answering in
+bursts of 16). The aggregator is the bottleneck and its queue holds every worker's window: round trips of about
+100 ms, twice the RTO's floor, which made each worker resend more than twice what it sent (the RTO fired
+before any round trip could be sampled). Its receive buffer (512 KB, against the 64 MiB a BurstSocket asks
+for) holds that queue; a buffer smaller than the window drops datagrams, real losses, which this test leaves
+out. Checked:
 
 * every rank's result of every allreduce is bit-identical to protocol.reference.allreduce;
 * retransmissions (timer and fast) stay under 1% of the data packets, and the aggregator sees under 1% of
