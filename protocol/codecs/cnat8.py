@@ -57,6 +57,13 @@ def check_payload(payload, exp, vbits):
 
 
 @njit(inline="always")
+def contribution_bound(exp, vbits):
+    """A valid code adds +-2**k with k <= data_k_max (0 only, for an all-zero chunk)."""
+    k = data_k_max(exp, vbits)
+    return np.int64(0) if k < 0 else np.int64(1) << k
+
+
+@njit(inline="always")
 def add_payloads(data, rows, k, col, acc, exp, vbits, first):
     """acc = (first) or += the integer values +-2**k of the payloads data[rows[t], col:] for t < k."""
     add_fixed_rows(data, rows, k, col, acc, first)
