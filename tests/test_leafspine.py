@@ -1,6 +1,11 @@
-"""Two-level aggregation (leaf-spine): the cores (aggregator.leafspine) driven packet by packet, malformed partials."""
+"""Two-level aggregation (leaf-spine): the cores (aggregator.leafspine) driven packet by packet, malformed partials,
+the packet-level leaf-spine against the one-switch result and against the analytic model, and the shipped
+scenario."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,6 +15,9 @@ from intml.aggregator.leafspine import LeafCore, SpineCore
 from intml.protocol.job import JobParams
 from intml.protocol.packet import HDR
 from intml.protocol.wire import NO_EXP, Codec, MsgType, pack
+from intml.sim import models
+from intml.sim.__main__ import main
+from intml.sim.packet_level import PacketRun, simulate
 
 JOB = 7
 SPINE = addr_key(0x0A000301, 48879)
@@ -17,6 +25,7 @@ LEAVES = [addr_key(0x0A000201, 48879), addr_key(0x0A000202, 48879)]
 RACKS = [[0, 1], [2, 3]]
 PARAMS = dict(world_size=4, packet_elements=8, pool_size=4, codec=int(Codec.INT32), seed=5)
 X = {r: (np.arange(8) * (r + 1) - 3 * r).astype(np.int32) for r in range(4)}  # rank r's int32 values
+SCENARIO = Path(__file__).resolve().parent.parent / "sim" / "scenarios" / "leaf_spine.toml"
 
 
 def data(rank: int, values: np.ndarray, **fields) -> bytes:
@@ -148,3 +157,78 @@ def test_leaf_refuses_what_it_cannot_route():
     spine = SpineCore(rows=16, max_elements=8)
     with pytest.raises(ValueError, match="split ranks 0..3 exactly"):
         spine.install(JOB, JobParams(world_size=4, packet_elements=8), [(LEAVES[0], [0, 1]), (LEAVES[1], [1, 2])])
+
+
+@pytest.mark.parametrize("codec", ["cnat8", "int32"])
+@pytest.mark.parametrize("workers, racks, loss, uplink_loss, multicast", [
+    (6, 2, 0.0, 0.0, True),
+    (7, 3, 0.02, 0.0, True),  # racks of 2, 2 and 3; loss on the hosts' links only
+    (5, 5, 0.0, 0.05, False),  # a rank per rack; loss on the leaves' uplinks only; unicast results
+    (8, 2, 0.02, 0.05, True),  # loss at both levels
+])
+def test_leaf_spine_result_is_the_one_switch_result(codec, workers, racks, loss, uplink_loss, multicast):
+    """Every rank's result of every allreduce equals protocol.reference's bit for bit, as the one-switch run's
+    does (on the same inputs and seed), whatever was lost at either level."""
+    run = dict(workers=workers, elements=30_000, codec=codec, check=True, host_costs=False, rounds=2, seed=3,
+               rto=1e-3, min_rto=1e-3)
+    two = simulate(PacketRun(racks=racks, loss=loss, uplink_loss=uplink_loss, multicast=multicast, **run))
+    one = simulate(PacketRun(**run))
+    assert one.exact and two.exact
+    assert (two.lost > 0 and two.retransmissions > 0) == bool(loss or uplink_loss)
+
+
+@pytest.mark.parametrize("codec, workers, racks, rate, uplink_rate, pool, delay", [
+    ("cnat8", 8, 2, 10e9, 10e9, 64, 1e-6),  # the uplinks set the pace (int32 partials)
+    ("cnat8", 8, 4, 10e9, 2.5e9, 64, 1e-6),  # oversubscribed uplinks
+    ("int32", 6, 3, 10e9, 10e9, 64, 1e-6),
+    ("cnat8", 4, 2, 10e9, 10e9, 4, 5e-6),  # pool-bound: the window is smaller than the two-level round trip
+    ("cnat8", 8, 2, 10e9, 40e9, 64, 1e-6),  # the hosts' links set the pace
+])
+def test_packet_level_agrees_with_the_model(codec, workers, racks, rate, uplink_rate, pool, delay):
+    """Within 3%, as the one-switch model (tests/test_sim_models.py); measured 0.1-1.5% on these points."""
+    elements = 200_000
+    r = simulate(PacketRun(workers=workers, racks=racks, elements=elements, codec=codec, rate=rate,
+                           uplink_rate=uplink_rate, pool=pool, delay=delay, host_costs=False, inputs="shared"))
+    fabric_ = models.LeafSpine(workers, racks, rate, uplink_rate, delay, mtu=1500)
+    model = models.leaf_spine_in_network(fabric_, elements, 1 if codec == "cnat8" else 4, pool=pool)
+    assert r.times[0] == pytest.approx(model, rel=0.03)
+
+
+def test_leaf_spine_model_hand_computed():
+    t = models.LeafSpine(workers=64, racks=8, rate=100e9, uplink_rate=100e9, delay=1e-6, mtu=9000,
+                         switch_latency=1e-6)
+    # packets of 2234 elements: a partial of 2234 int32 sums, HDR and the 8-byte bitmap fill 8972 of 9000 bytes
+    assert t.packet_elements(1) == 2234 == (9000 - 28 - HDR - 8) // 4
+    host = (2234 + HDR + 42) * 8 / 100e9  # 184.16 ns a packet on a host's link (and a result on the uplink down)
+    up = (4 * 2234 + HDR + 8 + 42) * 8 / 100e9  # 720.96 ns a partial on the uplink
+    rtt = 4e-6 + 3e-6 + 2 * host + up + host  # 8.27344 us
+    boot = (HDR + 8 + 42) * 8 / 100e9  # an empty partial is the longest bootstrap packet
+    assert models.leaf_spine_in_network(t, 2234 * 100) == pytest.approx(100 * up + 100 * boot + rtt)
+    assert models.leaf_spine_in_network(t, 2234 * 100) == pytest.approx(80.97744e-6)
+    assert up > host  # leaves forward int32 partials: the spine level is the slower one at equal rates
+    # a pool of 1: one packet per two-level round trip
+    assert models.leaf_spine_in_network(t, 2234 * 100, pool=1) == pytest.approx(100 * rtt + boot + rtt)
+    # one rack is one switch
+    one = models.LeafSpine(workers=8, racks=1, rate=100e9, uplink_rate=1e9)
+    assert models.leaf_spine_in_network(one, 2234 * 100) == models.in_network(
+        models.Net(8, 100e9, mtu=9000), 2234 * 100, 2234, 256)
+
+
+def test_shipped_scenario_runs_at_packet_level(capsys):
+    assert main(["sweep", str(SCENARIO), "--set", "elements=20000", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [(r["system"], r["method"], r["racks"], r["uplink_rate"]) for r in rows] == [
+        (system, method, 4, uplink) for uplink in (10e9, 40e9)
+        for system, method in (("intml-cnat8", "packet"), ("switchml-int32", "packet"), ("gloo-ring", "flow model"))]
+
+
+def test_scenario_leaf_spine_errors(tmp_path, capsys):
+    scenario = tmp_path / "s.toml"
+    for text, message in [('racks = 8\nworkers = 4\n', "racks must be at most workers (4), got 8"),
+                          ('racks = 2\nsystems = ["ps-colocated"]\n', "ps-colocated has no leaf-spine model"),
+                          ('racks = 2\nmode = "packet"\nengine = "p4model"\n', "a packet-level leaf-spine runs"),
+                          ('racks = 0\n', "racks must be an integer >= 1")]:
+        scenario.write_text(text)
+        assert main(["run", str(scenario)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
