@@ -29,14 +29,15 @@ from intml.worker.api import Worker  # noqa: E402
 from intml.worker.gpu.driver import DeviceAllreducer  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
-PKT, POOL, N, SEED, TOKEN = 64, 4, 3, 77, "t"
+PKT, POOL, N, SEED, TOKEN = 256, 4, 3, 77, "t"
+OPS = ("sum", "mean")  # of the two allreduces: a mean over 3 ranks is a division no multiplication equals
 
 
 def inputs(rank: int) -> list[np.ndarray]:
     """Two allreduces: mixed magnitudes over 2**-30..2**10 with zeros (odd size); then rank 0 near 1 with a tiny
     value in every chunk against ranks 2**20 larger: each of rank 0's chunks must be encoded again."""
     rng = np.random.default_rng([SEED, rank])
-    size = 21 * PKT + 13
+    size = 7 * PKT + 13
     mixed = (np.where(rng.random(size) < 0.5, -1.0, 1.0) * 2.0 ** rng.uniform(-30, 10, size)
              * (rng.random(size) < 0.9)).astype(np.float32)
     forced = rng.standard_normal(6 * PKT - 5).astype(np.float32) * (1.0 if rank == 0 else 2.0**20)
@@ -52,22 +53,22 @@ def rank_main(address: str, rank: int, codec: str, jobs: tuple[int, int], device
     options = dict(rank=rank, world_size=N, token=TOKEN, codec=codec, packet_elements=PKT, pool_size=POOL,
                    seed=SEED, timeout=30)
     with Worker(address, job=jobs[0], **options) as w:
-        for x in inputs(rank):
+        for x, op in zip(inputs(rank), OPS, strict=True):
             sent = np.empty_like(x)
-            out["host"].append((w.allreduce(x, "sum", sent=sent), sent))
+            out["host"].append((w.allreduce(x, op, sent=sent), sent))
     with Worker(address, job=jobs[1], **options) as w:
         device = DeviceAllreducer(w, piece_elements=3 * PKT)
         stream = cuda.stream()
-        for x in inputs(rank):
+        for x, op in zip(inputs(rank), OPS, strict=True):
             if rank in device_ranks:
                 xd = cuda.to_device(x)
                 result, sent = cuda.device_array_like(xd), cuda.device_array_like(xd)
-                device.allreduce(xd, result, sent=sent, stream=stream)
+                device.allreduce(xd, result, op, sent=sent, stream=stream)
                 out["mixed"].append((result.copy_to_host(), sent.copy_to_host()))
                 out["reencoded"].append(device.reencoded_chunks)
             else:
                 sent = np.empty_like(x)
-                out["mixed"].append((w.allreduce(x, "sum", sent=sent), sent))
+                out["mixed"].append((w.allreduce(x, op, sent=sent), sent))
     return out
 
 
@@ -94,13 +95,11 @@ def test_device_allreduce_equals_host(agg, codec):
         assert got[1]["reencoded"][1] == got[1]["reencoded"][0]
 
 
-def test_non_finite_raises_before_sending():
+def test_non_finite_raises_before_sending(agg):
     """A NaN in the bucket: the device finds it while reading the exponents, and raises the host's error."""
-    with aggregator(idle_timeout=20) as a:
-        w = Worker(a.address, job=5, rank=0, world_size=1, token=TOKEN, packet_elements=PKT, pool_size=POOL)
+    with Worker(agg.address, job=5, rank=0, world_size=1, token=TOKEN, packet_elements=PKT, pool_size=POOL) as w:
         x = np.ones(300, np.float32)
         x[170] = np.nan
         with pytest.raises(ValueError, match="cannot allreduce non-finite value nan at index 170"):
             DeviceAllreducer(w).allreduce(cuda.to_device(x), cuda.device_array(300, np.float32))
         assert w.counters()["packets_out"] == 0
-        w.close()

@@ -87,33 +87,44 @@ class DeviceAllreducer:
             self._buffers = _Buffers(n, self.worker.codec)
         return self._buffers
 
-    def allreduce(self, x: Any, out: Any, *, sent: Any = None, stream: Any = 0) -> None:
-        """out = the sum over the ranks of the flat float32 device array x (out may be x itself), on `stream`;
-        bit for bit ``Worker.allreduce`` of x's values on the host. ``sent`` (a float32 device array like x):
-        receives the value of what this rank put on the wire (error feedback). Returns once out (and sent) are
+    def allreduce(self, x: Any, out: Any, op: str = "sum", *, sent: Any = None, stream: Any = 0) -> None:
+        """out = the sum (or mean) over the ranks of the flat float32 device array x (out may be x itself), on
+        `stream`; bit for bit ``Worker.allreduce`` of x's values on the host. ``sent`` (a float32 device array like
+        x): receives the value of what this rank put on the wire (error feedback). Returns once out (and sent) are
         complete on the device."""
+        if op not in ("sum", "mean"):
+            raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
         x = cnat_cuda._device(x, np.float32, "x")
         out = cnat_cuda._device(out, np.float32, "out")
         if out.size != x.size or (sent is not None and sent.size != x.size):
             raise ValueError(f"out and sent must have x's {x.size} elements")
         if x.size == 0:
             return
-        if self.worker.codec == Codec.CNAT8:
-            _CnatRound(self, x, out, sent, stream).run()
-        else:
-            self._staged(x, out, sent, stream)
+        if self.worker.codec != Codec.CNAT8:
+            self._staged(x, out, op, sent, stream)
+            return
+        _CnatRound(self, x, out, sent, stream).run()
+        if op == "mean":  # Worker.allreduce's float32 division of the sum, which no product by 1/n always equals
+            _divide_kernel[cnat_cuda._blocks(out.size), cnat_cuda.THREADS, stream](
+                out, np.float32(self.worker.world_size))
+        stream_sync(stream)
 
-    def _staged(self, x: Any, out: Any, sent: Any, stream: Any) -> None:
+    def _staged(self, x: Any, out: Any, op: str, sent: Any, stream: Any) -> None:
         """An int32 job: the floats through pinned host memory and the CPU engine."""
         buf = self._buffers_for(x.size)
         x.copy_to_host(buf.floats_host, stream=stream)
         stream_sync(stream)
-        self.worker.allreduce(buf.floats_host, "sum", out=buf.floats_host,
-                              sent=None if sent is None else buf.sent_host)
+        self.worker.allreduce(buf.floats_host, op, out=buf.floats_host, sent=None if sent is None else buf.sent_host)
         out.copy_to_device(buf.floats_host, stream=stream)
         if sent is not None:
             sent.copy_to_device(buf.sent_host, stream=stream)
         stream_sync(stream)
+
+
+@cuda.jit
+def _divide_kernel(values, divisor):
+    for j in range(cuda.grid(1), values.size, cuda.gridsize(1)):
+        values[j] = values[j] / divisor
 
 
 def stream_sync(stream: Any) -> None:
@@ -160,7 +171,6 @@ class _CnatRound:
         if self.sent is not None:
             cnat_cuda.decode_chunks(self.buf.codes_dev, floors=self.sent_floors, chunk_elements=self.pkt,
                                     out=self.sent, cuda_stream=self.stream)
-        stream_sync(self.stream)
 
     def tend(self, now: float, send) -> float:
         """Between the engine's calls: pass it the codes that landed and the chunks encoded again, and start
