@@ -62,14 +62,15 @@ def kernel_rows(elements: int, packet_elements: int, repeats: int) -> list[dict]
 
     from intml.protocol.arith import value_bits
     from intml.worker.gpu import cnat_cuda
-    from intml.worker.gpu.driver import _floors
+    from intml.worker.gpu.driver import cnat_floors
 
     x = torch.randn(elements, device="cuda") * 1e-3  # gradient-like magnitudes
     y = torch.empty_like(x)
     codes = torch.empty(elements, dtype=torch.uint8, device="cuda")
     xd, yd, cd = cuda.as_cuda_array(x), cuda.as_cuda_array(y), cuda.as_cuda_array(codes)
     stats = cnat_cuda.chunk_stats(xd, packet_elements)
-    floors = _floors(stats.exponents.astype(np.int64), value_bits(2), np.empty(stats.exponents.size, np.int64))
+    exponents = stats.exponents.astype(np.int64)
+    floors = cnat_floors(exponents, value_bits(2), np.empty(exponents.size, np.int64))
     pinned_codes = cuda.pinned_array(elements, np.uint8)
     pinned_floats = cuda.pinned_array(elements, np.float32)
     kernels = {

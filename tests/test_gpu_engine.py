@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from intml.protocol import cnat
 from intml.protocol.arith import NO_EXP, cnat_floor, precode_chunk
-from intml.worker.engine import PARKED, StreamEngine
+from intml.worker.engine import P_READY, P_VBITS, PARKED, StreamEngine
 
 PKT = 64
 
@@ -37,7 +37,7 @@ class HostCodes:
         for c in range(chunks):
             lo, hi = self._range(c)
             _, bad, self.local[c], self.low[c] = precode_chunk(x[lo:hi], self.codes[lo:hi], self.key, lo,
-                                                               int(engine.params[3]))
+                                                               int(engine.params[P_VBITS]))
             assert bad < 0
         self.reencodes = 0
 
@@ -57,7 +57,7 @@ class HostCodes:
     def decoded(self) -> np.ndarray:
         """The result codes (in the codes array once the allreduce is done) decoded at the agreed floors."""
         out = np.empty(self.x.size, np.float32)
-        vbits = int(self.engine.params[3])
+        vbits = int(self.engine.params[P_VBITS])
         for c, exp in enumerate(self.engine.agreed_exp.tolist()):
             lo, hi = self._range(c)
             out[lo:hi] = cnat.decode(self.codes[lo:hi], floor=cnat_floor(exp, vbits))
@@ -85,8 +85,8 @@ def run(xs, precoded: set[int], *, n: int, pool: int, piece: int | None = None, 
         net.step()
         for r, src in sources.items():
             engine = net.engines[r]
-            if piece is not None and engine.params[-1] < size:
-                ready = min(size, int(engine.params[-1]) + piece)
+            if piece is not None and engine.params[P_READY] < size:
+                ready = min(size, int(engine.params[P_READY]) + piece)
                 net._from_worker(r, engine.codes_ready(ready, net.now).datagrams())
             src.serve(lambda datagrams, r=r: net._from_worker(r, datagrams))
     assert net.done, [e.progress for e in net.engines]
@@ -184,7 +184,7 @@ def test_slots_wait_for_their_codes():
     net._from_worker(0, engine.codes_ready(xs[0].size, net.now).datagrams())
     net.run()
     assert engine.completed() == chunks
-    vbits = int(engine.params[3])
+    vbits = int(engine.params[P_VBITS])
     floats, want, _ = run(xs, set(), n=n, pool=chunks)
     got = np.concatenate([cnat.decode(src.codes[c * PKT:(c + 1) * PKT], floor=cnat_floor(e, vbits))
                           for c, e in enumerate(engine.agreed_exp.tolist())])

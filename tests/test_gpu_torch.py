@@ -23,7 +23,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
-from cluster import aggregator, run_ok  # noqa: E402
+from cluster import run_ok  # noqa: E402
+from test_torch import agg  # noqa: E402, F401 (the module's aggregator process)
 
 import intml.worker.torch as intml  # noqa: E402
 from intml.testbed.procs import free_port  # noqa: E402
@@ -97,13 +98,6 @@ def backend_rank(port: int, address: str, rank: int, n: int, seed: int, simulate
     out = {"results": results, "traffic": dataclasses.asdict(pg.traffic)}
     dist.destroy_process_group()
     return out
-
-
-@pytest.fixture(scope="module")
-def agg():
-    with aggregator(idle_timeout=20) as a:
-        yield a
-        assert a.alive(), f"the shared aggregator died:\n{a.stderr()}"
 
 
 def _run(fn, address: str, n: int, *args) -> list[dict]:

@@ -37,6 +37,7 @@ from numba import cuda, njit
 from intml.protocol.arith import PRECODED, cnat_floor
 from intml.protocol.wire import Codec
 from intml.worker.api import Worker
+from intml.worker.engine import P_VBITS
 from intml.worker.gpu import cnat_cuda
 
 PIECE_ELEMENTS = 1 << 20  # codes per device-to-host copy: 1 MB, about 40 us over PCIe; a multiple of any P
@@ -44,7 +45,7 @@ COPY_POLL = 20e-6  # seconds between looks at the copies in flight
 
 
 @njit(cache=True)
-def _floors(exponents, value_bits, out):
+def cnat_floors(exponents, value_bits, out):
     for c in range(exponents.size):
         out[c] = cnat_floor(exponents[c], value_bits)
     return out
@@ -144,14 +145,14 @@ class _CnatRound:
         worker = owner.worker
         self.engine = engine = worker.engine
         self.pkt = engine.packet_elements
-        self.vbits = int(engine.params[3])
+        self.vbits = int(engine.params[P_VBITS])
         self.buf = owner._buffers_for(x.size)
         self.key = engine.stream_key(engine.next_allreduce)
         stats = cnat_cuda.chunk_stats(x, self.pkt, cuda_stream=stream)  # raises on NaN or Inf, before any send
         self.local = stats.exponents.astype(np.int64)
         self.low = stats.lows | np.uint32(PRECODED)
         # the floor each chunk's device codes are at: its own, or its agreed one once encoded again
-        self.sent_floors = _floors(self.local, self.vbits, np.empty(self.local.size, np.int64))
+        self.sent_floors = cnat_floors(self.local, self.vbits, np.empty(self.local.size, np.int64))
         cnat_cuda.launch_encode(x, self.buf.codes_dev, self.key, 0, self.sent_floors, self.pkt, True, stream)
         self.pieces: deque[tuple[int, Any]] = deque()  # (end element, event after its copy) in flight
         for a in range(0, x.size, owner.piece):
@@ -212,7 +213,8 @@ class _CnatRound:
         buf, pkt = self.buf, self.pkt
         buf.result_dev[a:end].copy_to_device(buf.codes_host[a:end], stream=self.stream)
         chunks = slice(a // pkt, -(-end // pkt))
-        floors = _floors(self.engine.agreed_exp[chunks], self.vbits, np.empty(chunks.stop - chunks.start, np.int64))
+        floors = cnat_floors(self.engine.agreed_exp[chunks], self.vbits,
+                             np.empty(chunks.stop - chunks.start, np.int64))
         cnat_cuda.decode_chunks(buf.result_dev[a:end], floors=floors, chunk_elements=pkt, out=self.out[a:end],
                                 cuda_stream=self.stream)
         self.decoded = end
