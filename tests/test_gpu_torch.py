@@ -24,6 +24,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 from cluster import run_ok  # noqa: E402
+from numba.core import config as numba_config  # noqa: E402
 from test_torch import agg  # noqa: E402, F401 (the module's aggregator process)
 
 import intml.worker.torch as intml  # noqa: E402
@@ -32,6 +33,10 @@ from intml.worker.torch import gpu, routing  # noqa: E402
 from intml.worker.torch.link import AggregatorLinked  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+# gpu.simulate() in a forked rank needs numba.cuda not loaded for a real device in this process (as
+# INTML_TEST_CUDA_DEVICE=1 does for test_gpu_codec.py and test_gpu_driver.py)
+simulable = pytest.mark.skipif("numba.cuda" in sys.modules and not numba_config.ENABLE_CUDASIM,
+                               reason="numba.cuda is loaded for a real device: the simulated path cannot run")
 SHAPES = [(37,), (300,), (20, 25), (513,)]  # 1 350 elements, in several buckets
 PACKET, POOL, TOKEN, BUCKET_MB = 256, 4, "test-torch", 0.002
 STEPS = 2
@@ -109,6 +114,7 @@ def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     return a.dtype == b.dtype and a.view(np.uint32).tolist() == b.view(np.uint32).tolist()
 
 
+@simulable
 def test_hook_cuda_path_equals_cpu_path(agg):
     """DDP with error feedback (cnat8): gradients and residuals after every step, bit for bit the CPU path's."""
     n, seed = 2, 11
@@ -126,6 +132,7 @@ def test_hook_cuda_path_equals_cpu_path(agg):
         assert t["intml_cuda_bytes"] == t["intml_bytes"] and t["gloo_allreduces"] == 0
 
 
+@simulable
 def test_backend_cuda_path_equals_cpu_path(agg):
     """SUM and AVG allreduces at or above INTML_MIN_ELEMENTS take the CUDA path, bit for bit the CPU path's; a small
     one stays exact through Gloo. An int32 job (its floats staged through pinned host memory: nothing to encode on
