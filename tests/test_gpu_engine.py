@@ -113,13 +113,14 @@ def forced_reencode_inputs(n: int, chunks: int) -> list[np.ndarray]:
     return xs
 
 
-@pytest.mark.parametrize("pool", [1, 3, 16])
-def test_same_datagrams_and_result_as_start(pool):
+@pytest.mark.parametrize("pool, mac", [(1, False), (3, False), (16, False), (3, True)])
+def test_same_datagrams_and_result_as_start(pool, mac):
     """Every rank precoded, then every rank from floats: each rank sends the same datagrams in the same order, and
-    gets the same result bits."""
+    gets the same result bits (with the DATA/RESULT MAC too)."""
     xs = make_inputs(3, 9 * PKT + 17, PKT, "mixed", seed=pool)
-    floats, want, _ = run(xs, set(), n=3, pool=pool)
-    coded, got, _ = run(xs, {0, 1, 2}, n=3, pool=pool)
+    options = {"data_mac_key": (0x0123456789ABCDEF, 0x0FEDCBA987654321)} if mac else {}
+    floats, want, _ = run(xs, set(), n=3, pool=pool, **options)
+    coded, got, _ = run(xs, {0, 1, 2}, n=3, pool=pool, **options)
     for r in range(3):
         assert sent_by(coded, r) == sent_by(floats, r)
         assert_same_bits(got[r], want[r])
