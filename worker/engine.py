@@ -32,13 +32,13 @@ One allreduce of a flat float32 tensor of N elements, packet size P and pool siz
   floor changes which power of two a value rounds to.
   A NaN or infinity is found when its chunk is read: no chunk is sent from there on, the results of those
   already sent are still taken (so the shadow sets stay in step), then ValueError (see ``non_finite``).
+  int32: chunk c is sent as rint(x * 2**(s - E)), the sum comes back as int32 and is scaled by 2**(E - s).
 * Precoded cnat8 (``start_precoded``: a bucket encoded on a GPU, worker.gpu): the engine gets every chunk's codes at
   its own floor with its exponent proposal and low word, and never sees a float. A chunk's codes are copied into
   its datagram when it is sent and lowered as above; the two cases it cannot serve itself park the slot (no
   datagram, no timer) until the driver acts: codes not yet copied from the device (``codes_ready``), and a chunk
   that must be encoded again at its agreed floor (``reencode_requests``, then ``reencoded`` with the device's
   codes, exactly the ones the float path encodes). Result codes are written back over the codes, undecoded.
-  int32: chunk c is sent as rint(x * 2**(s - E)), the sum comes back as int32 and is scaled by 2**(E - s).
 * Reduce-scatter (``start(..., scatter=True)``; docs/protocol.md, "Reduce-scatter"): the same rounds, with each
   chunk's owners (the ranks whose shards of N / n elements it overlaps) in its DATA packets. The output is this
   rank's shard: the engine decodes the part of each owned chunk that lies in it, and takes a header-only
