@@ -15,7 +15,6 @@ until someone runs it. Without a usable CUDA device it stops with one line sayin
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time

@@ -8,6 +8,7 @@ Without a GPU the kernels run on numba's CUDA simulator (as in test_gpu_codec.py
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 
@@ -26,6 +27,7 @@ if not cuda.is_available():
                 allow_module_level=True)
 
 from intml.worker.api import Worker  # noqa: E402
+from intml.worker.gpu import driver  # noqa: E402
 from intml.worker.gpu.driver import DeviceAllreducer  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
@@ -103,3 +105,22 @@ def test_non_finite_raises_before_sending(agg):
         with pytest.raises(ValueError, match="cannot allreduce non-finite value nan at index 170"):
             DeviceAllreducer(w).allreduce(cuda.to_device(x), cuda.device_array(300, np.float32))
         assert w.counters()["packets_out"] == 0
+
+
+def test_codes_landing_late_are_waited_for(agg, monkeypatch):
+    """Copies that complete slowly (one piece of one chunk per third look at its event): slots wait, parked, for
+    their codes, and the result and sent values are still the host's, bit for bit (world size 1)."""
+    looks = itertools.count()
+    monkeypatch.setattr(driver, "_finished", lambda event: next(looks) % 3 == 2)
+    x = inputs(0)[0]
+    options = dict(rank=0, world_size=1, token=TOKEN, packet_elements=PKT, pool_size=POOL, seed=SEED)
+    with Worker(agg.address, job=7, **options) as w:
+        want_sent = np.empty_like(x)
+        want = w.allreduce(x, "mean", sent=want_sent)
+    with Worker(agg.address, job=8, **options) as w:
+        xd = cuda.to_device(x)
+        result, sent = cuda.device_array_like(xd), cuda.device_array_like(xd)
+        driver.DeviceAllreducer(w, piece_elements=PKT).allreduce(xd, result, "mean", sent=sent)
+    assert next(looks) > 3 * (x.size // PKT)  # every piece was found unfinished twice first
+    assert result.copy_to_host().tobytes() == want.tobytes()
+    assert sent.copy_to_host().tobytes() == want_sent.tobytes()
