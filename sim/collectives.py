@@ -45,6 +45,7 @@ class TcpRun:
     servers: int | None = None  # ps-dedicated: default max(1, workers // 4), as sim.models
     piece: int = 1 << 16  # bytes per parameter-server piece (a server sums and returns each as soon as it is in)
     min_rto: float = MIN_RTO
+    congestion: str = "reno"  # or "bbr" (sim.tcp.CONGESTION)
     rounds: int = 1
     seed: int = 1
 
@@ -85,7 +86,7 @@ def simulate_tcp(run: TcpRun) -> TcpResult:
         # a sender's own queue never drops: TcpHost keeps it short (TCP small queues)
         h.uplink = Link(sim, switch, seed=link_seed(run.seed, i, 0), queue_bytes=SENDER_QUEUE, **link)
         switch.attach(h.addr, Link(sim, h, seed=link_seed(run.seed, i, 1), queue_bytes=run.queue_bytes, **link))
-    net = Network(sim, switch, hosts, run.mtu, run.min_rto)
+    net = Network(sim, switch, hosts, run.mtu, run.min_rto, run.congestion)
     times: list[float] = []
     state = {"start": 0.0, "done": 0}
 

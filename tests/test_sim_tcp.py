@@ -4,6 +4,7 @@ parameter server (sim.collectives) against the flow models where both run."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pathlib
 from collections import Counter
 
@@ -14,7 +15,7 @@ from intml.sim.collectives import TcpRun, simulate_tcp
 from intml.sim.costs import ASIC
 from intml.sim.engine import Simulator
 from intml.sim.network import WIRE_OVERHEAD, Link, Switch
-from intml.sim.tcp import MIN_RTO, TLP_SLACK, Network, TcpHost, mss
+from intml.sim.tcp import JIFFY, MIN_RTO, TLP_SLACK, Network, TcpHost, mss
 
 DATA = pathlib.Path(__file__).resolve().parent.parent / "sim" / "data"
 
@@ -37,7 +38,7 @@ class DropOnce(Link):
         super().send_many(keep, now)
 
 
-def _one_flow(nbytes, rate=1e9, delay=10e-6, drop=(), cwnd=None):
+def _one_flow(nbytes, rate=1e9, delay=10e-6, drop=(), cwnd=None, congestion="reno", watch=None):
     sim = Simulator()
     switch = Switch(sim, None, ASIC)
     a, b = TcpHost(sim, 1), TcpHost(sim, 2)
@@ -45,12 +46,14 @@ def _one_flow(nbytes, rate=1e9, delay=10e-6, drop=(), cwnd=None):
         h.uplink = Link(sim, switch, rate=rate, delay=delay, queue_bytes=1 << 40)
     switch.attach(1, Link(sim, a, rate=rate, delay=delay))
     switch.attach(2, DropOnce(sim, b, rate=rate, delay=delay, drop=drop))
-    flow = Network(sim, switch, [a, b], 1500).flow(0, 1)
+    flow = Network(sim, switch, [a, b], 1500, congestion=congestion).flow(0, 1)
     if cwnd is not None:
         flow.cwnd = cwnd
     done = []
     flow.write(nbytes, 0.0)
     flow.when_received(nbytes, done.append)
+    for offset, fn in watch or ():
+        flow.when_received(offset, lambda now, fn=fn: fn(flow))
     sim.run()
     return flow, done[0]
 
@@ -98,14 +101,16 @@ def test_a_lost_retransmission_is_recovered_by_rack_without_the_timer():
 
 
 def test_a_lost_tail_is_recovered_by_a_probe():
-    """The last two of ten segments lost: no later segment brings SACKs, so 2 SRTT + TLP_SLACK after the last
-    acknowledgement the probe resends the last segment; its SACK makes RACK mark the other lost, and it is resent:
-    about TLP_SLACK plus a few round trips, no timeout. With a single segment out the probe waits as long as the
-    timer would (Linux adds the peer's delayed-acknowledgement allowance, MIN_RTO) but is still a probe."""
+    """The last two of ten segments lost: no later segment brings SACKs, so 2 SRTT (0.2 ms, rounded up to one
+    jiffy) + TLP_SLACK (two jiffies) after the last acknowledgement the probe resends the last segment; its SACK
+    makes RACK mark the other lost, and it is resent: three jiffies plus a few round trips, no timeout. With a
+    single segment out the probe waits as long as the timer would (Linux adds the peer's delayed-acknowledgement
+    allowance, MIN_RTO) but is still a probe."""
     seg = mss(1500)
     flow, t = _one_flow(10 * seg, drop={8 * seg, 9 * seg})
     assert (flow.retransmits, flow.timeouts, flow.probes) == (2, 0, 1)
-    assert TLP_SLACK < t < TLP_SLACK + 6 * flow.srtt
+    assert 2 * flow.srtt < JIFFY and TLP_SLACK == 2 * JIFFY
+    assert 3 * JIFFY < t < 3 * JIFFY + 6 * flow.srtt
     flow, t = _one_flow(10 * seg, drop={9 * seg})
     assert (flow.retransmits, flow.timeouts, flow.probes) == (1, 0, 1)
     assert MIN_RTO < t < MIN_RTO + 0.01
@@ -180,14 +185,62 @@ def test_the_receiver_joins_held_data_across_moved_segment_boundaries():
     assert flow.rcv_nxt == 2100 and not flow.ooo
 
 
-@pytest.mark.parametrize("workers", [2, 4])
-def test_gloo_at_one_percent_loss_against_the_testbed(workers):
-    """The testbed's Gloo ring at 1% loss (Linux TCP with SACK and RACK-TLP, n = 2, 4 at 100 Mbit, MTU 1500):
-    predicted within 20% (recorded: +7.7%, +14.2%; the points are not purely link-bound, link use 0.74-0.85).
-    At 5% the model does not validate (about 12x and 15x too slow: 200 ms timeouts when a window of a few
-    segments loses its tail and its probe, see sim.tcp), so no tolerance is claimed there."""
-    data = validate.load(str(DATA / "cluster_loss1_2026-11-23.json"))
-    row = next(r for r in data["rows"] if r["system"] == "gloo ring" and r["workers"] == workers)
-    predicted, method = validate.predict(row, data["pool"])
-    assert method == "packet (tcp)"
-    assert abs(predicted / row["median_s"] - 1) < 0.20
+def test_bbr_finds_the_bottleneck_and_keeps_its_window():
+    """Loss-free at 100 Mbit: BBR leaves startup, its bandwidth estimate is the link's data rate (1448 data bytes
+    in 1514 on the wire) within 10%, its TSO burst is 1/1024 s of its pacing rate (7 segments at 99% of it), and its window
+    target 2 BDP + 3 bursts (+ 2 segments in ProbeBW's first phase), rounded up to even; the window never exceeds
+    it in ProbeBW and the transfer runs near the link's rate."""
+    seg = mss(1500)
+    flow, t = _one_flow(600 * seg, rate=100e6, congestion="bbr")
+    bbr = flow.cc
+    assert bbr.mode == "probe_bw" and bbr.full
+    data_rate = 100e6 / 8 * seg / (seg + 66)
+    assert bbr.bw == pytest.approx(data_rate, rel=0.10)
+    assert bbr.burst() == int(bbr.pacing_rate / 1024) // seg == 7
+    bdp = -(-int(2 * bbr.bw * flow.min_rtt) // seg)
+    assert bbr.target() == ((bdp + 21 + 1) // 2 * 2 + (2 if bbr.phase == 0 else 0)) * seg
+    assert flow.cwnd <= bbr.target()
+    assert t < 1.05 * 600 * (seg + 66) * 8 / 100e6
+
+
+def test_a_loss_halves_renos_window_but_not_bbrs():
+    """One segment lost in the middle of a long transfer: Reno leaves its recovery at half the flight; BBR keeps
+    its flight through the recovery (packet conservation) and ends it with the window it had before."""
+    seg = mss(1500)
+    before = {}
+    watch = [(1000 * seg, lambda f: before.setdefault("cwnd", f.cwnd))]
+    for congestion in ("reno", "bbr"):
+        before.clear()
+        flow, _ = _one_flow(1400 * seg, drop={1100 * seg}, congestion=congestion, watch=watch)
+        assert (flow.retransmits, flow.timeouts) == (1, 0)
+        if congestion == "reno":
+            assert flow.ssthresh < before["cwnd"]
+        else:
+            assert flow.cwnd >= before["cwnd"] and flow.ssthresh == float("inf")
+
+
+@functools.cache
+def _gloo_median(workers, elements, loss, congestion, seeds=(1, 2, 3)):
+    """The median over seeds of one simulated ring allreduce on the testbed's links (both dates share points)."""
+    times = [simulate_tcp(TcpRun(workers=workers, elements=elements, rate=100e6, delay=20e-6, loss=loss,
+                                 congestion=congestion, seed=seed)).times[0] for seed in seeds]
+    return sorted(times)[len(times) // 2]
+
+
+@pytest.mark.parametrize("name", ["cluster_loss1_2026-11-23.json", "cluster_loss5_2026-11-23.json",
+                                  "cluster_loss1_2026-11-25.json", "cluster_loss5_2026-11-25.json"])
+def test_gloo_under_loss_against_the_testbed(name):
+    """The testbed's Gloo ring under loss (n = 2, 100 Mbit, MTU 1500), over the testbed kernel's congestion
+    control, BBR (`sysctl net.ipv4.tcp_congestion_control` in the namespaces: bbr): the median of three seeds is
+    faster than the testbed by 21-30%, never more than 35% (the remaining gap is not explained; see the README).
+    With Reno the same point takes over 5x the measurement at 5% loss (the testbed with Reno set in its
+    namespaces: 16.1, 17.4 and 22.1 s on 2026-11-25), as this model's Reno does: the cause of the former 12x
+    error was the congestion control, not the loss granularity (nftables dropped 4.9-5.0% of TCP packets and
+    the senders retransmitted 9.1-9.3% of their segments at 5%, as two lossy hops give)."""
+    data = validate.load(str(DATA / name))
+    row = next(r for r in data["rows"] if r["system"] == "gloo ring" and r["workers"] == 2)
+    point = (row["workers"], row["elements"], row["loss"])
+    error = _gloo_median(*point, "bbr") / row["median_s"] - 1
+    assert -0.35 < error < 0
+    if row["loss"] == 0.05:
+        assert _gloo_median(*point, "reno", seeds=(1,)) > 5 * row["median_s"]
