@@ -16,12 +16,13 @@ from intml.p4 import layout
 from intml.p4.engine import P4ModelCore
 from intml.protocol import codecs, reference
 from intml.protocol.job import AGGREGATOR_SLOTS, CODEC_NAMES, JobParams, WorkerTimers
+from intml.protocol.packet import HDR
 from intml.protocol.wire import element_datagram_size
 from intml.sim.costs import FREE_HOST, HOST_COSTS, KERNEL_FORWARD, SOFTWARE_AGGREGATOR, HostCosts, asic
 from intml.sim.engine import Simulator
 from intml.sim.host import WorkerHost
 from intml.sim.models import largest_packet
-from intml.sim.network import CoreAggregator, Link, Machine, Switch
+from intml.sim.network import CoreAggregator, Link, Machine, Receiver, Switch
 
 HOST_IP = 0x0A000000  # 10.0.0.(rank + 1)
 HOST_PORT = 5000
@@ -145,12 +146,15 @@ def simulate(run: PacketRun) -> PacketResult:
             if state["round"] < run.rounds:
                 sim.at(end, start_round, end)
 
+    # the ranks' receive bursts (rows of the engine's largest datagram), shared: a multicast result burst is copied
+    # once for all of them
+    receiver = Receiver(max(HDR, element_datagram_size(params.codec, run.packet_elements, False)), shared=True)
     hosts = []
     for r in range(n):
         addr = ((HOST_IP + r + 1) << 16) | HOST_PORT
         h = WorkerHost(sim, rank=r, addr=addr, job=JOB, params=params, token=TOKEN, aggregator=AGG_ADDR,
                        costs=costs, timers=timers, on_joined=on_joined, on_done=on_done, nonce_seed=run.seed * 1000 + r,
-                       machine=machine)
+                       machine=machine, receiver=receiver)
         link = dict(rate=run.rate, delay=run.delay, mtu=run.mtu, queue_bytes=run.queue_bytes, loss=run.loss,
                     ecn_bytes=run.ecn_bytes)
         h.uplink = Link(sim, switch, seed=link_seed(run.seed, r, 0), **link)
