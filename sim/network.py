@@ -191,13 +191,14 @@ class Copier:
             memory = self._memory = burst.memory
             flat = memory.reshape(-1).view(np.uint8)
             self._base, self._end, self._view = memory.ctypes.data, flat.size, memoryview(flat)
-        base, view = self._base, self._view
-        starts = [ptr - base for ptr in burst.ptr[:k].tolist()]
-        sizes = burst.length[:k].tolist()
-        if min(starts) < 0 or max(map(int.__add__, starts, sizes)) > self._end or min(sizes) < 0:
-            raise ValueError("a datagram points outside its burst's memory")
-        return [(view[start:start + size].tobytes(), src, dst)
-                for start, size, dst in zip(starts, sizes, burst.addr[:k].tolist())]
+        base, end, view = self._base, self._end, self._view
+        ptrs, sizes = burst.ptr[:k].tolist(), burst.length[:k].tolist()
+        if min(ptrs) < base or max(ptrs) + max(sizes) > base + end:  # a bound for all at once
+            for ptr, size in zip(ptrs, sizes):  # which may be too tight: the exact test
+                if ptr < base or ptr + size > base + end:
+                    raise ValueError("a datagram points outside its burst's memory")
+        return [(view[ptr - base:ptr - base + size].tobytes(), src, dst)
+                for ptr, size, dst in zip(ptrs, sizes, burst.addr[:k].tolist())]
 
 
 class Receiver:

@@ -90,6 +90,7 @@ class PacketResult:
     exact: bool | None = None  # every rank's result equals protocol.reference's, if checked
     counters: dict = field(default_factory=dict)
     cpu_seconds: dict = field(default_factory=dict)  # CPU work charged: hosts (all), software aggregator
+    loop_cpu: float = 0.0  # seconds of this process's CPU time in the event loop (the machine may be shared)
 
 
 def simulate(run: PacketRun) -> PacketResult:
@@ -162,8 +163,9 @@ def simulate(run: PacketRun) -> PacketResult:
         hosts.append(h)
     for h in hosts:
         h.connect(0.0)
-    loop = time.perf_counter()
+    loop, loop_cpu = time.perf_counter(), time.process_time()
     sim.run(stop=lambda: len(times) == run.rounds)
+    loop_cpu = time.process_time() - loop_cpu
     if len(times) < run.rounds:
         stuck = [f"rank {h.rank}: " + ("joining" if h.engine is None else f"{h.engine.progress} chunks")
                  for h in hosts if h.engine is None or h.running]
@@ -176,7 +178,8 @@ def simulate(run: PacketRun) -> PacketResult:
         lost=sum(link.stats.lost for link in links), queue_drops=sum(link.stats.queue_drops for link in links),
         events=sim.events, packet_events=sim.packet_events, wall=time.perf_counter() - wall,
         loop=time.perf_counter() - loop, counters=counters,
-        cpu_seconds={"hosts": sum(h.cpu.busy for h in hosts), "aggregator": switch.cpu.busy if software else 0.0})
+        cpu_seconds={"hosts": sum(h.cpu.busy for h in hosts), "aggregator": switch.cpu.busy if software else 0.0},
+        loop_cpu=loop_cpu)
     if run.check:
         expected = reference.allreduce(xs, codec=run.codec, seed=run.seed, allreduce_seq=run.rounds - 1,
                                        packet_elements=run.packet_elements)
