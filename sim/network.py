@@ -66,6 +66,9 @@ class LinkStats:
     ecn_marked: int = 0
 
 
+_SHAPES: dict[tuple, tuple] = {}  # Link.shape: one tuple per distinct link model
+
+
 class Link:
     """One direction of a link into ``node``. Calls to ``send`` come in nondecreasing time order (each link has
     one sender, whose clock only moves forward)."""
@@ -79,8 +82,10 @@ class Link:
         self.byte_time = 8.0 / rate
         self.delay, self.mtu, self.queue_bytes, self.loss = delay, mtu, queue_bytes, loss
         self.ecn_bytes, self.overhead = ecn_bytes, overhead
-        # what decides a send's outcome besides the queue (fan_out's test that links behave alike)
-        self.shape = (self.byte_time, delay, mtu, queue_bytes, ecn_bytes, overhead, loss)
+        # what decides a send's outcome besides the queue (fan_out's test that links behave alike), one tuple for
+        # all links alike, so that the test is mostly by identity
+        shape = (self.byte_time, delay, mtu, queue_bytes, ecn_bytes, overhead, loss)
+        self.shape = _SHAPES.setdefault(shape, shape)
         self.random = random.Random(seed)
         self.busy_until = 0.0
         self.stats = LinkStats()
@@ -138,7 +143,7 @@ def fan_out(sim: Simulator, links: list[Link], datagram: Datagram, now: float) -
     first = links[0]
     busy, shape = first.busy_until, first.shape
     for link in links:
-        if link.busy_until != busy or link.shape != shape:
+        if link.busy_until != busy or (link.shape is not shape and link.shape != shape):
             for each in links:
                 each.send(datagram, now)
             return
@@ -160,15 +165,19 @@ def fan_out(sim: Simulator, links: list[Link], datagram: Datagram, now: float) -
         now = busy
     busy = now + wire * first.byte_time
     loss = first.loss
-    nodes = []
     for link in links:
         link.busy_until = busy
         link.sent += 1
         link.bytes += wire
-        if loss and link.random.random() < loss:
-            link.stats.lost += 1
-        else:
-            nodes.append(link.node)
+    if loss:
+        nodes = []
+        for link in links:
+            if link.random.random() < loss:
+                link.stats.lost += 1
+            else:
+                nodes.append(link.node)
+    else:
+        nodes = [link.node for link in links]
     sim.deliver_all(busy + first.delay, nodes, datagram)
 
 
