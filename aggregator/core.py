@@ -55,6 +55,7 @@ from intml.aggregator.slots import (
     new_jobs,
     new_limiter,
     new_table,
+    place_job,
     process_burst,
     row_width,
 )
@@ -182,12 +183,15 @@ class AggregatorCore:
         if self._control.size < rx.rows:
             self._grow(rx.rows)
         out = self._out
-        out.count, n_ctl = process_burst(rx.data, rx.length, rx.addr, rx.count, now, *self._tables, self._batch,
-                                         self._spill, self._spill_len, out.ptr, out.length, out.addr, self._control,
-                                         self._limiter)
+        out.count, n_ctl = self._data_path(rx, now, out)
         for i in self._control[:n_ctl].tolist():
             self._control_in.append((bytes(rx.data[i, : rx.length[i]]), int(rx.addr[i]), now))
         return out
+
+    def _data_path(self, rx: Burst, now: float, out: Burst) -> tuple[int, int]:
+        """Run the burst kernel: (datagrams described in ``out``, control datagrams listed in ``_control``)."""
+        return process_burst(rx.data, rx.length, rx.addr, rx.count, now, *self._tables, self._batch, self._spill,
+                             self._spill_len, out.ptr, out.length, out.addr, self._control, self._limiter)
 
     def count_send_failures(self, n: int) -> None:
         """The driver reports `n` datagrams the kernel refused to send (skipped; the others went out)."""
@@ -242,7 +246,7 @@ class AggregatorCore:
             return self._refuse(DROP_BAD_MAC, job_id, UNPROVED)
         # proved: from here on the sender is a holder of the job's token
         params = {name: int(payload[name]) for name in JOB_PARAMS}
-        problem = self._check_params(params, rank)
+        problem = self._check_params(params, rank) or self._admit(job_id, params, rank)
         if problem:
             return self._refuse(DROP_REFUSED_JOIN, job_id, problem)
         params["total_cores"] = params["total_cores"] or self.cores  # the same layout, stated either way
@@ -320,6 +324,10 @@ class AggregatorCore:
                        f"{p['total_cores']} cores: every worker must list the same aggregators in the same order")
         return problem
 
+    def _admit(self, job_id: int, params: dict, rank: int) -> str | None:
+        """A mode's own refusal of a proved JOIN (one line), or None: every JOIN a plain core's checks pass."""
+        return None
+
     def layout(self, params: dict) -> tuple[int, int]:
         """(stride, offset) of a job on this core: it holds the job's slots s with s % stride == offset."""
         return params["total_cores"], params["first_core"] + self.core
@@ -343,24 +351,15 @@ class AggregatorCore:
                     f"consecutive slot rows here and {int((~self.row_used).sum())} of {self.row_used.size} are free "
                     f"(intml-aggregator --slots); use a smaller pool or another aggregator")
         j = int(free_jobs[0])
-        jobs, table = self.jobs, self.table
-        jobs.world[j] = params["world_size"]
-        jobs.value_bits[j] = value_bits(params["world_size"])
-        jobs.packet_elements[j] = params["packet_elements"]
-        jobs.pool[j] = params["pool_size"]
-        jobs.codec[j] = params["codec"]
-        jobs.seed[j] = np.uint64(params["seed"])
-        jobs.row_base[j] = rows.start
-        jobs.members[j] = 0
+        jobs = self.jobs
+        place_job(jobs, self.table, j, rows, world=params["world_size"], value_bits=value_bits(params["world_size"]),
+                  packet_elements=params["packet_elements"], pool=params["pool_size"], codec=params["codec"],
+                  seed=params["seed"], stride=stride, offset=offset)
         jobs.group[j] = 0 if self.results_group is None else (self.results_group[0] + j) << 16 | self.results_group[1]
         jobs.last_seen[j] = now
         jobs.data_mac[j] = bool(params["flags"] & wire.FLAG_DATA_MAC)
         jobs.mac_key[j] = key_words(keys.data_key(token_key, job_id, job_nonce))
-        jobs.stride[j], jobs.offset[j] = stride, offset
         self.row_used[rows.start:rows.stop] = True
-        table.round_key[rows.start:rows.stop] = -1  # a fresh job must not see a previous job's rounds
-        table.count[rows.start:rows.stop] = 0
-        table.bitmap[rows.start:rows.stop] = 0
         self.counters.start_job(j, job_id)  # sets the job's id, then marks it active: the kernel sees it from here
         info = JobInfo(j, params, rows, now, token_key, job_nonce)
         self.info[job_id] = info

@@ -198,6 +198,22 @@ def conforms(tat, now, tolerance):
     return max(tat, now) - now <= tolerance
 
 
+@njit(inline="always")
+def admit_control(lim, control, n_ctl, i, addr, now, core_stats):
+    """Control admission of received datagram i, a control datagram from ``addr``: within the burst's share
+    (``n_ctl`` listed so far), its source's bucket and the core's, it is listed in ``control`` and both buckets pay
+    a token; else it is counted as drop_control_rate. Returns the new count listed."""
+    k = source_bucket(addr)
+    if n_ctl < lim.per_burst and conforms(lim.source_tat[k], now, lim.tolerance[0]) \
+            and conforms(lim.core_tat[0], now, lim.tolerance[1]):
+        lim.source_tat[k] = max(lim.source_tat[k], now) + lim.interval[0]
+        lim.core_tat[0] = max(lim.core_tat[0], now) + lim.interval[1]
+        control[n_ctl] = i
+        return n_ctl + 1
+    core_stats[DROP_CONTROL_RATE] += 1
+    return n_ctl
+
+
 def new_jobs(capacity: int) -> Jobs:
     return Jobs(
         job_id=np.zeros(capacity, np.int64),
@@ -219,6 +235,25 @@ def new_jobs(capacity: int) -> Jobs:
         stride=np.ones(capacity, np.int64),  # the job's cores, on all its aggregators
         offset=np.zeros(capacity, np.int64),  # this core's index among them: it holds slots s % stride == offset
     )
+
+
+def place_job(jobs: Jobs, table: Table, j: int, rows: range, *, world: int, value_bits: int, packet_elements: int,
+              pool: int, codec: int, seed: int, stride: int = 1, offset: int = 0) -> None:
+    """Job index j's parameters, as the kernel reads them, on the slot rows ``rows`` (emptied: a fresh job must
+    not see a previous job's rounds), with no members yet. The caller sets the rest (group, MAC) and then marks
+    the job active."""
+    jobs.world[j] = world
+    jobs.value_bits[j] = value_bits
+    jobs.packet_elements[j] = packet_elements
+    jobs.pool[j] = pool
+    jobs.codec[j] = codec
+    jobs.seed[j] = np.uint64(seed)
+    jobs.row_base[j] = rows.start
+    jobs.members[j] = 0
+    jobs.stride[j], jobs.offset[j] = stride, offset
+    table.round_key[rows.start:rows.stop] = -1
+    table.count[rows.start:rows.stop] = 0
+    table.bitmap[rows.start:rows.stop] = 0
 
 
 def result_width(max_elements: int) -> int:
@@ -502,16 +537,8 @@ def process_burst(rx_data, rx_len, rx_addr, n_rx, now, job_arrays, table_arrays,
         cs[PACKETS_IN] += 1
         length = rx_len[i]
         reason = validate_header(length, get_u16(p, O_MAGIC), p[O_VERSION], p[O_TYPE])
-        if reason == CONTROL:  # control admission: the burst's share, the source's bucket, the core's bucket
-            k = source_bucket(rx_addr[i])
-            if n_ctl < lim.per_burst and conforms(lim.source_tat[k], now, lim.tolerance[0]) \
-                    and conforms(lim.core_tat[0], now, lim.tolerance[1]):
-                lim.source_tat[k] = max(lim.source_tat[k], now) + lim.interval[0]
-                lim.core_tat[0] = max(lim.core_tat[0], now) + lim.interval[1]
-                control[n_ctl] = i
-                n_ctl += 1
-            else:
-                cs[DROP_CONTROL_RATE] += 1
+        if reason == CONTROL:
+            n_ctl = admit_control(lim, control, n_ctl, i, rx_addr[i], now, cs)
             continue
         if reason:
             cs[reason] += 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from intml.protocol.wire import HEADER_SIZE, MAGIC, MAX_OWNER_SPAN, OFFSETS, VERSION
+from intml.protocol.wire import HEADER_SIZE, MAGIC, MAX_OWNER_SPAN, OFFSETS, OWNERS_SHIFT, RANK_MASK, VERSION
 
 O_MAGIC = OFFSETS["magic"]
 O_VERSION = OFFSETS["version"]
@@ -79,6 +79,17 @@ def put_header(p, typ, job, allreduce, chunk, rank, slot, count, codec, shadow, 
     p[O_SHADOW] = shadow
     p[O_EXP] = np.uint8(exp & 0xFF)
     p[O_NEXT_EXP] = np.uint8(next_exp & 0xFF)
+
+
+@njit(inline="always")
+def element_fields(p):
+    """The fields of a DATA, RESULT or PARTIAL header that name its round and describe its elements: (rank,
+    owners, slot, count, codec, shadow, exp, next_exp, round key); rank and owners: the rank field's low and
+    high byte."""
+    rank = get_u16(p, O_RANK)
+    return (rank & RANK_MASK, rank >> OWNERS_SHIFT, get_u16(p, O_SLOT), get_u16(p, O_COUNT), np.int64(p[O_CODEC]),
+            np.int64(p[O_SHADOW]), get_i8(p, O_EXP), get_i8(p, O_NEXT_EXP),
+            round_key(get_u32(p, O_ALLREDUCE), get_i32(p, O_CHUNK)))
 
 
 @njit(inline="always")

@@ -41,6 +41,9 @@ authentication"; the keys: protocol.keys):
 * LEAVE: a 16-byte MAC under the rank's session key.
 * STATS_REQUEST: zero padding (the reply may be up to 3 times the request), then a 16-byte MAC.
 * STATS_REPLY: UTF-8 JSON, then a 16-byte MAC. ERROR: UTF-8 text to the end of the datagram (``Raw``).
+* PARTIAL (leaf to spine, docs/protocol.md "Leaf-spine"): ``count`` big-endian int32 partial sums whatever the
+  codec, then the 8-byte contributors bitmap (u64, bit r for rank r); ``rank`` is the leaf's index at the spine
+  (protocol.partial).
 
 ``count`` is 0 in control messages (anything but DATA / RESULT).
 
@@ -109,6 +112,7 @@ class MsgType(IntEnum):
     STATS_REPLY = 7
     ERROR = 8
     CHALLENGE = 9
+    PARTIAL = 10  # a leaf's int32 partial sum of its rack, to the spine (docs/protocol.md, "Leaf-spine")
 
 
 class Codec(IntEnum):

@@ -93,7 +93,8 @@ def build_parser() -> OneLineParser:
                            help="write a plot (needs matplotlib: the plot extra)")
 
     def axes(q: argparse.ArgumentParser) -> None:
-        q.add_argument("--x", default="workers", choices=("workers", "loss", "rate", "elements", "pool"),
+        q.add_argument("--x", default="workers", choices=("workers", "loss", "rate", "elements", "pool", "racks",
+                                                               "uplink_rate"),
                        help="the plot's x axis (default workers)")
         q.add_argument("--y", default="time_s", choices=("time_s", "goodput_gbit"), help="its y axis")
 

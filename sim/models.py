@@ -22,6 +22,8 @@ import math
 from dataclasses import dataclass
 
 from intml.protocol.packet import HDR
+from intml.protocol.partial import SUM_WIDTH as PARTIAL_SUM_WIDTH
+from intml.protocol.partial import TRAILER as PARTIAL_TRAILER
 from intml.sim.network import IP_UDP, WIRE_OVERHEAD
 
 TCP_IP = 52  # IPv4 20 + TCP 20 + timestamps 12
@@ -108,15 +110,17 @@ SYSTEMS = {
 # ---- two-level leaf-spine: aggregation at the racks, then at the spine -------------------------------------------
 # Exactness: every rank encodes against the job's fixed-point unit 2^(E - s(n)), s(n) from the total n, so the sum
 # of any subset of contributions fits 31 bits. A leaf adds its rack's contributions as int32 and forwards the
-# partial sum as int32 (4 bytes per element); the spine adds the leaves' partials, still exact, and only it
-# re-encodes the total to C_nat codes for the multicast back down. So the result is bit for bit the one-switch
-# result; the cost is 4 bytes per element on the leaf uplinks.
+# partial sum as int32 (4 bytes per element, one PARTIAL datagram per round: protocol.partial); the spine adds the
+# leaves' partials, still exact, and only it re-encodes the total (C_nat codes for cnat8) for the results back
+# down. So the result is bit for bit the one-switch result; the cost is 4 bytes per element on the leaf uplinks,
+# and packets no larger than a partial that fits the uplink's MTU.
 
 
 @dataclass(frozen=True)
 class LeafSpine:
     """``racks`` leaves of ``workers / racks`` hosts each, host links at ``rate``, each leaf's uplink to the spine
-    at ``uplink_rate`` (oversubscription = hosts per rack x rate / uplink_rate)."""
+    at ``uplink_rate`` (oversubscription = hosts per rack x rate / uplink_rate) with MTU ``uplink_mtu`` (None:
+    ``mtu``); every link's one-way delay ``delay``, every switch's pipeline ``switch_latency``."""
 
     workers: int
     racks: int
@@ -126,17 +130,37 @@ class LeafSpine:
     mtu: int = 9000
     alpha: float = 20e-6
     switch_latency: float = 1e-6
+    uplink_mtu: int | None = None
+
+    def packet_elements(self, element_size: int) -> int:
+        """The largest packet whose DATA fits the host MTU and whose partial fits the uplink's."""
+        return min(largest_packet(element_size, self.mtu), largest_partial(self.uplink_mtu or self.mtu))
 
 
-def leaf_spine_in_network(t: LeafSpine, elements: int, element_size: int = 1) -> float:
-    """Hosts send codes to their leaf; leaves send int32 partial sums to the spine; each level runs at its own
-    link's rate (the pool covers the bandwidth-delay product), so the slower level sets the pace."""
-    host_pe = largest_packet(element_size, t.mtu)
-    host = math.ceil(elements / host_pe) * (host_pe * element_size + HDR + WIRE_OVERHEAD) * 8 / t.rate
-    up_pe = largest_packet(4, t.mtu)
-    up = math.ceil(elements / up_pe) * (up_pe * 4 + HDR + WIRE_OVERHEAD) * 8 / t.uplink_rate if t.racks > 1 else 0
-    rtt = 4 * t.delay + 3 * t.switch_latency
-    return max(host, up) + rtt
+def leaf_spine_in_network(t: LeafSpine, elements: int, element_size: int = 1, packet_elements: int | None = None,
+                          pool: int = 256) -> float:
+    """Hosts send P-element packets to their leaf; each leaf sends one partial (4P bytes and the contributors
+    bitmap) per packet to the spine and gets a P-element result back. Each round of a slot crosses both levels:
+    a chunk takes the slowest of the host link, the uplink and the round trip shared by the pool's window, as
+    ``in_network`` does for one switch; the first round of each slot carries no elements (the bootstrap). One
+    rack is one switch (``in_network``)."""
+    p = packet_elements or t.packet_elements(element_size)
+    if t.racks == 1:
+        return in_network(Net(t.workers, t.rate, t.delay, t.mtu, t.alpha, t.switch_latency), elements, p, pool,
+                          element_size)
+    chunks = math.ceil(elements / p)
+    window = min(pool, chunks)
+    host = (p * element_size + HDR + WIRE_OVERHEAD) * 8 / t.rate
+    up = (PARTIAL_SUM_WIDTH * p + HDR + PARTIAL_TRAILER + WIRE_OVERHEAD) * 8 / t.uplink_rate
+    down = (p * element_size + HDR + WIRE_OVERHEAD) * 8 / t.uplink_rate
+    rtt = 4 * t.delay + 3 * t.switch_latency + 2 * host + up + down
+    bootstrap = max((HDR + WIRE_OVERHEAD) * 8 / t.rate, (HDR + PARTIAL_TRAILER + WIRE_OVERHEAD) * 8 / t.uplink_rate)
+    return chunks * max(host, up, rtt / window) + window * bootstrap + rtt
+
+
+def largest_partial(mtu: int) -> int:
+    """Elements of a packet whose partial sums (and contributors bitmap) fit one datagram under ``mtu``."""
+    return (mtu - IP_UDP - HDR - PARTIAL_TRAILER) // PARTIAL_SUM_WIDTH
 
 
 def leaf_spine_ring(t: LeafSpine, elements: int, element_size: int = 4) -> float:

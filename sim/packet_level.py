@@ -1,6 +1,8 @@
 """Packet-level runs of intml (cnat8, or int32: SwitchML's arithmetic) on one switch: n hosts, each on its own
 link pair to the switch, the real aggregator core in it (its data path the Numba kernel, or the P4 pipeline model:
-``engine``), the real worker engines and sessions on the hosts.
+``engine``), the real worker engines and sessions on the hosts. With ``racks`` > 1, a two-level leaf-spine
+instead: each rack's hosts on a leaf switch with a ``LeafCore``, each leaf on its own link pair to a spine switch
+with the ``SpineCore`` (aggregator.leafspine); the ranks join their leaf.
 Every rank joins through the simulated network, then the ranks run ``rounds`` allreduces, each starting together
 once the last rank has the previous result (the testbed's barrier)."""
 
@@ -12,21 +14,25 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from intml.aggregator.core import AggregatorCore
+from intml.aggregator.leafspine import LeafCore, SpineCore
 from intml.p4 import layout
 from intml.p4.engine import P4ModelCore
 from intml.protocol import codecs, reference
-from intml.protocol.job import AGGREGATOR_SLOTS, CODEC_NAMES, JobParams, WorkerTimers
+from intml.protocol.job import AGGREGATOR_SLOTS, CODEC_NAMES, MAX_WORLD, JobParams, WorkerTimers
 from intml.protocol.packet import HDR
+from intml.protocol.partial import partial_size
 from intml.protocol.wire import element_datagram_size
 from intml.sim.costs import FREE_HOST, HOST_COSTS, KERNEL_FORWARD, SOFTWARE_AGGREGATOR, HostCosts, asic
 from intml.sim.engine import Simulator
 from intml.sim.host import WorkerHost
-from intml.sim.models import largest_packet
+from intml.sim.models import largest_packet, largest_partial
 from intml.sim.network import CoreAggregator, Link, Machine, Receiver, Switch
 
 HOST_IP = 0x0A000000  # 10.0.0.(rank + 1)
 HOST_PORT = 5000
 AGG_ADDR = (0x0A000101 << 16) | 48879  # 10.0.1.1, the aggregator's core 0
+LEAF_IP = 0x0A000200  # 10.0.2.(leaf + 1), a leaf's aggregator
+SPINE_ADDR = (0x0A000301 << 16) | 48879  # 10.0.3.1, the spine's aggregator
 GROUP = (0xEFFF2A00, 48880)  # 239.255.42.0: results by multicast, as the testbed's default
 TOKEN = "intml-sim"
 ENGINES = ("kernel", "p4model")
@@ -64,13 +70,23 @@ class PacketRun:
     cpus: int = 0  # > 0: one machine of that many CPUs runs every rank and the software aggregator, each sender
     # paying the kernel's forwarding per datagram copy (the netns testbed); 0: every host its own CPU, no forwarding
     forward_cost: float = KERNEL_FORWARD  # CPU seconds per datagram copy sent, with cpus
+    racks: int = 1  # > 1: a leaf-spine of that many racks (ranks split in order, sizes differing by at most 1)
+    uplink_rate: float | None = None  # bit/s of each leaf's link to the spine (None: ``rate``)
+    uplink_mtu: int | None = None  # (None: ``mtu``)
+    uplink_loss: float | None = None  # per direction (None: ``loss``)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if not 1 <= self.racks <= self.workers:
+            raise ValueError(f"racks must be in [1, workers = {self.workers}], got {self.racks}")
+        if self.racks > 1 and (self.engine, self.switch, self.cpus) != ("kernel", "asic", 0):
+            raise ValueError("a leaf-spine runs the kernel engine on ASIC switches, with a CPU per host")
         codec = CODEC_NAMES[self.codec]
         if self.packet_elements is None:
             self.packet_elements = largest_packet(codecs.BY_ID[codec].WIDTH, self.mtu)
+            if self.racks > 1:  # a rack's partial sums, 4 bytes each, must fit one datagram on the uplink
+                self.packet_elements = min(self.packet_elements, largest_partial(self.uplink_mtu or self.mtu))
             if self.engine == "p4model":  # what the switch's parser takes
                 self.packet_elements = min(self.packet_elements, layout.MAX_LANES[codec])
         if self.passes == 0:
@@ -100,17 +116,20 @@ def simulate(run: PacketRun) -> PacketResult:
     n = run.workers
     params = JobParams.of(world_size=n, codec=run.codec, packet_elements=run.packet_elements, pool_size=run.pool,
                           seed=run.seed)
-    secret = np.random.default_rng([run.seed, 7])
-    kind = P4ModelCore if run.engine == "p4model" else AggregatorCore
-    core = kind(rows=run.slots, max_elements=max(run.packet_elements, 1), tokens=[TOKEN],
-                results_group=GROUP if run.multicast else None, random_bytes=lambda k: secret.bytes(k))
-    width = element_datagram_size(params.codec, run.packet_elements, False) + 256
     machine = Machine(run.cpus) if run.cpus else None
     software = run.switch == "software"
     forward = run.forward_cost if machine else 0.0
-    switch_costs = replace(SOFTWARE_AGGREGATOR, forward=forward) if software else asic(run.passes)
-    switch = Switch(sim, CoreAggregator([core], [AGG_ADDR], width, codecs.BY_ID[params.codec].WIDTH),
-                    switch_costs, machine if software else None)
+    if run.racks > 1:
+        topology = leaf_spine(sim, run, params)
+    else:
+        secret = np.random.default_rng([run.seed, 7])
+        kind = P4ModelCore if run.engine == "p4model" else AggregatorCore
+        core = kind(rows=run.slots, max_elements=max(run.packet_elements, 1), tokens=[TOKEN],
+                    results_group=GROUP if run.multicast else None, random_bytes=lambda k: secret.bytes(k))
+        switch_costs = replace(SOFTWARE_AGGREGATOR, forward=forward) if software else asic(run.passes)
+        switch = Switch(sim, CoreAggregator([core], [AGG_ADDR], _rx_width(params), codecs.BY_ID[params.codec].WIDTH),
+                        switch_costs, machine if software else None)
+        topology = Topology(edge=[switch] * n, aggregator=[AGG_ADDR] * n, switches=[switch])
     costs: HostCosts = replace(HOST_COSTS[run.codec] if run.host_costs else FREE_HOST, forward=forward)
     timers = WorkerTimers(rto=run.rto, min_rto=run.min_rto)
     joined: list[WorkerHost] = []
@@ -134,8 +153,9 @@ def simulate(run: PacketRun) -> PacketResult:
     def on_joined(host: WorkerHost) -> None:
         joined.append(host)
         if len(joined) == n:
-            for g in host.groups:
-                switch.groups[g] = [h.addr for h in hosts]
+            for g in host.groups:  # each edge switch replicates to its own hosts
+                for edge in set(topology.edge):
+                    edge.groups[g] = [h.addr for h in hosts if topology.edge[h.rank] is edge]
             start_round(sim.now)
 
     def on_done(host: WorkerHost, now: float) -> None:
@@ -153,13 +173,13 @@ def simulate(run: PacketRun) -> PacketResult:
     hosts = []
     for r in range(n):
         addr = ((HOST_IP + r + 1) << 16) | HOST_PORT
-        h = WorkerHost(sim, rank=r, addr=addr, job=JOB, params=params, token=TOKEN, aggregator=AGG_ADDR,
+        h = WorkerHost(sim, rank=r, addr=addr, job=JOB, params=params, token=TOKEN, aggregator=topology.aggregator[r],
                        costs=costs, timers=timers, on_joined=on_joined, on_done=on_done, nonce_seed=run.seed * 1000 + r,
                        machine=machine, receiver=receiver)
         link = dict(rate=run.rate, delay=run.delay, mtu=run.mtu, queue_bytes=run.queue_bytes, loss=run.loss,
                     ecn_bytes=run.ecn_bytes)
-        h.uplink = Link(sim, switch, seed=link_seed(run.seed, r, 0), **link)
-        switch.attach(addr, Link(sim, h, seed=link_seed(run.seed, r, 1), **link))
+        h.uplink = Link(sim, topology.edge[r], seed=link_seed(run.seed, r, 0), **link)
+        topology.edge[r].attach(addr, Link(sim, h, seed=link_seed(run.seed, r, 1), **link))
         hosts.append(h)
     for h in hosts:
         h.connect(0.0)
@@ -171,20 +191,69 @@ def simulate(run: PacketRun) -> PacketResult:
                  for h in hosts if h.engine is None or h.running]
         raise RuntimeError(f"the simulation ran out of events after {len(times)} of {run.rounds} allreduces "
                            f"at t = {sim.now:.6g} s ({'; '.join(stuck)})")
-    links = [h.uplink for h in hosts] + list(switch.ports.values())
+    links = [h.uplink for h in hosts] + [link for sw in topology.switches for link in sw.ports.values()]
     counters = {k: sum(h.engine.counters()[k] for h in hosts) for k in hosts[0].engine.counters()}
     result = PacketResult(
         times=times, retransmissions=counters["retransmissions"] + counters["fast_retransmissions"],
         lost=sum(link.stats.lost for link in links), queue_drops=sum(link.stats.queue_drops for link in links),
         events=sim.events, packet_events=sim.packet_events, wall=time.perf_counter() - wall,
         loop=time.perf_counter() - loop, counters=counters,
-        cpu_seconds={"hosts": sum(h.cpu.busy for h in hosts), "aggregator": switch.cpu.busy if software else 0.0},
+        cpu_seconds={"hosts": sum(h.cpu.busy for h in hosts),
+                     "aggregator": topology.switches[0].cpu.busy if software else 0.0},
         loop_cpu=loop_cpu)
     if run.check:
         expected = reference.allreduce(xs, codec=run.codec, seed=run.seed, allreduce_seq=run.rounds - 1,
                                        packet_elements=run.packet_elements)
         result.exact = all(np.array_equal(o.view(np.uint32), expected.view(np.uint32)) for o in outs)
     return result
+
+
+@dataclass
+class Topology:
+    """Where the hosts attach: rank r's edge switch (its link's far end) and the aggregator address it joins;
+    every switch (their ports are every link but the hosts' uplinks)."""
+
+    edge: list[Switch]
+    aggregator: list[int]
+    switches: list[Switch]
+
+
+def _rx_width(params: JobParams) -> int:
+    """Receive rows for a switch's aggregator: the job's largest DATA or RESULT, with room to spare."""
+    return element_datagram_size(params.codec, params.packet_elements, False) + 256
+
+
+def rack_ranks(workers: int, racks: int) -> list[range]:
+    """The ranks of each rack: in order, rack sizes differing by at most one."""
+    return [range(k * workers // racks, (k + 1) * workers // racks) for k in range(racks)]
+
+
+def leaf_spine(sim: Simulator, run: PacketRun, params: JobParams) -> Topology:
+    """``run.racks`` leaf switches, each with a LeafCore routed to the spine switch's SpineCore over its own link
+    pair (``uplink_*``), the job installed at the spine and routed at each leaf as the fabric's controller would."""
+    spine_core = SpineCore(rows=run.slots, max_elements=run.packet_elements)
+    spine = Switch(sim, CoreAggregator([spine_core], [SPINE_ADDR], partial_size(run.packet_elements) + 256, 4),
+                   asic(run.passes))
+    uplink = dict(rate=run.uplink_rate or run.rate, delay=run.delay, mtu=run.uplink_mtu or run.mtu,
+                  queue_bytes=run.queue_bytes, loss=run.loss if run.uplink_loss is None else run.uplink_loss,
+                  ecn_bytes=run.ecn_bytes)
+    edge, aggregator, switches, leaves = [], [], [spine], []
+    for k, ranks in enumerate(rack_ranks(run.workers, run.racks)):
+        secret = np.random.default_rng([run.seed, 7, k])
+        core = LeafCore(rows=run.slots, max_elements=run.packet_elements, tokens=[TOKEN],
+                        results_group=GROUP if run.multicast else None, random_bytes=lambda b, s=secret: s.bytes(b))
+        addr = ((LEAF_IP + k + 1) << 16) | 48879
+        core.add_route(JOB, leaf=k, ranks=ranks, spine=SPINE_ADDR)
+        leaf = Switch(sim, CoreAggregator([core], [addr], _rx_width(params), codecs.BY_ID[params.codec].WIDTH),
+                      asic(run.passes))
+        leaf.attach(SPINE_ADDR, Link(sim, spine, seed=link_seed(run.seed, MAX_WORLD + k, 0), **uplink))
+        spine.attach(addr, Link(sim, leaf, seed=link_seed(run.seed, MAX_WORLD + k, 1), **uplink))
+        edge += [leaf] * len(ranks)
+        aggregator += [addr] * len(ranks)
+        switches.append(leaf)
+        leaves.append((addr, ranks))
+    spine_core.install(JOB, params, leaves)
+    return Topology(edge, aggregator, switches)
 
 
 def link_seed(seed: int, rank: int, direction: int) -> int:

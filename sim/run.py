@@ -9,29 +9,31 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 
+from intml.protocol import codecs
 from intml.protocol.job import MAX_WORLD
 from intml.sim.collectives import TcpRun, simulate_tcp
-from intml.sim.models import SYSTEMS, Net, largest_packet
+from intml.sim.models import SYSTEMS, LeafSpine, Net, largest_packet, leaf_spine_in_network, leaf_spine_ring
 from intml.sim.packet_level import PacketRun, simulate
 from intml.sim.scenario import PACKET_SYSTEMS, TCP_SYSTEMS, grid, point_params
 
-COLUMNS = ("system", "method", "workers", "elements", "rate", "mtu", "loss", "pool", "time_s", "goodput_gbit",
-           "retransmissions")
+COLUMNS = ("system", "method", "workers", "racks", "elements", "rate", "uplink_rate", "mtu", "loss", "pool", "time_s",
+           "goodput_gbit", "retransmissions")
 
 
 def evaluate(point: dict, system: str, mode: str) -> dict:
     """One row: the time of one allreduce (the median over ``rounds`` in packet mode) and its goodput (float32
     tensor bytes per second, the application's view)."""
     p = point_params(point)
-    row = {"system": system, "workers": p["workers"], "elements": p["elements"], "rate": p["rate"],
-           "mtu": p["mtu"], "loss": p["loss"], "pool": p["pool"], "seed": p["seed"], "retransmissions": 0}
+    row = {"system": system, "workers": p["workers"], "racks": p["racks"], "elements": p["elements"], "rate": p["rate"],
+           "uplink_rate": p["uplink_rate"], "mtu": p["mtu"], "loss": p["loss"], "pool": p["pool"], "seed": p["seed"], "retransmissions": 0}
     codec = PACKET_SYSTEMS.get(system)
     if mode == "packet" and codec is not None and p["workers"] <= MAX_WORLD:
         r = simulate(PacketRun(workers=p["workers"], elements=p["elements"], codec=codec, rate=p["rate"],
                                delay=p["delay"], mtu=p["mtu"], queue_bytes=p["queue_bytes"], loss=p["loss"],
                                packet_elements=p["packet_elements"] or None, pool=p["pool"], rounds=p["rounds"],
                                seed=p["seed"], switch=p["switch"], engine=p["engine"], passes=p["passes"],
-                               host_costs=p["host_costs"], cpus=p["cpus"],
+                               host_costs=p["host_costs"], cpus=p["cpus"], racks=p["racks"],
+                               uplink_rate=p["uplink_rate"],
                                inputs="shared" if p["elements"] * p["workers"] > 50_000_000 else "distinct"))
         t = sorted(r.times)[len(r.times) // 2]
         row.update(method="packet", time_s=t, retransmissions=r.retransmissions, packet_events=r.packet_events,
@@ -43,6 +45,11 @@ def evaluate(point: dict, system: str, mode: str) -> dict:
         t = sorted(r.times)[len(r.times) // 2]
         row.update(method="packet (tcp)", time_s=t, retransmissions=r.retransmissions,
                    packet_events=r.packet_events, wall_s=round(r.wall, 3))
+    elif p["racks"] > 1:
+        fabric = LeafSpine(p["workers"], p["racks"], p["rate"], p["uplink_rate"], p["delay"], p["mtu"], p["alpha"])
+        t = (leaf_spine_in_network(fabric, p["elements"], codecs.BY_NAME[codec].WIDTH, p["packet_elements"] or None,
+                                   p["pool"]) if codec else leaf_spine_ring(fabric, p["elements"]))
+        row.update(method="analytic" if codec else "flow model", time_s=t)
     else:
         net = Net(p["workers"], p["rate"], p["delay"], p["mtu"], p["alpha"])
         t = SYSTEMS[system](net, p["elements"], p["packet_elements"] or None, p["pool"])

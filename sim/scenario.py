@@ -11,7 +11,9 @@ packet; 0: the engine's, 1 for the kernel and the P4 program's for p4model), ``h
 per-step latency), ``queue_bytes``, ``cpus`` (packet mode: > 0 puts every rank and a software switch's aggregator on
 one machine of that many CPUs, each sender paying the kernel's forwarding, as the netns testbed; 0: every host its
 own CPU), ``baselines`` ("flow": the ring and the parameter server as flow models; "packet": in packet mode, over
-the engine's TCP, ``sim.collectives``).
+the engine's TCP, ``sim.collectives``), ``racks`` (> 1: a two-level leaf-spine, the ranks split over that many
+leaves in order; intml-cnat8, switchml-int32 and gloo-ring only, packet-level for the in-network systems with the
+kernel engine on ASICs) and ``uplink_rate`` (each leaf's link to the spine; 0: ``rate``).
 """
 
 from __future__ import annotations
@@ -34,8 +36,10 @@ DEFAULTS: dict[str, object] = {
     "name": "scenario", "mode": "analytic", "systems": ["intml-cnat8", "switchml-int32", "gloo-ring"], "seed": 1,
     "workers": 4, "elements": 25_000_000, "rate": "10gbit", "delay": "1us", "mtu": 1500, "loss": 0.0, "pool": 64,
     "packet_elements": 0, "rounds": 1, "switch": "asic", "host_costs": True, "alpha": "20us",
-    "queue_bytes": 1 << 20, "passes": 0, "engine": "kernel", "cpus": 0, "baselines": "flow",
+    "queue_bytes": 1 << 20, "passes": 0, "engine": "kernel", "cpus": 0, "baselines": "flow", "racks": 1,
+    "uplink_rate": 0,
 }
+LEAF_SPINE_SYSTEMS = ("intml-cnat8", "switchml-int32", "gloo-ring")
 SWEEPABLE = set(DEFAULTS) - {"name", "mode", "systems"}
 UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 TIMES = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
@@ -86,8 +90,22 @@ def check(s: dict) -> dict:
             raise ScenarioError(f"unknown system {name!r} (known: {', '.join(SYSTEMS)})")
     s["systems"] = systems
     for point in grid(s):
-        point_params(point)
+        p = point_params(point)
+        if p["racks"] > 1:
+            leaf_spine_problem(p, s["mode"], systems)
     return s
+
+
+def leaf_spine_problem(p: dict, mode: str, systems: list[str]) -> None:
+    """Raise a ScenarioError if a leaf-spine point asks for what has no leaf-spine model."""
+    if p["racks"] > p["workers"]:
+        raise ScenarioError(f"racks must be at most workers ({p['workers']}), got {p['racks']}")
+    other = [name for name in systems if name not in LEAF_SPINE_SYSTEMS]
+    if other:
+        raise ScenarioError(f"{other[0]} has no leaf-spine model (racks > 1 takes {', '.join(LEAF_SPINE_SYSTEMS)})")
+    if mode == "packet" and (p["switch"], p["engine"], p["cpus"], p["baselines"]) != ("asic", "kernel", 0, "flow"):
+        raise ScenarioError("a packet-level leaf-spine runs switch = asic, engine = kernel, cpus = 0 and "
+                            "baselines = flow")
 
 
 def apply_sets(s: dict, sets: list[str]) -> dict:
@@ -124,8 +142,10 @@ def point_params(p: dict) -> dict:
     out["rate"] = parse_rate(p["rate"])
     out["delay"] = parse_time(p["delay"])
     out["alpha"] = parse_time(p["alpha"])
+    out["uplink_rate"] = parse_rate(p["uplink_rate"]) if p["uplink_rate"] else out["rate"]
     for key, low in (("workers", 1), ("elements", 1), ("mtu", 68), ("pool", 1), ("rounds", 1),
-                     ("queue_bytes", 1), ("packet_elements", 0), ("seed", 0), ("passes", 0), ("cpus", 0)):
+                     ("queue_bytes", 1), ("packet_elements", 0), ("seed", 0), ("passes", 0), ("cpus", 0),
+                     ("racks", 1)):
         if not isinstance(p[key], int) or isinstance(p[key], bool) or p[key] < low:
             raise ScenarioError(f"{key} must be an integer >= {low}, got {p[key]!r}")
     if p["mtu"] > 65535:

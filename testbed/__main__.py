@@ -123,6 +123,19 @@ def build_parser() -> OneLineParser:
                          "against intml's)")
     cl.add_argument("--plot", type=output_file, help="write a PNG of time per allreduce against n")
     cl.add_argument("--json", action="store_true")
+    gp = bench.add_parser("gpu", help="the CUDA path: device kernels vs a device copy, a hook allreduce of a CUDA "
+                                      "bucket vs Gloo (needs a GPU)")
+    gp.add_argument("--elements", type=positive(), default=25_000_000, help="bucket size (default 25000000: 100 MB)")
+    gp.add_argument("--workers", type=WORKERS, default=2, help="ranks, on GPU rank mod the GPU count (default 2)")
+    gp.add_argument("--packet-elements", type=positive(int, wire.max_packet_elements(CODEC_NAMES["cnat8"])),
+                    default=wire.max_packet_elements(CODEC_NAMES["cnat8"]), help="elements per packet (default: "
+                    "the most one UDP datagram holds)")
+    add_pool(gp)
+    gp.add_argument("--cores", type=CORES, default=2, help="aggregator data-plane processes (default 2)")
+    gp.add_argument("--warmup", type=WARMUP, default=2, help="untimed allreduces first (default 2)")
+    gp.add_argument("--rounds", type=positive(), default=5, help="timed allreduces (default 5)")
+    gp.add_argument("--repeats", type=positive(), default=11, help="timed runs of each kernel (default 11)")
+    gp.add_argument("--json", action="store_true", help="print JSON objects instead of tables")
     lo = bench.add_parser("loss", help="consecutive allreduces under loss vs the loss-free run (root)")
     lo.add_argument("--workers", type=WORKERS, default=4)
     lo.add_argument("--rate", type=rate, default="500mbit")
@@ -236,6 +249,11 @@ def run(args: argparse.Namespace) -> None:
         bench_allreduce.run(args.workers, args.elements, args.codec, args.packet_elements, args.pool, args.cores,
                             args.warmup, args.rounds, not args.no_gloo, args.json,
                             None if args.unicast else args.multicast)
+    elif args.command == "bench" and args.bench == "gpu":
+        from intml.testbed import bench_gpu
+
+        bench_gpu.run(args.elements, args.workers, args.packet_elements, args.pool, args.cores, args.warmup,
+                      args.rounds, args.repeats, args.json)
     elif args.command == "bench" and args.bench in ("cluster", "loss"):
         from intml.testbed import bench_cluster, netns
 

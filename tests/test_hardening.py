@@ -21,6 +21,7 @@ from test_aggregator_core import STRANGER, error_text
 from intml.aggregator.core import AggregatorCore
 from intml.protocol import keys, wire
 from intml.protocol.address import addr_key_of
+from intml.protocol.burst import Burst
 from intml.protocol.job import BURST
 from intml.protocol.slot_reference import Job, SlotReference
 from intml.protocol.wire import NO_EXP, Codec, MsgType
@@ -60,22 +61,31 @@ def raw_udp():
         yield raw
 
 
-def _serve_with_known_secret(sock: socket.socket) -> None:
-    """A data-plane core whose cookie secret is all zeros, so that a test can answer a CHALLENGE it cannot
-    receive (one sent to port 0)."""
+def _known_secret_core() -> AggregatorCore:
+    """A core whose cookie secret is all zeros, so that a test can answer a CHALLENGE it cannot receive (one sent
+    to port 0). Its burst kernel is compiled here, before the fork: a child that compiled it itself (seconds on a
+    cold cache) would miss the tests' 2 s handshake timeouts, and die before writing the cache."""
+    core = AggregatorCore(tokens=[TOKEN], random_bytes=bytes)
+    empty = Burst.rows_of(1, 64)
+    empty.count = 0
+    core.receive(empty, 0.0)
+    return core
+
+
+def _serve(core: AggregatorCore, sock: socket.socket) -> None:
     from intml.aggregator.dataplane import run_core
 
-    run_core(AggregatorCore(tokens=[TOKEN], random_bytes=bytes), sock, BURST, 0.0)
+    run_core(core, sock, BURST, 0.0)
 
 
 class _InProcessAggregator:
-    """An aggregator core of _serve_with_known_secret in a forked process (``proc.pid``, ``port``, ``stats()``)."""
+    """An aggregator core of _known_secret_core in a forked process (``proc.pid``, ``port``, ``stats()``)."""
 
     def __enter__(self) -> _InProcessAggregator:
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         sock.bind((HOST, 0))
         self.port = sock.getsockname()[1]
-        self.proc = multiprocessing.get_context("fork").Process(target=_serve_with_known_secret, args=(sock,),
+        self.proc = multiprocessing.get_context("fork").Process(target=_serve, args=(_known_secret_core(), sock),
                                                                 daemon=True)
         self.proc.start()
         sock.close()

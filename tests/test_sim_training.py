@@ -1,4 +1,5 @@
-"""intml-sim's leaf-spine and DDP training-time models against hand-computed cases, and the CLI."""
+"""intml-sim's DDP training-time model against hand-computed cases, and the CLI (the leaf-spine model: tests/
+test_leafspine.py)."""
 
 from __future__ import annotations
 
@@ -6,21 +7,8 @@ import json
 
 import pytest
 
-from intml.protocol.packet import HDR
-from intml.sim import models, training
+from intml.sim import training
 from intml.sim.__main__ import main
-
-
-def test_leaf_spine_hand_computed():
-    t = models.LeafSpine(workers=64, racks=8, rate=100e9, uplink_rate=100e9, delay=1e-6, mtu=9000,
-                         switch_latency=1e-6)
-    n = 8946 * 100  # 100 cnat8 packets; int32 packets hold 2236 elements: 401 of them
-    host = 100 * (8946 + HDR + 42) * 8 / 100e9
-    up = 401 * (2236 * 4 + HDR + 42) * 8 / 100e9
-    assert models.leaf_spine_in_network(t, n) == pytest.approx(max(host, up) + 4e-6 + 3e-6)
-    assert up > host  # leaves forward int32 partials: the spine level is the slower one at equal rates
-    one_rack = models.LeafSpine(workers=8, racks=1, rate=100e9, uplink_rate=1e9)
-    assert models.leaf_spine_in_network(one_rack, n) == pytest.approx(host + 7e-6)
 
 
 def test_ddp_overlap_hand_computed():

@@ -19,6 +19,7 @@ import asyncio
 import select
 import socket
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -214,10 +215,13 @@ class Worker:
         arr = np.asarray(x)
         if arr.dtype.kind != "f":
             raise TypeError(f"allreduce takes a floating-point array, got {arr.dtype}")
-        now = time.monotonic()
-        self._send(self.engine.start(arr, now, out, sent=sent, scatter=scatter))
-        self.session.watch_progress(now)
+        self._begin(lambda now: self.engine.start(arr, now, out, sent=sent, scatter=scatter))
         return arr
+
+    def _begin(self, start: Callable[[float], Burst]) -> None:
+        now = time.monotonic()
+        self._send(start(now))
+        self.session.watch_progress(now)
 
     def _send(self, burst: Burst) -> None:
         if burst.count:
@@ -283,11 +287,30 @@ class Worker:
     def _run(self, x: np.ndarray, op: str, out: np.ndarray | None, sent: np.ndarray | None, *,
              scatter: bool) -> np.ndarray:
         arr = self._prepare(x, op, out, sent, scatter)
+        self._loop(None)
+        return self._finish(arr, op, out, scatter)
+
+    def _loop(self, tend: Callable[[float, Callable[[Burst], None]], float] | None) -> None:
         while not self.engine.done:
-            if (wait := self._wait()) > 0:
+            wait = self._wait()
+            if tend is not None:
+                wait = min(wait, tend(time.monotonic(), self._send))
+            if wait > 0:
                 self._poll.poll(wait * 1000)
             self._step()
-        return self._finish(arr, op, out, scatter)
+
+    def run_engine(self, start: Callable[[float], Burst],
+                   tend: Callable[[float, Callable[[Burst], None]], float]) -> None:
+        """Run one allreduce that ``start(now)`` begins on ``self.engine`` (returning its first datagrams) to
+        completion, for a driver of the engine's own (worker.gpu: a precoded allreduce). ``tend(now, send)`` is
+        called before each wait: it does the driver's work between the engine's calls, passes the datagrams those
+        calls return to ``send``, and returns how long the worker may wait (seconds) before calling it again.
+        Raises AllreduceTimeout as allreduce does."""
+        if self._closed:
+            raise RuntimeError(f"{self._who()}: the worker is closed")
+        self._begin(start)
+        self._loop(tend)
+        self.session.unwatch_progress()
 
     async def allreduce_async(self, x: np.ndarray, op: str = "sum", out: np.ndarray | None = None, *,
                               sent: np.ndarray | None = None) -> np.ndarray:

@@ -33,6 +33,12 @@ One allreduce of a flat float32 tensor of N elements, packet size P and pool siz
   A NaN or infinity is found when its chunk is read: no chunk is sent from there on, the results of those
   already sent are still taken (so the shadow sets stay in step), then ValueError (see ``non_finite``).
   int32: chunk c is sent as rint(x * 2**(s - E)), the sum comes back as int32 and is scaled by 2**(E - s).
+* Precoded cnat8 (``start_precoded``: a bucket encoded on a GPU, worker.gpu): the engine gets every chunk's codes at
+  its own floor with its exponent proposal and low word, and never sees a float. A chunk's codes are copied into
+  its datagram when it is sent and lowered as above; the two cases it cannot serve itself park the slot (no
+  datagram, no timer) until the driver acts: codes not yet copied from the device (``codes_ready``), and a chunk
+  that must be encoded again at its agreed floor (``reencode_requests``, then ``reencoded`` with the device's
+  codes, exactly the ones the float path encodes). Result codes are written back over the codes, undecoded.
 * Reduce-scatter (``start(..., scatter=True)``; docs/protocol.md, "Reduce-scatter"): the same rounds, with each
   chunk's owners (the ranks whose shards of N / n elements it overlaps) in its DATA packets. The output is this
   rank's shard: the engine decodes the part of each owned chunk that lies in it, and takes a header-only
@@ -47,9 +53,12 @@ import numpy as np
 from numba import njit
 
 from intml.protocol import codecs
+from intml.protocol.codecs.cnat8 import encodes_again
 from intml.protocol.arith import (
     NO_EXP,
+    PRECODED,
     chunk_exponents_kernel,
+    cnat_floor,
     precode_chunk,
     raise_non_finite,
     value_bits,
@@ -100,6 +109,8 @@ STAT_NAMES = (
  SATURATED, DROP_BAD_MAC) = range(len(STAT_NAMES))
 FAST_RETRANSMIT = 3  # results of later-sent slots that mark a slot as lost
 IDLE = np.iinfo(np.int64).min  # cur_chunk of a slot with nothing in flight
+PARKED = IDLE + 1  # cur_chunk of a precoded slot waiting for its chunk's codes (its chunk: State.parked)
+EXACT = np.uint32(PRECODED | 0x7FFFFFFF)  # low word of codes encoded at their agreed floor (nothing underflows)
 
 # All engine state the kernels touch, as arrays. Python passes it to the entry kernels as a plain tuple, which
 # Numba types in C (~1 us a call), and they rebuild the namedtuple: Numba types a namedtuple argument on a slow
@@ -107,13 +118,16 @@ IDLE = np.iinfo(np.int64).min  # cur_chunk of a slot with nothing in flight
 State = namedtuple(
     "State",
     "params x out local_exp agreed_exp cur_chunk parity sent_at rto retries overtaken packet packet_len agg_addr stats "
-    "timing low sent mac_keys",
+    "timing low sent mac_keys codes parked",
 )
 # params (int64): job, rank, world, value_bits, codec, packet_elements, window, chunks, elements, allreduce, cores,
 #                 seed (as int64 bits), done_chunks, index of a non-finite input or -1, shard elements of a
-#                 reduce-scatter (0: an allreduce), the first element the output holds
+#                 reduce-scatter (0: an allreduce), the first element the output holds, precoded (1) or
+#                 float (0) input, elements whose codes are in ``codes`` (precoded)
 (P_JOB, P_RANK, P_WORLD, P_VBITS, P_CODEC, P_PKT, P_WINDOW, P_CHUNKS, P_ELEMENTS, P_ALLREDUCE, P_CORES,
- P_SEED, P_DONE, P_BAD, P_SHARD, P_OUT_LO) = range(16)
+ P_SEED, P_DONE, P_BAD, P_SHARD, P_OUT_LO, P_PRECODED, P_READY) = range(18)
+# codes (uint8): precoded, the codes in (each chunk at its own floor) and the result codes out; else empty
+# parked (int64): per slot, the chunk a PARKED slot waits to send
 # mac_keys (uint64): (cores, 2), the data key (k0, k1) of each aggregator core; (0, 2) without the DATA/RESULT MAC
 # timing (float64): smoothed RTT, RTT variance, current RTO, min RTO, max RTO
 T_SRTT, T_RTTVAR, T_RTO, T_MIN, T_MAX = range(5)
@@ -140,7 +154,12 @@ def _owners(prm, c):
 @njit(inline="always")
 def _worker_key(prm):
     """The key of this rank's random stream in the current allreduce."""
-    return derive_key(np.uint64(prm[P_SEED]), worker_stream(prm[P_ALLREDUCE], prm[P_RANK]))
+    return _worker_key_of(prm[P_SEED], prm[P_ALLREDUCE], prm[P_RANK])
+
+
+@njit(cache=True)
+def _worker_key_of(seed, allreduce, rank):
+    return derive_key(np.uint64(seed), worker_stream(allreduce, rank))
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -149,8 +168,8 @@ def _precode(st, d):
     buffer its slot will send it from, the one the slot's in-flight chunk does not use, and note its exponent
     proposal. A non-finite value stops it and goes to params[P_BAD]."""
     prm = st.params
-    if not codecs.precodes(prm[P_CODEC]) or d >= prm[P_CHUNKS] or prm[P_BAD] >= 0:
-        return
+    if not codecs.precodes(prm[P_CODEC]) or prm[P_PRECODED] or d >= prm[P_CHUNKS] or prm[P_BAD] >= 0:
+        return  # (precoded: the driver gave every chunk's proposal and codes)
     s = d % prm[P_WINDOW]
     lo = d * prm[P_PKT]
     hi = min(prm[P_ELEMENTS], lo + prm[P_PKT])
@@ -161,11 +180,26 @@ def _precode(st, d):
     st.stats[SATURATED] += sat
 
 
+@njit(inline="always")
+def _take_codes(st, c, exp, payload):
+    """Precoded: copy chunk c's codes into its payload, if the engine can send them at agreed exponent exp (they
+    are copied from the device, and need no new encode); else False."""
+    prm = st.params
+    lo = c * prm[P_PKT]
+    vbits = prm[P_VBITS]
+    if (lo + payload.size > prm[P_READY]
+            or encodes_again(st.low[c], cnat_floor(exp, vbits), cnat_floor(st.local_exp[c], vbits))):
+        return False
+    payload[:] = st.codes[lo:lo + payload.size]
+    return True
+
+
 @njit(cache=True, nogil=True, boundscheck=False)
 def _build(st, s, c, now):
     """Write chunk c (or the bootstrap chunk c < 0) of slot s into the slot's datagram buffer for its parity;
     chunk c's codes are there already (precoded), unless the agreed floor changes some. Then precode the chunk
-    whose exponent this packet carries, c + window, into the slot's other buffer."""
+    whose exponent this packet carries, c + window, into the slot's other buffer. Returns False, with nothing
+    built, for a precoded chunk whose codes the engine does not have yet: the slot is parked, timers off."""
     prm = st.params
     window, chunks, pkt = prm[P_WINDOW], prm[P_CHUNKS], prm[P_PKT]
     count = _chunk_count(st, c)
@@ -176,6 +210,12 @@ def _build(st, s, c, now):
     if count > 0:
         lo = c * pkt
         payload = p[HDR:HDR + size]
+        if prm[P_PRECODED] and not _take_codes(st, c, exp, payload):
+            st.cur_chunk[s] = PARKED
+            st.parked[s] = c
+            st.sent_at[s] = np.inf  # no retransmission, RTT or overtaking of what was not sent
+            st.overtaken[s] = 0
+            return False
         codecs.encode_chunk(codec, st.x[lo:lo + count], payload, _worker_key(prm), lo, exp, prm[P_VBITS], st.low[c],
                             st.local_exp[c])
         if st.sent.size:  # asked for (error feedback): what this rank sends, decoded from the datagram itself
@@ -197,6 +237,7 @@ def _build(st, s, c, now):
     st.retries[s] = 0
     st.overtaken[s] = 0
     st.rto[s] = st.timing[T_RTO]
+    return True
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -330,11 +371,11 @@ def validate_result(prm, agreed_exp, p, length, c, count):
 
 
 @njit(inline="always")
-def decode_sum(prm, agreed_exp, out, p, c, count):
+def decode_sum(prm, agreed_exp, out, codes, p, c, count):
     """Chunk c's sum (count elements) from its result into the output ``out`` (the part of it that lies there:
-    out holds elements P_OUT_LO .. P_OUT_LO + out.size); DROP_MALFORMED instead if the payload is invalid for the
-    codec, else -1. Count 0: a bootstrap round, which carries only the next exponent, or a header-only
-    completion."""
+    out holds elements P_OUT_LO .. P_OUT_LO + out.size), or its codes into ``codes`` (precoded: the device
+    decodes them); DROP_MALFORMED instead if the payload is invalid for the codec, else -1. Count 0: a bootstrap
+    round, which carries only the next exponent, or a header-only completion."""
     if c < 0:
         return -1
     if count:
@@ -343,6 +384,10 @@ def decode_sum(prm, agreed_exp, out, p, c, count):
         payload = p[HDR:HDR + width * count]
         if not codecs.check_result(codec, payload, exp, prm[P_VBITS]):
             return DROP_MALFORMED
+        if prm[P_PRECODED]:
+            codes[lo:lo + count] = payload
+            prm[P_DONE] += 1
+            return -1
         a, b = max(lo, prm[P_OUT_LO]), min(lo + count, prm[P_OUT_LO] + out.size)  # codes decode one by one
         if a < b:  # a chunk owned by every rank (more than 4 shards) may miss this one's
             codecs.decode_result(codec, payload[(a - lo) * width:(b - lo) * width], exp, prm[P_VBITS],
@@ -369,7 +414,8 @@ def advance(st, s, c, next_exp, now, tx_ptr, tx_len, tx_addr, n_tx):
     nxt = c + prm[P_WINDOW]
     if nxt < prm[P_CHUNKS] and prm[P_BAD] < 0:  # no new chunk once a non-finite value was found
         st.agreed_exp[nxt] = next_exp
-        _build(st, s, nxt, now)
+        if not _build(st, s, nxt, now):
+            return n_tx  # parked
         _queue(st, s, tx_ptr, tx_len, tx_addr, n_tx)
         return n_tx + 1
     st.cur_chunk[s] = IDLE
@@ -398,7 +444,7 @@ def receive_kernel(state, rx_data, rx_len, rx_addr, n_rx, now, tx_ptr, tx_len, t
             count = owned_count(prm, c, _chunk_count(st, c))
             drop = validate_result(prm, agreed_exp, p, length, c, count)
             if drop < 0:
-                drop = decode_sum(prm, agreed_exp, out, p, c, count)
+                drop = decode_sum(prm, agreed_exp, out, st.codes, p, c, count)
         if drop >= 0:
             st.stats[drop] += 1
             continue
@@ -418,6 +464,18 @@ def timer_kernel(state, now, tx_ptr, tx_len, tx_addr):
             n_tx = _resend(st, s, now, tx_ptr, tx_len, tx_addr, n_tx)
             st.rto[s] = min(st.timing[T_MAX], 2.0 * st.rto[s])
             st.stats[RETRANSMISSIONS] += 1
+    return n_tx
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def unpark_kernel(state, now, tx_ptr, tx_len, tx_addr):
+    """Precoded: send every parked slot's chunk whose codes the engine now has. Returns datagrams written to tx."""
+    st = State(*state)
+    n_tx = 0
+    for s in range(st.params[P_WINDOW]):
+        if st.cur_chunk[s] == PARKED and _build(st, s, st.parked[s], now):
+            _queue(st, s, tx_ptr, tx_len, tx_addr, n_tx)
+            n_tx += 1
     return n_tx
 
 
@@ -462,7 +520,7 @@ class StreamEngine:
         self.packet_elements = packet_elements
         self.pool_size = pool_size
         self.timing = np.array([0.0, 0.0, rto, min_rto, max_rto])  # persists: later allreduces start adapted
-        self.params = np.zeros(16, np.int64)
+        self.params = np.zeros(18, np.int64)
         self.params[[P_JOB, P_RANK, P_WORLD, P_VBITS, P_CODEC, P_PKT, P_CORES]] = (
             job, rank, world_size, value_bits(world_size), int(self.codec), packet_elements, len(agg_addrs))
         self.params[P_SEED] = np.uint64(seed).view(np.int64)
@@ -479,6 +537,7 @@ class StreamEngine:
         self.allreduce_seq = -1
         self.state: State | None = None
         self._no_sent = np.empty(0, np.float32)
+        self._no_codes = np.empty(0, np.uint8)
 
     def resume(self, allreduce: int, shadow_sets: np.ndarray) -> None:
         """Continue a job where its peers are (a JOIN_ACK's resume point): the next ``start`` is allreduce
@@ -509,7 +568,7 @@ class StreamEngine:
         this rank puts on the wire, decoded from its datagrams (error feedback's compressed gradient). Complete
         once the allreduce is; without it the engine does no extra work."""
         flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
-        world, rank = int(self.params[P_WORLD]), int(self.params[P_RANK])
+        world = int(self.params[P_WORLD])
         if scatter and flat.size % world:
             raise ValueError(f"a reduce-scatter needs a multiple of the world size {world} elements, got {flat.size}")
         shard = flat.size // world if scatter else 0
@@ -521,30 +580,119 @@ class StreamEngine:
         if sent is not None:
             _check_output("sent", sent, flat.size)
         chunks = -(-flat.size // self.packet_elements)
-        window = min(self.pool_size, chunks)
-        self.allreduce_seq += 1
-        prm = self.params
-        prm[[P_WINDOW, P_CHUNKS, P_ELEMENTS, P_ALLREDUCE, P_DONE, P_BAD, P_SHARD, P_OUT_LO]] = (
-            window, chunks, flat.size, self.allreduce_seq, 0, -1, shard, rank * shard)
         codec = codecs.BY_ID[self.codec]
         local = np.empty(chunks, np.int64)
         low = np.zeros(chunks, np.uint32)  # 0: not precoded, encode_chunk encodes the chunk when it is sent
+        bad = -1
         if not codec.PRECODES:  # else each chunk's exponent comes with its codes, a window ahead (see _precode)
-            prm[P_BAD] = chunk_exponents_kernel(flat, self.packet_elements, *codec.EXP_RANGE, local)
+            bad = chunk_exponents_kernel(flat, self.packet_elements, *codec.EXP_RANGE, local)
+        return self._start(now, flat.size, x=flat, out=out.reshape(-1), local=local, low=low, bad=bad,
+                           sent=self._no_sent if sent is None else sent.reshape(-1), codes=self._no_codes,
+                           shard=shard, precoded=False)
+
+    def start_precoded(self, codes: np.ndarray, local_exp: np.ndarray, low: np.ndarray, now: float, *,
+                       ready: int | None = None) -> Burst:
+        """Begin the next cnat8 allreduce of a tensor this engine gets as codes (worker.gpu: encoded on a GPU);
+        returns the bootstrap datagrams. Bit for bit ``start`` on the tensor the codes came from: the same
+        datagrams, and the same result as codes.
+
+        ``codes`` (uint8, C-contiguous, one per element; the result codes replace them, chunk by chunk, so the
+        driver decodes chunk c at ``cnat_floor(agreed_exp[c], s(n))``): chunk c (elements c * packet_elements..)
+        encoded at its own floor ``cnat_floor(local_exp[c], s(n))`` with this rank's key in the allreduce
+        (``stream_key(next_allreduce)``) and its elements' indices, as protocol.arith.precode_chunk does.
+        ``local_exp`` (exponent proposals) and ``low`` (low words, the PRECODED bit set) per chunk: precode_chunk's,
+        or worker.gpu.cnat_cuda.chunk_stats'. ``ready``: the elements whose codes are in ``codes`` already (default
+        all); a slot whose chunk lies beyond waits, parked, for ``codes_ready``. The inputs must be finite (the
+        driver checks them while finding the exponents)."""
+        if self.codec != Codec.CNAT8:
+            raise ValueError(f"precoded allreduces are cnat8 only, this job's codec is {self.codec.name}")
+        if codes.dtype != np.uint8 or codes.ndim != 1 or not codes.flags.c_contiguous:
+            raise ValueError(f"codes must be a flat C-contiguous uint8 array, got {codes.dtype} of shape "
+                             f"{codes.shape}")
+        chunks = -(-codes.size // self.packet_elements)
+        local = np.ascontiguousarray(local_exp, np.int64).reshape(-1)
+        low = np.array(low, np.uint32).reshape(-1)  # a copy: reencoded() marks chunks in it
+        if local.size != chunks or low.size != chunks:
+            raise ValueError(f"{codes.size} codes in chunks of {self.packet_elements} need {chunks} exponents and "
+                             f"low words, got {local.size} and {low.size}")
+        self.params[P_READY] = codes.size if ready is None else ready
+        return self._start(now, codes.size, x=self._no_sent, out=self._no_sent, local=local, low=low, bad=-1,
+                           sent=self._no_sent, codes=codes, shard=0, precoded=True)
+
+    def _start(self, now: float, elements: int, *, x: np.ndarray, out: np.ndarray, local: np.ndarray,
+               low: np.ndarray, bad: int, sent: np.ndarray, codes: np.ndarray, shard: int, precoded: bool) -> Burst:
+        """The next allreduce's state, and its bootstrap datagrams: start's and start_precoded's common part."""
+        chunks = local.size
+        window = min(self.pool_size, chunks)
+        self.allreduce_seq += 1
+        prm = self.params
+        prm[[P_WINDOW, P_CHUNKS, P_ELEMENTS, P_ALLREDUCE, P_DONE, P_BAD, P_SHARD, P_OUT_LO, P_PRECODED]] = (
+            window, chunks, elements, self.allreduce_seq, 0, bad, shard, int(prm[P_RANK]) * shard, precoded)
         self.state = State(
-            params=prm, x=flat, out=out.reshape(-1), local_exp=local,
+            params=prm, x=x, out=out, local_exp=local,
             agreed_exp=np.full(chunks, NO_EXP, np.int64), cur_chunk=np.full(self.pool_size, IDLE, np.int64),
             parity=self.parity, sent_at=np.zeros(self.pool_size), rto=np.zeros(self.pool_size),
             retries=np.zeros(self.pool_size, np.int64), overtaken=np.zeros(self.pool_size, np.int64),
             packet=self.packet,
             packet_len=np.zeros(self.pool_size, np.int64), agg_addr=self.agg_addr, stats=self.stats,
-            timing=self.timing, low=low, sent=self._no_sent if sent is None else sent.reshape(-1),
-            mac_keys=self.mac_keys)
+            timing=self.timing, low=low, sent=sent, mac_keys=self.mac_keys, codes=codes,
+            parked=np.full(self.pool_size, IDLE, np.int64))
         self._args = tuple(self.state)
         tx = self.tx
         n = start_kernel(self._args, now, tx.ptr, tx.length, tx.addr) if window else 0
         self.check_finite()  # in the first window: nothing was sent
         return self._sent(n)
+
+    # ---- precoded allreduces: what the driver does between the engine's calls (see start_precoded)
+    @property
+    def next_allreduce(self) -> int:
+        """The number the next ``start`` or ``start_precoded`` gives its allreduce."""
+        return self.allreduce_seq + 1
+
+    def stream_key(self, allreduce: int) -> int:
+        """The key of this rank's random words in allreduce number ``allreduce`` (its codes' encode key)."""
+        return int(_worker_key_of(self.params[P_SEED], allreduce, self.params[P_RANK]))
+
+    def codes_ready(self, elements: int, now: float) -> Burst:
+        """The codes of the first ``elements`` elements are in the codes array now (a copy from the device
+        finished); returns the datagrams of the parked chunks that can go."""
+        self.params[P_READY] = elements
+        return self._unpark(now)
+
+    def reencode_requests(self) -> list[tuple[int, int]]:
+        """(chunk, floor) of each parked chunk whose codes must be encoded again at its agreed floor, exactly as
+        ``start`` encodes a chunk (key ``stream_key``, the chunk's element offsets): one of its nonzero values
+        lies below that floor. Write those codes over the chunk's in the codes array, then call ``reencoded``."""
+        st = self.state
+        if st is None or not self.params[P_PRECODED]:
+            return []
+        pkt, ready, vbits = self.packet_elements, int(self.params[P_READY]), int(self.params[P_VBITS])
+        return [(c, int(cnat_floor(st.agreed_exp[c], vbits)))
+                for c in st.parked[st.cur_chunk == PARKED].tolist() if min((c + 1) * pkt, st.codes.size) <= ready]
+
+    def reencoded(self, chunks: list[int], now: float) -> Burst:
+        """The codes array holds ``chunks``' codes at their agreed floors (``reencode_requests``); returns their
+        datagrams."""
+        st = self.state
+        st.local_exp[chunks] = st.agreed_exp[chunks]  # their own floor is the agreed one now (sent already)
+        st.low[chunks] = EXACT
+        return self._unpark(now)
+
+    def _unpark(self, now: float) -> Burst:
+        tx = self.tx
+        return self._sent(unpark_kernel(self._args, now, tx.ptr, tx.length, tx.addr))
+
+    @property
+    def agreed_exp(self) -> np.ndarray:
+        """The current allreduce's agreed exponent per chunk (NO_EXP until its round has started)."""
+        return self.state.agreed_exp
+
+    def completed(self) -> int:
+        """Chunks 0 .. completed() - 1 have their results (the others may too): every slot sends its chunks in
+        order, so all chunks below the lowest one a slot still waits for are done."""
+        st = self.state
+        waiting = np.where(st.cur_chunk == PARKED, st.parked, st.cur_chunk)[st.cur_chunk != IDLE]
+        return int(self.params[P_CHUNKS]) if waiting.size == 0 else max(0, int(waiting.min()))
 
     @property
     def non_finite(self) -> int | None:

@@ -14,6 +14,8 @@ agreed exponent; vbits: s(n) of the job):
                    elements offset.., random words keyed by key) into payload; low and local_exp: precode_chunk's
                    word and exponent proposal for a precoded payload, or 0 and any exponent to encode
     check_payload(payload, exp, vbits) -> bool               the switch's check of a contribution
+    contribution_bound(exp, vbits) -> int                    the largest |integer value| one contribution adds
+                   (a spine's check of a leaf's partial sums: protocol.partial)
     add_payloads(data, rows, k, col, acc, exp, vbits, first) acc = (first) or += the payloads data[rows[t], col:]
                    for t < k, acc being the slot's int32 accumulators (acc.size elements)
     encode_result(acc, payload, key, offset, exp, vbits) -> elements beyond float32   the switch's result payload
@@ -67,6 +69,13 @@ def check_payload(codec, payload, exp, vbits):
     if codec == cnat8.ID:
         return cnat8.check_payload(payload, exp, vbits)
     return int32.check_payload(payload, exp, vbits)
+
+
+@njit(inline="always")
+def contribution_bound(codec, exp, vbits):
+    if codec == cnat8.ID:
+        return cnat8.contribution_bound(exp, vbits)
+    return int32.contribution_bound(exp, vbits)
 
 
 @njit(inline="always")

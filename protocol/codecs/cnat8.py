@@ -43,10 +43,18 @@ def encode_chunk(x, payload, key, offset, exp, vbits, low, local_exp):
     difference."""
     floor = cnat_floor(exp, vbits)
     own = cnat_floor(local_exp, vbits)
-    if (low & np.uint32(PRECODED)) == np.uint32(0) or floor < own or has_underflow(low, floor):
+    if encodes_again(low, floor, own):
         encode_kernel(x, payload, key, np.uint64(offset), floor, True)
     elif floor > own:
         lower_codes(payload, floor - own)
+
+
+@njit(inline="always")
+def encodes_again(low, floor, own):
+    """Whether a chunk's codes at floor ``own`` (precode_chunk's, with its low word; low without the PRECODED bit:
+    none) must be encoded again from the values at ``floor``, rather than lowered to it: the one case a worker
+    holding only codes (worker.gpu's precoded allreduce) cannot serve itself."""
+    return (low & np.uint32(PRECODED)) == np.uint32(0) or floor < own or has_underflow(low, floor)
 
 
 @njit(inline="always")
@@ -54,6 +62,13 @@ def check_payload(payload, exp, vbits):
     """The switch's check of a contribution: every code is 0 or +-2**(f + k) with k <= T - f <= s(n) (only 0 when
     the chunk is all zero, exp = NO_EXP)."""
     return codes_in_range(payload, data_k_max(exp, vbits))
+
+
+@njit(inline="always")
+def contribution_bound(exp, vbits):
+    """A valid code adds +-2**k with k <= data_k_max (0 only, for an all-zero chunk)."""
+    k = data_k_max(exp, vbits)
+    return np.int64(0) if k < 0 else np.int64(1) << k
 
 
 @njit(inline="always")

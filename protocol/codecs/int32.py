@@ -47,6 +47,12 @@ def check_payload(payload, exp, vbits):
 
 
 @njit(inline="always")
+def contribution_bound(exp, vbits):
+    """check_payload's bound: 2**s."""
+    return np.int64(1) << vbits
+
+
+@njit(inline="always")
 def add_payloads(data, rows, k, col, acc, exp, vbits, first):
     """acc = (first) or += the int32 payloads data[rows[t], col:] for t < k, wrapping as the switch's registers."""
     for t in range(k):

@@ -12,7 +12,7 @@ Two ways in, both configured from ``INTML_*`` environment variables (or keyword 
       import intml.worker.torch  # noqa: F401
       dist.init_process_group("intml")          # instead of "gloo"
 
-  Its ``allreduce`` of float32 CPU tensors of at least ``INTML_MIN_ELEMENTS`` elements (default 65536) with
+  Its ``allreduce`` of float32 CPU or CUDA tensors of at least ``INTML_MIN_ELEMENTS`` elements (default 65536) with
   SUM or AVG goes through the aggregator. Smaller allreduces (losses, metrics, counters) go exactly through an
   inner Gloo group built on the same store, and so does every other collective, op and dtype (SwitchML's PyTorch
   patch falls back to Gloo the same way). DDP with no hook then sends its full buckets through intml (every
@@ -30,8 +30,9 @@ Two ways in, both configured from ``INTML_*`` environment variables (or keyword 
 
 Routing: ``.traffic`` of the hook state or process group counts the allreduces and bytes through intml and
 through Gloo, and ``.traffic.gloo_reasons`` why each went to Gloo (``routing``). A tensor a user may have expected
-to be compressed that goes to Gloo (large but not float32, not on the CPU, not contiguous, an op other than SUM
-or AVG) warns once per reason with an ``IntmlUncompressedWarning``.
+to be compressed that goes to Gloo (large but not float32, on a device other than the CPU and CUDA, on CUDA where
+``intml[cuda]`` cannot run, not contiguous, an op other than SUM or AVG) warns once per reason with an
+``IntmlUncompressedWarning``.
 
 Environment (see ``IntmlConfig``): ``INTML_AGGREGATOR=host:port`` (required unless falling back),
 ``INTML_TOKEN``, ``INTML_CODEC`` (cnat8 | int32), ``INTML_JOB``, ``INTML_SEED``, ``INTML_PACKET_ELEMENTS``,
@@ -48,9 +49,14 @@ raises ``intml.AllreduceTimeout`` (naming the ranks the aggregator waits for) th
 so ``loss.backward()`` / ``dist.all_reduce`` raise instead of hanging; later intml allreduces of the same
 group fail at once with ``IntmlError``.
 
+CUDA tensors: where ``intml.worker.gpu`` imports (the ``intml[cuda]`` extra, a device and its driver), a float32
+CUDA tensor is encoded and decoded on its device and only its 8-bit codes cross PCIe (``gpu``; docs/gpu.md);
+``.traffic.intml_cuda_*`` count those allreduces. Results are bit for bit the CPU path's, so CPU and GPU ranks
+may share a job.
+
 Modules: ``config`` (``IntmlConfig``), ``link`` (joining the aggregator, the allreduce thread, the errors),
 ``feedback`` (error feedback's residuals), ``accounting`` (traffic counters), ``routing`` (intml or Gloo, and
-why), ``hook`` and ``backend``.
+why), ``gpu`` (the CUDA path), ``hook`` and ``backend``.
 """
 
 from __future__ import annotations

@@ -20,6 +20,9 @@ class Traffic:
     intml_reduce_scatters: int = 0  # their elements and bytes (the upload's) are in intml_elements and intml_bytes
     intml_elements: int = 0
     intml_bytes: int = 0
+    intml_cuda_allreduces: int = 0  # of intml_allreduces: CUDA tensors, encoded and decoded on their device
+    intml_cuda_elements: int = 0  # their elements and wire bytes (also in intml_elements and intml_bytes)
+    intml_cuda_bytes: int = 0
     gloo_allreduces: int = 0
     gloo_reduce_scatters: int = 0  # their elements and ring bytes are in gloo_elements and gloo_bytes
     gloo_elements: int = 0
@@ -29,9 +32,13 @@ class Traffic:
     gloo_reasons: dict[str, int] = dataclasses.field(default_factory=dict)  # routing reason: Gloo allreduces
 
     def add_intml(self, elements: int, wire_bytes: int, before: dict[str, int], after: dict[str, int],
-                  reduce_scatter: bool = False) -> None:
-        """One allreduce (or reduce-scatter) through the aggregator; `before` and `after` are the worker's counters
-        around it."""
+                  reduce_scatter: bool = False, cuda: bool = False) -> None:
+        """One allreduce (or reduce-scatter) through the aggregator, of a CUDA tensor on the CUDA path if `cuda`;
+        `before` and `after` are the worker's counters around it."""
+        if cuda:
+            self.intml_cuda_allreduces += 1
+            self.intml_cuda_elements += elements
+            self.intml_cuda_bytes += wire_bytes
         if reduce_scatter:
             self.intml_reduce_scatters += 1
         else:

@@ -1,5 +1,6 @@
-"""The "intml" process-group backend: ``init_process_group("intml")`` allreduces float32 CPU tensors of at least
-``INTML_MIN_ELEMENTS`` elements (default 64 Ki) with SUM or AVG through the aggregator, and sends every smaller
+"""The "intml" process-group backend: ``init_process_group("intml")`` allreduces float32 tensors (CPU, or CUDA
+through ``gpu``'s device path) of at least ``INTML_MIN_ELEMENTS`` elements (default 64 Ki) with SUM or AVG through
+the aggregator, and sends every smaller
 allreduce (losses, metrics, counters: exact), every other collective, op and dtype to an inner Gloo group on the
 same store (SwitchML's PyTorch patch falls back to Gloo the same way). ``routing`` has the rule and its reasons.
 ``reduce_scatter_tensor`` (FSDP's and ZeRO's gradient reduction) follows the same rule through the aggregator,
@@ -28,6 +29,7 @@ from intml.worker.torch.link import AggregatorLinked, sum_op, value
 
 BACKEND = "intml"
 CPU = torch.device("cpu")
+DEVICES = (CPU, torch.device("cuda"))  # Gloo takes CUDA tensors too (it stages them through the host)
 
 
 class _Work(dist._Work):
@@ -65,7 +67,8 @@ def _gloo_group(store: dist.Store, rank: int, size: int, timeout: timedelta) -> 
     store = dist.PrefixStore(f"intml-gloo/{incarnation}/", store)
     pg = dist.ProcessGroup(store, rank, size)
     backend = dist.ProcessGroupGloo(store, rank, size, timeout)
-    pg._register_backend(CPU, dist.ProcessGroup.BackendType.GLOO, backend)
+    for device in DEVICES:
+        pg._register_backend(device, dist.ProcessGroup.BackendType.GLOO, backend)
     pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
     return pg
 
@@ -84,7 +87,8 @@ class IntmlProcessGroup(AggregatorLinked, dist.ProcessGroup):
         # functional collectives, DeviceMesh and FSDP2, which find groups by name, cannot use it. The inner Gloo
         # backend holds them, as it would for init_process_group("gloo"). The collectives still come here: the
         # C++ trampoline calls this class's methods first.
-        self._register_backend(CPU, dist.ProcessGroup.BackendType.GLOO, self.gloo._get_backend(CPU))
+        for device in DEVICES:
+            self._register_backend(device, dist.ProcessGroup.BackendType.GLOO, self.gloo._get_backend(CPU))
         self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
         # always on a thread: async_op=True must return at once, and a call does not say whether it is async
         self._attach(config if config is not None else IntmlConfig.from_env(), rank, size, threaded=True)
@@ -103,7 +107,7 @@ class IntmlProcessGroup(AggregatorLinked, dist.ProcessGroup):
                 opts.timeout = timeout
         kind = _intml_op(opts.reduceOp)
         reason = (routing.FALLBACK if self.link is None
-                  else routing.backend_route(tensors, kind, self.config.min_elements))
+                  else routing.backend_route(tensors, kind, self.config.min_elements, self._cuda_problem))
         if reason is None:
             return _Work(self.link.submit(tensors[0], kind, inplace=True))
         self._to_gloo(tensors, reason)
@@ -213,4 +217,4 @@ def _create_process_group(opts, pg_options) -> IntmlProcessGroup:
 
 
 if not hasattr(dist.Backend, BACKEND.upper()):
-    dist.Backend.register_backend(BACKEND, _create_process_group, extended_api=True, devices=["cpu"])
+    dist.Backend.register_backend(BACKEND, _create_process_group, extended_api=True, devices=["cpu", "cuda"])

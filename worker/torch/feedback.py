@@ -24,7 +24,7 @@ class Residuals:
         cached = self.of_bucket.get(bucket.index())
         if cached is not None and cached[0] == layout and cached[1].numel() == size:
             return cached[1]
-        flat = torch.zeros(size, dtype=torch.float32)
+        flat = torch.zeros(size, dtype=torch.float32, device=bucket.buffer().device)  # a CUDA bucket's stays there
         if sum(p.numel() for p in params) == size:
             offset = 0
             for p in params:

@@ -1,6 +1,8 @@
 """The DDP communication hook: ``ddp.register_comm_hook(IntmlHookState(), intml_hook)`` averages each gradient
-bucket through the aggregator, whatever its size, with optional error feedback and Gloo warm-up steps. A bucket
-intml cannot encode (not float32, not on the CPU) goes exactly through Gloo, with a warning the first time."""
+bucket through the aggregator, whatever its size, with optional error feedback and Gloo warm-up steps. A CUDA
+bucket is encoded and decoded on its device (``gpu``; its residual stays there). A bucket intml cannot encode (not
+float32, on another device, on CUDA without a usable ``intml[cuda]``) goes exactly through Gloo, with a warning the
+first time for each reason."""
 
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ class IntmlHookState(AggregatorLinked):
         if bucket.is_last():
             self.step += 1
         reason = (routing.FALLBACK if self.link is None else routing.WARMUP if step < self.config.warmup_steps
-                  else routing.unsupported(buf))
+                  else routing.unsupported(buf, self._cuda_problem))
         if reason is not None:
             return self._gloo_mean(buf, reason)
         residual = self.residuals.of(bucket) if self.config.error_feedback else None

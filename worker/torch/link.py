@@ -18,7 +18,7 @@ from torch.futures import Future
 
 from intml.protocol.traffic import intml_bytes
 from intml.worker.api import AllreduceTimeout, JoinError, Worker
-from intml.worker.torch import routing
+from intml.worker.torch import gpu, routing
 from intml.worker.torch.accounting import Traffic
 from intml.worker.torch.config import IntmlConfig
 
@@ -58,6 +58,8 @@ class Link:
         self.config = config
         self.traffic = traffic
         self.failed: BaseException | None = None
+        self.cuda = gpu.PATH  # how CUDA tensors reach intml.worker.gpu
+        self._device = None  # its DeviceAllreducer on this worker, made on the first CUDA allreduce
         self._closed = False
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = None
@@ -66,8 +68,12 @@ class Link:
             self._thread.start()
 
     def submit(self, tensor: torch.Tensor, op: str, *, inplace: bool, residual: torch.Tensor | None = None) -> Future:
-        """Allreduce the flat float32 CPU `tensor` (sum or mean); the Future holds [tensor] (inplace) or a new
-        tensor. With `residual` (error feedback), send tensor + residual and keep the new residual in it."""
+        """Allreduce the contiguous float32 `tensor` (sum or mean), a CPU tensor or one of the CUDA path's; the
+        Future holds [tensor] (inplace) or a new tensor. With `residual` (error feedback, on the tensor's device),
+        send tensor + residual and keep the new residual in it."""
+        if self.cuda.owns(tensor) and self.cuda.problem() is None:
+            marker = self.cuda.ready_marker(tensor)  # here, in the caller: its stream produced the tensor
+            return self._submit(lambda: self._allreduce_cuda(tensor, op, inplace, residual, marker))
         return self._submit(lambda: self._allreduce(tensor, op, inplace, residual))
 
     def submit_reduce_scatter(self, input: torch.Tensor, output: torch.Tensor, op: str) -> Future:  # noqa: A002
@@ -129,21 +135,42 @@ class Link:
         out = w.allreduce(x, op, out=flat if inplace else None, sent=sent)  # in place: no result allocation
         if sent is not None:
             np.subtract(x, sent, out=sent)  # the new residual: input - what was sent
-        c = self.config
-        self.traffic.add_intml(x.size, intml_bytes(x.size, c.codec, c.packet_elements, c.pool_size), before,
-                               w.counters())
+        self._count(x.size, before)
         if inplace:
             return [tensor]
         return torch.from_numpy(out).view(tensor.shape)
+
+    def _allreduce_cuda(self, tensor, op, inplace, residual, marker):
+        """_allreduce of a CUDA path tensor: the same steps on its device (intml.worker.gpu), bit for bit."""
+        w, path = self.worker, self.cuda
+        if self._device is None:
+            self._device = path.allreducer(w)
+        before = w.counters()
+        with path.stream(tensor, marker) as stream:
+            flat = tensor.detach().reshape(-1)
+            x = flat if residual is None else flat + residual
+            out = flat if inplace else torch.empty_like(flat)
+            sent = None if residual is None else path.view(residual)
+            self._device.allreduce(path.view(x), path.view(out), op, sent=sent, stream=stream)
+            if residual is not None:
+                torch.sub(x, residual, out=residual)  # the new residual: input - what was sent
+        self._count(x.numel(), before, cuda=True)
+        if inplace:
+            return [tensor]
+        return out.view(tensor.shape)
+
+    def _count(self, elements: int, before: dict[str, int], *, reduce_scatter: bool = False,
+               cuda: bool = False) -> None:
+        c = self.config
+        self.traffic.add_intml(elements, intml_bytes(elements, c.codec, c.packet_elements, c.pool_size), before,
+                               self.worker.counters(), reduce_scatter, cuda)
 
     def _reduce_scatter(self, input, output, op):  # noqa: A002
         w = self.worker
         x = input.detach().reshape(-1).numpy()  # views: both are contiguous float32 on the CPU
         before = w.counters()
         w.reduce_scatter(x, op, out=output.detach().reshape(-1).numpy())
-        c = self.config
-        self.traffic.add_intml(x.size, intml_bytes(x.size, c.codec, c.packet_elements, c.pool_size), before,
-                               w.counters(), reduce_scatter=True)
+        self._count(x.size, before, reduce_scatter=True)
         return [output]
 
     def close(self, wait: float | None = None) -> None:
@@ -278,6 +305,10 @@ class AggregatorLinked:
             self._warned.add(reason)
             warnings.warn(routing.warning_text(reason, sum(t.numel() for t in tensors)),
                           routing.IntmlUncompressedWarning, stacklevel=4)
+
+    def _cuda_problem(self) -> str | None:
+        """Why CUDA tensors cannot take intml's CUDA path here (routing's question), or None."""
+        return self.link.cuda.problem()
 
     def _control_allreduce(self, t: torch.Tensor) -> None:
         self.gloo.allreduce([t], sum_op()).wait()

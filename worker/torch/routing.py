@@ -1,8 +1,9 @@
 """Which allreduces go through the aggregator and which go exactly through Gloo, and why.
 
 The aggregator sums 8-bit C_nat codes (or int32 fixed point): right for gradients, wrong for a loss, a counter or
-a metric, which a user expects exact. So the backend sends through intml only float32 CPU SUM/AVG allreduces of at
-least ``INTML_MIN_ELEMENTS`` elements (``config`` says why 64 Ki), and the hook every DDP bucket it can encode.
+a metric, which a user expects exact. So the backend sends through intml only float32 SUM/AVG allreduces of at
+least ``INTML_MIN_ELEMENTS`` elements (``config`` says why 64 Ki), and the hook every DDP bucket it can encode:
+CPU tensors, and CUDA tensors where ``intml.worker.gpu`` is usable (``gpu``: encoded on their device).
 Everything else goes to Gloo, counted under its reason in ``Traffic.gloo_reasons``. The reasons a user chose
 (below the threshold, warm-up, start-up fallback) pass silently; the others warn once per reason and group with an
 ``IntmlUncompressedWarning``, since that user may have expected the tensor to be compressed.
@@ -12,7 +13,7 @@ Every rank routes a collective the same way: the rule reads only what all ranks 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -21,7 +22,9 @@ WARMUP = "warmup"  # hook: one of the first INTML_WARMUP_STEPS steps
 SMALL = "small"  # backend: fewer than INTML_MIN_ELEMENTS elements, kept exact
 OP = "op"  # a reduce op other than SUM and AVG
 DTYPE = "dtype"  # not float32
-DEVICE = "device"  # not on the CPU
+DEVICE = "device"  # neither on the CPU nor on a CUDA device
+CUDA = "cuda"  # on a CUDA device, and intml's CUDA path (intml.worker.gpu) cannot run here
+CUDA_SCATTER = "cuda_scatter"  # a reduce-scatter of CUDA tensors
 LAYOUT = "layout"  # not contiguous
 COALESCED = "coalesced"  # several tensors in one call
 SHAPE = "shape"  # reduce-scatter: the input is not world size times the output
@@ -31,7 +34,10 @@ CHOSEN = frozenset({FALLBACK, WARMUP, SMALL})  # configured by the user: no warn
 WHY = {
     OP: "intml sums; only ReduceOp.SUM and AVG go through it",
     DTYPE: "intml encodes float32 only",
-    DEVICE: "intml takes CPU tensors only",
+    DEVICE: "intml takes CPU and CUDA tensors only",
+    CUDA: "it is on a CUDA device and intml's CUDA path cannot run here (install intml[cuda] where numba sees "
+          "the GPU and its driver)",
+    CUDA_SCATTER: "intml reduce-scatters CPU tensors only",
     LAYOUT: "the tensor is not contiguous",
     COALESCED: "intml takes one tensor per allreduce",
     SHAPE: "a reduce-scatter's input must hold world size times its output's elements",
@@ -42,18 +48,23 @@ class IntmlUncompressedWarning(UserWarning):
     """An allreduce a user may have expected intml to compress went uncompressed through Gloo."""
 
 
-def unsupported(tensor: torch.Tensor) -> str | None:
-    """Why intml cannot allreduce `tensor` (a reason), or None when it can."""
+def unsupported(tensor: torch.Tensor, cuda_problem: Callable[[], str | None]) -> str | None:
+    """Why intml cannot allreduce `tensor` (a reason), or None when it can. `cuda_problem()`: why intml's CUDA path
+    cannot run here, or None (asked for CUDA tensors only: it may import the path)."""
     if tensor.dtype != torch.float32:
         return DTYPE
-    if tensor.device.type != "cpu":
+    if tensor.device.type == "cuda":
+        if cuda_problem() is not None:
+            return CUDA
+    elif tensor.device.type != "cpu":
         return DEVICE
     if not tensor.is_contiguous():
         return LAYOUT
     return None
 
 
-def backend_route(tensors: Sequence[torch.Tensor], op: str | None, min_elements: int) -> str | None:
+def backend_route(tensors: Sequence[torch.Tensor], op: str | None, min_elements: int,
+                  cuda_problem: Callable[[], str | None]) -> str | None:
     """The reason the backend sends this allreduce to Gloo, or None to send it through intml. `op` is "sum",
     "mean", or None for any other reduce op."""
     if sum(t.numel() for t in tensors) < min_elements:
@@ -62,14 +73,20 @@ def backend_route(tensors: Sequence[torch.Tensor], op: str | None, min_elements:
         return OP
     if len(tensors) != 1:
         return COALESCED
-    return unsupported(tensors[0])
+    return unsupported(tensors[0], cuda_problem)
+
+
+def _no_cuda() -> str:
+    return WHY[CUDA_SCATTER]
 
 
 def scatter_route(output: torch.Tensor, input: torch.Tensor, op: str | None, min_elements: int,  # noqa: A002
                   world_size: int) -> str | None:
     """As backend_route, for a reduce-scatter of `input` into `output` (``reduce_scatter_tensor``): both tensors
-    must be ones intml can take, the input world_size times the output."""
-    reason = backend_route([input], op, min_elements) or unsupported(output)
+    must be CPU tensors intml can take, the input world_size times the output."""
+    reason = backend_route([input], op, min_elements, _no_cuda) or unsupported(output, _no_cuda)
+    if reason == CUDA:
+        return CUDA_SCATTER
     if reason is None and input.numel() != world_size * output.numel():
         return SHAPE
     return reason

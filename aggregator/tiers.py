@@ -1,0 +1,369 @@
+"""Two-level aggregation (leaf-spine; docs/protocol.md, "Leaf-spine") as two Numba burst kernels over the slot
+table of aggregator.slots, built from its pipeline stages: ``leaf_burst`` for a rack's switch, ``spine_burst``
+for the switch above the leaves. Sans-I/O, as process_burst: bursts of numpy arrays in, datagram descriptors out.
+
+* A leaf's round completes when its rack's ranks (``Routes.quorum`` of them, the ranks of ``Routes.rack``) have
+  contributed. It does not re-encode: it writes the round's int32 accumulators as one PARTIAL datagram
+  (protocol.partial) with the rack's largest next-exponent proposal and its contributors bitmap, keeps it in the
+  set's result row and sends it to the spine. The spine's RESULT for that round replaces it there and goes to
+  every rank of the rack (or the job's multicast group).
+* The spine treats each leaf as a rank: a set completes when every leaf's PARTIAL has arrived; the partials add
+  as int32 (exact: each contribution is bounded by 2**s(n), n the job's whole world), and the total is re-encoded
+  by slots.complete, as one switch does, so the result is the one-switch result bit for bit. It goes to every
+  leaf and is kept for re-sends.
+* Losses (SwitchML's shadow sets, one level up): a rank's retransmission into a leaf set whose rack is complete
+  gets the stored RESULT if the spine's came, else makes the leaf send its stored PARTIAL again; the spine
+  answers a PARTIAL it already holds with its stored RESULT if the set is complete (a lost result), else drops it.
+  A set is reused only after every rank had its previous round's result, so a stored PARTIAL is never needed
+  once its set opens a new round.
+
+Every output is copied once into a staging row (``stage``: one per received datagram) and the descriptors point
+there, so a set that changes later in the same burst cannot change what was already queued.
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import numpy as np
+from numba import njit
+
+from intml.aggregator.slots import (
+    CONTRIBUTIONS,
+    COMPLETIONS,
+    CONTROL,
+    DROP_BAD_EXP,
+    DROP_BAD_OWNER,
+    DROP_CODEC,
+    DROP_COUNT,
+    DROP_DUPLICATE_INCOMPLETE,
+    DROP_EXP_MISMATCH,
+    DROP_INVALID_CODE,
+    DROP_RANK,
+    DROP_SHADOW,
+    DROP_SLOT,
+    DROP_STALE,
+    DROP_UNKNOWN_JOB,
+    DROP_UNKNOWN_TYPE,
+    DROP_UNREGISTERED,
+    NEWER,
+    OLDER,
+    PACKETS_IN,
+    PACKETS_OUT,
+    RESULTS_RESENT,
+    RETRANSMISSIONS,
+    SAME_KNOWN_RANK,
+    SAME_NEW_RANK,
+    Batch,
+    Jobs,
+    Limiter,
+    Table,
+    _find_job,
+    admit_control,
+    classify,
+    complete,
+    emit,
+    open_round,
+    payload_ok,
+    validate,
+    validate_header,
+)
+from intml.protocol import codecs
+from intml.protocol.codecs import int32
+from intml.protocol.packet import HDR, O_JOB, O_MAGIC, O_TYPE, O_VERSION, element_fields, get_u16, get_u32, round_order
+from intml.protocol.partial import contributors, partial_size, put_partial, sums_in_bounds
+from intml.protocol.job import MAX_WORLD
+from intml.protocol.wire import NO_EXP, MsgType
+
+# A leaf's view of each job (per job index): how many ranks its rack holds, which (bitmap), the spine's address
+# key, and the leaf's index at the spine.
+Routes = namedtuple("Routes", "quorum rack spine leaf")
+# The spine's view (per job index and leaf index): the leaf's rack bitmap and its size. The leaves' addresses are
+# the job's members, and its world the number of leaves.
+Fabric = namedtuple("Fabric", "racks sizes")
+
+
+def new_routes(capacity: int) -> Routes:
+    return Routes(quorum=np.zeros(capacity, np.int64), rack=np.zeros(capacity, np.uint64),
+                  spine=np.zeros(capacity, np.uint64), leaf=np.zeros(capacity, np.int64))
+
+
+def new_fabric(capacity: int) -> Fabric:
+    return Fabric(racks=np.zeros((capacity, MAX_WORLD), np.uint64), sizes=np.zeros((capacity, MAX_WORLD), np.int64))
+
+
+OTHER_LEVEL = -2  # tier_verdict: the datagram type another level of the fabric sends this one
+
+
+@njit(inline="always")
+def tier_verdict(length, p, other_level_type, core_stats):
+    """validate_header's verdict on a received datagram (0: DATA, CONTROL, or a drop reason), counted in the
+    core's packets_in, with ``other_level_type`` (a leaf: RESULT, from its spine; a spine: PARTIAL) as
+    OTHER_LEVEL."""
+    core_stats[PACKETS_IN] += 1
+    reason = validate_header(length, get_u16(p, O_MAGIC), p[O_VERSION], p[O_TYPE])
+    return OTHER_LEVEL if reason == DROP_UNKNOWN_TYPE and p[O_TYPE] == other_level_type else reason
+
+
+@njit(inline="always")
+def lookup_job(jobs, p):
+    """The index of the active job a datagram names, counted in its packets_in; else -1, counted as the core's
+    drop_unknown_job."""
+    j = _find_job(jobs.active, jobs.job_id, get_u32(p, O_JOB))
+    if j < 0:
+        jobs.core_stats[DROP_UNKNOWN_JOB] += 1
+    else:
+        jobs.stats[j, PACKETS_IN] += 1
+    return j
+
+
+@njit(inline="always")
+def stage_copy(stage, n_stage, src, size):
+    """Copy a stored datagram's ``size`` bytes into staging row ``n_stage``; returns its address."""
+    row = stage[n_stage]
+    row[:size] = src[:size]
+    return row.ctypes.data
+
+
+@njit(inline="always")
+def answer_retransmission(table, row, x, complete_at, dest, st, stage, n_stage, out_ptr, out_len, out_addr, n_out):
+    """A contribution already in (row, x)'s round: if the round is complete at this level (``complete_at``
+    contributions), the set's stored datagram again, to ``dest`` alone; else dropped. Returns (n_stage, n_out)."""
+    st[RETRANSMISSIONS] += 1
+    if table.count[row, x] != complete_at:
+        st[DROP_DUPLICATE_INCOMPLETE] += 1
+        return n_stage, n_out
+    size = table.result_len[row, x]
+    n_out = emit(stage_copy(stage, n_stage, table.result[row, x], size), size, dest, out_ptr, out_len, out_addr, n_out)
+    st[RESULTS_RESENT] += 1
+    st[PACKETS_OUT] += 1
+    return n_stage + 1, n_out
+
+
+@njit(inline="always")
+def take_contribution(table, row, x, event, key, exp, count, next_exp, bit):
+    """(row, x) takes a checked contribution of round ``key`` from the sender of ``bit``: its round opens (NEWER)
+    or the round's next exponent rises to the proposal; the bit is set and counted. Returns whether it is the
+    round's first (which writes the accumulators: no zeroing); the caller adds its values."""
+    if event == NEWER:
+        open_round(table, row, x, key, exp, count, next_exp, 0)
+    else:
+        table.next_exp[row, x] = max(table.next_exp[row, x], next_exp)
+    first = table.count[row, x] == 0
+    table.bitmap[row, x] |= bit
+    table.count[row, x] += 1
+    return first
+
+
+@njit(inline="always")
+def agreement(exp, count, round_exp, round_count):
+    """0 if a new contribution agrees with its round's exponent and element count, else the drop reason."""
+    if exp != round_exp:
+        return DROP_EXP_MISMATCH
+    return DROP_COUNT if count != round_count else 0
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def leaf_burst(rx_data, rx_len, rx_addr, n_rx, now, job_arrays, table_arrays, route_arrays, rows, stage,
+               out_ptr, out_len, out_addr, control, limiter):
+    """Handle received datagrams 0..n_rx-1 at a leaf: its ranks' DATA, the spine's RESULTs, and control
+    datagrams (admitted as process_burst does, listed in ``control``). Returns (datagrams described in out_*,
+    control datagrams listed). ``rows``: scratch of one int64; ``stage``: n_rx rows of the widest datagram;
+    out_* need n_rx * MAX_WORLD entries."""
+    jobs = Jobs(*job_arrays)
+    table = Table(*table_arrays)
+    route = Routes(*route_arrays)
+    lim = Limiter(*limiter)
+    cs = jobs.core_stats
+    n_ctl = n_out = n_stage = 0
+    for i in range(n_rx):
+        p = rx_data[i]
+        length = rx_len[i]
+        verdict = tier_verdict(length, p, MsgType.RESULT, cs)
+        if verdict == CONTROL:
+            n_ctl = admit_control(lim, control, n_ctl, i, rx_addr[i], now, cs)
+            continue
+        if verdict > 0:
+            cs[verdict] += 1
+            continue
+        from_spine = verdict == OTHER_LEVEL
+        j = lookup_job(jobs, p)
+        if j < 0:
+            continue
+        st = jobs.stats[j]
+        reason = 0
+        rank, owners, slot, count, codec, x, exp, next_exp, key = element_fields(p)
+        vbits = jobs.value_bits[j]
+        if from_spine:  # the spine's RESULT of a round this rack completed: keep it and replicate it
+            if rx_addr[i] != route.spine[j]:
+                reason = DROP_UNREGISTERED
+            elif slot >= jobs.pool[j] or slot % jobs.stride[j] != jobs.offset[j]:
+                reason = DROP_SLOT
+            elif codec != jobs.codec[j]:
+                reason = DROP_CODEC
+            elif length != HDR + codecs.width(codec) * count:
+                reason = DROP_COUNT
+            elif x > 1:
+                reason = DROP_SHADOW
+            elif owners != 0:
+                reason = DROP_BAD_OWNER
+            if reason:
+                st[reason] += 1
+                continue
+            row = jobs.row_base[j] + slot // jobs.stride[j]
+            held = table.result[row, x]
+            if table.bitmap[row, x] == 0 or round_order(key, table.round_key[row, x]) != 0 \
+                    or table.count[row, x] != route.quorum[j] or held[O_TYPE] != MsgType.PARTIAL:
+                st[DROP_STALE] += 1  # no round here waits for it: a duplicate, or a result of a round long gone
+                continue
+            reason = agreement(exp, count, table.exp[row, x], table.elements[row, x])
+            if reason == 0 and not codecs.check_result(codec, p[HDR:length], exp, vbits):
+                reason = DROP_INVALID_CODE
+            if reason:
+                st[reason] += 1
+                continue
+            held[:length] = p[:length]
+            table.result_len[row, x] = length
+            st[COMPLETIONS] += 1
+            src = stage_copy(stage, n_stage, held, length)
+            n_stage += 1
+            first = n_out
+            if jobs.group[j]:  # one datagram to the rack's multicast group
+                n_out = emit(src, length, jobs.group[j], out_ptr, out_len, out_addr, n_out)
+            else:
+                for r in range(jobs.world[j]):
+                    if route.rack[j] >> np.uint64(r) & np.uint64(1):
+                        n_out = emit(src, length, jobs.members[j, r], out_ptr, out_len, out_addr, n_out)
+            st[PACKETS_OUT] += n_out - first
+            continue
+        reason = validate(length, rank, jobs.world[j], rx_addr[i], jobs.members[j, min(rank, MAX_WORLD - 1)], slot,
+                          jobs.pool[j], jobs.offset[j], jobs.stride[j], codec, jobs.codec[j], count,
+                          jobs.packet_elements[j], x, exp, next_exp, owners)
+        if reason != DROP_RANK and reason != DROP_UNREGISTERED:
+            jobs.last_seen[j, rank] = now
+        if reason == 0 and owners != 0:
+            reason = DROP_BAD_OWNER  # a leaf aggregates allreduces only (no reduce-scatter owners)
+        if reason:
+            st[reason] += 1
+            continue
+        row = jobs.row_base[j] + slot // jobs.stride[j]
+        bit = np.uint64(1) << np.uint64(rank)
+        event = classify(table.round_key[row, x], table.bitmap[row, x], key, bit)
+        if event == OLDER:
+            st[DROP_STALE] += 1
+            continue
+        held = table.result[row, x]
+        if event == SAME_KNOWN_RANK:  # a complete rack: the spine's result if it came, else the partial again
+            dest = jobs.members[j, rank] if held[O_TYPE] == MsgType.RESULT else route.spine[j]
+            n_stage, n_out = answer_retransmission(table, row, x, route.quorum[j], dest, st, stage, n_stage,
+                                                   out_ptr, out_len, out_addr, n_out)
+            continue
+        if event == SAME_NEW_RANK:
+            reason = agreement(exp, count, table.exp[row, x], table.elements[row, x])
+        if reason == 0 and not payload_ok(p, codec, count, exp, vbits):
+            reason = DROP_INVALID_CODE
+        if reason:
+            st[reason] += 1
+            continue
+        first = take_contribution(table, row, x, event, key, exp, count, next_exp, bit)
+        st[CONTRIBUTIONS] += 1
+        acc = table.acc[row, x, :count]
+        if count:
+            rows[0] = i
+            codecs.add_payloads(codec, rx_data, rows, 1, HDR, acc, exp, vbits, first)
+        if table.count[row, x] == route.quorum[j]:  # the rack is complete: its partial goes up
+            size = put_partial(held, jobs.job_id[j], key >> 32 & 0xFFFFFFFF, (key & 0xFFFFFFFF) - (np.int64(1) << 31),
+                               route.leaf[j], slot, codec, x, exp, table.next_exp[row, x], acc, table.bitmap[row, x])
+            table.result_len[row, x] = size
+            n_out = emit(stage_copy(stage, n_stage, held, size), size, route.spine[j], out_ptr, out_len, out_addr,
+                         n_out)
+            n_stage += 1
+            st[PACKETS_OUT] += 1
+    return n_out, n_ctl
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def spine_burst(rx_data, rx_len, rx_addr, n_rx, now, job_arrays, table_arrays, fabric_arrays, batch_arrays, rows,
+                stage, out_ptr, out_len, out_addr):
+    """Handle received datagrams 0..n_rx-1 at the spine: the leaves' PARTIALs (anything else is counted and
+    dropped). A job's ``world`` is its number of leaves, ``members[j, l]`` leaf l's address, ``value_bits`` s(n)
+    of the job's whole world. Returns the datagrams described in out_* (n_rx * MAX_WORLD entries; ``stage``:
+    n_rx rows)."""
+    jobs = Jobs(*job_arrays)
+    table = Table(*table_arrays)
+    fabric = Fabric(*fabric_arrays)
+    b = Batch(*batch_arrays)
+    cs = jobs.core_stats
+    n_out = n_stage = 0
+    for i in range(n_rx):
+        p = rx_data[i]
+        length = rx_len[i]
+        verdict = tier_verdict(length, p, MsgType.PARTIAL, cs)
+        if verdict != OTHER_LEVEL:  # a spine takes PARTIALs only: DATA and control go to the ranks' leaves
+            cs[verdict if verdict > 0 else DROP_UNKNOWN_TYPE] += 1
+            continue
+        j = lookup_job(jobs, p)
+        if j < 0:
+            continue
+        st = jobs.stats[j]
+        reason = 0
+        leaf, owners, slot, count, codec, x, exp, next_exp, key = element_fields(p)
+        lo, hi = codecs.exp_range(jobs.codec[j])
+        if leaf >= jobs.world[j]:
+            reason = DROP_RANK
+        elif rx_addr[i] != jobs.members[j, leaf]:
+            reason = DROP_UNREGISTERED  # not from the leaf of that index: unknown, or spoofed
+        elif slot >= jobs.pool[j] or slot % jobs.stride[j] != jobs.offset[j]:
+            reason = DROP_SLOT
+        elif codec != jobs.codec[j]:
+            reason = DROP_CODEC
+        elif count > jobs.packet_elements[j] or length != partial_size(count) \
+                or contributors(p, count) != fabric.racks[j, leaf]:
+            reason = DROP_COUNT  # wrong size, or not exactly the leaf's rack summed
+        elif x > 1:
+            reason = DROP_SHADOW
+        elif (exp != NO_EXP and not lo <= exp <= hi) or (next_exp != NO_EXP and not lo <= next_exp <= hi):
+            reason = DROP_BAD_EXP
+        elif owners != 0:
+            reason = DROP_BAD_OWNER
+        if reason != DROP_RANK and reason != DROP_UNREGISTERED:
+            jobs.last_seen[j, leaf] = now
+        if reason:
+            st[reason] += 1
+            continue
+        row = jobs.row_base[j] + slot // jobs.stride[j]
+        bit = np.uint64(1) << np.uint64(leaf)
+        leaves = jobs.world[j]
+        event = classify(table.round_key[row, x], table.bitmap[row, x], key, bit)
+        if event == OLDER:
+            st[DROP_STALE] += 1
+            continue
+        if event == SAME_KNOWN_RANK:  # if complete, the leaf lost the result: the stored one, to it alone
+            n_stage, n_out = answer_retransmission(table, row, x, leaves, jobs.members[j, leaf], st, stage, n_stage,
+                                                   out_ptr, out_len, out_addr, n_out)
+            continue
+        vbits = jobs.value_bits[j]
+        if event == SAME_NEW_RANK:
+            reason = agreement(exp, count, table.exp[row, x], table.elements[row, x])
+        if reason == 0 and not sums_in_bounds(p, count, fabric.sizes[j, leaf]
+                                              * codecs.contribution_bound(codec, exp, vbits)):
+            reason = DROP_INVALID_CODE
+        if reason:
+            st[reason] += 1
+            continue
+        first = take_contribution(table, row, x, event, key, exp, count, next_exp, bit)
+        st[CONTRIBUTIONS] += 1
+        if count:  # partial sums are int32 whatever the job's codec
+            rows[0] = i
+            int32.add_payloads(rx_data, rows, 1, HDR, table.acc[row, x, :count], exp, vbits, first)
+        if table.count[row, x] == leaves:  # every rack is in: re-encode the total, as one switch does
+            b.row[0], b.shadow[0], b.job[0] = row, x, j
+            complete(jobs, table, b, 0)
+            st[COMPLETIONS] += 1
+            size = table.result_len[row, x]
+            src = stage_copy(stage, n_stage, table.result[row, x], size)
+            n_stage += 1
+            for leaf_ in range(leaves):
+                n_out = emit(src, size, jobs.members[j, leaf_], out_ptr, out_len, out_addr, n_out)
+            st[PACKETS_OUT] += leaves
+    return n_out

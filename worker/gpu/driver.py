@@ -1,0 +1,220 @@
+"""One rank's allreduce of a float32 tensor on a CUDA device through the aggregator: the device encodes, the host
+moves one byte per element, the device decodes (docs/gpu.md).
+
+For a cnat8 job, on one CUDA stream:
+
+1. ``chunk_stats``: each chunk's exponent proposal and low word (N / P values, copied to the host at once: the
+   engine needs them before anything is sent; a NaN or infinity raises here, before any datagram);
+2. ``launch_encode``: every chunk at its own floor into device codes;
+3. the codes to pinned host memory in pieces of ``piece_elements``, an event after each: the engine starts at
+   once (its bootstrap rounds need only the exponents) and sends a chunk as soon as its piece has landed
+   (``StreamEngine.codes_ready``), so the copy overlaps the network;
+4. a chunk the engine must encode again at its agreed floor (``reencode_requests``: a value below it) is
+   encoded on the device from the floats at that floor and copied over its codes (``reencoded``): exactly the
+   codes the CPU path sends;
+5. the result codes, written by the engine over the host codes, go back piece by piece as the chunks below
+   ``completed()`` finish, and decode on the device at their agreed floors into ``out``;
+6. ``sent`` (error feedback): the value of what this rank sent, decoded from the device codes at the floors they
+   went out at (lowering a chunk's codes to its agreed floor keeps their values).
+
+An int32 job has nothing to precode (its encode needs the agreed exponents): its floats are staged through pinned
+host memory to the CPU engine and back, 4 bytes per element each way.
+
+The same code runs on a GPU and under numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``), where "pinned" memory
+is host memory and every stream operation is synchronous; ``_finished`` is the one place that differs (the
+simulator's events have no ``query``). Inputs and outputs are numba device arrays (``cuda.as_cuda_array`` of a
+CUDA torch tensor is one: intml.worker.torch does that).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import numpy as np
+from numba import cuda, njit
+
+from intml.protocol.arith import PRECODED, cnat_floor
+from intml.protocol.wire import Codec
+from intml.worker.api import Worker
+from intml.worker.engine import P_VBITS
+from intml.worker.gpu import cnat_cuda
+
+PIECE_ELEMENTS = 1 << 20  # codes per device-to-host copy: 1 MB, about 40 us over PCIe; a multiple of any P
+COPY_POLL = 20e-6  # seconds between looks at the copies in flight
+
+
+@njit(cache=True)
+def cnat_floors(exponents, value_bits, out):
+    for c in range(exponents.size):
+        out[c] = cnat_floor(exponents[c], value_bits)
+    return out
+
+
+def _finished(event: Any) -> bool:
+    """Whether the stream work before `event` is done, without waiting. (The simulator runs every operation when
+    it is issued, and its events have no query.)"""
+    query = getattr(event, "query", None)
+    return True if query is None else bool(query())
+
+
+class _Buffers:
+    """The device and pinned host buffers of one bucket size, kept between allreduces (allocating pinned memory
+    costs milliseconds)."""
+
+    def __init__(self, n: int, codec: Codec) -> None:
+        self.n = n
+        if codec == Codec.CNAT8:
+            self.codes_host = cuda.pinned_array(n, np.uint8)
+            self.codes_dev = cuda.device_array(n, np.uint8)
+            self.result_dev = cuda.device_array(n, np.uint8)
+        else:
+            self.floats_host = cuda.pinned_array(n, np.float32)
+            self.sent_host = cuda.pinned_array(n, np.float32)
+
+
+class DeviceAllreducer:
+    """Allreduces of device arrays through one Worker (its engine and sockets); see the module docstring."""
+
+    def __init__(self, worker: Worker, *, piece_elements: int = PIECE_ELEMENTS) -> None:
+        pkt = worker.engine.packet_elements
+        self.worker = worker
+        self.piece = max(pkt, piece_elements // pkt * pkt)  # whole chunks per piece
+        self._buffers: _Buffers | None = None
+        self.reencoded_chunks = 0  # chunks encoded again at their agreed floors, over this allreducer's life
+
+    def _buffers_for(self, n: int) -> _Buffers:
+        if self._buffers is None or self._buffers.n != n:
+            self._buffers = _Buffers(n, self.worker.codec)
+        return self._buffers
+
+    def allreduce(self, x: Any, out: Any, op: str = "sum", *, sent: Any = None, stream: Any = 0) -> None:
+        """out = the sum (or mean) over the ranks of the flat float32 device array x (out may be x itself), on
+        `stream`; bit for bit ``Worker.allreduce`` of x's values on the host. ``sent`` (a float32 device array like
+        x): receives the value of what this rank put on the wire (error feedback). Returns once out (and sent) are
+        complete on the device."""
+        if op not in ("sum", "mean"):
+            raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
+        x = cnat_cuda._device(x, np.float32, "x")
+        out = cnat_cuda._device(out, np.float32, "out")
+        if out.size != x.size or (sent is not None and sent.size != x.size):
+            raise ValueError(f"out and sent must have x's {x.size} elements")
+        if x.size == 0:
+            return
+        if self.worker.codec != Codec.CNAT8:
+            self._staged(x, out, op, sent, stream)
+            return
+        _CnatRound(self, x, out, sent, stream).run()
+        if op == "mean":  # Worker.allreduce's float32 division of the sum, which no product by 1/n always equals
+            _divide_kernel[cnat_cuda._blocks(out.size), cnat_cuda.THREADS, stream](
+                out, np.float32(self.worker.world_size))
+        stream_sync(stream)
+
+    def _staged(self, x: Any, out: Any, op: str, sent: Any, stream: Any) -> None:
+        """An int32 job: the floats through pinned host memory and the CPU engine."""
+        buf = self._buffers_for(x.size)
+        x.copy_to_host(buf.floats_host, stream=stream)
+        stream_sync(stream)
+        self.worker.allreduce(buf.floats_host, op, out=buf.floats_host, sent=None if sent is None else buf.sent_host)
+        out.copy_to_device(buf.floats_host, stream=stream)
+        if sent is not None:
+            sent.copy_to_device(buf.sent_host, stream=stream)
+        stream_sync(stream)
+
+
+@cuda.jit
+def _divide_kernel(values, divisor):
+    for j in range(cuda.grid(1), values.size, cuda.gridsize(1)):
+        values[j] = values[j] / divisor
+
+
+def stream_sync(stream: Any) -> None:
+    """Wait for `stream` (0: the default stream)."""
+    if stream == 0:
+        cuda.synchronize()
+    else:
+        stream.synchronize()
+
+
+class _CnatRound:
+    """One cnat8 allreduce of a DeviceAllreducer: the steps of the module docstring, the engine's driver work in
+    ``tend``."""
+
+    def __init__(self, owner: DeviceAllreducer, x: Any, out: Any, sent: Any, stream: Any) -> None:
+        self.owner, self.x, self.out, self.sent, self.stream = owner, x, out, sent, stream
+        worker = owner.worker
+        self.engine = engine = worker.engine
+        self.pkt = engine.packet_elements
+        self.vbits = int(engine.params[P_VBITS])
+        self.buf = owner._buffers_for(x.size)
+        self.key = engine.stream_key(engine.next_allreduce)
+        stats = cnat_cuda.chunk_stats(x, self.pkt, cuda_stream=stream)  # raises on NaN or Inf, before any send
+        self.local = stats.exponents.astype(np.int64)
+        self.low = stats.lows | np.uint32(PRECODED)
+        # the floor each chunk's device codes are at: its own, or its agreed one once encoded again
+        self.sent_floors = cnat_floors(self.local, self.vbits, np.empty(self.local.size, np.int64))
+        cnat_cuda.launch_encode(x, self.buf.codes_dev, self.key, 0, self.sent_floors, self.pkt, True, stream)
+        self.pieces: deque[tuple[int, Any]] = deque()  # (end element, event after its copy) in flight
+        for a in range(0, x.size, owner.piece):
+            b = min(x.size, a + owner.piece)
+            self.buf.codes_dev[a:b].copy_to_host(self.buf.codes_host[a:b], stream=stream)
+            event = cuda.event()
+            event.record(stream)
+            self.pieces.append((b, event))
+        self.ready = 0  # elements whose codes are on the host
+        self.decoded = 0  # elements whose result is decoded into out
+
+    def run(self) -> None:
+        codes = self.buf.codes_host[: self.x.size]
+        self.owner.worker.run_engine(
+            lambda now: self.engine.start_precoded(codes, self.local, self.low, now, ready=self.ready), self.tend)
+        self._decode_results(self.x.size)
+        if self.sent is not None:
+            cnat_cuda.decode_chunks(self.buf.codes_dev, floors=self.sent_floors, chunk_elements=self.pkt,
+                                    out=self.sent, cuda_stream=self.stream)
+
+    def tend(self, now: float, send) -> float:
+        """Between the engine's calls: pass it the codes that landed and the chunks encoded again, and start
+        decoding the finished results. Returns how long the worker may wait for datagrams."""
+        engine = self.engine
+        ready = self.ready
+        while self.pieces and _finished(self.pieces[0][1]):
+            ready = self.pieces.popleft()[0]
+        if ready > self.ready:
+            self.ready = ready
+            send(engine.codes_ready(ready, now))
+        requests = engine.reencode_requests()
+        if requests:
+            self._reencode(requests)
+            send(engine.reencoded([c for c, _ in requests], now))
+        done = min(self.x.size, engine.completed() * self.pkt)
+        if done - self.decoded >= self.owner.piece:
+            self._decode_results(done)
+        return COPY_POLL if self.pieces else np.inf
+
+    def _reencode(self, requests: list[tuple[int, int]]) -> None:
+        """Encode each requested chunk again from the floats at its agreed floor, over its device and host codes
+        (a few microseconds of device time each, rare: a value below the agreed floor)."""
+        buf, x, pkt = self.buf, self.x, self.pkt
+        for c, floor in requests:
+            a, b = c * pkt, min(x.size, (c + 1) * pkt)
+            cnat_cuda.launch_encode(x[a:b], buf.codes_dev[a:b], self.key, a, [floor], b - a, True, self.stream)
+            buf.codes_dev[a:b].copy_to_host(buf.codes_host[a:b], stream=self.stream)
+            self.sent_floors[c] = floor
+        stream_sync(self.stream)
+        self.owner.reencoded_chunks += len(requests)
+
+    def _decode_results(self, end: int) -> None:
+        """Copy the result codes of elements decoded..end (whole chunks) to the device and decode them into out at
+        their chunks' agreed floors."""
+        a = self.decoded
+        if end <= a:
+            return
+        buf, pkt = self.buf, self.pkt
+        buf.result_dev[a:end].copy_to_device(buf.codes_host[a:end], stream=self.stream)
+        chunks = slice(a // pkt, -(-end // pkt))
+        floors = cnat_floors(self.engine.agreed_exp[chunks], self.vbits,
+                             np.empty(chunks.stop - chunks.start, np.int64))
+        cnat_cuda.decode_chunks(buf.result_dev[a:end], floors=floors, chunk_elements=pkt, out=self.out[a:end],
+                                cuda_stream=self.stream)
+        self.decoded = end
