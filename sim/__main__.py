@@ -75,9 +75,8 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> None:
     from intml.sim import bench
-    got = [bench.engine_alone(args.workers), bench.real_cores(args.workers, args.elements)]
-    _emit({"code_version": output.code_version(), "load_average": os.getloadavg()}, got, args,
-          ("what", "packet_events", "loop_s", "cpu_s", "events_per_s", "events_per_cpu_s", "virtual_s"))
+    got = bench.table(args.workers, args.elements)
+    _emit({"code_version": output.code_version(), "load_average": os.getloadavg()}, got, args, bench.COLUMNS)
 
 
 def build_parser() -> OneLineParser:

@@ -5,7 +5,7 @@ delivered together: ``deliver`` collects them per instant, and each node gets it
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 Datagram = tuple[bytes, int, int]  # (payload, source address key, destination address key)
@@ -14,7 +14,8 @@ Datagram = tuple[bytes, int, int]  # (payload, source address key, destination a
 class Node(Protocol):
     """Anything a datagram can arrive at: a host or a switch."""
 
-    def arrive(self, datagrams: list[Datagram], now: float) -> None: ...
+    def arrive(self, datagrams: Sequence[Datagram], now: float) -> None:
+        """``datagrams`` (a list, or a tuple other nodes share: read it, keep it, never change it)."""
 
 
 class Simulator:
@@ -52,21 +53,31 @@ class Simulator:
             entry = bucket.get(node)
             if entry is None:
                 bucket[node] = [datagram]
+            elif type(entry) is tuple:  # deliver_all's shared burst
+                bucket[node] = [*entry, datagram]
             else:
                 entry.append(datagram)
 
     def deliver_all(self, time: float, nodes: list[Node], datagram: Datagram) -> None:
         """``datagram`` reaches every node of ``nodes`` at ``time`` (a multicast fan-out): the same as ``deliver``
-        to each in turn, in one call."""
+        to each in turn, in one call. At an instant nothing else reaches yet (the usual case), every node's burst is
+        one shared tuple, which a later delivery to that node at the same instant replaces by a list."""
         bucket = self._arrivals.get(time)
         if bucket is None:
-            bucket = self._arrivals[time] = {}
+            bucket = dict.fromkeys(nodes, (datagram,))
+            if len(bucket) == len(nodes):
+                self._arrivals[time] = bucket
+                self.at(time, self._arrive, time)
+                return
+            bucket = self._arrivals[time] = {}  # a node listed twice gets the datagram twice
             self.at(time, self._arrive, time)
         get = bucket.get
         for node in nodes:
             entry = get(node)
             if entry is None:
                 bucket[node] = [datagram]
+            elif type(entry) is tuple:
+                bucket[node] = [*entry, datagram]
             else:
                 entry.append(datagram)
 

@@ -4,7 +4,7 @@ burst its datagrams and the elements it encodes and decodes."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -20,6 +20,8 @@ from intml.worker.engine import StreamEngine
 from intml.worker.session import CoreJoined, JobJoined, WorkerSession
 
 TIMER = "timer"  # the marker a due retransmission timer puts in the CPU's queue
+START = "start"  # the first element of an allreduce's (START, input, output) item in the CPU's queue
+RESULT = int(MsgType.RESULT)  # a plain int: an enum's attribute costs a lookup per datagram
 # A timer fires this long after its deadline: the engine resends when now - sent_at >= rto, and at exactly
 # now = sent_at + rto the float subtraction can fall short by an ulp; a timer that found nothing due would then be
 # re-armed at the same instant for ever. (A real clock always moves on.)
@@ -33,8 +35,10 @@ class WorkerHost:
     def __init__(self, sim: Simulator, *, rank: int, addr: int, job: int, params: JobParams, token: str,
                  aggregator: int, costs: HostCosts, timers: WorkerTimers, on_joined: Callable[[WorkerHost], None],
                  on_done: Callable[[WorkerHost, float], None], nonce_seed: int,
-                 machine: Machine | None = None) -> None:
-        """``machine``: the rank's process shares that machine's CPUs (None: a CPU of its own)."""
+                 machine: Machine | None = None, receiver: Receiver | None = None) -> None:
+        """``machine``: the rank's process shares that machine's CPUs (None: a CPU of its own). ``receiver``: the
+        receive bursts' filler, one the job's ranks share (``Receiver(width, shared=True)``: a multicast burst is
+        copied once for all of them); None: one of its own."""
         self.sim, self.rank, self.addr, self.params, self.costs, self.timers = sim, rank, addr, params, costs, timers
         rng = np.random.default_rng(nonce_seed)  # deterministic client nonces: same scenario, same bytes
         self.session = WorkerSession(job=job, rank=rank, params=params, token=token, aggregator=aggregator,
@@ -44,7 +48,7 @@ class WorkerHost:
         self.engine: StreamEngine | None = None
         self.on_joined, self.on_done = on_joined, on_done
         self.cpu = Processor(sim, self._work, machine=machine)
-        self._rx: Receiver | None = None
+        self._rx = receiver
         self._copy = Copier()
         self._timer_at: float | None = None
         self.running = False
@@ -59,41 +63,41 @@ class WorkerHost:
 
     def start(self, x: np.ndarray, out: np.ndarray, now: float) -> None:
         """Begin the next allreduce (the CPU encodes the first window, then sends it)."""
-        self.cpu.submit([("start", x, out)], now)
+        self.cpu.submit([(START, x, out)], now)
 
-    def arrive(self, datagrams: list[Datagram], now: float) -> None:
+    def arrive(self, datagrams: Sequence[Datagram], now: float) -> None:
         self.cpu.submit(datagrams, now)
 
     # ---- the CPU ----------------------------------------------------------------------------------------
     def _work(self, items: list, now: float) -> tuple[float, Callable[[float], None]]:
         engine, c = self.engine, self.costs
-        results: list[tuple[bytes, int]] = []
-        out: list[tuple[bytes, int]] = []
+        out: list[Datagram] = []
+        addr, copy = self.addr, self._copy
         cost = 0.0
-        for item in items:
-            if item == TIMER:
-                if engine is not None and (t := engine.get_timer()) is not None and t <= now:
-                    out += self._copy(engine.handle_timer(now))
-            elif item[0] == "start":
-                self.running = True
-                out += self._copy(engine.start(item[1], now, item[2]))
-            elif item[0][O_TYPE] == MsgType.RESULT:
-                if engine is not None:
-                    results.append((item[0], item[1]))
-            else:
-                self.session.receive(item[0], item[1], now)
-        if results:
+        # the results are taken together after the other items (timers, a start, control datagrams), in order
+        results = [d for d in items if d is not TIMER and d[0] is not START and d[0][O_TYPE] == RESULT]
+        if len(results) < len(items):
+            for item in items:
+                if item is TIMER:
+                    if engine is not None and (t := engine.get_timer()) is not None and t <= now:
+                        out += copy(engine.handle_timer(now), addr)
+                elif item[0] is START:
+                    self.running = True
+                    out += copy(engine.start(item[1], now, item[2]), addr)
+                elif item[0][O_TYPE] != RESULT:
+                    self.session.receive(item[0], item[1], now)
+        if results and engine is not None:
             if self._rx is None:
                 self._rx = Receiver(max(HDR, engine.max_datagram))
-            cost += c.io * len(results) + c.decode * elements_of([p for p, _ in results], self.width)
-            out += self._copy(engine.receive(self._rx.fill(results), now))
+            cost += c.io * len(results) + c.decode * elements_of([d[0] for d in results], self.width)
+            out += copy(engine.receive(self._rx.fill(results), now), addr)
         if out:
-            cost += (c.io + c.forward) * len(out) + c.encode * elements_of([p for p, _ in out], self.width)
+            cost += (c.io + c.forward) * len(out) + c.encode * elements_of([d[0] for d in out], self.width)
         joined = self._poll_session()
 
         def then(done: float) -> None:
-            addr = self.addr
-            self.uplink.send_many([(payload, addr, dst) for payload, dst in out], done)
+            if out:
+                self.uplink.send_many(out, done)
             self._send_control(done)
             if joined:
                 self.on_joined(self)

@@ -66,6 +66,9 @@ class LinkStats:
     ecn_marked: int = 0
 
 
+_SHAPES: dict[tuple, tuple] = {}  # Link.shape: one tuple per distinct link model
+
+
 class Link:
     """One direction of a link into ``node``. Calls to ``send`` come in nondecreasing time order (each link has
     one sender, whose clock only moves forward)."""
@@ -79,6 +82,10 @@ class Link:
         self.byte_time = 8.0 / rate
         self.delay, self.mtu, self.queue_bytes, self.loss = delay, mtu, queue_bytes, loss
         self.ecn_bytes, self.overhead = ecn_bytes, overhead
+        # what decides a send's outcome besides the queue (fan_out's test that links behave alike), one tuple for
+        # all links alike, so that the test is mostly by identity
+        shape = (self.byte_time, delay, mtu, queue_bytes, ecn_bytes, overhead, loss)
+        self.shape = _SHAPES.setdefault(shape, shape)
         self.random = random.Random(seed)
         self.busy_until = 0.0
         self.stats = LinkStats()
@@ -92,18 +99,18 @@ class Link:
 
     def send_many(self, datagrams: Sequence[Datagram], now: float) -> None:
         """``send`` each of ``datagrams`` at ``now``, in order (a host's burst), in one call."""
-        mtu, overhead, byte_time, queue_bytes, ecn_bytes = (self.mtu, self.overhead, self.byte_time,
-                                                            self.queue_bytes, self.ecn_bytes)
+        longest, overhead, byte_time, queue_bytes, ecn_bytes, delay = (
+            self.mtu - IP_UDP, self.overhead, self.byte_time, self.queue_bytes, self.ecn_bytes, self.delay)
         loss, draw, stats = self.loss, self.random.random, self.stats
         busy, sent, wire_bytes = self.busy_until, 0, 0
         times, passed = [], []
+        at, keep = times.append, passed.append
         for datagram in datagrams:
             size = len(datagram[0])
-            if size + IP_UDP > mtu:
+            if size > longest:
                 stats.too_big += 1
                 continue
             wire = size + overhead
-            start = now
             if busy > now:
                 backlog = (busy - now) / byte_time
                 if backlog + wire > queue_bytes:
@@ -111,15 +118,16 @@ class Link:
                     continue
                 if ecn_bytes is not None and backlog > ecn_bytes:
                     stats.ecn_marked += 1
-                start = busy
-            busy = start + wire * byte_time
+                busy += wire * byte_time
+            else:
+                busy = now + wire * byte_time
             sent += 1
             wire_bytes += wire
             if loss and draw() < loss:
                 stats.lost += 1
                 continue
-            times.append(busy + self.delay)
-            passed.append(datagram)
+            at(busy + delay)
+            keep(datagram)
         self.busy_until = busy
         self.sent += sent
         self.bytes += wire_bytes
@@ -133,12 +141,9 @@ def fan_out(sim: Simulator, links: list[Link], datagram: Datagram, now: float) -
     members of a job, in step), the queue and serialisation are computed once and the arrivals are one call to
     ``sim.deliver_all``; each link still draws its own loss."""
     first = links[0]
-    busy = first.busy_until
-    params = (first.byte_time, first.delay, first.mtu, first.queue_bytes, first.ecn_bytes, first.overhead,
-              first.loss)
+    busy, shape = first.busy_until, first.shape
     for link in links:
-        if link.busy_until != busy or (link.byte_time, link.delay, link.mtu, link.queue_bytes, link.ecn_bytes,
-                                       link.overhead, link.loss) != params:
+        if link.busy_until != busy or (link.shape is not shape and link.shape != shape):
             for each in links:
                 each.send(datagram, now)
             return
@@ -160,30 +165,34 @@ def fan_out(sim: Simulator, links: list[Link], datagram: Datagram, now: float) -
         now = busy
     busy = now + wire * first.byte_time
     loss = first.loss
-    nodes = []
     for link in links:
         link.busy_until = busy
         link.sent += 1
         link.bytes += wire
-        if loss and link.random.random() < loss:
-            link.stats.lost += 1
-        else:
-            nodes.append(link.node)
+    if loss:
+        nodes = []
+        for link in links:
+            if link.random.random() < loss:
+                link.stats.lost += 1
+            else:
+                nodes.append(link.node)
+    else:
+        nodes = [link.node for link in links]
     sim.deliver_all(busy + first.delay, nodes, datagram)
 
 
 class Copier:
-    """``burst.datagrams()`` for a core's output bursts: owned (bytes, address) pairs of the first ``count``
-    datagrams, in order, with the same bounds check, but with the descriptors read as lists at once and the memory
-    block's address and view looked up once per block (a core reuses its own; numpy scalar conversions and
-    ``ctypes`` per call cost more than the copies on the simulator's hot path)."""
+    """``burst.datagrams()`` for a core's output bursts, as the simulator's ``Datagram`` triples: owned copies of
+    the first ``count`` datagrams, in order, from ``src``, with the same bounds check, but with the descriptors read
+    as lists at once and the memory block's address and view looked up once per block (a core reuses its own;
+    numpy scalar conversions and ``ctypes`` per call cost more than the copies on the simulator's hot path)."""
 
     def __init__(self) -> None:
         self._memory: np.ndarray | None = None
         self._base = self._end = 0
         self._view = memoryview(b"")
 
-    def __call__(self, burst: Burst) -> list[tuple[bytes, int]]:
+    def __call__(self, burst: Burst, src: int) -> list[Datagram]:
         k = burst.count
         if k == 0:
             return []
@@ -192,13 +201,13 @@ class Copier:
             flat = memory.reshape(-1).view(np.uint8)
             self._base, self._end, self._view = memory.ctypes.data, flat.size, memoryview(flat)
         base, end, view = self._base, self._end, self._view
-        out = []
-        for ptr, size, addr in zip(burst.ptr[:k].tolist(), burst.length[:k].tolist(), burst.addr[:k].tolist()):
-            start = ptr - base
-            if start < 0 or start + size > end:
-                raise ValueError("a datagram points outside its burst's memory")
-            out.append((view[start:start + size].tobytes(), addr))
-        return out
+        ptrs, sizes = burst.ptr[:k].tolist(), burst.length[:k].tolist()
+        if min(ptrs) < base or max(ptrs) + max(sizes) > base + end:  # a bound for all at once
+            for ptr, size in zip(ptrs, sizes):  # which may be too tight: the exact test
+                if ptr < base or ptr + size > base + end:
+                    raise ValueError("a datagram points outside its burst's memory")
+        return [(view[ptr - base:ptr - base + size].tobytes(), src, dst)
+                for ptr, size, dst in zip(ptrs, sizes, burst.addr[:k].tolist())]
 
 
 class Receiver:
@@ -206,15 +215,25 @@ class Receiver:
     same rows, lengths and addresses). Datagrams of one length (a burst of data packets or of results) go into a
     burst whose rows are exactly that long, in one copy; any other mix through ``Burst.fill``."""
 
-    def __init__(self, width: int) -> None:
-        """``width``: the longest datagram a row holds (longer ones are truncated, as a socket's rows do)."""
+    def __init__(self, width: int, shared: bool = False) -> None:
+        """``width``: the longest datagram a row holds (longer ones are truncated, as a socket's rows do).
+        ``shared``: the receiver of every rank of a job, whose cores only read their receive bursts (the worker
+        engine): a fill equal to the previous one (the same multicast results reaching the next rank) returns the
+        same burst without copying."""
         self.width = width
         self._exact: dict[int, tuple[Burst, memoryview]] = {}
         self._any = Burst.rows_of(256, width)
+        self._shared = shared
+        self._last: tuple[list[Datagram], Burst] | None = None
 
-    def fill(self, datagrams: list[tuple[bytes, int]]) -> Burst:
+    def fill(self, datagrams: Sequence[Datagram]) -> Burst:
+        """``datagrams``: (payload, source address key, ...) tuples; the source goes into ``addr``."""
+        if self._shared:
+            items = list(datagrams)
+            if self._last is not None and self._last[0] == items:  # the same tuples: compared by identity
+                return self._last[1]
         k = len(datagrams)
-        payloads = [p for p, _ in datagrams]
+        payloads = [d[0] for d in datagrams]
         size = max(map(len, payloads))
         if size <= self.width and min(map(len, payloads)) == size:
             entry = self._exact.get(size)
@@ -224,13 +243,16 @@ class Receiver:
             rx, view = entry
             view[:k * size] = b"".join(payloads)
             rx.length[:k] = size
-            rx.addr[:k] = [a for _, a in datagrams]
+            rx.addr[:k] = [d[1] for d in datagrams]
             rx.count = k
-            return rx
-        if self._any.rows < k:
-            self._any = Burst.rows_of(2 * k, self.width)
-        self._any.fill(datagrams)
-        return self._any
+        else:
+            if self._any.rows < k:
+                self._any = Burst.rows_of(2 * k, self.width)
+            rx = self._any
+            rx.fill((d[0], d[1]) for d in datagrams)
+        if self._shared:
+            self._last = (items, rx)
+        return rx
 
 
 class Processor:
@@ -318,17 +340,17 @@ class CoreAggregator:
         self._rx = [Receiver(width) for _ in cores]
         self._copy = [Copier() for _ in cores]
 
-    def receive(self, datagrams: list[Datagram], now: float) -> list[Datagram]:
+    def receive(self, datagrams: Sequence[Datagram], now: float) -> list[Datagram]:
         if len(self.cores) == 1:
-            by_core = {0: [(payload, src) for payload, src, _ in datagrams]}
+            by_core = {0: datagrams}
         else:
-            by_core: dict[int, list[tuple[bytes, int]]] = {}
-            for payload, src, dst in datagrams:
-                by_core.setdefault(self.index[dst], []).append((payload, src))
+            by_core: dict[int, list[Datagram]] = {}
+            for d in datagrams:
+                by_core.setdefault(self.index[d[2]], []).append(d)
         out: list[Datagram] = []
         for i in sorted(by_core):
             core, addr = self.cores[i], self.addrs[i]
-            out += [(p, addr, dst) for p, dst in self._copy[i](core.receive(self._rx[i].fill(by_core[i]), now))]
+            out += self._copy[i](core.receive(self._rx[i].fill(by_core[i]), now), addr)
             out += [(p, addr, dst) for p, dst in core.take_replies()]
         return out
 
@@ -366,14 +388,14 @@ class Switch:
     def attach(self, addr: int, downlink: Link) -> None:
         self.ports[addr] = downlink
 
-    def arrive(self, datagrams: list[Datagram], now: float) -> None:
-        to_agg = []
-        at = now + self.costs.latency
-        for d in datagrams:
-            if d[2] in self.agg_addrs:
-                to_agg.append(d)
-            else:
-                self.forward(d, at)
+    def arrive(self, datagrams: Sequence[Datagram], now: float) -> None:
+        agg = self.agg_addrs
+        to_agg = [d for d in datagrams if d[2] in agg]
+        if len(to_agg) < len(datagrams):
+            at = now + self.costs.latency
+            for d in datagrams:
+                if d[2] not in agg:
+                    self.forward(d, at)
         if to_agg:
             self.cpu.submit(to_agg, now)
 

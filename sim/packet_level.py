@@ -19,13 +19,14 @@ from intml.p4 import layout
 from intml.p4.engine import P4ModelCore
 from intml.protocol import codecs, reference
 from intml.protocol.job import AGGREGATOR_SLOTS, CODEC_NAMES, MAX_WORLD, JobParams, WorkerTimers
+from intml.protocol.packet import HDR
 from intml.protocol.partial import partial_size
 from intml.protocol.wire import element_datagram_size
 from intml.sim.costs import FREE_HOST, HOST_COSTS, KERNEL_FORWARD, SOFTWARE_AGGREGATOR, HostCosts, asic
 from intml.sim.engine import Simulator
 from intml.sim.host import WorkerHost
 from intml.sim.models import largest_packet, largest_partial
-from intml.sim.network import CoreAggregator, Link, Machine, Switch
+from intml.sim.network import CoreAggregator, Link, Machine, Receiver, Switch
 
 HOST_IP = 0x0A000000  # 10.0.0.(rank + 1)
 HOST_PORT = 5000
@@ -105,6 +106,7 @@ class PacketResult:
     exact: bool | None = None  # every rank's result equals protocol.reference's, if checked
     counters: dict = field(default_factory=dict)
     cpu_seconds: dict = field(default_factory=dict)  # CPU work charged: hosts (all), software aggregator
+    loop_cpu: float = 0.0  # seconds of this process's CPU time in the event loop (the machine may be shared)
 
 
 def simulate(run: PacketRun) -> PacketResult:
@@ -165,12 +167,15 @@ def simulate(run: PacketRun) -> PacketResult:
             if state["round"] < run.rounds:
                 sim.at(end, start_round, end)
 
+    # the ranks' receive bursts (rows of the engine's largest datagram), shared: a multicast result burst is copied
+    # once for all of them
+    receiver = Receiver(max(HDR, element_datagram_size(params.codec, run.packet_elements, False)), shared=True)
     hosts = []
     for r in range(n):
         addr = ((HOST_IP + r + 1) << 16) | HOST_PORT
         h = WorkerHost(sim, rank=r, addr=addr, job=JOB, params=params, token=TOKEN, aggregator=topology.aggregator[r],
                        costs=costs, timers=timers, on_joined=on_joined, on_done=on_done, nonce_seed=run.seed * 1000 + r,
-                       machine=machine)
+                       machine=machine, receiver=receiver)
         link = dict(rate=run.rate, delay=run.delay, mtu=run.mtu, queue_bytes=run.queue_bytes, loss=run.loss,
                     ecn_bytes=run.ecn_bytes)
         h.uplink = Link(sim, topology.edge[r], seed=link_seed(run.seed, r, 0), **link)
@@ -178,8 +183,9 @@ def simulate(run: PacketRun) -> PacketResult:
         hosts.append(h)
     for h in hosts:
         h.connect(0.0)
-    loop = time.perf_counter()
+    loop, loop_cpu = time.perf_counter(), time.process_time()
     sim.run(stop=lambda: len(times) == run.rounds)
+    loop_cpu = time.process_time() - loop_cpu
     if len(times) < run.rounds:
         stuck = [f"rank {h.rank}: " + ("joining" if h.engine is None else f"{h.engine.progress} chunks")
                  for h in hosts if h.engine is None or h.running]
@@ -193,7 +199,8 @@ def simulate(run: PacketRun) -> PacketResult:
         events=sim.events, packet_events=sim.packet_events, wall=time.perf_counter() - wall,
         loop=time.perf_counter() - loop, counters=counters,
         cpu_seconds={"hosts": sum(h.cpu.busy for h in hosts),
-                     "aggregator": topology.switches[0].cpu.busy if software else 0.0})
+                     "aggregator": topology.switches[0].cpu.busy if software else 0.0},
+        loop_cpu=loop_cpu)
     if run.check:
         expected = reference.allreduce(xs, codec=run.codec, seed=run.seed, allreduce_seq=run.rounds - 1,
                                        packet_elements=run.packet_elements)

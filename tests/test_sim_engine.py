@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
+from intml.protocol.burst import Burst
 from intml.sim.engine import Simulator
-from intml.sim.network import WIRE_OVERHEAD, Link, Processor
+from intml.sim.network import WIRE_OVERHEAD, Copier, Link, Processor, Receiver
 
 
 class Sink:
@@ -155,3 +157,84 @@ def test_a_machine_shares_its_cpus_among_processors():
             Processor(sim, handle, machine=machine).submit(["x"], 0.0)
         sim.run()
         assert sorted(finished) == done and machine.busy == 3.0
+
+
+def test_a_multicast_then_more_datagrams_at_the_same_instant():
+    """deliver_all shares one burst among its nodes until another datagram reaches one of them at that instant;
+    each node still gets its own datagrams in the order delivered, and a node listed twice gets one twice."""
+    sim, a, b, c = Simulator(), Sink(), Sink(), Sink()
+    sim.deliver_all(1.0, [a, b], (b"m", 0, 0))
+    sim.deliver(1.0, b, (b"u", 0, 0))
+    sim.deliver_all(1.0, [c, b], (b"n", 0, 0))
+    sim.deliver_all(2.0, [a, a, c], (b"t", 0, 0))
+    sim.deliver_all(3.0, [], (b"z", 0, 0))
+    sim.run()
+    assert a.got == [(1.0, [b"m"]), (2.0, [b"t", b"t"])]
+    assert b.got == [(1.0, [b"m", b"u", b"n"])]
+    assert c.got == [(1.0, [b"n"]), (2.0, [b"t"])]
+    assert sim.packet_events == 8
+
+
+def _datagrams(rng, sizes):
+    return [(rng.integers(0, 256, size, dtype=np.uint8).tobytes(), int(rng.integers(1, 1 << 48)), 7)
+            for size in sizes]
+
+
+@pytest.mark.parametrize("sizes", [[300] * 5, [300, 120, 300, 0, 64], [2000, 300]])
+def test_receiver_fills_as_burst_fill_does(sizes):
+    """Receiver.fill against Burst.fill (the slow, obvious reference): the same rows, lengths (a datagram longer
+    than the row truncated: -1) and addresses, whether the datagrams have one length or several."""
+    rng = np.random.default_rng(len(sizes) + sum(sizes))
+    datagrams = _datagrams(rng, sizes)
+    got = Receiver(1500).fill(datagrams)
+    want = Burst.rows_of(8, 1500)
+    want.fill([(p, a) for p, a, _ in datagrams])
+    assert got.count == want.count == len(sizes)
+    assert got.length[:got.count].tolist() == want.length[:want.count].tolist()
+    assert got.addr[:got.count].tolist() == want.addr[:want.count].tolist()
+    for i, size in enumerate(want.length[:want.count].tolist()):
+        size = max(size, 0) or min(sizes[i], 1500)
+        assert got.data[i, :size].tobytes() == want.data[i, :size].tobytes()
+
+
+def test_a_shared_receiver_copies_an_equal_burst_once():
+    rng = np.random.default_rng(5)
+    x, y = _datagrams(rng, [200] * 3), _datagrams(rng, [200] * 4)
+    shared, alone = Receiver(1500, shared=True), Receiver(1500)
+    first = shared.fill(tuple(x))
+    assert shared.fill(list(x)) is first  # the next rank's equal burst: not copied again
+    for burst in (y, x, x[:2], [(bytes(p), a, d) for p, a, d in x]):  # other bursts, then x again by content
+        got, want = shared.fill(burst), alone.fill(burst)
+        k = want.count
+        assert got.count == k and got.addr[:k].tolist() == want.addr[:k].tolist()
+        assert got.data[:k, :200].tobytes() == want.data[:k, :200].tobytes()
+
+
+def test_copier_takes_a_bursts_datagrams_as_burst_datagrams_does():
+    memory = np.arange(4 * 2 * 100, dtype=np.uint32).view(np.uint8).reshape(4, 2, 400)
+    burst = Burst(memory, 8)
+    rows = [(3, 1, 400), (0, 0, 17), (2, 1, 0), (1, 0, 399)]
+    for i, (s, p, size) in enumerate(rows):
+        burst.ptr[i] = memory[s, p].ctypes.data
+        burst.length[i] = size
+        burst.addr[i] = 1000 + i
+    burst.count = len(rows)
+    copy = Copier()
+    assert copy(burst, 9) == [(d, 9, a) for d, a in burst.datagrams()]
+    burst.count = 0
+    assert copy(burst, 9) == []
+    burst.count, burst.length[0] = 1, 401  # one byte past the block
+    with pytest.raises(ValueError, match="outside"):
+        copy(burst, 9)
+
+
+def test_bench_reports_both_rates_and_their_ratio():
+    from intml.sim import bench
+    rows = bench.table(workers=4, elements=20_000)
+    assert [r["what"] for r in rows] == ["engine alone", "real cores, 4 x 20000 cnat8"]
+    for r in rows:
+        assert r["events_per_cpu_s"] == pytest.approx(r["packet_events"] / r["loop_cpu_s"])
+        assert r["of_engine"] == pytest.approx(r["events_per_cpu_s"] / rows[0]["events_per_cpu_s"])
+    chunks = -(-20_000 // 1472)  # 14, and as many bootstrap packets (the window); each up and its result down,
+    # and per rank the JOIN, its challenge, the answered JOIN and the JOIN_ACK
+    assert rows[1]["packet_events"] == 4 * (2 * (chunks + chunks) + 4)
