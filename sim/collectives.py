@@ -1,11 +1,11 @@
 """Packet-level TCP baselines on one switch: Gloo's ring allreduce and a sharded parameter server (seed 004), their
 segments through the same links, queues and losses as intml's datagrams (``sim.tcp``), so that they can be set
-beside intml under loss. Each rank's software latency per message (a send through the kernel and Gloo) is
-``alpha``, as in the flow models (``sim.models``), which these are checked against where both run.
+beside intml under loss. Each rank's software latency per message received (through the kernel and Gloo) is
+``alpha``, as the flow models' per step (``sim.models``), which these are checked against where both run.
 
-* Ring (reduce-scatter, then allgather): the tensor in n chunks; at each of 2(n-1) steps rank r sends one chunk to
-  rank r+1 on its connection, and starts the next step ``alpha`` after the previous step's chunk from rank r-1
-  is in (Gloo's ring: each step's send depends on the previous receive).
+* Ring (reduce-scatter, then allgather): Gloo's (``_ring``): segments of at most 1 MB, two in flight each way, each
+  sent only once the receiver's ready notice is in, every message of a pair of ranks on its one connection; a
+  rank goes on ``alpha`` after each segment it receives.
 * Parameter server: ``servers`` shards (None: colocated, one on each rank, which keeps its own shard's part local);
   every rank pushes its part of each shard, and a shard's server sends the summed shard back to every rank piece
   by piece (``piece`` bytes) once every rank's piece is in, so pushes and pulls overlap on the full-duplex links.
@@ -16,6 +16,7 @@ the previous one's result.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,6 +30,8 @@ from intml.sim.tcp import MIN_RTO, Flow, Network, TcpHost
 
 ALGORITHMS = ("ring", "ps-colocated", "ps-dedicated")
 SENDER_QUEUE = 1 << 62  # bytes: unbounded
+GLOO_SEGMENT = 1 << 20  # bytes: the most one send or receive of Gloo's ring carries (kMaxSegmentSize)
+PREAMBLE = 48  # bytes before each message of Gloo's TCP transport (its Op preamble: six 8-byte fields)
 
 
 @dataclass
@@ -65,6 +68,7 @@ class TcpResult:
     timeouts: int
     lost: int
     queue_drops: int
+    app_bytes: int  # bytes the ranks handed to TCP, on all connections (data and the collective's own messages)
     packet_events: int
     wall: float
 
@@ -111,39 +115,120 @@ def simulate_tcp(run: TcpRun) -> TcpResult:
     links = [h.uplink for h in hosts] + list(switch.ports.values())
     return TcpResult(times=times, retransmissions=sum(f.retransmits for f in net.flows),
                      timeouts=sum(f.timeouts for f in net.flows), lost=sum(lk.stats.lost for lk in links),
-                     queue_drops=sum(lk.stats.queue_drops for lk in links), packet_events=sim.packet_events,
+                     queue_drops=sum(lk.stats.queue_drops for lk in links),
+                     app_bytes=sum(f.limit for f in net.flows), packet_events=sim.packet_events,
                      wall=time.perf_counter() - wall)
+
+
+def gloo_segments(total: int, workers: int, element: int = 4) -> tuple[int, int]:
+    """(segments, bytes per segment) of Gloo's ring for a ``total``-byte tensor (gloo/allreduce.cc): at most
+    ``GLOO_SEGMENT`` bytes each, at least two per rank, a multiple of ``workers`` in all."""
+    most = element * max(1, GLOO_SEGMENT // element)
+    count = max(-(-total // most), 2 * workers)
+    count += -count % workers
+    per = -(-total // count)
+    return count, -(-per // element) * element
 
 
 def _ring(sim: Simulator, net: Network, run: TcpRun, servers: int,
           rank_done: Callable[[float], None]) -> Callable[[float], None]:
-    """Rank r sends on flow r (to r + 1) and receives on flow r - 1. Returns the round's starter."""
+    """Gloo's ring as gloo/allreduce.cc runs it on its TCP transport. Returns the round's starter.
+
+    The tensor is cut into segments (``gloo_segments``). Each phase, reduce-scatter then allgather, has segments
+    - segments / n iterations (+ 2 that only wait); at iteration i rank r first waits for iteration i - 2's
+    segment, then posts a receive of one segment from r + 1 and a send of one to r - 1: two segments in flight
+    each way. The transport is a rendezvous: a receive sends the peer a ready notice, and the data leaves only
+    once that notice is in (a send announces itself too); each message carries a ``PREAMBLE``. All messages
+    between two ranks share the pair's one TCP connection, in order, so at n = 2, where r + 1 and r - 1 are the
+    same rank, a ready notice waits behind the data its rank is sending the other way (a segment is about 1 MB)
+    and behind every hole in it; at n > 2 the notices have a direction of their own."""
     n = run.workers
-    chunk = [4 * e for e in _split(run.elements, n)]
-    steps = 2 * (n - 1)
-    # the chunk rank r sends at step k: reduce-scatter (r - k), then allgather (r + 1 - (k - (n - 1)))
-    sends = [[chunk[(r - k) % n if k < n - 1 else (r + 1 - (k - n + 1)) % n] for k in range(steps)]
-             for r in range(n)]
-    flows = [net.flow(r, (r + 1) % n) for r in range(n)]
-    base = [0] * n  # bytes each flow carried in earlier rounds
+    total = 4 * run.elements
+    count, size = gloo_segments(total, n)
+    per_rank, iterations = count // n, count - count // n
+    span = count * size
 
-    def send_step(r: int, k: int) -> None:
-        flows[r].write(sends[r][k], sim.now)
-        left = (r - 1) % n  # the step's chunk from the left neighbour
-        flows[left].when_received(base[left] + sum(sends[left][:k + 1]), lambda now: received(r, k, now))
+    def lengths(r: int, i: int, phase: int) -> tuple[int, int]:
+        """(send, receive) bytes of rank r's iteration i (0 where the segment lies beyond the tensor): reduce-
+        scatter sends segment (r + 1) per_rank + i and receives the one per_rank further; allgather one chunk
+        earlier."""
+        send = ((r + 1 - phase) * per_rank + i) * size % span
+        recv = (send + per_rank * size) % span
+        return max(0, min(size, total - send)), max(0, min(size, total - recv))
 
-    def received(r: int, k: int, now: float) -> None:
-        if k + 1 < steps:
-            sim.at(now + run.alpha, send_step, r, k + 1)
-        else:
-            rank_done(now)
+    flows: dict[tuple[int, int], Flow] = {}
+    for r in range(n):  # one connection per neighbouring pair, a flow each way
+        for peer in sorted({(r - 1) % n, (r + 1) % n}):
+            flows[r, peer] = net.flow(r, peer)
+    state: list[_RingRank] = []
+
+    def message(src: int, dst: int, nbytes: int, then: Callable[[float], None] | None = None) -> None:
+        f = flows[src, dst]
+        f.write(nbytes, sim.now)
+        if then is not None:
+            f.when_received(f.limit, then)
+
+    end = 2 * (iterations + 2)
+
+    def advance(r: int, st: _RingRank) -> None:
+        """Run rank r's iterations as far as its receives and sends let it (``st``: the round's state, so that a
+        wake-up left over from the last round does nothing)."""
+        if st.step == end:
+            return
+        while st.step < end:
+            phase, i = divmod(st.step, iterations + 2)
+            if i >= 2 and (st.received < st.posted[st.step - 2] or st.written < st.posted_sends[st.step - 2]):
+                return  # iteration i - 2's receive is not in, or its send not yet handed to TCP
+            send = recv = 0
+            if i < iterations:
+                send, recv = lengths(r, i, phase)
+                if recv:
+                    message(r, (r + 1) % n, PREAMBLE, lambda now, q=(r + 1) % n: granted(q))
+                if send:
+                    message(r, (r - 1) % n, PREAMBLE)  # the send notice
+                    st.sends.append(send)
+                    release(r)
+            st.posted.append((st.posted[-1] if st.posted else 0) + (recv > 0))
+            st.posted_sends.append((st.posted_sends[-1] if st.posted_sends else 0) + (send > 0))
+            st.step += 1
+        rank_done(sim.now)
+
+    def granted(q: int) -> None:
+        """Rank q - 1's ready notice is in at rank q."""
+        state[q].grants += 1
+        release(q)
+
+    def release(q: int) -> None:
+        """Send rank q's posted segments that rank q - 1 is ready for."""
+        st = state[q]
+        while st.grants and st.sends:
+            st.grants -= 1
+            message(q, (q - 1) % n, PREAMBLE + st.sends.popleft(), lambda now, d=(q - 1) % n: received(d, now))
+            st.written += 1
+            sim.at(sim.now, advance, q, st)
+
+    def received(r: int, now: float) -> None:
+        state[r].received += 1
+        sim.at(now + run.alpha, advance, r, state[r])
 
     def start(now: float) -> None:
+        state[:] = [_RingRank() for _ in range(n)]
         for r in range(n):
-            base[r] = flows[r].limit
-        for r in range(n):
-            sim.at(now + run.alpha, send_step, r, 0)
+            sim.at(now + run.alpha, advance, r, state[r])
     return start
+
+
+class _RingRank:
+    """A rank's progress through one ring allreduce."""
+
+    def __init__(self) -> None:
+        self.step = 0  # iterations done, over both phases
+        self.posted: list[int] = []  # receives posted up to each iteration
+        self.received = 0  # receives complete
+        self.posted_sends: list[int] = []  # sends posted up to each iteration
+        self.written = 0  # sends handed to TCP
+        self.grants = 0  # ready notices from r - 1 not yet used
+        self.sends: deque[int] = deque()  # bytes of each posted send still waiting for its notice
 
 
 def _parameter_server(sim: Simulator, net: Network, run: TcpRun, servers: int,

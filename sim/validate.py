@@ -2,9 +2,9 @@
 
 Calibrated once (``CALIBRATION``) and not fitted per point: the hosts' and the software aggregator's costs are
 ``sim.costs``'s (from the codec and burst I/O benchmarks); a veth pair plus ``tc tbf`` is modelled as a 20 us
-one-way delay; Gloo's ring runs over the engine's TCP (``sim.collectives``) with a 20 us per-step latency and the
-testbed kernel's congestion control, BBR (its ``net.ipv4.tcp_congestion_control``; ``sim.tcp``). The
-testbed runs every rank, the aggregator and the kernel's forwarding on one 2-CPU machine: ``cpus`` (default
+one-way delay; Gloo's ring runs as Gloo does (1 MB segments, ready notices) over the engine's TCP
+(``sim.collectives``) with a 20 us latency per segment received and the testbed kernel's congestion control,
+BBR (its ``net.ipv4.tcp_congestion_control``; ``sim.tcp``). The testbed runs every rank, the aggregator and the kernel's forwarding on one 2-CPU machine: ``cpus`` (default
 ``TESTBED_CPUS``) replays it so, each sender paying ``sim.costs.KERNEL_FORWARD`` per datagram copy (0: every host
 its own CPU, no forwarding). A point is called link-bound when the testbed's own ``link_use`` (wire bytes per
 second over the rate) is at least 0.85; the 10% target applies to those. A lossy point is predicted as the median
