@@ -1,5 +1,5 @@
-"""The authenticated control plane (issue 10, findings 1-3 and 5), against a live aggregator on loopback where the
-issue asks for it: squatting, replayed JOINs, no amplification, forged and spoofed control messages, statistics
+"""The authenticated control plane, against a live aggregator on loopback where the behaviour
+needs one: squatting, replayed JOINs, no amplification, forged and spoofed control messages, statistics
 without a credential, rejoining after a crash, a failed join cleaning up, and the token options."""
 
 from __future__ import annotations

@@ -219,7 +219,7 @@ def allreduce_mean(xs: list[np.ndarray], seeds: range) -> tuple[np.ndarray, np.n
 
 
 @pytest.mark.parametrize("values", [
-    [3, 100, 1000, 5000, 1e6, 0.1, 123.456, 1e-20],  # issue 10's example: was [8, 256, 1024, 1024, 1024, ...]
+    [3, 100, 1000, 5000, 1e6, 0.1, 123.456, 1e-20],  # a review's example: was [8, 256, 1024, 1024, 1024, ...]
     [65536 * 0.37, -65536 * 0.02, 65536 * 3e-5, 65536 * 1.7],  # AMP's x65536-scaled gradients
 ], ids=["issue10", "amp"])
 def test_allreduce_of_large_and_small_values_is_unbiased(values) -> None:

@@ -311,7 +311,7 @@ class ResultTamperer:
 
 @pytest.mark.parametrize("mac", [True, False], ids=["mac", "no mac"])
 def test_live_results_altered_on_the_path(mac):
-    """An on-path host alters results (issue 10: a forged RESULT makes the ranks diverge). With the MAC every
+    """An on-path host alters results (a forged RESULT makes the ranks diverge). With the MAC every
     altered result is counted and dropped, the rank's retransmission brings the real one, and every rank gets
     the reference's bits; without it (the control) the altered results are taken and some rank's result is wrong."""
     n, seed = 3, 10

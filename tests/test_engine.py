@@ -127,7 +127,7 @@ def test_cnat_large_values_are_not_clipped_and_overflow_is_counted(n):
 
 
 def test_issue_10_example_is_unbiased_through_engines_and_aggregator():
-    """Issue 10's [3, 100, 1000, 5000, 1e6, 0.1, 123.456, 1e-20] on 2 ranks, 1500 consecutive allreduces (each has
+    """A review's example [3, 100, 1000, 5000, 1e6, 0.1, 123.456, 1e-20] on 2 ranks, 1500 consecutive allreduces (each has
     its own random streams): every result equals the oracle's and is the same at both ranks, none is clipped at
     2**10 or counted, and the mean is the exact sum 2x within 5 standard errors of docs/arithmetic.md's variance
     bound (mu**2 / 8 + 9/64 sum x_i**2 + 9/32 n u**2 per allreduce; u = 2**-9, the unit of a chunk whose largest

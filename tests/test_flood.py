@@ -1,4 +1,4 @@
-"""Control traffic cannot take the aggregator off the air (issue #10, finding 1 and its tests).
+"""Control traffic cannot take the aggregator off the air.
 
 * The burst kernel's admission of control datagrams (per-source and per-core token buckets, a per-burst cap)
   against protocol.slot_reference's, bit for bit; normal use (a MAX_WORLD job's two-round JOIN handshake, its

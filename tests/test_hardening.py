@@ -1,4 +1,4 @@
-"""The aggregator against a hostile network and careless callers (issue #10): a destination the kernel refuses
+"""The aggregator against a hostile network and careless callers: a destination the kernel refuses
 costs nobody else anything, the ready line means ready, and JOINs that would let one address stand in for a
 whole job are refused and counted."""
 

@@ -1,4 +1,4 @@
-"""Graceful overload (issue 11): workers over real loopback UDP against a deliberately slowed aggregator
+"""Graceful overload: workers over real loopback UDP against a deliberately slowed aggregator
 (tests/slow_aggregator.py: the real data plane, asleep ``PER_DATAGRAM`` seconds per datagram, answering in
 bursts of 16). The aggregator is the bottleneck and its queue holds every worker's window: round trips of about
 100 ms, twice the RTO's floor, which made each worker resend more than twice what it sent (the RTO fired

@@ -1,4 +1,4 @@
-"""The "intml" backend's routing and async allreduces (issue #10, findings 7 and 8).
+"""The "intml" backend's routing and async allreduces.
 
 * Precision: small allreduces (losses, metrics) go exactly through Gloo; a tensor at or above
   ``INTML_MIN_ELEMENTS`` goes through intml and equals ``protocol.reference``; the threshold is configurable; the
