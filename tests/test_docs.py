@@ -60,21 +60,30 @@ def test_slot_state_table_matches_the_reference() -> None:
         assert ("re-send" if action == RESEND else action) in documented[pair], pair
 
 
-README = (REPO_ROOT / "README.md").read_text()
 CLI_NAMES = ("intml-testbed", "intml-aggregator", "intml-sim")
+README = REPO_ROOT / "README.md"
+PAGES = [README, *sorted((REPO_ROOT / "docs").glob("*.md"))]  # the front door and every page behind it
+README_MAX_LINES = 300
+# The project's texts speak of the project, not of the sessions or tickets that built it.
+PROVENANCE = re.compile(r"session [0-9]|issue #?[0-9]+", re.I)
 
 
-def readme_command_lines() -> list[str]:
-    """Every intml-testbed / intml-aggregator / intml-sim command line of README.md: the lines of its code blocks
-    that run one (continuation lines joined, after any VAR=value prefix), and the inline code spans that do."""
-    blocks = re.findall(r"^```[a-z]*\n(.*?)^```", README, flags=re.M | re.S)
+def command_lines(text: str) -> list[str]:
+    """Every intml-testbed / intml-aggregator / intml-sim command line of a Markdown page: the lines of its code
+    blocks that run one (continuation lines joined, after any VAR=value prefix), and the inline code spans that do."""
+    blocks = re.findall(r"^```[a-z]*\n(.*?)^```", text, flags=re.M | re.S)
     lines = [line for block in blocks for line in block.replace("\\\n", " ").splitlines()]
-    spans = re.findall(r"(?<!`)`([^`\n]+)`(?!`)", README)
+    spans = re.findall(r"(?<!`)`([^`\n]+)`(?!`)", text)
     runs = re.compile(rf"^(?:[A-Z_]+=\S+\s+)*({'|'.join(CLI_NAMES)})\s+\S")  # a name alone is a mention
     return [line.strip() for line in lines + spans if runs.match(line.strip())]
 
 
-def parse_readme_command(line: str) -> None:
+def documented_command_lines() -> list[tuple[str, str]]:
+    """(page, command line) for every command line of README.md and docs/*.md, the page relative to the repo."""
+    return [(str(page.relative_to(REPO_ROOT)), line) for page in PAGES for line in command_lines(page.read_text())]
+
+
+def parse_documented_command(line: str) -> None:
     """Parse ``line`` with its CLI's parser and cross-option checks (SystemExit if refused); runs nothing."""
     import shlex
 
@@ -94,14 +103,58 @@ def parse_readme_command(line: str) -> None:
         sim_cli.build_parser().parse_args(argv)
 
 
-def test_readme_finds_the_command_lines() -> None:
-    lines = readme_command_lines()
-    assert {re.search("|".join(CLI_NAMES), line)[0] for line in lines} == set(CLI_NAMES) and len(lines) > 30, lines
+def test_the_pages_show_every_cli() -> None:
+    found = documented_command_lines()
+    assert {re.search("|".join(CLI_NAMES), line)[0] for _, line in found} == set(CLI_NAMES) and len(found) > 30, found
+    assert any(page == "README.md" for page, _ in found), "the README's quick start shows no command"
 
 
-@pytest.mark.parametrize("line", readme_command_lines())
-def test_readme_command_lines_parse(line: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each command line of the README is accepted by its CLI's parser as written (no [optional] brackets,
-    placeholders or out-of-range values), so that a copied example runs."""
+@pytest.mark.parametrize("page, line", documented_command_lines())
+def test_documented_command_lines_parse(page: str, line: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each command line of README.md and docs/*.md is accepted by its CLI's parser as written (no [optional]
+    brackets, placeholders or out-of-range values), so that a copied example runs."""
     monkeypatch.chdir(REPO_ROOT)  # the examples name repository files (sim/scenarios/..., docs/...)
-    parse_readme_command(line)
+    parse_documented_command(line)
+
+
+def test_command_lines_are_found_where_they_are_written() -> None:
+    """The scanner takes code-block lines (joined across backslashes, after VAR=value) and runnable spans, and
+    leaves a bare mention of a tool's name alone."""
+    page = ("Run `intml-sim bench` or mention `intml-sim` alone.\n\n```sh\nINTML_TOKEN=x intml-aggregator --port 0 \\\n"
+            "    --cores 1 &\nls -l\n```\n")
+    assert command_lines(page) == ["INTML_TOKEN=x intml-aggregator --port 0      --cores 1 &", "intml-sim bench"]
+
+
+def test_a_refused_command_line_fails() -> None:
+    """The check can fail: a value out of range is refused by the same parsers."""
+    with pytest.raises(SystemExit):
+        parse_documented_command("intml-testbed bench allreduce --workers 65")
+
+
+def test_readme_is_a_front_door() -> None:
+    lines = README.read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; move detail into docs/"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+def test_pages_speak_of_the_project(page) -> None:
+    found = [(number, line) for number, line in enumerate(page.read_text().splitlines(), 1) if PROVENANCE.search(line)]
+    assert not found, f"{page.name}: {found}"
+
+
+def source_files() -> list:
+    """The project's code and configuration: every .py, .p4, .lark and .toml file and the Makefile, outside
+    hidden folders (.venv, .git) and build output."""
+    suffixes = {".py", ".p4", ".lark", ".toml"}
+    return [path for path in sorted(REPO_ROOT.rglob("*"))
+            if (path.suffix in suffixes or path.name == "Makefile") and path.is_file()
+            and not any(part.startswith(".") or part.endswith(".egg-info") or part == "build"
+                        for part in path.relative_to(REPO_ROOT).parts[:-1])]
+
+
+def test_code_speaks_of_the_project() -> None:
+    files = source_files()
+    assert REPO_ROOT / "protocol" / "wire.py" in files and REPO_ROOT / "Makefile" in files
+    found = [f"{path.relative_to(REPO_ROOT)}:{number}" for path in files
+             for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1) if PROVENANCE.search(line)]
+    assert not found, found
