@@ -158,3 +158,33 @@ def test_code_speaks_of_the_project() -> None:
     found = [f"{path.relative_to(REPO_ROOT)}:{number}" for path in files
              for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1) if PROVENANCE.search(line)]
     assert not found, found
+
+
+def anchors(page) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.M | re.S)  # a '# comment' in a block is no heading
+    slugs = set()
+    for heading in re.findall(r"^#{1,6} +(.+?) *$", text, flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        slugs.add(slug)
+    return slugs
+
+
+def test_anchor_slugs_follow_github() -> None:
+    page = REPO_ROOT / "docs" / "benchmarks.md"
+    assert {"link-speed-gsogro-multicast-several-aggregators", "the-dataresult-macs-cost"} <= anchors(page)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+def test_relative_links_resolve(page) -> None:
+    """Every relative link of README.md and docs/*.md names a file that exists and, with #anchor, a heading of it."""
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.M | re.S)
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", target):
+            continue  # http:, https:, mailto:
+        path, _, anchor = target.partition("#")
+        linked = (page.parent / path).resolve() if path else page
+        if not linked.exists() or (anchor and linked.suffix == ".md" and anchor not in anchors(linked)):
+            broken.append(target)
+    assert not broken, f"{page.name}: {broken}"
