@@ -1,4 +1,4 @@
-"""intml-sim: run, sweep and validate simulated allreduces (see the README, "intml-sim")."""
+"""intml-sim: run, sweep and validate simulated allreduces (docs/sim.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The host and software-aggregator cost model, calibrated once from measurements on this 2-core VM (README,
-"Benchmarks"), each constant with its source:
+"""The host and software-aggregator cost model, calibrated once from measurements on the 2-core build VM
+(docs/benchmarks.md; docs/sim.md, "Calibration"), each constant with its source:
 
 * encode, 0.52 ns per element: ``intml-testbed bench codec`` stochastic encode, 1.94 G elements/s (and the perf
   profile of the 4 x 25M loopback allreduce: 13 ms for 25M elements at 0.52 ns).

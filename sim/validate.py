@@ -12,7 +12,8 @@ of ``lossy_seeds`` x ``lossy_rounds`` simulated allreduces (the testbed's rows a
 
 ``implied_rtt_ms`` (intml rows): the round trip at which the pool alone would give the measured time (pool x time
 / chunks per rank): a window-bound allreduce moves ``pool`` datagrams per round trip. Where it is far above the
-model's round trip, what slows the testbed is latency per round trip, not CPU work (see the README).
+model's round trip, what slows the testbed is latency per round trip, not CPU work (docs/benchmarks.md,
+"intml-sim against the testbed").
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ def test_loss_model_against_the_packet_engine():
                            host_costs=False, inputs="shared", rounds=20, mtu=9000, seed=2))
     _, totals, _ = loss.slot_rounds(n, p, elements=1_000_000, packet_elements=8946, pool=pool, rate=10e9,
                                     delay=1e-6, rto=0.001, repeats=400)
-    # the slot model is pessimistic by 10-25% at the median (measured at n 4, 8, 16; README)
+    # the slot model is pessimistic by 10-25% at the median (measured at n 4, 8, 16; docs/sim.md)
     assert np.median(totals) == pytest.approx(np.median(r.times), rel=0.3)
     assert np.median(totals) >= np.median(r.times)
 
@@ -51,7 +51,7 @@ def test_validation_against_recorded_testbed_points():
     assert [r["bottleneck"] for r in rows] == ["link"] * 3
     errors = {r["system"]: r["error"] for r in rows}
     assert abs(errors["gloo ring"]) < 0.10 and abs(errors["intml int32"]) < 0.10
-    assert abs(errors["intml cnat8"]) < 0.15  # -11% on a machine at load 7-11 (README: the quiet machine's -6%)
+    assert abs(errors["intml cnat8"]) < 0.15  # -11% at load 7-11 (docs/benchmarks.md: +0.5% on a quiet VM)
 
 
 def test_validate_refuses_other_json(tmp_path):

@@ -267,7 +267,7 @@ def test_gloo_under_loss_against_the_testbed(name):
     """The testbed's Gloo ring under loss (n = 2, 100 Mbit, MTU 1500), over the testbed kernel's congestion
     control, BBR (`sysctl net.ipv4.tcp_congestion_control` in the namespaces: bbr), with Gloo's rendezvous: the
     median of three seeds is faster than the testbed by 20-29%, never more than 35% (the remaining gap is not
-    explained: the testbed has no timeouts there, yet loses a quarter of the link; see the README).
+    explained: the testbed has no timeouts there, yet loses a quarter of the link; see docs/benchmarks.md).
     With Reno the same point takes over 5x the measurement at 5% loss (the testbed with Reno set in its
     namespaces: 16.1, 17.4 and 22.1 s on 2026-11-25), as this model's Reno does: the cause of the former 12x
     error was the congestion control, not the loss granularity (nftables dropped 4.9-5.0% of TCP packets and
