@@ -36,7 +36,9 @@ import socket
 import sys
 from types import ModuleType
 
-from intml.protocol.cli import PORTS, OneLineParser, count, multicast_group, non_negative, port, positive
+from intml.aggregator.cli import (PORTS, OneLineParser, count, default_cores, multicast_group, non_negative, port,
+                                  positive)
+from intml.protocol.codec import Codec
 from intml.protocol.job import (
     AGGREGATOR_IDLE_TIMEOUT,
     AGGREGATOR_JOB_HISTORY,
@@ -45,10 +47,10 @@ from intml.protocol.job import (
     AGGREGATOR_MAX_POOL,
     AGGREGATOR_SLOTS,
     BURST,
+    MAX_CORES,
     ControlLimits,
 )
-from intml.protocol.wire import DEFAULT_PORT, Codec, max_packet_elements
-from intml.worker.session import MAX_CORES
+from intml.protocol.wire import DEFAULT_PORT, max_packet_elements
 
 MAX_ELEMENTS_LIMIT = max_packet_elements(Codec.CNAT8)  # jobs are further limited by their codec at join
 ENGINES = ("kernel", "p4model")
@@ -148,12 +150,6 @@ def _announce(args, metrics: ModuleType | None, counters: list | None, base: int
                              f"({exc.strerror or exc}); choose another --metrics-port or --metrics-address") from None
         print(f"intml-aggregator metrics on http://{args.metrics_address}:{port}/metrics", flush=True)
     print(f"intml-aggregator listening on {args.host}:{base} cores {args.cores}", flush=True)
-
-
-def default_cores(cpus: int | None = None) -> int:
-    """The default --cores: half the CPUs this process may run on (each core's datagrams cost the kernel about
-    as much CPU as the core itself), at least 1."""
-    return max(1, (len(os.sched_getaffinity(0)) if cpus is None else cpus) // 2)
 
 
 def build_parser() -> OneLineParser:

@@ -42,13 +42,6 @@ import numpy as np
 
 from intml.aggregator.counters import END_REASONS, EVICTED, IDLE, LEAVE, CoreCounters
 from intml.aggregator.slots import (
-    DROP_BAD_CONTROL,
-    DROP_BAD_MAC,
-    DROP_LEAVE_NON_MEMBER,
-    DROP_REFUSED_JOIN,
-    N_STATS,
-    SEND_FAILED,
-    STAT_NAMES,
     Jobs,
     Table,
     new_batch,
@@ -77,6 +70,15 @@ from intml.protocol.job import (
 )
 from intml.protocol.packet import HDR, round_order
 from intml.protocol.siphash import key_words
+from intml.protocol.stats import (
+    DROP_BAD_CONTROL,
+    DROP_BAD_MAC,
+    DROP_LEAVE_NON_MEMBER,
+    DROP_REFUSED_JOIN,
+    N_STATS,
+    SEND_FAILED,
+    STAT_NAMES,
+)
 from intml.protocol.wire import MsgType
 
 ALL_JOBS = 0xFFFFFFFF

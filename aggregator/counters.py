@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from intml.aggregator.slots import N_STATS, PACKETS_IN
+from intml.protocol.stats import N_STATS, PACKETS_IN
 
 END_REASONS = ("leave", "idle", "evicted")  # why a job ended: every rank left, idle_timeout, torn down by the driver
 LEAVE, IDLE, EVICTED = END_REASONS

@@ -18,7 +18,6 @@ import numpy as np
 
 from intml.aggregator.core import AggregatorCore, JobInfo, _first_fit
 from intml.aggregator.slots import (
-    STAT_NAMES,
     new_batch,
     new_jobs,
     new_table,
@@ -38,6 +37,7 @@ from intml.protocol.job import (
     JobParams,
 )
 from intml.protocol.partial import max_partial_elements
+from intml.protocol.stats import STAT_NAMES
 
 
 def rack_bitmap(ranks: Iterable[int]) -> int:

@@ -29,7 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from intml.aggregator.counters import END_REASONS, CoreCounters
-from intml.aggregator.slots import STAT_NAMES
+from intml.protocol.stats import STAT_NAMES
 
 PREFIX = "intml_aggregator"
 DROP = "drop_"

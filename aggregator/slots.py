@@ -44,6 +44,7 @@ from numba import njit
 
 from intml.protocol import codecs
 from intml.protocol.arith import NO_EXP, switch_stream
+from intml.protocol.codec import Codec
 from intml.protocol.packet import (
     HDR,
     O_ALLREDUCE,
@@ -71,84 +72,43 @@ from intml.protocol.packet import (
 from intml.protocol.job import CONTROL_SOURCE_BUCKETS, MAX_WORLD, ControlLimits
 from intml.protocol.rng import derive_key
 from intml.protocol.siphash import TAG_SIZE, put_tag, tag_ok
-from intml.protocol.wire import MAGIC, OWNERS_SHIFT, RANK_MASK, VERSION, Codec, MsgType, element_datagram_size
-
-# Statistics, per job (and, for packets that name no known job, per core). The drop reasons are the malformed or
-# foreign packets of docs/protocol.md ("Drop reasons"); "retransmissions" and "results_resent" are normal events.
-STAT_NAMES = (
-    "packets_in",
-    "packets_out",
-    "contributions",
-    "completions",
-    "retransmissions",
-    "results_resent",
-    "saturated_elements",
-    "drop_truncated",
-    "drop_short",
-    "drop_bad_magic",
-    "drop_bad_version",
-    "drop_unknown_type",
-    "drop_unknown_job",
-    "drop_unregistered_source",
-    "drop_rank_out_of_range",
-    "drop_slot_out_of_range",
-    "drop_wrong_codec",
-    "drop_wrong_count",
-    "drop_bad_shadow",
-    "drop_bad_exponent",
-    "drop_exponent_mismatch",
-    "drop_invalid_code",
-    "drop_stale",
-    "drop_duplicate_incomplete",
-    "drop_bad_mac",
-    "drop_bad_control",
-    "drop_refused_join",
-    "drop_leave_non_member",
-    "drop_control_rate",
-    "send_failed",
-    "drop_bad_owner",
-)
-(
-    PACKETS_IN,
-    PACKETS_OUT,
-    CONTRIBUTIONS,
+from intml.protocol.stats import (
     COMPLETIONS,
-    RETRANSMISSIONS,
-    RESULTS_RESENT,
-    SATURATED,
-    DROP_TRUNCATED,
-    DROP_SHORT,
-    DROP_BAD_MAGIC,
-    DROP_BAD_VERSION,
-    DROP_UNKNOWN_TYPE,
-    DROP_UNKNOWN_JOB,
-    DROP_UNREGISTERED,
-    DROP_RANK,
-    DROP_SLOT,
-    DROP_CODEC,
-    DROP_COUNT,
-    DROP_SHADOW,
+    CONTRIBUTIONS,
     DROP_BAD_EXP,
+    DROP_BAD_MAC,
+    DROP_BAD_MAGIC,
+    DROP_BAD_OWNER,
+    DROP_BAD_VERSION,
+    DROP_CODEC,
+    DROP_CONTROL_RATE,
+    DROP_COUNT,
+    DROP_DUPLICATE_INCOMPLETE,
     DROP_EXP_MISMATCH,
     DROP_INVALID_CODE,
+    DROP_RANK,
+    DROP_SHADOW,
+    DROP_SHORT,
+    DROP_SLOT,
     DROP_STALE,
-    DROP_DUPLICATE_INCOMPLETE,
-    DROP_BAD_MAC,  # a DATA packet of a job with data_mac whose tag is missing or wrong
-    DROP_BAD_CONTROL,  # counted by the control plane (aggregator.core), which parses JOIN/LEAVE/STATS
-    DROP_REFUSED_JOIN,  # control plane: a well-formed JOIN answered with ERROR
-    DROP_LEAVE_NON_MEMBER,  # control plane: a LEAVE for no job, or not from the address the rank joined from
-    DROP_CONTROL_RATE,  # control admission: a control datagram over its source's, the core's or the burst's budget
-    SEND_FAILED,  # the driver: datagrams the kernel refused to send (their destination), skipped
-    DROP_BAD_OWNER,  # an owners code naming a rank >= n, or not the round's
-) = range(len(STAT_NAMES))
-N_STATS = len(STAT_NAMES)
-CONTROL = -1  # validate_header's verdict for a JOIN, LEAVE or STATS_REQUEST: the control plane answers it
+    DROP_TRUNCATED,
+    DROP_UNKNOWN_JOB,
+    DROP_UNKNOWN_TYPE,
+    DROP_UNREGISTERED,
+    NEWER,
+    N_STATS,
+    OLDER,
+    PACKETS_IN,
+    PACKETS_OUT,
+    RESULTS_RESENT,
+    RETRANSMISSIONS,
+    SAME_KNOWN_RANK,
+    SAME_NEW_RANK,
+    SATURATED,
+)
+from intml.protocol.wire import MAGIC, OWNERS_SHIFT, RANK_MASK, VERSION, MsgType, element_datagram_size
 
-# What a DATA packet's round key and rank bit say about its set (classify; docs/protocol.md has the table).
-OLDER = 0  # a round the set has left behind: stale
-SAME_NEW_RANK = 1  # the set's round, from a rank not yet in its bitmap: a contribution
-SAME_KNOWN_RANK = 2  # the set's round, from a rank already in it: a retransmission
-NEWER = 3  # a later use of the slot: opens a new round in the set
+CONTROL = -1  # validate_header's verdict for a JOIN, LEAVE or STATS_REQUEST: the control plane answers it
 
 # Job table: one row per job slot of this core; arrays so the kernel can read them.
 Jobs = namedtuple(

@@ -29,9 +29,29 @@ import numpy as np
 from numba import njit
 
 from intml.aggregator.slots import (
-    CONTRIBUTIONS,
-    COMPLETIONS,
     CONTROL,
+    Batch,
+    Jobs,
+    Limiter,
+    Table,
+    _find_job,
+    admit_control,
+    classify,
+    complete,
+    emit,
+    open_round,
+    payload_ok,
+    validate,
+    validate_header,
+)
+from intml.protocol import codecs
+from intml.protocol.codecs import int32
+from intml.protocol.packet import HDR, O_JOB, O_MAGIC, O_TYPE, O_VERSION, element_fields, get_u16, get_u32, round_order
+from intml.protocol.partial import contributors, partial_size, put_partial, sums_in_bounds
+from intml.protocol.job import MAX_WORLD
+from intml.protocol.stats import (
+    COMPLETIONS,
+    CONTRIBUTIONS,
     DROP_BAD_EXP,
     DROP_BAD_OWNER,
     DROP_CODEC,
@@ -54,25 +74,7 @@ from intml.aggregator.slots import (
     RETRANSMISSIONS,
     SAME_KNOWN_RANK,
     SAME_NEW_RANK,
-    Batch,
-    Jobs,
-    Limiter,
-    Table,
-    _find_job,
-    admit_control,
-    classify,
-    complete,
-    emit,
-    open_round,
-    payload_ok,
-    validate,
-    validate_header,
 )
-from intml.protocol import codecs
-from intml.protocol.codecs import int32
-from intml.protocol.packet import HDR, O_JOB, O_MAGIC, O_TYPE, O_VERSION, element_fields, get_u16, get_u32, round_order
-from intml.protocol.partial import contributors, partial_size, put_partial, sums_in_bounds
-from intml.protocol.job import MAX_WORLD
 from intml.protocol.wire import NO_EXP, MsgType
 
 # A leaf's view of each job (per job index): how many ranks its rack holds, which (bitmap), the spine's address

@@ -26,9 +26,9 @@ from intml.p4.layout import (
 from intml.p4.layout import K_MAX as CODE_K_MAX
 from intml.protocol.arith import cnat_floor, data_k_max, value_bits
 from intml.protocol.cnat import F_MAX
+from intml.protocol.codec import Codec
 from intml.protocol.job import ControlLimits
 from intml.protocol.slot_reference import TRANSITIONS
-from intml.protocol.wire import Codec
 
 Ternary = tuple[int, int]  # (value, mask) of a ternary key field
 

@@ -21,7 +21,8 @@ from intml.p4 import layout as L
 from intml.p4.actions import ACTION_BODIES
 from intml.p4.generate_tna import tna_files
 from intml.p4.p4text import HEADER_NOTE, guard, lanes, log2, table_text
-from intml.protocol.wire import DEFAULT_PORT, Codec
+from intml.protocol.codec import Codec
+from intml.protocol.wire import DEFAULT_PORT
 
 HERE = Path(__file__).resolve().parent
 CPU_PORT = 255  # where admitted control datagrams leave for the controller (a deployment choice)

@@ -60,7 +60,7 @@ bits of the source address key, ``control_core_tat``), their intervals and toler
 the keyless table ``control_limits``. The aggregator core's per-received-burst cap has no switch counterpart (a
 switch sees no bursts); the model's driver applies it per received burst.
 
-Counters are the aggregator core's statistics (aggregator.slots.STAT_NAMES): ``job_counter`` indexed by
+Counters are the aggregator core's statistics (protocol.stats.STAT_NAMES): ``job_counter`` indexed by
 ``job_index * N_STATS + stat``, ``core_counter`` by ``stat``.
 """
 
@@ -71,15 +71,9 @@ import math
 
 import numpy as np
 
-from intml.aggregator.slots import (
-    NEWER,
-    OLDER,
-    SAME_KNOWN_RANK,
-    SAME_NEW_RANK,
-    STAT_NAMES,
-)
 from intml.protocol import reference
 from intml.protocol.cnat import K_MAX, K_MASK, NONZERO, SIGN
+from intml.protocol.codec import Codec
 from intml.protocol.job import (
     AGGREGATOR_MAX_JOBS,
     AGGREGATOR_SLOTS,
@@ -87,7 +81,8 @@ from intml.protocol.job import (
     MAX_WORLD,
 )
 from intml.protocol.slot_reference import COMPLETE, EMPTY, FILLING, TRANSITIONS
-from intml.protocol.wire import HEADER_FIELDS, HEADER_SIZE, MAGIC, NO_EXP, VERSION, Codec, MsgType
+from intml.protocol.stats import N_STATS, NEWER, OLDER, SAME_KNOWN_RANK, SAME_NEW_RANK, STAT_NAMES
+from intml.protocol.wire import HEADER_FIELDS, HEADER_SIZE, MAGIC, NO_EXP, VERSION, MsgType
 
 # ---- sizes ---------------------------------------------------------------------------------------------------
 LANES_PER_PASS = 64  # elements one pass aggregates: SwitchML's 32 processors x 2 values
@@ -100,7 +95,6 @@ SLOT_ENTRIES = ROWS * SETS  # entries of each per-(row, set) register
 LANE_ENTRIES = SLOT_ENTRIES * MAX_PASSES  # entries of each per-lane register array
 MAX_JOBS = AGGREGATOR_MAX_JOBS
 MEMBER_ENTRIES = MAX_JOBS * MAX_WORLD
-N_STATS = len(STAT_NAMES)
 GROUP_RID = 0xFFFF  # the replica id of a job's results group (ranks use rid = rank < MAX_WORLD)
 RANK_GROUP_BASE = AGGREGATOR_MAX_JOBS  # mcast_grp RANK_GROUP_BASE + job index + 1: a replica per rank
 ADDR_BITS = 48  # an address key: IPv4 << 16 | UDP port (protocol.address)

@@ -6,7 +6,7 @@ the Numba kernel, tests/test_p4_model.py).
 Sans-I/O, like the cores: ``receive(datagram, addr, now)`` takes one datagram (None: truncated on receive) and
 returns the datagrams to send, ``(bytes, address key)``, in order; control datagrams the meter admits are listed
 in ``control`` for the control plane (the switch's CPU port). Counters are the aggregator core's statistics
-(aggregator.slots.STAT_NAMES), per job index and per core.
+(protocol.stats.STAT_NAMES), per job index and per core.
 
 A packet's passes run back to back here; on a switch other packets' passes interleave. Pass p touches only
 the lanes of pass p, and recirculation keeps packets in order, so each pass sees the packets in the order pass 0
@@ -21,7 +21,6 @@ from typing import NamedTuple
 
 import numpy as np
 
-from intml.aggregator.slots import STAT_NAMES
 from intml.p4.entries import Entry, limit_entries
 from intml.p4.extern import RandomSource
 from intml.p4.layout import (
@@ -50,11 +49,13 @@ from intml.p4.layout import (
     passes,
 )
 from intml.p4.tables import Registers, Tables
+from intml.protocol.codec import Codec
 from intml.protocol.job import ControlLimits
 from intml.protocol.packet import owner_range
 from intml.protocol.reference import EXP_MAX, EXP_MIN
 from intml.protocol.slot_reference import ADD, COMPLETE, DROP_DUPLICATE, DROP_STALE, EMPTY, FILLING, OPEN, RESEND
-from intml.protocol.wire import HEADER, HEADER_SIZE, MAGIC, NO_EXP, OWNERS_SHIFT, RANK_MASK, VERSION, Codec, MsgType
+from intml.protocol.stats import STAT_NAMES
+from intml.protocol.wire import HEADER, HEADER_SIZE, MAGIC, NO_EXP, OWNERS_SHIFT, RANK_MASK, VERSION, MsgType
 
 JOB_TABLES = ("job_table", "membership", "slot_table", "multicast_group", "egress_dest")
 ENCODE_B = {f"encode_b{b}": b for b in range(32)}
@@ -135,7 +136,7 @@ class PipelineModel:
             cells["worker_count"][index] = 0
 
     def counters(self, job_index: int | None = None) -> dict[str, int]:
-        """The counters by name (aggregator.slots.STAT_NAMES): a job index's, or the core's."""
+        """The counters by name (protocol.stats.STAT_NAMES): a job index's, or the core's."""
         cells = self.core_counter if job_index is None else self.job_counter[job_index]
         return dict(zip(STAT_NAMES, cells.tolist()))
 

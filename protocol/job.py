@@ -37,10 +37,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
+from intml.protocol.codec import Codec
 from intml.protocol.codecs import BY_NAME
-from intml.protocol.wire import FLAG_DATA_MAC, Codec, max_packet_elements
+from intml.protocol.wire import FLAG_DATA_MAC, JOIN, max_packet_elements
 
 MAX_WORLD = 64  # ranks per job: the switch keeps one 64-bit bitmap per shadow set
+MAX_CORES = int(np.iinfo(JOIN["total_cores"]).max)  # a job's cores on all its aggregators: one byte in the JOIN
 CODEC_NAMES: dict[str, Codec] = {name: codec.ID for name, codec in BY_NAME.items()}
 
 AGGREGATOR_SLOTS = 512

@@ -31,9 +31,10 @@ from collections import Counter
 import numpy as np
 
 from intml.protocol import reference
+from intml.protocol.codec import Codec
 from intml.protocol.job import CONTROL_SOURCE_BUCKETS, ControlLimits
 from intml.protocol.siphash import tag_ref
-from intml.protocol.wire import HEADER, HEADER_SIZE, MAGIC, NO_EXP, TAG_SIZE, VERSION, Codec, MsgType
+from intml.protocol.wire import HEADER, HEADER_SIZE, MAGIC, NO_EXP, TAG_SIZE, VERSION, MsgType
 
 EMPTY, FILLING, COMPLETE = "EMPTY", "FILLING", "COMPLETE"
 OLDER, SAME_NEW_RANK, SAME_KNOWN_RANK, NEWER = "OLDER", "SAME_NEW_RANK", "SAME_KNOWN_RANK", "NEWER"

@@ -3,7 +3,7 @@
 Every datagram starts with the data header below, packed (no padding), all
 multi-byte fields big-endian (network order). ``HEADER_FIELDS`` is the single
 source of truth: the numpy dtype ``HEADER`` (hot path, tools) and the scapy
-layer ``protocol.capture.IntmlHeader`` (capture dissection) are both generated from it.
+layer ``testbed.capture.IntmlHeader`` (capture dissection) are both generated from it.
 The scapy layers live apart because importing scapy opens a netlink socket to read
 the routing table: the sans-I/O cores import this module, never that one.
 tests/test_wire.py checks the tables here against the dtypes.
@@ -29,7 +29,7 @@ Data header (26 bytes):
 Payload by message type (the control plane's handshake and MACs: docs/protocol.md, "Control plane
 authentication"; the keys: protocol.keys):
 
-* DATA, RESULT: ``count`` elements of the codec's ``PAYLOAD_DTYPE`` (protocol.codecs:
+* DATA, RESULT: ``count`` elements of the codec's ``payload_dtype`` (protocol.codec:
   uint8 C_nat codes for CNAT8, big-endian int32 for INT32), then, for a job with the DATA/RESULT MAC, the
   ``TAG_SIZE``-byte SipHash-2-4 tag of the header and payload (protocol.siphash; docs/protocol.md,
   "DATA/RESULT MAC"). Left as scapy ``Raw`` in captures.
@@ -94,6 +94,8 @@ from enum import IntEnum
 
 import numpy as np
 
+from intml.protocol.codec import Codec
+
 MAGIC = 0x494E  # "IN"
 VERSION = 1
 NO_EXP = -128  # next_exp value meaning "no next chunk"
@@ -113,18 +115,6 @@ class MsgType(IntEnum):
     ERROR = 8
     CHALLENGE = 9
     PARTIAL = 10  # a leaf's int32 partial sum of its rack, to the spine (docs/protocol.md, "Leaf-spine")
-
-
-class Codec(IntEnum):
-    """Encoding of DATA / RESULT payload elements: the ids of the modules of protocol.codecs."""
-
-    CNAT8 = 0
-    INT32 = 1
-
-    @property
-    def bytes_per_element(self) -> int:
-        """Size of one payload element on the wire."""
-        return payload_dtype(self).itemsize
 
 
 # (name, numpy type code, meaning); order is wire order.
@@ -207,9 +197,7 @@ def element_datagram_size(codec: Codec | int, elements: int, data_mac: bool = Fa
 
 def payload_dtype(codec: Codec | int) -> np.dtype:
     """Wire dtype of one payload element for ``codec``."""
-    from intml.protocol.codecs import BY_ID  # here, not at the top: the codec modules import Codec from here
-
-    return BY_ID[Codec(codec)].PAYLOAD_DTYPE
+    return Codec(codec).payload_dtype
 
 
 def header_array(n: int) -> np.ndarray:

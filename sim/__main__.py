@@ -6,8 +6,8 @@ import argparse
 import os
 import sys
 
-from intml.protocol.cli import (INTERRUPTED, OneLineParser, count, fraction, input_file, output_file, parsed_by,
-                                positive)
+from intml.aggregator.cli import (INTERRUPTED, OneLineParser, count, fraction, input_file, output_file, parsed_by,
+                                  positive)
 from intml.protocol.job import MAX_WORLD
 from intml.sim import output, scenario
 from intml.sim.costs import TESTBED_CPUS

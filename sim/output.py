@@ -7,9 +7,8 @@ import csv
 import io
 import json
 import subprocess
+from importlib.metadata import version
 from pathlib import Path
-
-import intml
 
 
 class PlotUnavailable(RuntimeError):
@@ -24,7 +23,8 @@ def code_version() -> str:
                              timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         rev = ""
-    return f"{intml.__version__}+{rev}" if rev else intml.__version__
+    package = version("intml")  # the installed distribution's, not intml.__version__: sim/ sits below the top package
+    return f"{package}+{rev}" if rev else package
 
 
 def _cell(v: object) -> str:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from intml.aggregator.cli import (INTERRUPTED, OneLineParser, count, fraction, multicast_group, output_file, positive,
+                                  rate)
 from intml.protocol import wire
-from intml.protocol.cli import (INTERRUPTED, OneLineParser, count, fraction, multicast_group, output_file, positive,
-                                rate)
-from intml.protocol.job import AGGREGATOR_MAX_JOBS, AGGREGATOR_MAX_POOL, CODEC_NAMES, MAX_WORLD, JobParams, codec_name
+from intml.protocol.job import (AGGREGATOR_MAX_JOBS, AGGREGATOR_MAX_POOL, CODEC_NAMES, MAX_CORES, MAX_WORLD, JobParams,
+                                codec_name)
 from intml.testbed.bench_allreduce import AggregatorError
 from intml.testbed.netns import MAX_LINKS, MTUS, RESULTS_GROUP, ClusterError
-from intml.worker.session import MAX_CORES
 
 WORKERS = count(1, MAX_WORLD, "ranks per job: MAX_WORLD, one bit each in a slot's 64-bit bitmap")
 CORES = count(1, MAX_CORES, "a job's cores on all its aggregators: one byte in the JOIN")

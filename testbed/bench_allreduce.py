@@ -17,10 +17,10 @@ from collections.abc import Iterator
 
 from intml.protocol import wire
 from intml.protocol.job import CODEC_NAMES
-from intml.protocol.traffic import intml_bytes, intml_packets
 from intml.testbed import rank
 from intml.testbed.procs import run_ranks, run_token, slowest_per_round
 from intml.testbed.timing import emit
+from intml.worker.traffic import intml_bytes, intml_packets
 
 JOB = 1
 

@@ -24,16 +24,16 @@ import contextlib
 import os
 from collections.abc import Iterator
 
-from intml.aggregator.__main__ import default_cores as aggregator_default_cores
+from intml.aggregator.cli import default_cores as aggregator_default_cores
 from intml.protocol.job import AGGREGATOR_MAX_JOBS, CODEC_NAMES
 from intml.protocol.packet import HDR
-from intml.protocol.traffic import intml_bytes, ring_bytes
 from intml.testbed import gloo
 from intml.testbed.bench_allreduce import aggregator, run_ranks_intml
 from intml.testbed.netns import RESULTS_GROUP, Topology, parse_rate
 from intml.testbed.mroute import MAXVIFS
 from intml.testbed.procs import run_ranks
 from intml.testbed.timing import emit
+from intml.worker.traffic import intml_bytes, ring_bytes
 
 IP_UDP = 28
 ETHERNET = 14

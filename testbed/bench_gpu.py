@@ -22,10 +22,10 @@ from datetime import timedelta
 
 import numpy as np
 
-from intml.protocol.traffic import intml_bytes, ring_bytes
 from intml.testbed.bench_allreduce import aggregator
 from intml.testbed.procs import free_port, run_ranks, slowest_per_round
 from intml.testbed.timing import emit, median_seconds
+from intml.worker.traffic import intml_bytes, ring_bytes
 
 TIMEOUT = timedelta(seconds=300)
 

@@ -18,8 +18,8 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from intml.protocol.traffic import ring_bytes
 from intml.testbed.procs import free_port, run_ranks, slowest_per_round
+from intml.worker.traffic import ring_bytes
 
 if TYPE_CHECKING:  # torch is imported lazily: it is an optional extra of the package
     import torch

@@ -23,7 +23,7 @@ import socket
 import struct
 import sys
 
-from intml.protocol.cli import OneLineParser, OptionError, multicast_group, positive
+from intml.aggregator.cli import OneLineParser, OptionError, multicast_group, positive
 
 MRT_INIT, MRT_ADD_VIF, MRT_ADD_MFC = 200, 202, 204  # linux/mroute.h
 MAXVIFS = 32  # the kernel's limit on vifs per routing table

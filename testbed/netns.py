@@ -42,7 +42,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from intml.protocol.cli import bit_rate as parse_rate  # the testbed's rate syntax: tc's
+from intml.aggregator.cli import bit_rate as parse_rate  # the testbed's rate syntax: tc's
 
 PREFIX = "intml-"
 SUBNET = "198.18.{i}.{host}"

@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from intml.protocol.cli import OneLineParser, positive
+from intml.aggregator.cli import OneLineParser, positive
 from intml.protocol.job import CODEC_NAMES, JobParams, WorkerTimers, codec_name
 
 COLLECTIVES = ("allreduce", "reduce_scatter")

@@ -25,7 +25,7 @@ all-gathered over Gloo) and fails the run otherwise. Rank 0 writes one JSON repo
 the table (median over seeds of the final test accuracy, epochs to reach ``--target``, time per step, bytes
 per step), writes all reports to ``--json-out`` and plots test accuracy against epoch to ``--plot``.
 
-Bytes per step and worker, each way: intml from the packet format (``protocol.traffic.intml_bytes``: payload plus
+Bytes per step and worker, each way: intml from the packet format (``worker.traffic.intml_bytes``: payload plus
 a 26-byte header per data packet and per slot-opening bootstrap packet, retransmissions counted apart);
 Gloo from the ring model 2(n-1)/n x 4 bytes per element, not measured.
 """
@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 
 from intml.protocol.job import CODEC_NAMES, MAX_WORLD, JobParams
-from intml.protocol.traffic import ring_bytes
+from intml.worker.traffic import ring_bytes
 from intml.testbed.procs import free_port, rank_env
 
 BASES = ("gloo", *CODEC_NAMES)
@@ -467,7 +467,7 @@ def _runs_arg(text: str) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `intml-testbed train`; pass the parsed namespace to run_from_args."""
-    from intml.protocol.cli import count, output_file, positive
+    from intml.aggregator.cli import count, output_file, positive
     from intml.protocol.wire import max_packet_elements
 
     parser.add_argument("--workers", type=count(1, MAX_WORLD, "ranks per job: MAX_WORLD"), default=4,
@@ -513,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--rank"]:  # a rank started by torchrun
         rank_main(json.loads(argv[1]))
         return 0
-    from intml.protocol.cli import OneLineParser
+    from intml.aggregator.cli import OneLineParser
 
     parser = OneLineParser(prog="python -m intml.testbed.train", description=__doc__.split("\n\n")[0])
     add_arguments(parser)

@@ -27,9 +27,10 @@ import numpy as np
 from intml.aggregator.core import AggregatorCore
 from intml.protocol import keys, reference, wire
 from intml.protocol.burst import Burst
+from intml.protocol.codec import Codec
 from intml.protocol.job import JobParams
 from intml.protocol.packet import HDR
-from intml.protocol.wire import Codec, MsgType
+from intml.protocol.wire import MsgType
 from intml.worker.engine import StreamEngine
 from intml.worker.session import STATS_REQUEST_SIZE, JobJoined, WorkerSession
 

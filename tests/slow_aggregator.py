@@ -71,7 +71,7 @@ class SlowAggregator(NamedTuple):
     conn: Any
 
     def counters(self) -> dict[str, int]:
-        """The core's counters (aggregator.slots.STAT_NAMES), totals over every job."""
+        """The core's counters (protocol.stats.STAT_NAMES), totals over every job."""
         self.conn.send("counters")
         if not self.conn.poll(10.0):
             raise AssertionError("the slowed aggregator did not report its counters within 10 s")

@@ -30,11 +30,12 @@ from harness import (
 )
 
 from intml.aggregator.core import UNPROVED, AggregatorCore
-from intml.aggregator.slots import STAT_NAMES
 from intml.protocol import keys, reference, wire
 from intml.protocol.arith import data_k_max
+from intml.protocol.codec import Codec
 from intml.protocol.job import MAX_WORLD
-from intml.protocol.wire import NO_EXP, Codec, MsgType
+from intml.protocol.stats import STAT_NAMES
+from intml.protocol.wire import NO_EXP, MsgType
 
 SEED = 123
 STRANGER = addr_key(0x0A000001, 4242)  # 10.0.0.1:4242, never joined

@@ -204,7 +204,7 @@ def test_root_only_commands_as_nobody(argv: list[str], needle: str) -> None:
 
 def test_ctrl_c_is_one_line(capsys, monkeypatch) -> None:
     """Ctrl-C during a run: one line and the shell's exit code for SIGINT, not a traceback."""
-    from intml.protocol.cli import INTERRUPTED
+    from intml.aggregator.cli import INTERRUPTED
     from intml.testbed import bench_codec
 
     def interrupted(*_args: object) -> None:

@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 
 from intml.protocol import codecs, reference, wire
 from intml.protocol.arith import PRECODED, chunk_exponents, precode_chunk, switch_stream, value_bits, worker_stream
+from intml.protocol.codec import Codec
 from intml.protocol.job import CODEC_NAMES
 from intml.protocol.rng import stream_key
-from intml.protocol.wire import NO_EXP, Codec
+from intml.protocol.wire import NO_EXP
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FUNCTIONS = {  # name: parameters, the same in every codec

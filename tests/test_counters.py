@@ -10,7 +10,7 @@ import pytest
 
 from harness import TOKEN, Network, new_core, worker_addr
 from intml.aggregator.counters import CoreCounters
-from intml.aggregator.slots import STAT_NAMES
+from intml.protocol.stats import STAT_NAMES
 
 GROUP = (0xEF000000, 4000)  # 239.0.0.0:4000
 NO_RTO = {"rto": 100.0, "min_rto": 100.0, "max_rto": 100.0}  # far beyond any run: no retransmission, exact counts

@@ -40,7 +40,7 @@ def test_wire_tables_match_the_dtypes(heading: str, dtype: np.dtype) -> None:
 
 
 def test_every_counter_is_documented() -> None:
-    from intml.aggregator.slots import STAT_NAMES as AGGREGATOR
+    from intml.protocol.stats import STAT_NAMES as AGGREGATOR
     from intml.worker.engine import STAT_NAMES as WORKER
 
     documented = set(re.findall(r"`([a-z_]+)`", PROTOCOL_MD))

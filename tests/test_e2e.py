@@ -38,7 +38,8 @@ from intml.burstio.mmsg import offload_default
 from intml.protocol import reference, wire
 from intml.protocol.arith import EXP_MAX, EXP_MIN, data_k_max, value_bits
 from intml.protocol.cnat import K_MASK, NONZERO, SIGN
-from intml.protocol.wire import NO_EXP, Codec, MsgType
+from intml.protocol.codec import Codec
+from intml.protocol.wire import NO_EXP, MsgType
 
 PACKET = 256  # elements per packet: odd tensor sizes leave a partial last chunk
 POOL = 8  # fewer slots than chunks, so slots (and their shadow sets) are reused within an allreduce

@@ -33,8 +33,9 @@ from hypothesis import strategies as st
 
 from intml.protocol import reference, wire
 from intml.protocol.arith import data_k_max, value_bits
+from intml.protocol.codec import Codec
 from intml.protocol.packet import HDR
-from intml.protocol.wire import NO_EXP, Codec, MsgType
+from intml.protocol.wire import NO_EXP, MsgType
 from intml.protocol.burst import Burst
 from intml.protocol.job import WorkerTimers
 from intml.worker.engine import IDLE, STAT_NAMES, StreamEngine

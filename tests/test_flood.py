@@ -32,9 +32,10 @@ from intml.aggregator.core import AggregatorCore
 from intml.protocol import keys, reference, wire
 from intml.protocol.address import addr_key_of
 from intml.protocol.burst import Burst
+from intml.protocol.codec import Codec
 from intml.protocol.job import MAX_WORLD, ControlLimits, JobParams
 from intml.protocol.slot_reference import ControlAdmission, SlotReference
-from intml.protocol.wire import Codec, MsgType
+from intml.protocol.wire import MsgType
 from intml.worker.session import WorkerSession
 
 P = 32

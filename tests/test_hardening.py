@@ -22,9 +22,10 @@ from intml.aggregator.core import AggregatorCore
 from intml.protocol import keys, wire
 from intml.protocol.address import addr_key_of
 from intml.protocol.burst import Burst
+from intml.protocol.codec import Codec
 from intml.protocol.job import BURST
 from intml.protocol.slot_reference import Job, SlotReference
-from intml.protocol.wire import NO_EXP, Codec, MsgType
+from intml.protocol.wire import NO_EXP, MsgType
 
 P = 32
 TOKEN = "t"

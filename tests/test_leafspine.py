@@ -12,9 +12,10 @@ import pytest
 
 from harness import TOKEN, addr_key, core_receive, handshake, header, msg_type, new_core, with_header, worker_addr
 from intml.aggregator.leafspine import LeafCore, SpineCore
+from intml.protocol.codec import Codec
 from intml.protocol.job import JobParams
 from intml.protocol.packet import HDR
-from intml.protocol.wire import NO_EXP, Codec, MsgType, pack
+from intml.protocol.wire import NO_EXP, MsgType, pack
 from intml.sim import models
 from intml.sim.__main__ import main
 from intml.sim.packet_level import PacketRun, simulate

@@ -20,7 +20,7 @@ from harness import TOKEN, Network, new_core
 
 parser = pytest.importorskip("prometheus_client.parser")
 from intml.aggregator.metrics import AggregatorCollector  # noqa: E402  (needs prometheus_client)
-from intml.aggregator.slots import STAT_NAMES  # noqa: E402
+from intml.protocol.stats import STAT_NAMES  # noqa: E402
 from intml.worker import Worker  # noqa: E402
 
 _METRICS_LINE = re.compile(r"intml-aggregator metrics on (http://\S+/metrics)")

@@ -38,9 +38,10 @@ from intml.p4.model import PipelineModel
 from intml.protocol import reference, wire
 from intml.protocol.address import addr_key_of
 from intml.protocol.burst import Burst
+from intml.protocol.codec import Codec
 from intml.protocol.job import ControlLimits
 from intml.protocol.slot_reference import COMPLETE, TRANSITIONS, Job, SlotReference
-from intml.protocol.wire import NO_EXP, Codec, MsgType
+from intml.protocol.wire import NO_EXP, MsgType
 
 PLAIN_JOBS = [spec for spec in JOBS if "mac_key" not in spec]  # the switch refuses data_mac; its packets: unknown job
 

@@ -67,4 +67,4 @@ def test_the_probe_sees_io() -> None:
     seen = loaded_by("intml.burstio.mmsg")
     assert "intml.burstio.mmsg" in seen["intml"] and {"ctypes", "socket"} & imported_names("intml.burstio.mmsg")
     assert intml.__name__ == "intml"
-    assert "scapy" in {m.split(".")[0] for m in loaded_by("intml.protocol.capture")["new"]}
+    assert "scapy" in {m.split(".")[0] for m in loaded_by("intml.testbed.capture")["new"]}

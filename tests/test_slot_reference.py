@@ -12,11 +12,12 @@ from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
 
 from intml.aggregator.core import AggregatorCore
-from intml.aggregator.slots import STAT_NAMES
 from intml.protocol import wire
+from intml.protocol.codec import Codec
 from intml.protocol.siphash import key_words, tag_ref
 from intml.protocol.slot_reference import COMPLETE, TRANSITIONS, Job, SlotReference
-from intml.protocol.wire import NO_EXP, Codec, MsgType
+from intml.protocol.stats import STAT_NAMES
+from intml.protocol.wire import NO_EXP, MsgType
 
 P = 32
 GROUP = (0xEFFF0000, 4000)  # 239.255.0.0, port 4000

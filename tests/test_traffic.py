@@ -1,4 +1,4 @@
-"""protocol.traffic: the bytes-per-allreduce formulas against what the engines really send (in-process harness,
+"""worker.traffic: the bytes-per-allreduce formulas against what the engines really send (in-process harness,
 no loss), and the ring model."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from harness import Network, make_inputs
 
-from intml.protocol.traffic import intml_bytes, intml_packets, ring_bytes
+from intml.worker.traffic import intml_bytes, intml_packets, ring_bytes
 
 
 @pytest.mark.parametrize("codec", ["cnat8", "int32"])

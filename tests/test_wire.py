@@ -12,7 +12,7 @@ from scapy.packet import Raw, split_bottom_up
 from scapy.utils import rdpcap, wrpcap
 
 from intml.protocol import wire
-from intml.protocol.capture import IntmlChallenge, IntmlHeader, IntmlJoin, bind_port
+from intml.protocol.codec import Codec
 from intml.protocol.wire import (
     DEFAULT_PORT,
     CHALLENGE,
@@ -23,7 +23,6 @@ from intml.protocol.wire import (
     NO_EXP,
     OFFSETS,
     VERSION,
-    Codec,
     MsgType,
     header_array,
     pack,
@@ -32,6 +31,7 @@ from intml.protocol.wire import (
     unpack,
     unpack_join,
 )
+from intml.testbed.capture import IntmlChallenge, IntmlHeader, IntmlJoin, bind_port
 
 NAMES = HEADER.names
 BOUNDS = {name: np.iinfo(HEADER.fields[name][0]) for name in NAMES}

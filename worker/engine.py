@@ -66,6 +66,7 @@ import numpy as np
 from numba import njit
 
 from intml.protocol import codecs
+from intml.protocol.codec import Codec
 from intml.protocol.codecs.cnat8 import encodes_again
 from intml.protocol.arith import (
     NO_EXP,
@@ -104,7 +105,7 @@ from intml.protocol.packet import (
 from intml.protocol.job import WorkerTimers
 from intml.protocol.rng import derive_key
 from intml.protocol.siphash import put_tag, tag_ok
-from intml.protocol.wire import MAGIC, OWNERS_SHIFT, TAG_SIZE, VERSION, Codec, MsgType, element_datagram_size
+from intml.protocol.wire import MAGIC, OWNERS_SHIFT, TAG_SIZE, VERSION, MsgType, element_datagram_size
 
 STAT_NAMES = (
     "packets_out",

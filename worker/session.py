@@ -28,14 +28,13 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from intml.protocol import keys, wire
-from intml.protocol.job import JobParams, WorkerTimers
+from intml.protocol.job import MAX_CORES, JobParams, WorkerTimers
 from intml.protocol.packet import HDR
 from intml.protocol.siphash import key_words
 from intml.protocol.wire import MsgType
 
 JOIN_RESEND = 0.2  # seconds between JOIN retransmissions
 STATS_WAIT = 0.5  # seconds to wait for the cores' answers to a statistics request
-MAX_CORES = 255  # a job's cores on all its aggregators: the JOIN's total_cores is one byte
 STATS_REQUEST_SIZE = 512  # bytes: a reply may be 3 times its request; 1536 bytes hold a 64-rank job's silences
 
 

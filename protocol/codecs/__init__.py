@@ -4,7 +4,8 @@ codec id.
 A codec module has
     ID             the wire's ``Codec`` value (the header's and the JOIN's ``codec`` field)
     NAME           what users and command lines call it
-    PAYLOAD_DTYPE  the numpy dtype of one payload element on the wire (big-endian); WIDTH = its size in bytes
+    PAYLOAD_DTYPE  the numpy dtype of one payload element on the wire (big-endian; protocol.codec defines it per id);
+                   WIDTH = its size in bytes
     EXP_RANGE      (lo, hi): the range the per-chunk exponents E are clipped to (protocol.arith: float32's, both)
     PRECODES       whether the worker encodes a chunk a window ahead, finding its exponent proposal in the same
                    read (protocol.arith.precode_chunk), or finds all exponents up front and encodes on sending
@@ -25,7 +26,7 @@ agreed exponent; vbits: s(n) of the job):
 The codec functions and the dispatchers below (which take the codec id first) are all ``inline="always"``: they
 compile into the kernel that calls them, under its flags (boundscheck=False), so a kernel built on them gets the
 code its own per-codec loops had, and a codec id known to the kernel costs one compare per call. Adding a codec: its module, a
-``Codec`` value in protocol.wire, an entry in CODECS and a branch in each dispatcher.
+``Codec`` value and its payload dtype in protocol.codec, an entry in CODECS and a branch in each dispatcher.
 """
 
 from __future__ import annotations

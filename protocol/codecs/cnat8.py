@@ -21,11 +21,11 @@ from intml.protocol.arith import (
     sum_to_codes_kernel,
 )
 from intml.protocol.cnat import codes_in_range, decode_kernel, encode_kernel, has_underflow
-from intml.protocol.wire import Codec
+from intml.protocol.codec import Codec
 
 ID = Codec.CNAT8
 NAME = "cnat8"
-PAYLOAD_DTYPE = np.dtype(np.uint8)
+PAYLOAD_DTYPE = ID.payload_dtype
 WIDTH = PAYLOAD_DTYPE.itemsize
 EXP_RANGE = CNAT_RANGE
 # The worker reads a chunk a window ahead: protocol.arith.precode_chunk finds its exponent proposal and encodes it

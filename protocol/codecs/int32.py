@@ -10,12 +10,12 @@ import numpy as np
 from numba import njit
 
 from intml.protocol.arith import INT32_RANGE, dequantize, int32_scale_exponent, quantize
+from intml.protocol.codec import Codec
 from intml.protocol.lanes import load_be32, store_be32
-from intml.protocol.wire import Codec
 
 ID = Codec.INT32
 NAME = "int32"
-PAYLOAD_DTYPE = np.dtype(">i4")
+PAYLOAD_DTYPE = ID.payload_dtype
 WIDTH = PAYLOAD_DTYPE.itemsize
 EXP_RANGE = INT32_RANGE
 # The encoding depends on the agreed exponent throughout, so nothing can be encoded before it is known: the

@@ -35,7 +35,7 @@ import numpy as np
 from numba import cuda, njit
 
 from intml.protocol.arith import PRECODED, cnat_floor
-from intml.protocol.wire import Codec
+from intml.protocol.codec import Codec
 from intml.worker.api import Worker
 from intml.worker.engine import P_VBITS
 from intml.worker.gpu import cnat_cuda

@@ -61,13 +61,13 @@ why), ``gpu`` (the CUDA path), ``hook`` and ``backend``.
 
 from __future__ import annotations
 
-from intml.protocol.traffic import intml_bytes, ring_bytes
 from intml.worker.torch.accounting import Traffic
 from intml.worker.torch.backend import BACKEND, IntmlProcessGroup, monitored_barrier  # importing it registers the backend
 from intml.worker.torch.config import IntmlConfig
 from intml.worker.torch.hook import IntmlHookState, intml_hook
 from intml.worker.torch.link import AggregatorUnavailable, IntmlError, IntmlFallbackWarning
 from intml.worker.torch.routing import IntmlUncompressedWarning
+from intml.worker.traffic import intml_bytes, ring_bytes
 
 __all__ = [
     "BACKEND",

@@ -1,5 +1,5 @@
 """Traffic accounting of a hook state or process group: how many allreduces went where, and their bytes (from
-``protocol.traffic``'s formulas, per worker and each way; retransmitted datagrams counted apart), and why each
+``worker.traffic``'s formulas, per worker and each way; retransmitted datagrams counted apart), and why each
 allreduce that went to Gloo did (``routing``'s reasons)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from intml.protocol.traffic import ring_bytes
+from intml.worker.traffic import ring_bytes
 
 
 @dataclasses.dataclass

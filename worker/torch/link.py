@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from intml.protocol.traffic import intml_bytes
 from intml.worker.api import AllreduceTimeout, JoinError, Worker
 from intml.worker.torch import gpu, routing
 from intml.worker.torch.accounting import Traffic
 from intml.worker.torch.config import IntmlConfig
+from intml.worker.traffic import intml_bytes
 
 
 class IntmlError(RuntimeError):

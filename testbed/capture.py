@@ -1,7 +1,7 @@
 """Dissecting captures: scapy layers for intml, generated from the field lists of ``protocol.wire``.
 
     from scapy.utils import rdpcap
-    from intml.protocol import capture
+    from intml.testbed import capture
     capture.bind_port(48879)          # plus port + i for each further aggregator core
     for packet in rdpcap("run.pcap"):
         packet.show()
@@ -28,6 +28,7 @@ from scapy.fields import (
 from scapy.layers.inet import UDP
 from scapy.packet import Packet, bind_bottom_up, bind_layers
 
+from intml.protocol.codec import Codec
 from intml.protocol.wire import (
     CHALLENGE_FIELDS,
     DEFAULT_PORT,
@@ -35,7 +36,6 @@ from intml.protocol.wire import (
     JOIN_FIELDS,
     MAGIC,
     VERSION,
-    Codec,
     MsgType,
 )
 

@@ -1,5 +1,7 @@
 """Argument parsing shared by the console scripts (intml-aggregator, intml-testbed, intml-sim and
 ``python -m intml.testbed.mroute``): a parser whose errors are one line, and the option validators they all use.
+It lives with the aggregator, the lowest package with a command line, so that the simulator's and the testbed's
+import it without importing upwards (tests/test_layering.py).
 
 Every CLI checks all its options before it starts anything: a bad value ends the run with one line on stderr,
 ``PROG: argument --OPTION: what is wrong, and the range or form that would do (see PROG --help)``, and exit
@@ -187,3 +189,9 @@ def input_file(text: str) -> str:
     if not os.access(text, os.R_OK):
         raise OptionError(f"cannot read {text}")
     return text
+
+
+def default_cores(cpus: int | None = None) -> int:
+    """The default number of intml-aggregator's data-plane processes (--cores): half the CPUs this process may run
+    on (each core's datagrams cost the kernel about as much CPU as the core itself), at least 1."""
+    return max(1, (len(os.sched_getaffinity(0)) if cpus is None else cpus) // 2)
