@@ -11,7 +11,9 @@ Control plane (docs/protocol.md, "Control plane" and "Control plane authenticati
     core's tokens (a new job). Only then is anything reserved: the first proved JOIN of a job registers it
     (rows of this core's slot table, its job nonce and data key); later ones must carry the same parameters. A
     rank proving the job's token from a new address takes its seat (a restarted rank): the old binding is
-    replaced, and the JOIN_ACK tells it the allreduce to use next and each of this core's slots' next shadow set.
+    replaced. A cookie proved once is remembered until it expires: a JOIN carrying it again is taken only as a
+    repeat (its JOIN_ACK was lost) while the seat it won is still held, so a replayed JOIN cannot revive a finished
+    job, rebind a seat, or bring back a job nonce (each registration mixes in the core's count of them). and the JOIN_ACK tells it the allreduce to use next and each of this core's slots' next shadow set.
     An address holds at most one rank of a job. Replies: JOIN_ACK (the parameters, ``cores``, the multicast
     group, the resume point, MAC'd under the rank's session key) or ERROR with a one-line reason. A sender that
     has not proved the token learns only that (``UNPROVED``), counted as ``drop_bad_mac``; refusals after the
@@ -98,6 +100,7 @@ class JobInfo:
     joined_at: float
     token_key: bytes  # of the token that created the job: only it can join
     job_nonce: bytes
+    incarnation: int  # the core's count of registrations when this one was made
     left: set[int] = field(default_factory=set)
     sessions: dict[int, bytes] = field(default_factory=dict)  # rank -> session key of its current incarnation
 
@@ -140,6 +143,9 @@ class AggregatorCore:
         if not self._token_keys:
             raise ValueError("an aggregator core needs at least one token (the open mode's is \"\")")
         self._secret = random_bytes(keys.KEY_SIZE)  # keys the cookies; never leaves the core
+        self._incarnations = 0  # jobs registered so far: each job nonce mixes in its own
+        # cookie -> (expiry, the job's incarnation) of every accepted JOIN whose cookie is still valid
+        self._used_cookies: dict[bytes, tuple[float, int]] = {}
         self.counters = CoreCounters(max_jobs, rows) if counters is None else counters
         if (self.counters.max_jobs, self.counters.rows) != (max_jobs, rows):
             raise ValueError(f"the counters block is for {self.counters.max_jobs} jobs and {self.counters.rows} rows, "
@@ -240,6 +246,10 @@ class AggregatorCore:
             self.jobs.core_stats[DROP_BAD_MAC] += 1
             return self._challenge(job_id, rank, nonce, addr, now)
         info = self.info.get(job_id)
+        if not self._fresh_cookie(cookie, job_id, rank, nonce, info, now):
+            # a replayed JOIN whose seat is gone (left, rebound, or its job ended): a challenge, nothing else
+            self.jobs.core_stats[DROP_BAD_MAC] += 1
+            return self._challenge(job_id, rank, nonce, addr, now)
         token_key = next((k for k in ([info.token_key] if info else self._token_keys)
                           if keys.verify(k, datagram, wire.JOIN_MAC)), None)
         if token_key is None:
@@ -251,7 +261,9 @@ class AggregatorCore:
             return self._refuse(DROP_REFUSED_JOIN, job_id, problem)
         params["total_cores"] = params["total_cores"] or self.cores  # the same layout, stated either way
         if info is None:
-            info = self._register(job_id, params, now, token_key, keys.job_nonce(nonce, cookie))
+            self._incarnations += 1
+            info = self._register(job_id, params, now, token_key,
+                                  keys.job_nonce(self._secret, nonce, cookie, self._incarnations))
             if isinstance(info, str):  # the limit that was hit
                 return self._refuse(DROP_REFUSED_JOIN, job_id, info)
         elif info.params != params:
@@ -270,6 +282,7 @@ class AggregatorCore:
         self.jobs.last_seen[j, rank] = now
         info.left.discard(rank)
         session = info.sessions[rank] = keys.session_key(token_key, job_id, rank, nonce, cookie)
+        self._used_cookies.setdefault(cookie, (keys.cookie_expiry(now), info.incarnation))
         group = int(self.jobs.group[j])
         allreduce, sets = self._resume_point(info)
         ack = wire.pack_join({**_reply_header(job_id, MsgType.JOIN_ACK), "rank": rank},
@@ -277,6 +290,20 @@ class AggregatorCore:
                               "allreduce": allreduce, "nonce": nonce, "cookie": cookie, "job_nonce": info.job_nonce},
                              sets)
         return keys.seal(session, ack, wire.JOIN_MAC)
+
+    def _fresh_cookie(self, cookie: bytes, job_id: int, rank: int, nonce: bytes, info: JobInfo | None,
+                      now: float) -> bool:
+        """Whether a valid cookie may be used: never used by an accepted JOIN, or used by one whose seat this
+        JOIN would repeat (same job incarnation, and the rank's session is still the one this cookie gave). The
+        cookie already binds the address, job, rank and nonce."""
+        used = self._used_cookies
+        while used and next(iter(used.values()))[0] <= now:  # oldest first: expiry grows with insertion
+            del used[next(iter(used))]
+        entry = used.get(cookie)
+        if entry is None:
+            return True
+        return (info is not None and info.incarnation == entry[1]
+                and info.sessions.get(rank) == keys.session_key(info.token_key, job_id, rank, nonce, cookie))
 
     def _challenge(self, job_id: int, rank: int, nonce: bytes, addr: int, now: float) -> bytes:
         """A CHALLENGE for this sender: a fresh cookie, and this aggregator's cores (for the job's layout)."""
@@ -361,7 +388,7 @@ class AggregatorCore:
         jobs.mac_key[j] = key_words(keys.data_key(token_key, job_id, job_nonce))
         self.row_used[rows.start:rows.stop] = True
         self.counters.start_job(j, job_id)  # sets the job's id, then marks it active: the kernel sees it from here
-        info = JobInfo(j, params, rows, now, token_key, job_nonce)
+        info = JobInfo(j, params, rows, now, token_key, job_nonce, self._incarnations)
         self.info[job_id] = info
         return info
 
