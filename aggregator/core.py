@@ -29,7 +29,9 @@ Control plane (docs/protocol.md, "Control plane" and "Control plane authenticati
     0xFFFFFFFF) or one job's, the finished jobs' history, and the core's counters (every event on the core,
     aggregator.counters). No member addresses, no seeds, to anyone. A member's
     request for a job this core does not know gets a short ERROR (if not larger than the request); anything
-    else gets no reply (``drop_bad_mac``).
+    else gets no reply (``drop_bad_mac``). An operator's request carries a sequence number under its MAC, and
+    each is answered once (a replay is not fresh). No reply to a sender that has proved nothing is larger than
+    its request.
 """
 
 from __future__ import annotations
@@ -85,7 +87,9 @@ ALL_JOBS = 0xFFFFFFFF
 OPERATOR_RANK = 0xFFFF  # a STATS_REQUEST's rank for the operator's view, MAC'd under one of the core's tokens
 MAX_PENDING_LISTED = 32  # keeps a STATS_REPLY well inside one datagram
 MAX_REPLY_RATIO = 3  # no STATS_REPLY is larger than this many times its request (no amplification)
-UNPROVED = "JOIN refused: the token is wrong, or the aggregator was not started with it (--token-file / INTML_TOKEN)"
+# no longer than the smallest JOIN's payload: an ERROR to an unproved sender is never larger than its request
+UNPROVED = "JOIN refused: the token is wrong, or the aggregator lacks it (--token-file / INTML_TOKEN)"
+OPERATOR_SEQ = 8  # bytes: an operator's STATS_REQUEST starts its padding with a u64 sequence number
 # every rank must agree (first_core, total_cores: on the layout of the job's slots over its aggregators)
 JOB_PARAMS = ("world_size", "packet_elements", "pool_size", "codec", "seed", "flags", "first_core", "total_cores")
 
@@ -146,6 +150,7 @@ class AggregatorCore:
         self._incarnations = 0  # jobs registered so far: each job nonce mixes in its own
         # cookie -> (expiry, the job's incarnation) of every accepted JOIN whose cookie is still valid
         self._used_cookies: dict[bytes, tuple[float, int]] = {}
+        self._operator_seq: dict[bytes, int] = {}  # token key -> the last operator request's sequence number answered
         self.counters = CoreCounters(max_jobs, rows) if counters is None else counters
         if (self.counters.max_jobs, self.counters.rows) != (max_jobs, rows):
             raise ValueError(f"the counters block is for {self.counters.max_jobs} jobs and {self.counters.rows} rows, "
@@ -229,7 +234,7 @@ class AggregatorCore:
             return self._stats_reply(datagram, int(header["job"]), int(header["rank"]), addr, now)
         except ValueError as exc:  # a malformed JOIN, LEAVE or STATS_REQUEST: counted, answered, no state change
             self.jobs.core_stats[DROP_BAD_CONTROL] += 1
-            return _error(0, str(exc))
+            return _error(0, str(exc), len(datagram))  # from anyone: no larger than the request
 
     def _refuse(self, stat: int, job_id: int, message: str) -> bytes:
         self.jobs.core_stats[stat] += 1
@@ -484,9 +489,12 @@ class AggregatorCore:
         of every job. Never member addresses or seeds. None (no reply) to anyone else."""
         if rank == OPERATOR_RANK:
             key = next((k for k in self._token_keys if keys.verify(k, datagram, len(datagram) - keys.MAC_SIZE)), None)
-            if key is None:
+            seq = int.from_bytes(datagram[HDR:HDR + OPERATOR_SEQ], "big")
+            if (key is None or len(datagram) < HDR + OPERATOR_SEQ + keys.MAC_SIZE
+                    or seq <= self._operator_seq.get(key, 0)):  # a forgery, or a replay: not fresh
                 self.jobs.core_stats[DROP_BAD_MAC] += 1
                 return None
+            self._operator_seq[key] = seq
             reply, cuts = self._operator_view(now, job_id)
         else:
             if job_id not in self.info and job_id != ALL_JOBS:  # anyone may learn this (job ids are in DATA packets)
@@ -549,8 +557,24 @@ def _reply_header(job_id: int, typ: MsgType) -> dict:
     return {"type": int(typ), "job": job_id}
 
 
-def _error(job_id: int, message: str) -> bytes:
-    return wire.pack(_reply_header(job_id, MsgType.ERROR), message.encode())
+def _error(job_id: int, message: str, limit: int | None = None) -> bytes | None:
+    """An ERROR with this one-line message; with ``limit``, cut to at most that many bytes (None if not even the
+    header fits)."""
+    text = message.encode()
+    if limit is not None:
+        if limit < HDR:
+            return None
+        text = text[:limit - HDR].decode(errors="ignore").encode()  # whole characters only
+    return wire.pack(_reply_header(job_id, MsgType.ERROR), text)
+
+
+def operator_request(token: str, seq: int, job: int = ALL_JOBS, size: int = 512) -> bytes:
+    """An operator's STATS_REQUEST of ``size`` bytes under ``token``: its sequence number ``seq`` (u64, greater
+    than any the core answered before under that token: time.time_ns() serves), zero padding, the MAC. A core
+    answers each sequence number once, so a captured request replayed gets nothing."""
+    body = seq.to_bytes(OPERATOR_SEQ, "big") + bytes(size - HDR - OPERATOR_SEQ)
+    request = wire.pack({**_reply_header(job, MsgType.STATS_REQUEST), "rank": OPERATOR_RANK}, body)
+    return keys.seal(keys.token_key(token), request, len(request) - keys.MAC_SIZE)
 
 
 def _first_fit(used: np.ndarray, size: int) -> range | None:
