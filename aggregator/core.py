@@ -120,7 +120,8 @@ class AggregatorCore:
                  allow_shared_address: bool = False, max_pool: int = AGGREGATOR_MAX_POOL,
                  control_limits: ControlLimits = ControlLimits(), tokens: Iterable[str] = ("",),
                  random_bytes: Callable[[int], bytes] = os.urandom, job_history: int = AGGREGATOR_JOB_HISTORY,
-                 counters: CoreCounters | None = None) -> None:
+                 counters: CoreCounters | None = None, tenant_max_jobs: int | None = None,
+                 tenant_max_slots: int | None = None) -> None:
         """``burst``: the most datagrams a receive burst is expected to hold (a larger one grows the output
         memory). ``results_group`` = (first IPv4 multicast group as an integer, UDP port): job slot j sends its results
         to group + j in one datagram per completion, as a switch's multicast replication does, instead of one
@@ -131,7 +132,9 @@ class AggregatorCore:
         ``tokens``: the tokens a new job may be created with (the default, only the empty token, is the open
         mode). ``random_bytes``: the source of the core's cookie secret (injectable for deterministic tests).
         ``job_history``: how many finished jobs the statistics keep. ``counters``: the block the core keeps its
-        counters and job table flags in (for a reader elsewhere, aggregator.metrics; a private one by default)."""
+        counters and job table flags in (for a reader elsewhere, aggregator.metrics; a private one by default).
+        ``tenant_max_jobs``, ``tenant_max_slots``: the jobs and slot rows the jobs of one token may hold on this
+        core at once (None: no quota but the core's), so that one tenant cannot take the table from the others."""
         if not 0 <= core < cores:
             raise ValueError(f"core must be in [0, {cores}), got {core}")
         if results_group is not None and not (0xE0000000 <= results_group[0] <= 0xF0000000 - max_jobs
@@ -142,6 +145,7 @@ class AggregatorCore:
         self.core, self.cores = core, cores
         self.max_elements = max_elements
         self.max_pool = max_pool
+        self.tenant_max_jobs, self.tenant_max_slots = tenant_max_jobs, tenant_max_slots
         self.idle_timeout = idle_timeout
         self._token_keys = list(dict.fromkeys(keys.token_key(t) for t in tokens))
         if not self._token_keys:
@@ -371,12 +375,15 @@ class AggregatorCore:
         if params["pool_size"] > self.max_pool:
             return (f"pool size {params['pool_size']} exceeds this aggregator's maximum of {self.max_pool} slots per "
                     f"job (intml-aggregator --max-pool)")
+        stride, offset = self.layout(params)
+        needed = len(range(offset, params["pool_size"], stride))
+        quota = self._quota(token_key, needed)
+        if quota:
+            return quota
         free_jobs = np.flatnonzero(~self.jobs.active)
         if free_jobs.size == 0:
             return (f"aggregator core {self.core} already holds its maximum of {self.jobs.active.size} jobs "
                     f"(intml-aggregator --max-jobs); wait for a job to leave or use another aggregator")
-        stride, offset = self.layout(params)
-        needed = len(range(offset, params["pool_size"], stride))
         rows = _first_fit(self.row_used, needed)
         if rows is None:
             return (f"aggregator core {self.core} has no free slots for job {job_id}: its pool needs {needed} "
@@ -396,6 +403,18 @@ class AggregatorCore:
         info = JobInfo(j, params, rows, now, token_key, job_nonce, self._incarnations)
         self.info[job_id] = info
         return info
+
+    def _quota(self, token_key: bytes, rows: int) -> str | None:
+        """The tenant quota a new job of ``rows`` slot rows here would exceed for its token (one line), or None."""
+        held = [info for info in self.info.values() if info.token_key == token_key]
+        if self.tenant_max_jobs is not None and len(held) >= self.tenant_max_jobs:
+            return (f"this token's jobs already hold its quota of {self.tenant_max_jobs} jobs on aggregator core "
+                    f"{self.core} (intml-aggregator --tenant-max-jobs); wait for one to leave")
+        used = sum(len(info.rows) for info in held)
+        if self.tenant_max_slots is not None and used + rows > self.tenant_max_slots:
+            return (f"this token's jobs hold {used} slot rows on aggregator core {self.core} and this one needs "
+                    f"{rows} more: over its quota of {self.tenant_max_slots} (intml-aggregator --tenant-max-slots)")
+        return None
 
     def _session(self, datagram: bytes, job_id: int, rank: int, addr: int, stranger: int) -> JobInfo | None:
         """The job of a LEAVE or STATS_REQUEST from its rank's address with a good MAC under the rank's session
