@@ -58,10 +58,10 @@ def forged_data(*, job: int, rank: int, allreduce: int, chunk: int, slot: int, s
     return wire.pack(fields, bytes(width * count))
 
 
-def fuzzed_results(rng: random.Random, n: int, *, job: int, elements: int, packet_elements: int, pool_size: int,
-                   max_len: int) -> list[bytes]:
-    """n RESULT-shaped datagrams near a job's valid ones: header fields drawn around (and past) the values a
-    worker of that job accepts (allreduce 0..2, every chunk of the allreduce and a few beyond each end, slots
+def fuzzed(rng: random.Random, n: int, *, job: int, elements: int, packet_elements: int, pool_size: int,
+           max_len: int, typ: MsgType = MsgType.RESULT) -> list[bytes]:
+    """n datagrams of type ``typ`` (RESULT for a worker, DATA for an aggregator; one in 20 of another type) near a
+    job's valid ones: header fields drawn around (and past) the values a receiver of that job accepts (allreduce 0..2, every chunk of the allreduce and a few beyond each end, slots
     to past the pool, both parities, exponents at and off the agreed ones, counts and lengths that match or
     not), payload bytes random; some truncated or padded. Consecutive rounds of one slot come up often, the
     case a burst must survive."""
@@ -71,9 +71,9 @@ def fuzzed_results(rng: random.Random, n: int, *, job: int, elements: int, packe
     for _ in range(n):
         chunk = rng.randint(-window - 2, chunks + 2)
         count = _chunk_count(chunk, elements, packet_elements) if rng.random() < 0.8 else rng.randint(0, 0xFFFF)
-        fields = {"type": MsgType.RESULT if rng.random() < 0.95 else rng.randint(0, 255), "job": job,
+        fields = {"type": typ if rng.random() < 0.95 else rng.randint(0, 255), "job": job,
                   "allreduce": rng.choice((0, 0, 0, 1, 2, 0xFFFFFFFF)), "chunk": chunk,
-                  "rank": rng.choice((0, 0, 1 << 8, rng.randint(0, 0xFFFF))),
+                  "rank": rng.choice((0, 0, 1, 1 << 8, rng.randint(0, 0xFFFF))),
                   "slot": rng.randint(0, pool_size + 1), "count": count, "codec": rng.choice((0, 0, 0, 1, 255)),
                   "shadow": rng.choice((0, 1, 1, 2)), "exp": rng.choice((0, 0, NO_EXP, rng.randint(-128, 127))),
                   "next_exp": rng.choice((0, 0, NO_EXP, rng.randint(-128, 127)))}

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from intml.protocol.wire import HEADER_SIZE, Codec
-from intml.testbed.forge import forged_rounds, fuzzed_results
+from intml.testbed.forge import forged_rounds, fuzzed
 from intml.worker.engine import StreamEngine
 
 JOB, SEED, P = 7, 11, 16
@@ -65,7 +65,7 @@ def _run_bursts(pool: int, chunks: int, codec: Codec, seed: int, bursts: int, si
     rng = random.Random(seed)
     rounds = forged_rounds(job=JOB, elements=elements, packet_elements=P, pool_size=pool, rounds=3, codec=codec)
     for b in range(bursts):
-        burst = fuzzed_results(rng, size, job=JOB, elements=elements, packet_elements=P, pool_size=pool,
+        burst = fuzzed(rng, size, job=JOB, elements=elements, packet_elements=P, pool_size=pool,
                                max_len=engine.max_datagram + 16)
         burst += rng.sample(rounds, min(len(rounds), rng.randint(0, size)))
         rng.shuffle(burst)
