@@ -11,9 +11,10 @@ Control plane (docs/protocol.md, "Control plane" and "Control plane authenticati
     core's tokens (a new job). Only then is anything reserved: the first proved JOIN of a job registers it
     (rows of this core's slot table, its job nonce and data key); later ones must carry the same parameters. A
     rank proving the job's token from a new address takes its seat (a restarted rank): the old binding is
-    replaced. A cookie proved once is remembered until it expires: a JOIN carrying it again is taken only as a
-    repeat (its JOIN_ACK was lost) while the seat it won is still held, so a replayed JOIN cannot revive a finished
-    job, rebind a seat, or bring back a job nonce (each registration mixes in the core's count of them). and the JOIN_ACK tells it the allreduce to use next and each of this core's slots' next shadow set.
+    replaced, and the JOIN_ACK tells it the allreduce to use next and each of this core's slots' next shadow set.
+    A cookie proved once is remembered until it expires: a JOIN carrying it again is taken only as a repeat (its
+    JOIN_ACK was lost) while the seat it won is still held, so a replayed JOIN cannot revive a finished job,
+    rebind a seat, or bring back a job nonce (each registration mixes in the core's count of them).
     An address holds at most one rank of a job. Replies: JOIN_ACK (the parameters, ``cores``, the multicast
     group, the resume point, MAC'd under the rank's session key) or ERROR with a one-line reason. A sender that
     has not proved the token learns only that (``UNPROVED``), counted as ``drop_bad_mac``; refusals after the

@@ -174,11 +174,11 @@ def _forgery(port: int, token: str, mode: str, pools: tuple[int, ...]) -> Row:
     try:
         with raw:
             for pool in pools:
-                victim_port = _get(ports, proc, 60)
+                victim_port = get_from(ports, proc, 60)
                 sent += forge_at(raw, mode, port, victim_port, pool)
                 time.sleep(0.3)  # the forgeries land in the victim's socket before its allreduce reads it
                 go.set()
-        result = _get(done, proc, 120)
+        result = get_from(done, proc, 120)
     finally:
         if proc.is_alive():
             proc.kill()
@@ -199,7 +199,7 @@ def _victim_child(done, *args) -> None:
         done.put(f"{type(exc).__name__}: {exc}")
 
 
-def _get(q, proc, timeout: float):
+def get_from(q, proc, timeout: float):
     """The next item on ``q``; RuntimeError naming the exit code if ``proc`` died first (-11: SIGSEGV)."""
     import queue
 
@@ -420,7 +420,8 @@ def fuzz_receive_paths(n: int, seed: int = 0, burst: int = 256) -> dict:
         """A core with a 2-rank job of 16 slots, joined by the members' addresses."""
         core = AggregatorCore(tokens=["fuzz"], rows=64, max_elements=256)
         for r, addr in enumerate(members):
-            header, fields = {"type": int(MsgType.JOIN), "job": 7, "rank": r}, {**join_params(16, 2), "nonce": bytes(16)}
+            header = {"type": int(MsgType.JOIN), "job": 7, "rank": r}
+            fields = {**join_params(16, 2), "nonce": bytes(16)}
             [(challenge, _)] = control(core, wire.pack_join(header, fields), addr)
             cookie = bytes(wire.unpack_challenge(challenge)[1]["cookie"])
             proved = wire.pack_join(header, {**fields, "cookie": cookie})

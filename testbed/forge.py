@@ -19,14 +19,18 @@ def _chunk_count(chunk: int, elements: int, packet_elements: int) -> int:
     return 0 if chunk < 0 else max(0, min(packet_elements, elements - chunk * packet_elements))
 
 
+def _forged(typ: MsgType, codec: Codec, count: int, **fields: int) -> bytes:
+    """A datagram of type ``typ`` with these header fields and an all-zero payload of ``count`` elements (zero is
+    a valid code and value in either codec)."""
+    width = np.dtype(wire.payload_dtype(codec)).itemsize
+    return wire.pack({"type": typ, "count": count, "codec": int(codec), **fields}, bytes(width * count))
+
+
 def forged_result(*, job: int, allreduce: int, chunk: int, slot: int, shadow: int, count: int, exp: int,
                   next_exp: int, codec: Codec = Codec.CNAT8, owners: int = 0) -> bytes:
-    """A RESULT with these fields and an all-zero payload of ``count`` elements (zero is a valid code and
-    value in either codec)."""
-    width = np.dtype(wire.payload_dtype(codec)).itemsize
-    fields = {"type": MsgType.RESULT, "job": job, "allreduce": allreduce, "chunk": chunk, "rank": owners << 8,
-              "slot": slot, "count": count, "codec": int(codec), "shadow": shadow, "exp": exp, "next_exp": next_exp}
-    return wire.pack(fields, bytes(width * count))
+    """A RESULT with these fields and an all-zero payload."""
+    return _forged(MsgType.RESULT, codec, count, job=job, allreduce=allreduce, chunk=chunk, rank=owners << 8,
+                   slot=slot, shadow=shadow, exp=exp, next_exp=next_exp)
 
 
 def forged_rounds(*, job: int, elements: int, packet_elements: int, pool_size: int, rounds: int,
@@ -52,18 +56,17 @@ def forged_rounds(*, job: int, elements: int, packet_elements: int, pool_size: i
 def forged_data(*, job: int, rank: int, allreduce: int, chunk: int, slot: int, shadow: int, count: int, exp: int,
                 next_exp: int, codec: Codec = Codec.CNAT8) -> bytes:
     """A DATA packet with these fields and an all-zero payload."""
-    width = np.dtype(wire.payload_dtype(codec)).itemsize
-    fields = {"type": MsgType.DATA, "job": job, "allreduce": allreduce, "chunk": chunk, "rank": rank,
-              "slot": slot, "count": count, "codec": int(codec), "shadow": shadow, "exp": exp, "next_exp": next_exp}
-    return wire.pack(fields, bytes(width * count))
+    return _forged(MsgType.DATA, codec, count, job=job, allreduce=allreduce, chunk=chunk, rank=rank, slot=slot,
+                   shadow=shadow, exp=exp, next_exp=next_exp)
 
 
 def fuzzed(rng: random.Random, n: int, *, job: int, elements: int, packet_elements: int, pool_size: int,
            max_len: int, typ: MsgType = MsgType.RESULT) -> list[bytes]:
     """n datagrams of type ``typ`` (RESULT for a worker, DATA for an aggregator; one in 20 of another type) near a
-    job's valid ones: header fields drawn around (and past) the values a receiver of that job accepts (allreduce 0..2, every chunk of the allreduce and a few beyond each end, slots
-    to past the pool, both parities, exponents at and off the agreed ones, counts and lengths that match or
-    not), payload bytes random; some truncated or padded. Consecutive rounds of one slot come up often, the
+    job's valid ones: header fields drawn around (and past) the values a receiver of that job accepts (allreduce
+    0..2, every chunk of the allreduce and a few beyond each end, slots to past the pool, both parities,
+    exponents at and off the agreed ones, counts and lengths that match or not), payload bytes random; some
+    truncated or padded. Consecutive rounds of one slot come up often, the
     case a burst must survive."""
     chunks = -(-elements // packet_elements)
     window = min(pool_size, chunks)

@@ -1,6 +1,6 @@
 """Send UDP datagrams with a chosen source address and port on loopback, through a raw IPv4 socket (IP_HDRINCL):
-an off-path attacker's forged packets, for tests and `intml-testbed audit`. Needs root or CAP_NET_RAW (``raw_socket`` raises
-PermissionError otherwise, so tests can skip).
+an off-path attacker's forged packets, for tests and ``intml-testbed audit``. Needs root or CAP_NET_RAW
+(``raw_socket`` raises PermissionError otherwise, so tests can skip).
 
 The kernel fills in the IPv4 header's checksum and length; the UDP checksum is 0 (none, which IPv4 allows).
 """

@@ -4,7 +4,6 @@ within its arrays, counts what it drops, and queues each slot at most once per b
 from __future__ import annotations
 
 import os
-import queue
 import random
 import subprocess
 import time
@@ -105,52 +104,6 @@ def test_fuzzed_bursts_keep_counters_consistent(pool):
 
 # ---- live: a real aggregator, a real worker process, forgeries from a raw socket --------------------------------
 
-LIVE_POOLS = (1, 2, 64, 256)
-LIVE_P = 16
-
-
-def _victim(agg_port: int, ports, go) -> list[dict]:
-    """For each pool size: join a world-1 job, report this rank's port, wait while the forgeries land in its
-    socket, run the attacked allreduce (its outcome is the attacker's to choose, without the MAC), then a genuine
-    allreduce in a fresh job, which must be the reference's."""
-    from intml.protocol import reference
-    from intml.worker import AllreduceTimeout, Worker
-
-    out = []
-    for pool in LIVE_POOLS:
-        x = np.linspace(-1, 1, LIVE_P * (3 * pool + 1), dtype=np.float32)
-        common = dict(rank=0, world_size=1, token="t", packet_elements=LIVE_P, pool_size=pool, timeout=5)
-        with Worker(f"127.0.0.1:{agg_port}", job=1000 + pool, **common) as w:
-            ports.put(w.io.sock.getsockname()[1])
-            assert go.wait(30)
-            go.clear()
-            try:
-                w.allreduce(x)
-                attacked = "completed"
-            except AllreduceTimeout:
-                attacked = "timed out"
-            counters = w.counters()
-        with Worker(f"127.0.0.1:{agg_port}", job=2000 + pool, **common) as w:
-            genuine = w.allreduce(x)
-        want = reference.allreduce([x], codec="cnat8", seed=w.engine.seed, allreduce_seq=0, packet_elements=LIVE_P)
-        out.append({"pool": pool, "attacked": attacked, "counters": counters,
-                    "exact": genuine.view(np.uint32).tolist() == want.view(np.uint32).tolist()})
-    return out
-
-
-def _next_port(ports, procs) -> int:
-    """The victim's next port; if it ended first, an AssertionError saying how (its exception, or its exit code
-    if it died without reporting: -11 is SIGSEGV)."""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            return ports.get(timeout=0.2)
-        except queue.Empty:
-            if procs.procs["victim"].exitcode is not None:
-                procs.collect(["victim"], timeout=5)["victim"].unwrap()
-                raise AssertionError("the worker returned early") from None
-    raise AssertionError("the worker did not report its port within 60 s")
-
 
 @pytest.mark.parametrize("mode", ["result", "data"])
 def test_live_forgeries_never_crash_a_worker(mode):
@@ -159,10 +112,10 @@ def test_live_forgeries_never_crash_a_worker(mode):
     completes into such RESULTs (mode "data", a world-1 job: each DATA completes a round), land in the rank's
     socket before its allreduce starts, so that they arrive in its first bursts. The worker survives, counts
     the results it could not have asked for (drop_unsent), its counters add up, and its next job is bit-exact."""
-    from cluster import Procs, aggregator
-    from spoof import raw_socket, send_spoofed
+    from cluster import TOKENS, Procs, aggregator
 
-    from intml.testbed.forge import forged_data
+    from intml.testbed.audit import POOLS, check_victim_reports, forge_at, get_from, victim
+    from intml.testbed.spoof import raw_socket
 
     try:
         raw = raw_socket()
@@ -170,30 +123,10 @@ def test_live_forgeries_never_crash_a_worker(mode):
         pytest.skip("needs CAP_NET_RAW to spoof source addresses")
     with raw, aggregator(idle_timeout=30) as agg, Procs() as procs:
         ports, go = procs.ctx.Queue(), procs.ctx.Event()
-        procs.start("victim", _victim, agg.port, ports, go)
-        agg_key = addr_key(AGG_IP, agg.port)
-        for pool in LIVE_POOLS:
-            port = _next_port(ports, procs)
-            victim = addr_key(AGG_IP, port)
-            elements = LIVE_P * (3 * pool + 1)
-            rounds = forged_rounds(job=1000 + pool, elements=elements, packet_elements=LIVE_P, pool_size=pool,
-                                   rounds=2)
-            rounds.sort(key=lambda d: int.from_bytes(d[18:20], "big"))  # each slot's two rounds together
-            for d in rounds:
-                if mode == "result":
-                    send_spoofed(raw, d, agg_key, victim)
-                else:  # the same rounds as DATA of rank 0, from its address
-                    fields = {k: int.from_bytes(d[o:o + n], "big", signed=k in ("chunk", "exp", "next_exp"))
-                              for k, o, n in (("allreduce", 8, 4), ("chunk", 12, 4), ("slot", 18, 2),
-                                              ("count", 20, 2), ("shadow", 23, 1), ("exp", 24, 1),
-                                              ("next_exp", 25, 1))}
-                    send_spoofed(raw, forged_data(job=1000 + pool, rank=0, **fields), victim, agg_key)
+        procs.start("victim", victim, agg.port, TOKENS[0], POOLS, ports, go)
+        for pool in POOLS:
+            forge_at(raw, mode, agg.port, get_from(ports, procs.procs["victim"], 60), pool)
             time.sleep(0.5)  # every forgery (and the results the aggregator made of them) is in the socket
             go.set()
         [report] = procs.collect(["victim"], timeout=240).values()
-    for res in report.unwrap():
-        c = res["counters"]
-        drops = sum(v for k, v in c.items() if k.startswith("drop_"))
-        assert c["packets_in"] == c["results"] + drops, res
-        assert c["drop_unsent"] > 0, res
-        assert res["exact"], res
+    assert check_victim_reports(report.unwrap()) is None

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 
-import pytest
 from harness import TOKEN, core_receive, join_datagram, msg_type, new_core, worker_addr
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
