@@ -165,6 +165,12 @@ def build_parser() -> OneLineParser:
                    help=f"jobs per core at once (default {AGGREGATOR_MAX_JOBS})")
     p.add_argument("--max-pool", type=positive(int), default=AGGREGATOR_MAX_POOL,
                    help=f"slots one job may reserve (default {AGGREGATOR_MAX_POOL}), so that no JOIN takes the table")
+    p.add_argument("--tenant-max-jobs", type=positive(int), default=None,
+                   help="jobs the holders of one token may have on a core at once (default: --max-jobs), so that "
+                        "one tenant cannot take every job entry")
+    p.add_argument("--tenant-max-slots", type=positive(int), default=None,
+                   help="slot rows the jobs of one token may hold on a core at once (default: --slots), so that "
+                        "one tenant cannot take the table")
     p.add_argument("--slots", type=positive(int), default=AGGREGATOR_SLOTS,
                    help="slot rows per core, shared by jobs; memory is 16 bytes x slots x max packet elements "
                         f"(default {AGGREGATOR_SLOTS})")
@@ -256,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
                           burst=args.burst, allow_shared_address=args.allow_shared_address,
                           max_jobs=args.max_jobs, max_pool=args.max_pool, control_limits=limits,
                           tokens=tokens or [""],  # no token: the open mode's empty one
-                          job_history=args.job_history, counters=None if counters is None else counters[i])
+                          job_history=args.job_history, counters=None if counters is None else counters[i],
+                          tenant_max_jobs=args.tenant_max_jobs, tenant_max_slots=args.tenant_max_slots)
 
     def core_main(i: int) -> None:
         run_core(new_core(i), socks[i], args.burst, args.stats_interval)

@@ -12,6 +12,9 @@ Control plane (docs/protocol.md, "Control plane" and "Control plane authenticati
     (rows of this core's slot table, its job nonce and data key); later ones must carry the same parameters. A
     rank proving the job's token from a new address takes its seat (a restarted rank): the old binding is
     replaced, and the JOIN_ACK tells it the allreduce to use next and each of this core's slots' next shadow set.
+    A cookie proved once is remembered until it expires: a JOIN carrying it again is taken only as a repeat (its
+    JOIN_ACK was lost) while the seat it won is still held, so a replayed JOIN cannot revive a finished job,
+    rebind a seat, or bring back a job nonce (each registration mixes in the core's count of them).
     An address holds at most one rank of a job. Replies: JOIN_ACK (the parameters, ``cores``, the multicast
     group, the resume point, MAC'd under the rank's session key) or ERROR with a one-line reason. A sender that
     has not proved the token learns only that (``UNPROVED``), counted as ``drop_bad_mac``; refusals after the
@@ -27,7 +30,9 @@ Control plane (docs/protocol.md, "Control plane" and "Control plane authenticati
     0xFFFFFFFF) or one job's, the finished jobs' history, and the core's counters (every event on the core,
     aggregator.counters). No member addresses, no seeds, to anyone. A member's
     request for a job this core does not know gets a short ERROR (if not larger than the request); anything
-    else gets no reply (``drop_bad_mac``).
+    else gets no reply (``drop_bad_mac``). An operator's request carries a sequence number under its MAC, and
+    each is answered once (a replay is not fresh). No reply to a sender that has proved nothing is larger than
+    its request.
 """
 
 from __future__ import annotations
@@ -85,7 +90,9 @@ ALL_JOBS = 0xFFFFFFFF
 OPERATOR_RANK = 0xFFFF  # a STATS_REQUEST's rank for the operator's view, MAC'd under one of the core's tokens
 MAX_PENDING_LISTED = 32  # keeps a STATS_REPLY well inside one datagram
 MAX_REPLY_RATIO = 3  # no STATS_REPLY is larger than this many times its request (no amplification)
-UNPROVED = "JOIN refused: the token is wrong, or the aggregator was not started with it (--token-file / INTML_TOKEN)"
+# no longer than the smallest JOIN's payload: an ERROR to an unproved sender is never larger than its request
+UNPROVED = "JOIN refused: the token is wrong, or the aggregator lacks it (--token-file / INTML_TOKEN)"
+OPERATOR_SEQ = 8  # bytes: an operator's STATS_REQUEST starts its padding with a u64 sequence number
 # every rank must agree (first_core, total_cores: on the layout of the job's slots over its aggregators)
 JOB_PARAMS = ("world_size", "packet_elements", "pool_size", "codec", "seed", "flags", "first_core", "total_cores")
 
@@ -100,6 +107,7 @@ class JobInfo:
     joined_at: float
     token_key: bytes  # of the token that created the job: only it can join
     job_nonce: bytes
+    incarnation: int  # the core's count of registrations when this one was made
     left: set[int] = field(default_factory=set)
     sessions: dict[int, bytes] = field(default_factory=dict)  # rank -> session key of its current incarnation
 
@@ -115,7 +123,8 @@ class AggregatorCore:
                  allow_shared_address: bool = False, max_pool: int = AGGREGATOR_MAX_POOL,
                  control_limits: ControlLimits = ControlLimits(), tokens: Iterable[str] = ("",),
                  random_bytes: Callable[[int], bytes] = os.urandom, job_history: int = AGGREGATOR_JOB_HISTORY,
-                 counters: CoreCounters | None = None) -> None:
+                 counters: CoreCounters | None = None, tenant_max_jobs: int | None = None,
+                 tenant_max_slots: int | None = None) -> None:
         """``burst``: the most datagrams a receive burst is expected to hold (a larger one grows the output
         memory). ``results_group`` = (first IPv4 multicast group as an integer, UDP port): job slot j sends its results
         to group + j in one datagram per completion, as a switch's multicast replication does, instead of one
@@ -126,7 +135,9 @@ class AggregatorCore:
         ``tokens``: the tokens a new job may be created with (the default, only the empty token, is the open
         mode). ``random_bytes``: the source of the core's cookie secret (injectable for deterministic tests).
         ``job_history``: how many finished jobs the statistics keep. ``counters``: the block the core keeps its
-        counters and job table flags in (for a reader elsewhere, aggregator.metrics; a private one by default)."""
+        counters and job table flags in (for a reader elsewhere, aggregator.metrics; a private one by default).
+        ``tenant_max_jobs``, ``tenant_max_slots``: the jobs and slot rows the jobs of one token may hold on this
+        core at once (None: no quota but the core's), so that one tenant cannot take the table from the others."""
         if not 0 <= core < cores:
             raise ValueError(f"core must be in [0, {cores}), got {core}")
         if results_group is not None and not (0xE0000000 <= results_group[0] <= 0xF0000000 - max_jobs
@@ -137,11 +148,16 @@ class AggregatorCore:
         self.core, self.cores = core, cores
         self.max_elements = max_elements
         self.max_pool = max_pool
+        self.tenant_max_jobs, self.tenant_max_slots = tenant_max_jobs, tenant_max_slots
         self.idle_timeout = idle_timeout
         self._token_keys = list(dict.fromkeys(keys.token_key(t) for t in tokens))
         if not self._token_keys:
             raise ValueError("an aggregator core needs at least one token (the open mode's is \"\")")
         self._secret = random_bytes(keys.KEY_SIZE)  # keys the cookies; never leaves the core
+        self._incarnations = 0  # jobs registered so far: each job nonce mixes in its own
+        # cookie -> (expiry, the job's incarnation) of every accepted JOIN whose cookie is still valid
+        self._used_cookies: dict[bytes, tuple[float, int]] = {}
+        self._operator_seq: dict[bytes, int] = {}  # token key -> the last operator request's sequence number answered
         self.counters = CoreCounters(max_jobs, rows) if counters is None else counters
         if (self.counters.max_jobs, self.counters.rows) != (max_jobs, rows):
             raise ValueError(f"the counters block is for {self.counters.max_jobs} jobs and {self.counters.rows} rows, "
@@ -225,7 +241,7 @@ class AggregatorCore:
             return self._stats_reply(datagram, int(header["job"]), int(header["rank"]), addr, now)
         except ValueError as exc:  # a malformed JOIN, LEAVE or STATS_REQUEST: counted, answered, no state change
             self.jobs.core_stats[DROP_BAD_CONTROL] += 1
-            return _error(0, str(exc))
+            return _error(0, str(exc), len(datagram))  # from anyone: no larger than the request
 
     def _refuse(self, stat: int, job_id: int, message: str) -> bytes:
         self.jobs.core_stats[stat] += 1
@@ -242,6 +258,10 @@ class AggregatorCore:
             self.jobs.core_stats[DROP_BAD_MAC] += 1
             return self._challenge(job_id, rank, nonce, addr, now)
         info = self.info.get(job_id)
+        if not self._fresh_cookie(cookie, job_id, rank, nonce, info, now):
+            # a replayed JOIN whose seat is gone (left, rebound, or its job ended): a challenge, nothing else
+            self.jobs.core_stats[DROP_BAD_MAC] += 1
+            return self._challenge(job_id, rank, nonce, addr, now)
         token_key = next((k for k in ([info.token_key] if info else self._token_keys)
                           if keys.verify(k, datagram, wire.JOIN_MAC)), None)
         if token_key is None:
@@ -253,7 +273,9 @@ class AggregatorCore:
             return self._refuse(DROP_REFUSED_JOIN, job_id, problem)
         params["total_cores"] = params["total_cores"] or self.cores  # the same layout, stated either way
         if info is None:
-            info = self._register(job_id, params, now, token_key, keys.job_nonce(nonce, cookie))
+            self._incarnations += 1
+            info = self._register(job_id, params, now, token_key,
+                                  keys.job_nonce(self._secret, nonce, cookie, self._incarnations))
             if isinstance(info, str):  # the limit that was hit
                 return self._refuse(DROP_REFUSED_JOIN, job_id, info)
         elif info.params != params:
@@ -272,6 +294,7 @@ class AggregatorCore:
         self.jobs.last_seen[j, rank] = now
         info.left.discard(rank)
         session = info.sessions[rank] = keys.session_key(token_key, job_id, rank, nonce, cookie)
+        self._used_cookies.setdefault(cookie, (keys.cookie_expiry(now), info.incarnation))
         group = int(self.jobs.group[j])
         allreduce, sets = self._resume_point(info)
         ack = wire.pack_join({**_reply_header(job_id, MsgType.JOIN_ACK), "rank": rank},
@@ -279,6 +302,20 @@ class AggregatorCore:
                               "allreduce": allreduce, "nonce": nonce, "cookie": cookie, "job_nonce": info.job_nonce},
                              sets)
         return keys.seal(session, ack, wire.JOIN_MAC)
+
+    def _fresh_cookie(self, cookie: bytes, job_id: int, rank: int, nonce: bytes, info: JobInfo | None,
+                      now: float) -> bool:
+        """Whether a valid cookie may be used: never used by an accepted JOIN, or used by one whose seat this
+        JOIN would repeat (same job incarnation, and the rank's session is still the one this cookie gave). The
+        cookie already binds the address, job, rank and nonce."""
+        used = self._used_cookies
+        while used and next(iter(used.values()))[0] <= now:  # oldest first: expiry grows with insertion
+            del used[next(iter(used))]
+        entry = used.get(cookie)
+        if entry is None:
+            return True
+        return (info is not None and info.incarnation == entry[1]
+                and info.sessions.get(rank) == keys.session_key(info.token_key, job_id, rank, nonce, cookie))
 
     def _challenge(self, job_id: int, rank: int, nonce: bytes, addr: int, now: float) -> bytes:
         """A CHALLENGE for this sender: a fresh cookie, and this aggregator's cores (for the job's layout)."""
@@ -341,12 +378,15 @@ class AggregatorCore:
         if params["pool_size"] > self.max_pool:
             return (f"pool size {params['pool_size']} exceeds this aggregator's maximum of {self.max_pool} slots per "
                     f"job (intml-aggregator --max-pool)")
+        stride, offset = self.layout(params)
+        needed = len(range(offset, params["pool_size"], stride))
+        quota = self._quota(token_key, needed)
+        if quota:
+            return quota
         free_jobs = np.flatnonzero(~self.jobs.active)
         if free_jobs.size == 0:
             return (f"aggregator core {self.core} already holds its maximum of {self.jobs.active.size} jobs "
                     f"(intml-aggregator --max-jobs); wait for a job to leave or use another aggregator")
-        stride, offset = self.layout(params)
-        needed = len(range(offset, params["pool_size"], stride))
         rows = _first_fit(self.row_used, needed)
         if rows is None:
             return (f"aggregator core {self.core} has no free slots for job {job_id}: its pool needs {needed} "
@@ -363,9 +403,21 @@ class AggregatorCore:
         jobs.mac_key[j] = key_words(keys.data_key(token_key, job_id, job_nonce))
         self.row_used[rows.start:rows.stop] = True
         self.counters.start_job(j, job_id)  # sets the job's id, then marks it active: the kernel sees it from here
-        info = JobInfo(j, params, rows, now, token_key, job_nonce)
+        info = JobInfo(j, params, rows, now, token_key, job_nonce, self._incarnations)
         self.info[job_id] = info
         return info
+
+    def _quota(self, token_key: bytes, rows: int) -> str | None:
+        """The tenant quota a new job of ``rows`` slot rows here would exceed for its token (one line), or None."""
+        held = [info for info in self.info.values() if info.token_key == token_key]
+        if self.tenant_max_jobs is not None and len(held) >= self.tenant_max_jobs:
+            return (f"this token's jobs already hold its quota of {self.tenant_max_jobs} jobs on aggregator core "
+                    f"{self.core} (intml-aggregator --tenant-max-jobs); wait for one to leave")
+        used = sum(len(info.rows) for info in held)
+        if self.tenant_max_slots is not None and used + rows > self.tenant_max_slots:
+            return (f"this token's jobs hold {used} slot rows on aggregator core {self.core} and this one needs "
+                    f"{rows} more: over its quota of {self.tenant_max_slots} (intml-aggregator --tenant-max-slots)")
+        return None
 
     def _session(self, datagram: bytes, job_id: int, rank: int, addr: int, stranger: int) -> JobInfo | None:
         """The job of a LEAVE or STATS_REQUEST from its rank's address with a good MAC under the rank's session
@@ -459,9 +511,12 @@ class AggregatorCore:
         of every job. Never member addresses or seeds. None (no reply) to anyone else."""
         if rank == OPERATOR_RANK:
             key = next((k for k in self._token_keys if keys.verify(k, datagram, len(datagram) - keys.MAC_SIZE)), None)
-            if key is None:
+            seq = int.from_bytes(datagram[HDR:HDR + OPERATOR_SEQ], "big")
+            if (key is None or len(datagram) < HDR + OPERATOR_SEQ + keys.MAC_SIZE
+                    or seq <= self._operator_seq.get(key, 0)):  # a forgery, or a replay: not fresh
                 self.jobs.core_stats[DROP_BAD_MAC] += 1
                 return None
+            self._operator_seq[key] = seq
             reply, cuts = self._operator_view(now, job_id)
         else:
             if job_id not in self.info and job_id != ALL_JOBS:  # anyone may learn this (job ids are in DATA packets)
@@ -524,8 +579,24 @@ def _reply_header(job_id: int, typ: MsgType) -> dict:
     return {"type": int(typ), "job": job_id}
 
 
-def _error(job_id: int, message: str) -> bytes:
-    return wire.pack(_reply_header(job_id, MsgType.ERROR), message.encode())
+def _error(job_id: int, message: str, limit: int | None = None) -> bytes | None:
+    """An ERROR with this one-line message; with ``limit``, cut to at most that many bytes (None if not even the
+    header fits)."""
+    text = message.encode()
+    if limit is not None:
+        if limit < HDR:
+            return None
+        text = text[:limit - HDR].decode(errors="ignore").encode()  # whole characters only
+    return wire.pack(_reply_header(job_id, MsgType.ERROR), text)
+
+
+def operator_request(token: str, seq: int, job: int = ALL_JOBS, size: int = 512) -> bytes:
+    """An operator's STATS_REQUEST of ``size`` bytes under ``token``: its sequence number ``seq`` (u64, greater
+    than any the core answered before under that token: time.time_ns() serves), zero padding, the MAC. A core
+    answers each sequence number once, so a captured request replayed gets nothing."""
+    body = seq.to_bytes(OPERATOR_SEQ, "big") + bytes(size - HDR - OPERATOR_SEQ)
+    request = wire.pack({**_reply_header(job, MsgType.STATS_REQUEST), "rank": OPERATOR_RANK}, body)
+    return keys.seal(keys.token_key(token), request, len(request) - keys.MAC_SIZE)
 
 
 def _first_fit(used: np.ndarray, size: int) -> range | None:

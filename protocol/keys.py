@@ -7,7 +7,9 @@ and from fresh randomness of both sides (the worker's client nonce ``Nc``, the c
   sender's address, so a JOIN replayed from another address fails; it expires after one or two epochs.
 * ``session_key(token key, job, rank, Nc, cookie)``: one rank's membership on one core. LEAVE, STATS_REQUEST,
   STATS_REPLY and the JOIN_ACK carry a MAC under it; a new incarnation of the rank has a new one.
-* ``job_nonce(Nc, cookie)``: chosen by a core when the job registers there (fresh from both sides).
+* ``job_nonce(secret, Nc, cookie, incarnation)``: chosen by a core when the job registers there: fresh from both
+  sides, and from the core's count of registrations, so that a replayed JOIN can never bring back an earlier
+  incarnation's nonce (and data key).
 * ``data_key(token key, job, job nonce)``: the job's DATA/RESULT MAC key on that core, the same for every member;
   the data plane takes it as two uint64 words (``protocol.siphash.key_words``: SipHash's k0, k1).
 
@@ -46,6 +48,11 @@ def epoch(now: float) -> int:
     return int(now // COOKIE_EPOCH)
 
 
+def cookie_expiry(now: float) -> float:
+    """When a cookie valid at ``now`` stops being accepted (the end of the epoch after the current one)."""
+    return (epoch(now) + 2) * COOKIE_EPOCH
+
+
 def cookie(secret: bytes, addr: int, job: int, rank: int, nonce: bytes, epoch_: int) -> bytes:
     return _mac(secret, b"intml-cookie", addr.to_bytes(8, "big"), _ids(job, rank), nonce,
                 epoch_.to_bytes(8, "big", signed=True))
@@ -61,8 +68,8 @@ def session_key(token_key_: bytes, job: int, rank: int, nonce: bytes, cookie_: b
     return _mac(token_key_, b"intml-session", _ids(job, rank), nonce, cookie_)
 
 
-def job_nonce(nonce: bytes, cookie_: bytes) -> bytes:
-    return hashlib.blake2b(nonce + cookie_, digest_size=NONCE_SIZE, person=b"intml-jobnonce").digest()
+def job_nonce(secret: bytes, nonce: bytes, cookie_: bytes, incarnation: int) -> bytes:
+    return _mac(secret, b"intml-jobnonce", nonce, cookie_, incarnation.to_bytes(8, "big"))
 
 
 def data_key(token_key_: bytes, job: int, job_nonce_: bytes) -> bytes:

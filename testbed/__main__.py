@@ -159,6 +159,13 @@ def build_parser() -> OneLineParser:
 
     train_cmd.add_arguments(commands.add_parser("train", help="DDP convergence on load_digits: Gloo vs intml (torchrun)"))
     commands.add_parser("demo", help="what `make demo` runs")
+    audit = commands.add_parser("audit", help="attack a live aggregator and workers on loopback; print what held")
+    audit.add_argument("--fuzz", type=WARMUP, default=0, metavar="N",
+                       help="also fuzz the worker's and the aggregator's receive paths with N datagrams, in-process "
+                            "with bounds checking (default 0: none; 1000000 takes minutes)")
+    audit.add_argument("--pools", type=count(1, AGGREGATOR_MAX_POOL, "the aggregator's --max-pool"), nargs="+",
+                       default=[1, 2, 64, 256], help="the victim's pool sizes (default 1 2 64 256)")
+    audit.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return parser
 
 
@@ -215,16 +222,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     check(args)
     try:
-        run(args)
+        code = run(args)  # the audit's: 1 if a check failed
     except (AggregatorError, ClusterError, TimeoutError) as exc:  # the host's doing, not the code's: one line
         raise SystemExit(f"intml-testbed: {exc}") from None
     except KeyboardInterrupt:  # Ctrl-C: the with-blocks on the way here stopped what the run started
         print("intml-testbed: interrupted", file=sys.stderr)
         return INTERRUPTED
-    return 0
+    return code or 0
 
 
-def run(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace) -> int | None:
     """Run the subcommand of valid ``args``."""
     if args.command == "bench" and args.bench == "codec":
         from intml.testbed import bench_codec
@@ -283,6 +290,10 @@ def run(args: argparse.Namespace) -> None:
         from intml.testbed import train as train_cmd
 
         train_cmd.run_from_args(args)
+    elif args.command == "audit":
+        from intml.testbed import audit
+
+        return audit.run(args.fuzz, args.json, tuple(args.pools))
     elif args.command == "demo":
         from intml.testbed import bench_allreduce, bench_codec
 

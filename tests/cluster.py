@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Self
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+from intml.aggregator.core import operator_request
 from intml.protocol import keys, wire
 
 HOST = "127.0.0.1"
@@ -165,21 +166,21 @@ class Aggregator:
 def operator_stats(port: int, cores: int, token: str, job: int = ALL_JOBS, timeout: float = 2.0,
                    attempts: int = 3) -> list[dict]:
     """Each core's answer (JSON) to an operator's STATS_REQUEST (MAC'd under ``token``), core 0 first."""
-    request = wire.pack({"type": int(wire.MsgType.STATS_REQUEST), "job": job, "rank": OPERATOR_RANK},
-                        bytes(STATS_REQUEST_SIZE - wire.HEADER_SIZE))
-    request = keys.seal(keys.token_key(token), request, len(request) - keys.MAC_SIZE)
     replies = []
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.bind((HOST, 0))
         for core in range(cores):
             target = (HOST, port + core)
-            replies.append(_ask(s, request, target, timeout, attempts))
+            replies.append(_ask(s, lambda: operator_request(token, time.time_ns(), job, STATS_REQUEST_SIZE), target,
+                                timeout, attempts))
     return replies
 
 
-def _ask(s: socket.socket, request: bytes, target: tuple[str, int], timeout: float, attempts: int) -> dict:
+def _ask(s: socket.socket, request: Callable[[], bytes], target: tuple[str, int], timeout: float,
+         attempts: int) -> dict:
+    """Send a fresh ``request()`` (each is answered once) until a STATS_REPLY comes back."""
     for _ in range(attempts):
-        s.sendto(request, target)
+        s.sendto(request(), target)
         end = time.monotonic() + timeout
         while (left := end - time.monotonic()) > 0:
             s.settimeout(left)

@@ -49,7 +49,7 @@ def test_keys_are_domain_separated_and_the_data_key_is_two_little_endian_words()
     tk = keys.token_key("s3cret")
     nonce, cookie = b"n" * 16, b"c" * 16
     derived = {keys.session_key(tk, 7, 0, nonce, cookie), keys.session_key(tk, 7, 1, nonce, cookie),
-               keys.data_key(tk, 7, keys.job_nonce(nonce, cookie)), keys.job_nonce(nonce, cookie), tk,
+               keys.data_key(tk, 7, keys.job_nonce(tk, nonce, cookie, 1)), keys.job_nonce(tk, nonce, cookie, 1), tk,
                keys.token_key("s3cret!")}
     assert len(derived) == 6 and all(len(k) == 16 for k in derived)
     data = keys.data_key(tk, 7, b"j" * 16)

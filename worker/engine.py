@@ -119,9 +119,10 @@ STAT_NAMES = (
     "saturated_elements",
     "drop_bad_mac",
     "spurious_retransmissions",
+    "drop_unsent",
 )
 (PACKETS_OUT, PACKETS_IN, RETRANSMISSIONS, FAST_RETRANSMISSIONS, RESULTS, DROP_MALFORMED, DROP_FOREIGN, DROP_STALE,
- SATURATED, DROP_BAD_MAC, SPURIOUS) = range(len(STAT_NAMES))
+ SATURATED, DROP_BAD_MAC, SPURIOUS, DROP_UNSENT) = range(len(STAT_NAMES))
 FAST_RETRANSMIT = 3  # results of later-sent slots that mark a slot as lost
 IDLE = np.iinfo(np.int64).min  # cur_chunk of a slot with nothing in flight
 PARKED = IDLE + 1  # cur_chunk of a precoded slot waiting for its chunk's codes (its chunk: State.parked)
@@ -456,9 +457,14 @@ def advance(st, s, c, next_exp, now, tx_ptr, tx_len, tx_addr, n_tx):
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def receive_kernel(state, rx_data, rx_len, rx_addr, n_rx, now, tx_ptr, tx_len, tx_addr):
-    """Accept results, decode them, and queue each slot's next chunk. Returns datagrams written to tx."""
+    """Accept results, decode them, and queue each slot's next chunk. Returns datagrams written to tx.
+
+    A slot takes at most one result per call: its next chunk, queued by this call, has not been sent, so a
+    result for it is forged (drop_unsent). That keeps every slot queued at most once, within tx's pool_size
+    rows, whatever arrives, and keeps a queued datagram's buffer unchanged until it is sent."""
     st = State(*state)
     prm, agreed_exp, out, keys = st.params, st.agreed_exp, st.out, st.mac_keys
+    taken = np.zeros(st.parity.size, np.bool_)
     n_tx = 0
     for i in range(n_rx):
         st.stats[PACKETS_IN] += 1
@@ -467,6 +473,8 @@ def receive_kernel(state, rx_data, rx_len, rx_addr, n_rx, now, tx_ptr, tx_len, t
         drop = validate_header(p, length)
         if drop < 0:
             drop = classify_result(prm, st.parity, st.cur_chunk, st.agg_addr, p, rx_addr[i])
+            if drop < 0 and taken[get_u16(p, O_SLOT)]:
+                drop = DROP_UNSENT
         c = get_i32(p, O_CHUNK)
         if drop < 0:  # c is the slot's chunk
             length = authenticate(prm, keys, p, length)
@@ -481,6 +489,7 @@ def receive_kernel(state, rx_data, rx_len, rx_addr, n_rx, now, tx_ptr, tx_len, t
             st.stats[drop] += 1
             continue
         s = get_u16(p, O_SLOT)
+        taken[s] = True
         take_result(st, s, now)
         n_tx = advance(st, s, c, get_i8(p, O_NEXT_EXP), now, tx_ptr, tx_len, tx_addr, n_tx)
     return _fast_retransmit(st, now, tx_ptr, tx_len, tx_addr, n_tx)
