@@ -156,6 +156,7 @@ def dispatched_allreduce(codec, xs: list[np.ndarray], *, seed: int, allreduce_se
     out = np.empty(size, np.float32)
     for c, lo in enumerate(range(0, size, packet_elements)):
         count = min(packet_elements, size - lo)
+        flags = np.zeros(count, np.uint8)
         exp = max(int(e[c]) for e in exps)
         data = np.zeros((n, codecs.width(cid) * count), np.uint8)
         for r, x in enumerate(xs):
@@ -164,11 +165,17 @@ def dispatched_allreduce(codec, xs: list[np.ndarray], *, seed: int, allreduce_se
                 _, _, local, low = precode_chunk(x[lo:lo + count], data[r], worker_keys[r], lo, vbits)
                 assert low & PRECODED and local == exps[r][c]
             codecs.encode_chunk(cid, x[lo:lo + count], data[r], worker_keys[r], lo, exp, vbits, low, local)
-            assert codecs.check_payload(cid, data[r], exp, vbits)
+            finite = np.isfinite(x[lo:lo + count]).all()
+            assert bool(codecs.check_payload(cid, data[r], exp, vbits)) == finite
+            if not finite:  # the switch's slow check, which ORs the lanes' flags and zeroes them
+                assert codecs.take_nonfinite(cid, data[r], exp, vbits, flags)
+                assert codecs.check_payload(cid, data[r], exp, vbits)
         acc = np.empty(count, np.int32)
         codecs.add_payloads(cid, data, np.arange(n, dtype=np.int64), n, 0, acc, exp, vbits, True)
         result = np.empty(codecs.width(cid) * count, np.uint8)
         codecs.encode_result(cid, acc, result, switch_key, lo, exp, vbits)
+        assert codecs.put_nonfinite(cid, result, flags) == np.count_nonzero(flags)
+        flags[:] = 0
         assert codecs.check_result(cid, result, exp, vbits)
         codecs.decode_result(cid, result, exp, vbits, out[lo:lo + count])
     return out
@@ -196,7 +203,43 @@ def test_cnat8_checks_against_the_window() -> None:
             ok = c == 0 or (bool(c & 0x40) and k <= k_max)
             assert bool(cnat8.check_payload(np.array([0, c], np.uint8), exp, vbits)) == ok, (exp, vbits, hex(c))
             assert bool(cnat8.check_result(np.array([c, 0], np.uint8), exp, vbits)) == (
-                c == 0 or (bool(c & 0x40) and k <= 31)), hex(c)
+                c in (0, 1, 2, 3) or (bool(c & 0x40) and k <= 31)), hex(c)  # with the non-finite codes
+            flags = np.zeros(2, np.uint8)
+            payload = np.array([0, c], np.uint8)
+            assert bool(cnat8.take_nonfinite(payload, exp, vbits, flags)) == (ok or c in (1, 2, 3))
+            if ok or c in (1, 2, 3):
+                assert flags.tolist() == [0, c if c in (1, 2, 3) else 0] and payload[1] == (0 if c < 4 else c)
+
+
+@pytest.mark.parametrize("codec", codecs.CODECS)
+@pytest.mark.parametrize("n", [1, 2, 3, 8])
+def test_non_finite_lanes_follow_the_reference(codec, n) -> None:
+    """NaN, +Inf and -Inf at chosen positions of chosen ranks: each such lane comes back as +Inf if only +Inf met
+    it, -Inf if only -Inf, else NaN, whatever the finite values beside it; the finite lanes, and the chunks'
+    exponents, are those of the inputs with the non-finite values left out."""
+    g = np.random.default_rng(n)
+    size, packet = 700, 128
+    xs = [(g.standard_normal(size) * 2.0 ** g.integers(-20, 20)).astype(np.float32) for _ in range(n)]
+    plan = {3: {0: np.inf}, 5: {0: -np.inf}, 7: {0: np.nan}, 130: {0: np.inf, n - 1: np.inf},
+            131: {0: np.inf, n - 1: -np.inf}, 300: {n - 1: -np.inf}, 699: {n // 2: np.nan}}
+    plan.update({lane: {0: np.inf} for lane in range(512, 640)})  # a chunk with no finite value
+    for lane, ranks in plan.items():
+        for r, v in ranks.items():
+            xs[r][lane] = v
+    got = dispatched_allreduce(codec, xs, seed=11, allreduce_seq=2, packet_elements=packet)
+    want = reference.allreduce(xs, codec=codec.NAME, seed=11, allreduce_seq=2, packet_elements=packet)
+    assert got.tobytes() == want.tobytes()
+    for lane, ranks in plan.items():
+        both = {np.sign(v) for v in ranks.values() if not np.isnan(v)}
+        if any(np.isnan(v) for v in ranks.values()) or len(both) > 1:
+            assert got.view(np.uint32)[lane] == 0x7FC00000, lane
+        else:
+            assert got[lane] == both.pop() * np.inf, lane
+    finite = np.ones(size, bool)
+    finite[list(plan)] = False
+    clean = [np.where(finite, x, 0).astype(np.float32) for x in xs]
+    base = reference.allreduce(clean, codec=codec.NAME, seed=11, allreduce_seq=2, packet_elements=packet)
+    np.testing.assert_array_equal(got[finite].view(np.uint32), base[finite].view(np.uint32))
 
 
 def allreduce_mean(xs: list[np.ndarray], seeds: range) -> tuple[np.ndarray, np.ndarray]:

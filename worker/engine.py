@@ -43,8 +43,8 @@ One allreduce of a flat float32 tensor of N elements, packet size P and pool siz
   other datagram buffer (protocol.arith.precode_chunk). Once its agreed floor is known, its codes are lowered
   to it, or encoded again only if one of its nonzero values lies below that floor, the one case where the
   floor changes which power of two a value rounds to.
-  A NaN or infinity is found when its chunk is read: no chunk is sent from there on, the results of those
-  already sent are still taken (so the shadow sets stay in step), then ValueError (see ``non_finite``).
+  A NaN or an infinity goes on the wire as its non-finite code (docs/arithmetic.md, "Non-finite values") and is
+  counted (nonfinite_elements); its chunk's exponent is that of its finite values.
   int32: chunk c is sent as rint(x * 2**(s - E)), the sum comes back as int32 and is scaled by 2**(E - s).
 * Precoded cnat8 (``start_precoded``: a bucket encoded on a GPU, worker.gpu): the engine gets every chunk's codes at
   its own floor with its exponent proposal and low word, and never sees a float. A chunk's codes are copied into
@@ -73,7 +73,6 @@ from intml.protocol.arith import (
     chunk_exponents_kernel,
     cnat_floor,
     precode_chunk,
-    raise_non_finite,
     value_bits,
     worker_stream,
 )
@@ -118,9 +117,10 @@ STAT_NAMES = (
     "saturated_elements",
     "drop_bad_mac",
     "spurious_retransmissions",
+    "nonfinite_elements",
 )
 (PACKETS_OUT, PACKETS_IN, RETRANSMISSIONS, FAST_RETRANSMISSIONS, RESULTS, DROP_MALFORMED, DROP_FOREIGN, DROP_STALE,
- SATURATED, DROP_BAD_MAC, SPURIOUS) = range(len(STAT_NAMES))
+ SATURATED, DROP_BAD_MAC, SPURIOUS, NONFINITE) = range(len(STAT_NAMES))
 FAST_RETRANSMIT = 3  # results of later-sent slots that mark a slot as lost
 IDLE = np.iinfo(np.int64).min  # cur_chunk of a slot with nothing in flight
 PARKED = IDLE + 1  # cur_chunk of a precoded slot waiting for its chunk's codes (its chunk: State.parked)
@@ -135,11 +135,11 @@ State = namedtuple(
     "timing low sent mac_keys codes parked silence",
 )
 # params (int64): job, rank, world, value_bits, codec, packet_elements, window, chunks, elements, allreduce, cores,
-#                 seed (as int64 bits), done_chunks, index of a non-finite input or -1, shard elements of a
+#                 seed (as int64 bits), done_chunks, shard elements of a
 #                 reduce-scatter (0: an allreduce), the first element the output holds, precoded (1) or
 #                 float (0) input, elements whose codes are in ``codes`` (precoded)
 (P_JOB, P_RANK, P_WORLD, P_VBITS, P_CODEC, P_PKT, P_WINDOW, P_CHUNKS, P_ELEMENTS, P_ALLREDUCE, P_CORES,
- P_SEED, P_DONE, P_BAD, P_SHARD, P_OUT_LO, P_PRECODED, P_READY) = range(18)
+ P_SEED, P_DONE, P_SHARD, P_OUT_LO, P_PRECODED, P_READY) = range(17)
 # codes (uint8): precoded, the codes in (each chunk at its own floor) and the result codes out; else empty
 # parked (int64): per slot, the chunk a PARKED slot waits to send
 # mac_keys (uint64): (cores, 2), the data key (k0, k1) of each aggregator core; (0, 2) without the DATA/RESULT MAC
@@ -184,18 +184,18 @@ def _worker_key_of(seed, allreduce, rank):
 def _precode(st, d):
     """cnat8: encode chunk d at its own floor (protocol.arith.precode_chunk) into the payload of the datagram
     buffer its slot will send it from, the one the slot's in-flight chunk does not use, and note its exponent
-    proposal. A non-finite value stops it and goes to params[P_BAD]."""
+    proposal."""
     prm = st.params
-    if not codecs.precodes(prm[P_CODEC]) or prm[P_PRECODED] or d >= prm[P_CHUNKS] or prm[P_BAD] >= 0:
+    if not codecs.precodes(prm[P_CODEC]) or prm[P_PRECODED] or d >= prm[P_CHUNKS]:
         return  # (precoded: the driver gave every chunk's proposal and codes)
     s = d % prm[P_WINDOW]
     lo = d * prm[P_PKT]
     hi = min(prm[P_ELEMENTS], lo + prm[P_PKT])
     payload = st.packet[s, 1 - st.parity[s], HDR:HDR + hi - lo]
-    sat, bad, st.local_exp[d], st.low[d] = precode_chunk(st.x[lo:hi], payload, _worker_key(prm), lo, prm[P_VBITS])
-    if bad >= 0:
-        prm[P_BAD] = bad
+    sat, nonfinite, st.local_exp[d], st.low[d] = precode_chunk(st.x[lo:hi], payload, _worker_key(prm), lo,
+                                                               prm[P_VBITS])
     st.stats[SATURATED] += sat
+    st.stats[NONFINITE] += nonfinite
 
 
 @njit(inline="always")
@@ -323,8 +323,6 @@ def start_kernel(state, now, tx_ptr, tx_len, tx_addr):
     st.silence[:, S_ALIVE] = 0.0
     for d in range(window):  # the bootstrap packets carry chunks 0..window-1's exponents
         _precode(st, d)
-    if st.params[P_BAD] >= 0:
-        return 0
     for s in range(window):
         _build(st, s, s - window, now)
         _queue(st, s, tx_ptr, tx_len, tx_addr, s)
@@ -443,7 +441,7 @@ def advance(st, s, c, next_exp, now, tx_ptr, tx_len, tx_addr, n_tx):
     none); returns the new tx count."""
     prm = st.params
     nxt = c + prm[P_WINDOW]
-    if nxt < prm[P_CHUNKS] and prm[P_BAD] < 0:  # no new chunk once a non-finite value was found
+    if nxt < prm[P_CHUNKS]:
         st.agreed_exp[nxt] = next_exp
         if not _build(st, s, nxt, now):
             return n_tx  # parked
@@ -646,10 +644,9 @@ class StreamEngine:
         codec = codecs.BY_ID[self.codec]
         local = np.empty(chunks, np.int64)
         low = np.zeros(chunks, np.uint32)  # 0: not precoded, encode_chunk encodes the chunk when it is sent
-        bad = -1
         if not codec.PRECODES:  # else each chunk's exponent comes with its codes, a window ahead (see _precode)
-            bad = chunk_exponents_kernel(flat, self.packet_elements, *codec.EXP_RANGE, local)
-        return self._start(now, flat.size, x=flat, out=out.reshape(-1), local=local, low=low, bad=bad,
+            self.stats[NONFINITE] += chunk_exponents_kernel(flat, self.packet_elements, *codec.EXP_RANGE, local)
+        return self._start(now, flat.size, x=flat, out=out.reshape(-1), local=local, low=low,
                            sent=self._no_sent if sent is None else sent.reshape(-1), codes=self._no_codes,
                            shard=shard, precoded=False)
 
@@ -679,18 +676,18 @@ class StreamEngine:
             raise ValueError(f"{codes.size} codes in chunks of {self.packet_elements} need {chunks} exponents and "
                              f"low words, got {local.size} and {low.size}")
         self.params[P_READY] = codes.size if ready is None else ready
-        return self._start(now, codes.size, x=self._no_sent, out=self._no_sent, local=local, low=low, bad=-1,
+        return self._start(now, codes.size, x=self._no_sent, out=self._no_sent, local=local, low=low,
                            sent=self._no_sent, codes=codes, shard=0, precoded=True)
 
     def _start(self, now: float, elements: int, *, x: np.ndarray, out: np.ndarray, local: np.ndarray,
-               low: np.ndarray, bad: int, sent: np.ndarray, codes: np.ndarray, shard: int, precoded: bool) -> Burst:
+               low: np.ndarray, sent: np.ndarray, codes: np.ndarray, shard: int, precoded: bool) -> Burst:
         """The next allreduce's state, and its bootstrap datagrams: start's and start_precoded's common part."""
         chunks = local.size
         window = min(self.pool_size, chunks)
         self.allreduce_seq += 1
         prm = self.params
-        prm[[P_WINDOW, P_CHUNKS, P_ELEMENTS, P_ALLREDUCE, P_DONE, P_BAD, P_SHARD, P_OUT_LO, P_PRECODED]] = (
-            window, chunks, elements, self.allreduce_seq, 0, bad, shard, int(prm[P_RANK]) * shard, precoded)
+        prm[[P_WINDOW, P_CHUNKS, P_ELEMENTS, P_ALLREDUCE, P_DONE, P_SHARD, P_OUT_LO, P_PRECODED]] = (
+            window, chunks, elements, self.allreduce_seq, 0, shard, int(prm[P_RANK]) * shard, precoded)
         self.state = State(
             params=prm, x=x, out=out, local_exp=local,
             agreed_exp=np.full(chunks, NO_EXP, np.int64), cur_chunk=np.full(self.pool_size, IDLE, np.int64),
@@ -703,7 +700,6 @@ class StreamEngine:
         self._args = tuple(self.state)
         tx = self.tx
         n = start_kernel(self._args, now, tx.ptr, tx.length, tx.addr) if window else 0
-        self.check_finite()  # in the first window: nothing was sent
         return self._sent(n)
 
     # ---- precoded allreduces: what the driver does between the engine's calls (see start_precoded)
@@ -756,22 +752,6 @@ class StreamEngine:
         st = self.state
         waiting = np.where(st.cur_chunk == PARKED, st.parked, st.cur_chunk)[st.cur_chunk != IDLE]
         return int(self.params[P_CHUNKS]) if waiting.size == 0 else max(0, int(waiting.min()))
-
-    @property
-    def non_finite(self) -> int | None:
-        """The index of a NaN or infinity in the current allreduce's input, once found, else None.
-
-        cnat8 reads each chunk a window ahead of sending it, so one past the first window is found mid-flight.
-        From then on the engine sends no new chunk but still takes the results of the chunks it sent (and
-        retransmits them), so that its shadow sets stay in step with the other ranks' and the job's next
-        allreduce works; when it is done the driver raises (check_finite). The other ranks time out."""
-        bad = int(self.params[P_BAD])
-        return None if bad < 0 else bad
-
-    def check_finite(self) -> None:
-        """ValueError naming the non-finite input value, if one was found."""
-        if self.non_finite is not None:
-            raise_non_finite(self.state.x, self.non_finite)
 
     def receive(self, rx: Burst, now: float) -> Burst:
         """Accept the ``rx.count`` received datagrams of ``rx`` (a burst with rows of its own, as

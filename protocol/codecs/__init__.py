@@ -13,7 +13,10 @@ agreed exponent; vbits: s(n) of the job):
     encode_chunk(x, payload, key, offset, exp, vbits, low, local_exp)   a worker's float32 chunk x (tensor
                    elements offset.., random words keyed by key) into payload; low and local_exp: precode_chunk's
                    word and exponent proposal for a precoded payload, or 0 and any exponent to encode
-    check_payload(payload, exp, vbits) -> bool               the switch's check of a contribution
+    check_payload(payload, exp, vbits) -> bool               the switch's check of a contribution (finite)
+    take_nonfinite(payload, exp, vbits, flags) -> bool       the check of one that failed check_payload: valid
+                   with non-finite lanes, whose flags it ORs into the uint8 flags and then zeroes in the payload
+    put_nonfinite(payload, flags) -> lanes                   the result's lanes with flags made non-finite
     contribution_bound(exp, vbits) -> int                    the largest |integer value| one contribution adds
                    (a spine's check of a leaf's partial sums: protocol.partial)
     add_payloads(data, rows, k, col, acc, exp, vbits, first) acc = (first) or += the payloads data[rows[t], col:]
@@ -69,6 +72,20 @@ def check_payload(codec, payload, exp, vbits):
     if codec == cnat8.ID:
         return cnat8.check_payload(payload, exp, vbits)
     return int32.check_payload(payload, exp, vbits)
+
+
+@njit(inline="always")
+def take_nonfinite(codec, payload, exp, vbits, flags):
+    if codec == cnat8.ID:
+        return cnat8.take_nonfinite(payload, exp, vbits, flags)
+    return int32.take_nonfinite(payload, exp, vbits, flags)
+
+
+@njit(inline="always")
+def put_nonfinite(codec, payload, flags):
+    if codec == cnat8.ID:
+        return cnat8.put_nonfinite(payload, flags)
+    return int32.put_nonfinite(payload, flags)
 
 
 @njit(inline="always")

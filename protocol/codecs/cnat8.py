@@ -20,7 +20,15 @@ from intml.protocol.arith import (
     lower_codes,
     sum_to_codes_kernel,
 )
-from intml.protocol.cnat import codes_in_range, decode_kernel, encode_kernel, has_underflow
+from intml.protocol.cnat import (
+    codes_in_range,
+    codes_in_range_or_nonfinite,
+    decode_kernel,
+    encode_kernel,
+    has_underflow,
+    put_nonfinite_codes,
+    take_nonfinite_codes,
+)
 from intml.protocol.wire import Codec
 
 ID = Codec.CNAT8
@@ -65,6 +73,23 @@ def check_payload(payload, exp, vbits):
 
 
 @njit(inline="always")
+def take_nonfinite(payload, exp, vbits, flags):
+    """The switch's check of a contribution that failed check_payload: if every code passes it or is a non-finite
+    code, flags |= each lane's flags, the non-finite codes become 0 (added as nothing) and True; else False,
+    nothing changed."""
+    if not codes_in_range_or_nonfinite(payload, data_k_max(exp, vbits)):
+        return False
+    take_nonfinite_codes(payload, flags)
+    return True
+
+
+@njit(inline="always")
+def put_nonfinite(payload, flags):
+    """The result's lanes with flags become their non-finite codes; returns their count."""
+    return put_nonfinite_codes(payload, flags)
+
+
+@njit(inline="always")
 def contribution_bound(exp, vbits):
     """A valid code adds +-2**k with k <= data_k_max (0 only, for an all-zero chunk)."""
     k = data_k_max(exp, vbits)
@@ -86,8 +111,8 @@ def encode_result(acc, payload, key, offset, exp, vbits):
 
 @njit(inline="always")
 def check_result(payload, exp, vbits):
-    """The worker's check of a result: every code is 0 or has k <= 31 (a re-encoded 31-bit sum)."""
-    return codes_in_range(payload, RESULT_K_MAX)
+    """The worker's check of a result: every code is 0, has k <= 31 (a re-encoded 31-bit sum) or is non-finite."""
+    return codes_in_range(payload, RESULT_K_MAX) or codes_in_range_or_nonfinite(payload, RESULT_K_MAX)
 
 
 @njit(inline="always")
