@@ -4,7 +4,7 @@ moves one byte per element, the device decodes (docs/gpu.md).
 For a cnat8 job, on one CUDA stream:
 
 1. ``chunk_stats``: each chunk's exponent proposal and low word (N / P values, copied to the host at once: the
-   engine needs them before anything is sent; a NaN or infinity raises here, before any datagram);
+   engine needs them before anything is sent; a NaN or an infinity is left out of its chunk's exponent);
 2. ``launch_encode``: every chunk at its own floor into device codes;
 3. the codes to pinned host memory in pieces of ``piece_elements``, an event after each: the engine starts at
    once (its bootstrap rounds need only the exponents) and sends a chunk as soon as its piece has landed
@@ -148,7 +148,7 @@ class _CnatRound:
         self.vbits = int(engine.params[P_VBITS])
         self.buf = owner._buffers_for(x.size)
         self.key = engine.stream_key(engine.next_allreduce)
-        stats = cnat_cuda.chunk_stats(x, self.pkt, cuda_stream=stream)  # raises on NaN or Inf, before any send
+        stats = cnat_cuda.chunk_stats(x, self.pkt, cuda_stream=stream)
         self.local = stats.exponents.astype(np.int64)
         self.low = stats.lows | np.uint32(PRECODED)
         # the floor each chunk's device codes are at: its own, or its agreed one once encoded again
