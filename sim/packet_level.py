@@ -67,6 +67,7 @@ class PacketRun:
     rto: float = WorkerTimers.rto
     min_rto: float = WorkerTimers.min_rto
     check: bool = False  # compare every rank's result with protocol.reference
+    nonfinite: int = 0  # > 0: that many elements of each rank's input become NaN, +Inf or -Inf (seeded)
     cpus: int = 0  # > 0: one machine of that many CPUs runs every rank and the software aggregator, each sender
     # paying the kernel's forwarding per datagram copy (the netns testbed); 0: every host its own CPU, no forwarding
     forward_cost: float = KERNEL_FORWARD  # CPU seconds per datagram copy sent, with cpus
@@ -142,6 +143,9 @@ def simulate(run: PacketRun) -> PacketResult:
     else:
         xs = [rng.standard_normal(run.elements, dtype=np.float32) for _ in range(n)]
         outs = [np.empty(run.elements, np.float32) for _ in range(n)]
+    for x in {id(x): x for x in xs}.values() if run.nonfinite else ():  # each distinct input once
+        where = rng.choice(run.elements, min(run.nonfinite, run.elements), replace=False)
+        x[where] = rng.choice(np.array([np.nan, np.inf, -np.inf], np.float32), where.size)
     state = {"start": 0.0, "round": 0}
 
     def start_round(now: float) -> None:
