@@ -156,7 +156,7 @@ NEWER = 3  # a later use of the slot: opens a new round in the set
 Jobs = namedtuple(
     "Jobs",
     "job_id active world value_bits packet_elements pool codec seed row_base members group last_seen stats core_stats "
-    "data_mac mac_key stride offset",
+    "data_mac mac_key stride offset stochastic",
 )
 # Slot table: one row per slot of every job on this core, two shadow sets each. A completed set keeps its result
 # as the whole datagram (header, payload and any tag) that goes to every worker and to every re-send, and, for a
@@ -240,11 +240,12 @@ def new_jobs(capacity: int) -> Jobs:
         mac_key=np.zeros((capacity, 2), np.uint64),  # its data key (k0, k1), set with data_mac at registration
         stride=np.ones(capacity, np.int64),  # the job's cores, on all its aggregators
         offset=np.zeros(capacity, np.int64),  # this core's index among them: it holds slots s % stride == offset
+        stochastic=np.ones(capacity, np.bool_),  # the re-encode rounds stochastically, else to nearest (JOIN flags)
     )
 
 
 def place_job(jobs: Jobs, table: Table, j: int, rows: range, *, world: int, value_bits: int, packet_elements: int,
-              pool: int, codec: int, seed: int, stride: int = 1, offset: int = 0) -> None:
+              pool: int, codec: int, seed: int, stride: int = 1, offset: int = 0, nearest: bool = False) -> None:
     """Job index j's parameters, as the kernel reads them, on the slot rows ``rows`` (emptied: a fresh job must
     not see a previous job's rounds), with no members yet. The caller sets the rest (group, MAC) and then marks
     the job active."""
@@ -257,6 +258,7 @@ def place_job(jobs: Jobs, table: Table, j: int, rows: range, *, world: int, valu
     jobs.row_base[j] = rows.start
     jobs.members[j] = 0
     jobs.stride[j], jobs.offset[j] = stride, offset
+    jobs.stochastic[j] = not nearest
     table.round_key[rows.start:rows.stop] = -1
     table.count[rows.start:rows.stop] = 0
     table.bitmap[rows.start:rows.stop] = 0
@@ -510,7 +512,7 @@ def complete(jobs, table, b, g):
         key_switch = derive_key(jobs.seed[j], switch_stream(allreduce))
         jobs.stats[j, SATURATED] += codecs.encode_result(codec, acc, p[HDR:HDR + size], key_switch,
                                                          np.uint64(chunk * jobs.packet_elements[j]),
-                                                         table.exp[row, x], jobs.value_bits[j])
+                                                         table.exp[row, x], jobs.value_bits[j], jobs.stochastic[j])
         jobs.stats[j, NONFINITE] += put_nonfinite(table, row, x, p[HDR:HDR + size], codec, count)
     length = HDR + size
     if jobs.data_mac[j]:  # tagged once, here: every copy and every re-send of the result carries the same bytes

@@ -43,20 +43,21 @@ from intml.protocol.cnat import (
     F_MAX,
     F_MIN,
     K_MASK,
+    NAN_FLAGS,
+    NEG_INF,
     NONZERO,
+    POS_INF,
     _flat,
     _out,
     check_floor,
     code_in_range,
     codes_in_range,
     encode_kernel,
-    NAN_FLAGS,
-    NEG_INF,
-    POS_INF,
+    encode_word,
     nonfinite_flags,
 )
 from intml.protocol.lanes import clz32, shl32
-from intml.protocol.rng import BLOCK, block_key, lowbias32, stream_key
+from intml.protocol.rng import BLOCK, block_key, stream_key
 from intml.protocol.wire import NO_EXP
 
 EXP_MIN = -126  # float32's exponents: a denormal-only chunk has E = -126
@@ -157,18 +158,19 @@ def chunk_exponents(x: np.ndarray, chunk_elements: int, codec_range: tuple[int, 
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def precode_chunk(x, codes, key, offset, value_bits):
+def precode_chunk(x, codes, key, offset, value_bits, stochastic):
     """The worker's read of a chunk x (elements offset, offset + 1, ... of its tensor) in cnat8 mode, a window
     ahead: find its exponent proposal E_r, then encode it into codes at its own floor f_r = cnat_floor(E_r, s(n))
     (the chunk is in cache for the second pass). Returns (saturated (0: the window holds every value), the count
     of non-finite values, E_r, low | PRECODED), low being the smallest nonzero magnitude minus one
-    (encode_kernel's).
+    (encode_kernel's). Not stochastic: encode_nearest's codes.
 
     Once the agreed exponent E >= E_r is known (floor f >= f_r), which power of two a value rounds to changes only
     for values below 2**f, ``has_underflow(low, f)``; otherwise the wire codes are these with k lowered by
     f - f_r (codecs.cnat8.encode_chunk)."""
     exponent = chunk_exponent(_largest(x.view(np.uint32), 0, x.size)[0], EXP_MIN, EXP_MAX)
-    saturated, nonfinite, _, low = encode_kernel(x, codes, key, _U64(offset), cnat_floor(exponent, value_bits), True)
+    saturated, nonfinite, _, low = encode_kernel(x, codes, key, _U64(offset), cnat_floor(exponent, value_bits),
+                                                 stochastic)
     return saturated, nonfinite, exponent, _U32(low | _U32(PRECODED))
 
 
@@ -281,11 +283,11 @@ def _sum_code(s, r):
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def _sum_block(sums, out, lo0, k):
+def _sum_block(sums, out, lo0, k, stochastic):
     """Re-encode one block; returns the largest k so the caller can tell if any value left float32."""
     top = _U32(0)
     for j in range(sums.size):
-        neg, a, kk = _sum_code(sums[j], lowbias32(_U32(_U32(lo0 + _U32(j)) ^ k)))
+        neg, a, kk = _sum_code(sums[j], encode_word(stochastic, _U32(lo0 + _U32(j)), k))
         kk = kk if a != _U32(0) else _U32(0)
         top = max(top, kk)
         code = _U32(_U32(neg << _U32(7)) | _U32(NONZERO) | kk)
@@ -294,19 +296,20 @@ def _sum_block(sums, out, lo0, k):
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def _count_overflowed(sums, lo0, k, k_finite):
+def _count_overflowed(sums, lo0, k, k_finite, stochastic):
     count = 0
     for j in range(sums.size):
-        neg, a, kk = _sum_code(sums[j], lowbias32(_U32(_U32(lo0 + _U32(j)) ^ k)))
+        neg, a, kk = _sum_code(sums[j], encode_word(stochastic, _U32(lo0 + _U32(j)), k))
         count += (a != _U32(0)) & (kk > _U32(k_finite))
     return count
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def sum_to_codes_kernel(sums, out, key, offset, floor):
-    """C_nat codes of integer sums in units of 2**floor, random words keyed by (key, offset + j); returns the
-    number of elements whose rounded value, 2**(floor + k), exceeds float32 (decodes to +-Inf). Only a floor
-    above 127 - RESULT_K_MAX = 96 can have any."""
+def sum_to_codes_kernel(sums, out, key, offset, floor, stochastic):
+    """C_nat codes of integer sums in units of 2**floor, random words keyed by (key, offset + j) (not
+    stochastic: the fixed word of encode_nearest, which rounds |S| to the nearer power of two, ties away from
+    zero); returns the number of elements whose rounded value, 2**(floor + k), exceeds float32 (decodes to
+    +-Inf). Only a floor above 127 - RESULT_K_MAX = 96 can have any."""
     k_finite = F_MAX - floor  # the largest k that decodes to a finite float32
     overflowed = 0
     start = 0
@@ -316,22 +319,25 @@ def sum_to_codes_kernel(sums, out, key, offset, floor):
         end = min(n, start + BLOCK - int(idx % _U64(BLOCK)))
         k = block_key(key, idx >> _U64(32))
         lo0 = _U32(idx & _U64(0xFFFFFFFF))
-        if np.int64(_sum_block(sums[start:end], out[start:end], lo0, k)) > k_finite:
-            overflowed += _count_overflowed(sums[start:end], lo0, k, k_finite)  # rare: a second pass counts
+        if np.int64(_sum_block(sums[start:end], out[start:end], lo0, k, stochastic)) > k_finite:
+            overflowed += _count_overflowed(sums[start:end], lo0, k, k_finite, stochastic)  # rare: a second pass
         start = end
     return overflowed
 
 
 def sum_to_codes(
-    sums: np.ndarray, floor: int, *, seed: int, stream: int, offset: int = 0, out: np.ndarray | None = None
+    sums: np.ndarray, floor: int, *, seed: int | None, stream: int = 0, offset: int = 0,
+    out: np.ndarray | None = None
 ) -> tuple[np.ndarray, int]:
-    """Stochastic C_nat re-encode of int32 sums in units of 2**floor; returns (codes, elements beyond float32)."""
+    """Stochastic C_nat re-encode of int32 sums in units of 2**floor (seed None: the deterministic, nearest one);
+    returns (codes, elements beyond float32)."""
     check_floor(floor)
     if offset < 0:
         raise ValueError(f"offset must be >= 0, got {offset}")
     flat = _flat(sums, np.int32, "sums")
     codes = _out(out, flat.size, np.uint8)
-    overflowed = sum_to_codes_kernel(flat, codes, _U64(stream_key(seed, stream)), _U64(offset), floor)
+    key = _U64(0 if seed is None else stream_key(seed, stream))
+    overflowed = sum_to_codes_kernel(flat, codes, key, _U64(offset), floor, seed is not None)
     return (codes.reshape(sums.shape) if out is None else out), int(overflowed)
 
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 
 from intml.protocol.codecs import BY_NAME
-from intml.protocol.wire import FLAG_DATA_MAC, Codec, max_packet_elements
+from intml.protocol.wire import FLAG_DATA_MAC, FLAG_NEAREST, Codec, max_packet_elements
 
 MAX_WORLD = 64  # ranks per job: the switch keeps one 64-bit bitmap per shadow set
 CODEC_NAMES: dict[str, Codec] = {name: codec.ID for name, codec in BY_NAME.items()}
@@ -58,6 +58,9 @@ def codec_name(codec: Codec) -> str:
     return next(name for name, value in CODEC_NAMES.items() if value == codec)
 
 
+ROUNDINGS = ("stochastic", "nearest")  # C_nat's rounding: unbiased, or deterministic to the nearer power of two
+
+
 @dataclasses.dataclass(frozen=True)
 class JobParams:
     """What a JOIN carries and every rank of a job must agree on."""
@@ -68,6 +71,7 @@ class JobParams:
     codec: Codec = Codec.CNAT8
     seed: int = 0
     data_mac: bool = False  # DATA / RESULT carry a keyed MAC (the JOIN's flags, bit 0)
+    nearest: bool = False  # C_nat rounds to nearest at the workers and the switch, biased (flags, bit 1)
 
     def __post_init__(self) -> None:
         problem = self.problem()
@@ -103,7 +107,7 @@ class JobParams:
     @property
     def flags(self) -> int:
         """The JOIN's flags byte."""
-        return FLAG_DATA_MAC if self.data_mac else 0
+        return (FLAG_DATA_MAC if self.data_mac else 0) | (FLAG_NEAREST if self.nearest else 0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -60,7 +60,9 @@ def encode(x: np.ndarray, *, seed: int | None, floor: int, stream: int = 0, offs
     codes = np.zeros(x.size, np.uint8)
     saturated = 0
     flags = flags_of(x)
-    for i, v in enumerate(x.astype(np.float64)):
+    with np.errstate(invalid="ignore"):  # a signalling NaN's cast; its code is its flags
+        wide = x.astype(np.float64)
+    for i, v in enumerate(wide):
         ax = abs(v)
         if flags[i]:
             codes[i] = flags[i]
@@ -111,11 +113,16 @@ def to_fixed(codes: np.ndarray) -> np.ndarray:
                      np.asarray(codes, dtype=np.uint8).reshape(-1)], dtype=np.int64)
 
 
-def sum_to_codes(sums: np.ndarray, floor: int, *, seed: int, stream: int, offset: int = 0) -> tuple[np.ndarray, int]:
-    """Stochastic C_nat of integer sums in units of 2**floor (k = b or b + 1, b = floor(log2 |S|)). Returns
+def sum_to_codes(sums: np.ndarray, floor: int, *, seed: int | None, stream: int = 0,
+                 offset: int = 0) -> tuple[np.ndarray, int]:
+    """Stochastic C_nat of integer sums in units of 2**floor (k = b or b + 1, b = floor(log2 |S|)); seed=None is
+    the deterministic variant (round up iff the remainder is at least 2**(b-1): nearest, ties away). Returns
     (codes, overflowed): the elements whose rounded value 2**(floor + k) exceeds float32 (they decode to +-Inf)."""
     sums = np.asarray(sums, dtype=np.int64).reshape(-1)
-    r = bits32(stream_key(seed, stream), np.arange(offset, offset + sums.size, dtype=np.uint64))
+    if seed is None:
+        r = np.full(sums.size, 2**31 - 1, dtype=np.uint32)
+    else:
+        r = bits32(stream_key(seed, stream), np.arange(offset, offset + sums.size, dtype=np.uint64))
     codes = np.zeros(sums.size, np.uint8)
     overflowed = 0
     for i, s in enumerate(sums):
@@ -162,21 +169,24 @@ def data_code_ok(code: int, e: int, n: int) -> bool:
     return e != NO_EXP and is_valid(code) and k_of(code) <= window_top(e) - cnat_floor(e, n)
 
 
-def worker_codes(parts: list[np.ndarray], *, seed: int, allreduce_seq: int, offset: int) -> tuple[int, list]:
+def worker_codes(parts: list[np.ndarray], *, seed: int, allreduce_seq: int, offset: int,
+                 nearest: bool = False) -> tuple[int, list]:
     """(floor, [(codes, saturated) of each rank]) of one cnat8 chunk whose ranks' inputs are parts."""
     e = max(chunk_exponent(x, EXP_MIN, EXP_MAX) for x in parts)
     floor = cnat_floor(e, len(parts))
-    return floor, [encode(x, seed=seed, floor=floor, stream=(allreduce_seq << 24) | (1 << 16) | rank, offset=offset)
+    return floor, [encode(x, seed=None if nearest else seed, floor=floor, stream=(allreduce_seq << 24) | (1 << 16) | rank, offset=offset)
                    for rank, x in enumerate(parts)]
 
 
-def cnat8_chunk_codes(parts: list[np.ndarray], *, seed: int, allreduce_seq: int, offset: int) -> tuple[int, np.ndarray, int]:
+def cnat8_chunk_codes(parts: list[np.ndarray], *, seed: int, allreduce_seq: int, offset: int,
+                      nearest: bool = False) -> tuple[int, np.ndarray, int]:
     """(floor, result codes, overflowed) of one cnat8 chunk: agree on the max exponent, encode each rank's part
     against its floor, add integers exactly, re-encode the sum; a lane with non-finite flags from any rank (ORed)
-    comes back as the code of its flags."""
-    floor, encoded = worker_codes(parts, seed=seed, allreduce_seq=allreduce_seq, offset=offset)
+    comes back as the code of its flags. nearest: the deterministic variant at the workers and the switch."""
+    floor, encoded = worker_codes(parts, seed=seed, allreduce_seq=allreduce_seq, offset=offset, nearest=nearest)
     total = sum(to_fixed(codes) for codes, _ in encoded)
-    codes, overflowed = sum_to_codes(total, floor, seed=seed, stream=(allreduce_seq << 24) | (2 << 16), offset=offset)
+    codes, overflowed = sum_to_codes(total, floor, seed=None if nearest else seed,
+                                     stream=(allreduce_seq << 24) | (2 << 16), offset=offset)
     flags = lane_flags(parts)
     codes[flags != 0] = flags[flags != 0]
     return floor, codes, overflowed
@@ -187,16 +197,18 @@ def lane_flags(parts: list[np.ndarray]) -> np.ndarray:
     return np.bitwise_or.reduce([flags_of(x) for x in parts]).astype(np.uint8)
 
 
-def cnat8_chunk(parts: list[np.ndarray], *, seed: int, allreduce_seq: int, offset: int) -> np.ndarray:
+def cnat8_chunk(parts: list[np.ndarray], *, seed: int, allreduce_seq: int, offset: int,
+                nearest: bool = False) -> np.ndarray:
     """The cnat8 result of one chunk whose ranks' inputs are parts (tensor elements offset..)."""
-    floor, codes, _ = cnat8_chunk_codes(parts, seed=seed, allreduce_seq=allreduce_seq, offset=offset)
+    floor, codes, _ = cnat8_chunk_codes(parts, seed=seed, allreduce_seq=allreduce_seq, offset=offset, nearest=nearest)
     return decode(codes, floor)
 
 
-def int32_chunk(parts: list[np.ndarray], *, seed: int, allreduce_seq: int, offset: int) -> np.ndarray:
+def int32_chunk(parts: list[np.ndarray], *, seed: int, allreduce_seq: int, offset: int,
+                nearest: bool = False) -> np.ndarray:
     """The int32 result of one chunk: agree on the max exponent E, add rint(x * 2**(s - E)) (clamped to +-2**s)
     exactly, scale the sum back by 2**(E - s); a lane with non-finite flags from any rank (ORed) comes back as
-    their value. Deterministic: seed, allreduce_seq and offset play no part."""
+    their value. Deterministic: seed, allreduce_seq, offset and nearest play no part."""
     s = value_bits(len(parts))
     e = max(chunk_exponent(x, EXP_MIN, EXP_MAX) for x in parts)
     scale = s - (EXP_MIN if e == NO_EXP else e)
@@ -215,13 +227,15 @@ def int32_chunk(parts: list[np.ndarray], *, seed: int, allreduce_seq: int, offse
 CHUNK_RESULTS = {"cnat8": cnat8_chunk, "int32": int32_chunk}  # by codec name
 
 
-def allreduce(inputs: list[np.ndarray], *, codec: str, seed: int, allreduce_seq: int, packet_elements: int) -> np.ndarray:
+def allreduce(inputs: list[np.ndarray], *, codec: str, seed: int, allreduce_seq: int, packet_elements: int,
+              rounding: str = "stochastic") -> np.ndarray:
     """The sum every worker receives (docs/arithmetic.md, "One chunk, end to end"): chunk by chunk, the codec's
-    result."""
+    result; rounding "nearest": the deterministic C_nat at the workers and the switch (docs/rounding.md)."""
     chunk_result = CHUNK_RESULTS[codec]
     flat = [np.asarray(x, dtype=np.float32).reshape(-1) for x in inputs]
     out = np.zeros(flat[0].size, np.float32)
     for lo in range(0, out.size, packet_elements):
         parts = [x[lo:lo + packet_elements] for x in flat]
-        out[lo:lo + packet_elements] = chunk_result(parts, seed=seed, allreduce_seq=allreduce_seq, offset=lo)
+        out[lo:lo + packet_elements] = chunk_result(parts, seed=seed, allreduce_seq=allreduce_seq, offset=lo,
+                                                    nearest=rounding == "nearest")
     return out

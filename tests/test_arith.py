@@ -254,7 +254,8 @@ def test_precode_gives_the_wire_codes_unless_a_value_is_below_the_floor(x, chunk
     codes = np.empty(x.size, np.uint8)
     exponents, low, saturated = [], [], 0
     for lo in range(0, x.size, chunk):
-        sat, bad, exponent, smallest = arith.precode_chunk(x[lo:lo + chunk], codes[lo:lo + chunk], key, lo, vbits)
+        sat, bad, exponent, smallest = arith.precode_chunk(x[lo:lo + chunk], codes[lo:lo + chunk], key, lo, vbits,
+                                                           True)
         assert bad == np.count_nonzero(~np.isfinite(x[lo:lo + chunk]))
         exponents.append(exponent)
         low.append(smallest)

@@ -320,6 +320,21 @@ def test_non_finite_values_pass_through(codec, cores, faults):
     assert_all_equal(net.allreduce(ys), ref(ys, codec, P64, seq=1))
 
 
+@pytest.mark.parametrize("cores", [1, 2])
+def test_nearest_rounding_through_engines_and_cores(cores):
+    """A job joined with rounding "nearest" (the JOIN's flag): the workers' encode and the cores' re-encode are
+    deterministic, so the result is the reference's nearest allreduce bit for bit, under loss, whatever the seed,
+    and differs from the stochastic one."""
+    n = 3
+    xs = make_inputs(n, 9 * P64 + 5, P64, "normal", seed=4)
+    want = reference.allreduce(xs, codec="cnat8", seed=0, allreduce_seq=0, packet_elements=P64, rounding="nearest")
+    for seed in (1, 77):
+        net = Network(n, packet_elements=P64, cores=cores, seed=seed, nearest=True, drop=0.1, reorder=0.1,
+                      fault_seed=seed)
+        assert_all_equal(net.allreduce(xs), want)
+    assert want.tobytes() != ref(xs, "cnat8", P64).tobytes()
+
+
 @pytest.mark.parametrize("own_result_too", [False, True])
 def test_fast_retransmit_after_three_overtaking_results(own_result_too):
     """Chunk 0 goes out at t=1, chunks 1-3 at t=2; their three results arriving first resend chunk 0 at once, byte

@@ -37,8 +37,8 @@ class HostCodes:
         for c in range(chunks):
             lo, hi = self._range(c)
             _, bad, self.local[c], self.low[c] = precode_chunk(x[lo:hi], self.codes[lo:hi], self.key, lo,
-                                                               int(engine.params[P_VBITS]))
-            assert bad < 0
+                                                               int(engine.params[P_VBITS]), True)
+            assert bad == 0
         self.reencodes = 0
 
     def _range(self, c: int) -> tuple[int, int]:

@@ -137,9 +137,10 @@ State = namedtuple(
 # params (int64): job, rank, world, value_bits, codec, packet_elements, window, chunks, elements, allreduce, cores,
 #                 seed (as int64 bits), done_chunks, shard elements of a
 #                 reduce-scatter (0: an allreduce), the first element the output holds, precoded (1) or
-#                 float (0) input, elements whose codes are in ``codes`` (precoded)
+#                 float (0) input, elements whose codes are in ``codes`` (precoded), stochastic (1) or nearest (0)
+#                 rounding
 (P_JOB, P_RANK, P_WORLD, P_VBITS, P_CODEC, P_PKT, P_WINDOW, P_CHUNKS, P_ELEMENTS, P_ALLREDUCE, P_CORES,
- P_SEED, P_DONE, P_SHARD, P_OUT_LO, P_PRECODED, P_READY) = range(17)
+ P_SEED, P_DONE, P_SHARD, P_OUT_LO, P_PRECODED, P_READY, P_STOCHASTIC) = range(18)
 # codes (uint8): precoded, the codes in (each chunk at its own floor) and the result codes out; else empty
 # parked (int64): per slot, the chunk a PARKED slot waits to send
 # mac_keys (uint64): (cores, 2), the data key (k0, k1) of each aggregator core; (0, 2) without the DATA/RESULT MAC
@@ -193,7 +194,7 @@ def _precode(st, d):
     hi = min(prm[P_ELEMENTS], lo + prm[P_PKT])
     payload = st.packet[s, 1 - st.parity[s], HDR:HDR + hi - lo]
     sat, nonfinite, st.local_exp[d], st.low[d] = precode_chunk(st.x[lo:hi], payload, _worker_key(prm), lo,
-                                                               prm[P_VBITS])
+                                                               prm[P_VBITS], prm[P_STOCHASTIC] != 0)
     st.stats[SATURATED] += sat
     st.stats[NONFINITE] += nonfinite
 
@@ -235,7 +236,7 @@ def _build(st, s, c, now):
             st.overtaken[s] = 0
             return False
         codecs.encode_chunk(codec, st.x[lo:lo + count], payload, _worker_key(prm), lo, exp, prm[P_VBITS], st.low[c],
-                            st.local_exp[c])
+                            st.local_exp[c], prm[P_STOCHASTIC] != 0)
         if st.sent.size:  # asked for (error feedback): what this rank sends, decoded from the datagram itself
             codecs.decode_result(codec, payload, exp, prm[P_VBITS], st.sent[lo:lo + count])
     nxt = c + window
@@ -563,10 +564,12 @@ class StreamEngine:
     def __init__(self, *, job: int, rank: int, world_size: int, codec: Codec, packet_elements: int, pool_size: int,
                  seed: int, agg_addrs: list[int], rto: float = WorkerTimers.rto,
                  min_rto: float = WorkerTimers.min_rto, max_rto: float = WorkerTimers.max_rto,
-                 data_mac_keys: np.ndarray | None = None) -> None:
+                 data_mac_keys: np.ndarray | None = None, nearest: bool = False) -> None:
         """``data_mac_keys``: the job's data key on each aggregator core, a (cores, 2) uint64 array of (k0, k1) rows
         (protocol.siphash.key_words), for a job with data_mac: every DATA datagram then ends in its SipHash tag
-        under its core's key, and a RESULT is taken only with a valid one. None: no MAC."""
+        under its core's key, and a RESULT is taken only with a valid one. None: no MAC. ``nearest``: cnat8 codes
+        round to the nearer power of two (encode_nearest, the job's deterministic rounding) instead of
+        stochastically."""
         if not 0 < min_rto <= rto <= max_rto:
             raise ValueError(f"need 0 < min_rto <= rto <= max_rto, got {min_rto}, {rto}, {max_rto}")
         if data_mac_keys is None:
@@ -585,6 +588,7 @@ class StreamEngine:
         self.params[[P_JOB, P_RANK, P_WORLD, P_VBITS, P_CODEC, P_PKT, P_CORES]] = (
             job, rank, world_size, value_bits(world_size), int(self.codec), packet_elements, len(agg_addrs))
         self.params[P_SEED] = np.uint64(seed).view(np.int64)
+        self.params[P_STOCHASTIC] = not nearest
         self.seed, self.rank = seed, rank
         self.parity = np.zeros(pool_size, np.int64)  # persists over the job's life
         # two datagram buffers per slot, by parity: the in-flight chunk's (kept for retransmission) and the next's
@@ -745,6 +749,11 @@ class StreamEngine:
     def agreed_exp(self) -> np.ndarray:
         """The current allreduce's agreed exponent per chunk (NO_EXP until its round has started)."""
         return self.state.agreed_exp
+
+    @property
+    def stochastic(self) -> bool:
+        """Whether cnat8 codes round stochastically (else to nearest: the job's deterministic rounding)."""
+        return bool(self.params[P_STOCHASTIC])
 
     def completed(self) -> int:
         """Chunks 0 .. completed() - 1 have their results (the others may too): every slot sends its chunks in

@@ -42,17 +42,17 @@ PRECODES = True
 
 
 @njit(inline="always")
-def encode_chunk(x, payload, key, offset, exp, vbits, low, local_exp):
+def encode_chunk(x, payload, key, offset, exp, vbits, low, local_exp, stochastic):
     """Codes of float32 x (elements offset.. of the tensor, random words keyed by key) at the floor of agreed
     exponent exp, into payload. low and local_exp are precode_chunk's low word and exponent proposal for a
     payload that already holds x's codes at the proposal's floor; low without the PRECODED bit (0) asks for an
     encode. A precoded payload needs a new encode only if a value lies below the agreed floor (or the agreed
     exponent is below the proposal, which an honest switch never returns); else its k are lowered by the floors'
-    difference."""
+    difference. Not stochastic: encode_nearest's codes (a precoded payload must be too)."""
     floor = cnat_floor(exp, vbits)
     own = cnat_floor(local_exp, vbits)
     if encodes_again(low, floor, own):
-        encode_kernel(x, payload, key, np.uint64(offset), floor, True)
+        encode_kernel(x, payload, key, np.uint64(offset), floor, stochastic)
     elif floor > own:
         lower_codes(payload, floor - own)
 
@@ -103,10 +103,10 @@ def add_payloads(data, rows, k, col, acc, exp, vbits, first):
 
 
 @njit(inline="always")
-def encode_result(acc, payload, key, offset, exp, vbits):
-    """The switch's stochastic C_nat re-encode of the sums acc into payload; returns the count of elements whose
-    rounded sum exceeds float32 (they decode to +-Inf)."""
-    return sum_to_codes_kernel(acc, payload, key, np.uint64(offset), cnat_floor(exp, vbits))
+def encode_result(acc, payload, key, offset, exp, vbits, stochastic):
+    """The switch's stochastic (or nearest) C_nat re-encode of the sums acc into payload; returns the count of
+    elements whose rounded sum exceeds float32 (they decode to +-Inf)."""
+    return sum_to_codes_kernel(acc, payload, key, np.uint64(offset), cnat_floor(exp, vbits), stochastic)
 
 
 @njit(inline="always")

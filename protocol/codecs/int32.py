@@ -25,9 +25,9 @@ PRECODES = False
 
 
 @njit(inline="always")
-def encode_chunk(x, payload, key, offset, exp, vbits, low, local_exp):
+def encode_chunk(x, payload, key, offset, exp, vbits, low, local_exp, stochastic):
     """payload = rint(x * 2**(s - exp)) clamped to +-2**s, big-endian, and INT32_NONFINITE + flags for a NaN or
-    an infinity (key, offset, low and local_exp are unused)."""
+    an infinity (key, offset, low, local_exp and stochastic are unused: int32 rounds to nearest always)."""
     scale = 2.0 ** int32_scale_exponent(exp, vbits)
     limit = np.int64(1) << vbits
     bits = x.view(np.uint32)
@@ -101,7 +101,7 @@ def add_payloads(data, rows, k, col, acc, exp, vbits, first):
 
 
 @njit(inline="always")
-def encode_result(acc, payload, key, offset, exp, vbits):
+def encode_result(acc, payload, key, offset, exp, vbits, stochastic):
     """payload = the sums, big-endian; nothing saturates (returns 0)."""
     for i in range(acc.size):
         store_be32(payload, WIDTH * i, acc[i])

@@ -153,7 +153,8 @@ class _CnatRound:
         self.low = stats.lows | np.uint32(PRECODED)
         # the floor each chunk's device codes are at: its own, or its agreed one once encoded again
         self.sent_floors = cnat_floors(self.local, self.vbits, np.empty(self.local.size, np.int64))
-        cnat_cuda.launch_encode(x, self.buf.codes_dev, self.key, 0, self.sent_floors, self.pkt, True, stream)
+        cnat_cuda.launch_encode(x, self.buf.codes_dev, self.key, 0, self.sent_floors, self.pkt, engine.stochastic,
+                                stream)
         self.pieces: deque[tuple[int, Any]] = deque()  # (end element, event after its copy) in flight
         for a in range(0, x.size, owner.piece):
             b = min(x.size, a + owner.piece)
@@ -198,7 +199,8 @@ class _CnatRound:
         buf, x, pkt = self.buf, self.x, self.pkt
         for c, floor in requests:
             a, b = c * pkt, min(x.size, (c + 1) * pkt)
-            cnat_cuda.launch_encode(x[a:b], buf.codes_dev[a:b], self.key, a, [floor], b - a, True, self.stream)
+            cnat_cuda.launch_encode(x[a:b], buf.codes_dev[a:b], self.key, a, [floor], b - a, self.engine.stochastic,
+                                    self.stream)
             buf.codes_dev[a:b].copy_to_host(buf.codes_host[a:b], stream=self.stream)
             self.sent_floors[c] = floor
         stream_sync(self.stream)

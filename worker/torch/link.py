@@ -211,7 +211,8 @@ def connect(config: IntmlConfig, rank: int, world_size: int, control_allreduce: 
         try:
             w = Worker(config.aggregator, job=job, rank=rank, world_size=world_size, token=config.token,
                        codec=config.codec, packet_elements=config.packet_elements, pool_size=config.pool_size,
-                       seed=seed, timeout=config.timeout, connect_timeout=config.connect_timeout)
+                       seed=seed, timeout=config.timeout, connect_timeout=config.connect_timeout,
+                       rounding=config.rounding)
         except (AllreduceTimeout, OSError) as exc:
             status[rank], reason = UNREACHABLE, f"{type(exc).__name__}: {exc}"
         except JoinError as exc:
