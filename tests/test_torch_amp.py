@@ -99,3 +99,18 @@ def test_grad_scaler_skips_the_steps_gloo_skips() -> None:
         first, last = run[0]["losses"][0], np.mean(run[0]["losses"][-3:])
         assert last < first / 3, (first, run[0]["losses"])
     assert np.mean(got[0]["losses"][-3:]) < 1.5 * np.mean(gloo[0]["losses"][-3:])
+
+
+def test_rounding_option() -> None:
+    """INTML_ROUNDING / IntmlConfig.rounding and Worker(rounding=): stochastic by default, nearest on request
+    (the JOIN's flag), anything else refused in one line before any socket is opened."""
+    from intml.protocol.job import JobParams
+    from intml.worker.api import Worker
+
+    assert intml.IntmlConfig.from_env({}).rounding == "stochastic"
+    assert intml.IntmlConfig.from_env({"INTML_ROUNDING": "nearest"}).rounding == "nearest"
+    with pytest.raises(ValueError, match="INTML_ROUNDING must be one of stochastic, nearest, got 'up'"):
+        intml.IntmlConfig.from_env({"INTML_ROUNDING": "up"})
+    with pytest.raises(ValueError, match="rounding must be one of stochastic, nearest, got 'up'"):
+        Worker("127.0.0.1:9", job=1, rank=0, world_size=1, rounding="up")
+    assert JobParams(world_size=2, nearest=True).flags == 2 and JobParams(world_size=2).flags == 0
