@@ -23,6 +23,7 @@ from harness import (
     engine_timer,
     header,
     make_inputs,
+    msg_type,
     reference_saturation,
     table_snapshot,
     with_header,
@@ -333,6 +334,16 @@ def test_nearest_rounding_through_engines_and_cores(cores):
                       fault_seed=seed)
         assert_all_equal(net.allreduce(xs), want)
     assert want.tobytes() != ref(xs, "cnat8", P64).tobytes()
+
+
+def test_a_rank_with_the_other_rounding_is_refused():
+    """The rounding is a job parameter (the JOIN's flags): a rank asking for stochastic rounding cannot join a
+    nearest job, and an unknown flag is refused."""
+    net = Network(2, nearest=True)
+    (reply, _), = net.join(1, flags=0)
+    assert msg_type(reply) == MsgType.ERROR and b"flags=0 (job has 2)" in reply
+    (reply, _), = net.join(1, job=net.job + 1, flags=4)
+    assert msg_type(reply) == MsgType.ERROR and b"unknown JOIN flags 0x04" in reply
 
 
 @pytest.mark.parametrize("own_result_too", [False, True])

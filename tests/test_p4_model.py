@@ -434,6 +434,7 @@ def test_cli_commands_load_every_entry() -> None:
 
 
 @pytest.mark.parametrize("params, says", [({"flags": wire.FLAG_DATA_MAC}, "data_mac"),
+                                          ({"flags": wire.FLAG_NEAREST}, "rounds stochastically only"),
                                           ({"packet_elements": 1025}, "1024 cnat8 elements"),
                                           ({"packet_elements": 257, "codec": int(Codec.INT32)}, "256 int32")])
 def test_the_model_engine_refuses_what_the_switch_cannot_do(params: dict, says: str) -> None:
