@@ -68,6 +68,7 @@ class PacketRun:
     min_rto: float = WorkerTimers.min_rto
     check: bool = False  # compare every rank's result with protocol.reference
     nonfinite: int = 0  # > 0: that many elements of each rank's input become NaN, +Inf or -Inf (seeded)
+    rounding: str = "stochastic"  # C_nat's, at the workers and the switch; "nearest": deterministic (docs/rounding.md)
     cpus: int = 0  # > 0: one machine of that many CPUs runs every rank and the software aggregator, each sender
     # paying the kernel's forwarding per datagram copy (the netns testbed); 0: every host its own CPU, no forwarding
     forward_cost: float = KERNEL_FORWARD  # CPU seconds per datagram copy sent, with cpus
@@ -116,7 +117,7 @@ def simulate(run: PacketRun) -> PacketResult:
     sim = Simulator()
     n = run.workers
     params = JobParams.of(world_size=n, codec=run.codec, packet_elements=run.packet_elements, pool_size=run.pool,
-                          seed=run.seed)
+                          seed=run.seed, nearest=run.rounding == "nearest")
     machine = Machine(run.cpus) if run.cpus else None
     software = run.switch == "software"
     forward = run.forward_cost if machine else 0.0
@@ -207,7 +208,7 @@ def simulate(run: PacketRun) -> PacketResult:
         loop_cpu=loop_cpu)
     if run.check:
         expected = reference.allreduce(xs, codec=run.codec, seed=run.seed, allreduce_seq=run.rounds - 1,
-                                       packet_elements=run.packet_elements)
+                                       packet_elements=run.packet_elements, rounding=run.rounding)
         result.exact = all(np.array_equal(o.view(np.uint32), expected.view(np.uint32)) for o in outs)
     return result
 
