@@ -14,8 +14,8 @@ bit   name        meaning
 
 ``0x00`` is zero. ``0x01``, ``0x02`` and ``0x03`` are the non-finite codes (+Inf, -Inf, NaN), which carry no
 value a switch adds. Any other code with the nonzero flag clear (so also ``0x80``, "negative zero") is invalid:
-``find_invalid``/``validate`` report it, and the non-finite codes too, and ``decode`` turns it into NaN. Which k a packet may hold
-is the protocol's business (protocol.codecs.cnat8: k <= E - f in DATA, k <= 31 in RESULT).
+``find_invalid``/``validate`` report it, and the non-finite codes too, and ``decode`` turns it into NaN. Which k a
+packet may hold is the protocol's business (protocol.codecs.cnat8: k <= E - f in DATA, k <= 31 in RESULT).
 
 The floor lies in [F_MIN, F_MAX] = [-149, 127]: 2**-149 is float32's smallest denormal, so every code decodes to
 an exact float32 (denormals included) or, where f + k >= 128, to +-inf, as a float32 overflows.

@@ -174,7 +174,8 @@ def worker_codes(parts: list[np.ndarray], *, seed: int, allreduce_seq: int, offs
     """(floor, [(codes, saturated) of each rank]) of one cnat8 chunk whose ranks' inputs are parts."""
     e = max(chunk_exponent(x, EXP_MIN, EXP_MAX) for x in parts)
     floor = cnat_floor(e, len(parts))
-    return floor, [encode(x, seed=None if nearest else seed, floor=floor, stream=(allreduce_seq << 24) | (1 << 16) | rank, offset=offset)
+    return floor, [encode(x, seed=None if nearest else seed, floor=floor,
+                          stream=(allreduce_seq << 24) | (1 << 16) | rank, offset=offset)
                    for rank, x in enumerate(parts)]
 
 
