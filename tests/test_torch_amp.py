@@ -101,6 +101,43 @@ def test_grad_scaler_skips_the_steps_gloo_skips() -> None:
     assert np.mean(got[0]["losses"][-3:]) < 1.5 * np.mean(gloo[0]["losses"][-3:])
 
 
+def feedback_rank(port: int, address: str, seed: int) -> dict:
+    """Error feedback at world size 1 with +Inf, -Inf and NaN in the first step's gradient: those elements come back
+    as themselves and their residual is 0, so the next step's values there are the new gradient alone."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    model = torch.nn.Linear(64, 1, bias=False)
+    ddp = DDP(model)
+    state = intml.IntmlHookState(aggregator=address, codec="cnat8", error_feedback=True, seed=seed, token=TOKEN)
+    ddp.register_comm_hook(state, intml.intml_hook)
+    g = torch.Generator().manual_seed(seed)
+    out = {"grads": [], "residuals": []}
+    for step in range(2):
+        x = torch.randn(1, 64, generator=g) * 0.37
+        if step == 0:
+            x[0, :3] = torch.tensor([float("inf"), float("-inf"), float("nan")])
+        ddp.zero_grad()
+        ddp(x).sum().backward()
+        out["grads"].append(model.weight.grad.numpy().reshape(-1).copy())
+        out["residuals"].append(state.residuals.of_param[id(model.weight)].numpy().reshape(-1).copy())
+    state.close()
+    dist.destroy_process_group()
+    return out
+
+
+def test_error_feedback_resets_a_non_finite_residual() -> None:
+    with aggregator(idle_timeout=20) as agg:
+        [out] = run_ok(feedback_rank, [(free_port(), agg.address, 3)], timeout=120)
+    first, second = out["grads"]
+    assert first[0] == np.inf and first[1] == -np.inf and np.isnan(first[2])
+    assert out["residuals"][0][:3].tolist() == [0.0, 0.0, 0.0]  # reset, not carried into the next step
+    assert np.isfinite(out["residuals"][0]).all() and np.count_nonzero(out["residuals"][0][3:]) > 30
+    assert np.isfinite(second).all()  # the next step is not poisoned
+
+
 def test_rounding_option() -> None:
     """INTML_ROUNDING / IntmlConfig.rounding and Worker(rounding=): stochastic by default, nearest on request
     (the JOIN's flag), anything else refused in one line before any socket is opened."""
