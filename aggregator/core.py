@@ -351,10 +351,11 @@ class AggregatorCore:
     def _check_params(self, p: dict, rank: int) -> str | None:
         try:
             problem = JobParams(**{k: p[k] for k in ("world_size", "packet_elements", "pool_size", "codec", "seed")},
-                                data_mac=bool(p["flags"] & wire.FLAG_DATA_MAC)).problem(self.max_elements)
+                                data_mac=bool(p["flags"] & wire.FLAG_DATA_MAC),
+                                nearest=bool(p["flags"] & wire.FLAG_NEAREST)).problem(self.max_elements)
         except ValueError as exc:
             problem = str(exc)
-        if problem is None and p["flags"] & ~wire.FLAG_DATA_MAC:
+        if problem is None and p["flags"] & ~(wire.FLAG_DATA_MAC | wire.FLAG_NEAREST):
             problem = f"unknown JOIN flags 0x{p['flags']:02x}"
         if problem is None and rank >= p["world_size"]:
             problem = f"rank {rank} is out of range for world size {p['world_size']}"
@@ -396,7 +397,8 @@ class AggregatorCore:
         jobs = self.jobs
         place_job(jobs, self.table, j, rows, world=params["world_size"], value_bits=value_bits(params["world_size"]),
                   packet_elements=params["packet_elements"], pool=params["pool_size"], codec=params["codec"],
-                  seed=params["seed"], stride=stride, offset=offset)
+                  seed=params["seed"], stride=stride, offset=offset,
+                  nearest=bool(params["flags"] & wire.FLAG_NEAREST))
         jobs.group[j] = 0 if self.results_group is None else (self.results_group[0] + j) << 16 | self.results_group[1]
         jobs.last_seen[j] = now
         jobs.data_mac[j] = bool(params["flags"] & wire.FLAG_DATA_MAC)

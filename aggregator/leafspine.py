@@ -153,7 +153,7 @@ class SpineCore:
         j = int(free[0])
         place_job(self.jobs, self.table, j, rows, world=len(leaves), value_bits=value_bits(n),
                   packet_elements=params.packet_elements, pool=params.pool_size, codec=int(params.codec),
-                  seed=params.seed)
+                  seed=params.seed, nearest=params.nearest)
         self.jobs.group[j] = 0
         self.jobs.data_mac[j] = False
         for leaf, ((addr, _), bits) in enumerate(zip(leaves, racks)):

@@ -96,6 +96,7 @@ from intml.protocol.stats import (
     DROP_UNKNOWN_TYPE,
     DROP_UNREGISTERED,
     NEWER,
+    NONFINITE,
     N_STATS,
     OLDER,
     PACKETS_IN,
@@ -114,12 +115,16 @@ CONTROL = -1  # validate_header's verdict for a JOIN, LEAVE or STATS_REQUEST: th
 Jobs = namedtuple(
     "Jobs",
     "job_id active world value_bits packet_elements pool codec seed row_base members group last_seen stats core_stats "
-    "data_mac mac_key stride offset",
+    "data_mac mac_key stride offset stochastic",
 )
 # Slot table: one row per slot of every job on this core, two shadow sets each. A completed set keeps its result
 # as the whole datagram (header, payload and any tag) that goes to every worker and to every re-send, and, for a
 # round with owners (a reduce-scatter chunk), its header-only completion in the row's last COMPLETION_SIZE bytes.
-Table = namedtuple("Table", "round_key bitmap count exp next_exp elements owners acc result result_len")
+# A set's non-finite lanes (docs/arithmetic.md, "Non-finite values"): `flags` holds each lane's OR of its
+# contributions' flags, valid only while `nonfinite` is set (a round's first non-finite contribution clears them),
+# so finite rounds never touch it.
+Table = namedtuple("Table", "round_key bitmap count exp next_exp elements owners acc result result_len flags "
+                            "nonfinite")
 COMPLETION_SIZE = HDR + TAG_SIZE  # room for a header-only completion and its tag
 # Scratch of one process_burst call (see there). group_of[row, set] is the set's group in the current burst, or -1
 # outside a call; a group is one round of one set: its contributions are a linked list (head, next) of received
@@ -194,11 +199,12 @@ def new_jobs(capacity: int) -> Jobs:
         mac_key=np.zeros((capacity, 2), np.uint64),  # its data key (k0, k1), set with data_mac at registration
         stride=np.ones(capacity, np.int64),  # the job's cores, on all its aggregators
         offset=np.zeros(capacity, np.int64),  # this core's index among them: it holds slots s % stride == offset
+        stochastic=np.ones(capacity, np.bool_),  # the re-encode rounds stochastically, else to nearest (JOIN flags)
     )
 
 
 def place_job(jobs: Jobs, table: Table, j: int, rows: range, *, world: int, value_bits: int, packet_elements: int,
-              pool: int, codec: int, seed: int, stride: int = 1, offset: int = 0) -> None:
+              pool: int, codec: int, seed: int, stride: int = 1, offset: int = 0, nearest: bool = False) -> None:
     """Job index j's parameters, as the kernel reads them, on the slot rows ``rows`` (emptied: a fresh job must
     not see a previous job's rounds), with no members yet. The caller sets the rest (group, MAC) and then marks
     the job active."""
@@ -211,6 +217,7 @@ def place_job(jobs: Jobs, table: Table, j: int, rows: range, *, world: int, valu
     jobs.row_base[j] = rows.start
     jobs.members[j] = 0
     jobs.stride[j], jobs.offset[j] = stride, offset
+    jobs.stochastic[j] = not nearest
     table.round_key[rows.start:rows.stop] = -1
     table.count[rows.start:rows.stop] = 0
     table.bitmap[rows.start:rows.stop] = 0
@@ -239,6 +246,8 @@ def new_table(rows: int, max_elements: int, result: np.ndarray) -> Table:
         acc=np.zeros((rows, 2, max_elements), np.int32),
         result=result,
         result_len=np.zeros((rows, 2), np.int64),
+        flags=np.zeros((rows, 2, max_elements), np.uint8),
+        nonfinite=np.zeros((rows, 2), np.bool_),
     )
 
 
@@ -366,6 +375,49 @@ def open_round(table, row, x, key, exp, count, next_exp, owners):
     table.elements[row, x] = count
     table.next_exp[row, x] = next_exp
     table.owners[row, x] = owners
+    table.nonfinite[row, x] = False
+
+
+@njit(inline="always")
+def payload_verdict(p, codec, count, exp, vbits):
+    """0 if the payload passes the codec's check, 1 if it passes only with non-finite lanes (take_nonfinite, once
+    its set is known), else DROP_INVALID_CODE. The slow check of a payload with non-finite lanes works on a copy:
+    nothing changes before the packet is accepted."""
+    if payload_ok(p, codec, count, exp, vbits):
+        return 0
+    return 1 if nonfinite_ok(p, codec, count, exp, vbits) else DROP_INVALID_CODE
+
+
+@njit(inline="always")
+def nonfinite_ok(p, codec, count, exp, vbits):
+    scratch = np.zeros(count, np.uint8)
+    return codecs.take_nonfinite(codec, p[HDR:HDR + codecs.width(codec) * count].copy(), exp, vbits, scratch)
+
+
+@njit(inline="always")
+def set_flags(table, row, x, count):
+    """The flags of (row, set x) for a contribution with non-finite lanes to OR into (cleared by the round's first
+    such contribution)."""
+    flags = table.flags[row, x, :count]
+    if not table.nonfinite[row, x]:
+        flags[:] = 0
+        table.nonfinite[row, x] = True
+    return flags
+
+
+@njit(inline="always")
+def take_nonfinite(table, row, x, p, codec, count, exp, vbits):
+    """OR a contribution's non-finite lanes into its set's flags and zero them in the packet, which is then added
+    as finite."""
+    codecs.take_nonfinite(codec, p[HDR:HDR + codecs.width(codec) * count], exp, vbits, set_flags(table, row, x, count))
+
+
+@njit(inline="always")
+def put_nonfinite(table, row, x, payload, codec, count):
+    """The set's result payload with its non-finite lanes; returns their count."""
+    if not table.nonfinite[row, x]:
+        return 0
+    return codecs.put_nonfinite(codec, payload, table.flags[row, x, :count])
 
 
 @njit(inline="always")
@@ -419,7 +471,8 @@ def complete(jobs, table, b, g):
         key_switch = derive_key(jobs.seed[j], switch_stream(allreduce))
         jobs.stats[j, SATURATED] += codecs.encode_result(codec, acc, p[HDR:HDR + size], key_switch,
                                                          np.uint64(chunk * jobs.packet_elements[j]),
-                                                         table.exp[row, x], jobs.value_bits[j])
+                                                         table.exp[row, x], jobs.value_bits[j], jobs.stochastic[j])
+        jobs.stats[j, NONFINITE] += put_nonfinite(table, row, x, p[HDR:HDR + size], codec, count)
     length = HDR + size
     if jobs.data_mac[j]:  # tagged once, here: every copy and every re-send of the result carries the same bytes
         length = put_tag(p, length, jobs.mac_key[j, 0], jobs.mac_key[j, 1])
@@ -558,8 +611,9 @@ def process_burst(rx_data, rx_len, rx_addr, n_rx, now, job_arrays, table_arrays,
             st[DROP_EXP_MISMATCH if exp != table.exp[row, x] else DROP_COUNT if count != table.elements[row, x]
                else DROP_BAD_OWNER] += 1
             continue
-        if not payload_ok(p, jobs.codec[j], count, exp, jobs.value_bits[j]):
-            st[DROP_INVALID_CODE] += 1
+        verdict = payload_verdict(p, jobs.codec[j], count, exp, jobs.value_bits[j])
+        if verdict > 1:
+            st[verdict] += 1
             continue
         if event == NEWER and g >= 0:  # the set's old round ends here: finish it before the new one opens
             _finish(jobs, table, b, g, rx_data)
@@ -579,6 +633,8 @@ def process_burst(rx_data, rx_len, rx_addr, n_rx, now, job_arrays, table_arrays,
         if g < 0:
             g = _new_group(b, n_groups, row, x, j, table.count[row, x] == 0)
             n_groups += 1
+        if verdict:
+            take_nonfinite(table, row, x, p, jobs.codec[j], count, exp, jobs.value_bits[j])
         bitmap_and_count(table, b, g, row, x, i, n_contrib, bit)
         n_contrib += 1
         st[CONTRIBUTIONS] += 1

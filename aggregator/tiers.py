@@ -40,14 +40,16 @@ from intml.aggregator.slots import (
     complete,
     emit,
     open_round,
-    payload_ok,
+    payload_verdict,
+    set_flags,
+    take_nonfinite,
     validate,
     validate_header,
 )
 from intml.protocol import codecs
 from intml.protocol.codecs import int32
 from intml.protocol.packet import HDR, O_JOB, O_MAGIC, O_TYPE, O_VERSION, element_fields, get_u16, get_u32, round_order
-from intml.protocol.partial import contributors, partial_size, put_partial, sums_in_bounds
+from intml.protocol.partial import SUM_WIDTH, contributors, partial_size, put_partial, sums_in_bounds
 from intml.protocol.job import MAX_WORLD
 from intml.protocol.stats import (
     COMPLETIONS,
@@ -262,12 +264,13 @@ def leaf_burst(rx_data, rx_len, rx_addr, n_rx, now, job_arrays, table_arrays, ro
             continue
         if event == SAME_NEW_RANK:
             reason = agreement(exp, count, table.exp[row, x], table.elements[row, x])
-        if reason == 0 and not payload_ok(p, codec, count, exp, vbits):
-            reason = DROP_INVALID_CODE
-        if reason:
-            st[reason] += 1
+        verdict = payload_verdict(p, codec, count, exp, vbits) if reason == 0 else 0
+        if reason or verdict > 1:
+            st[reason or verdict] += 1
             continue
         first = take_contribution(table, row, x, event, key, exp, count, next_exp, bit)
+        if verdict:
+            take_nonfinite(table, row, x, p, codec, count, exp, vbits)
         st[CONTRIBUTIONS] += 1
         acc = table.acc[row, x, :count]
         if count:
@@ -276,6 +279,8 @@ def leaf_burst(rx_data, rx_len, rx_addr, n_rx, now, job_arrays, table_arrays, ro
         if table.count[row, x] == route.quorum[j]:  # the rack is complete: its partial goes up
             size = put_partial(held, jobs.job_id[j], key >> 32 & 0xFFFFFFFF, (key & 0xFFFFFFFF) - (np.int64(1) << 31),
                                route.leaf[j], slot, codec, x, exp, table.next_exp[row, x], acc, table.bitmap[row, x])
+            if table.nonfinite[row, x]:  # as int32 mode's reserved words, whatever the codec
+                int32.put_nonfinite(held[HDR:HDR + SUM_WIDTH * count], table.flags[row, x, :count])
             table.result_len[row, x] = size
             n_out = emit(stage_copy(stage, n_stage, held, size), size, route.spine[j], out_ptr, out_len, out_addr,
                          n_out)
@@ -347,13 +352,18 @@ def spine_burst(rx_data, rx_len, rx_addr, n_rx, now, job_arrays, table_arrays, f
         vbits = jobs.value_bits[j]
         if event == SAME_NEW_RANK:
             reason = agreement(exp, count, table.exp[row, x], table.elements[row, x])
-        if reason == 0 and not sums_in_bounds(p, count, fabric.sizes[j, leaf]
-                                              * codecs.contribution_bound(codec, exp, vbits)):
-            reason = DROP_INVALID_CODE
+        limit = fabric.sizes[j, leaf] * codecs.contribution_bound(codec, exp, vbits)
+        sums = p[HDR:HDR + SUM_WIDTH * count]
+        nonfinite = False
+        if reason == 0 and not sums_in_bounds(p, count, limit):  # or carries non-finite lanes as reserved words
+            nonfinite = int32.take_words(sums.copy(), limit, np.zeros(count, np.uint8))
+            reason = 0 if nonfinite else DROP_INVALID_CODE
         if reason:
             st[reason] += 1
             continue
         first = take_contribution(table, row, x, event, key, exp, count, next_exp, bit)
+        if nonfinite:
+            int32.take_words(sums, limit, set_flags(table, row, x, count))
         st[CONTRIBUTIONS] += 1
         if count:  # partial sums are int32 whatever the job's codec
             rows[0] = i

@@ -18,7 +18,7 @@ from intml.p4.layout import MAX_JOBS, MAX_WORLD, ROWS, refusal
 from intml.p4.model import PipelineModel
 from intml.protocol.burst import Burst
 from intml.protocol.job import AGGREGATOR_MAX_JOBS, AGGREGATOR_SLOTS, ControlLimits
-from intml.protocol.wire import FLAG_DATA_MAC
+from intml.protocol.wire import FLAG_DATA_MAC, FLAG_NEAREST
 
 
 def engine_problem(rows: int, max_jobs: int) -> str | None:
@@ -76,7 +76,9 @@ class P4ModelCore(AggregatorCore):
     # ---- the controller: table entries from the control plane's state ----------------------------------------
     def _check_params(self, p: dict, rank: int) -> str | None:
         return super()._check_params(p, rank) or refusal(p["codec"], p["packet_elements"],
-                                                          bool(p["flags"] & FLAG_DATA_MAC))
+                                                          bool(p["flags"] & FLAG_DATA_MAC)) or (
+            "JOIN refused: the P4 pipeline model (--engine p4model) rounds stochastically only; join with rounding "
+            "stochastic, or use the kernel engine" if p["flags"] & FLAG_NEAREST else None)
 
     def _register(self, job_id: int, params: dict, now: float, token_key: bytes, job_nonce: bytes) -> JobInfo | str:
         info = super()._register(job_id, params, now, token_key, job_nonce)

@@ -26,7 +26,7 @@ const int SLOT_ENTRIES = 1024;
 const int LANE_ENTRIES = 16384;
 const int MAX_JOBS = 64;
 const int MAX_WORLD = 64;
-const int N_STATS = 31;
+const int N_STATS = 32;
 const int GROUP_RID = 65535;
 const int RANK_GROUP_BASE = 64;
 const int SIGN = 128;
@@ -77,6 +77,7 @@ const int STAT_DROP_LEAVE_NON_MEMBER = 27;
 const int STAT_DROP_CONTROL_RATE = 28;
 const int STAT_SEND_FAILED = 29;
 const int STAT_DROP_BAD_OWNER = 30;
+const int STAT_NONFINITE_ELEMENTS = 31;
 
 // ---- this program's own
 const int INTML_PORT = 48879;  // protocol.wire.DEFAULT_PORT: the aggregator's UDP port

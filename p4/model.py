@@ -8,6 +8,12 @@ returns the datagrams to send, ``(bytes, address key)``, in order; control datag
 in ``control`` for the control plane (the switch's CPU port). Counters are the aggregator core's statistics
 (protocol.stats.STAT_NAMES), per job index and per core.
 
+Non-finite lanes (docs/arithmetic.md, "Non-finite values") follow the switch rule the .p4 program is to gain: the
+pass-0 check also admits the non-finite codes 0x01-0x03 (int32: the reserved words INT32_MIN + 1..3); such a lane
+adds 0 and its flags (the code, or the word - INT32_MIN) go into a per-lane 2-bit register, ``lane_flags`` here
+(written on open, ORed on add); the completing pass emits a lane with flags as its flags' code (int32: word) in
+place of the re-encoded sum, and counts it (nonfinite_elements).
+
 A packet's passes run back to back here; on a switch other packets' passes interleave. Pass p touches only
 the lanes of pass p, and recirculation keeps packets in order, so each pass sees the packets in the order pass 0
 did, and the sums and results are the same.
@@ -52,7 +58,7 @@ from intml.p4.tables import Registers, Tables
 from intml.protocol.codec import Codec
 from intml.protocol.job import ControlLimits
 from intml.protocol.packet import owner_range
-from intml.protocol.reference import EXP_MAX, EXP_MIN
+from intml.protocol.reference import EXP_MAX, EXP_MIN, INT32_NONFINITE
 from intml.protocol.slot_reference import ADD, COMPLETE, DROP_DUPLICATE, DROP_STALE, EMPTY, FILLING, OPEN, RESEND
 from intml.protocol.stats import STAT_NAMES
 from intml.protocol.wire import HEADER, HEADER_SIZE, MAGIC, NO_EXP, OWNERS_SHIFT, RANK_MASK, VERSION, MsgType
@@ -97,6 +103,14 @@ def _serial_event(key: int, current: int) -> str:
     return "NEWER" if low > cur else "OLDER" if low < cur else "SAME"
 
 
+def _flags_of(lanes: np.ndarray) -> np.ndarray:
+    """Each lane's non-finite flags (0: finite): a cnat8 code 0x01-0x03, or an int32 word INT32_MIN + 1..3."""
+    if lanes.dtype == np.uint8:
+        return np.where((lanes >= 1) & (lanes <= 3), lanes, 0).astype(np.uint8)
+    offset = lanes.astype(np.int64) - INT32_NONFINITE
+    return np.where((offset >= 1) & (offset <= 3), offset, 0).astype(np.uint8)
+
+
 class PipelineModel:
     """One switch pipeline (an aggregator core's share of the slots). ``job_counter``/``core_counter``: the
     counter arrays to count into, (jobs, N_STATS) and (N_STATS,) (default: its own)."""
@@ -113,6 +127,8 @@ class PipelineModel:
         self.in_burst = 0
         self.control: list[tuple[bytes, int]] = []
         self.last_passes = 0  # the passes the last packet took
+        # the lane_flags register the program is to gain: (lanes, cells) as lane_code's
+        self.lane_flags = np.zeros_like(self.registers.cells["lane_code"])
         self.tables.install(limit_entries(control_limits))
 
     # ---- the controller's side ---------------------------------------------------------------------------
@@ -232,9 +248,10 @@ class PipelineModel:
         """Pass 0's check of every lane, before any register is written."""
         if job.codec == Codec.INT32:
             values = np.frombuffer(payload, ">i4")
-            return bool(np.all((values >= -job.value_limit) & (values <= job.value_limit)))
+            return bool(np.all((values >= -job.value_limit) & (values <= job.value_limit) | (_flags_of(values) > 0)))
         action, (k_limit, _) = self.tables.lookup("data_bound", (job.value_bits, exp & 0xFF))
-        return action == "set_bound" and bool(lane_ok(np.frombuffer(payload, np.uint8), k_limit).all())
+        codes = np.frombuffer(payload, np.uint8)
+        return action == "set_bound" and bool((lane_ok(codes, k_limit) | (_flags_of(codes) > 0)).all())
 
     def _slot(self, h: dict, datagram: bytes, job: JobHit, slot_index: int) -> list[tuple[bytes, int]]:
         """The slot's state (pass 0), then the lanes, pass by pass, then the result's egress."""
@@ -311,19 +328,29 @@ class PipelineModel:
         cell = lane_index(bridged.slot_index, bridged.pass_no)
         sums, codes = self.registers.cells["lane_sum"], self.registers.cells["lane_code"]
         codec, width = job.codec, job.width
+        flags = self.lane_flags
         if bridged.step in (STEP_OPEN, STEP_ADD):
             if codec == Codec.INT32:
-                values = np.frombuffer(payload, ">i4", n, width * lo).astype(np.int32).view(np.uint32)
+                words = np.frombuffer(payload, ">i4", n, width * lo).astype(np.int32)
+                lane = _flags_of(words)
+                values = np.where(lane > 0, 0, words).astype(np.int32).view(np.uint32)
             else:
-                hit, values = self.tables.decode(np.frombuffer(payload, np.uint8, n, lo))
+                raw = np.frombuffer(payload, np.uint8, n, lo)
+                lane = _flags_of(raw)
+                hit, values = self.tables.decode(np.where(lane > 0, 0, raw).astype(np.uint8))
                 assert hit.all()  # pass 0 checked every lane
             new = values if bridged.step == STEP_OPEN else sums[:n, cell] + values  # uint32: wraps as the register
             sums[:n, cell] = new
+            flags[:n, cell] = lane if bridged.step == STEP_OPEN else flags[:n, cell] | lane
+            if bridged.completes:
+                self.job_counter[job.job_index][STAT["nonfinite_elements"]] += int(np.count_nonzero(flags[:n, cell]))
             if bridged.completes and codec == Codec.CNAT8:
                 index = (h["chunk"] * job.packet_elements + lo) % (1 << 64)
-                codes[:n, cell] = self._encode(new, job, h["allreduce"], index, bridged.k_finite)
+                encoded = self._encode(new, job, h["allreduce"], index, bridged.k_finite)
+                codes[:n, cell] = np.where(flags[:n, cell] > 0, flags[:n, cell], encoded)
         if codec == Codec.INT32:
-            lanes = sums[:n, cell].astype(">u4").tobytes()
+            lane = flags[:n, cell].astype(np.int64)
+            lanes = np.where(lane > 0, INT32_NONFINITE + lane, sums[:n, cell].view(np.int32)).astype(">i4").tobytes()
         else:
             lanes = codes[:n, cell].tobytes()
         out[HEADER_SIZE + width * lo:HEADER_SIZE + width * (lo + n)] = lanes

@@ -39,19 +39,25 @@ import numpy as np
 from numba import njit
 
 from intml.protocol.cnat import (
+    F32_LARGEST,
     F_MAX,
     F_MIN,
     K_MASK,
+    NAN_FLAGS,
+    NEG_INF,
     NONZERO,
+    POS_INF,
     _flat,
     _out,
     check_floor,
     code_in_range,
     codes_in_range,
     encode_kernel,
+    encode_word,
+    nonfinite_flags,
 )
 from intml.protocol.lanes import clz32, shl32
-from intml.protocol.rng import BLOCK, block_key, lowbias32, stream_key
+from intml.protocol.rng import BLOCK, block_key, stream_key
 from intml.protocol.wire import NO_EXP
 
 EXP_MIN = -126  # float32's exponents: a denormal-only chunk has E = -126
@@ -117,64 +123,65 @@ def chunk_exponent(top, lo, hi):
 
 @njit(inline="always")
 def _largest(bits, start, end):
-    """The float32 bits of the largest magnitude among bits[start:end] (above 0x7F800000: a NaN)."""
+    """(The float32 bits of the largest finite magnitude among bits[start:end], the count of non-finite ones): a
+    NaN or an infinity travels as flags and must not raise the chunk's exponent, which would coarsen its finite
+    values."""
     top = _U32(0)
+    nonfinite = 0
     for j in range(start, end):
-        top = max(top, _U32(bits[j] & _U32(0x7FFFFFFF)))
-    return top
+        ab = _U32(bits[j] & _U32(0x7FFFFFFF))
+        finite = ab <= _U32(F32_LARGEST)
+        top = max(top, ab if finite else _U32(0))
+        nonfinite += not finite
+    return top, nonfinite
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def chunk_exponents_kernel(x, chunk_elements, lo, hi, out):
-    """out[c] = agreed-exponent proposal of chunk c of x; returns the index of a non-finite value or -1."""
+    """out[c] = agreed-exponent proposal of chunk c of x (over its finite values); returns the count of non-finite
+    values."""
     bits = x.view(np.uint32)
+    nonfinite = 0
     for c in range(out.size):
-        top = _largest(bits, c * chunk_elements, min(bits.size, (c + 1) * chunk_elements))
-        if top >= _U32(0x7F800000):
-            for j in range(c * chunk_elements, bits.size):
-                if (bits[j] & _U32(0x7FFFFFFF)) >= _U32(0x7F800000):
-                    return j
+        top, bad = _largest(bits, c * chunk_elements, min(bits.size, (c + 1) * chunk_elements))
         out[c] = chunk_exponent(top, lo, hi)
-    return -1
-
-
-def raise_non_finite(flat: np.ndarray, bad: int) -> None:
-    """The error of an allreduce whose input holds a NaN or an infinity at flat[bad] (bad >= 0)."""
-    if bad >= 0:
-        raise ValueError(f"cannot allreduce non-finite value {flat[bad]} at index {bad}")
+        nonfinite += bad
+    return nonfinite
 
 
 def chunk_exponents(x: np.ndarray, chunk_elements: int, codec_range: tuple[int, int]) -> np.ndarray:
-    """Per-chunk exponents E (int8) of a flat float32 array; raises ValueError on NaN or Inf."""
+    """Per-chunk exponents E (int8) of a flat float32 array, over its finite values."""
     flat = x.reshape(-1)
     out = np.empty(-(-flat.size // chunk_elements), np.int8)
-    raise_non_finite(flat, chunk_exponents_kernel(flat, chunk_elements, codec_range[0], codec_range[1], out))
+    chunk_exponents_kernel(flat, chunk_elements, codec_range[0], codec_range[1], out)
     return out
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def precode_chunk(x, codes, key, offset, value_bits):
+def precode_chunk(x, codes, key, offset, value_bits, stochastic):
     """The worker's read of a chunk x (elements offset, offset + 1, ... of its tensor) in cnat8 mode, a window
     ahead: find its exponent proposal E_r, then encode it into codes at its own floor f_r = cnat_floor(E_r, s(n))
-    (the chunk is in cache for the second pass). Returns (saturated (0: the window holds every value), tensor
-    index of the first non-finite value or -1, E_r, low | PRECODED), low being the smallest nonzero magnitude
-    minus one (encode_kernel's).
+    (the chunk is in cache for the second pass). Returns (saturated (0: the window holds every value), the count
+    of non-finite values, E_r, low | PRECODED), low being the smallest nonzero magnitude minus one
+    (encode_kernel's). Not stochastic: encode_nearest's codes.
 
     Once the agreed exponent E >= E_r is known (floor f >= f_r), which power of two a value rounds to changes only
     for values below 2**f, ``has_underflow(low, f)``; otherwise the wire codes are these with k lowered by
     f - f_r (codecs.cnat8.encode_chunk)."""
-    exponent = chunk_exponent(_largest(x.view(np.uint32), 0, x.size), EXP_MIN, EXP_MAX)
-    saturated, bad, _, low = encode_kernel(x, codes, key, _U64(offset), cnat_floor(exponent, value_bits), True)
-    return saturated, (offset + bad if bad >= 0 else -1), exponent, _U32(low | _U32(PRECODED))
+    exponent = chunk_exponent(_largest(x.view(np.uint32), 0, x.size)[0], EXP_MIN, EXP_MAX)
+    saturated, nonfinite, _, low = encode_kernel(x, codes, key, _U64(offset), cnat_floor(exponent, value_bits),
+                                                 stochastic)
+    return saturated, nonfinite, exponent, _U32(low | _U32(PRECODED))
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def lower_codes(codes, shift):
-    """k -= shift in every nonzero code: the same values at a floor ``shift`` higher (every k >= shift)."""
+    """k -= shift in every code with the nonzero bit: the same values at a floor ``shift`` higher (every
+    k >= shift); zero and the non-finite codes stay."""
     d = np.uint8(shift)
     for j in range(codes.size):
         c = codes[j]
-        codes[j] = np.uint8(c - d) if c != np.uint8(0) else c
+        codes[j] = np.uint8(c - d) if c >= np.uint8(NONZERO) else c
 
 
 CNAT_RANGE = (EXP_MIN, EXP_MAX)
@@ -276,11 +283,11 @@ def _sum_code(s, r):
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def _sum_block(sums, out, lo0, k):
+def _sum_block(sums, out, lo0, k, stochastic):
     """Re-encode one block; returns the largest k so the caller can tell if any value left float32."""
     top = _U32(0)
     for j in range(sums.size):
-        neg, a, kk = _sum_code(sums[j], lowbias32(_U32(_U32(lo0 + _U32(j)) ^ k)))
+        neg, a, kk = _sum_code(sums[j], encode_word(stochastic, _U32(lo0 + _U32(j)), k))
         kk = kk if a != _U32(0) else _U32(0)
         top = max(top, kk)
         code = _U32(_U32(neg << _U32(7)) | _U32(NONZERO) | kk)
@@ -289,19 +296,20 @@ def _sum_block(sums, out, lo0, k):
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def _count_overflowed(sums, lo0, k, k_finite):
+def _count_overflowed(sums, lo0, k, k_finite, stochastic):
     count = 0
     for j in range(sums.size):
-        neg, a, kk = _sum_code(sums[j], lowbias32(_U32(_U32(lo0 + _U32(j)) ^ k)))
+        neg, a, kk = _sum_code(sums[j], encode_word(stochastic, _U32(lo0 + _U32(j)), k))
         count += (a != _U32(0)) & (kk > _U32(k_finite))
     return count
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def sum_to_codes_kernel(sums, out, key, offset, floor):
-    """C_nat codes of integer sums in units of 2**floor, random words keyed by (key, offset + j); returns the
-    number of elements whose rounded value, 2**(floor + k), exceeds float32 (decodes to +-Inf). Only a floor
-    above 127 - RESULT_K_MAX = 96 can have any."""
+def sum_to_codes_kernel(sums, out, key, offset, floor, stochastic):
+    """C_nat codes of integer sums in units of 2**floor, random words keyed by (key, offset + j) (not
+    stochastic: the fixed word of encode_nearest, which rounds |S| to the nearer power of two, ties away from
+    zero); returns the number of elements whose rounded value, 2**(floor + k), exceeds float32 (decodes to
+    +-Inf). Only a floor above 127 - RESULT_K_MAX = 96 can have any."""
     k_finite = F_MAX - floor  # the largest k that decodes to a finite float32
     overflowed = 0
     start = 0
@@ -311,22 +319,25 @@ def sum_to_codes_kernel(sums, out, key, offset, floor):
         end = min(n, start + BLOCK - int(idx % _U64(BLOCK)))
         k = block_key(key, idx >> _U64(32))
         lo0 = _U32(idx & _U64(0xFFFFFFFF))
-        if np.int64(_sum_block(sums[start:end], out[start:end], lo0, k)) > k_finite:
-            overflowed += _count_overflowed(sums[start:end], lo0, k, k_finite)  # rare: a second pass counts
+        if np.int64(_sum_block(sums[start:end], out[start:end], lo0, k, stochastic)) > k_finite:
+            overflowed += _count_overflowed(sums[start:end], lo0, k, k_finite, stochastic)  # rare: a second pass
         start = end
     return overflowed
 
 
 def sum_to_codes(
-    sums: np.ndarray, floor: int, *, seed: int, stream: int, offset: int = 0, out: np.ndarray | None = None
+    sums: np.ndarray, floor: int, *, seed: int | None, stream: int = 0, offset: int = 0,
+    out: np.ndarray | None = None
 ) -> tuple[np.ndarray, int]:
-    """Stochastic C_nat re-encode of int32 sums in units of 2**floor; returns (codes, elements beyond float32)."""
+    """Stochastic C_nat re-encode of int32 sums in units of 2**floor (seed None: the deterministic, nearest one);
+    returns (codes, elements beyond float32)."""
     check_floor(floor)
     if offset < 0:
         raise ValueError(f"offset must be >= 0, got {offset}")
     flat = _flat(sums, np.int32, "sums")
     codes = _out(out, flat.size, np.uint8)
-    overflowed = sum_to_codes_kernel(flat, codes, _U64(stream_key(seed, stream)), _U64(offset), floor)
+    key = _U64(0 if seed is None else stream_key(seed, stream))
+    overflowed = sum_to_codes_kernel(flat, codes, key, _U64(offset), floor, seed is not None)
     return (codes.reshape(sums.shape) if out is None else out), int(overflowed)
 
 
@@ -337,16 +348,39 @@ def quantize(x, scale, limit):
     return np.int32(min(limit, max(-limit, np.rint(np.float64(x) * scale))))
 
 
+INT32_NONFINITE = -(1 << 31)  # int32 mode's reserved words are this + flags: no sum of n values reaches them
+
+
+@njit(inline="always")
+def quantize_lane(x, b, scale, limit):
+    """int32 mode's word of float32 x, whose bits are b: quantize's, or INT32_NONFINITE + flags for a NaN or an
+    infinity."""
+    flags = nonfinite_flags(b)
+    return np.int32(INT32_NONFINITE + np.int64(flags)) if flags else quantize(x, scale, limit)
+
+
+@njit(inline="always")
+def nonfinite_float(flags):
+    """The float32 a lane with nonzero flags decodes to (flags_bits' value)."""
+    if flags == POS_INF:
+        return np.float32(np.inf)
+    return np.float32(-np.inf) if flags == NEG_INF else np.float32(np.nan)
+
+
 @njit(inline="always")
 def dequantize(v, unit):
+    """The float32 of an int32 sum, or the non-finite value of a reserved word."""
+    if np.int32(INT32_NONFINITE) < v <= np.int32(INT32_NONFINITE + NAN_FLAGS):
+        return nonfinite_float(np.int64(v) - INT32_NONFINITE)
     return np.float32(np.float64(v) * unit)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def quantize_int32_kernel(x, scale_exponent, limit, out):
     scale = 2.0**scale_exponent
+    bits = x.view(np.uint32)
     for j in range(x.size):
-        out[j] = quantize(x[j], scale, limit)
+        out[j] = quantize_lane(x[j], bits[j], scale, limit)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)

@@ -12,9 +12,10 @@ bit   name        meaning
 5..0  k           the value is (-1)**sign * 2**(f + k), k in [0, 63]
 ====  ==========  ===============================================================
 
-``0x00`` is zero. A code with the nonzero flag clear and any other bit set (so also ``0x80``, "negative zero")
-is invalid: ``find_invalid``/``validate`` report it and ``decode`` turns it into NaN. Which k a packet may hold
-is the protocol's business (protocol.codecs.cnat8: k <= E - f in DATA, k <= 31 in RESULT).
+``0x00`` is zero. ``0x01``, ``0x02`` and ``0x03`` are the non-finite codes (+Inf, -Inf, NaN), which carry no
+value a switch adds. Any other code with the nonzero flag clear (so also ``0x80``, "negative zero") is invalid:
+``find_invalid``/``validate`` report it, and the non-finite codes too, and ``decode`` turns it into NaN. Which k a
+packet may hold is the protocol's business (protocol.codecs.cnat8: k <= E - f in DATA, k <= 31 in RESULT).
 
 The floor lies in [F_MIN, F_MAX] = [-149, 127]: 2**-149 is float32's smallest denormal, so every code decodes to
 an exact float32 (denormals included) or, where f + k >= 128, to +-inf, as a float32 overflows.
@@ -29,7 +30,8 @@ Stochastic encode (``encode``) of a float32 x at floor f, k = e - f:
 * A value whose code would need k > 63 (|x| > 2**(f + 63)) saturates to k = 63 and is counted; the count is
   returned, never silently dropped. The protocol's floor puts every value a worker sends within k <= 30, so
   there it never happens.
-* NaN and +-Inf raise ``ValueError`` naming the first bad index.
+* NaN, +Inf and -Inf encode to the non-finite codes 0x03, 0x01 and 0x02 (their flags; docs/arithmetic.md,
+  "Non-finite values"), which decode to NaN, +Inf and -Inf.
 * +-0 encode to 0x00.
 
 Random words come from ``protocol.rng`` keyed by (seed, stream, offset + element index), so any chunking gives
@@ -65,6 +67,14 @@ _U32 = np.uint32
 _U64 = np.uint64
 _F32_EXP_BIAS = 127
 F32_LARGEST = 0x7F7FFFFF  # float32 bits of the largest finite magnitude: above it, Inf and NaN
+# Non-finite lanes (docs/arithmetic.md, "Non-finite values"): two flag bits, +Inf seen and -Inf seen, a NaN being
+# both. The switch ORs them per lane, so a lane's result is NaN where +Inf meets -Inf or NaN, else the infinity.
+# A cnat8 code with the nonzero bit clear and k = flags (0x01-0x03) carries them, as int32 mode's reserved words
+# INT32_MIN + flags do.
+POS_INF = 1
+NEG_INF = 2
+NAN_FLAGS = POS_INF | NEG_INF
+NAN_BITS = 0x7FC00000  # the one NaN every rank decodes to
 _DETERMINISTIC_WORD = 0x7FFFFFFF  # r with (r >> 9) = 2**22 - 1: rounds up iff m >= 2**22, i.e. ties away
 
 
@@ -162,9 +172,9 @@ def encode_params(floor):
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def encode_kernel(x, out, key, offset, floor, stochastic):
-    """Encode float32 ``x`` into ``out`` at ``floor``; return (saturated, first_bad, top, low): first_bad = -1 if
-    all finite, top the largest |x| and low the smallest nonzero |x| minus one, both as float32 bits (low wraps
-    to 2**32 - 1 when x is all zeros).
+    """Encode float32 ``x`` into ``out`` at ``floor``; return (saturated, nonfinite, top, low): nonfinite counts
+    the NaN and infinities (each coded as its flags), top is the largest |x| and low the smallest nonzero |x| minus
+    one, both as float32 bits (low wraps to 2**32 - 1 when x is all zeros).
 
     Blocks are aligned to BLOCK in the global element index, so each has one 32-bit block key. Only a block
     holding a saturated, non-finite, below-floor or (floor < -126) denormal element takes the scalar pass that
@@ -174,6 +184,7 @@ def encode_kernel(x, out, key, offset, floor, stochastic):
     n = bits.size
     fast_floor, kfl, small_bits, bias, sat_bits = encode_params(floor)
     saturated = 0
+    nonfinite = 0
     top_all = _U32(0)
     low_all = _U32(0xFFFFFFFF)
     start = 0
@@ -187,10 +198,12 @@ def encode_kernel(x, out, key, offset, floor, stochastic):
         low_all = min(low_all, low)
         if top > sat_bits:
             for j in range(start, end):
-                ab = bits[j] & _U32(0x7FFFFFFF)
-                if ab > _U32(F32_LARGEST):
-                    return saturated, j, top_all, low_all
-                saturated += ab > sat_bits
+                flags = nonfinite_flags(bits[j])
+                if flags:
+                    out[j] = np.uint8(flags)
+                    nonfinite += 1
+                else:
+                    saturated += _U32(bits[j] & _U32(0x7FFFFFFF)) > sat_bits
         if has_underflow(low, fast_floor):
             for j in range(start, end):
                 b = bits[j]
@@ -198,7 +211,24 @@ def encode_kernel(x, out, key, offset, floor, stochastic):
                 if ab != _U32(0) and ab < small_bits:
                     out[j] = small_code(b, encode_word(stochastic, _U32(lo0 + _U32(j - start)), k), floor)
         start = end
-    return saturated, -1, top_all, low_all
+    return saturated, nonfinite, top_all, low_all
+
+
+@njit(inline="always")
+def nonfinite_flags(b):
+    """The flags of float32 bits b: 0 for a finite value, POS_INF or NEG_INF for an infinity, NAN_FLAGS for a
+    NaN."""
+    ab = _U32(b & _U32(0x7FFFFFFF))
+    inf = _U32(POS_INF) + _U32(b >> _U32(31))
+    return _U32(0) if ab <= _U32(F32_LARGEST) else (_U32(NAN_FLAGS) if ab > _U32(0x7F800000) else inf)
+
+
+@njit(inline="always")
+def flags_bits(flags):
+    """float32 bits of a lane with nonzero flags: +Inf (POS_INF), -Inf (NEG_INF), else the NaN NAN_BITS (which
+    also stands for an invalid code's value)."""
+    inf = _U32(0x7F800000) | _U32(_U32(flags == _U32(NEG_INF)) << _U32(31))
+    return inf if flags == _U32(POS_INF) or flags == _U32(NEG_INF) else _U32(NAN_BITS)
 
 
 @njit(inline="always")
@@ -209,15 +239,15 @@ def decode_origin(floor):
 
 @njit(inline="always")
 def decode_bits(code, t0):
-    """float32 bits of one code's value (t0 = decode_origin(floor)): NaN for an invalid code, +-Inf from
-    f + k = 128. Shared by the CPU loop and the device kernels (worker.gpu)."""
+    """float32 bits of one code's value (t0 = decode_origin(floor)): +-Inf or NaN for a non-finite code, NaN for an
+    invalid code, +-Inf from f + k = 128. Shared by the CPU loop and the device kernels (worker.gpu)."""
     c = _U32(code)
     t = _U32(_U32(c & _U32(K_MASK)) + t0)
     normal = shl32(min(_U32(t - _U32(22)), _U32(0xFF)), _U32(23))  # exponent field 255: Inf
     magnitude = normal if t > _U32(22) else shl32(_U32(1), _U32(t & _U32(31)))
     value = _U32(_U32(_U32(c & _U32(SIGN)) << 24) | magnitude)
     ok = _U32(c & _U32(NONZERO)) != _U32(0)
-    return value if ok else (_U32(0) if c == _U32(0) else _U32(0x7FC00000))
+    return value if ok else (_U32(0) if c == _U32(0) else flags_bits(c))
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -264,6 +294,40 @@ def codes_in_range(codes, k_max):
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
+def codes_in_range_or_nonfinite(codes, k_max):
+    """Every code passes code_in_range or is a non-finite code (0x01-0x03): the check of a payload that failed
+    codes_in_range, which finite payloads pass."""
+    for j in range(codes.size):
+        c = codes[j]
+        if not (code_in_range(c, k_max) or (c >= np.uint8(POS_INF) and c <= np.uint8(NAN_FLAGS))):
+            return False
+    return True
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def take_nonfinite_codes(codes, flags):
+    """flags |= the flags of each code, and its non-finite codes become 0, which the switch adds as nothing. The
+    codes passed codes_in_range_or_nonfinite: one below NONZERO is 0 or non-finite, its value its flags."""
+    for j in range(codes.size):
+        c = codes[j]
+        nf = c if c < np.uint8(NONZERO) else np.uint8(0)
+        flags[j] |= nf
+        codes[j] = c ^ nf
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def put_nonfinite_codes(codes, flags):
+    """The code of every lane with flags becomes its non-finite code; returns the count of such lanes."""
+    count = 0
+    for j in range(codes.size):
+        f = flags[j]
+        if f:
+            codes[j] = f
+            count += 1
+    return count
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
 def find_invalid_kernel(codes):
     if codes_in_range(codes, K_MAX):
         return -1
@@ -302,9 +366,7 @@ def _run_encode(x, out, key, offset, floor, stochastic) -> Encoded:
     codes = _out(out, flat.size, np.uint8)
     if offset < 0:
         raise ValueError(f"offset must be >= 0, got {offset}")
-    saturated, bad, _, _ = encode_kernel(flat, codes, _U64(key), _U64(offset), check_floor(floor), stochastic)
-    if bad >= 0:
-        raise ValueError(f"cannot encode non-finite value {flat[bad]} at index {bad}")
+    saturated, _, _, _ = encode_kernel(flat, codes, _U64(key), _U64(offset), check_floor(floor), stochastic)
     return Encoded(codes.reshape(x.shape) if out is None else out, int(saturated))
 
 

@@ -41,7 +41,7 @@ import numpy as np
 
 from intml.protocol.codec import Codec
 from intml.protocol.codecs import BY_NAME
-from intml.protocol.wire import FLAG_DATA_MAC, JOIN, max_packet_elements
+from intml.protocol.wire import FLAG_DATA_MAC, FLAG_NEAREST, JOIN, max_packet_elements
 
 MAX_WORLD = 64  # ranks per job: the switch keeps one 64-bit bitmap per shadow set
 MAX_CORES = int(np.iinfo(JOIN["total_cores"]).max)  # a job's cores on all its aggregators: one byte in the JOIN
@@ -62,6 +62,9 @@ def codec_name(codec: Codec) -> str:
     return next(name for name, value in CODEC_NAMES.items() if value == codec)
 
 
+ROUNDINGS = ("stochastic", "nearest")  # C_nat's rounding: unbiased, or deterministic to the nearer power of two
+
+
 @dataclasses.dataclass(frozen=True)
 class JobParams:
     """What a JOIN carries and every rank of a job must agree on."""
@@ -72,6 +75,7 @@ class JobParams:
     codec: Codec = Codec.CNAT8
     seed: int = 0
     data_mac: bool = False  # DATA / RESULT carry a keyed MAC (the JOIN's flags, bit 0)
+    nearest: bool = False  # C_nat rounds to nearest at the workers and the switch, biased (flags, bit 1)
 
     def __post_init__(self) -> None:
         problem = self.problem()
@@ -107,7 +111,7 @@ class JobParams:
     @property
     def flags(self) -> int:
         """The JOIN's flags byte."""
-        return FLAG_DATA_MAC if self.data_mac else 0
+        return (FLAG_DATA_MAC if self.data_mac else 0) | (FLAG_NEAREST if self.nearest else 0)
 
 
 @dataclasses.dataclass(frozen=True)

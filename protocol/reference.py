@@ -14,6 +14,19 @@ F_MIN = -149  # the lowest floor: float32's smallest denormal
 EXP_MIN, EXP_MAX = -126, 127  # chunk exponents, both codecs: float32's, in an int8 field
 K_MAX = 63  # the code's 6-bit k
 NO_EXP = -128
+POS_INF, NEG_INF, NAN = 1, 2, 3  # a lane's non-finite flags: +Inf seen, -Inf seen, both (NaN)
+INT32_NONFINITE = -(2**31)  # int32 mode's reserved words are this + flags
+
+
+def flags_of(x: np.ndarray) -> np.ndarray:
+    """The non-finite flags of each value: 0 if finite, POS_INF, NEG_INF, or NAN (= POS_INF | NEG_INF)."""
+    x = np.asarray(x, dtype=np.float32).reshape(-1)
+    return np.where(np.isnan(x), NAN, np.where(np.isposinf(x), POS_INF, np.where(np.isneginf(x), NEG_INF, 0)))
+
+
+def flags_value(flags: int) -> np.float32:
+    """What a lane with nonzero flags decodes to."""
+    return np.float32({POS_INF: np.inf, NEG_INF: -np.inf}.get(flags, np.nan))
 
 
 def bits32(key: int, index: np.ndarray) -> np.ndarray:
@@ -37,18 +50,23 @@ def code_of(negative: bool, k: int) -> int:
 
 def encode(x: np.ndarray, *, seed: int | None, floor: int, stream: int = 0, offset: int = 0) -> tuple[np.ndarray, int]:
     """C_nat encode at floor (codes hold k = e - floor); seed=None is the deterministic (nearest, ties away)
-    variant. Returns (codes, saturated): |x| above 2**(floor + 63) is clamped to k = 63 and counted."""
+    variant. Returns (codes, saturated): |x| above 2**(floor + 63) is clamped to k = 63 and counted. A NaN or an
+    infinity's code is its flags."""
     x = np.asarray(x, dtype=np.float32).reshape(-1)
-    if not np.all(np.isfinite(x)):
-        raise ValueError(f"non-finite value at index {int(np.argmin(np.isfinite(x)))}")
     if seed is None:
         r = np.full(x.size, 2**31 - 1, dtype=np.float64)
     else:
         r = bits32(stream_key(seed, stream), np.arange(offset, offset + x.size, dtype=np.uint64)).astype(np.float64)
     codes = np.zeros(x.size, np.uint8)
     saturated = 0
-    for i, v in enumerate(x.astype(np.float64)):
+    flags = flags_of(x)
+    with np.errstate(invalid="ignore"):  # a signalling NaN's cast; its code is its flags
+        wide = x.astype(np.float64)
+    for i, v in enumerate(wide):
         ax = abs(v)
+        if flags[i]:
+            codes[i] = flags[i]
+            continue
         if ax == 0:
             continue
         if ax < 2.0**floor:
@@ -71,6 +89,8 @@ def decode(codes: np.ndarray, floor: int) -> np.ndarray:
         c = int(c)
         if c == 0:
             out[i] = 0.0
+        elif c in (POS_INF, NEG_INF):
+            out[i] = flags_value(c)
         elif not c & 0x40:
             out[i] = np.nan
         else:
@@ -88,16 +108,21 @@ def k_of(code: int) -> int:
 
 
 def to_fixed(codes: np.ndarray) -> np.ndarray:
-    """Integer value of each (valid) code in units of the slot's floor: +-2**k."""
-    return np.array([0 if c == 0 else (-1 if c & 0x80 else 1) * 2 ** k_of(int(c)) for c in
+    """Integer value of each (valid) code in units of the slot's floor: +-2**k, and 0 for a non-finite code."""
+    return np.array([0 if c < 0x40 else (-1 if c & 0x80 else 1) * 2 ** k_of(int(c)) for c in
                      np.asarray(codes, dtype=np.uint8).reshape(-1)], dtype=np.int64)
 
 
-def sum_to_codes(sums: np.ndarray, floor: int, *, seed: int, stream: int, offset: int = 0) -> tuple[np.ndarray, int]:
-    """Stochastic C_nat of integer sums in units of 2**floor (k = b or b + 1, b = floor(log2 |S|)). Returns
+def sum_to_codes(sums: np.ndarray, floor: int, *, seed: int | None, stream: int = 0,
+                 offset: int = 0) -> tuple[np.ndarray, int]:
+    """Stochastic C_nat of integer sums in units of 2**floor (k = b or b + 1, b = floor(log2 |S|)); seed=None is
+    the deterministic variant (round up iff the remainder is at least 2**(b-1): nearest, ties away). Returns
     (codes, overflowed): the elements whose rounded value 2**(floor + k) exceeds float32 (they decode to +-Inf)."""
     sums = np.asarray(sums, dtype=np.int64).reshape(-1)
-    r = bits32(stream_key(seed, stream), np.arange(offset, offset + sums.size, dtype=np.uint64))
+    if seed is None:
+        r = np.full(sums.size, 2**31 - 1, dtype=np.uint32)
+    else:
+        r = bits32(stream_key(seed, stream), np.arange(offset, offset + sums.size, dtype=np.uint64))
     codes = np.zeros(sums.size, np.uint8)
     overflowed = 0
     for i, s in enumerate(sums):
@@ -113,8 +138,10 @@ def sum_to_codes(sums: np.ndarray, floor: int, *, seed: int, stream: int, offset
 
 
 def chunk_exponent(x: np.ndarray, lo: int, hi: int) -> int:
-    """floor(log2 max|x|) + 1 clipped to [lo, hi]; -128 (no exponent) for an all-zero chunk."""
-    top = float(np.max(np.abs(x.astype(np.float64)))) if x.size else 0.0
+    """floor(log2 max|x|) + 1 over the finite values, clipped to [lo, hi]; -128 (no exponent) for a chunk with no
+    finite nonzero value."""
+    finite = x[np.isfinite(x)]
+    top = float(np.max(np.abs(finite.astype(np.float64)))) if finite.size else 0.0
     if top == 0.0:
         return NO_EXP
     _, exponent = np.frexp(top)  # top = m * 2**exponent, m in [0.5, 1): floor(log2 top) + 1 == exponent
@@ -142,51 +169,74 @@ def data_code_ok(code: int, e: int, n: int) -> bool:
     return e != NO_EXP and is_valid(code) and k_of(code) <= window_top(e) - cnat_floor(e, n)
 
 
-def worker_codes(parts: list[np.ndarray], *, seed: int, allreduce_seq: int, offset: int) -> tuple[int, list]:
+def worker_codes(parts: list[np.ndarray], *, seed: int, allreduce_seq: int, offset: int,
+                 nearest: bool = False) -> tuple[int, list]:
     """(floor, [(codes, saturated) of each rank]) of one cnat8 chunk whose ranks' inputs are parts."""
     e = max(chunk_exponent(x, EXP_MIN, EXP_MAX) for x in parts)
     floor = cnat_floor(e, len(parts))
-    return floor, [encode(x, seed=seed, floor=floor, stream=(allreduce_seq << 24) | (1 << 16) | rank, offset=offset)
+    return floor, [encode(x, seed=None if nearest else seed, floor=floor,
+                          stream=(allreduce_seq << 24) | (1 << 16) | rank, offset=offset)
                    for rank, x in enumerate(parts)]
 
 
-def cnat8_chunk_codes(parts: list[np.ndarray], *, seed: int, allreduce_seq: int, offset: int) -> tuple[int, np.ndarray, int]:
+def cnat8_chunk_codes(parts: list[np.ndarray], *, seed: int, allreduce_seq: int, offset: int,
+                      nearest: bool = False) -> tuple[int, np.ndarray, int]:
     """(floor, result codes, overflowed) of one cnat8 chunk: agree on the max exponent, encode each rank's part
-    against its floor, add integers exactly, re-encode the sum."""
-    floor, encoded = worker_codes(parts, seed=seed, allreduce_seq=allreduce_seq, offset=offset)
+    against its floor, add integers exactly, re-encode the sum; a lane with non-finite flags from any rank (ORed)
+    comes back as the code of its flags. nearest: the deterministic variant at the workers and the switch."""
+    floor, encoded = worker_codes(parts, seed=seed, allreduce_seq=allreduce_seq, offset=offset, nearest=nearest)
     total = sum(to_fixed(codes) for codes, _ in encoded)
-    codes, overflowed = sum_to_codes(total, floor, seed=seed, stream=(allreduce_seq << 24) | (2 << 16), offset=offset)
+    codes, overflowed = sum_to_codes(total, floor, seed=None if nearest else seed,
+                                     stream=(allreduce_seq << 24) | (2 << 16), offset=offset)
+    flags = lane_flags(parts)
+    codes[flags != 0] = flags[flags != 0]
     return floor, codes, overflowed
 
 
-def cnat8_chunk(parts: list[np.ndarray], *, seed: int, allreduce_seq: int, offset: int) -> np.ndarray:
+def lane_flags(parts: list[np.ndarray]) -> np.ndarray:
+    """The OR over ranks of each lane's non-finite flags."""
+    return np.bitwise_or.reduce([flags_of(x) for x in parts]).astype(np.uint8)
+
+
+def cnat8_chunk(parts: list[np.ndarray], *, seed: int, allreduce_seq: int, offset: int,
+                nearest: bool = False) -> np.ndarray:
     """The cnat8 result of one chunk whose ranks' inputs are parts (tensor elements offset..)."""
-    floor, codes, _ = cnat8_chunk_codes(parts, seed=seed, allreduce_seq=allreduce_seq, offset=offset)
+    floor, codes, _ = cnat8_chunk_codes(parts, seed=seed, allreduce_seq=allreduce_seq, offset=offset, nearest=nearest)
     return decode(codes, floor)
 
 
-def int32_chunk(parts: list[np.ndarray], *, seed: int, allreduce_seq: int, offset: int) -> np.ndarray:
+def int32_chunk(parts: list[np.ndarray], *, seed: int, allreduce_seq: int, offset: int,
+                nearest: bool = False) -> np.ndarray:
     """The int32 result of one chunk: agree on the max exponent E, add rint(x * 2**(s - E)) (clamped to +-2**s)
-    exactly, scale the sum back by 2**(E - s). Deterministic: seed, allreduce_seq and offset play no part."""
+    exactly, scale the sum back by 2**(E - s); a lane with non-finite flags from any rank (ORed) comes back as
+    their value. Deterministic: seed, allreduce_seq, offset and nearest play no part."""
     s = value_bits(len(parts))
     e = max(chunk_exponent(x, EXP_MIN, EXP_MAX) for x in parts)
     scale = s - (EXP_MIN if e == NO_EXP else e)
     limit = 2.0**s
-    total = sum(np.clip(np.rint(x.astype(np.float64) * 2.0**scale), -limit, limit) for x in parts)
+    with np.errstate(invalid="ignore"):  # the non-finite lanes' products, replaced below
+        total = sum(np.clip(np.rint(np.where(np.isfinite(x), x, 0).astype(np.float64) * 2.0**scale), -limit, limit)
+                    for x in parts)
     with np.errstate(over="ignore"):  # a sum beyond float32 becomes +-Inf, as a float32 sum would
-        return (total * 2.0**-scale).astype(np.float32)
+        out = (total * 2.0**-scale).astype(np.float32)
+    flags = lane_flags(parts)
+    for i in np.flatnonzero(flags):
+        out[i] = flags_value(int(flags[i]))
+    return out
 
 
 CHUNK_RESULTS = {"cnat8": cnat8_chunk, "int32": int32_chunk}  # by codec name
 
 
-def allreduce(inputs: list[np.ndarray], *, codec: str, seed: int, allreduce_seq: int, packet_elements: int) -> np.ndarray:
+def allreduce(inputs: list[np.ndarray], *, codec: str, seed: int, allreduce_seq: int, packet_elements: int,
+              rounding: str = "stochastic") -> np.ndarray:
     """The sum every worker receives (docs/arithmetic.md, "One chunk, end to end"): chunk by chunk, the codec's
-    result."""
+    result; rounding "nearest": the deterministic C_nat at the workers and the switch (docs/rounding.md)."""
     chunk_result = CHUNK_RESULTS[codec]
     flat = [np.asarray(x, dtype=np.float32).reshape(-1) for x in inputs]
     out = np.zeros(flat[0].size, np.float32)
     for lo in range(0, out.size, packet_elements):
         parts = [x[lo:lo + packet_elements] for x in flat]
-        out[lo:lo + packet_elements] = chunk_result(parts, seed=seed, allreduce_seq=allreduce_seq, offset=lo)
+        out[lo:lo + packet_elements] = chunk_result(parts, seed=seed, allreduce_seq=allreduce_seq, offset=lo,
+                                                    nearest=rounding == "nearest")
     return out

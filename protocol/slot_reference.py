@@ -117,6 +117,7 @@ class ShadowSet:
     elements: int = 0
     owners: int = 0
     sums: list[int] = dataclasses.field(default_factory=list)
+    flags: list[int] = dataclasses.field(default_factory=list)  # each lane's non-finite flags, ORed
     result: bytes = b""
     completion: bytes = b""  # the header-only completion of a round with owners
 
@@ -243,17 +244,19 @@ class SlotReference:
             job.stats["drop_exponent_mismatch" if h["exp"] != s.exp else "drop_wrong_count"
                       if h["count"] != s.elements else "drop_bad_owner"] += 1
             return []
-        values = self._values(job, h, datagram[HEADER_SIZE:])
-        if values is None:
+        lanes = self._values(job, h, datagram[HEADER_SIZE:])
+        if lanes is None:
             job.stats["drop_invalid_code"] += 1
             return []
+        values, flags = lanes
         if action == OPEN:
             s.key, s.ranks, s.exp, s.elements, s.next_exp = key, set(), h["exp"], h["count"], h["next_exp"]
             s.owners = h["owners"]
-            s.sums = values
+            s.sums, s.flags = values, flags
         else:
             s.next_exp = max(s.next_exp, h["next_exp"])
             s.sums = [a + v for a, v in zip(s.sums, values)]
+            s.flags = [a | f for a, f in zip(s.flags, flags)]
         s.ranks.add(rank)
         job.stats["contributions"] += 1
         if len(s.ranks) < n:
@@ -282,15 +285,19 @@ class SlotReference:
     def _value_bits(n: int) -> int:
         return 31 - n.bit_length()  # s(n): n contributions of at most 2**s(n) fit a signed 32-bit register
 
-    def _values(self, job: Job, h: dict, payload: bytes) -> list[int] | None:
-        """The packet's values as integers in the round's unit, or None if one is out of range."""
+    def _values(self, job: Job, h: dict, payload: bytes) -> tuple[list[int], list[int]] | None:
+        """(The packet's values as integers in the round's unit, each lane's non-finite flags), or None if one is
+        out of range. A non-finite lane (cnat8 code 0x01-0x03, int32 word INT32_MIN + 1..3) adds 0."""
         if job.codec == Codec.INT32:
-            values = [int(v) for v in np.frombuffer(payload, ">i4")]
+            words = [int(v) for v in np.frombuffer(payload, ">i4")]
+            flags = [w - reference.INT32_NONFINITE if 1 <= w - reference.INT32_NONFINITE <= 3 else 0 for w in words]
+            values = [0 if f else w for w, f in zip(words, flags)]
             limit = 1 << self._value_bits(job.world)
-            return values if all(-limit <= v <= limit for v in values) else None
-        if not all(reference.data_code_ok(code, h["exp"], job.world) for code in payload):
+            return (values, flags) if all(-limit <= v <= limit for v in values) else None
+        flags = [c if 1 <= c <= 3 else 0 for c in payload]
+        if not all(f or reference.data_code_ok(code, h["exp"], job.world) for code, f in zip(payload, flags)):
             return None
-        return [int(v) for v in reference.to_fixed(np.frombuffer(payload, np.uint8))]
+        return [int(v) for v in reference.to_fixed(np.frombuffer(payload, np.uint8))], flags
 
     def _result(self, job: Job, h: dict, s: ShadowSet) -> tuple[bytes, bytes]:
         """The round's result datagram and its header-only completion (b"" for a round without owners)."""
@@ -298,15 +305,17 @@ class SlotReference:
         header = {"type": int(MsgType.RESULT), "job": job.job_id, "allreduce": allreduce, "chunk": chunk,
                   "rank": s.owners << 8, "slot": h["slot"], "count": s.elements, "codec": job.codec, "shadow": h["shadow"],
                   "exp": s.exp, "next_exp": s.next_exp}
+        job.stats["nonfinite_elements"] += sum(1 for f in s.flags if f)
         if job.codec == Codec.INT32:
-            payload = np.array(s.sums, ">i4").tobytes()
+            payload = np.array([reference.INT32_NONFINITE + f if f else v for v, f in zip(s.sums, s.flags)],
+                               ">i4").tobytes()
         else:
             floor = reference.cnat_floor(s.exp, job.world)
             codes, saturated = reference.sum_to_codes(np.array(s.sums, np.int64), floor, seed=job.seed,
                                                       stream=(allreduce << 24) | (2 << 16),
                                                       offset=chunk * job.packet_elements % (1 << 64))
             job.stats["saturated_elements"] += saturated
-            payload = codes.tobytes()
+            payload = bytes(f or c for c, f in zip(codes.tolist(), s.flags))
         rec = np.zeros(1, HEADER)
         rec["magic"], rec["version"] = MAGIC, VERSION
         for name, value in header.items():

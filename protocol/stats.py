@@ -40,6 +40,7 @@ STAT_NAMES = (
     "drop_control_rate",
     "send_failed",
     "drop_bad_owner",
+    "nonfinite_elements",
 )
 (
     PACKETS_IN,
@@ -73,6 +74,7 @@ STAT_NAMES = (
     DROP_CONTROL_RATE,  # control admission: a control datagram over its source's, the core's or the burst's budget
     SEND_FAILED,  # the driver: datagrams the kernel refused to send (their destination), skipped
     DROP_BAD_OWNER,  # an owners code naming a rank >= n, or not the round's
+    NONFINITE,  # result lanes sent as +-Inf or NaN (a rank's non-finite value), once per completed round
 ) = range(len(STAT_NAMES))
 N_STATS = len(STAT_NAMES)
 

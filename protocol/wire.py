@@ -66,7 +66,7 @@ JOIN payload (93 bytes):
 | first_core      |      8 |    1 | u8   | the job's cores on the aggregators before this one in the workers' list |
 | total_cores     |      9 |    1 | u8   | the job's cores on all its aggregators; 0: this aggregator's only |
 | seed            |     10 |    8 | u64  | shared random seed |
-| flags           |     18 |    1 | u8   | bit 0: the job's DATA / RESULT carry a MAC (JobParams.data_mac) |
+| flags           |     18 |    1 | u8   | bit 0: the job's DATA / RESULT carry a MAC (JobParams.data_mac); bit 1: nearest rounding (JobParams.nearest) |
 | group           |     19 |    4 | u32  | JOIN: 0; JOIN_ACK: IPv4 multicast group the job's results go to, 0 = unicast to each worker |
 | group_port      |     23 |    2 | u16  | JOIN: 0; JOIN_ACK: UDP port of that group |
 | allreduce       |     25 |    4 | u32  | JOIN: 0; JOIN_ACK: the allreduce number the rank uses next |
@@ -147,7 +147,7 @@ JOIN_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("first_core", "u1", "the job's cores on the aggregators before this one in the workers' list"),
     ("total_cores", "u1", "the job's cores on all its aggregators; 0: this aggregator's only"),
     ("seed", ">u8", "shared random seed"),
-    ("flags", "u1", "bit 0: DATA / RESULT carry a MAC"),
+    ("flags", "u1", "bit 0: DATA / RESULT carry a MAC; bit 1: C_nat rounds to nearest"),
     ("group", ">u4", "JOIN: 0; JOIN_ACK: IPv4 multicast group of the job's results, 0 = unicast"),
     ("group_port", ">u2", "JOIN: 0; JOIN_ACK: UDP port of that group"),
     ("allreduce", ">u4", "JOIN: 0; JOIN_ACK: the allreduce number the rank uses next"),
@@ -160,6 +160,7 @@ JOIN = np.dtype([(name, code) for name, code, _ in JOIN_FIELDS])
 JOIN_SIZE = JOIN.itemsize
 JOIN_MAC = HEADER_SIZE + JOIN.fields["mac"][1]  # offset of the MAC in a JOIN / JOIN_ACK datagram
 FLAG_DATA_MAC = 1
+FLAG_NEAREST = 2  # the job's C_nat codes round to the nearer power of two, at the workers and the switch
 
 CHALLENGE_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("nonce", "V16", "the JOIN's client nonce, echoed"),

@@ -115,7 +115,8 @@ class WorkerHost:
                 p, t = self.params, self.timers
                 self.engine = StreamEngine(job=self.job, rank=self.rank, world_size=p.world_size, codec=p.codec,
                                            packet_elements=p.packet_elements, pool_size=p.pool_size, seed=p.seed,
-                                           agg_addrs=event.addrs, rto=t.rto, min_rto=t.min_rto, max_rto=t.max_rto)
+                                           agg_addrs=event.addrs, rto=t.rto, min_rto=t.min_rto, max_rto=t.max_rto,
+                                           nearest=p.nearest)
                 self.engine.resume(event.allreduce, event.shadow_sets)
                 self.groups = event.groups
                 joined = True

@@ -67,6 +67,8 @@ class PacketRun:
     rto: float = WorkerTimers.rto
     min_rto: float = WorkerTimers.min_rto
     check: bool = False  # compare every rank's result with protocol.reference
+    nonfinite: int = 0  # > 0: that many elements of each rank's input become NaN, +Inf or -Inf (seeded)
+    rounding: str = "stochastic"  # C_nat's, at the workers and the switch; "nearest": deterministic (docs/rounding.md)
     cpus: int = 0  # > 0: one machine of that many CPUs runs every rank and the software aggregator, each sender
     # paying the kernel's forwarding per datagram copy (the netns testbed); 0: every host its own CPU, no forwarding
     forward_cost: float = KERNEL_FORWARD  # CPU seconds per datagram copy sent, with cpus
@@ -115,7 +117,7 @@ def simulate(run: PacketRun) -> PacketResult:
     sim = Simulator()
     n = run.workers
     params = JobParams.of(world_size=n, codec=run.codec, packet_elements=run.packet_elements, pool_size=run.pool,
-                          seed=run.seed)
+                          seed=run.seed, nearest=run.rounding == "nearest")
     machine = Machine(run.cpus) if run.cpus else None
     software = run.switch == "software"
     forward = run.forward_cost if machine else 0.0
@@ -142,6 +144,9 @@ def simulate(run: PacketRun) -> PacketResult:
     else:
         xs = [rng.standard_normal(run.elements, dtype=np.float32) for _ in range(n)]
         outs = [np.empty(run.elements, np.float32) for _ in range(n)]
+    for x in {id(x): x for x in xs}.values() if run.nonfinite else ():  # each distinct input once
+        where = rng.choice(run.elements, min(run.nonfinite, run.elements), replace=False)
+        x[where] = rng.choice(np.array([np.nan, np.inf, -np.inf], np.float32), where.size)
     state = {"start": 0.0, "round": 0}
 
     def start_round(now: float) -> None:
@@ -203,7 +208,7 @@ def simulate(run: PacketRun) -> PacketResult:
         loop_cpu=loop_cpu)
     if run.check:
         expected = reference.allreduce(xs, codec=run.codec, seed=run.seed, allreduce_seq=run.rounds - 1,
-                                       packet_elements=run.packet_elements)
+                                       packet_elements=run.packet_elements, rounding=run.rounding)
         result.exact = all(np.array_equal(o.view(np.uint32), expected.view(np.uint32)) for o in outs)
     return result
 

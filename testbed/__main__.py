@@ -8,8 +8,16 @@ import sys
 from intml.aggregator.cli import (INTERRUPTED, OneLineParser, count, fraction, multicast_group, output_file, positive,
                                   rate)
 from intml.protocol import wire
-from intml.protocol.job import (AGGREGATOR_MAX_JOBS, AGGREGATOR_MAX_POOL, CODEC_NAMES, MAX_CORES, MAX_WORLD, JobParams,
-                                codec_name)
+from intml.protocol.job import (
+    AGGREGATOR_MAX_JOBS,
+    AGGREGATOR_MAX_POOL,
+    CODEC_NAMES,
+    MAX_CORES,
+    MAX_WORLD,
+    ROUNDINGS,
+    JobParams,
+    codec_name,
+)
 from intml.testbed.bench_allreduce import AggregatorError
 from intml.testbed.netns import MAX_LINKS, MTUS, RESULTS_GROUP, ClusterError
 
@@ -96,6 +104,9 @@ def build_parser() -> OneLineParser:
     results.add_argument("--unicast", action="store_true", help="one copy of each result per worker instead")
     ar.add_argument("--warmup", type=WARMUP, default=2, help="untimed allreduces first (default 2)")
     ar.add_argument("--rounds", type=positive(), default=5, help="timed allreduces (default 5)")
+    ar.add_argument("--rounding", nargs="+", choices=ROUNDINGS, default=list(ROUNDINGS[:1]),
+                    help="C_nat's rounding, one intml run each (default stochastic; 'stochastic nearest': the seed "
+                         "002 comparison, docs/rounding.md)")
     ar.add_argument("--no-gloo", action="store_true", help="skip the Gloo anchor")
     ar.add_argument("--json", action="store_true")
     cl = bench.add_parser("cluster", help="intml vs Gloo over shaped links between network namespaces (root)")
@@ -255,7 +266,7 @@ def run(args: argparse.Namespace) -> int | None:
 
         bench_allreduce.run(args.workers, args.elements, args.codec, args.packet_elements, args.pool, args.cores,
                             args.warmup, args.rounds, not args.no_gloo, args.json,
-                            None if args.unicast else args.multicast)
+                            None if args.unicast else args.multicast, tuple(args.rounding))
     elif args.command == "bench" and args.bench == "gpu":
         from intml.testbed import bench_gpu
 

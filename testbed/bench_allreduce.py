@@ -16,11 +16,11 @@ import tempfile
 from collections.abc import Iterator
 
 from intml.protocol import wire
-from intml.protocol.job import CODEC_NAMES
+from intml.protocol.job import CODEC_NAMES, ROUNDINGS
+from intml.worker.traffic import intml_bytes, intml_packets
 from intml.testbed import rank
 from intml.testbed.procs import run_ranks, run_token, slowest_per_round
 from intml.testbed.timing import emit
-from intml.worker.traffic import intml_bytes, intml_packets
 
 JOB = 1
 
@@ -92,7 +92,8 @@ def aggregator(cores: int, max_packet_elements: int, host: str = "127.0.0.1",
 
 def run_ranks_intml(aggregators: list[str], elements: int, codec: str, packet_elements: int, pool: int,
                     warmup: int, rounds: int, prefixes: list[list[str]] | None = None, job: int = JOB,
-                    timeout: float = 600.0, data_mac: bool = False, collective: str = "allreduce") -> dict:
+                    timeout: float = 600.0, data_mac: bool = False, collective: str = "allreduce",
+                    rounding: str = ROUNDINGS[0]) -> dict:
     """Run one testbed.rank per entry of `aggregators` (the address rank r sends to), each optionally under a
     command prefix; round i takes as long as its slowest rank. A reduce-scatter's hashes are every rank's (of its
     own shard), in rank order, and its ranks are not compared (identical_across_ranks is true)."""
@@ -100,7 +101,7 @@ def run_ranks_intml(aggregators: list[str], elements: int, codec: str, packet_el
     argvs = [[*(prefixes[r] if prefixes else []),
               *rank.command(aggregators[r], r, workers, elements, codec=codec, packet_elements=packet_elements,
                             pool=pool, warmup=warmup, rounds=rounds, job=job,
-                            data_mac=data_mac, collective=collective)] for r in range(workers)]
+                            data_mac=data_mac, collective=collective, rounding=rounding)] for r in range(workers)]
     reports = run_ranks(argvs, "intml", timeout)
     per_round = slowest_per_round(reports)
     return {
@@ -117,19 +118,24 @@ def run_ranks_intml(aggregators: list[str], elements: int, codec: str, packet_el
 
 
 def run_intml(workers: int, elements: int, codec: str, packet_elements: int, pool: int, cores: int, warmup: int,
-              rounds: int, multicast: str | None, data_mac: bool = False) -> dict:
+              rounds: int, multicast: str | None, data_mac: bool = False, rounding: str = ROUNDINGS[0]) -> dict:
     """intml on loopback: an aggregator and `workers` ranks on 127.0.0.1 (``data_mac``: the job's DATA and
-    RESULT carry the SipHash tag)."""
+    RESULT carry the SipHash tag; ``rounding``: C_nat's, at the workers and the aggregator)."""
     with aggregator(cores, packet_elements, multicast=multicast) as port:
         return run_ranks_intml([f"127.0.0.1:{port}"] * workers, elements, codec, packet_elements, pool, warmup,
-                               rounds, data_mac=data_mac)
+                               rounds, data_mac=data_mac, rounding=rounding)
 
 
 def run(workers: int, elements: int, codec: str, packet_elements: int, pool: int, cores: int, warmup: int,
-        rounds: int, gloo: bool, as_json: bool, multicast: str | None = None) -> dict:
-    intml = run_intml(workers, elements, codec, packet_elements, pool, cores, warmup, rounds, multicast)
-    rows = [{"system": f"intml {codec}", "median_s": intml["median_s"], "ate_per_s": elements / intml["median_s"],
-             "mb_per_worker": intml["bytes_per_worker_each_way"] / 1e6, "speedup_vs_gloo": float("nan")}]
+        rounds: int, gloo: bool, as_json: bool, multicast: str | None = None,
+        roundings: tuple[str, ...] = ROUNDINGS[:1]) -> dict:
+    """One intml row per rounding (the seed 002 comparison: stochastic against nearest C_nat), then Gloo's."""
+    runs = [run_intml(workers, elements, codec, packet_elements, pool, cores, warmup, rounds, multicast,
+                      rounding=rounding) for rounding in roundings]
+    rows = [{"system": f"intml {codec}" + ("" if rounding == ROUNDINGS[0] else f" {rounding}"),
+             "median_s": intml["median_s"], "ate_per_s": elements / intml["median_s"],
+             "mb_per_worker": intml["bytes_per_worker_each_way"] / 1e6, "speedup_vs_gloo": float("nan")}
+            for rounding, intml in zip(roundings, runs)]
     if gloo:
         try:
             from intml.testbed.gloo import run_local
@@ -137,17 +143,17 @@ def run(workers: int, elements: int, codec: str, packet_elements: int, pool: int
             gloo = False
     if gloo:
         ring = run_local(workers, elements, warmup=warmup, rounds=rounds)
-        ratio = ring["median_s"] / intml["median_s"]
-        rows[0]["speedup_vs_gloo"] = ratio
+        for row in rows:
+            row["speedup_vs_gloo"] = ring["median_s"] / row["median_s"]
         rows.append({"system": "gloo ring (anchor)", "median_s": ring["median_s"],
                      "ate_per_s": elements / ring["median_s"], "mb_per_worker": ring["bytes_per_worker"] / 1e6,
                      "speedup_vs_gloo": 1.0})
-    if not intml["identical_across_ranks"]:
+    if not all(intml["identical_across_ranks"] for intml in runs):
         raise RuntimeError("intml ranks disagree on the result: the allreduce is not bit-identical")
     emit(rows, as_json, "allreduce on loopback",
          [("system", "system", ""), ("median_s", "median s", ".4f"), ("ate_per_s", "ATE/s", ".3e"),
           ("mb_per_worker", "MB/worker/way", ".1f"), ("speedup_vs_gloo", "Gloo/intml", ".2f")],
          {"workers": workers, "elements": elements, "packet_elements": packet_elements, "pool": pool,
           "cores": cores, "results": f"multicast {multicast}" if multicast else "unicast", "rounds": rounds,
-          "retransmissions": intml["retransmissions"]})
+          "retransmissions": sum(intml["retransmissions"] for intml in runs)})
     return {"rows": rows}

@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from intml.aggregator.cli import OneLineParser, positive
-from intml.protocol.job import CODEC_NAMES, JobParams, WorkerTimers, codec_name
+from intml.protocol.job import CODEC_NAMES, ROUNDINGS, JobParams, WorkerTimers, codec_name
 
 COLLECTIVES = ("allreduce", "reduce_scatter")
 
@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> dict:
     times, hashes = [], []
     with Worker(args.aggregator, job=args.job, rank=args.rank, world_size=args.world_size, token=args.token,
                 codec=args.codec, packet_elements=args.packet_elements, pool_size=args.pool, seed=args.seed,
-                timeout=args.timeout, data_mac=args.data_mac) as w:
+                timeout=args.timeout, data_mac=args.data_mac, rounding=args.rounding) as w:
         for i in range(args.warmup + args.rounds):
             w.allreduce(one)  # barrier
             start = time.perf_counter()
@@ -61,13 +61,14 @@ def run(args: argparse.Namespace) -> dict:
 def command(aggregator: str, rank: int, world_size: int, elements: int, *, codec: str = codec_name(JobParams.codec),
             packet_elements: int = JobParams.packet_elements, pool: int = JobParams.pool_size, warmup: int = 1,
             rounds: int = 3, job: int = 1, seed: int = 1, timeout: float = WorkerTimers.timeout,
-            data_mac: bool = JobParams.data_mac, collective: str = "allreduce") -> list[str]:
+            data_mac: bool = JobParams.data_mac, collective: str = "allreduce",
+            rounding: str = ROUNDINGS[0]) -> list[str]:
     """The argv of one rank (prefix it with `ip netns exec NAME` to run it in a namespace)."""
     return [sys.executable, "-m", "intml.testbed.rank", "--aggregator", aggregator, "--rank", str(rank),
             "--world-size", str(world_size), "--elements", str(elements), "--codec", codec,
             "--packet-elements", str(packet_elements), "--pool", str(pool), "--warmup", str(warmup),
             "--rounds", str(rounds), "--job", str(job), "--seed", str(seed), "--timeout", str(timeout),
-            "--collective", collective, *(["--data-mac"] if data_mac else [])]
+            "--collective", collective, "--rounding", rounding, *(["--data-mac"] if data_mac else [])]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--timeout", type=positive(float), default=WorkerTimers.timeout)
     p.add_argument("--data-mac", action="store_true", help="the job's DATA and RESULT carry a SipHash tag")
+    p.add_argument("--rounding", choices=ROUNDINGS, default=ROUNDINGS[0], help="C_nat's rounding (default stochastic)")
     p.add_argument("--collective", choices=COLLECTIVES, default="allreduce",
                    help="what each timed round runs (reduce_scatter: elements a multiple of the world size)")
     print(json.dumps(run(p.parse_args(argv))), flush=True)

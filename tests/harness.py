@@ -170,11 +170,14 @@ class Network:
                  min_rto: float = 0.005, max_rto: float = 1.0, dt: float = 0.001, drop: float = 0.0, duplicate: float = 0.0,
                  reorder: float = 0.0, fault_seed: int = 0, record: bool = False, join: bool = True,
                  aggregators: list[AggregatorCore] | None = None, worker_port: int = WORKER_PORT,
-                 data_mac_key: tuple[int, int] | None = None, endpoints: Sequence[int] | None = None) -> None:
+                 data_mac_key: tuple[int, int] | None = None, endpoints: Sequence[int] | None = None,
+                 nearest: bool = False) -> None:
         """``data_mac_key``: the DATA/RESULT MAC under this fixed key (k0, k1) on every core and engine, put in the
         cores' job tables once joined (in place of the key the handshake derives), so tests can forge and check tags.
         ``endpoints``: the job's slots spread over several aggregators, with these many cores each (in place of
-        ``cores``); aggregator e's core i listens on agg_addr(ENDPOINT_PORTS * e + i)."""
+        ``cores``); aggregator e's core i listens on agg_addr(ENDPOINT_PORTS * e + i). ``nearest``: the job's
+        deterministic C_nat rounding (JOIN flag)."""
+        self.nearest = nearest
         self.data_mac_key = data_mac_key
         self.n = n
         self.codec = Codec.CNAT8 if codec == "cnat8" else Codec.INT32 if codec == "int32" else Codec(codec)
@@ -198,7 +201,8 @@ class Network:
             StreamEngine(job=job, rank=r, world_size=n, codec=self.codec, packet_elements=packet_elements,
                          pool_size=pool_size, seed=seed, agg_addrs=self.core_addrs, rto=rto,
                          min_rto=min_rto, max_rto=max_rto,
-                         data_mac_keys=None if data_mac_key is None else np.array([data_mac_key] * cores, np.uint64))
+                         data_mac_keys=None if data_mac_key is None else np.array([data_mac_key] * cores, np.uint64),
+                         nearest=nearest)
             for r in range(n)
         ]
         self.uplink = Link(drop=drop, duplicate=duplicate, reorder=reorder, seed=2 * fault_seed + 1)
@@ -235,7 +239,7 @@ class Network:
     def session(self, rank: int) -> WorkerSession:
         """The control plane of rank ``rank`` with this network's parameters, as a Worker builds it."""
         params = JobParams(world_size=self.n, packet_elements=self.packet_elements, pool_size=self.pool_size,
-                           codec=self.codec, seed=self.seed)
+                           codec=self.codec, seed=self.seed, nearest=self.nearest)
         return WorkerSession(job=self.job, rank=rank, params=params, token=self.token, aggregator=self.endpoints)
 
     def join_all(self) -> list[Datagram]:

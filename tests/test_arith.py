@@ -191,14 +191,19 @@ def test_chunk_exponents_hand_cases():
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 @pytest.mark.parametrize("at", [0, 5, 99, 100, 250])
-def test_chunk_exponents_non_finite_names_index(bad, at):
+def test_chunk_exponents_ignore_non_finite_values(bad, at):
+    """A NaN or an infinity travels as flags: a chunk's exponent is its finite values' (NO_EXP if it has none),
+    and the kernel counts the non-finite values."""
     x = np.ones(251, np.float32)
+    x[3] = 1000.0
     x[at] = bad
-    if at + 1 < 251:
-        x[at + 1 :: 7] = np.nan
-    with pytest.raises(ValueError) as excinfo:
-        chunk_exponents(x, 100, CNAT_RANGE)
-    assert bad_index(excinfo) == at
+    x[at + 1 :: 7] = np.nan
+    want = [reference.chunk_exponent(x[lo:lo + 100], *CNAT_RANGE) for lo in range(0, 251, 100)]
+    assert chunk_exponents(x, 100, CNAT_RANGE).tolist() == want
+    assert want[1] == want[2] == 1 and want[0] == (1 if at == 3 else 10)
+    out = np.empty(3, np.int8)
+    assert arith.chunk_exponents_kernel(x, 100, *CNAT_RANGE, out) == np.count_nonzero(~np.isfinite(x))
+    assert chunk_exponents(np.full(5, np.inf, np.float32), 4, CNAT_RANGE).tolist() == [NO_EXP, NO_EXP]
 
 
 # --- codes -> fixed point --------------------------------------------------------------------------------------
@@ -241,7 +246,7 @@ def test_code_in_range_every_code(k_max):
        floors=st.lists(FLOORS, min_size=1, max_size=4), vbits=st.sampled_from([30, 29, 24]))
 def test_precode_gives_the_wire_codes_unless_a_value_is_below_the_floor(x, chunk, seed, stream, floors, vbits):
     """precode_chunk, chunk by chunk as the worker calls it: its exponents are chunk_exponents', nothing saturates,
-    it names the first non-finite value by its tensor index, its codes are encode's at the chunk's own floor, and
+    it counts the non-finite values, its codes are encode's at the chunk's own floor, and
     for any floor f at or above that the agreed exponent may set, the codes lowered by the floors' difference are
     exactly encode's at f unless has_underflow says a nonzero value lies below 2**f; and has_underflow is exact
     (it says so iff one does), with or without the PRECODED tag."""
@@ -249,13 +254,9 @@ def test_precode_gives_the_wire_codes_unless_a_value_is_below_the_floor(x, chunk
     codes = np.empty(x.size, np.uint8)
     exponents, low, saturated = [], [], 0
     for lo in range(0, x.size, chunk):
-        sat, bad, exponent, smallest = arith.precode_chunk(x[lo:lo + chunk], codes[lo:lo + chunk], key, lo, vbits)
-        part_finite = np.isfinite(x[lo:lo + chunk])
-        if not part_finite.all():
-            assert bad == lo + int(np.argmin(part_finite))
-            assert np.isfinite(x[:lo]).all()  # the chunks before it were all reported clean
-            return
-        assert bad == -1
+        sat, bad, exponent, smallest = arith.precode_chunk(x[lo:lo + chunk], codes[lo:lo + chunk], key, lo, vbits,
+                                                           True)
+        assert bad == np.count_nonzero(~np.isfinite(x[lo:lo + chunk]))
         exponents.append(exponent)
         low.append(smallest)
         saturated += sat
@@ -505,7 +506,10 @@ def np_quantize(x, scale_exponent, limit):
 
 def np_dequantize(sums, scale_exponent):
     with np.errstate(over="ignore"):  # large negative scale exponents overflow float32 to +-inf, like the kernel
-        return (sums.astype(np.float64) * 2.0**-scale_exponent).astype(np.float32)
+        out = (sums.astype(np.float64) * 2.0**-scale_exponent).astype(np.float32)
+    for word, value in ((I32_MIN + 1, np.inf), (I32_MIN + 2, -np.inf), (I32_MIN + 3, np.nan)):  # reserved words
+        out[sums == word] = value
+    return out
 
 
 @SETTINGS
@@ -516,6 +520,13 @@ def test_quantize_matches_numpy(x, scale, limit):
     out = np.full(x.size, 7, np.int32)
     arith.quantize_int32_kernel(x, scale, limit, out)
     np.testing.assert_array_equal(out, np_quantize(x, scale, limit))
+
+
+def test_quantize_gives_non_finite_values_reserved_words():
+    x = np.array([np.inf, -np.inf, np.nan, -np.nan, 1.0, 3e38], np.float32)
+    out = np.empty(x.size, np.int32)
+    arith.quantize_int32_kernel(x, 0, 2**30, out)
+    assert out.tolist() == [I32_MIN + 1, I32_MIN + 2, I32_MIN + 3, I32_MIN + 3, 1, 2**30]
 
 
 def test_quantize_rounds_half_to_even():
@@ -532,7 +543,7 @@ def test_dequantize_matches_numpy(seed, n, scale):
     g = np.random.default_rng(seed)
     sums = (g.integers(I32_MIN, I32_MAX, n, endpoint=True) >> g.integers(0, 32, n)).astype(np.int32)
     if n:
-        sums[: min(n, 4)] = [I32_MIN, I32_MAX, 0, -1][: min(n, 4)]
+        sums[: min(n, 7)] = [I32_MIN, I32_MAX, 0, -1, I32_MIN + 1, I32_MIN + 2, I32_MIN + 3][: min(n, 7)]
     out = np.full(n, np.nan, np.float32)
     arith.dequantize_int32_kernel(sums, scale, out)
     np.testing.assert_array_equal(out.view(np.uint32), np_dequantize(sums, scale).view(np.uint32))

@@ -29,6 +29,17 @@ def test_bench_allreduce_json(results):
     assert row["mb_per_worker"] == pytest.approx((300001 + 26 * (5 + 5)) / 1e6)
 
 
+def test_bench_allreduce_compares_the_roundings():
+    """--rounding stochastic nearest: one intml row per rounding (each bit-identical across ranks, else the bench
+    fails), the deterministic arm named."""
+    done = run_cli("--workers", "2", "--elements", "200000", "--warmup", "1", "--rounds", "1", "--no-gloo",
+                   "--unicast", "--rounding", "stochastic", "nearest", "--json", timeout=180)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(done.stdout)["rows"]
+    assert [r["system"] for r in rows] == ["intml cnat8", "intml cnat8 nearest"]
+    assert all(r["median_s"] > 0 and r["ate_per_s"] == pytest.approx(200000 / r["median_s"]) for r in rows)
+
+
 def test_bench_allreduce_rejects_both_result_modes():
     done = run_cli("--unicast", "--multicast", "239.1.1.1", timeout=60)
     assert done.returncode == 2 and "not allowed with" in done.stderr

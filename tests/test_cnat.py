@@ -151,9 +151,11 @@ def test_decode_all_256_codes(floor):
     want = reference.decode(codes, floor)
     assert got.dtype == np.float32
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))  # NaNs too: both are the quiet NaN
-    assert np.isnan(got).sum() == 256 - 1 - 2 * 64  # zero plus the 64 k of each sign are valid
-    np.testing.assert_array_equal(np.isnan(got), ~np.array([reference.is_valid(c) for c in range(256)]))
+    assert np.isnan(got).sum() == 256 - 1 - 2 * 64 - 2  # zero, the 64 k of each sign and +-Inf's codes are not NaN
+    assert got[1] == np.inf and got[2] == -np.inf and got.view(np.uint32)[3] == 0x7FC00000  # the non-finite codes
+    np.testing.assert_array_equal(np.isnan(got), ~np.array([reference.is_valid(c) or c in (1, 2) for c in range(256)]))
     valid = ~np.isnan(got)
+    valid[1:3] = False  # the infinities' codes, checked above
     finite = np.abs(code_values(codes[valid], floor)) < 2.0**128
     np.testing.assert_array_equal(got[valid][finite].astype(np.float64), code_values(codes[valid], floor)[finite])
     assert np.all(np.isinf(got[valid][~finite]))  # 2**128 and up: +-Inf, as a float32 overflows
@@ -283,7 +285,7 @@ def test_hand_computed_codes_at_other_floors(value, floor, code):
     assert decode(np.array([code], np.uint8), floor=floor).tolist() == [value]
 
 
-@pytest.mark.parametrize("code", [0x80, 0x01, 0x3F, 0xBD, 0xBF, 0x3C, 0x81])
+@pytest.mark.parametrize("code", [0x80, 0x04, 0x3F, 0xBD, 0xBF, 0x3C, 0x81])
 def test_hand_invalid_codes(code):
     # 0x80 is "negative zero"; the others have the nonzero flag clear and another bit set
     assert np.isnan(decode(np.array([code], np.uint8), floor=F0)[0])
@@ -528,7 +530,9 @@ def test_denormals_are_encoded():
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, -np.nan, "snan"])
 @pytest.mark.parametrize("n, at", [(1, 0), (10, 7), (10000, 4095), (10000, 4096), (10000, 9999)])
 @pytest.mark.parametrize("stochastic", [True, False])
-def test_non_finite_raises_naming_first_index(bad, n, at, stochastic):
+def test_non_finite_values_get_their_codes(bad, n, at, stochastic):
+    """A NaN (quiet, negative or signalling) encodes to 0x03, +Inf to 0x01, -Inf to 0x02, which decode to the one
+    NaN, +Inf and -Inf; every other code is the reference's, and the count of saturated values is unchanged."""
     x = np.linspace(-2000, 2000, n).astype(np.float32)  # includes saturating values, before and after
     x[: min(n, 3)] = 1e-30  # and underflowing ones
     xb = x.view(np.uint32)
@@ -537,13 +541,15 @@ def test_non_finite_raises_naming_first_index(bad, n, at, stochastic):
     else:
         x[at] = bad
     if at + 5 < n:
-        x[at + 5] = np.nan  # a later bad value is not the one reported
-    with pytest.raises(ValueError) as excinfo:
-        if stochastic:
-            encode(x, seed=1, stream=2, offset=123, floor=F0)
-        else:
-            encode_nearest(x, floor=F0)
-    assert bad_index(excinfo) == at
+        x[at + 5] = np.nan
+    got = encode(x, seed=1, stream=2, offset=123, floor=F0) if stochastic else encode_nearest(x, floor=F0)
+    want, saturated = reference.encode(x, seed=1 if stochastic else None, stream=2, offset=123, floor=F0)
+    np.testing.assert_array_equal(got.codes, want)
+    assert got.saturated == saturated
+    assert got.codes[at] == (2 if bad == -np.inf else 1 if bad == np.inf else 3)
+    values = decode(got.codes, floor=F0)
+    assert values.view(np.uint32)[at] == {1: 0x7F800000, 2: 0xFF800000, 3: 0x7FC00000}[int(got.codes[at])]
+    assert np.isfinite(np.delete(values, [i for i in (at, at + 5) if i < n])).all()
 
 
 # --- chunking, threads ------------------------------------------------------------------------------------------

@@ -13,7 +13,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from intml.protocol import codecs, reference, wire
-from intml.protocol.arith import PRECODED, chunk_exponents, precode_chunk, switch_stream, value_bits, worker_stream
+from intml.protocol.arith import (
+    PRECODED,
+    chunk_exponents,
+    precode_chunk,
+    sum_to_codes,
+    switch_stream,
+    value_bits,
+    worker_stream,
+)
+from intml.protocol.cnat import decode
 from intml.protocol.codec import Codec
 from intml.protocol.job import CODEC_NAMES
 from intml.protocol.rng import stream_key
@@ -21,10 +30,12 @@ from intml.protocol.wire import NO_EXP
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FUNCTIONS = {  # name: parameters, the same in every codec
-    "encode_chunk": ("x", "payload", "key", "offset", "exp", "vbits", "low", "local_exp"),
+    "encode_chunk": ("x", "payload", "key", "offset", "exp", "vbits", "low", "local_exp", "stochastic"),
+    "take_nonfinite": ("payload", "exp", "vbits", "flags"),
+    "put_nonfinite": ("payload", "flags"),
     "check_payload": ("payload", "exp", "vbits"),
     "add_payloads": ("data", "rows", "k", "col", "acc", "exp", "vbits", "first"),
-    "encode_result": ("acc", "payload", "key", "offset", "exp", "vbits"),
+    "encode_result": ("acc", "payload", "key", "offset", "exp", "vbits", "stochastic"),
     "check_result": ("payload", "exp", "vbits"),
     "decode_result": ("payload", "exp", "vbits", "out"),
 }
@@ -82,14 +93,14 @@ def chunk_cases(draw):
 
 @SETTINGS
 @given(case=chunk_cases(), key=st.integers(0, M64), offset=st.integers(0, 2**40), precoded=st.booleans(),
-       local=st.integers(-128, 127))
-def test_encode_chunk_dispatch(case, key, offset, precoded, local) -> None:
+       local=st.integers(-128, 127), stochastic=st.booleans())
+def test_encode_chunk_dispatch(case, key, offset, precoded, local, stochastic) -> None:
     codec, seed, n, exp, vbits = case
     x = chunk_values(seed, n)
     low = np.uint32(0xFFFFFFFF if precoded else 0)  # "already encoded" (nothing below any floor) or "encode"
     got, want = (random_bytes(seed, n * codec.WIDTH) for _ in range(2))
-    codecs.encode_chunk(int(codec.ID), x, got, np.uint64(key), offset, exp, vbits, low, local)
-    codec.encode_chunk(x, want, np.uint64(key), offset, exp, vbits, low, local)
+    codecs.encode_chunk(int(codec.ID), x, got, np.uint64(key), offset, exp, vbits, low, local, stochastic)
+    codec.encode_chunk(x, want, np.uint64(key), offset, exp, vbits, low, local, stochastic)
     assert got.tobytes() == want.tobytes()
 
 
@@ -102,7 +113,7 @@ def test_check_dispatch(case, kind) -> None:
         x = chunk_values(seed, n)
         if kind == "in range":
             x = np.ldexp(x.astype(np.float64), exp - 20).astype(np.float32)
-        codec.encode_chunk(x, payload, np.uint64(seed), 0, exp, vbits, np.uint32(0), exp)
+        codec.encode_chunk(x, payload, np.uint64(seed), 0, exp, vbits, np.uint32(0), exp, True)
     assert codecs.check_payload(int(codec.ID), payload, exp, vbits) == codec.check_payload(payload, exp, vbits)
     assert codecs.check_result(int(codec.ID), payload, exp, vbits) == codec.check_result(payload, exp, vbits)
 
@@ -121,13 +132,13 @@ def test_add_payloads_dispatch(case, k, col, first) -> None:
 
 
 @SETTINGS
-@given(case=chunk_cases(), key=st.integers(0, M64), offset=st.integers(0, 2**40))
-def test_result_dispatch(case, key, offset) -> None:
+@given(case=chunk_cases(), key=st.integers(0, M64), offset=st.integers(0, 2**40), stochastic=st.booleans())
+def test_result_dispatch(case, key, offset, stochastic) -> None:
     codec, seed, n, exp, vbits = case
     acc = np.random.default_rng(seed).integers(-2**31, 2**31, n, dtype=np.int32)
     got, want = (np.zeros(n * codec.WIDTH, np.uint8) for _ in range(2))
-    saturated = codecs.encode_result(int(codec.ID), acc, got, np.uint64(key), offset, exp, vbits)
-    assert saturated == codec.encode_result(acc, want, np.uint64(key), offset, exp, vbits)
+    saturated = codecs.encode_result(int(codec.ID), acc, got, np.uint64(key), offset, exp, vbits, stochastic)
+    assert saturated == codec.encode_result(acc, want, np.uint64(key), offset, exp, vbits, stochastic)
     assert got.tobytes() == want.tobytes()
     payload = random_bytes(seed, n * codec.WIDTH)
     got_values, want_values = np.zeros(n, np.float32), np.ones(n, np.float32)
@@ -147,7 +158,7 @@ def test_int32_check_payload_bounds() -> None:
 
 
 def dispatched_allreduce(codec, xs: list[np.ndarray], *, seed: int, allreduce_seq: int,
-                         packet_elements: int) -> np.ndarray:
+                         packet_elements: int, stochastic: bool = True) -> np.ndarray:
     """An allreduce from the dispatchers alone, chunk by chunk as the workers and the switch run it."""
     cid, n, size = int(codec.ID), len(xs), xs[0].size
     vbits = value_bits(n)
@@ -157,19 +168,27 @@ def dispatched_allreduce(codec, xs: list[np.ndarray], *, seed: int, allreduce_se
     out = np.empty(size, np.float32)
     for c, lo in enumerate(range(0, size, packet_elements)):
         count = min(packet_elements, size - lo)
+        flags = np.zeros(count, np.uint8)
         exp = max(int(e[c]) for e in exps)
         data = np.zeros((n, codecs.width(cid) * count), np.uint8)
         for r, x in enumerate(xs):
             low, local = np.uint32(0), int(exps[r][c])
             if codecs.precodes(cid):  # as the worker does: encoded at its own floor first
-                _, _, local, low = precode_chunk(x[lo:lo + count], data[r], worker_keys[r], lo, vbits)
+                _, _, local, low = precode_chunk(x[lo:lo + count], data[r], worker_keys[r], lo, vbits, stochastic)
                 assert low & PRECODED and local == exps[r][c]
-            codecs.encode_chunk(cid, x[lo:lo + count], data[r], worker_keys[r], lo, exp, vbits, low, local)
-            assert codecs.check_payload(cid, data[r], exp, vbits)
+            codecs.encode_chunk(cid, x[lo:lo + count], data[r], worker_keys[r], lo, exp, vbits, low, local,
+                                stochastic)
+            finite = np.isfinite(x[lo:lo + count]).all()
+            assert bool(codecs.check_payload(cid, data[r], exp, vbits)) == finite
+            if not finite:  # the switch's slow check, which ORs the lanes' flags and zeroes them
+                assert codecs.take_nonfinite(cid, data[r], exp, vbits, flags)
+                assert codecs.check_payload(cid, data[r], exp, vbits)
         acc = np.empty(count, np.int32)
         codecs.add_payloads(cid, data, np.arange(n, dtype=np.int64), n, 0, acc, exp, vbits, True)
         result = np.empty(codecs.width(cid) * count, np.uint8)
-        codecs.encode_result(cid, acc, result, switch_key, lo, exp, vbits)
+        codecs.encode_result(cid, acc, result, switch_key, lo, exp, vbits, stochastic)
+        assert codecs.put_nonfinite(cid, result, flags) == np.count_nonzero(flags)
+        flags[:] = 0
         assert codecs.check_result(cid, result, exp, vbits)
         codecs.decode_result(cid, result, exp, vbits, out[lo:lo + count])
     return out
@@ -197,7 +216,43 @@ def test_cnat8_checks_against_the_window() -> None:
             ok = c == 0 or (bool(c & 0x40) and k <= k_max)
             assert bool(cnat8.check_payload(np.array([0, c], np.uint8), exp, vbits)) == ok, (exp, vbits, hex(c))
             assert bool(cnat8.check_result(np.array([c, 0], np.uint8), exp, vbits)) == (
-                c == 0 or (bool(c & 0x40) and k <= 31)), hex(c)
+                c in (0, 1, 2, 3) or (bool(c & 0x40) and k <= 31)), hex(c)  # with the non-finite codes
+            flags = np.zeros(2, np.uint8)
+            payload = np.array([0, c], np.uint8)
+            assert bool(cnat8.take_nonfinite(payload, exp, vbits, flags)) == (ok or c in (1, 2, 3))
+            if ok or c in (1, 2, 3):
+                assert flags.tolist() == [0, c if c in (1, 2, 3) else 0] and payload[1] == (0 if c < 4 else c)
+
+
+@pytest.mark.parametrize("codec", codecs.CODECS)
+@pytest.mark.parametrize("n", [1, 2, 3, 8])
+def test_non_finite_lanes_follow_the_reference(codec, n) -> None:
+    """NaN, +Inf and -Inf at chosen positions of chosen ranks: each such lane comes back as +Inf if only +Inf met
+    it, -Inf if only -Inf, else NaN, whatever the finite values beside it; the finite lanes, and the chunks'
+    exponents, are those of the inputs with the non-finite values left out."""
+    g = np.random.default_rng(n)
+    size, packet = 700, 128
+    xs = [(g.standard_normal(size) * 2.0 ** g.integers(-20, 20)).astype(np.float32) for _ in range(n)]
+    plan = {3: {0: np.inf}, 5: {0: -np.inf}, 7: {0: np.nan}, 130: {0: np.inf, n - 1: np.inf},
+            131: {0: np.inf, n - 1: -np.inf}, 300: {n - 1: -np.inf}, 699: {n // 2: np.nan}}
+    plan.update({lane: {0: np.inf} for lane in range(512, 640)})  # a chunk with no finite value
+    for lane, ranks in plan.items():
+        for r, v in ranks.items():
+            xs[r][lane] = v
+    got = dispatched_allreduce(codec, xs, seed=11, allreduce_seq=2, packet_elements=packet)
+    want = reference.allreduce(xs, codec=codec.NAME, seed=11, allreduce_seq=2, packet_elements=packet)
+    assert got.tobytes() == want.tobytes()
+    for lane, ranks in plan.items():
+        both = {np.sign(v) for v in ranks.values() if not np.isnan(v)}
+        if any(np.isnan(v) for v in ranks.values()) or len(both) > 1:
+            assert got.view(np.uint32)[lane] == 0x7FC00000, lane
+        else:
+            assert got[lane] == both.pop() * np.inf, lane
+    finite = np.ones(size, bool)
+    finite[list(plan)] = False
+    clean = [np.where(finite, x, 0).astype(np.float32) for x in xs]
+    base = reference.allreduce(clean, codec=codec.NAME, seed=11, allreduce_seq=2, packet_elements=packet)
+    np.testing.assert_array_equal(got[finite].view(np.uint32), base[finite].view(np.uint32))
 
 
 def allreduce_mean(xs: list[np.ndarray], seeds: range) -> tuple[np.ndarray, np.ndarray]:
@@ -248,7 +303,30 @@ def test_sums_beyond_float32_become_inf_and_are_counted() -> None:
     vbits = value_bits(2)
     acc = np.array([2**29, -(2**29), 2**28, 3], np.int32)  # at E = 127 (f = 99): 2**128, -2**128, 2**127, tiny
     payload = np.zeros(4, np.uint8)
-    assert codecs.cnat8.encode_result(acc, payload, np.uint64(1), 0, 127, vbits) == 2
+    assert codecs.cnat8.encode_result(acc, payload, np.uint64(1), 0, 127, vbits, True) == 2
     out = np.zeros(4, np.float32)
     codecs.cnat8.decode_result(payload, 127, vbits, out)
     assert out[:3].tolist() == [np.inf, -np.inf, 2.0**127] and 0 < out[3] < 2.0**102
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_nearest_rounding_is_deterministic_and_the_references(n) -> None:
+    """rounding "nearest" (encode_nearest at the workers, the fixed word at the switch): the reference's result
+    bit for bit, the same under every job seed and allreduce number, and each sum's code is the nearer power of
+    two (ties away from zero)."""
+    g = np.random.default_rng(n)
+    xs = [(g.standard_normal(900) * 2.0 ** g.integers(-10, 10)).astype(np.float32) for _ in range(n)]
+    results = [dispatched_allreduce(codecs.cnat8, xs, seed=seed, allreduce_seq=seed, packet_elements=256,
+                                    stochastic=False) for seed in (1, 2, 99)]
+    want = reference.allreduce(xs, codec="cnat8", seed=5, allreduce_seq=0, packet_elements=256, rounding="nearest")
+    assert all(r.tobytes() == want.tobytes() for r in results)
+    assert want.tobytes() != reference.allreduce(xs, codec="cnat8", seed=5, allreduce_seq=0,
+                                                 packet_elements=256).tobytes()
+    sums = np.arange(-3000, 3000, dtype=np.int32)
+    codes, _ = sum_to_codes(sums, 0, seed=None)
+    assert codes.tobytes() == reference.sum_to_codes(sums, 0, seed=None)[0].tobytes()
+    values = decode(codes, floor=0).astype(np.float64)
+    a = np.abs(sums[sums != 0]).astype(np.float64)
+    low = 2.0 ** np.floor(np.log2(a))
+    nearest = np.where(a - low >= low / 2, 2 * low, low)  # the tie 1.5 * 2**b goes up, away from zero
+    assert np.array_equal(np.abs(values[sums != 0]), nearest) and values[sums == 0].tolist() == [0.0]

@@ -23,6 +23,7 @@ from harness import (
     engine_timer,
     header,
     make_inputs,
+    msg_type,
     reference_saturation,
     table_snapshot,
     with_header,
@@ -290,56 +291,60 @@ def test_engine_rejects_bad_out(out):
 
 
 @pytest.mark.parametrize("codec", CODECS)
-@pytest.mark.parametrize("where", [0, 5 * P64 + 3, 11 * P64])  # in the first window, past it, the last chunk
-@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("cores", [1, 2])
 @pytest.mark.parametrize("faults", [0.0, 0.2])
-def test_non_finite_input_raises_and_the_job_goes_on(codec, where, value, faults):
-    """A NaN or infinity raises ValueError naming it. In the first window (or with int32, which checks the whole
-    tensor) nothing is sent. Later (cnat8 reads a chunk a window ahead of sending it), no chunk at or past it is
-    sent, but the rank still takes the results of the chunks it sent, so its shadow sets stay in step with the
-    other ranks': after the others give up, the job's next allreduce is right, bit for bit, even with faults."""
+def test_non_finite_values_pass_through(codec, cores, faults):
+    """NaN, +Inf and -Inf at chosen positions of chosen ranks (in the first window, past it, in the last chunk, and
+    a chunk with no finite value) go through the engines and the aggregator cores, even with loss, duplication and
+    reordering: every rank gets the same bits, the reference's (+Inf where only +Inf met, -Inf where only -Inf,
+    NaN elsewhere), the finite lanes exact as without them; each rank counts the non-finite values it sent, the
+    aggregator the lanes it sent back non-finite; and the job's next allreduce is right."""
     n, pool, chunks = 3, 4, 12
     xs = make_inputs(n, chunks * P64, P64, "normal", seed=9)
-    xs[0][where] = value
-    net = Network(n, codec=codec, packet_elements=P64, pool_size=pool, record=True, drop=faults,
-                  duplicate=faults, reorder=faults, fault_seed=5)
-    e = net.engines[0]
-    early = where < pool * P64 or codec == "int32"
-    for r, x in enumerate(xs):
-        if r == 0 and early:
-            with pytest.raises(ValueError, match=f"cannot allreduce non-finite value {value} at index {where}"):
-                engine_start(e, x, net.now)
-        else:
-            net._from_worker(r, engine_start(net.engines[r], x, net.now))
-
-    def chunks_sent() -> set[int]:
-        return {int(header(d)["chunk"]) for d, src, _ in net.sent_up if src == net.addr(0)}
-
-    def stuck() -> bool:
-        """Rank 0 is done, and the others wait only for rounds it never joined (they keep retransmitting the
-        rest until they have its result, as real ranks do until their timeout)."""
-        sent = chunks_sent()
-        return e.done and all(int(c) not in sent for o in net.engines[1:] for c in o.state.cur_chunk if c != IDLE)
-
-    # what rank 0 had sent when it found the value: a chunk past it may be among them (read a window ahead, by a
-    # slot that ran ahead of the others under faults), but nothing new goes out from then on
-    sent_when_found = chunks_sent() if e.non_finite is not None else None
-    for _ in range(20_000):
-        net.step()
-        if sent_when_found is None and e.non_finite is not None:
-            sent_when_found = chunks_sent()
-        if stuck():
-            break
-    assert stuck() and not any(other.done for other in net.engines[1:])
-    if not early:
-        assert e.non_finite == where
-        with pytest.raises(ValueError, match=f"cannot allreduce non-finite value {value} at index {where}"):
-            e.check_finite()
-    sent = chunks_sent()
-    assert sent == sent_when_found and where // P64 not in sent
-    assert bool(sent) != early
+    plan = [(0, 0, np.nan), (0, 1, np.inf), (1, 1, -np.inf), (2, 2, np.inf), (0, 5 * P64 + 3, -np.inf),
+            (2, 5 * P64 + 3, -np.inf), (1, 11 * P64 + 63, np.nan), (2, 7 * P64 + 9, np.inf), (0, 7 * P64 + 9, 1e30)]
+    plan += [(1, lane, np.inf) for lane in range(3 * P64, 4 * P64)]  # a chunk with no finite value at rank 1
+    for r, lane, v in plan:
+        xs[r][lane] = v
+    net = Network(n, codec=codec, packet_elements=P64, pool_size=pool, cores=cores, drop=faults, duplicate=faults,
+                  reorder=faults, fault_seed=5)
+    got = net.allreduce(xs)
+    want = ref(xs, codec, P64)
+    assert_all_equal(got, want)
+    lanes = {lane for _, lane, v in plan if not np.isfinite(v)}
+    assert {int(i) for i in np.flatnonzero(~np.isfinite(got[0]))} == lanes
+    assert got[0][2] == got[0][7 * P64 + 9] == got[0][3 * P64] == np.inf and got[0][5 * P64 + 3] == -np.inf
+    assert {int(got[0].view(np.uint32)[lane]) for lane in (0, 1, 11 * P64 + 63)} == {0x7FC00000}  # +Inf met -Inf
+    for r, e in enumerate(net.engines):
+        assert e.counters()["nonfinite_elements"] == sum(1 for q, _, v in plan if q == r and not np.isfinite(v))
+    assert net.total_job_counters()["nonfinite_elements"] == len(lanes)
     ys = make_inputs(n, chunks * P64 + 7, P64, "normal", seed=10)
     assert_all_equal(net.allreduce(ys), ref(ys, codec, P64, seq=1))
+
+
+@pytest.mark.parametrize("cores", [1, 2])
+def test_nearest_rounding_through_engines_and_cores(cores):
+    """A job joined with rounding "nearest" (the JOIN's flag): the workers' encode and the cores' re-encode are
+    deterministic, so the result is the reference's nearest allreduce bit for bit, under loss, whatever the seed,
+    and differs from the stochastic one."""
+    n = 3
+    xs = make_inputs(n, 9 * P64 + 5, P64, "normal", seed=4)
+    want = reference.allreduce(xs, codec="cnat8", seed=0, allreduce_seq=0, packet_elements=P64, rounding="nearest")
+    for seed in (1, 77):
+        net = Network(n, packet_elements=P64, cores=cores, seed=seed, nearest=True, drop=0.1, reorder=0.1,
+                      fault_seed=seed)
+        assert_all_equal(net.allreduce(xs), want)
+    assert want.tobytes() != ref(xs, "cnat8", P64).tobytes()
+
+
+def test_a_rank_with_the_other_rounding_is_refused():
+    """The rounding is a job parameter (the JOIN's flags): a rank asking for stochastic rounding cannot join a
+    nearest job, and an unknown flag is refused."""
+    net = Network(2, nearest=True)
+    (reply, _), = net.join(1, flags=0)
+    assert msg_type(reply) == MsgType.ERROR and b"flags=0 (job has 2)" in reply
+    (reply, _), = net.join(1, job=net.job + 1, flags=4)
+    assert msg_type(reply) == MsgType.ERROR and b"unknown JOIN flags 0x04" in reply
 
 
 @pytest.mark.parametrize("own_result_too", [False, True])

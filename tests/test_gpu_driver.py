@@ -97,14 +97,19 @@ def test_device_allreduce_equals_host(agg, codec):
         assert got[1]["reencoded"][1] == got[1]["reencoded"][0]
 
 
-def test_non_finite_raises_before_sending(agg):
-    """A NaN in the bucket: the device finds it while reading the exponents, and raises the host's error."""
+def test_non_finite_values_pass_through_as_on_the_host(agg):
+    """NaN and infinities in the bucket: the device codes them as the host does (its exponents over the finite
+    values), and the result and sent values are the host's, bit for bit (powers of two, which every allreduce
+    number's random words code exactly)."""
     with Worker(agg.address, job=5, rank=0, world_size=1, token=TOKEN, packet_elements=PKT, pool_size=POOL) as w:
-        x = np.ones(300, np.float32)
-        x[170] = np.nan
-        with pytest.raises(ValueError, match="cannot allreduce non-finite value nan at index 170"):
-            DeviceAllreducer(w).allreduce(cuda.to_device(x), cuda.device_array(300, np.float32))
-        assert w.counters()["packets_out"] == 0
+        x = (2.0 ** (np.arange(300) % 7 - 3) * np.where(np.arange(300) % 2, -1, 1)).astype(np.float32)
+        x[[170, 171, 299]] = [np.nan, np.inf, -np.inf]
+        want_sent = np.empty(300, np.float32)
+        want = w.allreduce(x, "sum", sent=want_sent).copy()
+        result, sent = cuda.device_array(300, np.float32), cuda.device_array(300, np.float32)
+        DeviceAllreducer(w).allreduce(cuda.to_device(x), result, sent=sent)
+        assert result.copy_to_host().tobytes() == want.tobytes() and np.isnan(want[170]) and want[171] == np.inf
+        assert sent.copy_to_host().tobytes() == want_sent.tobytes()
 
 
 def test_codes_landing_late_are_waited_for(agg, monkeypatch):

@@ -192,6 +192,42 @@ def test_faulty_runs_match_kernel_and_reference(n: int, codec: str, packet_eleme
     assert nonzero(ref.jobs[model.job].stats) == nonzero(model.job_counters())
 
 
+@pytest.mark.parametrize("codec", ["cnat8", "int32"])
+def test_non_finite_lanes_match_kernel_and_reference(codec: str) -> None:
+    """NaN, +Inf and -Inf at chosen lanes of chosen ranks, with loss, duplication and reordering, through the model
+    (its lane_flags rule) and through the kernel: the same datagrams, the reference's results (a packet of 4
+    passes, flags in several), the same counters, nonfinite_elements included, and each DATA packet the model
+    took gives the slot reference's output."""
+    n, elements = 3, 256
+    xs = make_inputs(n, 5 * elements + 3, elements, "normal", 7)
+    plan = [(0, 3, np.inf), (1, 3, np.inf), (0, 70, -np.inf), (2, 70, np.inf), (1, 200, np.nan), (2, 511, -np.inf),
+            (0, 4 * elements + 1, np.inf), (1, 5 * elements + 2, np.nan)]
+    for r, lane, v in plan:
+        xs[r][lane] = v
+
+    def run(core):
+        net = Network(n, codec=codec, packet_elements=elements, pool_size=4, drop=0.1, duplicate=0.1, reorder=0.2,
+                      fault_seed=3, aggregators=[core], record=True)
+        return net, net.allreduce(xs)
+
+    kernel, kernel_results = run(AggregatorCore(rows=64, max_elements=elements, tokens=[TOKEN]))
+    core = P4ModelCore(rows=64, max_elements=elements, tokens=[TOKEN])
+    recording = Recording(core)
+    model, model_results = run(core)
+    assert model.sent_down == kernel.sent_down
+    want = reference.allreduce(xs, codec=codec, seed=model.seed, allreduce_seq=0, packet_elements=elements)
+    for got in model_results + kernel_results:
+        assert_bits_equal(got, want, codec)
+    assert model.job_counters() == kernel.job_counters()
+    assert model.job_counters()["nonfinite_elements"] == len({lane for _, lane, _ in plan})
+    ref = SlotReference()
+    ref.join(Job(model.job, n, elements, 4, int(model.codec), model.seed, {r: model.addr(r) for r in range(n)}))
+    for datagram, addr, out in recording.taken:
+        if datagram is not None and datagram[3] == MsgType.DATA:
+            assert out == ref.receive(datagram, addr)
+    assert nonzero(ref.jobs[model.job].stats) == nonzero(model.job_counters())
+
+
 def test_two_jobs_on_two_cores_with_multicast_match_kernel() -> None:
     """Two jobs of different codecs on one aggregator of two cores, results multicast: the model cores' output
     equals the kernel cores', for an allreduce and a reduce-scatter."""
@@ -399,6 +435,7 @@ def test_cli_commands_load_every_entry() -> None:
 
 
 @pytest.mark.parametrize("params, says", [({"flags": wire.FLAG_DATA_MAC}, "data_mac"),
+                                          ({"flags": wire.FLAG_NEAREST}, "rounds stochastically only"),
                                           ({"packet_elements": 1025}, "1024 cnat8 elements"),
                                           ({"packet_elements": 257, "codec": int(Codec.INT32)}, "256 int32")])
 def test_the_model_engine_refuses_what_the_switch_cannot_do(params: dict, says: str) -> None:

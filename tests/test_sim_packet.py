@@ -22,6 +22,29 @@ def test_results_are_bit_identical_to_the_reference(codec, loss):
 
 
 @pytest.mark.parametrize("codec", ["cnat8", "int32"])
+@pytest.mark.parametrize("where", [{}, {"engine": "p4model", "passes": 1}, {"racks": 2}])
+def test_non_finite_inputs_pass_through_under_loss(codec, where):
+    """NaN, +Inf and -Inf at seeded positions of every rank's input, with 5% loss, through the kernel, the P4
+    pipeline model and a leaf-spine: every rank's result is the reference's, bit for bit (non-finite lanes
+    included), and the ranks count what they sent."""
+    run = PacketRun(workers=4, elements=3000, codec=codec, packet_elements=128, pool=4, rate=1e9, loss=0.05,
+                    rounds=2, check=True, seed=6, nonfinite=40, **where)
+    r = simulate(run)
+    assert r.exact and r.lost > 0
+    assert r.counters["nonfinite_elements"] == 4 * 40 * 2  # two rounds of the same inputs
+
+
+@pytest.mark.parametrize("racks", [1, 2])
+def test_nearest_rounding_under_loss(racks):
+    """rounding "nearest" through the kernel and a leaf-spine (whose spine re-encodes), with loss: the
+    reference's deterministic result, bit for bit, with non-finite values too."""
+    run = PacketRun(workers=4, elements=3000, codec="cnat8", packet_elements=128, pool=4, rate=1e9, loss=0.05,
+                    rounds=2, check=True, seed=8, rounding="nearest", nonfinite=5, racks=racks)
+    r = simulate(run)
+    assert r.exact and r.lost > 0
+
+
+@pytest.mark.parametrize("codec", ["cnat8", "int32"])
 def test_the_p4_pipeline_model_as_the_switch(codec):
     """engine="p4model": the P4 pipeline model is the switch's data path. Under loss its allreduces equal the
     reference bit for bit, and with the same passes they take exactly the kernel's virtual time (the same

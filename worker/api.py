@@ -27,7 +27,7 @@ from intml.burstio.mmsg import BurstSocket, addr_key
 from intml.protocol import wire
 from intml.protocol.address import addr_of, format_addr
 from intml.protocol.burst import Burst
-from intml.protocol.job import BURST, JobParams, WorkerTimers
+from intml.protocol.job import BURST, ROUNDINGS, JobParams, WorkerTimers
 from intml.worker.engine import StreamEngine
 from intml.worker.session import (
     Event,
@@ -82,19 +82,24 @@ class Worker:
                  pool_size: int = JobParams.pool_size, seed: int = JobParams.seed,
                  timeout: float = WorkerTimers.timeout, rto: float = WorkerTimers.rto,
                  min_rto: float = WorkerTimers.min_rto, max_rto: float = WorkerTimers.max_rto,
-                 burst: int = BURST, connect_timeout: float | None = None, data_mac: bool = False) -> None:
+                 burst: int = BURST, connect_timeout: float | None = None, data_mac: bool = False,
+                 rounding: str = "stochastic") -> None:
         """``aggregator``: ``host:port``, or several, comma-separated: the job's slots are spread over all their
         cores (every rank must give the same list in the same order). ``token``: the job's shared secret, one
         the aggregator was started with (--token-file / INTML_TOKEN; "" for an aggregator in open mode); it
         never travels. ``timeout``: an allreduce that makes no progress
         this long raises AllreduceTimeout. ``connect_timeout``: how long the JOIN may wait for the aggregator
-        (default: ``timeout``). ``data_mac``: DATA and RESULT packets carry a keyed MAC (every rank must agree)."""
+        (default: ``timeout``). ``data_mac``: DATA and RESULT packets carry a keyed MAC (every rank must agree).
+        ``rounding``: "stochastic" (unbiased C_nat) or "nearest" (deterministic, biased: docs/rounding.md), at the
+        workers and the switch; every rank must agree."""
+        if rounding not in ROUNDINGS:
+            raise ValueError(f"rounding must be one of {', '.join(ROUNDINGS)}, got {rounding!r}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
         if not 0 <= job <= 0xFFFFFFFE:
             raise ValueError(f"job must be in [0, 2**32 - 2], got {job}")
         params = JobParams.of(world_size=world_size, codec=codec, packet_elements=packet_elements,
-                              pool_size=pool_size, seed=seed, data_mac=data_mac)
+                              pool_size=pool_size, seed=seed, data_mac=data_mac, nearest=rounding == "nearest")
         timers = WorkerTimers(timeout=timeout, connect_timeout=timeout if connect_timeout is None else connect_timeout,
                               rto=rto, min_rto=min_rto, max_rto=max_rto)
         self.aggregators = parse_aggregators(aggregator)
@@ -138,7 +143,7 @@ class Worker:
                                    packet_elements=packet_elements, pool_size=pool_size, seed=seed,
                                    agg_addrs=joined.addrs,
                                    rto=timers.rto, min_rto=timers.min_rto, max_rto=timers.max_rto,
-                                   data_mac_keys=joined.data_keys if data_mac else None)
+                                   data_mac_keys=joined.data_keys if data_mac else None, nearest=params.nearest)
         # where the job's peers are: a fresh job's start, or the next allreduce of one this rank rejoins
         self.engine.resume(joined.allreduce, joined.shadow_sets)
 
@@ -254,12 +259,10 @@ class Worker:
         session.handle_timer(now)
         while (event := session.next_event()) is not None:
             if isinstance(event, NoProgress):
-                self.engine.check_finite()  # the real cause, if this rank stopped sending at a NaN or infinity
                 raise AllreduceTimeout(self._timeout_message())
 
     def _finish(self, arr: np.ndarray, op: str, out: np.ndarray | None, scatter: bool = False) -> np.ndarray:
         self.session.unwatch_progress()
-        self.engine.check_finite()
         if out is None:
             out = self.engine.result if scatter else self.engine.result.reshape(arr.shape)
         if op == "mean":

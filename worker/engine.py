@@ -43,8 +43,8 @@ One allreduce of a flat float32 tensor of N elements, packet size P and pool siz
   other datagram buffer (protocol.arith.precode_chunk). Once its agreed floor is known, its codes are lowered
   to it, or encoded again only if one of its nonzero values lies below that floor, the one case where the
   floor changes which power of two a value rounds to.
-  A NaN or infinity is found when its chunk is read: no chunk is sent from there on, the results of those
-  already sent are still taken (so the shadow sets stay in step), then ValueError (see ``non_finite``).
+  A NaN or an infinity goes on the wire as its non-finite code (docs/arithmetic.md, "Non-finite values") and is
+  counted (nonfinite_elements); its chunk's exponent is that of its finite values.
   int32: chunk c is sent as rint(x * 2**(s - E)), the sum comes back as int32 and is scaled by 2**(E - s).
 * Precoded cnat8 (``start_precoded``: a bucket encoded on a GPU, worker.gpu): the engine gets every chunk's codes at
   its own floor with its exponent proposal and low word, and never sees a float. A chunk's codes are copied into
@@ -74,7 +74,6 @@ from intml.protocol.arith import (
     chunk_exponents_kernel,
     cnat_floor,
     precode_chunk,
-    raise_non_finite,
     value_bits,
     worker_stream,
 )
@@ -120,9 +119,10 @@ STAT_NAMES = (
     "drop_bad_mac",
     "spurious_retransmissions",
     "drop_unsent",
+    "nonfinite_elements",
 )
 (PACKETS_OUT, PACKETS_IN, RETRANSMISSIONS, FAST_RETRANSMISSIONS, RESULTS, DROP_MALFORMED, DROP_FOREIGN, DROP_STALE,
- SATURATED, DROP_BAD_MAC, SPURIOUS, DROP_UNSENT) = range(len(STAT_NAMES))
+ SATURATED, DROP_BAD_MAC, SPURIOUS, DROP_UNSENT, NONFINITE) = range(len(STAT_NAMES))
 FAST_RETRANSMIT = 3  # results of later-sent slots that mark a slot as lost
 IDLE = np.iinfo(np.int64).min  # cur_chunk of a slot with nothing in flight
 PARKED = IDLE + 1  # cur_chunk of a precoded slot waiting for its chunk's codes (its chunk: State.parked)
@@ -137,11 +137,12 @@ State = namedtuple(
     "timing low sent mac_keys codes parked silence",
 )
 # params (int64): job, rank, world, value_bits, codec, packet_elements, window, chunks, elements, allreduce, cores,
-#                 seed (as int64 bits), done_chunks, index of a non-finite input or -1, shard elements of a
+#                 seed (as int64 bits), done_chunks, shard elements of a
 #                 reduce-scatter (0: an allreduce), the first element the output holds, precoded (1) or
-#                 float (0) input, elements whose codes are in ``codes`` (precoded)
+#                 float (0) input, elements whose codes are in ``codes`` (precoded), stochastic (1) or nearest (0)
+#                 rounding
 (P_JOB, P_RANK, P_WORLD, P_VBITS, P_CODEC, P_PKT, P_WINDOW, P_CHUNKS, P_ELEMENTS, P_ALLREDUCE, P_CORES,
- P_SEED, P_DONE, P_BAD, P_SHARD, P_OUT_LO, P_PRECODED, P_READY) = range(18)
+ P_SEED, P_DONE, P_SHARD, P_OUT_LO, P_PRECODED, P_READY, P_STOCHASTIC) = range(18)
 # codes (uint8): precoded, the codes in (each chunk at its own floor) and the result codes out; else empty
 # parked (int64): per slot, the chunk a PARKED slot waits to send
 # mac_keys (uint64): (cores, 2), the data key (k0, k1) of each aggregator core; (0, 2) without the DATA/RESULT MAC
@@ -186,18 +187,18 @@ def _worker_key_of(seed, allreduce, rank):
 def _precode(st, d):
     """cnat8: encode chunk d at its own floor (protocol.arith.precode_chunk) into the payload of the datagram
     buffer its slot will send it from, the one the slot's in-flight chunk does not use, and note its exponent
-    proposal. A non-finite value stops it and goes to params[P_BAD]."""
+    proposal."""
     prm = st.params
-    if not codecs.precodes(prm[P_CODEC]) or prm[P_PRECODED] or d >= prm[P_CHUNKS] or prm[P_BAD] >= 0:
+    if not codecs.precodes(prm[P_CODEC]) or prm[P_PRECODED] or d >= prm[P_CHUNKS]:
         return  # (precoded: the driver gave every chunk's proposal and codes)
     s = d % prm[P_WINDOW]
     lo = d * prm[P_PKT]
     hi = min(prm[P_ELEMENTS], lo + prm[P_PKT])
     payload = st.packet[s, 1 - st.parity[s], HDR:HDR + hi - lo]
-    sat, bad, st.local_exp[d], st.low[d] = precode_chunk(st.x[lo:hi], payload, _worker_key(prm), lo, prm[P_VBITS])
-    if bad >= 0:
-        prm[P_BAD] = bad
+    sat, nonfinite, st.local_exp[d], st.low[d] = precode_chunk(st.x[lo:hi], payload, _worker_key(prm), lo,
+                                                               prm[P_VBITS], prm[P_STOCHASTIC] != 0)
     st.stats[SATURATED] += sat
+    st.stats[NONFINITE] += nonfinite
 
 
 @njit(inline="always")
@@ -237,7 +238,7 @@ def _build(st, s, c, now):
             st.overtaken[s] = 0
             return False
         codecs.encode_chunk(codec, st.x[lo:lo + count], payload, _worker_key(prm), lo, exp, prm[P_VBITS], st.low[c],
-                            st.local_exp[c])
+                            st.local_exp[c], prm[P_STOCHASTIC] != 0)
         if st.sent.size:  # asked for (error feedback): what this rank sends, decoded from the datagram itself
             codecs.decode_result(codec, payload, exp, prm[P_VBITS], st.sent[lo:lo + count])
     nxt = c + window
@@ -325,8 +326,6 @@ def start_kernel(state, now, tx_ptr, tx_len, tx_addr):
     st.silence[:, S_ALIVE] = 0.0
     for d in range(window):  # the bootstrap packets carry chunks 0..window-1's exponents
         _precode(st, d)
-    if st.params[P_BAD] >= 0:
-        return 0
     for s in range(window):
         _build(st, s, s - window, now)
         _queue(st, s, tx_ptr, tx_len, tx_addr, s)
@@ -445,7 +444,7 @@ def advance(st, s, c, next_exp, now, tx_ptr, tx_len, tx_addr, n_tx):
     none); returns the new tx count."""
     prm = st.params
     nxt = c + prm[P_WINDOW]
-    if nxt < prm[P_CHUNKS] and prm[P_BAD] < 0:  # no new chunk once a non-finite value was found
+    if nxt < prm[P_CHUNKS]:
         st.agreed_exp[nxt] = next_exp
         if not _build(st, s, nxt, now):
             return n_tx  # parked
@@ -575,10 +574,12 @@ class StreamEngine:
     def __init__(self, *, job: int, rank: int, world_size: int, codec: Codec, packet_elements: int, pool_size: int,
                  seed: int, agg_addrs: list[int], rto: float = WorkerTimers.rto,
                  min_rto: float = WorkerTimers.min_rto, max_rto: float = WorkerTimers.max_rto,
-                 data_mac_keys: np.ndarray | None = None) -> None:
+                 data_mac_keys: np.ndarray | None = None, nearest: bool = False) -> None:
         """``data_mac_keys``: the job's data key on each aggregator core, a (cores, 2) uint64 array of (k0, k1) rows
         (protocol.siphash.key_words), for a job with data_mac: every DATA datagram then ends in its SipHash tag
-        under its core's key, and a RESULT is taken only with a valid one. None: no MAC."""
+        under its core's key, and a RESULT is taken only with a valid one. None: no MAC. ``nearest``: cnat8 codes
+        round to the nearer power of two (encode_nearest, the job's deterministic rounding) instead of
+        stochastically."""
         if not 0 < min_rto <= rto <= max_rto:
             raise ValueError(f"need 0 < min_rto <= rto <= max_rto, got {min_rto}, {rto}, {max_rto}")
         if data_mac_keys is None:
@@ -597,6 +598,7 @@ class StreamEngine:
         self.params[[P_JOB, P_RANK, P_WORLD, P_VBITS, P_CODEC, P_PKT, P_CORES]] = (
             job, rank, world_size, value_bits(world_size), int(self.codec), packet_elements, len(agg_addrs))
         self.params[P_SEED] = np.uint64(seed).view(np.int64)
+        self.params[P_STOCHASTIC] = not nearest
         self.seed, self.rank = seed, rank
         self.parity = np.zeros(pool_size, np.int64)  # persists over the job's life
         # two datagram buffers per slot, by parity: the in-flight chunk's (kept for retransmission) and the next's
@@ -656,10 +658,9 @@ class StreamEngine:
         codec = codecs.BY_ID[self.codec]
         local = np.empty(chunks, np.int64)
         low = np.zeros(chunks, np.uint32)  # 0: not precoded, encode_chunk encodes the chunk when it is sent
-        bad = -1
         if not codec.PRECODES:  # else each chunk's exponent comes with its codes, a window ahead (see _precode)
-            bad = chunk_exponents_kernel(flat, self.packet_elements, *codec.EXP_RANGE, local)
-        return self._start(now, flat.size, x=flat, out=out.reshape(-1), local=local, low=low, bad=bad,
+            self.stats[NONFINITE] += chunk_exponents_kernel(flat, self.packet_elements, *codec.EXP_RANGE, local)
+        return self._start(now, flat.size, x=flat, out=out.reshape(-1), local=local, low=low,
                            sent=self._no_sent if sent is None else sent.reshape(-1), codes=self._no_codes,
                            shard=shard, precoded=False)
 
@@ -689,18 +690,18 @@ class StreamEngine:
             raise ValueError(f"{codes.size} codes in chunks of {self.packet_elements} need {chunks} exponents and "
                              f"low words, got {local.size} and {low.size}")
         self.params[P_READY] = codes.size if ready is None else ready
-        return self._start(now, codes.size, x=self._no_sent, out=self._no_sent, local=local, low=low, bad=-1,
+        return self._start(now, codes.size, x=self._no_sent, out=self._no_sent, local=local, low=low,
                            sent=self._no_sent, codes=codes, shard=0, precoded=True)
 
     def _start(self, now: float, elements: int, *, x: np.ndarray, out: np.ndarray, local: np.ndarray,
-               low: np.ndarray, bad: int, sent: np.ndarray, codes: np.ndarray, shard: int, precoded: bool) -> Burst:
+               low: np.ndarray, sent: np.ndarray, codes: np.ndarray, shard: int, precoded: bool) -> Burst:
         """The next allreduce's state, and its bootstrap datagrams: start's and start_precoded's common part."""
         chunks = local.size
         window = min(self.pool_size, chunks)
         self.allreduce_seq += 1
         prm = self.params
-        prm[[P_WINDOW, P_CHUNKS, P_ELEMENTS, P_ALLREDUCE, P_DONE, P_BAD, P_SHARD, P_OUT_LO, P_PRECODED]] = (
-            window, chunks, elements, self.allreduce_seq, 0, bad, shard, int(prm[P_RANK]) * shard, precoded)
+        prm[[P_WINDOW, P_CHUNKS, P_ELEMENTS, P_ALLREDUCE, P_DONE, P_SHARD, P_OUT_LO, P_PRECODED]] = (
+            window, chunks, elements, self.allreduce_seq, 0, shard, int(prm[P_RANK]) * shard, precoded)
         self.state = State(
             params=prm, x=x, out=out, local_exp=local,
             agreed_exp=np.full(chunks, NO_EXP, np.int64), cur_chunk=np.full(self.pool_size, IDLE, np.int64),
@@ -713,7 +714,6 @@ class StreamEngine:
         self._args = tuple(self.state)
         tx = self.tx
         n = start_kernel(self._args, now, tx.ptr, tx.length, tx.addr) if window else 0
-        self.check_finite()  # in the first window: nothing was sent
         return self._sent(n)
 
     # ---- precoded allreduces: what the driver does between the engine's calls (see start_precoded)
@@ -760,28 +760,17 @@ class StreamEngine:
         """The current allreduce's agreed exponent per chunk (NO_EXP until its round has started)."""
         return self.state.agreed_exp
 
+    @property
+    def stochastic(self) -> bool:
+        """Whether cnat8 codes round stochastically (else to nearest: the job's deterministic rounding)."""
+        return bool(self.params[P_STOCHASTIC])
+
     def completed(self) -> int:
         """Chunks 0 .. completed() - 1 have their results (the others may too): every slot sends its chunks in
         order, so all chunks below the lowest one a slot still waits for are done."""
         st = self.state
         waiting = np.where(st.cur_chunk == PARKED, st.parked, st.cur_chunk)[st.cur_chunk != IDLE]
         return int(self.params[P_CHUNKS]) if waiting.size == 0 else max(0, int(waiting.min()))
-
-    @property
-    def non_finite(self) -> int | None:
-        """The index of a NaN or infinity in the current allreduce's input, once found, else None.
-
-        cnat8 reads each chunk a window ahead of sending it, so one past the first window is found mid-flight.
-        From then on the engine sends no new chunk but still takes the results of the chunks it sent (and
-        retransmits them), so that its shadow sets stay in step with the other ranks' and the job's next
-        allreduce works; when it is done the driver raises (check_finite). The other ranks time out."""
-        bad = int(self.params[P_BAD])
-        return None if bad < 0 else bad
-
-    def check_finite(self) -> None:
-        """ValueError naming the non-finite input value, if one was found."""
-        if self.non_finite is not None:
-            raise_non_finite(self.state.x, self.non_finite)
 
     def receive(self, rx: Burst, now: float) -> Burst:
         """Accept the ``rx.count`` received datagrams of ``rx`` (a burst with rows of its own, as

@@ -11,15 +11,20 @@ A codec module has
                    read (protocol.arith.precode_chunk), or finds all exponents up front and encodes on sending
 and Numba functions with these signatures (payload: the uint8 bytes of a datagram's elements; exp: the chunk's
 agreed exponent; vbits: s(n) of the job):
-    encode_chunk(x, payload, key, offset, exp, vbits, low, local_exp)   a worker's float32 chunk x (tensor
-                   elements offset.., random words keyed by key) into payload; low and local_exp: precode_chunk's
-                   word and exponent proposal for a precoded payload, or 0 and any exponent to encode
-    check_payload(payload, exp, vbits) -> bool               the switch's check of a contribution
+    encode_chunk(x, payload, key, offset, exp, vbits, low, local_exp, stochastic)   a worker's float32 chunk x
+                   (tensor elements offset.., random words keyed by key; not stochastic: rounded to nearest) into
+                   payload; low and local_exp: precode_chunk's word and exponent proposal for a precoded payload,
+                   or 0 and any exponent to encode
+    check_payload(payload, exp, vbits) -> bool               the switch's check of a contribution (finite)
+    take_nonfinite(payload, exp, vbits, flags) -> bool       the check of one that failed check_payload: valid
+                   with non-finite lanes, whose flags it ORs into the uint8 flags and then zeroes in the payload
+    put_nonfinite(payload, flags) -> lanes                   the result's lanes with flags made non-finite
     contribution_bound(exp, vbits) -> int                    the largest |integer value| one contribution adds
                    (a spine's check of a leaf's partial sums: protocol.partial)
     add_payloads(data, rows, k, col, acc, exp, vbits, first) acc = (first) or += the payloads data[rows[t], col:]
                    for t < k, acc being the slot's int32 accumulators (acc.size elements)
-    encode_result(acc, payload, key, offset, exp, vbits) -> elements beyond float32   the switch's result payload
+    encode_result(acc, payload, key, offset, exp, vbits, stochastic) -> elements beyond float32   the switch's
+                   result payload (not stochastic: rounded to nearest)
     check_result(payload, exp, vbits) -> bool                the worker's check of a result
     decode_result(payload, exp, vbits, out)                  float32 out = the result's values
 
@@ -58,11 +63,11 @@ def precodes(codec):
 
 
 @njit(inline="always")
-def encode_chunk(codec, x, payload, key, offset, exp, vbits, low, local_exp):
+def encode_chunk(codec, x, payload, key, offset, exp, vbits, low, local_exp, stochastic):
     if codec == cnat8.ID:
-        cnat8.encode_chunk(x, payload, key, offset, exp, vbits, low, local_exp)
+        cnat8.encode_chunk(x, payload, key, offset, exp, vbits, low, local_exp, stochastic)
     else:
-        int32.encode_chunk(x, payload, key, offset, exp, vbits, low, local_exp)
+        int32.encode_chunk(x, payload, key, offset, exp, vbits, low, local_exp, stochastic)
 
 
 @njit(inline="always")
@@ -70,6 +75,20 @@ def check_payload(codec, payload, exp, vbits):
     if codec == cnat8.ID:
         return cnat8.check_payload(payload, exp, vbits)
     return int32.check_payload(payload, exp, vbits)
+
+
+@njit(inline="always")
+def take_nonfinite(codec, payload, exp, vbits, flags):
+    if codec == cnat8.ID:
+        return cnat8.take_nonfinite(payload, exp, vbits, flags)
+    return int32.take_nonfinite(payload, exp, vbits, flags)
+
+
+@njit(inline="always")
+def put_nonfinite(codec, payload, flags):
+    if codec == cnat8.ID:
+        return cnat8.put_nonfinite(payload, flags)
+    return int32.put_nonfinite(payload, flags)
 
 
 @njit(inline="always")
@@ -88,10 +107,10 @@ def add_payloads(codec, data, rows, k, col, acc, exp, vbits, first):
 
 
 @njit(inline="always")
-def encode_result(codec, acc, payload, key, offset, exp, vbits):
+def encode_result(codec, acc, payload, key, offset, exp, vbits, stochastic):
     if codec == cnat8.ID:
-        return cnat8.encode_result(acc, payload, key, offset, exp, vbits)
-    return int32.encode_result(acc, payload, key, offset, exp, vbits)
+        return cnat8.encode_result(acc, payload, key, offset, exp, vbits, stochastic)
+    return int32.encode_result(acc, payload, key, offset, exp, vbits, stochastic)
 
 
 @njit(inline="always")

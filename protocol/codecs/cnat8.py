@@ -20,7 +20,15 @@ from intml.protocol.arith import (
     lower_codes,
     sum_to_codes_kernel,
 )
-from intml.protocol.cnat import codes_in_range, decode_kernel, encode_kernel, has_underflow
+from intml.protocol.cnat import (
+    codes_in_range,
+    codes_in_range_or_nonfinite,
+    decode_kernel,
+    encode_kernel,
+    has_underflow,
+    put_nonfinite_codes,
+    take_nonfinite_codes,
+)
 from intml.protocol.codec import Codec
 
 ID = Codec.CNAT8
@@ -34,17 +42,17 @@ PRECODES = True
 
 
 @njit(inline="always")
-def encode_chunk(x, payload, key, offset, exp, vbits, low, local_exp):
+def encode_chunk(x, payload, key, offset, exp, vbits, low, local_exp, stochastic):
     """Codes of float32 x (elements offset.. of the tensor, random words keyed by key) at the floor of agreed
     exponent exp, into payload. low and local_exp are precode_chunk's low word and exponent proposal for a
     payload that already holds x's codes at the proposal's floor; low without the PRECODED bit (0) asks for an
     encode. A precoded payload needs a new encode only if a value lies below the agreed floor (or the agreed
     exponent is below the proposal, which an honest switch never returns); else its k are lowered by the floors'
-    difference."""
+    difference. Not stochastic: encode_nearest's codes (a precoded payload must be too)."""
     floor = cnat_floor(exp, vbits)
     own = cnat_floor(local_exp, vbits)
     if encodes_again(low, floor, own):
-        encode_kernel(x, payload, key, np.uint64(offset), floor, True)
+        encode_kernel(x, payload, key, np.uint64(offset), floor, stochastic)
     elif floor > own:
         lower_codes(payload, floor - own)
 
@@ -65,6 +73,23 @@ def check_payload(payload, exp, vbits):
 
 
 @njit(inline="always")
+def take_nonfinite(payload, exp, vbits, flags):
+    """The switch's check of a contribution that failed check_payload: if every code passes it or is a non-finite
+    code, flags |= each lane's flags, the non-finite codes become 0 (added as nothing) and True; else False,
+    nothing changed."""
+    if not codes_in_range_or_nonfinite(payload, data_k_max(exp, vbits)):
+        return False
+    take_nonfinite_codes(payload, flags)
+    return True
+
+
+@njit(inline="always")
+def put_nonfinite(payload, flags):
+    """The result's lanes with flags become their non-finite codes; returns their count."""
+    return put_nonfinite_codes(payload, flags)
+
+
+@njit(inline="always")
 def contribution_bound(exp, vbits):
     """A valid code adds +-2**k with k <= data_k_max (0 only, for an all-zero chunk)."""
     k = data_k_max(exp, vbits)
@@ -78,16 +103,16 @@ def add_payloads(data, rows, k, col, acc, exp, vbits, first):
 
 
 @njit(inline="always")
-def encode_result(acc, payload, key, offset, exp, vbits):
-    """The switch's stochastic C_nat re-encode of the sums acc into payload; returns the count of elements whose
-    rounded sum exceeds float32 (they decode to +-Inf)."""
-    return sum_to_codes_kernel(acc, payload, key, np.uint64(offset), cnat_floor(exp, vbits))
+def encode_result(acc, payload, key, offset, exp, vbits, stochastic):
+    """The switch's stochastic (or nearest) C_nat re-encode of the sums acc into payload; returns the count of
+    elements whose rounded sum exceeds float32 (they decode to +-Inf)."""
+    return sum_to_codes_kernel(acc, payload, key, np.uint64(offset), cnat_floor(exp, vbits), stochastic)
 
 
 @njit(inline="always")
 def check_result(payload, exp, vbits):
-    """The worker's check of a result: every code is 0 or has k <= 31 (a re-encoded 31-bit sum)."""
-    return codes_in_range(payload, RESULT_K_MAX)
+    """The worker's check of a result: every code is 0, has k <= 31 (a re-encoded 31-bit sum) or is non-finite."""
+    return codes_in_range(payload, RESULT_K_MAX) or codes_in_range_or_nonfinite(payload, RESULT_K_MAX)
 
 
 @njit(inline="always")

@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from intml.protocol.arith import INT32_RANGE, dequantize, int32_scale_exponent, quantize
+from intml.protocol.arith import INT32_NONFINITE, INT32_RANGE, dequantize, int32_scale_exponent, quantize_lane
+from intml.protocol.cnat import NAN_FLAGS
 from intml.protocol.codec import Codec
 from intml.protocol.lanes import load_be32, store_be32
 
@@ -24,13 +25,14 @@ PRECODES = False
 
 
 @njit(inline="always")
-def encode_chunk(x, payload, key, offset, exp, vbits, low, local_exp):
-    """payload = rint(x * 2**(s - exp)) clamped to +-2**s, big-endian (key, offset, low and local_exp are
-    unused)."""
+def encode_chunk(x, payload, key, offset, exp, vbits, low, local_exp, stochastic):
+    """payload = rint(x * 2**(s - exp)) clamped to +-2**s, big-endian, and INT32_NONFINITE + flags for a NaN or
+    an infinity (key, offset, low, local_exp and stochastic are unused: int32 rounds to nearest always)."""
     scale = 2.0 ** int32_scale_exponent(exp, vbits)
     limit = np.int64(1) << vbits
+    bits = x.view(np.uint32)
     for i in range(x.size):
-        store_be32(payload, WIDTH * i, quantize(x[i], scale, limit))
+        store_be32(payload, WIDTH * i, quantize_lane(x[i], bits[i], scale, limit))
 
 
 @njit(inline="always")
@@ -44,6 +46,41 @@ def check_payload(payload, exp, vbits):
         low = min(low, v)
         high = max(high, v)
     return low >= -limit and high <= limit
+
+
+@njit(inline="always")
+def take_words(payload, limit, flags):
+    """take_nonfinite with the bound +-limit: a leaf's partial sums (protocol.partial) carry flags the same way."""
+    for i in range(payload.size // WIDTH):
+        v = load_be32(payload, WIDTH * i)
+        if (v < -limit or v > limit) and not (INT32_NONFINITE < v <= INT32_NONFINITE + NAN_FLAGS):
+            return False
+    for i in range(payload.size // WIDTH):
+        v = load_be32(payload, WIDTH * i)
+        if v < -limit:
+            flags[i] |= np.uint8(np.int64(v) - INT32_NONFINITE)
+            store_be32(payload, WIDTH * i, np.int32(0))
+    return True
+
+
+@njit(inline="always")
+def take_nonfinite(payload, exp, vbits, flags):
+    """The switch's check of a contribution that failed check_payload: if every word lies in [-2**s, 2**s] or is
+    reserved (INT32_NONFINITE + flags), flags |= each lane's flags, the reserved words become 0 (added as
+    nothing) and True; else False, nothing changed."""
+    return take_words(payload, np.int64(1) << vbits, flags)
+
+
+@njit(inline="always")
+def put_nonfinite(payload, flags):
+    """The result's lanes with flags become their reserved words (no sum of n values reaches them); returns their
+    count."""
+    count = 0
+    for i in range(flags.size):
+        if flags[i]:
+            store_be32(payload, WIDTH * i, np.int32(INT32_NONFINITE + np.int64(flags[i])))
+            count += 1
+    return count
 
 
 @njit(inline="always")
@@ -64,7 +101,7 @@ def add_payloads(data, rows, k, col, acc, exp, vbits, first):
 
 
 @njit(inline="always")
-def encode_result(acc, payload, key, offset, exp, vbits):
+def encode_result(acc, payload, key, offset, exp, vbits, stochastic):
     """payload = the sums, big-endian; nothing saturates (returns 0)."""
     for i in range(acc.size):
         store_be32(payload, WIDTH * i, acc[i])
@@ -73,13 +110,14 @@ def encode_result(acc, payload, key, offset, exp, vbits):
 
 @njit(inline="always")
 def check_result(payload, exp, vbits):
-    """Every sum of n values in [-2**s, 2**s] is a valid int32: nothing to check."""
+    """Every sum of n values in [-2**s, 2**s] is a valid int32, and the others are reserved words: nothing to
+    check."""
     return True
 
 
 @njit(inline="always")
 def decode_result(payload, exp, vbits, out):
-    """float32 out = sums * 2**(exp - s)."""
+    """float32 out = sums * 2**(exp - s), and +-Inf or NaN for a reserved word."""
     unit = 2.0 ** -int32_scale_exponent(exp, vbits)
     for i in range(out.size):
         out[i] = dequantize(load_be32(payload, WIDTH * i), unit)

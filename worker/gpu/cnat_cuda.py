@@ -15,8 +15,8 @@ floors in one launch; the single-floor functions are one chunk), the device comp
 * the random word of global element g = offset + j: ``lowbias32(lo ^ block_key(key, hi))``, lo and hi being
   g's low and high 32 bits (the CPU derives the block key once per block; it is the same number);
 * its code: ``small_code`` for a nonzero magnitude below 2**max(floor, -126), else ``fast_code``;
-* saturation (a magnitude above 2**(floor + 63), code k = 63, counted) and non-finite values (the smallest
-  index is reported; the caller raises, as protocol.cnat.encode does).
+* saturation (a magnitude above 2**(floor + 63), code k = 63, counted) and non-finite values (their flags'
+  code, ``nonfinite_flags``, counted).
 
 Inputs and outputs are device arrays, or anything with ``__cuda_array_interface__`` (a CUDA torch tensor):
 C-contiguous float32 values and uint8 codes. Every launch takes an optional CUDA stream.
@@ -40,13 +40,13 @@ from intml.protocol.cnat import (
     encode_params,
     encode_word,
     fast_code,
+    nonfinite_flags,
     small_code,
 )
 from intml.protocol.rng import block_key, stream_key
 
 _U32 = np.uint32
 _U64 = np.uint64
-_NON_FINITE = 0x7F800000  # float32 magnitude bits from here up: Inf and NaN
 
 # Threads per block and the most blocks a grid-stride launch uses. The simulator runs each thread as a Python
 # thread, so it gets a small grid (the loops cover any size either way).
@@ -67,7 +67,7 @@ class ChunkStats(NamedTuple):
 @cuda.jit
 def _encode_kernel(bits, out, key, offset, floors, chunk_elements, stochastic, counts):
     """out = codes of bits (float32 bits of elements offset.. of the tensor), element j at floors[j //
-    chunk_elements]; counts[0] += saturated elements, counts[1] = min(counts[1], index of a non-finite value)."""
+    chunk_elements]; counts[0] += saturated elements, counts[1] += non-finite ones."""
     for j in range(cuda.grid(1), bits.size, cuda.gridsize(1)):
         floor = floors[j // chunk_elements]
         fast_floor, kfl, small_bits, bias, sat_bits = encode_params(floor)
@@ -81,15 +81,16 @@ def _encode_kernel(bits, out, key, offset, floors, chunk_elements, stochastic, c
             out[j] = fast_code(b, r, kfl, bias)
         if ab > sat_bits:
             if ab > _U32(F32_LARGEST):
-                cuda.atomic.min(counts, 1, j)
+                out[j] = nonfinite_flags(b)
+                cuda.atomic.add(counts, 1, 1)
             else:
                 cuda.atomic.add(counts, 0, 1)
 
 
 @cuda.jit
-def _chunk_stats_kernel(bits, chunk_elements, lo, hi, exponents, lows, bad):
-    """One block per chunk (grid-stride over chunks): exponents[c] = chunk_exponent of the largest magnitude,
-    lows[c] = the smallest nonzero magnitude minus one; bad[0] = min(bad[0], index of a non-finite value)."""
+def _chunk_stats_kernel(bits, chunk_elements, lo, hi, exponents, lows):
+    """One block per chunk (grid-stride over chunks): exponents[c] = chunk_exponent of the largest finite
+    magnitude, lows[c] = the smallest nonzero magnitude minus one."""
     top = cuda.shared.array(1, np.uint32)
     low = cuda.shared.array(1, np.uint32)
     for c in range(cuda.blockIdx.x, exponents.size, cuda.gridDim.x):
@@ -102,9 +103,7 @@ def _chunk_stats_kernel(bits, chunk_elements, lo, hi, exponents, lows, bad):
         end = min(bits.size, (c + 1) * chunk_elements)
         for j in range(c * chunk_elements + cuda.threadIdx.x, end, cuda.blockDim.x):
             ab = _U32(bits[j] & _U32(0x7FFFFFFF))
-            if ab >= _U32(_NON_FINITE):
-                cuda.atomic.min(bad, 0, j)
-            my_top = max(my_top, ab)
+            my_top = max(my_top, ab if ab <= _U32(F32_LARGEST) else _U32(0))  # Inf and NaN travel as flags
             my_low = min(my_low, _U32(ab - _U32(1)))  # zeros wrap to the maximum and drop out
         cuda.atomic.max(top, 0, my_top)
         cuda.atomic.min(low, 0, my_low)
@@ -176,13 +175,13 @@ def _floors(floors: Any, n: int, chunk_elements: int, stream: Any) -> Any:
 def launch_encode(x: Any, out: Any, key: int, offset: int, floors: Any, chunk_elements: int, stochastic: bool,
                   stream: Any = 0) -> Any:
     """Queue the encode of float32 x into uint8 out on stream, element j at floors[j // chunk_elements] (host
-    values, one per chunk), without waiting: returns the device array counts, [saturated elements, index of the
-    first non-finite value or x.size], valid once the stream has run."""
+    values, one per chunk), without waiting: returns the device array counts, [saturated elements, non-finite
+    elements], valid once the stream has run."""
     flat = _device(x, np.float32, "x")
     codes = _out(out, flat.size, np.uint8, stream)
     if offset < 0:
         raise ValueError(f"offset must be >= 0, got {offset}")
-    counts = cuda.to_device(np.array([0, flat.size], np.int64), stream=stream)
+    counts = cuda.to_device(np.array([0, 0], np.int64), stream=stream)
     _encode_kernel[_blocks(flat.size), THREADS, stream](
         flat.view(np.uint32), codes, _U64(key), _U64(offset), _floors(floors, flat.size, chunk_elements, stream),
         chunk_elements, bool(stochastic), counts
@@ -193,21 +192,17 @@ def launch_encode(x: Any, out: Any, key: int, offset: int, floors: Any, chunk_el
 def encode_chunks(x: Any, *, key: int, floors: Any, chunk_elements: int, offset: int = 0, out: Any = None,
                   stochastic: bool = True, cuda_stream: Any = 0) -> Encoded:
     """Codes of float32 x, chunk c (elements c * chunk_elements..) at floors[c], random words keyed by (key,
-    offset + j): each chunk's codes are protocol.cnat's encode of that chunk at its floor and offset. Raises
-    ValueError naming the first non-finite value."""
+    offset + j): each chunk's codes are protocol.cnat's encode of that chunk at its floor and offset."""
     flat = _device(x, np.float32, "x")
     codes = _out(out, flat.size, np.uint8, cuda_stream)
     counts = launch_encode(flat, codes, key, offset, floors, chunk_elements, stochastic, cuda_stream)
-    saturated, bad = counts.copy_to_host(stream=cuda_stream)
-    if bad < flat.size:
-        value = flat[bad : bad + 1].copy_to_host(stream=cuda_stream)[0]
-        raise ValueError(f"cannot encode non-finite value {value} at index {bad}")
+    saturated, _ = counts.copy_to_host(stream=cuda_stream)
     return Encoded(codes, int(saturated))
 
 
 def encode(x: Any, *, seed: int, stream: int, floor: int, offset: int = 0, out: Any = None,
            cuda_stream: Any = 0) -> Encoded:
-    """protocol.cnat.encode on the device: the same codes, saturation count and non-finite error."""
+    """protocol.cnat.encode on the device: the same codes and saturation count."""
     n = _device(x, np.float32, "x").size
     return encode_chunks(x, key=stream_key(seed, stream), floors=[check_floor(floor)], chunk_elements=max(1, n),
                          offset=offset, out=out, cuda_stream=cuda_stream)
@@ -223,21 +218,16 @@ def encode_nearest(x: Any, *, floor: int, out: Any = None, cuda_stream: Any = 0)
 def chunk_stats(x: Any, chunk_elements: int, codec_range: tuple[int, int] = (EXP_MIN, EXP_MAX),
                 cuda_stream: Any = 0) -> ChunkStats:
     """Per-chunk exponents (protocol.arith.chunk_exponents) and lows (precode_chunk's low, without the PRECODED
-    tag) of a flat float32 device array; raises ValueError on NaN or Inf, naming the first."""
+    tag) of a flat float32 device array (the exponents over the finite values)."""
     flat = _device(x, np.float32, "x")
     if chunk_elements < 1:
         raise ValueError(f"chunk_elements must be >= 1, got {chunk_elements}")
     chunks = -(-flat.size // chunk_elements)
     exponents = cuda.device_array(chunks, np.int8, stream=cuda_stream)
     lows = cuda.device_array(chunks, np.uint32, stream=cuda_stream)
-    bad = cuda.to_device(np.array([flat.size], np.int64), stream=cuda_stream)
     _chunk_stats_kernel[max(1, min(MAX_BLOCKS, chunks)), THREADS, cuda_stream](
-        flat.view(np.uint32), chunk_elements, codec_range[0], codec_range[1], exponents, lows, bad
+        flat.view(np.uint32), chunk_elements, codec_range[0], codec_range[1], exponents, lows
     )
-    first = int(bad.copy_to_host(stream=cuda_stream)[0])
-    if first < flat.size:
-        value = flat[first : first + 1].copy_to_host(stream=cuda_stream)[0]
-        raise ValueError(f"cannot allreduce non-finite value {value} at index {first}")
     return ChunkStats(exponents.copy_to_host(stream=cuda_stream), lows.copy_to_host(stream=cuda_stream))
 
 

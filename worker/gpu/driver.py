@@ -4,7 +4,7 @@ moves one byte per element, the device decodes (docs/gpu.md).
 For a cnat8 job, on one CUDA stream:
 
 1. ``chunk_stats``: each chunk's exponent proposal and low word (N / P values, copied to the host at once: the
-   engine needs them before anything is sent; a NaN or infinity raises here, before any datagram);
+   engine needs them before anything is sent; a NaN or an infinity is left out of its chunk's exponent);
 2. ``launch_encode``: every chunk at its own floor into device codes;
 3. the codes to pinned host memory in pieces of ``piece_elements``, an event after each: the engine starts at
    once (its bootstrap rounds need only the exponents) and sends a chunk as soon as its piece has landed
@@ -148,12 +148,13 @@ class _CnatRound:
         self.vbits = int(engine.params[P_VBITS])
         self.buf = owner._buffers_for(x.size)
         self.key = engine.stream_key(engine.next_allreduce)
-        stats = cnat_cuda.chunk_stats(x, self.pkt, cuda_stream=stream)  # raises on NaN or Inf, before any send
+        stats = cnat_cuda.chunk_stats(x, self.pkt, cuda_stream=stream)
         self.local = stats.exponents.astype(np.int64)
         self.low = stats.lows | np.uint32(PRECODED)
         # the floor each chunk's device codes are at: its own, or its agreed one once encoded again
         self.sent_floors = cnat_floors(self.local, self.vbits, np.empty(self.local.size, np.int64))
-        cnat_cuda.launch_encode(x, self.buf.codes_dev, self.key, 0, self.sent_floors, self.pkt, True, stream)
+        cnat_cuda.launch_encode(x, self.buf.codes_dev, self.key, 0, self.sent_floors, self.pkt, engine.stochastic,
+                                stream)
         self.pieces: deque[tuple[int, Any]] = deque()  # (end element, event after its copy) in flight
         for a in range(0, x.size, owner.piece):
             b = min(x.size, a + owner.piece)
@@ -198,7 +199,8 @@ class _CnatRound:
         buf, x, pkt = self.buf, self.x, self.pkt
         for c, floor in requests:
             a, b = c * pkt, min(x.size, (c + 1) * pkt)
-            cnat_cuda.launch_encode(x[a:b], buf.codes_dev[a:b], self.key, a, [floor], b - a, True, self.stream)
+            cnat_cuda.launch_encode(x[a:b], buf.codes_dev[a:b], self.key, a, [floor], b - a, self.engine.stochastic,
+                                    self.stream)
             buf.codes_dev[a:b].copy_to_host(buf.codes_host[a:b], stream=self.stream)
             self.sent_floors[c] = floor
         stream_sync(self.stream)

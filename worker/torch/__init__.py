@@ -35,7 +35,8 @@ to be compressed that goes to Gloo (large but not float32, on a device other tha
 ``IntmlUncompressedWarning``.
 
 Environment (see ``IntmlConfig``): ``INTML_AGGREGATOR=host:port`` (required unless falling back),
-``INTML_TOKEN``, ``INTML_CODEC`` (cnat8 | int32), ``INTML_JOB``, ``INTML_SEED``, ``INTML_PACKET_ELEMENTS``,
+``INTML_TOKEN``, ``INTML_CODEC`` (cnat8 | int32), ``INTML_ROUNDING`` (stochastic | nearest, docs/rounding.md),
+``INTML_JOB``, ``INTML_SEED``, ``INTML_PACKET_ELEMENTS``,
 ``INTML_POOL``, ``INTML_TIMEOUT``, ``INTML_CONNECT_TIMEOUT``, ``INTML_FALLBACK`` (error | gloo),
 ``INTML_ERROR_FEEDBACK`` (0 | 1, hook only), ``INTML_WARMUP_STEPS`` (hook only), ``INTML_THREAD`` (0 | 1, hook
 only), ``INTML_MIN_ELEMENTS`` (backend only).

@@ -17,7 +17,7 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
-from intml.protocol.job import CODEC_NAMES, JobParams, WorkerTimers, codec_name
+from intml.protocol.job import CODEC_NAMES, ROUNDINGS, JobParams, WorkerTimers, codec_name
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -42,6 +42,7 @@ class IntmlConfig:
     codec: str = codec_name(JobParams.codec)  # cnat8 (8-bit C_nat) or int32 (SwitchML's fixed point)
     job: int | None = None  # job id on the aggregator; None: rank 0 draws one at random and shares it
     seed: int | None = None  # job seed of the stochastic rounding; None: rank 0 draws one
+    rounding: str = ROUNDINGS[0]  # C_nat's: "stochastic" (unbiased) or "nearest" (deterministic, biased)
     packet_elements: int = JobParams.packet_elements  # elements per packet
     pool_size: int = JobParams.pool_size  # slots, i.e. packets in flight per worker
     timeout: float = WorkerTimers.timeout  # an allreduce with no progress for this long raises AllreduceTimeout
@@ -83,6 +84,8 @@ class IntmlConfig:
     def validated(self) -> IntmlConfig:
         if self.codec not in CODEC_NAMES:
             raise ValueError(f"INTML_CODEC must be one of {sorted(CODEC_NAMES)}, got {self.codec!r}")
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"INTML_ROUNDING must be one of {', '.join(ROUNDINGS)}, got {self.rounding!r}")
         if self.fallback not in ("error", "gloo"):
             raise ValueError(f"INTML_FALLBACK must be 'error' or 'gloo', got {self.fallback!r}")
         if self.min_elements < 0:

@@ -135,6 +135,7 @@ class Link:
         out = w.allreduce(x, op, out=flat if inplace else None, sent=sent)  # in place: no result allocation
         if sent is not None:
             np.subtract(x, sent, out=sent)  # the new residual: input - what was sent
+            residual.nan_to_num_(0.0, 0.0, 0.0)  # a non-finite element's is reset: it went on as itself
         self._count(x.size, before)
         if inplace:
             return [tensor]
@@ -154,6 +155,7 @@ class Link:
             self._device.allreduce(path.view(x), path.view(out), op, sent=sent, stream=stream)
             if residual is not None:
                 torch.sub(x, residual, out=residual)  # the new residual: input - what was sent
+                residual.nan_to_num_(0.0, 0.0, 0.0)  # a non-finite element's is reset: it went on as itself
         self._count(x.numel(), before, cuda=True)
         if inplace:
             return [tensor]
@@ -209,7 +211,8 @@ def connect(config: IntmlConfig, rank: int, world_size: int, control_allreduce: 
         try:
             w = Worker(config.aggregator, job=job, rank=rank, world_size=world_size, token=config.token,
                        codec=config.codec, packet_elements=config.packet_elements, pool_size=config.pool_size,
-                       seed=seed, timeout=config.timeout, connect_timeout=config.connect_timeout)
+                       seed=seed, timeout=config.timeout, connect_timeout=config.connect_timeout,
+                       rounding=config.rounding)
         except (AllreduceTimeout, OSError) as exc:
             status[rank], reason = UNREACHABLE, f"{type(exc).__name__}: {exc}"
         except JoinError as exc:
