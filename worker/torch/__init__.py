@@ -67,7 +67,7 @@ from intml.worker.torch.backend import BACKEND, IntmlProcessGroup, monitored_bar
 from intml.worker.torch.config import IntmlConfig
 from intml.worker.torch.hook import IntmlHookState, intml_hook
 from intml.worker.torch.link import AggregatorUnavailable, IntmlError, IntmlFallbackWarning
-from intml.worker.torch.routing import IntmlUncompressedWarning
+from intml.worker.torch.routing import IntmlRoutingWarning, IntmlUncompressedWarning
 
 __all__ = [
     "BACKEND",
@@ -77,6 +77,7 @@ __all__ = [
     "IntmlFallbackWarning",
     "IntmlHookState",
     "IntmlProcessGroup",
+    "IntmlRoutingWarning",
     "IntmlUncompressedWarning",
     "Traffic",
     "intml_bytes",

@@ -4,6 +4,7 @@ the errors of that path. Shared by the DDP hook (``hook``) and the process-group
 from __future__ import annotations
 
 import atexit
+import hashlib
 import queue
 import secrets
 import threading
@@ -191,11 +192,12 @@ def connect(config: IntmlConfig, rank: int, world_size: int, control_allreduce: 
             traffic: Traffic, threaded: bool) -> Link | None:
     """Join the aggregator at every rank and agree on the outcome. Returns the link (its allreduces on a thread if
     `threaded`), or None when the group falls back to Gloo. `control_allreduce(t)` sums an int64 CPU tensor over the group through Gloo, blocking."""
-    # Job id and seed: rank 0's (from the config, else drawn at random), shared as a Gloo sum of zeros elsewhere.
+    # Job id and seed: rank 0's (from the config, else drawn at random; the seed from torch's), shared as a Gloo
+    # sum of zeros elsewhere.
     ids = torch.zeros(2, dtype=torch.int64)
     if rank == 0:
         ids[0] = config.job if config.job is not None else 1 + secrets.randbelow(0xFFFFFFFE - 1)
-        ids[1] = config.seed if config.seed is not None else secrets.randbits(62)
+        ids[1] = config.seed if config.seed is not None else rounding_seed()
     control_allreduce(ids)
     job, seed = int(ids[0]), int(ids[1])
 
@@ -231,6 +233,15 @@ def connect(config: IntmlConfig, rank: int, world_size: int, control_allreduce: 
     raise AggregatorUnavailable(f"{message}; start `intml-aggregator --host HOST --port PORT` and set "
                                 f"INTML_AGGREGATOR=HOST:PORT at every rank, or set INTML_FALLBACK=gloo to train with "
                                 f"Gloo instead")
+
+
+def rounding_seed() -> int:
+    """The job's default rounding seed: derived from torch's initial seed, so that a run the user seeded
+    (``torch.manual_seed``) rounds alike every time, as it would train alike under Gloo, while an unseeded one
+    (torch then seeds itself at random) varies. It reads the seed without drawing from the generator, so the
+    user's own random numbers stay those of a Gloo run. ``INTML_SEED`` overrides it."""
+    digest = hashlib.blake2b(torch.initial_seed().to_bytes(8, "little"), digest_size=8, person=b"intml-seed")
+    return int.from_bytes(digest.digest(), "little") >> 2  # 62 bits: positive in the int64 the ranks share
 
 
 # A rank's start-up outcome (connect), worst last: the group goes by the worst.
@@ -293,6 +304,7 @@ class AggregatorLinked:
         self.config = config
         self.traffic = Traffic()
         self._warned: set[str] = set()
+        self._summarised = False
         self.link = connect(config, rank, size, self._control_allreduce, self.traffic, threaded)
         if self.link is not None:
             _LINKS.add(self.link)
@@ -301,10 +313,16 @@ class AggregatorLinked:
         """Count an allreduce (or reduce-scatter) that goes to Gloo for `reason`, warning the first time for a
         reason the user did not choose (``routing``)."""
         self.traffic.add_gloo(tensors, self.gloo.size(), reason, reduce_scatter)
-        if reason not in routing.CHOSEN and reason not in self._warned:
-            self._warned.add(reason)
-            warnings.warn(routing.warning_text(reason, sum(t.numel() for t in tensors)),
-                          routing.IntmlUncompressedWarning, stacklevel=4)
+        if reason in self._warned or (reason in routing.CHOSEN and reason != routing.SMALL):
+            return
+        self._warned.add(reason)
+        elements = sum(t.numel() for t in tensors)
+        if reason == routing.SMALL:  # chosen by the threshold, but a user who swapped in intml should know
+            warnings.warn(routing.small_text(elements, self.config.min_elements, reduce_scatter),
+                          routing.IntmlRoutingWarning, stacklevel=routing.user_stacklevel())
+        else:
+            warnings.warn(routing.warning_text(reason, elements, reduce_scatter), routing.IntmlUncompressedWarning,
+                          stacklevel=routing.user_stacklevel())
 
     def _cuda_problem(self) -> str | None:
         """Why CUDA tensors cannot take intml's CUDA path here (routing's question), or None."""
@@ -318,5 +336,13 @@ class AggregatorLinked:
         return self.link is not None
 
     def _leave(self) -> None:
+        """Leave the job; once, if any collective went to Gloo, say how this group's collectives went."""
+        t = self.traffic
+        if t.gloo_allreduces + t.gloo_reduce_scatters and not self._summarised:
+            self._summarised = True
+            warnings.warn(routing.totals_text(t.intml_allreduces + t.intml_reduce_scatters, t.intml_elements,
+                                              t.gloo_allreduces + t.gloo_reduce_scatters, t.gloo_elements,
+                                              t.gloo_reasons),
+                          routing.IntmlRoutingWarning, stacklevel=routing.user_stacklevel())
         if self.link is not None:
             self.link.close()
