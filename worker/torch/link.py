@@ -64,6 +64,7 @@ class Link:
         self._closed = False
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = None
+        w.start_keepalive()  # training pauses (evaluation, checkpoints) must not cost the job
         if threaded:
             self._thread = threading.Thread(target=self._serve, name=f"intml-job{w.job}-rank{w.rank}", daemon=True)
             self._thread.start()
