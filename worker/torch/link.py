@@ -70,17 +70,26 @@ class Link:
             self._thread.start()
 
     def submit(self, tensor: torch.Tensor, op: str, *, inplace: bool, residual: torch.Tensor | None = None) -> Future:
-        """Allreduce the contiguous float32 `tensor` (sum or mean), a CPU tensor or one of the CUDA path's; the
-        Future holds [tensor] (inplace) or a new tensor. With `residual` (error feedback, on the tensor's device),
-        send tensor + residual and keep the new residual in it."""
+        """Allreduce the contiguous float32, bfloat16 or float16 `tensor` (sum or mean), a CPU tensor or one of the
+        CUDA path's; the Future holds [tensor] (inplace) or a new tensor of its dtype. With `residual` (error
+        feedback, float32 on the tensor's device), send tensor + residual and keep the new residual in it."""
+        if tensor.dtype != torch.float32:
+            wide = tensor.float()  # here, in the caller: on the CUDA path, its stream produced the tensor
+            fut = self.submit(wide, op, inplace=True, residual=residual)
+            return fut.then(lambda f: narrow(f, wide, tensor, inplace))
         if self.cuda.owns(tensor) and self.cuda.problem() is None:
             marker = self.cuda.ready_marker(tensor)  # here, in the caller: its stream produced the tensor
             return self._submit(lambda: self._allreduce_cuda(tensor, op, inplace, residual, marker))
         return self._submit(lambda: self._allreduce(tensor, op, inplace, residual))
 
     def submit_reduce_scatter(self, input: torch.Tensor, output: torch.Tensor, op: str) -> Future:  # noqa: A002
-        """Reduce-scatter the flat float32 CPU `input` (sum or mean) into `output`, this rank's shard (its
-        input.numel() / world size elements from rank * that); the Future holds [output]."""
+        """Reduce-scatter the flat float32, bfloat16 or float16 CPU `input` (sum or mean) into `output` (of its
+        dtype), this rank's shard (its input.numel() / world size elements from rank * that); the Future holds
+        [output]."""
+        if input.dtype != torch.float32:
+            shard = torch.empty(output.shape)
+            fut = self.submit_reduce_scatter(input.float(), shard, op)
+            return fut.then(lambda f: narrow(f, shard, output, True))
         return self._submit(lambda: self._reduce_scatter(input, output, op))
 
     def _submit(self, collective: Callable[[], object]) -> Future:
@@ -187,6 +196,16 @@ class Link:
             if self._thread.is_alive():
                 return
         self.worker.close()
+
+
+def narrow(fut: Future, wide: torch.Tensor, tensor: torch.Tensor, inplace: bool):
+    """A 16-bit collective's completion: its float32 result `wide` rounded to `tensor`'s dtype (to nearest, ties
+    to even, as torch converts; beyond float16's range, +-Inf): into `tensor` ([tensor], inplace) or new."""
+    fut.value()  # raises the collective's exception
+    if inplace:
+        tensor.copy_(wide.view_as(tensor))
+        return [tensor]
+    return wide.to(tensor.dtype).view(tensor.shape)
 
 
 def connect(config: IntmlConfig, rank: int, world_size: int, control_allreduce: Callable[[torch.Tensor], None],

@@ -32,11 +32,15 @@ LAYOUT = "layout"  # not contiguous
 COALESCED = "coalesced"  # several tensors in one call that differ in dtype or device
 SHAPE = "shape"  # reduce-scatter: the input is not world size times the output
 
+# float32, and the 16-bit floats of mixed-precision training (bfloat16 has float32's exponent range; float16
+# sums beyond its range come back +-Inf, as torch's own conversion gives)
+DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
+
 CHOSEN = frozenset({FALLBACK, WARMUP, SMALL})  # configured by the user: no warning
 
 WHY = {
     OP: "intml sums; only ReduceOp.SUM and AVG go through it",
-    DTYPE: "intml encodes float32 only",
+    DTYPE: "intml encodes float32, bfloat16 and float16 only",
     DEVICE: "intml takes CPU and CUDA tensors only",
     CUDA: "it is on a CUDA device and intml's CUDA path cannot run here (install intml[cuda] where numba sees "
           "the GPU and its driver)",
@@ -54,7 +58,7 @@ class IntmlUncompressedWarning(UserWarning):
 def unsupported(tensor: torch.Tensor, cuda_problem: Callable[[], str | None]) -> str | None:
     """Why intml cannot allreduce `tensor` (a reason), or None when it can. `cuda_problem()`: why intml's CUDA path
     cannot run here, or None (asked for CUDA tensors only: it may import the path)."""
-    if tensor.dtype != torch.float32:
+    if tensor.dtype not in DTYPES:
         return DTYPE
     if tensor.device.type == "cuda":
         if cuda_problem() is not None:
