@@ -198,8 +198,10 @@ def test_fsdp2_bf16_mixed_precision_trains_as_gloo_does(agg) -> None:
     gloo, mine = results[0]["gloo"], results[0]["intml"]
     assert gloo > 0.9, gloo  # it trained
     assert abs(mine - gloo) <= 0.01, (mine, gloo)
+    print(f"digits test accuracy after {epochs} epochs, FSDP2 bf16: Gloo {gloo:.4f}, intml {mine:.4f}")
     for r in results:
         t = r["traffic"]
-        assert t["intml_reduce_scatters"] >= epochs * 40, t  # the gradients went through intml
-        assert t["gloo_reduce_scatters"] == 0, t
+        # the two hidden layers' gradients went through intml; the output layer's (510 elements) is below MIN
+        assert t["intml_reduce_scatters"] >= 2 * epochs * 40, t
+        assert set(t["gloo_reasons"]) <= {"small"} and t["intml_reduce_scatters"] == 2 * t["gloo_reduce_scatters"], t
 
