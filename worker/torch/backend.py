@@ -1,7 +1,7 @@
-"""The "intml" process-group backend: ``init_process_group("intml")`` allreduces float32 tensors (CPU, or CUDA
-through ``gpu``'s device path) of at least ``INTML_MIN_ELEMENTS`` elements (default 64 Ki) with SUM or AVG through
-the aggregator, and sends every smaller
-allreduce (losses, metrics, counters: exact), every other collective, op and dtype to an inner Gloo group on the
+"""The "intml" process-group backend: ``init_process_group("intml")`` allreduces float32, bfloat16 and float16
+tensors (CPU, or CUDA through ``gpu``'s device path) of at least ``INTML_MIN_ELEMENTS`` elements (default 64 Ki)
+with SUM or AVG through the aggregator (several at once, coalesced, as one of their concatenation), and sends
+every smaller allreduce (losses, metrics, counters: exact), every other collective, op and dtype to an inner Gloo group on the
 same store (SwitchML's PyTorch patch falls back to Gloo the same way). ``routing`` has the rule and its reasons.
 ``reduce_scatter_tensor`` (FSDP's and ZeRO's gradient reduction) follows the same rule through the aggregator,
 which sends each rank only the chunks of its shard.
@@ -75,7 +75,7 @@ def _gloo_group(store: dist.Store, rank: int, size: int, timeout: timedelta) -> 
 
 
 class IntmlProcessGroup(AggregatorLinked, dist.ProcessGroup):
-    """``init_process_group("intml")``: allreduce of float32 CPU tensors of at least ``config.min_elements``
+    """``init_process_group("intml")``: allreduce of float32 (or 16-bit) tensors of at least ``config.min_elements``
     elements with SUM or AVG through the aggregator, on a thread; everything else through an inner Gloo group
     (``self.gloo``) on the same store. ``self.traffic`` counts both paths, and why each allreduce went to Gloo."""
 
@@ -106,22 +106,18 @@ class IntmlProcessGroup(AggregatorLinked, dist.ProcessGroup):
             opts.reduceOp = reduce_op
             if timeout is not None:
                 opts.timeout = timeout
-        kind = _intml_op(opts.reduceOp)
-        reason = (routing.FALLBACK if self.link is None
-                  else routing.backend_route(tensors, kind, self.config.min_elements, self._cuda_problem))
-        if reason is None:
-            return _Work(self._submit(tensors, kind))
-        self._to_gloo(tensors, reason)
-        if kind == "mean" and all(t.is_floating_point() for t in tensors):
-            return self._gloo_mean(tensors, opts, self.gloo.allreduce)
-        return self.gloo.allreduce(tensors, opts)
+        return self._route(tensors, opts, self.gloo.allreduce)
 
     def allreduce_coalesced(self, tensors, opts=None):
         """``all_reduce_coalesced`` and ``_coalescing_manager``'s allreduces (DDP's and FSDP's path for several
         tensors at once): routed as one allreduce of all the tensors' elements, and through intml as one
         allreduce of their concatenation."""
-        if opts is None:
-            opts = dist.AllreduceCoalescedOptions()
+        return self._route(tensors, opts if opts is not None else dist.AllreduceCoalescedOptions(),
+                           self.gloo.allreduce_coalesced)
+
+    def _route(self, tensors: list[torch.Tensor], opts, gloo_allreduce: Callable):
+        """An allreduce of `tensors` through intml, or through `gloo_allreduce` (Gloo's allreduce or its coalesced
+        one) for routing's reason."""
         kind = _intml_op(opts.reduceOp)
         reason = (routing.FALLBACK if self.link is None
                   else routing.backend_route(tensors, kind, self.config.min_elements, self._cuda_problem))
@@ -129,8 +125,8 @@ class IntmlProcessGroup(AggregatorLinked, dist.ProcessGroup):
             return _Work(self._submit(tensors, kind))
         self._to_gloo(tensors, reason)
         if kind == "mean" and all(t.is_floating_point() for t in tensors):
-            return self._gloo_mean(tensors, opts, self.gloo.allreduce_coalesced)
-        return self.gloo.allreduce_coalesced(tensors, opts)
+            return self._gloo_mean(tensors, opts, gloo_allreduce)
+        return gloo_allreduce(tensors, opts)
 
     def _submit(self, tensors: list[torch.Tensor], kind: str) -> Future:
         """Allreduce `tensors` in place through intml: one tensor as it is, several (one dtype and device, as
@@ -148,7 +144,7 @@ class IntmlProcessGroup(AggregatorLinked, dist.ProcessGroup):
         return self.link.submit(flat, kind, inplace=True).then(scatter_back)
 
     def reduce_scatter_single(self, output, input, opts=None):  # noqa: A002 -- c10d's names
-        """``reduce_scatter_tensor`` (and FSDP's gradient reduce-scatter): a float32 CPU input of at least
+        """``reduce_scatter_tensor`` (and FSDP's gradient reduce-scatter): a float32 or 16-bit CPU input of at least
         ``config.min_elements`` elements, SUM or AVG, through the aggregator, which sends each rank only the chunks
         of its shard (bit for bit the allreduce restricted to it); anything else through Gloo (AVG as its sum over
         the world size, waited for in the call: Gloo's reduce-scatter Work has no Future), counted under its routing

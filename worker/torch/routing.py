@@ -1,12 +1,14 @@
 """Which allreduces go through the aggregator and which go exactly through Gloo, and why.
 
 The aggregator sums 8-bit C_nat codes (or int32 fixed point): right for gradients, wrong for a loss, a counter or
-a metric, which a user expects exact. So the backend sends through intml only float32 SUM/AVG allreduces of at
-least ``INTML_MIN_ELEMENTS`` elements (``config`` says why 64 Ki), and the hook every DDP bucket it can encode:
+a metric, which a user expects exact. So the backend sends through intml only float32, bfloat16 and float16
+SUM/AVG allreduces of at least ``INTML_MIN_ELEMENTS`` elements (``config`` says why 64 Ki), and the hook every DDP bucket it can encode:
 CPU tensors, and CUDA tensors where ``intml.worker.gpu`` is usable (``gpu``: encoded on their device).
 Everything else goes to Gloo, counted under its reason in ``Traffic.gloo_reasons``. The reasons a user chose
-(below the threshold, warm-up, start-up fallback) pass silently; the others warn once per reason and group with an
-``IntmlUncompressedWarning``, since that user may have expected the tensor to be compressed.
+(warm-up, start-up fallback) pass silently, and below the threshold gets one ``IntmlRoutingWarning`` per group (a
+user who swapped in intml should know that it moved nothing); the others warn once per reason and group with an
+``IntmlUncompressedWarning``, since that user may have expected the tensor to be compressed. A group that sent
+anything to Gloo says its totals when it is destroyed. The warnings point at the user's line.
 
 Every rank routes a collective the same way: the rule reads only what all ranks share (size, dtype, op, layout).
 """
@@ -24,7 +26,7 @@ FALLBACK = "fallback"  # start-up could not reach the aggregator (IntmlFallbackW
 WARMUP = "warmup"  # hook: one of the first INTML_WARMUP_STEPS steps
 SMALL = "small"  # backend: fewer than INTML_MIN_ELEMENTS elements, kept exact
 OP = "op"  # a reduce op other than SUM and AVG
-DTYPE = "dtype"  # not float32
+DTYPE = "dtype"  # not float32, bfloat16 or float16
 DEVICE = "device"  # neither on the CPU nor on a CUDA device
 CUDA = "cuda"  # on a CUDA device, and intml's CUDA path (intml.worker.gpu) cannot run here
 CUDA_SCATTER = "cuda_scatter"  # a reduce-scatter of CUDA tensors
