@@ -194,7 +194,8 @@ def test_routing_of_cuda_tensors():
 
     assert routing.unsupported(_fake("cuda:0"), problem(None)) is None
     assert routing.unsupported(_fake("cuda:0"), problem("no driver")) == routing.CUDA
-    assert routing.unsupported(_fake("cuda:0", torch.float16), problem(None)) == routing.DTYPE
+    assert routing.unsupported(_fake("cuda:0", torch.float64), problem(None)) == routing.DTYPE
+    assert routing.unsupported(_fake("cuda:0", torch.float16), problem(None)) is None  # widened on its device
     assert routing.unsupported(_fake("cuda:0", contiguous=False), problem(None)) == routing.LAYOUT
     assert routing.unsupported(_fake("meta"), problem(None)) == routing.DEVICE
     asked.clear()
