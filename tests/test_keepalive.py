@@ -186,3 +186,33 @@ def test_live_stranger_keepalives_keep_nothing_alive() -> None:
         assert 4444 not in agg.job_ids()
         [core0] = agg.stats()
         assert core0["core_counters"]["drop_bad_mac"] > 0
+
+
+def torch_paused_rank(port: int, address: str, rank: int, n: int, pause: float) -> list[np.ndarray]:
+    import torch
+    import torch.distributed as dist
+    from test_torch import _init
+
+    _init(port, rank, n, "intml", {"INTML_AGGREGATOR": address, "INTML_TOKEN": TOKEN, "INTML_MIN_ELEMENTS": "100",
+                                   "INTML_TIMEOUT": "20"})
+    got = []
+    for _ in range(2):
+        t = torch.ones(1000)
+        dist.all_reduce(t)
+        got.append(t.numpy().copy())
+        time.sleep(pause)  # between steps: evaluation, a checkpoint
+    got.append(dist.distributed_c10d._get_default_group().traffic.intml_allreduces)
+    dist.destroy_process_group()
+    return got
+
+
+def test_live_torch_group_survives_a_pause_of_three_idle_timeouts() -> None:
+    pytest.importorskip("torch")
+    from intml.testbed.procs import free_port
+
+    with aggregator(idle_timeout=LIVE_IDLE, tokens=(TOKEN,)) as agg:
+        port = free_port()
+        results = run_ok(torch_paused_rank, [(port, agg.address, r, 2, 3 * LIVE_IDLE + 0.5) for r in range(2)],
+                         timeout=120)
+        for first, second, through_intml in results:
+            assert (first == 2.0).all() and (second == 2.0).all() and through_intml == 2
