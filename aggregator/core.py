@@ -24,13 +24,13 @@ Control plane (docs/protocol.md, "Control plane" and "Control plane authenticati
     Keepalive, a STATS_REQUEST of a header and a MAC only (MAC'd likewise, from a member): the job is not idle;
     no reply. Workers send one every third of the ``idle_timeout`` their JOIN_ACK states while no allreduce
     runs, so that a job lives as long as its ranks do.
-    STATS_REQUEST (MAC'd likewise, from a member, whose request also keeps the job alive): a STATS_REPLY with
-    that job's counters, how long each rank has been silent and the ranks its incomplete rounds miss, MAC'd, cut to at most MAX_REPLY_RATIO times the
-    request. With rank OPERATOR_RANK and a MAC under one of the core's tokens: every job's statistics (job id
-    0xFFFFFFFF) or one job's, the finished jobs' history, and the core's counters (every event on the core,
-    aggregator.counters). No member addresses, no seeds, to anyone. A member's
-    request for a job this core does not know gets a short ERROR (if not larger than the request); anything
-    else gets no reply (``drop_bad_mac``).
+    STATS_REQUEST (MAC'd likewise, from a member, whose request also keeps the job alive): a STATS_REPLY with that
+    job's counters, how long each rank has been silent and the ranks its incomplete rounds miss, MAC'd, cut to at
+    most MAX_REPLY_RATIO times the request. With rank OPERATOR_RANK and a MAC under one of the core's tokens: every
+    job's statistics (job id 0xFFFFFFFF) or one job's, the finished jobs' history, and the core's counters (every
+    event on the core, aggregator.counters). No member addresses, no seeds, to anyone. A member's request for a job
+    this core does not know gets a short ERROR (if not larger than the request); anything else gets no reply
+    (``drop_bad_mac``).
 """
 
 from __future__ import annotations

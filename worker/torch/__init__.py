@@ -12,12 +12,13 @@ Two ways in, both configured from ``INTML_*`` environment variables (or keyword 
       import intml.worker.torch  # noqa: F401
       dist.init_process_group("intml")          # instead of "gloo"
 
-  Its ``allreduce`` of float32, bfloat16 or float16 CPU or CUDA tensors (docs/mixed-precision.md) of at least ``INTML_MIN_ELEMENTS`` elements (default 65536) with
-  SUM or AVG goes through the aggregator. Smaller allreduces (losses, metrics, counters) go exactly through an
-  inner Gloo group built on the same store, and so does every other collective, op and dtype (SwitchML's PyTorch
-  patch falls back to Gloo the same way). DDP with no hook then sends its full buckets through intml (every
-  default bucket is above the threshold) and a small tail bucket exactly through Gloo; the hook compresses every
-  bucket. ``dist.all_reduce(t, async_op=True)`` returns at once and completes later, as with Gloo.
+  Its ``allreduce`` of float32, bfloat16 or float16 CPU or CUDA tensors (docs/mixed-precision.md) of at least
+  ``INTML_MIN_ELEMENTS`` elements (default 65536) with SUM or AVG goes through the aggregator. Smaller allreduces
+  (losses, metrics, counters) go exactly through an inner Gloo group built on the same store, and so does every other
+  collective, op and dtype (SwitchML's PyTorch patch falls back to Gloo the same way). DDP with no hook then sends
+  its full buckets through intml (every default bucket is above the threshold) and a small tail bucket exactly
+  through Gloo; the hook compresses every bucket. ``dist.all_reduce(t, async_op=True)`` returns at once and completes
+  later, as with Gloo.
 
   The group is named and registered with c10d as a Gloo group is, so functional collectives, ``init_device_mesh``
   (1-D, or 2-D with intml on every dimension or, through ``backend_override={"dp": "intml"}``, on the
@@ -30,9 +31,9 @@ Two ways in, both configured from ``INTML_*`` environment variables (or keyword 
 
 Routing: ``.traffic`` of the hook state or process group counts the allreduces and bytes through intml and
 through Gloo, and ``.traffic.gloo_reasons`` why each went to Gloo (``routing``). A tensor a user may have expected
-to be compressed that goes to Gloo (large but not a float32 or 16-bit float, on a device other than the CPU and CUDA, on CUDA where
-``intml[cuda]`` cannot run, not contiguous, an op other than SUM or AVG) warns once per reason with an
-``IntmlUncompressedWarning``. A group's first allreduce sent to Gloo for its size says so once, and its totals
+to be compressed that goes to Gloo (large but not a float32 or 16-bit float, on a device other than the CPU and
+CUDA, on CUDA where ``intml[cuda]`` cannot run, not contiguous, an op other than SUM or AVG) warns once per reason
+with an ``IntmlUncompressedWarning``. A group's first allreduce sent to Gloo for its size says so once, and its totals
 are said when it is destroyed (``IntmlRoutingWarning``). Coalesced allreduces go as one of their concatenation.
 A live rank keeps its job alive on the aggregator however long it pauses (``Worker.start_keepalive``).
 

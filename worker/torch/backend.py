@@ -1,9 +1,9 @@
 """The "intml" process-group backend: ``init_process_group("intml")`` allreduces float32, bfloat16 and float16
 tensors (CPU, or CUDA through ``gpu``'s device path) of at least ``INTML_MIN_ELEMENTS`` elements (default 64 Ki)
 with SUM or AVG through the aggregator (several at once, coalesced, as one of their concatenation), and sends
-every smaller allreduce (losses, metrics, counters: exact), every other collective, op and dtype to an inner Gloo group on the
-same store (SwitchML's PyTorch patch falls back to Gloo the same way). ``routing`` has the rule and its reasons.
-``reduce_scatter_tensor`` (FSDP's and ZeRO's gradient reduction) follows the same rule through the aggregator,
+every smaller allreduce (losses, metrics, counters: exact), every other collective, op and dtype to an inner Gloo
+group on the same store (SwitchML's PyTorch patch falls back to Gloo the same way). ``routing`` has the rule and its
+reasons. ``reduce_scatter_tensor`` (FSDP's and ZeRO's gradient reduction) follows the same rule through the aggregator,
 which sends each rank only the chunks of its shard.
 
 Every intml allreduce runs on the link's thread, so ``dist.all_reduce(t, async_op=True)`` returns a Work at once,

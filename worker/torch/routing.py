@@ -1,9 +1,9 @@
 """Which allreduces go through the aggregator and which go exactly through Gloo, and why.
 
 The aggregator sums 8-bit C_nat codes (or int32 fixed point): right for gradients, wrong for a loss, a counter or
-a metric, which a user expects exact. So the backend sends through intml only float32, bfloat16 and float16
-SUM/AVG allreduces of at least ``INTML_MIN_ELEMENTS`` elements (``config`` says why 64 Ki), and the hook every DDP bucket it can encode:
-CPU tensors, and CUDA tensors where ``intml.worker.gpu`` is usable (``gpu``: encoded on their device).
+a metric, which a user expects exact. So the backend sends through intml only float32, bfloat16 and float16 SUM/AVG
+allreduces of at least ``INTML_MIN_ELEMENTS`` elements (``config`` says why 64 Ki), and the hook every DDP bucket it
+can encode: CPU tensors, and CUDA tensors where ``intml.worker.gpu`` is usable (``gpu``: encoded on their device).
 Everything else goes to Gloo, counted under its reason in ``Traffic.gloo_reasons``. The reasons a user chose
 (warm-up, start-up fallback) pass silently, and below the threshold gets one ``IntmlRoutingWarning`` per group (a
 user who swapped in intml should know that it moved nothing); the others warn once per reason and group with an
