@@ -21,18 +21,20 @@ Control plane (docs/protocol.md, "Control plane" and "Control plane authenticati
     proof name the parameter or the limit, counted as ``drop_refused_join``.
     LEAVE (MAC'd under the session key, from the rank's address): the rank is done; when every joined rank has
     left, the job is torn down and its rows freed. Others are counted (``drop_leave_non_member``,
-    ``drop_bad_mac``) and ignored. A job idle (no accepted packet, no join) for ``idle_timeout`` seconds is
-    torn down too. A job's final counters, and when and why it ended (``leave``, ``idle``, ``evicted``), stay in a
-    bounded history of the last ``job_history`` finished jobs.
-    STATS_REQUEST (MAC'd likewise, from a member): a STATS_REPLY with that job's counters, how long each rank
-    has been silent and the ranks its incomplete rounds miss, MAC'd, cut to at most MAX_REPLY_RATIO times the
-    request. With rank OPERATOR_RANK and a MAC under one of the core's tokens: every job's statistics (job id
-    0xFFFFFFFF) or one job's, the finished jobs' history, and the core's counters (every event on the core,
-    aggregator.counters). No member addresses, no seeds, to anyone. A member's
-    request for a job this core does not know gets a short ERROR (if not larger than the request); anything
-    else gets no reply (``drop_bad_mac``). An operator's request carries a sequence number under its MAC, and
-    each is answered once (a replay is not fresh). No reply to a sender that has proved nothing is larger than
-    its request.
+    ``drop_bad_mac``) and ignored. A job idle (no accepted packet, no join, no member's keepalive) for
+    ``idle_timeout`` seconds is torn down too: its ranks are gone. A job's final counters, and when and why it
+    ended (``leave``, ``idle``, ``evicted``), stay in a bounded history of the last ``job_history`` finished jobs.
+    Keepalive, a STATS_REQUEST of a header and a MAC only (MAC'd likewise, from a member): the job is not idle;
+    no reply. Workers send one every third of the ``idle_timeout`` their JOIN_ACK states while no allreduce
+    runs, so that a job lives as long as its ranks do.
+    STATS_REQUEST (MAC'd likewise, from a member, whose request also keeps the job alive): a STATS_REPLY with that
+    job's counters, how long each rank has been silent and the ranks its incomplete rounds miss, MAC'd, cut to at
+    most MAX_REPLY_RATIO times the request. With rank OPERATOR_RANK and a MAC under one of the core's tokens: every
+    job's statistics (job id 0xFFFFFFFF) or one job's, the finished jobs' history, and the core's counters (every
+    event on the core, aggregator.counters). No member addresses, no seeds, to anyone. A member's request for a job
+    this core does not know gets a short ERROR (if not larger than the request); anything else gets no reply
+    (``drop_bad_mac``). An operator's request carries a sequence number under its MAC, and each is answered once
+    (a replay is not fresh). No reply to a sender that has proved nothing is larger than its request.
 """
 
 from __future__ import annotations
@@ -110,6 +112,7 @@ class JobInfo:
     incarnation: int  # the core's count of registrations when this one was made
     left: set[int] = field(default_factory=set)
     sessions: dict[int, bytes] = field(default_factory=dict)  # rank -> session key of its current incarnation
+    alive_at: float = float("-inf")  # a member's latest keepalive (or other STATS_REQUEST)
 
 
 class AggregatorCore:
@@ -299,7 +302,8 @@ class AggregatorCore:
         allreduce, sets = self._resume_point(info)
         ack = wire.pack_join({**_reply_header(job_id, MsgType.JOIN_ACK), "rank": rank},
                              {**params, "cores": self.cores, "group": group >> 16, "group_port": group & 0xFFFF,
-                              "allreduce": allreduce, "nonce": nonce, "cookie": cookie, "job_nonce": info.job_nonce},
+                              "allreduce": allreduce, "nonce": nonce, "cookie": cookie, "job_nonce": info.job_nonce,
+                              "idle_timeout": min(round(self.idle_timeout * 1000), 0xFFFFFFFF)},
                              sets)
         return keys.seal(session, ack, wire.JOIN_MAC)
 
@@ -455,8 +459,8 @@ class AggregatorCore:
                              "lasted_s": round(ended - info.joined_at, 3), "counters": _nonzero(final)})
 
     def _last_activity(self, info: JobInfo) -> float:
-        """The job's join or the latest packet of any member, whichever is later."""
-        return max(info.joined_at, float(self.jobs.last_seen[info.index].max()))
+        """The job's join, the latest packet of any member or a member's latest keepalive, whichever is later."""
+        return max(info.joined_at, float(self.jobs.last_seen[info.index].max()), info.alive_at)
 
     def handle_timer(self, now: float) -> list[int]:
         """Tear down jobs idle for longer than idle_timeout; returns their ids."""
@@ -527,6 +531,9 @@ class AggregatorCore:
             info = self._session(datagram, job_id, rank, addr, DROP_BAD_MAC)
             if info is None:
                 return None
+            info.alive_at = now  # a member proved it is alive: the job is not idle
+            if len(datagram) == HDR + keys.MAC_SIZE:
+                return None  # a keepalive: nothing to answer
             key = info.sessions[rank]
             reply, cuts = self._member_view(job_id, now)
         body = _fit(reply, cuts, MAX_REPLY_RATIO * len(datagram) - HDR - keys.MAC_SIZE)

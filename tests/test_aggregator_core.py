@@ -340,7 +340,8 @@ def test_join_ack_echoes_parameters():
         unicast = {"group": 0, "group_port": 0}
         numeric = [k for k in wire.JOIN.names if wire.JOIN.fields[k][0].kind != "V"]
         assert {k: int(body[k]) for k in numeric} == {**net.join_params(), "flags": 0, "cores": 1, "allreduce": 0,
-                                                      "first_core": 0, "total_cores": 1, **unicast}
+                                                      "first_core": 0, "total_cores": 1, **unicast,
+                                                          "idle_timeout": round(net.cores[0].idle_timeout * 1000)}
         assert bitmap == bytes(1)  # a fresh job: every slot starts at shadow set 0
     # a repeated JOIN from the same address is answered again, identically
     again = net.join(1)
@@ -684,7 +685,7 @@ def test_result_reused_by_a_new_round_in_the_same_burst_is_not_overwritten(world
     assert len({d for d, _ in got}) == 2  # two rounds, two different results
 
 
-@pytest.mark.parametrize("size", [HDR + 16, 100, 512])
+@pytest.mark.parametrize("size", [HDR + 17, 100, 512])  # HDR + 16: a keepalive (test_keepalive)
 def test_stats_reply_is_at_most_three_times_its_request(size):
     """However short the member's request, the reply is cut to fit (and says so); it is still MAC'd."""
     net = Network(MAX_WORLD, packet_elements=P, pool_size=2)

@@ -148,6 +148,36 @@ def test_backend_cuda_path_equals_cpu_path(agg):
         assert cpu["traffic"]["intml_cuda_allreduces"] == 0
 
 
+def half_rank(port: int, address: str, rank: int, n: int, seed: int, simulated: bool) -> dict:
+    _init(port, rank, n, simulated, "intml", INTML_AGGREGATOR=address, INTML_SEED=str(seed), INTML_TOKEN=TOKEN,
+          INTML_PACKET_ELEMENTS=str(PACKET), INTML_POOL=str(POOL), INTML_MIN_ELEMENTS="1000")
+    pg = dist.distributed_c10d._get_default_group()
+    rng = np.random.default_rng([seed, rank])
+    results = []
+    for dtype, op in ((torch.bfloat16, dist.ReduceOp.SUM), (torch.float16, dist.ReduceOp.AVG)):
+        t = torch.from_numpy(rng.standard_normal(1100).astype(np.float32)).to(dtype)
+        dist.all_reduce(t, op=op)
+        results.append((str(t.dtype), t.view(torch.int16).numpy().copy()))
+    out = {"results": results, "traffic": dataclasses.asdict(pg.traffic)}
+    dist.destroy_process_group()
+    return out
+
+
+@simulable
+def test_backend_cuda_path_takes_bf16_and_fp16(agg):
+    """bfloat16 and float16 tensors (widened to float32 on their device) take the CUDA path, bit for bit the CPU
+    path's, and come back in their dtype."""
+    n, seed = 2, 13
+    runs = {simulated: _run(half_rank, agg.address, n, seed, simulated) for simulated in (False, True)}
+    for r in range(n):
+        cpu, cuda = runs[False][r], runs[True][r]
+        assert [d for d, _ in cuda["results"]] == ["torch.bfloat16", "torch.float16"]
+        for (_, a), (_, b) in zip(cpu["results"], cuda["results"], strict=True):
+            assert np.array_equal(a, b)
+        assert cuda["traffic"]["intml_cuda_allreduces"] == cuda["traffic"]["intml_allreduces"] == 2
+        assert cpu["traffic"]["intml_cuda_allreduces"] == 0 and cpu["traffic"]["intml_allreduces"] == 2
+
+
 def _fake(device: str, dtype=torch.float32, contiguous: bool = True):
     """What routing reads of a tensor, for devices this CPU-only torch cannot make."""
     return types.SimpleNamespace(dtype=dtype, device=torch.device(device), is_contiguous=lambda: contiguous,
@@ -164,7 +194,8 @@ def test_routing_of_cuda_tensors():
 
     assert routing.unsupported(_fake("cuda:0"), problem(None)) is None
     assert routing.unsupported(_fake("cuda:0"), problem("no driver")) == routing.CUDA
-    assert routing.unsupported(_fake("cuda:0", torch.float16), problem(None)) == routing.DTYPE
+    assert routing.unsupported(_fake("cuda:0", torch.float64), problem(None)) == routing.DTYPE
+    assert routing.unsupported(_fake("cuda:0", torch.float16), problem(None)) is None  # widened on its device
     assert routing.unsupported(_fake("cuda:0", contiguous=False), problem(None)) == routing.LAYOUT
     assert routing.unsupported(_fake("meta"), problem(None)) == routing.DEVICE
     asked.clear()

@@ -110,7 +110,8 @@ def test_join_every_core(cores):
     handshake(net, 1, session, 0.0)  # core 0, which tells how many cores there are
     assert session.cores == cores and session.joined == (cores == 1)
     handshake(net, 1, session, 0.0)  # the others, all at once
-    assert session.joined and session.get_timer() is None
+    # no deadline left but the first keepalive's, a third of the cores' idle timeout from now
+    assert session.joined and session.get_timer() == session.keepalive_every == net.cores[0].idle_timeout / 3
     got = events(session)
     assert [e.core for e in got if isinstance(e, CoreJoined)] == list(range(cores))
     joined = got[-1]
@@ -131,7 +132,8 @@ def test_lost_join_is_resent_until_acknowledged_then_stops():
     session.handle_timer(JOIN_RESEND)
     assert events(session) == []
     assert len(handshake(net, 0, session, JOIN_RESEND)) == 2
-    assert session.joined and session.datagrams_to_send(10.0) == [] and session.get_timer() is None
+    assert session.joined and session.datagrams_to_send(0.1) == []
+    assert session.get_timer() == JOIN_RESEND + session.keepalive_every  # the JOINs' timers are gone
 
 
 def test_join_times_out_naming_the_silent_core():
@@ -201,7 +203,7 @@ def test_stats_name_the_missing_ranks(cores):
     exchange(net, 0, session, net.now)
     [answer] = events(session)
     assert isinstance(answer, StatsAnswered) and answer.missing == [2]
-    assert set(answer.silent) == {"0", "1", "2"} and session.get_timer() is None
+    assert set(answer.silent) == {"0", "1", "2"} and session.get_timer() == net.now + session.keepalive_every
 
 
 def test_stats_unanswered_and_job_unknown():

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import select
 import socket
+import threading
 import time
 from collections.abc import Callable
 
@@ -121,6 +122,10 @@ class Worker:
         self._control_poll.register(self.io.fileno(), select.POLLIN)
         self._inputs = [self.io]  # sockets results arrive on: this one, and the job's multicast groups if any
         self._closed = False
+        # held while a call drives the session and engine, so that the keepalive thread never runs beside it
+        self._busy = threading.Lock()
+        self._stop_keepalive = threading.Event()
+        self._keepalive_thread: threading.Thread | None = None
         joined = self._join()
         self.cores = joined.cores
         self.results_groups = [format_addr(g) for g in joined.groups]  # where the cores multicast completions
@@ -190,17 +195,48 @@ class Worker:
                                    f"reachable?")
         return event
 
+    def start_keepalive(self) -> None:
+        """Keep the job alive while this worker is idle (paused between allreduces for longer than the
+        aggregator's idle timeout: an evaluation, a checkpoint, a debugger): a daemon thread sends the session's
+        keepalives when due, until ``close()``. Nothing is sent while allreduces run."""
+        if self._keepalive_thread is None and self.session.keepalive_every is not None and not self._closed:
+            self._keepalive_thread = threading.Thread(target=self._keep_alive, daemon=True,
+                                                      name=f"intml-keepalive-job{self.job}-rank{self.rank}")
+            self._keepalive_thread.start()
+
+    def _keep_alive(self) -> None:
+        while True:
+            with self._busy:
+                if self._closed:
+                    return
+                now = time.monotonic()
+                if (timer := self.session.get_timer()) is not None and timer <= now:
+                    self.session.handle_timer(now)
+                    self._send_control(now)
+                timer = self.session.get_timer()
+            # woken early by close(); the next due time, or (an allreduce left a deadline behind) a short nap
+            if self._stop_keepalive.wait(max(0.01, timer - time.monotonic()) if timer is not None else 1.0):
+                return
+
+    def _send_control(self, now: float) -> None:
+        for data, addr in self.session.datagrams_to_send(now):
+            try:
+                self.io.send_one(data, addr)
+            except OSError:
+                pass  # best effort: a keepalive or LEAVE lost is sent again, or the job ends on its idle timeout
+
     def close(self) -> None:
         """Leave the job (the aggregator frees its slots when every rank has left) and close the socket."""
         if self._closed:
             return
+        self._stop_keepalive.set()
+        with self._busy:
+            self._close()
+
+    def _close(self) -> None:
         self._closed = True
         self.session.leave()
-        for data, addr in self.session.datagrams_to_send(time.monotonic()):
-            try:
-                self.io.send_one(data, addr)
-            except OSError:
-                pass  # best effort: an idle job is torn down anyway
+        self._send_control(time.monotonic())
         for rx in self._inputs:
             rx.sock.close()
 
@@ -257,6 +293,7 @@ class Worker:
         if (deadline := session.get_timer()) is None or deadline > now:
             return
         session.handle_timer(now)
+        self._send_control(now)  # a keepalive, if the allreduce stalled for longer than its interval
         while (event := session.next_event()) is not None:
             if isinstance(event, NoProgress):
                 raise AllreduceTimeout(self._timeout_message())
@@ -289,9 +326,10 @@ class Worker:
 
     def _run(self, x: np.ndarray, op: str, out: np.ndarray | None, sent: np.ndarray | None, *,
              scatter: bool) -> np.ndarray:
-        arr = self._prepare(x, op, out, sent, scatter)
-        self._loop(None)
-        return self._finish(arr, op, out, scatter)
+        with self._busy:
+            arr = self._prepare(x, op, out, sent, scatter)
+            self._loop(None)
+            return self._finish(arr, op, out, scatter)
 
     def _loop(self, tend: Callable[[float, Callable[[Burst], None]], float] | None) -> None:
         while not self.engine.done:
@@ -309,11 +347,12 @@ class Worker:
         called before each wait: it does the driver's work between the engine's calls, passes the datagrams those
         calls return to ``send``, and returns how long the worker may wait (seconds) before calling it again.
         Raises AllreduceTimeout as allreduce does."""
-        if self._closed:
-            raise RuntimeError(f"{self._who()}: the worker is closed")
-        self._begin(start)
-        self._loop(tend)
-        self.session.unwatch_progress()
+        with self._busy:
+            if self._closed:
+                raise RuntimeError(f"{self._who()}: the worker is closed")
+            self._begin(start)
+            self._loop(tend)
+            self.session.unwatch_progress()
 
     async def allreduce_async(self, x: np.ndarray, op: str = "sum", out: np.ndarray | None = None, *,
                               sent: np.ndarray | None = None) -> np.ndarray:
@@ -330,6 +369,7 @@ class Worker:
         readable = asyncio.Event()
         for rx in self._inputs:
             loop.add_reader(rx.fileno(), readable.set)
+        self._busy.acquire()  # held only for moments by the keepalive thread, so the loop barely waits
         try:
             arr = self._prepare(x, op, out, sent, scatter)
             while not self.engine.done:
@@ -342,6 +382,7 @@ class Worker:
                 self._step()
             return self._finish(arr, op, out, scatter)
         finally:
+            self._busy.release()
             for rx in self._inputs:
                 loop.remove_reader(rx.fileno())
 

@@ -16,6 +16,12 @@ every core.
 Joining a core is a handshake (docs/protocol.md, "Control plane authentication"): a JOIN with a fresh client nonce,
 the core's CHALLENGE (a cookie), the JOIN again with the cookie and a MAC proving the token, then the JOIN_ACK,
 accepted only with a good MAC under the session key both sides derive. LEAVE and STATS carry MACs under it.
+
+Keepalive: the cores tear down a job idle for their ``idle_timeout`` (each JOIN_ACK states it). Once joined, the
+session queues a keepalive (a STATS_REQUEST of a header and a MAC: no reply) to every core when a third of the
+shortest idle timeout has passed without an allreduce progressing, and again every third after; an allreduce
+that progresses postpones it, so keepalives cost nothing while allreduces run. A driver keeps a paused rank's job
+alive by calling ``handle_timer`` when ``get_timer`` says and sending what it queued.
 """
 
 from __future__ import annotations
@@ -134,6 +140,8 @@ class WorkerSession:
         self._place: dict[int, tuple[int, int, int]] = {}  # -> (index in addrs, its endpoint, the endpoint's first)
         self._sets = np.zeros(params.pool_size, np.int64)
         self._progress_deadline: float | None = None
+        self.keepalive_every: float | None = None  # seconds; None until joined, or if no core has an idle timeout
+        self._keepalive_due: float | None = None
         self._stats_deadline: float | None = None
         self._stats_waiting: set[int] = set()
         self._missing: set[int] = set()
@@ -232,6 +240,10 @@ class WorkerSession:
         self._sets |= bits.astype(np.int64)  # each core sets the bits of its own slots only
         self._events.append(CoreJoined(index, ack))
         if self.joined:
+            idle = [a["idle_timeout"] for a in self.acks.values() if a["idle_timeout"]]
+            if idle:
+                self.keepalive_every = min(idle) / 3000
+                self._keepalive_due = now + self.keepalive_every
             groups = {a["group"] << 16 | a["group_port"] for a in self.acks.values() if a["group"]}
             data_keys = np.array([key_words(keys.data_key(self._token_key, self.job, self._job_nonces[a]))
                                   for a in self.addrs], np.uint64).reshape(len(self.addrs), 2)
@@ -246,8 +258,10 @@ class WorkerSession:
     # ---- allreduce progress ---------------------------------------------------------------------------------
     def watch_progress(self, now: float) -> None:
         """An allreduce began (or progressed) at ``now``: NoProgress unless it progresses again within the
-        timeout."""
+        timeout. No keepalive is due while allreduces progress."""
         self._progress_deadline = now + self.timeout
+        if self._keepalive_due is not None:
+            self._keepalive_due = now + self.keepalive_every
 
     def unwatch_progress(self) -> None:
         """The allreduce ended."""
@@ -294,7 +308,7 @@ class WorkerSession:
         """Queue a LEAVE to every core that was sent a proved JOIN and did not refuse it, also after a join that
         failed on another core (the aggregator frees the job's slots when every rank has left)."""
         self._joining.clear()
-        self._progress_deadline = self._stats_deadline = None
+        self._progress_deadline = self._stats_deadline = self._keepalive_due = None
         self._out += [(self.sealed(MsgType.LEAVE, addr), addr) for addr in sorted(self.sessions)]
         self.sessions.clear()
 
@@ -330,11 +344,12 @@ class WorkerSession:
     def get_timer(self) -> float | None:
         """When handle_timer (or datagrams_to_send, for a JOIN's resend) is next due; None: no timer."""
         times = [t for due in self._joining.values() for t in due]
-        times += [t for t in (self._progress_deadline, self._stats_deadline) if t is not None]
+        times += [t for t in (self._progress_deadline, self._stats_deadline, self._keepalive_due) if t is not None]
         return min(times) if times else None
 
     def handle_timer(self, now: float) -> None:
-        """Fire the deadlines due by ``now`` (JOIN resends go out with the next datagrams_to_send)."""
+        """Fire the deadlines due by ``now`` (JOIN resends and keepalives go out with the next
+        datagrams_to_send)."""
         late = [addr for addr, due in self._joining.items() if due[0] <= now]
         if late:
             self._stop_joining(JoinTimedOut(late[0]))
@@ -343,6 +358,9 @@ class WorkerSession:
         if self._progress_deadline is not None and self._progress_deadline <= now:
             self._progress_deadline = None
             self._events.append(NoProgress())
+        if self._keepalive_due is not None and self._keepalive_due <= now:
+            self._keepalive_due = now + self.keepalive_every
+            self._out += [(self.sealed(MsgType.STATS_REQUEST, addr), addr) for addr in sorted(self.sessions)]
 
     def next_event(self) -> Event | None:
         """The oldest event not yet taken, or None."""

@@ -12,12 +12,13 @@ Two ways in, both configured from ``INTML_*`` environment variables (or keyword 
       import intml.worker.torch  # noqa: F401
       dist.init_process_group("intml")          # instead of "gloo"
 
-  Its ``allreduce`` of float32 CPU or CUDA tensors of at least ``INTML_MIN_ELEMENTS`` elements (default 65536) with
-  SUM or AVG goes through the aggregator. Smaller allreduces (losses, metrics, counters) go exactly through an
-  inner Gloo group built on the same store, and so does every other collective, op and dtype (SwitchML's PyTorch
-  patch falls back to Gloo the same way). DDP with no hook then sends its full buckets through intml (every
-  default bucket is above the threshold) and a small tail bucket exactly through Gloo; the hook compresses every
-  bucket. ``dist.all_reduce(t, async_op=True)`` returns at once and completes later, as with Gloo.
+  Its ``allreduce`` of float32, bfloat16 or float16 CPU or CUDA tensors (docs/mixed-precision.md) of at least
+  ``INTML_MIN_ELEMENTS`` elements (default 65536) with SUM or AVG goes through the aggregator. Smaller allreduces
+  (losses, metrics, counters) go exactly through an inner Gloo group built on the same store, and so does every other
+  collective, op and dtype (SwitchML's PyTorch patch falls back to Gloo the same way). DDP with no hook then sends
+  its full buckets through intml (every default bucket is above the threshold) and a small tail bucket exactly
+  through Gloo; the hook compresses every bucket. ``dist.all_reduce(t, async_op=True)`` returns at once and completes
+  later, as with Gloo.
 
   The group is named and registered with c10d as a Gloo group is, so functional collectives, ``init_device_mesh``
   (1-D, or 2-D with intml on every dimension or, through ``backend_override={"dp": "intml"}``, on the
@@ -30,13 +31,16 @@ Two ways in, both configured from ``INTML_*`` environment variables (or keyword 
 
 Routing: ``.traffic`` of the hook state or process group counts the allreduces and bytes through intml and
 through Gloo, and ``.traffic.gloo_reasons`` why each went to Gloo (``routing``). A tensor a user may have expected
-to be compressed that goes to Gloo (large but not float32, on a device other than the CPU and CUDA, on CUDA where
-``intml[cuda]`` cannot run, not contiguous, an op other than SUM or AVG) warns once per reason with an
-``IntmlUncompressedWarning``.
+to be compressed that goes to Gloo (large but not a float32 or 16-bit float, on a device other than the CPU and
+CUDA, on CUDA where ``intml[cuda]`` cannot run, not contiguous, an op other than SUM or AVG) warns once per reason
+with an ``IntmlUncompressedWarning``. A group's first allreduce sent to Gloo for its size says so once, and its totals
+are said when it is destroyed (``IntmlRoutingWarning``). Coalesced allreduces go as one of their concatenation.
+A live rank keeps its job alive on the aggregator however long it pauses (``Worker.start_keepalive``).
 
 Environment (see ``IntmlConfig``): ``INTML_AGGREGATOR=host:port`` (required unless falling back),
 ``INTML_TOKEN``, ``INTML_CODEC`` (cnat8 | int32), ``INTML_ROUNDING`` (stochastic | nearest, docs/rounding.md),
-``INTML_JOB``, ``INTML_SEED``, ``INTML_PACKET_ELEMENTS``,
+``INTML_JOB``, ``INTML_SEED`` (default: from torch's seed, so a seeded run repeats bit for bit),
+``INTML_PACKET_ELEMENTS``,
 ``INTML_POOL``, ``INTML_TIMEOUT``, ``INTML_CONNECT_TIMEOUT``, ``INTML_FALLBACK`` (error | gloo),
 ``INTML_ERROR_FEEDBACK`` (0 | 1, hook only), ``INTML_WARMUP_STEPS`` (hook only), ``INTML_THREAD`` (0 | 1, hook
 only), ``INTML_MIN_ELEMENTS`` (backend only).
@@ -67,7 +71,7 @@ from intml.worker.torch.backend import BACKEND, IntmlProcessGroup, monitored_bar
 from intml.worker.torch.config import IntmlConfig
 from intml.worker.torch.hook import IntmlHookState, intml_hook
 from intml.worker.torch.link import AggregatorUnavailable, IntmlError, IntmlFallbackWarning
-from intml.worker.torch.routing import IntmlUncompressedWarning
+from intml.worker.torch.routing import IntmlRoutingWarning, IntmlUncompressedWarning
 from intml.worker.traffic import intml_bytes, ring_bytes
 
 __all__ = [
@@ -78,6 +82,7 @@ __all__ = [
     "IntmlFallbackWarning",
     "IntmlHookState",
     "IntmlProcessGroup",
+    "IntmlRoutingWarning",
     "IntmlUncompressedWarning",
     "Traffic",
     "intml_bytes",

@@ -1,9 +1,9 @@
-"""The "intml" process-group backend: ``init_process_group("intml")`` allreduces float32 tensors (CPU, or CUDA
-through ``gpu``'s device path) of at least ``INTML_MIN_ELEMENTS`` elements (default 64 Ki) with SUM or AVG through
-the aggregator, and sends every smaller
-allreduce (losses, metrics, counters: exact), every other collective, op and dtype to an inner Gloo group on the
-same store (SwitchML's PyTorch patch falls back to Gloo the same way). ``routing`` has the rule and its reasons.
-``reduce_scatter_tensor`` (FSDP's and ZeRO's gradient reduction) follows the same rule through the aggregator,
+"""The "intml" process-group backend: ``init_process_group("intml")`` allreduces float32, bfloat16 and float16
+tensors (CPU, or CUDA through ``gpu``'s device path) of at least ``INTML_MIN_ELEMENTS`` elements (default 64 Ki)
+with SUM or AVG through the aggregator (several at once, coalesced, as one of their concatenation), and sends
+every smaller allreduce (losses, metrics, counters: exact), every other collective, op and dtype to an inner Gloo
+group on the same store (SwitchML's PyTorch patch falls back to Gloo the same way). ``routing`` has the rule and its
+reasons. ``reduce_scatter_tensor`` (FSDP's and ZeRO's gradient reduction) follows the same rule through the aggregator,
 which sends each rank only the chunks of its shard.
 
 Every intml allreduce runs on the link's thread, so ``dist.all_reduce(t, async_op=True)`` returns a Work at once,
@@ -17,6 +17,7 @@ every rank must issue them in. Importing this module registers the backend."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -25,7 +26,7 @@ from torch.futures import Future
 
 from intml.worker.torch import routing
 from intml.worker.torch.config import IntmlConfig
-from intml.worker.torch.link import AggregatorLinked, sum_op, value
+from intml.worker.torch.link import AggregatorLinked, value
 
 BACKEND = "intml"
 CPU = torch.device("cpu")
@@ -74,7 +75,7 @@ def _gloo_group(store: dist.Store, rank: int, size: int, timeout: timedelta) -> 
 
 
 class IntmlProcessGroup(AggregatorLinked, dist.ProcessGroup):
-    """``init_process_group("intml")``: allreduce of float32 CPU tensors of at least ``config.min_elements``
+    """``init_process_group("intml")``: allreduce of float32 (or 16-bit) tensors of at least ``config.min_elements``
     elements with SUM or AVG through the aggregator, on a thread; everything else through an inner Gloo group
     (``self.gloo``) on the same store. ``self.traffic`` counts both paths, and why each allreduce went to Gloo."""
 
@@ -105,18 +106,45 @@ class IntmlProcessGroup(AggregatorLinked, dist.ProcessGroup):
             opts.reduceOp = reduce_op
             if timeout is not None:
                 opts.timeout = timeout
+        return self._route(tensors, opts, self.gloo.allreduce)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        """``all_reduce_coalesced`` and ``_coalescing_manager``'s allreduces (DDP's and FSDP's path for several
+        tensors at once): routed as one allreduce of all the tensors' elements, and through intml as one
+        allreduce of their concatenation."""
+        return self._route(tensors, opts if opts is not None else dist.AllreduceCoalescedOptions(),
+                           self.gloo.allreduce_coalesced)
+
+    def _route(self, tensors: list[torch.Tensor], opts, gloo_allreduce: Callable):
+        """An allreduce of `tensors` through intml, or through `gloo_allreduce` (Gloo's allreduce or its coalesced
+        one) for routing's reason."""
         kind = _intml_op(opts.reduceOp)
         reason = (routing.FALLBACK if self.link is None
                   else routing.backend_route(tensors, kind, self.config.min_elements, self._cuda_problem))
         if reason is None:
-            return _Work(self.link.submit(tensors[0], kind, inplace=True))
+            return _Work(self._submit(tensors, kind))
         self._to_gloo(tensors, reason)
         if kind == "mean" and all(t.is_floating_point() for t in tensors):
-            return self._gloo_mean(tensors, opts)
-        return self.gloo.allreduce(tensors, opts)
+            return self._gloo_mean(tensors, opts, gloo_allreduce)
+        return gloo_allreduce(tensors, opts)
+
+    def _submit(self, tensors: list[torch.Tensor], kind: str) -> Future:
+        """Allreduce `tensors` in place through intml: one tensor as it is, several (one dtype and device, as
+        routing checked) as one allreduce of their concatenation, copied back when it completes."""
+        if len(tensors) == 1:
+            return self.link.submit(tensors[0], kind, inplace=True)
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+
+        def scatter_back(fut: Future) -> list[torch.Tensor]:
+            fut.value()  # raises the allreduce's exception
+            for t, part in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
+                t.copy_(part.view_as(t))
+            return tensors
+
+        return self.link.submit(flat, kind, inplace=True).then(scatter_back)
 
     def reduce_scatter_single(self, output, input, opts=None):  # noqa: A002 -- c10d's names
-        """``reduce_scatter_tensor`` (and FSDP's gradient reduce-scatter): a float32 CPU input of at least
+        """``reduce_scatter_tensor`` (and FSDP's gradient reduce-scatter): a float32 or 16-bit CPU input of at least
         ``config.min_elements`` elements, SUM or AVG, through the aggregator, which sends each rank only the chunks
         of its shard (bit for bit the allreduce restricted to it); anything else through Gloo (AVG as its sum over
         the world size, waited for in the call: Gloo's reduce-scatter Work has no Future), counted under its routing
@@ -142,12 +170,13 @@ class IntmlProcessGroup(AggregatorLinked, dist.ProcessGroup):
 
     _reduce_scatter_base = reduce_scatter_single  # the older name of the same call (dist._reduce_scatter_base)
 
-    def _gloo_mean(self, tensors: list[torch.Tensor], opts: dist.AllreduceOptions) -> _Work:
-        """AVG through Gloo, which has no AVG: its sum, divided by the world size when it completes."""
-        sum_opts = sum_op()
-        sum_opts.timeout = opts.timeout
+    def _gloo_mean(self, tensors: list[torch.Tensor], opts, gloo_allreduce: Callable) -> _Work:
+        """AVG through Gloo, which has no AVG: its sum (by `gloo_allreduce`, Gloo's allreduce or its coalesced
+        one), divided by the world size when it completes."""
+        sum_opts = type(opts)()
+        sum_opts.reduceOp, sum_opts.timeout = dist.ReduceOp.SUM, opts.timeout
         size = self.size()
-        fut = self.gloo.allreduce(tensors, sum_opts).get_future()
+        fut = gloo_allreduce(tensors, sum_opts).get_future()
         return _Work(fut.then(lambda f: [t.div_(size) for t in f.value()]))
 
     def shutdown(self) -> None:
@@ -182,7 +211,7 @@ def _delegate(name: str):
 # Every other collective goes to Gloo. The methods must exist on the class: the C++ trampoline that DDP and the
 # functional collectives call through looks them up by name, so __getattr__ would not be seen.
 for _name in ("broadcast", "allgather", "_allgather_base", "allgather_coalesced", "allgather_into_tensor_coalesced",
-              "all_gather_single", "all_gather_single_coalesced", "allreduce_coalesced", "reduce", "gather",
+              "all_gather_single", "all_gather_single_coalesced", "reduce", "gather",
               "scatter", "reduce_scatter", "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced",
               "alltoall", "alltoall_base",
               "all_to_all_single", "send", "recv", "recv_anysource", "barrier", "monitored_barrier"):

@@ -41,7 +41,7 @@ class IntmlConfig:
     token: str = ""  # INTML_TOKEN: the job's shared secret, one the aggregator knows (it never goes on the wire)
     codec: str = codec_name(JobParams.codec)  # cnat8 (8-bit C_nat) or int32 (SwitchML's fixed point)
     job: int | None = None  # job id on the aggregator; None: rank 0 draws one at random and shares it
-    seed: int | None = None  # job seed of the stochastic rounding; None: rank 0 draws one
+    seed: int | None = None  # job seed of the stochastic rounding; None: rank 0's from torch's (link.rounding_seed)
     rounding: str = ROUNDINGS[0]  # C_nat's: "stochastic" (unbiased) or "nearest" (deterministic, biased)
     packet_elements: int = JobParams.packet_elements  # elements per packet
     pool_size: int = JobParams.pool_size  # slots, i.e. packets in flight per worker

@@ -4,6 +4,7 @@ the errors of that path. Shared by the DDP hook (``hook``) and the process-group
 from __future__ import annotations
 
 import atexit
+import hashlib
 import queue
 import secrets
 import threading
@@ -63,22 +64,32 @@ class Link:
         self._closed = False
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = None
+        w.start_keepalive()  # training pauses (evaluation, checkpoints) must not cost the job
         if threaded:
             self._thread = threading.Thread(target=self._serve, name=f"intml-job{w.job}-rank{w.rank}", daemon=True)
             self._thread.start()
 
     def submit(self, tensor: torch.Tensor, op: str, *, inplace: bool, residual: torch.Tensor | None = None) -> Future:
-        """Allreduce the contiguous float32 `tensor` (sum or mean), a CPU tensor or one of the CUDA path's; the
-        Future holds [tensor] (inplace) or a new tensor. With `residual` (error feedback, on the tensor's device),
-        send tensor + residual and keep the new residual in it."""
+        """Allreduce the contiguous float32, bfloat16 or float16 `tensor` (sum or mean), a CPU tensor or one of the
+        CUDA path's; the Future holds [tensor] (inplace) or a new tensor of its dtype. With `residual` (error
+        feedback, float32 on the tensor's device), send tensor + residual and keep the new residual in it."""
+        if tensor.dtype != torch.float32:
+            wide = tensor.float()  # here, in the caller: on the CUDA path, its stream produced the tensor
+            fut = self.submit(wide, op, inplace=True, residual=residual)
+            return fut.then(lambda f: narrow(f, wide, tensor, inplace))
         if self.cuda.owns(tensor) and self.cuda.problem() is None:
             marker = self.cuda.ready_marker(tensor)  # here, in the caller: its stream produced the tensor
             return self._submit(lambda: self._allreduce_cuda(tensor, op, inplace, residual, marker))
         return self._submit(lambda: self._allreduce(tensor, op, inplace, residual))
 
     def submit_reduce_scatter(self, input: torch.Tensor, output: torch.Tensor, op: str) -> Future:  # noqa: A002
-        """Reduce-scatter the flat float32 CPU `input` (sum or mean) into `output`, this rank's shard (its
-        input.numel() / world size elements from rank * that); the Future holds [output]."""
+        """Reduce-scatter the flat float32, bfloat16 or float16 CPU `input` (sum or mean) into `output` (of its
+        dtype), this rank's shard (its input.numel() / world size elements from rank * that); the Future holds
+        [output]."""
+        if input.dtype != torch.float32:
+            shard = torch.empty(output.shape)
+            fut = self.submit_reduce_scatter(input.float(), shard, op)
+            return fut.then(lambda f: narrow(f, shard, output, True))
         return self._submit(lambda: self._reduce_scatter(input, output, op))
 
     def _submit(self, collective: Callable[[], object]) -> Future:
@@ -189,15 +200,26 @@ class Link:
         self.worker.close()
 
 
+def narrow(fut: Future, wide: torch.Tensor, tensor: torch.Tensor, inplace: bool):
+    """A 16-bit collective's completion: its float32 result `wide` rounded to `tensor`'s dtype (to nearest, ties
+    to even, as torch converts; beyond float16's range, +-Inf): into `tensor` ([tensor], inplace) or new."""
+    fut.value()  # raises the collective's exception
+    if inplace:
+        tensor.copy_(wide.view_as(tensor))
+        return [tensor]
+    return wide.to(tensor.dtype).view(tensor.shape)
+
+
 def connect(config: IntmlConfig, rank: int, world_size: int, control_allreduce: Callable[[torch.Tensor], None],
             traffic: Traffic, threaded: bool) -> Link | None:
     """Join the aggregator at every rank and agree on the outcome. Returns the link (its allreduces on a thread if
     `threaded`), or None when the group falls back to Gloo. `control_allreduce(t)` sums an int64 CPU tensor over the group through Gloo, blocking."""
-    # Job id and seed: rank 0's (from the config, else drawn at random), shared as a Gloo sum of zeros elsewhere.
+    # Job id and seed: rank 0's (from the config, else drawn at random; the seed from torch's), shared as a Gloo
+    # sum of zeros elsewhere.
     ids = torch.zeros(2, dtype=torch.int64)
     if rank == 0:
         ids[0] = config.job if config.job is not None else 1 + secrets.randbelow(0xFFFFFFFE - 1)
-        ids[1] = config.seed if config.seed is not None else secrets.randbits(62)
+        ids[1] = config.seed if config.seed is not None else rounding_seed()
     control_allreduce(ids)
     job, seed = int(ids[0]), int(ids[1])
 
@@ -234,6 +256,15 @@ def connect(config: IntmlConfig, rank: int, world_size: int, control_allreduce: 
     raise AggregatorUnavailable(f"{message}; start `intml-aggregator --host HOST --port PORT` and set "
                                 f"INTML_AGGREGATOR=HOST:PORT at every rank, or set INTML_FALLBACK=gloo to train with "
                                 f"Gloo instead")
+
+
+def rounding_seed() -> int:
+    """The job's default rounding seed: derived from torch's initial seed, so that a run the user seeded
+    (``torch.manual_seed``) rounds alike every time, as it would train alike under Gloo, while an unseeded one
+    (torch then seeds itself at random) varies. It reads the seed without drawing from the generator, so the
+    user's own random numbers stay those of a Gloo run. ``INTML_SEED`` overrides it."""
+    digest = hashlib.blake2b(torch.initial_seed().to_bytes(8, "little"), digest_size=8, person=b"intml-seed")
+    return int.from_bytes(digest.digest(), "little") >> 2  # 62 bits: positive in the int64 the ranks share
 
 
 # A rank's start-up outcome (connect), worst last: the group goes by the worst.
@@ -296,6 +327,7 @@ class AggregatorLinked:
         self.config = config
         self.traffic = Traffic()
         self._warned: set[str] = set()
+        self._summarised = False
         self.link = connect(config, rank, size, self._control_allreduce, self.traffic, threaded)
         if self.link is not None:
             _LINKS.add(self.link)
@@ -304,10 +336,16 @@ class AggregatorLinked:
         """Count an allreduce (or reduce-scatter) that goes to Gloo for `reason`, warning the first time for a
         reason the user did not choose (``routing``)."""
         self.traffic.add_gloo(tensors, self.gloo.size(), reason, reduce_scatter)
-        if reason not in routing.CHOSEN and reason not in self._warned:
-            self._warned.add(reason)
-            warnings.warn(routing.warning_text(reason, sum(t.numel() for t in tensors)),
-                          routing.IntmlUncompressedWarning, stacklevel=4)
+        if reason in self._warned or (reason in routing.CHOSEN and reason != routing.SMALL):
+            return
+        self._warned.add(reason)
+        elements = sum(t.numel() for t in tensors)
+        if reason == routing.SMALL:  # chosen by the threshold, but a user who swapped in intml should know
+            warnings.warn(routing.small_text(elements, self.config.min_elements, reduce_scatter),
+                          routing.IntmlRoutingWarning, stacklevel=routing.user_stacklevel())
+        else:
+            warnings.warn(routing.warning_text(reason, elements, reduce_scatter), routing.IntmlUncompressedWarning,
+                          stacklevel=routing.user_stacklevel())
 
     def _cuda_problem(self) -> str | None:
         """Why CUDA tensors cannot take intml's CUDA path here (routing's question), or None."""
@@ -321,5 +359,13 @@ class AggregatorLinked:
         return self.link is not None
 
     def _leave(self) -> None:
+        """Leave the job; once, if any collective went to Gloo, say how this group's collectives went."""
+        t = self.traffic
+        if t.gloo_allreduces + t.gloo_reduce_scatters and not self._summarised:
+            self._summarised = True
+            warnings.warn(routing.totals_text(t.intml_allreduces + t.intml_reduce_scatters, t.intml_elements,
+                                              t.gloo_allreduces + t.gloo_reduce_scatters, t.gloo_elements,
+                                              t.gloo_reasons),
+                          routing.IntmlRoutingWarning, stacklevel=routing.user_stacklevel())
         if self.link is not None:
             self.link.close()
