@@ -1,5 +1,5 @@
-"""Sans-I/O cores of two-level aggregation (docs/protocol.md, "Leaf-spine"): ``LeafCore``, a rack switch's
-aggregator, and ``SpineCore``, the switch above the leaves. Their data paths are aggregator.tiers' kernels.
+"""Sans-I/O cores of two-level aggregation (docs/protocol.md, "Leaf-spine"): a leaf core (``leaf_core``), a rack
+switch's aggregator, and ``SpineCore``, the switch above the leaves. Their data paths are aggregator.tiers' kernels.
 
 The ranks see only their leaf: they join it as they would one aggregator (the same handshake, the job's whole
 world size, so every rank encodes against s(n) of the whole job), send it their DATA and get their RESULTs from

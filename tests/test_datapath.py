@@ -16,8 +16,9 @@ from intml.aggregator.counters import CoreCounters
 from intml.aggregator.datapath import DataPath, Placed, RoundState, Slots, allocate, first_fit
 from intml.aggregator.kernel import KernelDataPath
 from intml.aggregator.leafspine import LeafDataPath
-from intml.p4.engine import P4DataPath
-from intml.protocol import wire
+from intml.p4.controller import controller_entries
+from intml.p4.engine import P4DataPath, p4model_core
+from intml.protocol import keys, wire
 from intml.protocol.burst import Burst
 from intml.protocol.job import MAX_WORLD, JobParams
 from intml.protocol.packet import round_key
@@ -187,6 +188,30 @@ def test_first_fit_and_allocate():
     assert allocate(counters, 1, 3, "here") == (0, range(0, 3)) and counters.row_used[:3].all()
     counters.active[0] = True
     assert allocate(counters, 2, 1, "here").startswith("here already holds its maximum of 1 jobs")
+
+
+def test_the_p4_controller_writes_entries_when_a_job_changes_not_per_control_datagram():
+    core = p4model_core(rows=8, max_elements=64, tokens=[TOKEN])
+    model, writes = core.datapath.model, []
+    replace = model.replace_job_entries
+
+    def recording(entries):
+        writes.append(list(entries))
+        replace(writes[-1])
+
+    model.replace_job_entries = recording
+    for rank in range(2):
+        [(reply, _)] = handshake(core, worker_addr(rank), 0.0, 7, rank, token=TOKEN, **PARAMS)
+        assert msg_type(reply) == MsgType.JOIN_ACK
+    assert len(writes) == 3  # the job placed, then each rank seated
+    assert writes[-1] == controller_entries(core)  # the controller's entries: the control plane's view of the job
+    leave = wire.pack({"type": int(MsgType.LEAVE), "job": 7, "rank": 0}, bytes(keys.MAC_SIZE))  # a wrong MAC
+    stats = wire.pack({"type": int(MsgType.STATS_REQUEST), "job": 7, "rank": 1}, bytes(keys.MAC_SIZE))
+    first_round = wire.pack_join({"type": int(MsgType.JOIN), "job": 7, "rank": 1}, {**PARAMS, "nonce": bytes(16)})
+    core_receive(core, [(leave, worker_addr(0)), (stats, worker_addr(1)), (first_round, worker_addr(1))], 1.0)
+    assert core.stats(1.0)["core_counters"]["drop_bad_mac"] == 2 and len(writes) == 3
+    core.teardown(7)
+    assert len(writes) == 4 and writes[-1] == []
 
 
 def _definitions(path: pathlib.Path) -> list[ast.AST]:
