@@ -1,9 +1,9 @@
 """The interface between an aggregator core's control plane (aggregator.core.AggregatorCore: the JOIN handshake,
 membership, teardown, statistics) and its data path: what moves DATA through the slots. The core is constructed
 with one ``DataPath``; it never reads the data path's tables. Implementations: the Numba burst kernel
-(aggregator.kernel.KernelDataPath), a rack switch's leaf (aggregator.leafspine.LeafDataPath), the P4 pipeline
-model (p4.engine.P4DataPath); the spine (aggregator.leafspine.SpineCore) places its jobs with the same
-``allocate``.
+(aggregator.kernel.KernelDataPath), a rack switch's leaf (aggregator.leafspine.LeafDataPath), the switch above
+the leaves (aggregator.leafspine.SpineCore, driven by the fabric's controller, not by a core) and the P4 pipeline
+model (p4.engine.P4DataPath).
 
 What an implementation must do (a new one, a software switch for example, implements these and nothing else):
 

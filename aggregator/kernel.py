@@ -96,7 +96,8 @@ class KernelDataPath:
             return found
         j, rows = found
         jobs = self.jobs
-        place_job(jobs, self.table, j, rows, world=params.world_size, value_bits=value_bits(params.world_size),
+        place_job(jobs, self.table, j, rows, world=self.contributors(job_id, params),
+                  value_bits=value_bits(params.world_size),
                   packet_elements=params.packet_elements, pool=params.pool_size, codec=int(params.codec),
                   seed=params.seed, stride=slots.stride, offset=slots.offset)
         group = group_of(self.results_group, j)
@@ -106,6 +107,10 @@ class KernelDataPath:
         jobs.mac_key[j] = key_words(data_key)
         self.placed[job_id] = Placed(j, rows, group)
         return self.placed[job_id]
+
+    def contributors(self, job_id: int, params: JobParams) -> int:
+        """How many senders complete a round of the job here: its ranks (the spine: its leaves)."""
+        return params.world_size
 
     def seat(self, job_id: int, rank: int, addr: int, now: float) -> None:
         j = self.placed[job_id].index

@@ -18,12 +18,11 @@ from typing import Any
 import numpy as np
 
 from intml.aggregator.core import AggregatorCore
-from intml.aggregator.counters import EVICTED, CoreCounters
-from intml.aggregator.datapath import Placed, Slots, allocate
+from intml.aggregator.counters import EVICTED
+from intml.aggregator.datapath import Placed, Slots
 from intml.aggregator.kernel import KernelDataPath
-from intml.aggregator.slots import STAT_NAMES, new_batch, new_jobs, new_table, place_job, row_width
+from intml.aggregator.slots import STAT_NAMES
 from intml.aggregator.tiers import leaf_burst, new_fabric, new_routes, spine_burst
-from intml.protocol.arith import value_bits
 from intml.protocol.burst import Burst
 from intml.protocol.job import (
     AGGREGATOR_MAX_ELEMENTS,
@@ -108,84 +107,82 @@ def leaf_core(*, rows: int = AGGREGATOR_SLOTS, max_elements: int = AGGREGATOR_MA
                                        results_group=results_group, name="this leaf"), **options)
 
 
-class SpineCore:
-    """The aggregator at the spine: one rank per leaf. No control plane of its own: the controller installs and
-    removes jobs; it answers nothing but PARTIALs. ``rows``: its slot memory; ``max_elements``: the largest
-    packet; ``burst``: the most datagrams a receive burst is expected to hold."""
+class SpineCore(KernelDataPath):
+    """The aggregator at the spine: a data path (aggregator.datapath) with one rank per leaf, and no control plane
+    of its own: the fabric's controller drives it (``install``, ``remove``); it answers nothing but PARTIALs.
+    ``rows``: its slot memory; ``max_elements``: the largest packet; ``burst``: the most datagrams a receive
+    burst is expected to hold."""
 
     def __init__(self, *, rows: int = AGGREGATOR_SLOTS, max_elements: int = AGGREGATOR_MAX_ELEMENTS,
                  max_jobs: int = AGGREGATOR_MAX_JOBS, burst: int = BURST) -> None:
-        self.max_elements = max_elements
-        self.entries = CoreCounters(max_jobs, rows)  # its job table's ids and flags, slot rows in use, counters
-        c = self.entries
-        self.jobs = new_jobs(max_jobs)._replace(job_id=c.job_id, active=c.active, stats=c.stats,
-                                                core_stats=c.core_stats)
-        width = row_width(max_elements)
-        self.table = new_table(rows, max_elements, np.zeros((rows, 2, width), np.uint8))
+        super().__init__(rows=rows, max_elements=max_elements, max_jobs=max_jobs, burst=burst, name="the spine")
+        self.racks: dict[int, list[int]] = {}  # job id -> each leaf's rack bitmap
         self.fabric = new_fabric(max_jobs)
-        self.placed: dict[int, tuple[int, range]] = {}  # job id -> (job index, slot rows)
-        self._args = (tuple(self.jobs), tuple(self.table), tuple(self.fabric), tuple(new_batch(rows, 1)),
-                      np.zeros(1, np.int64))
-        self._grow(burst)
+        self._fabric_arrays = tuple(self.fabric)
+        self._scratch = np.zeros(1, np.int64)
 
-    def _grow(self, burst: int) -> None:
-        self._stage = np.zeros((burst, self.table.result.shape[2]), np.uint8)
-        self._out = Burst(self._stage, burst * MAX_WORLD)
-
+    # ---- the controller's side ------------------------------------------------------------------------------
     def install(self, job_id: int, params: JobParams, leaves: Sequence[tuple[int, Iterable[int]]]) -> None:
         """The controller's entries for ``job_id``: leaf l is at address key ``leaves[l][0]`` and sums the ranks
         ``leaves[l][1]``; the racks split the job's ranks 0 .. world_size - 1 exactly."""
-        n = params.world_size
-        racks = [rack_bitmap(ranks) for _, ranks in leaves]
-        problem = None
         if job_id in self.placed:
-            problem = f"job {job_id} is already installed"
-        elif not 1 <= len(leaves) <= MAX_WORLD:
-            problem = f"a job needs 1 to {MAX_WORLD} leaves, got {len(leaves)}"
-        elif sum(bin(b).count("1") for b in racks) != n or np.bitwise_or.reduce(racks) != (1 << n) - 1:
-            problem = f"the racks must split ranks 0..{n - 1} exactly, each rank in one rack"
-        elif params.data_mac:
-            problem = "a spine does not carry the DATA/RESULT MAC"
-        elif not params.packet_elements <= min(self.max_elements, max_partial_elements()):
-            problem = f"packet elements must be at most {min(self.max_elements, max_partial_elements())} here"
-        found = problem or allocate(self.entries, job_id, params.pool_size, "the spine")
-        if isinstance(found, str):
-            raise ValueError(found)
-        j, rows = found
-        place_job(self.jobs, self.table, j, rows, world=len(leaves), value_bits=value_bits(n),
-                  packet_elements=params.packet_elements, pool=params.pool_size, codec=int(params.codec),
-                  seed=params.seed)
-        self.jobs.group[j] = 0
-        self.jobs.data_mac[j] = False
-        for leaf, ((addr, _), bits) in enumerate(zip(leaves, racks)):
-            self.jobs.members[j, leaf] = addr
-            self.fabric.racks[j, leaf] = bits
-            self.fabric.sizes[j, leaf] = bin(bits).count("1")
-        self.placed[job_id] = (j, rows)
-        self.entries.start_job(j, job_id)
+            raise ValueError(f"job {job_id} is already installed")
+        self.racks[job_id] = [rack_bitmap(ranks) for _, ranks in leaves]
+        placed = self.refuse(job_id, params, Slots(), 0) or self.place(job_id, params, Slots(), bytes(16), 0.0)
+        if isinstance(placed, str):
+            del self.racks[job_id]
+            raise ValueError(placed)
+        for leaf, (addr, _) in enumerate(leaves):
+            self.seat(job_id, leaf, addr, 0.0)
+        self.counters.start_job(placed.index, job_id)
 
-    def remove(self, job_id: int) -> None:
+    def uninstall(self, job_id: int) -> None:
         """The controller ends the job: its rows and entry are free again."""
-        j, rows = self.placed.pop(job_id)
-        self.entries.end_job(j, EVICTED)
-        self.entries.row_used[rows.start:rows.stop] = False
+        self.counters.end_job(self.placed[job_id].index, EVICTED)
+        self.remove(job_id)
 
     def receive(self, rx: Burst, now: float) -> Burst:
         """Handle a receive burst (rows of its own); returns the RESULTs to send (valid until the next call)."""
-        if rx.data is None:
-            raise ValueError("receive needs a burst with rows of its own (Burst.rows_of)")
-        if self._stage.shape[0] < rx.rows:
-            self._grow(rx.rows)
-        out = self._out
-        out.count = spine_burst(rx.data, rx.length, rx.addr, rx.count, now, *self._args, self._stage, out.ptr,
-                                out.length, out.addr)
-        return out
+        return self.process(rx, now)[0]
 
     def take_replies(self) -> list[tuple[bytes, int]]:
         """A spine has no control plane to answer (the same interface as AggregatorCore)."""
         return []
 
-    def counters(self, job_id: int | None = None) -> dict[str, int]:
+    def job_counters(self, job_id: int | None = None) -> dict[str, int]:
         """A job's counters, or (None) the core's: every datagram that named no installed job."""
-        cells = self.jobs.core_stats if job_id is None else self.entries.job(self.placed[job_id][0])
+        cells = self.jobs.core_stats if job_id is None else self.counters.job(self.placed[job_id].index)
         return dict(zip(STAT_NAMES, cells.tolist()))
+
+    # ---- aggregator.datapath.DataPath (the rank of a spine's job is a leaf) -------------------------------------
+    def refuse(self, job_id: int, params: JobParams, slots: Slots, rank: int) -> str | None:
+        racks, n = self.racks.get(job_id, []), params.world_size
+        if not 1 <= len(racks) <= MAX_WORLD:
+            return f"a job needs 1 to {MAX_WORLD} leaves, got {len(racks)}"
+        if sum(bin(b).count("1") for b in racks) != n or np.bitwise_or.reduce(racks) != (1 << n) - 1:
+            return f"the racks must split ranks 0..{n - 1} exactly, each rank in one rack"
+        if params.data_mac:
+            return "a spine does not carry the DATA/RESULT MAC"
+        if not params.packet_elements <= min(self.max_elements, max_partial_elements()):
+            return f"packet elements must be at most {min(self.max_elements, max_partial_elements())} here"
+        return None
+
+    def contributors(self, job_id: int, params: JobParams) -> int:
+        return len(self.racks[job_id])  # one PARTIAL per leaf
+
+    def place(self, job_id: int, params: JobParams, slots: Slots, data_key: bytes, now: float) -> Placed | str:
+        placed = super().place(job_id, params, slots, data_key, now)
+        if isinstance(placed, Placed):
+            for leaf, bits in enumerate(self.racks[job_id]):
+                self.fabric.racks[placed.index, leaf] = bits
+                self.fabric.sizes[placed.index, leaf] = bin(bits).count("1")
+        return placed
+
+    def remove(self, job_id: int) -> None:
+        super().remove(job_id)
+        del self.racks[job_id]
+
+    def run(self, rx: Burst, now: float, out: Burst) -> tuple[int, int]:
+        """spine_burst, its outputs staged in the spill rows (a spine admits no control datagram)."""
+        return spine_burst(rx.data, rx.length, rx.addr, rx.count, now, *self.kernel_tables, self._fabric_arrays,
+                           self.batch, self._scratch, self.spill, out.ptr, out.length, out.addr), 0

@@ -15,7 +15,7 @@ from intml.aggregator.core import AggregatorCore
 from intml.aggregator.counters import CoreCounters
 from intml.aggregator.datapath import DataPath, Placed, RoundState, Slots, allocate, first_fit
 from intml.aggregator.kernel import KernelDataPath
-from intml.aggregator.leafspine import LeafDataPath
+from intml.aggregator.leafspine import LeafDataPath, SpineCore
 from intml.p4.controller import controller_entries
 from intml.p4.engine import P4DataPath, p4model_core
 from intml.protocol import keys, wire
@@ -96,7 +96,7 @@ def error_text(reply: bytes) -> str:
 
 def test_every_implementation_has_the_interface():
     fake: DataPath = FakeDataPath()  # the Protocol, as a type checker reads it
-    for kind in (KernelDataPath, LeafDataPath, P4DataPath, type(fake)):
+    for kind in (KernelDataPath, LeafDataPath, SpineCore, P4DataPath, type(fake)):
         for name in ("refuse", "place", "seat", "remove", "process", "round_state", "last_seen"):
             assert callable(getattr(kind, name)), (kind, name)
 

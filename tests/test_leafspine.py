@@ -56,7 +56,7 @@ def fabric() -> tuple[list[AggregatorCore], SpineCore]:
 
 
 def counters(core, job=JOB) -> dict[str, int]:
-    cells = core.counters(job) if isinstance(core, SpineCore) else core.stats(0.0, job)["jobs"][str(job)]["counters"]
+    cells = core.job_counters(job) if isinstance(core, SpineCore) else core.stats(0.0, job)["jobs"][str(job)]["counters"]
     return {k: v for k, v in cells.items() if v}
 
 
@@ -139,7 +139,7 @@ def test_a_spine_takes_partials_only_and_counts_strangers():
     _, spine = fabric()
     core_receive(spine, [(data(0, X[0]), LEAVES[0]), (b"\x00" * 4, LEAVES[0]),
                          (with_header(data(0, X[0]), type=MsgType.PARTIAL, job=99), LEAVES[0])], 1.0)
-    assert {k: v for k, v in spine.counters().items() if v} == {
+    assert {k: v for k, v in spine.job_counters().items() if v} == {
         "packets_in": 3, "drop_unknown_type": 1, "drop_short": 1, "drop_unknown_job": 1}
 
 
