@@ -26,6 +26,7 @@ joins, and it says so in one line on stderr (``OPEN_WARNING``).
 from __future__ import annotations
 
 import errno
+import functools
 import ipaddress
 import mmap
 import multiprocessing
@@ -34,7 +35,9 @@ import random
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 from intml.aggregator.cli import (PORTS, OneLineParser, count, default_cores, multicast_group, non_negative, port,
                                   positive)
@@ -113,18 +116,19 @@ def _multicast_sender(sock: socket.socket, host: str, ttl: int) -> None:
     sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_TTL, ttl)
 
 
-def _core_class(parser: OneLineParser, args) -> type:
-    """The core of --engine, or a one-line usage error where the P4 switch cannot hold the configuration."""
+def _core_factory(parser: OneLineParser, args) -> Callable[..., Any]:
+    """What makes a core of --engine (with the kernel's options), or a one-line usage error where the P4 switch
+    cannot hold the configuration."""
     if args.engine == "kernel":
         from intml.aggregator.core import AggregatorCore
 
-        return AggregatorCore
-    from intml.p4.engine import P4ModelCore, engine_problem
+        return functools.partial(AggregatorCore, burst=args.burst)
+    from intml.p4.engine import engine_problem, p4model_core
 
     problem = engine_problem(args.slots, args.max_jobs)
     if problem:
         parser.error(problem)
-    return P4ModelCore
+    return p4model_core  # the model builds each output burst to its size
 
 
 def _metrics(parser: OneLineParser, args) -> ModuleType | None:
@@ -190,9 +194,6 @@ def build_parser() -> OneLineParser:
     p.add_argument("--multicast-ttl", type=positive(int, 255), default=1,
                    help="the results' IP TTL (default 1: they stay on the aggregator's link; each multicast router "
                         "on the way takes one off)")
-    p.add_argument("--allow-shared-address", action="store_true",
-                   help="tests only: let one source address hold several ranks of a job (by default refused, so "
-                        "that one holder of the token cannot stand in for a whole job)")
     control = ControlLimits()
     p.add_argument("--control-rate", type=positive(float), default=control.source_rate,
                    help=f"JOIN/LEAVE/STATS datagrams per second one source address may send (default "
@@ -235,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                                       f"{PORTS - 1}: use a lower --port or fewer --cores")
     metrics = _metrics(parser, args)
     group = _multicast_group(parser, args.multicast, args.max_jobs)
-    core_class = _core_class(parser, args)
+    make_core = _core_factory(parser, args)
     if group is not None and args.host in ("", "0.0.0.0"):
         parser.error("--multicast needs --host to name the interface the results go out on (for example "
                      "--host 127.0.0.1, or this host's address on the workers' link), not 0.0.0.0")
@@ -257,9 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                                              for _ in range(args.cores)]
 
     def new_core(i: int):
-        return core_class(core=i, cores=args.cores, rows=args.slots, max_elements=args.max_packet_elements,
+        return make_core(core=i, cores=args.cores, rows=args.slots, max_elements=args.max_packet_elements,
                           idle_timeout=args.idle_timeout, results_group=None if group is None else (group, base),
-                          burst=args.burst, allow_shared_address=args.allow_shared_address,
                           max_jobs=args.max_jobs, max_pool=args.max_pool, control_limits=limits,
                           tokens=tokens or [""],  # no token: the open mode's empty one
                           job_history=args.job_history, counters=None if counters is None else counters[i],

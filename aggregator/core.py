@@ -1,7 +1,8 @@
-"""The aggregator's sans-I/O core for one data-plane core: the burst kernel (aggregator.slots) plus the control
-plane (join handshake, membership, teardown, statistics). It owns no socket and reads no clock: the driver
-hands it a Burst of received datagrams and the time, and sends the Burst it gets back, whose datagrams are the
-core's stored results (zero copy, valid until the core's next call), then the control replies of take_replies.
+"""The aggregator's sans-I/O core for one data-plane core: the control plane (join handshake, membership,
+teardown, statistics) over the data path it is constructed with (aggregator.datapath: the burst kernel of
+aggregator.kernel by default). It owns no socket and reads no clock: the driver hands it a Burst of received
+datagrams and the time, and sends the Burst it gets back (the data path's results, valid until the core's next
+call), then the control replies of take_replies.
 
 Control plane (docs/protocol.md, "Control plane" and "Control plane authentication"; keys: protocol.keys)
     JOIN, first round (client nonce, no cookie): answered with a CHALLENGE carrying a stateless cookie for the
@@ -44,39 +45,24 @@ import os
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from intml.aggregator.counters import END_REASONS, EVICTED, IDLE, LEAVE, CoreCounters
-from intml.aggregator.slots import (
-    Jobs,
-    Table,
-    new_batch,
-    new_jobs,
-    new_limiter,
-    new_table,
-    place_job,
-    process_burst,
-    row_width,
-)
+from intml.aggregator.counters import END_REASONS, EVICTED, IDLE, LEAVE
+from intml.aggregator.datapath import DataPath, Slots
+from intml.aggregator.kernel import KernelDataPath
 from intml.protocol import keys, wire
 from intml.protocol.address import addr_of, format_addr
-from intml.protocol.arith import value_bits
 from intml.protocol.burst import Burst
 from intml.protocol.job import (
     AGGREGATOR_IDLE_TIMEOUT,
     AGGREGATOR_JOB_HISTORY,
-    AGGREGATOR_MAX_ELEMENTS,
-    AGGREGATOR_MAX_JOBS,
     AGGREGATOR_MAX_POOL,
-    AGGREGATOR_SLOTS,
-    BURST,
     MAX_WORLD,
-    ControlLimits,
     JobParams,
 )
 from intml.protocol.packet import HDR, round_order
-from intml.protocol.siphash import key_words
 from intml.protocol.stats import (
     DROP_BAD_CONTROL,
     DROP_BAD_MAC,
@@ -101,11 +87,14 @@ JOB_PARAMS = ("world_size", "packet_elements", "pool_size", "codec", "seed", "fl
 
 @dataclass
 class JobInfo:
-    """Python-side bookkeeping of a job; the kernel's view is its row in Jobs."""
+    """The control plane's view of a job; the data path holds its own (its entry ``index``, its slot ``rows``)."""
 
     index: int
-    params: dict
+    params: JobParams
+    first_core: int  # of this aggregator, among the job's total_cores (slots.stride)
+    slots: Slots
     rows: range
+    group: int  # the results group's address key (0: unicast)
     joined_at: float
     token_key: bytes  # of the token that created the job: only it can join
     job_nonce: bytes
@@ -113,43 +102,44 @@ class JobInfo:
     left: set[int] = field(default_factory=set)
     sessions: dict[int, bytes] = field(default_factory=dict)  # rank -> session key of its current incarnation
     alive_at: float = float("-inf")  # a member's latest keepalive (or other STATS_REQUEST)
+    members: dict[int, int] = field(default_factory=dict)  # rank -> the address key it joined from
+
+    def view(self) -> dict[str, int]:
+        """The parameters as the JOIN states them (statistics, refusals)."""
+        p = self.params
+        return {"world_size": p.world_size, "packet_elements": p.packet_elements, "pool_size": p.pool_size,
+                "codec": int(p.codec), "seed": p.seed, "flags": p.flags, "first_core": self.first_core,
+                "total_cores": self.slots.stride}
 
 
 class AggregatorCore:
     """One data-plane core: slots s with s % cores == core of each job (s % total_cores == first_core + core for
     a job spread over several aggregators), and the control plane for its share of each job."""
 
-    def __init__(self, *, core: int = 0, cores: int = 1, rows: int = AGGREGATOR_SLOTS,
-                 max_elements: int = AGGREGATOR_MAX_ELEMENTS, max_jobs: int = AGGREGATOR_MAX_JOBS,
-                 idle_timeout: float = AGGREGATOR_IDLE_TIMEOUT,
-                 results_group: tuple[int, int] | None = None, burst: int = BURST,
-                 allow_shared_address: bool = False, max_pool: int = AGGREGATOR_MAX_POOL,
-                 control_limits: ControlLimits = ControlLimits(), tokens: Iterable[str] = ("",),
-                 random_bytes: Callable[[int], bytes] = os.urandom, job_history: int = AGGREGATOR_JOB_HISTORY,
-                 counters: CoreCounters | None = None, tenant_max_jobs: int | None = None,
-                 tenant_max_slots: int | None = None) -> None:
-        """``burst``: the most datagrams a receive burst is expected to hold (a larger one grows the output
-        memory). ``results_group`` = (first IPv4 multicast group as an integer, UDP port): job slot j sends its results
-        to group + j in one datagram per completion, as a switch's multicast replication does, instead of one
-        datagram per worker; retransmitted results still go to the one worker that asked. ``allow_shared_address``
-        (tests only) lets one address hold several ranks of a job; otherwise such a JOIN is refused, so that one
-        holder of the token cannot stand in for a whole job. ``control_limits``: how many JOIN, LEAVE and
-        STATS_REQUEST datagrams the kernel lets through to the control plane (the kernel's control admission).
-        ``tokens``: the tokens a new job may be created with (the default, only the empty token, is the open
-        mode). ``random_bytes``: the source of the core's cookie secret (injectable for deterministic tests).
-        ``job_history``: how many finished jobs the statistics keep. ``counters``: the block the core keeps its
-        counters and job table flags in (for a reader elsewhere, aggregator.metrics; a private one by default).
-        ``tenant_max_jobs``, ``tenant_max_slots``: the jobs and slot rows the jobs of one token may hold on this
-        core at once (None: no quota but the core's), so that one tenant cannot take the table from the others."""
+    def __init__(self, datapath: DataPath | None = None, *, core: int = 0, cores: int = 1,
+                 idle_timeout: float = AGGREGATOR_IDLE_TIMEOUT, max_pool: int = AGGREGATOR_MAX_POOL,
+                 tokens: Iterable[str] = ("",), random_bytes: Callable[[int], bytes] = os.urandom,
+                 job_history: int = AGGREGATOR_JOB_HISTORY, tenant_max_jobs: int | None = None,
+                 tenant_max_slots: int | None = None, **kernel: Any) -> None:
+        """``datapath``: what moves the DATA (aggregator.datapath); by default the burst kernel, built from
+        ``kernel``, aggregator.kernel.KernelDataPath's options (rows, max_elements, max_jobs, burst,
+        results_group, control_limits, counters). ``tokens``: the tokens a new job may be created with (the
+        default, only the empty token, is the open mode). ``random_bytes``: the source of the core's cookie
+        secret (injectable for deterministic tests). ``job_history``: how many finished jobs the statistics
+        keep. ``max_pool``: the most slots a job may have. ``tenant_max_jobs``, ``tenant_max_slots``: the jobs
+        and slot rows the jobs of one token may hold on this core at once (None: no quota but the core's), so
+        that one tenant cannot take the table from the others."""
         if not 0 <= core < cores:
             raise ValueError(f"core must be in [0, {cores}), got {core}")
-        if results_group is not None and not (0xE0000000 <= results_group[0] <= 0xF0000000 - max_jobs
-                                              and 0 < results_group[1] <= 0xFFFF):
-            raise ValueError(f"results group must leave {max_jobs} IPv4 multicast groups (224.0.0.0/4) and a port")
-        self.results_group = results_group
-        self.allow_shared_address = allow_shared_address
+        if datapath is not None and kernel:
+            raise TypeError(f"options of the kernel data path with a data path of its own: {sorted(kernel)}")
+        self.datapath = KernelDataPath(name=f"aggregator core {core}", **kernel) if datapath is None else datapath
+        self.counters = self.datapath.counters
+        self.max_elements = self.datapath.max_elements
+        # an address holds at most one rank of a job, so that one holder of the token cannot stand in for a whole
+        # job; tests that run several ranks from one address clear it
+        self.one_rank_per_address = True
         self.core, self.cores = core, cores
-        self.max_elements = max_elements
         self.max_pool = max_pool
         self.tenant_max_jobs, self.tenant_max_slots = tenant_max_jobs, tenant_max_slots
         self.idle_timeout = idle_timeout
@@ -161,62 +151,24 @@ class AggregatorCore:
         # cookie -> (expiry, the job's incarnation) of every accepted JOIN whose cookie is still valid
         self._used_cookies: dict[bytes, tuple[float, int]] = {}
         self._operator_seq: dict[bytes, int] = {}  # token key -> the last operator request's sequence number answered
-        self.counters = CoreCounters(max_jobs, rows) if counters is None else counters
-        if (self.counters.max_jobs, self.counters.rows) != (max_jobs, rows):
-            raise ValueError(f"the counters block is for {self.counters.max_jobs} jobs and {self.counters.rows} rows, "
-                             f"not {max_jobs} and {rows}")
-        c = self.counters
-        self.jobs: Jobs = new_jobs(max_jobs)._replace(job_id=c.job_id, active=c.active, stats=c.stats,
-                                                       core_stats=c.core_stats)
-        self.row_used = c.row_used
         self.info: dict[int, JobInfo] = {}
         self.history: deque[dict] = deque(maxlen=job_history)  # finished jobs, oldest first
-        self._limiter = tuple(new_limiter(control_limits))
         self._control_in: list[tuple[bytes, int, float]] = []  # admitted control datagrams not yet handled
-        width = row_width(max_elements)
-        self.table: Table = new_table(rows, max_elements, np.zeros((rows, 2, width), np.uint8))
-        self._grow(burst)
-
-    def _grow(self, burst: int) -> None:
-        """Size the output memory and the scratch for received bursts of up to `burst` datagrams. One block
-        holds the stored results and `burst` spill rows, so the output Burst's datagrams all lie in its memory;
-        the results already stored move along (only rows in use are copied: untouched pages stay unmapped)."""
-        rows, _, width = self.table.result.shape
-        memory = np.zeros((2 * rows + burst) * width, np.uint8)
-        result = memory[: 2 * rows * width].reshape(rows, 2, width)
-        result[self.row_used] = self.table.result[self.row_used]
-        self.table = self.table._replace(result=result)
-        self._spill = memory[2 * rows * width:].reshape(burst, width)
-        self._spill_len = np.zeros(burst, np.int64)
-        self._tables = (tuple(self.jobs), tuple(self.table))  # see process_burst on why tuples
-        self._batch = tuple(new_batch(rows, burst))
-        self._control = np.empty(burst, np.int64)
-        self._out = Burst(memory, burst * MAX_WORLD)  # a completion sends up to MAX_WORLD results
 
     # ---- data plane -------------------------------------------------------------------------------------
     def receive(self, rx: Burst, now: float) -> Burst:
         """Handle the ``rx.count`` datagrams of a receive burst (one with rows of its own, ``Burst.rows_of``).
-        Returns the core's output burst: the RESULT datagrams to send, in order, pointing at the core's stored
-        results; they stay valid until the core's next call. The control datagrams the kernel admitted are copied
-        out and handled by ``take_replies``, so that no result waits for control work."""
-        if rx.data is None:
-            raise ValueError("receive needs a burst with rows of its own (Burst.rows_of)")
-        if self._control.size < rx.rows:
-            self._grow(rx.rows)
-        out = self._out
-        out.count, n_ctl = self._data_path(rx, now, out)
-        for i in self._control[:n_ctl].tolist():
+        Returns the data path's output burst: the RESULT datagrams to send, in order; they stay valid until the
+        core's next call. The control datagrams the data path admitted are copied out and handled by
+        ``take_replies``, so that no result waits for control work."""
+        out, control = self.datapath.process(rx, now)
+        for i in control.tolist():
             self._control_in.append((bytes(rx.data[i, : rx.length[i]]), int(rx.addr[i]), now))
         return out
 
-    def _data_path(self, rx: Burst, now: float, out: Burst) -> tuple[int, int]:
-        """Run the burst kernel: (datagrams described in ``out``, control datagrams listed in ``_control``)."""
-        return process_burst(rx.data, rx.length, rx.addr, rx.count, now, *self._tables, self._batch, self._spill,
-                             self._spill_len, out.ptr, out.length, out.addr, self._control, self._limiter)
-
     def count_send_failures(self, n: int) -> None:
         """The driver reports `n` datagrams the kernel refused to send (skipped; the others went out)."""
-        self.jobs.core_stats[SEND_FAILED] += n
+        self.counters.core_stats[SEND_FAILED] += n
 
     def take_replies(self) -> list[tuple[bytes, int]]:
         """Handle the control datagrams admitted since the last call, oldest first (each at the time it was
@@ -243,11 +195,11 @@ class AggregatorCore:
                 return None
             return self._stats_reply(datagram, int(header["job"]), int(header["rank"]), addr, now)
         except ValueError as exc:  # a malformed JOIN, LEAVE or STATS_REQUEST: counted, answered, no state change
-            self.jobs.core_stats[DROP_BAD_CONTROL] += 1
+            self.counters.core_stats[DROP_BAD_CONTROL] += 1
             return _error(0, str(exc), len(datagram))  # from anyone: no larger than the request
 
     def _refuse(self, stat: int, job_id: int, message: str) -> bytes:
-        self.jobs.core_stats[stat] += 1
+        self.counters.core_stats[stat] += 1
         return _error(job_id, message)
 
     def _join(self, datagram: bytes, addr: int, now: float) -> bytes:
@@ -258,50 +210,52 @@ class AggregatorCore:
             return self._challenge(job_id, rank, nonce, addr, now)
         if not keys.cookie_valid(self._secret, addr, job_id, rank, nonce, cookie, now):
             # expired, or replayed from another address: a fresh challenge for this sender, nothing else
-            self.jobs.core_stats[DROP_BAD_MAC] += 1
+            self.counters.core_stats[DROP_BAD_MAC] += 1
             return self._challenge(job_id, rank, nonce, addr, now)
         info = self.info.get(job_id)
         if not self._fresh_cookie(cookie, job_id, rank, nonce, info, now):
             # a replayed JOIN whose seat is gone (left, rebound, or its job ended): a challenge, nothing else
-            self.jobs.core_stats[DROP_BAD_MAC] += 1
+            self.counters.core_stats[DROP_BAD_MAC] += 1
             return self._challenge(job_id, rank, nonce, addr, now)
         token_key = next((k for k in ([info.token_key] if info else self._token_keys)
                           if keys.verify(k, datagram, wire.JOIN_MAC)), None)
         if token_key is None:
             return self._refuse(DROP_BAD_MAC, job_id, UNPROVED)
         # proved: from here on the sender is a holder of the job's token
-        params = {name: int(payload[name]) for name in JOB_PARAMS}
-        problem = self._check_params(params, rank) or self._admit(job_id, params, rank)
+        fields = {name: int(payload[name]) for name in JOB_PARAMS}
+        job = self._job_of(fields, rank)
+        if isinstance(job, str):
+            return self._refuse(DROP_REFUSED_JOIN, job_id, job)
+        params, first_core, slots = job
+        problem = self.datapath.refuse(job_id, params, slots, rank)
         if problem:
             return self._refuse(DROP_REFUSED_JOIN, job_id, problem)
-        params["total_cores"] = params["total_cores"] or self.cores  # the same layout, stated either way
         if info is None:
             self._incarnations += 1
-            info = self._register(job_id, params, now, token_key,
-                                  keys.job_nonce(self._secret, nonce, cookie, self._incarnations))
+            info = self._place(job_id, params, first_core, slots, now, token_key,
+                               keys.job_nonce(self._secret, nonce, cookie, self._incarnations))
             if isinstance(info, str):  # the limit that was hit
                 return self._refuse(DROP_REFUSED_JOIN, job_id, info)
-        elif info.params != params:
-            differing = ", ".join(f"{k}={params[k]} (job has {v})" for k, v in info.params.items() if params[k] != v)
+        elif (info.params, info.first_core, info.slots) != job:
+            fields["total_cores"] = slots.stride  # the same layout, stated either way
+            differing = ", ".join(f"{k}={fields[k]} (job has {v})" for k, v in info.view().items() if fields[k] != v)
             return self._refuse(DROP_REFUSED_JOIN, job_id,
                                 f"job {job_id} already exists with other parameters: {differing}")
-        j = info.index
-        held = np.flatnonzero(self.jobs.members[j, : params["world_size"]] == np.uint64(addr))
-        others = [int(r) for r in held if r != rank]
-        if others and not self.allow_shared_address:
+        others = [r for r, a in sorted(info.members.items()) if a == addr and r != rank]
+        if others and self.one_rank_per_address:
             host, port = addr_of(addr)
             return self._refuse(DROP_REFUSED_JOIN, job_id,
                                 f"{host}:{port} already holds rank {others[0]} of job {job_id}; each rank must join "
                                 f"from its own address")
-        self.jobs.members[j, rank] = addr  # a restarted rank's new address replaces its old one
-        self.jobs.last_seen[j, rank] = now
+        info.members[rank] = addr  # a restarted rank's new address replaces its old one
+        self.datapath.seat(job_id, rank, addr, now)
         info.left.discard(rank)
         session = info.sessions[rank] = keys.session_key(token_key, job_id, rank, nonce, cookie)
         self._used_cookies.setdefault(cookie, (keys.cookie_expiry(now), info.incarnation))
-        group = int(self.jobs.group[j])
-        allreduce, sets = self._resume_point(info)
+        group = info.group
+        allreduce, sets = self._resume_point(job_id, info)
         ack = wire.pack_join({**_reply_header(job_id, MsgType.JOIN_ACK), "rank": rank},
-                             {**params, "cores": self.cores, "group": group >> 16, "group_port": group & 0xFFFF,
+                             {**info.view(), "cores": self.cores, "group": group >> 16, "group_port": group & 0xFFFF,
                               "allreduce": allreduce, "nonce": nonce, "cookie": cookie, "job_nonce": info.job_nonce,
                               "idle_timeout": min(round(self.idle_timeout * 1000), 0xFFFFFFFF)},
                              sets)
@@ -326,14 +280,14 @@ class AggregatorCore:
         cookie = keys.cookie(self._secret, addr, job_id, rank, nonce, keys.epoch(now))
         return wire.pack_challenge(job_id, rank, nonce, cookie, self.cores)
 
-    def _resume_point(self, info: JobInfo) -> tuple[int, bytes]:
+    def _resume_point(self, job_id: int, info: JobInfo) -> tuple[int, bytes]:
         """Where a rank joining now starts: the allreduce its peers are in (one of whose rounds here still waits)
         or the next one, and the slot bitmap of each of this core's slots' next shadow set: the set of a round
         that waits for contributions, else the other set than the slot's last round (0 for an unused slot).
         Rounds compare in serial number order (packet.round_order), as the kernel's do; a set holds a round
         iff its bitmap is not empty."""
-        rows = slice(info.rows.start, info.rows.stop)
-        round_key, count, used = self.table.round_key[rows], self.table.count[rows], self.table.bitmap[rows] != 0
+        round_key, bitmap, count = self.datapath.round_state(job_id)
+        used = bitmap != 0
         last = np.array([int(u[1] and (not u[0] or round_order(int(k[1]), int(k[0])) > 0))
                          for k, u in zip(round_key, used)], np.int64)
         local = np.arange(last.size)
@@ -343,22 +297,24 @@ class AggregatorCore:
         for key in last_key[held]:
             newest = int(key) if newest is None or round_order(int(key), newest) > 0 else newest
         allreduce = 0 if newest is None else newest >> 32 & 0xFFFFFFFF
-        waiting = held & (last_key >> 32 & 0xFFFFFFFF == allreduce) & (count[local, last] < info.params["world_size"])
+        waiting = held & (last_key >> 32 & 0xFFFFFFFF == allreduce) & (count[local, last] < info.params.world_size)
         if newest is not None and not waiting.any():
             allreduce = (allreduce + 1) & 0xFFFFFFFF
         sets = np.where(waiting, last, np.where(held, 1 - last, 0))
-        stride, offset = self.layout(info.params)
-        bits = np.zeros(info.params["pool_size"], np.uint8)
-        bits[local * stride + offset] = sets
+        bits = np.zeros(info.params.pool_size, np.uint8)
+        bits[local * info.slots.stride + info.slots.offset] = sets
         return allreduce, np.packbits(bits, bitorder="little").tobytes()
 
-    def _check_params(self, p: dict, rank: int) -> str | None:
+    def _job_of(self, p: dict[str, int], rank: int) -> tuple[JobParams, int, Slots] | str:
+        """The JOIN's fields as the job's parameters, this aggregator's first core among the job's and this
+        core's share of the slots; or one line on what is wrong with them."""
         try:
-            problem = JobParams(**{k: p[k] for k in ("world_size", "packet_elements", "pool_size", "codec", "seed")},
-                                data_mac=bool(p["flags"] & wire.FLAG_DATA_MAC),
-                                nearest=bool(p["flags"] & wire.FLAG_NEAREST)).problem(self.max_elements)
+            params = JobParams(**{k: p[k] for k in ("world_size", "packet_elements", "pool_size", "codec", "seed")},
+                               data_mac=bool(p["flags"] & wire.FLAG_DATA_MAC),
+                               nearest=bool(p["flags"] & wire.FLAG_NEAREST))
+            problem = params.problem(self.max_elements)
         except ValueError as exc:
-            problem = str(exc)
+            return str(exc)
         if problem is None and p["flags"] & ~(wire.FLAG_DATA_MAC | wire.FLAG_NEAREST):
             problem = f"unknown JOIN flags 0x{p['flags']:02x}"
         if problem is None and rank >= p["world_size"]:
@@ -366,50 +322,25 @@ class AggregatorCore:
         if problem is None and p["first_core"] + self.cores > (p["total_cores"] or self.cores):
             problem = (f"this aggregator's {self.cores} cores from core {p['first_core']} do not fit the job's "
                        f"{p['total_cores']} cores: every worker must list the same aggregators in the same order")
-        return problem
+        if problem:
+            return problem
+        return params, p["first_core"], Slots(p["total_cores"] or self.cores, p["first_core"] + self.core)
 
-    def _admit(self, job_id: int, params: dict, rank: int) -> str | None:
-        """A mode's own refusal of a proved JOIN (one line), or None: every JOIN a plain core's checks pass."""
-        return None
-
-    def layout(self, params: dict) -> tuple[int, int]:
-        """(stride, offset) of a job on this core: it holds the job's slots s with s % stride == offset."""
-        return params["total_cores"], params["first_core"] + self.core
-
-
-    def _register(self, job_id: int, params: dict, now: float, token_key: bytes,
-                  job_nonce: bytes) -> JobInfo | str:
-        """A new job's table entry and slot rows, or one line naming the limit that refuses it."""
-        if params["pool_size"] > self.max_pool:
-            return (f"pool size {params['pool_size']} exceeds this aggregator's maximum of {self.max_pool} slots per "
+    def _place(self, job_id: int, params: JobParams, first_core: int, slots: Slots, now: float, token_key: bytes,
+               job_nonce: bytes) -> JobInfo | str:
+        """A new job placed on the data path and live, or one line naming the limit that refuses it."""
+        if params.pool_size > self.max_pool:
+            return (f"pool size {params.pool_size} exceeds this aggregator's maximum of {self.max_pool} slots per "
                     f"job (intml-aggregator --max-pool)")
-        stride, offset = self.layout(params)
-        needed = len(range(offset, params["pool_size"], stride))
-        quota = self._quota(token_key, needed)
+        quota = self._quota(token_key, len(range(slots.offset, params.pool_size, slots.stride)))
         if quota:
             return quota
-        free_jobs = np.flatnonzero(~self.jobs.active)
-        if free_jobs.size == 0:
-            return (f"aggregator core {self.core} already holds its maximum of {self.jobs.active.size} jobs "
-                    f"(intml-aggregator --max-jobs); wait for a job to leave or use another aggregator")
-        rows = _first_fit(self.row_used, needed)
-        if rows is None:
-            return (f"aggregator core {self.core} has no free slots for job {job_id}: its pool needs {needed} "
-                    f"consecutive slot rows here and {int((~self.row_used).sum())} of {self.row_used.size} are free "
-                    f"(intml-aggregator --slots); use a smaller pool or another aggregator")
-        j = int(free_jobs[0])
-        jobs = self.jobs
-        place_job(jobs, self.table, j, rows, world=params["world_size"], value_bits=value_bits(params["world_size"]),
-                  packet_elements=params["packet_elements"], pool=params["pool_size"], codec=params["codec"],
-                  seed=params["seed"], stride=stride, offset=offset,
-                  nearest=bool(params["flags"] & wire.FLAG_NEAREST))
-        jobs.group[j] = 0 if self.results_group is None else (self.results_group[0] + j) << 16 | self.results_group[1]
-        jobs.last_seen[j] = now
-        jobs.data_mac[j] = bool(params["flags"] & wire.FLAG_DATA_MAC)
-        jobs.mac_key[j] = key_words(keys.data_key(token_key, job_id, job_nonce))
-        self.row_used[rows.start:rows.stop] = True
-        self.counters.start_job(j, job_id)  # sets the job's id, then marks it active: the kernel sees it from here
-        info = JobInfo(j, params, rows, now, token_key, job_nonce, self._incarnations)
+        placed = self.datapath.place(job_id, params, slots, keys.data_key(token_key, job_id, job_nonce), now)
+        if isinstance(placed, str):
+            return placed
+        self.counters.start_job(placed.index, job_id)  # the data path handles the job's DATA from here
+        info = JobInfo(placed.index, params, first_core, slots, placed.rows, placed.group, now, token_key, job_nonce,
+                       self._incarnations)
         self.info[job_id] = info
         return info
 
@@ -429,12 +360,12 @@ class AggregatorCore:
         """The job of a LEAVE or STATS_REQUEST from its rank's address with a good MAC under the rank's session
         key; else None, counted as ``stranger`` (``addr`` holds no such rank) or ``drop_bad_mac``."""
         info = self.info.get(job_id)
-        if info is None or rank >= MAX_WORLD or int(self.jobs.members[info.index, rank]) != addr:
-            self.jobs.core_stats[stranger] += 1
+        if info is None or rank >= MAX_WORLD or info.members.get(rank) != addr:
+            self.counters.core_stats[stranger] += 1
             return None
         session = info.sessions.get(rank)
         if session is None or not keys.verify(session, datagram, len(datagram) - keys.MAC_SIZE):
-            self.jobs.core_stats[DROP_BAD_MAC] += 1
+            self.counters.core_stats[DROP_BAD_MAC] += 1
             return None
         return info
 
@@ -444,28 +375,27 @@ class AggregatorCore:
             return
         info.left.add(rank)
         del info.sessions[rank]  # a replay of this LEAVE finds no key
-        joined = set(np.flatnonzero(self.jobs.members[info.index, : info.params["world_size"]]).tolist())
-        if joined <= info.left:
+        if set(info.members) <= info.left:
             self.teardown(job_id, now, LEAVE)
 
     def teardown(self, job_id: int, now: float | None = None, reason: str = EVICTED) -> None:
         """End a job: free its entry and rows, and keep its final counters in the history. ``reason``: one of
         END_REASONS (``evicted`` when the driver ends it); ``now``: when (default: its last activity)."""
         info = self.info.pop(job_id)
-        ended = self._last_activity(info) if now is None else now
+        ended = self._last_activity(job_id, info) if now is None else now
         final = self.counters.end_job(info.index, reason)
-        self.row_used[info.rows.start:info.rows.stop] = False
-        self.history.append({"job": job_id, "params": info.params, "ended": reason, "ended_at": ended,
+        self.datapath.remove(job_id)
+        self.history.append({"job": job_id, "params": info.view(), "ended": reason, "ended_at": ended,
                              "lasted_s": round(ended - info.joined_at, 3), "counters": _nonzero(final)})
 
-    def _last_activity(self, info: JobInfo) -> float:
+    def _last_activity(self, job_id: int, info: JobInfo) -> float:
         """The job's join, the latest packet of any member or a member's latest keepalive, whichever is later."""
-        return max(info.joined_at, float(self.jobs.last_seen[info.index].max()), info.alive_at)
+        return max(info.joined_at, float(self.datapath.last_seen(job_id).max()), info.alive_at)
 
     def handle_timer(self, now: float) -> list[int]:
         """Tear down jobs idle for longer than idle_timeout; returns their ids."""
         idle = [job_id for job_id, info in self.info.items()
-                if now - self._last_activity(info) >= self.idle_timeout]
+                if now - self._last_activity(job_id, info) >= self.idle_timeout]
         for job_id in idle:
             self.teardown(job_id, now, IDLE)
         return idle
@@ -474,7 +404,7 @@ class AggregatorCore:
         """When handle_timer next has something to do, or None without jobs."""
         if not self.info:
             return None
-        return min(self._last_activity(info) for info in self.info.values()) + self.idle_timeout
+        return min(self._last_activity(job_id, info) for job_id, info in self.info.items()) + self.idle_timeout
 
     # ---- statistics -------------------------------------------------------------------------------------
     def stats(self, now: float, job_id: int = ALL_JOBS) -> dict:
@@ -484,11 +414,11 @@ class AggregatorCore:
         for jid, info in self.info.items():
             if job_id not in (ALL_JOBS, jid):
                 continue
-            j, n = info.index, info.params["world_size"]
-            members = {r: format_addr(a) for r, a in enumerate(self.jobs.members[j, :n]) if a}
-            rows = slice(info.rows.start, info.rows.stop)
-            counts, bitmaps = self.table.count[rows], self.table.bitmap[rows]
-            stride, offset = self.layout(info.params)
+            n = info.params.world_size
+            members = {r: format_addr(a) for r, a in sorted(info.members.items())}
+            _, bitmaps, counts = self.datapath.round_state(jid)
+            stride, offset = info.slots.stride, info.slots.offset
+            seen = self.datapath.last_seen(jid)
             waiting = np.nonzero((counts > 0) & (counts < n))
             pending = [
                 {"slot": int(r) * stride + offset, "shadow": int(x),
@@ -496,13 +426,13 @@ class AggregatorCore:
                 for r, x in list(zip(*waiting))[:MAX_PENDING_LISTED]
             ]
             jobs[str(jid)] = {
-                "params": info.params,
+                "params": info.view(),
                 "members": members,
-                "silent_s": {r: round(now - float(self.jobs.last_seen[j, r]), 3) for r in members},
+                "silent_s": {r: round(now - float(seen[r]), 3) for r in members},
                 "left": sorted(info.left),
                 "pending": pending,
                 "pending_total": int(waiting[0].size),
-                "counters": dict(zip(STAT_NAMES, self.counters.job(j).tolist())),
+                "counters": dict(zip(STAT_NAMES, self.counters.job(info.index).tolist())),
             }
         finished = [{**{k: v for k, v in past.items() if k != "ended_at"},
                      "ended_s_ago": round(now - past["ended_at"], 3)}
@@ -520,7 +450,7 @@ class AggregatorCore:
             seq = int.from_bytes(datagram[HDR:HDR + OPERATOR_SEQ], "big")
             if (key is None or len(datagram) < HDR + OPERATOR_SEQ + keys.MAC_SIZE
                     or seq <= self._operator_seq.get(key, 0)):  # a forgery, or a replay: not fresh
-                self.jobs.core_stats[DROP_BAD_MAC] += 1
+                self.counters.core_stats[DROP_BAD_MAC] += 1
                 return None
             self._operator_seq[key] = seq
             reply, cuts = self._operator_view(now, job_id)
@@ -606,18 +536,6 @@ def operator_request(token: str, seq: int, job: int = ALL_JOBS, size: int = 512)
     body = seq.to_bytes(OPERATOR_SEQ, "big") + bytes(size - HDR - OPERATOR_SEQ)
     request = wire.pack({**_reply_header(job, MsgType.STATS_REQUEST), "rank": OPERATOR_RANK}, body)
     return keys.seal(keys.token_key(token), request, len(request) - keys.MAC_SIZE)
-
-
-def _first_fit(used: np.ndarray, size: int) -> range | None:
-    """The first run of `size` free rows (an empty range for a job with no slot on this core)."""
-    if size == 0:
-        return range(0, 0)
-    run = 0
-    for r in range(used.size):
-        run = 0 if used[r] else run + 1
-        if run == size:
-            return range(r - size + 1, r + 1)
-    return None
 
 
 assert N_STATS == len(STAT_NAMES)

@@ -1,11 +1,12 @@
-"""Sans-I/O cores of two-level aggregation (docs/protocol.md, "Leaf-spine"): ``LeafCore``, a rack switch's
-aggregator, and ``SpineCore``, the switch above the leaves. Their data paths are aggregator.tiers' kernels.
+"""Sans-I/O cores of two-level aggregation (docs/protocol.md, "Leaf-spine"): a leaf core (``leaf_core``), a rack
+switch's aggregator, and ``SpineCore``, the switch above the leaves. Their data paths are aggregator.tiers' kernels.
 
 The ranks see only their leaf: they join it as they would one aggregator (the same handshake, the job's whole
 world size, so every rank encodes against s(n) of the whole job), send it their DATA and get their RESULTs from
-it. What the ranks do not set up, the fabric's controller does, as a switch's control plane installs table
-entries: it tells each leaf, per job, its index at the spine, the ranks of its rack and the spine's address
-(``LeafCore.add_route``), and the spine the job's parameters and each leaf's address and rack
+it. A leaf is an AggregatorCore (the handshake, membership, statistics) whose data path is a ``LeafDataPath``
+(``leaf_core`` builds one). What the ranks do not set up, the fabric's controller does, as a switch's control
+plane installs table entries: it tells each leaf, per job, its index at the spine, the ranks of its rack and the
+spine's address (``LeafDataPath.add_route``), and the spine the job's parameters and each leaf's address and rack
 (``SpineCore.install``). A partial is accepted only from the leaf address installed for its index.
 """
 
@@ -16,17 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from intml.aggregator.core import AggregatorCore, JobInfo, _first_fit
-from intml.aggregator.slots import (
-    new_batch,
-    new_jobs,
-    new_table,
-    place_job,
-    row_width,
-)
+from intml.aggregator.core import AggregatorCore
+from intml.aggregator.counters import EVICTED
+from intml.aggregator.datapath import Placed, Slots
+from intml.aggregator.kernel import KernelDataPath
 from intml.aggregator.tiers import leaf_burst, new_fabric, new_routes, spine_burst
-from intml.protocol import wire
-from intml.protocol.arith import value_bits
 from intml.protocol.burst import Burst
 from intml.protocol.job import (
     AGGREGATOR_MAX_ELEMENTS,
@@ -50,15 +45,13 @@ def rack_bitmap(ranks: Iterable[int]) -> int:
     return bits
 
 
-class LeafCore(AggregatorCore):
-    """An aggregator core at a rack's switch: a job's round completes when the rack's ranks have contributed, and
-    its int32 partial sum goes up to the spine; the spine's result comes back through it. Options as
-    AggregatorCore's; it holds every slot of its jobs (one core: ``cores`` must be 1)."""
+class LeafDataPath(KernelDataPath):
+    """The data path of an aggregator core at a rack's switch: a job's round completes when the rack's ranks have
+    contributed, and its int32 partial sum goes up to the spine; the spine's result comes back through it.
+    Options as KernelDataPath's; it holds every slot of its jobs (its core is its aggregator's only one)."""
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
-        if self.cores != 1:
-            raise ValueError(f"a leaf is one aggregator core, got cores={self.cores}")
         self.routes: dict[int, tuple[int, int, int]] = {}  # job id -> (leaf index, rack bitmap, spine address key)
         self.route = new_routes(self.jobs.active.size)
         self._route_arrays = tuple(self.route)
@@ -70,124 +63,126 @@ class LeafCore(AggregatorCore):
         bits = rack_bitmap(ranks)
         if not bits or not 0 <= leaf < MAX_WORLD:
             raise ValueError(f"a route needs a leaf index in [0, {MAX_WORLD}) and at least one rank")
-        if job_id in self.info:
+        if job_id in self.placed:
             raise ValueError(f"job {job_id} already runs on this leaf; add its route before its first JOIN")
         self.routes[job_id] = (leaf, bits, spine)
 
-    def _admit(self, job_id: int, params: dict, rank: int) -> str | None:
+    def refuse(self, job_id: int, params: JobParams, slots: Slots, rank: int) -> str | None:
         route = self.routes.get(job_id)
         if route is None:
             return f"this leaf has no route to a spine for job {job_id} (the fabric's controller installs it)"
         if not route[1] >> rank & 1:
             return f"rank {rank} is not in this leaf's rack for job {job_id}: join the leaf of its rack"
-        if route[1] >> params["world_size"]:
-            return f"this leaf's rack for job {job_id} names ranks beyond world size {params['world_size']}"
-        if params["flags"] & wire.FLAG_DATA_MAC:
+        if route[1] >> params.world_size:
+            return f"this leaf's rack for job {job_id} names ranks beyond world size {params.world_size}"
+        if params.data_mac:
             return "a leaf does not carry the DATA/RESULT MAC: join without data_mac"
-        if (params["total_cores"] or self.cores) != self.cores:
+        if slots != Slots():
             return "a leaf holds all of a job's slots: list only the leaf as the job's aggregator"
-        if params["packet_elements"] > max_partial_elements():
+        if params.packet_elements > max_partial_elements():
             return (f"packet elements must be at most {max_partial_elements()} under a leaf (its partial sums, "
-                    f"4 bytes each, must fit one datagram), got {params['packet_elements']}")
+                    f"4 bytes each, must fit one datagram), got {params.packet_elements}")
         return None
 
-    def _register(self, job_id: int, params: dict, now: float, token_key: bytes,
-                  job_nonce: bytes) -> JobInfo | str:
-        info = super()._register(job_id, params, now, token_key, job_nonce)
-        if isinstance(info, JobInfo):
+    def place(self, job_id: int, params: JobParams, slots: Slots, data_key: bytes, now: float) -> Placed | str:
+        placed = super().place(job_id, params, slots, data_key, now)
+        if isinstance(placed, Placed):
             leaf, bits, spine = self.routes[job_id]
-            j = info.index
+            j = placed.index
             self.route.quorum[j] = bin(bits).count("1")
             self.route.rack[j], self.route.spine[j], self.route.leaf[j] = bits, spine, leaf
-        return info
+        return placed
 
-    def _data_path(self, rx: Burst, now: float, out: Burst) -> tuple[int, int]:
-        return leaf_burst(rx.data, rx.length, rx.addr, rx.count, now, *self._tables, self._route_arrays,
-                          self._scratch, self._spill, out.ptr, out.length, out.addr, self._control, self._limiter)
+    def run(self, rx: Burst, now: float, out: Burst) -> tuple[int, int]:
+        return leaf_burst(rx.data, rx.length, rx.addr, rx.count, now, *self.kernel_tables, self._route_arrays,
+                          self._scratch, self.spill, out.ptr, out.length, out.addr, self.control, self.limiter)
 
 
-class SpineCore:
-    """The aggregator at the spine: one rank per leaf. No control plane of its own: the controller installs and
-    removes jobs; it answers nothing but PARTIALs. ``rows``: its slot memory; ``max_elements``: the largest
-    packet; ``burst``: the most datagrams a receive burst is expected to hold."""
+def leaf_core(*, rows: int = AGGREGATOR_SLOTS, max_elements: int = AGGREGATOR_MAX_ELEMENTS,
+              max_jobs: int = AGGREGATOR_MAX_JOBS, burst: int = BURST, results_group: tuple[int, int] | None = None,
+              **options: Any) -> AggregatorCore:
+    """An aggregator core at a rack's switch (one core: its aggregator's only one) with a LeafDataPath (its
+    ``datapath``, where the controller adds routes). ``options``: AggregatorCore's."""
+    return AggregatorCore(LeafDataPath(rows=rows, max_elements=max_elements, max_jobs=max_jobs, burst=burst,
+                                       results_group=results_group, name="this leaf"), **options)
+
+
+class SpineCore(KernelDataPath):
+    """The aggregator at the spine: a data path (aggregator.datapath) with one rank per leaf, and no control plane
+    of its own: the fabric's controller drives it (``install``, ``remove``); it answers nothing but PARTIALs.
+    ``rows``: its slot memory; ``max_elements``: the largest packet; ``burst``: the most datagrams a receive
+    burst is expected to hold."""
 
     def __init__(self, *, rows: int = AGGREGATOR_SLOTS, max_elements: int = AGGREGATOR_MAX_ELEMENTS,
                  max_jobs: int = AGGREGATOR_MAX_JOBS, burst: int = BURST) -> None:
-        self.max_elements = max_elements
-        self.jobs = new_jobs(max_jobs)
-        width = row_width(max_elements)
-        self.table = new_table(rows, max_elements, np.zeros((rows, 2, width), np.uint8))
+        super().__init__(rows=rows, max_elements=max_elements, max_jobs=max_jobs, burst=burst, name="the spine")
+        self.racks: dict[int, list[int]] = {}  # job id -> each leaf's rack bitmap
         self.fabric = new_fabric(max_jobs)
-        self.row_used = np.zeros(rows, np.bool_)
-        self.placed: dict[int, tuple[int, range]] = {}  # job id -> (job index, slot rows)
-        self._args = (tuple(self.jobs), tuple(self.table), tuple(self.fabric), tuple(new_batch(rows, 1)),
-                      np.zeros(1, np.int64))
-        self._grow(burst)
+        self._fabric_arrays = tuple(self.fabric)
+        self._scratch = np.zeros(1, np.int64)
 
-    def _grow(self, burst: int) -> None:
-        self._stage = np.zeros((burst, self.table.result.shape[2]), np.uint8)
-        self._out = Burst(self._stage, burst * MAX_WORLD)
-
+    # ---- the controller's side ------------------------------------------------------------------------------
     def install(self, job_id: int, params: JobParams, leaves: Sequence[tuple[int, Iterable[int]]]) -> None:
         """The controller's entries for ``job_id``: leaf l is at address key ``leaves[l][0]`` and sums the ranks
         ``leaves[l][1]``; the racks split the job's ranks 0 .. world_size - 1 exactly."""
-        n = params.world_size
-        racks = [rack_bitmap(ranks) for _, ranks in leaves]
-        problem = None
         if job_id in self.placed:
-            problem = f"job {job_id} is already installed"
-        elif not 1 <= len(leaves) <= MAX_WORLD:
-            problem = f"a job needs 1 to {MAX_WORLD} leaves, got {len(leaves)}"
-        elif sum(bin(b).count("1") for b in racks) != n or np.bitwise_or.reduce(racks) != (1 << n) - 1:
-            problem = f"the racks must split ranks 0..{n - 1} exactly, each rank in one rack"
-        elif params.data_mac:
-            problem = "a spine does not carry the DATA/RESULT MAC"
-        elif not params.packet_elements <= min(self.max_elements, max_partial_elements()):
-            problem = f"packet elements must be at most {min(self.max_elements, max_partial_elements())} here"
-        free = np.flatnonzero(~self.jobs.active)
-        rows = _first_fit(self.row_used, params.pool_size) if problem is None else None
-        if problem is None and (free.size == 0 or rows is None):
-            problem = f"no room for job {job_id}: {free.size} free jobs, {int((~self.row_used).sum())} free slot rows"
-        if problem:
-            raise ValueError(problem)
-        j = int(free[0])
-        place_job(self.jobs, self.table, j, rows, world=len(leaves), value_bits=value_bits(n),
-                  packet_elements=params.packet_elements, pool=params.pool_size, codec=int(params.codec),
-                  seed=params.seed, nearest=params.nearest)
-        self.jobs.group[j] = 0
-        self.jobs.data_mac[j] = False
-        for leaf, ((addr, _), bits) in enumerate(zip(leaves, racks)):
-            self.jobs.members[j, leaf] = addr
-            self.fabric.racks[j, leaf] = bits
-            self.fabric.sizes[j, leaf] = bin(bits).count("1")
-        self.jobs.stats[j] = 0
-        self.row_used[rows.start:rows.stop] = True
-        self.placed[job_id] = (j, rows)
-        self.jobs.job_id[j] = job_id
-        self.jobs.active[j] = True
+            raise ValueError(f"job {job_id} is already installed")
+        self.racks[job_id] = [rack_bitmap(ranks) for _, ranks in leaves]
+        placed = self.refuse(job_id, params, Slots(), 0) or self.place(job_id, params, Slots(), bytes(16), 0.0)
+        if isinstance(placed, str):
+            del self.racks[job_id]
+            raise ValueError(placed)
+        for leaf, (addr, _) in enumerate(leaves):
+            self.seat(job_id, leaf, addr, 0.0)
+        self.counters.start_job(placed.index, job_id)
 
-    def remove(self, job_id: int) -> None:
+    def uninstall(self, job_id: int) -> None:
         """The controller ends the job: its rows and entry are free again."""
-        j, rows = self.placed.pop(job_id)
-        self.jobs.active[j] = False
-        self.row_used[rows.start:rows.stop] = False
+        self.counters.end_job(self.placed[job_id].index, EVICTED)
+        self.remove(job_id)
 
     def receive(self, rx: Burst, now: float) -> Burst:
         """Handle a receive burst (rows of its own); returns the RESULTs to send (valid until the next call)."""
-        if rx.data is None:
-            raise ValueError("receive needs a burst with rows of its own (Burst.rows_of)")
-        if self._stage.shape[0] < rx.rows:
-            self._grow(rx.rows)
-        out = self._out
-        out.count = spine_burst(rx.data, rx.length, rx.addr, rx.count, now, *self._args, self._stage, out.ptr,
-                                out.length, out.addr)
-        return out
+        return self.process(rx, now)[0]
 
     def take_replies(self) -> list[tuple[bytes, int]]:
         """A spine has no control plane to answer (the same interface as AggregatorCore)."""
         return []
 
-    def counters(self, job_id: int | None = None) -> dict[str, int]:
+    def job_counters(self, job_id: int | None = None) -> dict[str, int]:
         """A job's counters, or (None) the core's: every datagram that named no installed job."""
-        cells = self.jobs.core_stats if job_id is None else self.jobs.stats[self.placed[job_id][0]]
+        cells = self.jobs.core_stats if job_id is None else self.counters.job(self.placed[job_id].index)
         return dict(zip(STAT_NAMES, cells.tolist()))
+
+    # ---- aggregator.datapath.DataPath (the rank of a spine's job is a leaf) -------------------------------------
+    def refuse(self, job_id: int, params: JobParams, slots: Slots, rank: int) -> str | None:
+        racks, n = self.racks.get(job_id, []), params.world_size
+        if not 1 <= len(racks) <= MAX_WORLD:
+            return f"a job needs 1 to {MAX_WORLD} leaves, got {len(racks)}"
+        if sum(bin(b).count("1") for b in racks) != n or np.bitwise_or.reduce(racks) != (1 << n) - 1:
+            return f"the racks must split ranks 0..{n - 1} exactly, each rank in one rack"
+        if params.data_mac:
+            return "a spine does not carry the DATA/RESULT MAC"
+        if not params.packet_elements <= min(self.max_elements, max_partial_elements()):
+            return f"packet elements must be at most {min(self.max_elements, max_partial_elements())} here"
+        return None
+
+    def contributors(self, job_id: int, params: JobParams) -> int:
+        return len(self.racks[job_id])  # one PARTIAL per leaf
+
+    def place(self, job_id: int, params: JobParams, slots: Slots, data_key: bytes, now: float) -> Placed | str:
+        placed = super().place(job_id, params, slots, data_key, now)
+        if isinstance(placed, Placed):
+            for leaf, bits in enumerate(self.racks[job_id]):
+                self.fabric.racks[placed.index, leaf] = bits
+                self.fabric.sizes[placed.index, leaf] = bin(bits).count("1")
+        return placed
+
+    def remove(self, job_id: int) -> None:
+        super().remove(job_id)
+        del self.racks[job_id]
+
+    def run(self, rx: Burst, now: float, out: Burst) -> tuple[int, int]:
+        """spine_burst, its outputs staged in the spill rows (a spine admits no control datagram)."""
+        return spine_burst(rx.data, rx.length, rx.addr, rx.count, now, *self.kernel_tables, self._fabric_arrays,
+                           self.batch, self._scratch, self.spill, out.ptr, out.length, out.addr), 0

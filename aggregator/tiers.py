@@ -30,25 +30,26 @@ from numba import njit
 
 from intml.aggregator.slots import (
     CONTROL,
+    OTHER_LEVEL,
     Batch,
     Jobs,
     Limiter,
     Table,
-    _find_job,
     admit_control,
     classify,
     complete,
     emit,
+    header_verdict,
+    lookup_job,
     open_round,
     payload_verdict,
     set_flags,
     take_nonfinite,
     validate,
-    validate_header,
 )
 from intml.protocol import codecs
 from intml.protocol.codecs import int32
-from intml.protocol.packet import HDR, O_JOB, O_MAGIC, O_TYPE, O_VERSION, element_fields, get_u16, get_u32, round_order
+from intml.protocol.packet import HDR, O_TYPE, element_fields, round_order
 from intml.protocol.partial import SUM_WIDTH, contributors, partial_size, put_partial, sums_in_bounds
 from intml.protocol.job import MAX_WORLD
 from intml.protocol.stats import (
@@ -94,31 +95,6 @@ def new_routes(capacity: int) -> Routes:
 
 def new_fabric(capacity: int) -> Fabric:
     return Fabric(racks=np.zeros((capacity, MAX_WORLD), np.uint64), sizes=np.zeros((capacity, MAX_WORLD), np.int64))
-
-
-OTHER_LEVEL = -2  # tier_verdict: the datagram type another level of the fabric sends this one
-
-
-@njit(inline="always")
-def tier_verdict(length, p, other_level_type, core_stats):
-    """validate_header's verdict on a received datagram (0: DATA, CONTROL, or a drop reason), counted in the
-    core's packets_in, with ``other_level_type`` (a leaf: RESULT, from its spine; a spine: PARTIAL) as
-    OTHER_LEVEL."""
-    core_stats[PACKETS_IN] += 1
-    reason = validate_header(length, get_u16(p, O_MAGIC), p[O_VERSION], p[O_TYPE])
-    return OTHER_LEVEL if reason == DROP_UNKNOWN_TYPE and p[O_TYPE] == other_level_type else reason
-
-
-@njit(inline="always")
-def lookup_job(jobs, p):
-    """The index of the active job a datagram names, counted in its packets_in; else -1, counted as the core's
-    drop_unknown_job."""
-    j = _find_job(jobs.active, jobs.job_id, get_u32(p, O_JOB))
-    if j < 0:
-        jobs.core_stats[DROP_UNKNOWN_JOB] += 1
-    else:
-        jobs.stats[j, PACKETS_IN] += 1
-    return j
 
 
 @njit(inline="always")
@@ -183,7 +159,7 @@ def leaf_burst(rx_data, rx_len, rx_addr, n_rx, now, job_arrays, table_arrays, ro
     for i in range(n_rx):
         p = rx_data[i]
         length = rx_len[i]
-        verdict = tier_verdict(length, p, MsgType.RESULT, cs)
+        verdict = header_verdict(length, p, MsgType.RESULT, cs)
         if verdict == CONTROL:
             n_ctl = admit_control(lim, control, n_ctl, i, rx_addr[i], now, cs)
             continue
@@ -193,8 +169,10 @@ def leaf_burst(rx_data, rx_len, rx_addr, n_rx, now, job_arrays, table_arrays, ro
         from_spine = verdict == OTHER_LEVEL
         j = lookup_job(jobs, p)
         if j < 0:
+            cs[DROP_UNKNOWN_JOB] += 1
             continue
         st = jobs.stats[j]
+        st[PACKETS_IN] += 1
         reason = 0
         rank, owners, slot, count, codec, x, exp, next_exp, key = element_fields(p)
         vbits = jobs.value_bits[j]
@@ -305,14 +283,16 @@ def spine_burst(rx_data, rx_len, rx_addr, n_rx, now, job_arrays, table_arrays, f
     for i in range(n_rx):
         p = rx_data[i]
         length = rx_len[i]
-        verdict = tier_verdict(length, p, MsgType.PARTIAL, cs)
+        verdict = header_verdict(length, p, MsgType.PARTIAL, cs)
         if verdict != OTHER_LEVEL:  # a spine takes PARTIALs only: DATA and control go to the ranks' leaves
             cs[verdict if verdict > 0 else DROP_UNKNOWN_TYPE] += 1
             continue
         j = lookup_job(jobs, p)
         if j < 0:
+            cs[DROP_UNKNOWN_JOB] += 1
             continue
         st = jobs.stats[j]
+        st[PACKETS_IN] += 1
         reason = 0
         leaf, owners, slot, count, codec, x, exp, next_exp, key = element_fields(p)
         lo, hi = codecs.exp_range(jobs.codec[j])

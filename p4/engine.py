@@ -1,24 +1,34 @@
-"""``intml-aggregator --engine p4model``: the aggregator core with its data path run through the P4 pipeline
-model instead of the Numba burst kernel. The control plane (handshake, membership, teardown, statistics) is the
-core's own; after each change it writes the switch's per-job table entries (p4.entries.job_entries) into the
-model, as a switch's controller would, and the model counts into the core's counter arrays, so STATS works as
-with the kernel. Slow (Python per packet), bit-identical to the kernel engine with ``KeyedRandom``.
+"""``intml-aggregator --engine p4model``: an aggregator core whose data path (aggregator.datapath) is the P4
+pipeline model instead of the Numba burst kernel. The control plane (handshake, membership, teardown, statistics)
+is the core's own. As a switch's controller would, ``P4DataPath`` writes the per-job table entries
+(p4.controller) when a job is placed, a rank takes its seat or the job ends; the model's registers are the slot
+state the control plane reads, and the model counts into the core's counters, so STATS works as with the
+kernel. Slow (Python per packet), bit-identical to the kernel engine with ``KeyedRandom``.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-from intml.aggregator.core import AggregatorCore, JobInfo
-from intml.aggregator.counters import EVICTED
-from intml.p4.controller import controller_entries
-from intml.p4.entries import static_entries
+from intml.aggregator.core import AggregatorCore
+from intml.aggregator.counters import CoreCounters
+from intml.aggregator.datapath import Placed, RoundState, Slots, allocate, check_results_group, group_of
+from intml.aggregator.kernel import read_only
+from intml.p4.controller import switch_job
+from intml.p4.entries import SwitchJob, job_entries, static_entries
 from intml.p4.extern import KeyedRandom, RandomSource
 from intml.p4.layout import MAX_JOBS, MAX_WORLD, ROWS, refusal
 from intml.p4.model import PipelineModel
 from intml.protocol.burst import Burst
-from intml.protocol.job import AGGREGATOR_MAX_JOBS, AGGREGATOR_SLOTS, ControlLimits
-from intml.protocol.wire import FLAG_DATA_MAC, FLAG_NEAREST
+from intml.protocol.job import (
+    AGGREGATOR_MAX_ELEMENTS,
+    AGGREGATOR_MAX_JOBS,
+    AGGREGATOR_SLOTS,
+    ControlLimits,
+    JobParams,
+)
 
 
 def engine_problem(rows: int, max_jobs: int) -> str | None:
@@ -30,69 +40,99 @@ def engine_problem(rows: int, max_jobs: int) -> str | None:
     return None
 
 
-class P4ModelCore(AggregatorCore):
-    """An AggregatorCore whose data path is a PipelineModel (``random``: its random extern, KeyedRandom by
-    default: bit-equal to the kernel). Options as AggregatorCore's."""
+class P4DataPath:
+    """A PipelineModel and its controller as an aggregator core's data path (``random``: the model's random
+    extern, KeyedRandom by default: bit-equal to the kernel). Options as aggregator.kernel.KernelDataPath's."""
 
     def __init__(self, *, random: RandomSource | None = None, rows: int = AGGREGATOR_SLOTS,
-                 max_jobs: int = AGGREGATOR_MAX_JOBS, control_limits: ControlLimits = ControlLimits(),
-                 **options) -> None:
+                 max_elements: int = AGGREGATOR_MAX_ELEMENTS, max_jobs: int = AGGREGATOR_MAX_JOBS,
+                 results_group: tuple[int, int] | None = None, control_limits: ControlLimits = ControlLimits(),
+                 counters: CoreCounters | None = None, name: str = "this aggregator core") -> None:
         problem = engine_problem(rows, max_jobs)
         if problem:
             raise ValueError(problem)
-        super().__init__(rows=rows, max_jobs=max_jobs, control_limits=control_limits, **options)
-        self.model = PipelineModel(random or KeyedRandom(), control_limits, self.jobs.stats, self.jobs.core_stats)
+        check_results_group(results_group, max_jobs)
+        self.results_group = results_group
+        self.max_elements = max_elements
+        self.name = name
+        self.counters = CoreCounters(max_jobs, rows) if counters is None else counters
+        self.model = PipelineModel(random or KeyedRandom(), control_limits, self.counters.stats,
+                                   self.counters.core_stats)
         self.model.install(static_entries())
+        self.jobs: dict[int, SwitchJob] = {}  # what the controller wrote, by job id
+        self.placed: dict[int, Placed] = {}
+        self._seated = np.zeros((max_jobs, MAX_WORLD))  # when each rank took its seat (a job's placement: all)
 
-    def receive(self, rx: Burst, now: float) -> Burst:
-        """As AggregatorCore.receive; the output burst has rows of its own."""
+    def _write_entries(self) -> None:
+        """The controller writes every job's entries (a switch's runtime API: a batch of table writes)."""
+        self.model.replace_job_entries([e for job in self.jobs.values() for e in job_entries(job)])
+
+    # ---- aggregator.datapath.DataPath ---------------------------------------------------------------------
+    def refuse(self, job_id: int, params: JobParams, slots: Slots, rank: int) -> str | None:
+        return refusal(params.codec, params.packet_elements, params.data_mac) or (
+            "JOIN refused: the P4 pipeline model (--engine p4model) rounds stochastically only; join with rounding "
+            "stochastic, or use the kernel engine" if params.nearest else None)
+
+    def place(self, job_id: int, params: JobParams, slots: Slots, data_key: bytes, now: float) -> Placed | str:
+        found = allocate(self.counters, job_id, len(slots.of(params.pool_size)), self.name)
+        if isinstance(found, str):
+            return found
+        j, rows = found
+        self.model.clear_job(j, rows)
+        self._seated[j] = now
+        placed = self.placed[job_id] = Placed(j, rows, group_of(self.results_group, j))
+        self.jobs[job_id] = switch_job(job_id, j, params, slots, rows, placed.group, {})
+        self._write_entries()
+        return placed
+
+    def seat(self, job_id: int, rank: int, addr: int, now: float) -> None:
+        self.jobs[job_id].members[rank] = addr
+        self._seated[self.placed[job_id].index, rank] = now
+        self._write_entries()
+
+    def remove(self, job_id: int) -> None:
+        rows = self.placed.pop(job_id).rows
+        del self.jobs[job_id]
+        self.counters.row_used[rows.start:rows.stop] = False
+        self._write_entries()
+
+    def process(self, rx: Burst, now: float) -> tuple[Burst, np.ndarray]:
+        """As aggregator.kernel.KernelDataPath.process; the output burst has rows of its own."""
         if rx.data is None:
             raise ValueError("receive needs a burst with rows of its own (Burst.rows_of)")
         self.model.new_burst()
         sent: list[tuple[bytes, int]] = []
+        control = []
         for i in range(rx.count):
             length = int(rx.length[i])
-            datagram = None if length < 0 else bytes(rx.data[i, :length])
-            sent += self.model.receive(datagram, int(rx.addr[i]), now)
-        self._control_in += [(datagram, addr, now) for datagram, addr in self.model.control]
-        self.model.control.clear()
-        self._sync_state()
+            sent += self.model.receive(None if length < 0 else bytes(rx.data[i, :length]), int(rx.addr[i]), now)
+            if self.model.control:  # admitted by the control meter: the core copies it out of rx
+                control.append(i)
+                self.model.control.clear()
         out = Burst.rows_of(len(sent), max([1] + [len(d) for d, _ in sent]))
         out.fill(sent)
-        return out
+        return out, np.array(control, np.int64)
 
-    def _sync_state(self) -> None:
-        """The registers the control plane reads (statistics, a rejoining rank's resume point, the idle timer)
-        copied into the core's table and last-seen arrays."""
+    def round_state(self, job_id: int) -> RoundState:
+        rows = self.placed[job_id].rows
         cells = self.model.registers.cells
-        rows = self.table.round_key.shape[0]
-        self.table.round_key[:] = cells["round_key"][:2 * rows].view(np.int64).reshape(rows, 2)
-        self.table.bitmap[:] = cells["worker_bitmap"][:2 * rows].reshape(rows, 2)
-        self.table.count[:] = cells["worker_count"][:2 * rows].reshape(rows, 2)
-        jobs = self.jobs.last_seen.shape[0]
-        seen = cells["member_seen"][:jobs * MAX_WORLD].reshape(jobs, MAX_WORLD) / 1e6
-        np.maximum(self.jobs.last_seen, np.where(seen > 0, seen, -np.inf), out=self.jobs.last_seen)
+        span = slice(2 * rows.start, 2 * rows.stop)
+        return RoundState(read_only(cells["round_key"][span].view(np.int64).reshape(-1, 2)),
+                          read_only(cells["worker_bitmap"][span].reshape(-1, 2)),
+                          read_only(cells["worker_count"][span].reshape(-1, 2)))
 
-    # ---- the controller: table entries from the control plane's state ----------------------------------------
-    def _check_params(self, p: dict, rank: int) -> str | None:
-        return super()._check_params(p, rank) or refusal(p["codec"], p["packet_elements"],
-                                                          bool(p["flags"] & FLAG_DATA_MAC)) or (
-            "JOIN refused: the P4 pipeline model (--engine p4model) rounds stochastically only; join with rounding "
-            "stochastic, or use the kernel engine" if p["flags"] & FLAG_NEAREST else None)
-
-    def _register(self, job_id: int, params: dict, now: float, token_key: bytes, job_nonce: bytes) -> JobInfo | str:
-        info = super()._register(job_id, params, now, token_key, job_nonce)
-        if isinstance(info, JobInfo):
-            self.model.clear_job(info.index, info.rows)
-        return info
-
-    def handle_control(self, datagram: bytes, addr: int, now: float) -> bytes | None:
-        reply = super().handle_control(datagram, addr, now)
-        self.model.replace_job_entries(controller_entries(self))
-        return reply
-
-    def teardown(self, job_id: int, now: float | None = None, reason: str = EVICTED) -> None:
-        super().teardown(job_id, now, reason)
-        self.model.replace_job_entries(controller_entries(self))
+    def last_seen(self, job_id: int) -> np.ndarray:
+        j = self.placed[job_id].index
+        seen = self.model.registers.cells["member_seen"][j * MAX_WORLD:(j + 1) * MAX_WORLD] / 1e6  # microseconds
+        return read_only(np.maximum(self._seated[j], np.where(seen > 0, seen, -np.inf)))
 
 
+def p4model_core(*, random: RandomSource | None = None, rows: int = AGGREGATOR_SLOTS,
+                 max_elements: int = AGGREGATOR_MAX_ELEMENTS, max_jobs: int = AGGREGATOR_MAX_JOBS,
+                 results_group: tuple[int, int] | None = None, control_limits: ControlLimits = ControlLimits(),
+                 counters: CoreCounters | None = None, **options: Any) -> AggregatorCore:
+    """An AggregatorCore with a P4DataPath (its ``datapath``). ``options``: AggregatorCore's."""
+    return AggregatorCore(P4DataPath(random=random, rows=rows, max_elements=max_elements, max_jobs=max_jobs,
+                                     results_group=results_group, control_limits=control_limits,
+                                     counters=counters, name=f"aggregator core {options.get('core', 0)}"),
+                          **options)

@@ -1,8 +1,8 @@
 """Packet-level runs of intml (cnat8, or int32: SwitchML's arithmetic) on one switch: n hosts, each on its own
 link pair to the switch, the real aggregator core in it (its data path the Numba kernel, or the P4 pipeline model:
 ``engine``), the real worker engines and sessions on the hosts. With ``racks`` > 1, a two-level leaf-spine
-instead: each rack's hosts on a leaf switch with a ``LeafCore``, each leaf on its own link pair to a spine switch
-with the ``SpineCore`` (aggregator.leafspine); the ranks join their leaf.
+instead: each rack's hosts on a leaf switch with a leaf core (``leaf_core``), each leaf on its own link pair to
+a spine switch with the ``SpineCore`` (aggregator.leafspine); the ranks join their leaf.
 Every rank joins through the simulated network, then the ranks run ``rounds`` allreduces, each starting together
 once the last rank has the previous result (the testbed's barrier)."""
 
@@ -14,9 +14,9 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from intml.aggregator.core import AggregatorCore
-from intml.aggregator.leafspine import LeafCore, SpineCore
+from intml.aggregator.leafspine import SpineCore, leaf_core
 from intml.p4 import layout
-from intml.p4.engine import P4ModelCore
+from intml.p4.engine import p4model_core
 from intml.protocol import codecs, reference
 from intml.protocol.job import AGGREGATOR_SLOTS, CODEC_NAMES, MAX_WORLD, JobParams, WorkerTimers
 from intml.protocol.packet import HDR
@@ -125,7 +125,7 @@ def simulate(run: PacketRun) -> PacketResult:
         topology = leaf_spine(sim, run, params)
     else:
         secret = np.random.default_rng([run.seed, 7])
-        kind = P4ModelCore if run.engine == "p4model" else AggregatorCore
+        kind = p4model_core if run.engine == "p4model" else AggregatorCore
         core = kind(rows=run.slots, max_elements=max(run.packet_elements, 1), tokens=[TOKEN],
                     results_group=GROUP if run.multicast else None, random_bytes=lambda k: secret.bytes(k))
         switch_costs = replace(SOFTWARE_AGGREGATOR, forward=forward) if software else asic(run.passes)
@@ -234,7 +234,7 @@ def rack_ranks(workers: int, racks: int) -> list[range]:
 
 
 def leaf_spine(sim: Simulator, run: PacketRun, params: JobParams) -> Topology:
-    """``run.racks`` leaf switches, each with a LeafCore routed to the spine switch's SpineCore over its own link
+    """``run.racks`` leaf switches, each with a leaf core routed to the spine switch's SpineCore over its own link
     pair (``uplink_*``), the job installed at the spine and routed at each leaf as the fabric's controller would."""
     spine_core = SpineCore(rows=run.slots, max_elements=run.packet_elements)
     spine = Switch(sim, CoreAggregator([spine_core], [SPINE_ADDR], partial_size(run.packet_elements) + 256, 4),
@@ -245,10 +245,10 @@ def leaf_spine(sim: Simulator, run: PacketRun, params: JobParams) -> Topology:
     edge, aggregator, switches, leaves = [], [], [spine], []
     for k, ranks in enumerate(rack_ranks(run.workers, run.racks)):
         secret = np.random.default_rng([run.seed, 7, k])
-        core = LeafCore(rows=run.slots, max_elements=run.packet_elements, tokens=[TOKEN],
+        core = leaf_core(rows=run.slots, max_elements=run.packet_elements, tokens=[TOKEN],
                         results_group=GROUP if run.multicast else None, random_bytes=lambda b, s=secret: s.bytes(b))
         addr = ((LEAF_IP + k + 1) << 16) | 48879
-        core.add_route(JOB, leaf=k, ranks=ranks, spine=SPINE_ADDR)
+        core.datapath.add_route(JOB, leaf=k, ranks=ranks, spine=SPINE_ADDR)
         leaf = Switch(sim, CoreAggregator([core], [addr], _rx_width(params), codecs.BY_ID[params.codec].WIDTH),
                       asic(run.passes))
         leaf.attach(SPINE_ADDR, Link(sim, spine, seed=link_seed(run.seed, MAX_WORLD + k, 0), **uplink))

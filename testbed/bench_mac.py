@@ -60,7 +60,7 @@ def _core(codec: str, packet_elements: int, mac: bool) -> AggregatorCore:
             for reply, _ in core.take_replies():
                 session.receive(reply, AGG, 0.0)
     if mac:
-        core.jobs.mac_key[core.info[1].index] = key_words(KEY)
+        core.datapath.jobs.mac_key[core.info[1].index] = key_words(KEY)
     return core
 
 

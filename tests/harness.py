@@ -265,7 +265,7 @@ class Network:
         if self.data_mac_key is not None:
             for core in self.cores:
                 j = core.info[self.job].index
-                core.jobs.data_mac[j], core.jobs.mac_key[j] = True, self.data_mac_key
+                core.datapath.jobs.data_mac[j], core.datapath.jobs.mac_key[j] = True, self.data_mac_key
         return replies
 
     def leave(self, rank: int, core: int = 0) -> bytes:
@@ -405,7 +405,8 @@ def counter_diff(before: dict[str, int], after: dict[str, int]) -> dict[str, int
 def table_snapshot(core: AggregatorCore, job: int) -> dict[str, np.ndarray]:
     """Copies of the slot-table rows of ``job`` on ``core``."""
     rows = core.info[job].rows
-    return {name: getattr(core.table, name)[rows.start:rows.stop].copy() for name in core.table._fields}
+    table = core.datapath.table
+    return {name: getattr(table, name)[rows.start:rows.stop].copy() for name in table._fields}
 
 
 def assert_table_equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:

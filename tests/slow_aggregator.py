@@ -1,9 +1,9 @@
 """A deliberately slowed aggregator for overload tests: the real data plane (aggregator.dataplane.DataPlane) and
-core over a real loopback UDP socket, in a forked process, except that the core spends ``per_datagram`` seconds
-of each received burst's datagrams asleep before handling it, and the socket's receive buffer is small. It so
-handles at most 1 / per_datagram datagrams a second whatever the machine's load (it sleeps, it does not spin:
-the test's workers keep the CPU), and a queue longer than the buffer is dropped by the kernel, as a switch's
-full queue drops.
+core over a real loopback UDP socket, in a forked process, except that the core's data path spends
+``per_datagram`` seconds of each received burst's datagrams asleep before handling it, and the socket's receive
+buffer is small. It so handles at most 1 / per_datagram datagrams a second whatever the machine's load (it
+sleeps, it does not spin: the test's workers keep the CPU), and a queue longer than the buffer is dropped by the
+kernel, as a switch's full queue drops.
 
 ``slow_aggregator(per_datagram, rcvbuf)`` yields a ``SlowAggregator``: its port, the receive buffer the kernel
 granted, and ``counters()``, the core's totals (asked for over a pipe: its packets are too short for a
@@ -22,27 +22,29 @@ import time
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
+import numpy as np
 import uvloop
 from cluster import HOST, TOKENS
 
 from intml.aggregator.core import AggregatorCore
 from intml.aggregator.dataplane import DataPlane, warm_up
+from intml.aggregator.kernel import KernelDataPath
 from intml.protocol.burst import Burst
 
 MAX_ELEMENTS = 1024
 BURST = 16  # datagrams per receive: a slowed core answers every BURST * per_datagram seconds, not in long silences
 
 
-class SlowCore(AggregatorCore):
-    """An AggregatorCore that sleeps ``per_datagram`` seconds per received datagram before each burst."""
+class SlowDataPath(KernelDataPath):
+    """The kernel's data path, sleeping ``per_datagram`` seconds per received datagram before each burst."""
 
     def __init__(self, per_datagram: float, **kwargs) -> None:
         super().__init__(**kwargs)
         self.per_datagram = per_datagram
 
-    def receive(self, rx: Burst, now: float) -> Burst:
+    def process(self, rx: Burst, now: float) -> tuple[Burst, np.ndarray]:
         time.sleep(self.per_datagram * rx.count)
-        return super().receive(rx, time.monotonic())
+        return super().process(rx, time.monotonic())
 
 
 async def _serve_plane(plane: DataPlane, conn) -> None:
@@ -57,7 +59,7 @@ async def _serve_plane(plane: DataPlane, conn) -> None:
 def _serve(conn, per_datagram: float, rcvbuf: int) -> None:
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.bind((HOST, 0))
-    core = SlowCore(per_datagram, rows=256, max_elements=MAX_ELEMENTS, burst=BURST, tokens=TOKENS)
+    core = AggregatorCore(SlowDataPath(per_datagram, rows=256, max_elements=MAX_ELEMENTS, burst=BURST), tokens=TOKENS)
     plane = DataPlane(core, sock, burst=BURST)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)  # after BurstSocket asked for 64 MiB
     warm_up(MAX_ELEMENTS, BURST)

@@ -423,7 +423,7 @@ def test_join_with_bad_parameters_is_refused(overrides, needle):
     rank = overrides.pop("rank", 0)
     (reply, dst), = net.join(rank, **overrides)
     assert dst == net.addr(rank) and needle in error_text(reply)
-    assert net.cores[0].info == {} and not net.cores[0].row_used.any()
+    assert net.cores[0].info == {} and not net.cores[0].counters.row_used.any()
 
 
 def test_join_without_free_rows_is_refused():
@@ -444,7 +444,7 @@ def test_join_past_the_job_limit_names_it():
     b = Network(2, pool_size=2, aggregators=[core], job=8, worker_port=6000, join=False)
     (reply, _), = b.join(0)
     assert "already holds its maximum of 1 jobs (intml-aggregator --max-jobs)" in error_text(reply)
-    assert set(core.info) == {a.job} and int(core.row_used.sum()) == 2
+    assert set(core.info) == {a.job} and int(core.counters.row_used.sum()) == 2
 
 
 def test_join_with_a_pool_over_the_limit_reserves_nothing():
@@ -454,7 +454,7 @@ def test_join_with_a_pool_over_the_limit_reserves_nothing():
     (reply, _), = net.join(0)
     assert "pool size 9 exceeds this aggregator's maximum of 8 slots per job (intml-aggregator --max-pool)" in \
         error_text(reply)
-    assert core.info == {} and not core.row_used.any()
+    assert core.info == {} and not core.counters.row_used.any()
     at_limit = Network(2, pool_size=8, aggregators=[core], job=9, worker_port=6000)  # accepted, and it works
     assert_results_of(at_limit, make_inputs(2, 100, P, "normal", seed=1))
 
@@ -465,13 +465,13 @@ def test_leave_by_all_ranks_tears_down_and_frees_rows():
     xs = make_inputs(3, 500, P, "normal", seed=6)
     net.allreduce(xs)
     rows = core.info[net.job].rows
-    assert core.row_used[rows.start:rows.stop].all()
+    assert core.counters.row_used[rows.start:rows.stop].all()
     assert net.to_core(0, [(net.leave(0), net.addr(0)), (net.leave(1), net.addr(1))]) == []
     assert net.job in core.info  # rank 2 has not left
     assert net.to_core(0, [(net.leave(2), STRANGER)]) == []  # not rank 2's address: ignored
     assert net.job in core.info
     assert net.to_core(0, [(net.leave(2), net.addr(2))]) == []
-    assert core.info == {} and not core.row_used.any()
+    assert core.info == {} and not core.counters.row_used.any()
     assert str(net.job) not in net.stats()["jobs"]
     # its data is now of an unknown job
     before = net.core_counters()
@@ -503,7 +503,7 @@ def test_idle_job_is_torn_down_but_active_one_is_not():
     assert core.get_timer() == pytest.approx(last + 1.0, abs=active.dt)
     assert core.handle_timer(last + 0.5) == []
     assert core.handle_timer(last + 1.0 + 2 * active.dt) == [2]
-    assert core.info == {} and core.get_timer() is None and not core.row_used.any()
+    assert core.info == {} and core.get_timer() is None and not core.counters.row_used.any()
 
 
 def test_join_counts_as_activity():
@@ -777,7 +777,7 @@ def test_burst_equals_one_packet_at_a_time(codec, seed, shuffle):
     assert counters["completions"] > 0 and counters["retransmissions"] > 0
     if shuffle:
         assert counters["drop_stale"] > 0
-    assert (batched._batch[0] == -1).all()  # no set is left marked as part of a burst
+    assert (batched.datapath.batch[0] == -1).all()  # no set is left marked as part of a burst
 
 
 # ---- 9. results by multicast --------------------------------------------------------------------------------

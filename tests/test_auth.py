@@ -76,9 +76,9 @@ def test_challenge_and_join_ack_are_never_larger_than_their_join(pool):
 def test_nothing_is_reserved_before_the_proof():
     core = new_core(rows=16, max_elements=64)
     core_receive(core, [(join_datagram(7, 0, **PARAMS), worker_addr(0))], 0.0)  # first round: a CHALLENGE
-    assert core.info == {} and not core.row_used.any()
+    assert core.info == {} and not core.counters.row_used.any()
     (reply, _), = handshake(core, worker_addr(0), 0.0, 7, 0, token="guess", **PARAMS)
-    assert error_text(reply) == UNPROVED and core.info == {} and not core.row_used.any()
+    assert error_text(reply) == UNPROVED and core.info == {} and not core.counters.row_used.any()
     assert core.stats(0.0)["core_counters"]["drop_bad_mac"] == 1
 
 

@@ -414,7 +414,7 @@ def test_delayed_duplicate_from_earlier_allreduce_is_stale():
     core = net.cores[0]
     row = core.info[net.job].rows.start
     old_key = (0 << 32) | (0 + 2**31)
-    assert core.table.round_key[row, h["shadow"]] > old_key  # the set was used again since
+    assert core.datapath.table.round_key[row, h["shadow"]] > old_key  # the set was used again since
     before, snap = net.job_counters(), table_snapshot(core, net.job)
     assert net.to_core(0, [(old, net.addr(0))]) == []
     assert counter_diff(before, net.job_counters()) == {"packets_in": 1, "drop_stale": 1}

@@ -189,7 +189,8 @@ def test_one_address_may_hold_one_rank_of_a_job():
 
 
 def test_shared_address_is_allowed_when_asked():
-    core = new_core(rows=16, max_elements=64, allow_shared_address=True)
+    core = new_core(rows=16, max_elements=64)
+    core.one_rank_per_address = False
     net = Network(3, join=False, aggregators=[core])
     for rank in range(3):
         (reply, _), = net.join(rank, src=net.addr(0))

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from harness import TOKEN, addr_key, core_receive, handshake, header, msg_type, new_core, with_header, worker_addr
-from intml.aggregator.leafspine import LeafCore, SpineCore
+from intml.aggregator.core import AggregatorCore
+from intml.aggregator.leafspine import SpineCore, leaf_core
 from intml.protocol.codec import Codec
 from intml.protocol.job import JobParams
 from intml.protocol.packet import HDR
@@ -42,12 +43,12 @@ def joined(core, ranks) -> None:
         assert msg_type(ack) == MsgType.JOIN_ACK, ack
 
 
-def fabric() -> tuple[list[LeafCore], SpineCore]:
+def fabric() -> tuple[list[AggregatorCore], SpineCore]:
     """Two leaves of two ranks each (every rank joined), the job routed at the leaves and installed at the spine."""
     leaves = []
     for k, ranks in enumerate(RACKS):
-        leaf = LeafCore(tokens=[TOKEN], rows=16, max_elements=8, random_bytes=bytes)
-        leaf.add_route(JOB, leaf=k, ranks=ranks, spine=SPINE)
+        leaf = leaf_core(tokens=[TOKEN], rows=16, max_elements=8, random_bytes=bytes)
+        leaf.datapath.add_route(JOB, leaf=k, ranks=ranks, spine=SPINE)
         joined(leaf, ranks)
         leaves.append(leaf)
     spine = SpineCore(rows=16, max_elements=8)
@@ -56,7 +57,7 @@ def fabric() -> tuple[list[LeafCore], SpineCore]:
 
 
 def counters(core, job=JOB) -> dict[str, int]:
-    cells = core.counters(job) if isinstance(core, SpineCore) else core.stats(0.0, job)["jobs"][str(job)]["counters"]
+    cells = core.job_counters(job) if isinstance(core, SpineCore) else core.stats(0.0, job)["jobs"][str(job)]["counters"]
     return {k: v for k, v in cells.items() if v}
 
 
@@ -139,22 +140,22 @@ def test_a_spine_takes_partials_only_and_counts_strangers():
     _, spine = fabric()
     core_receive(spine, [(data(0, X[0]), LEAVES[0]), (b"\x00" * 4, LEAVES[0]),
                          (with_header(data(0, X[0]), type=MsgType.PARTIAL, job=99), LEAVES[0])], 1.0)
-    assert {k: v for k, v in spine.counters().items() if v} == {
+    assert {k: v for k, v in spine.job_counters().items() if v} == {
         "packets_in": 3, "drop_unknown_type": 1, "drop_short": 1, "drop_unknown_job": 1}
 
 
 def test_leaf_refuses_what_it_cannot_route():
-    leaf = LeafCore(tokens=[TOKEN], rows=16, max_elements=8, random_bytes=bytes)
+    leaf = leaf_core(tokens=[TOKEN], rows=16, max_elements=8, random_bytes=bytes)
     [(error, _)] = handshake(leaf, worker_addr(0), 0.0, JOB, 0, token=TOKEN, **PARAMS)
     assert msg_type(error) == MsgType.ERROR and b"no route to a spine for job 7" in error
-    leaf.add_route(JOB, leaf=0, ranks=[0, 1], spine=SPINE)
+    leaf.datapath.add_route(JOB, leaf=0, ranks=[0, 1], spine=SPINE)
     [(error, _)] = handshake(leaf, worker_addr(2), 0.0, JOB, 2, token=TOKEN, **PARAMS)
     assert b"rank 2 is not in this leaf's rack" in error
     [(error, _)] = handshake(leaf, worker_addr(0), 0.0, JOB, 0, token=TOKEN, **{**PARAMS, "flags": 1})
     assert b"data_mac" in error
     joined(leaf, [0, 1])
     with pytest.raises(ValueError, match="before its first JOIN"):
-        leaf.add_route(JOB, leaf=0, ranks=[0, 1], spine=SPINE)
+        leaf.datapath.add_route(JOB, leaf=0, ranks=[0, 1], spine=SPINE)
     spine = SpineCore(rows=16, max_elements=8)
     with pytest.raises(ValueError, match="split ranks 0..3 exactly"):
         spine.install(JOB, JobParams(world_size=4, packet_elements=8), [(LEAVES[0], [0, 1]), (LEAVES[1], [1, 2])])

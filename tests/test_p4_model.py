@@ -31,7 +31,7 @@ from test_slot_reference import GROUP, JOBS, Item, joined_pair, nonzero, packets
 from intml.aggregator.core import AggregatorCore
 from intml.p4 import layout
 from intml.p4.controller import controller_entries
-from intml.p4.engine import P4ModelCore, engine_problem
+from intml.p4.engine import engine_problem, p4model_core
 from intml.p4.entries import cli_commands, static_entries
 from intml.p4.extern import ExternRandom, KeyedRandom
 from intml.p4.model import PipelineModel
@@ -86,7 +86,7 @@ def assert_model_state(model: PipelineModel, core: AggregatorCore, ref: SlotRefe
     cells = model.registers.cells
     for (job_id, slot, x), s in ref.sets.items():
         info = core.info[job_id]
-        stride, _ = core.layout(info.params)
+        stride = info.slots.stride
         index = 2 * (info.rows.start + slot // stride) + x
         if s.key < 0:
             assert cells["worker_bitmap"][index] == 0
@@ -138,16 +138,16 @@ def test_random_stream_matches_reference_and_kernel(stream: list[Item], sizes: l
 class Recording:
     """Wraps a model core's pipeline: every datagram it took and what it sent for each."""
 
-    def __init__(self, core: P4ModelCore) -> None:
+    def __init__(self, core: AggregatorCore) -> None:
         self.taken: list[tuple[bytes | None, int, list]] = []
-        receive = core.model.receive
+        receive = core.datapath.model.receive
 
         def recording(datagram, addr, now):
             out = receive(datagram, addr, now)
             self.taken.append((datagram, addr, out))
             return out
 
-        core.model.receive = recording
+        core.datapath.model.receive = recording
 
 
 def run_network(core: AggregatorCore, n: int, codec: str, packet_elements: int, seed: int) -> tuple[Network, list]:
@@ -173,7 +173,7 @@ def test_faulty_runs_match_kernel_and_reference(n: int, codec: str, packet_eleme
     counters; and every DATA packet the model took gives the reference's output."""
     kernel, kernel_results = run_network(AggregatorCore(rows=64, max_elements=packet_elements, tokens=[TOKEN]), n,
                                          codec, packet_elements, seed=n)
-    core = P4ModelCore(rows=64, max_elements=packet_elements, tokens=[TOKEN])
+    core = p4model_core(rows=64, max_elements=packet_elements, tokens=[TOKEN])
     recording = Recording(core)
     model, model_results = run_network(core, n, codec, packet_elements, seed=n)
     assert model.sent_down == kernel.sent_down
@@ -211,7 +211,7 @@ def test_non_finite_lanes_match_kernel_and_reference(codec: str) -> None:
         return net, net.allreduce(xs)
 
     kernel, kernel_results = run(AggregatorCore(rows=64, max_elements=elements, tokens=[TOKEN]))
-    core = P4ModelCore(rows=64, max_elements=elements, tokens=[TOKEN])
+    core = p4model_core(rows=64, max_elements=elements, tokens=[TOKEN])
     recording = Recording(core)
     model, model_results = run(core)
     assert model.sent_down == kernel.sent_down
@@ -232,7 +232,7 @@ def test_two_jobs_on_two_cores_with_multicast_match_kernel() -> None:
     """Two jobs of different codecs on one aggregator of two cores, results multicast: the model cores' output
     equals the kernel cores', for an allreduce and a reduce-scatter."""
     runs = []
-    for core_class in (AggregatorCore, P4ModelCore):
+    for core_class in (AggregatorCore, p4model_core):
         cores = [core_class(core=i, cores=2, rows=64, max_elements=100, tokens=[TOKEN], results_group=GROUP)
                  for i in range(2)]
         nets = [Network(n, codec=codec, packet_elements=100, pool_size=6, job=job, worker_port=5000 + 100 * job,
@@ -321,7 +321,7 @@ def test_recorded_loopback_stream_matches_kernel(codec: str) -> None:
         results = run_ok(allreduce_worker, [(live.port, job, r, n, codec, seed, SMALL_PLAN) for r in range(n)],
                          timeout=90, faults=0.1)
     check_results(results, n, codec, seed, SMALL_PLAN, f"loopback {codec}")
-    kernel, model = AggregatorCore(**options), P4ModelCore(**options)
+    kernel, model = AggregatorCore(**options), p4model_core(**options)
     datagrams = 0
     for now, received in live.bursts:
         assert replay_burst(model, received, now) == replay_burst(kernel, received, now)
@@ -439,7 +439,7 @@ def test_cli_commands_load_every_entry() -> None:
                                           ({"packet_elements": 1025}, "1024 cnat8 elements"),
                                           ({"packet_elements": 257, "codec": int(Codec.INT32)}, "256 int32")])
 def test_the_model_engine_refuses_what_the_switch_cannot_do(params: dict, says: str) -> None:
-    core = P4ModelCore(rows=8, max_elements=2048, tokens=[TOKEN])
+    core = p4model_core(rows=8, max_elements=2048, tokens=[TOKEN])
     [(reply, _)] = handshake(core, worker_addr(0), 0.0, 7, 0, token=TOKEN,
                              **{"world_size": 2, "packet_elements": 64, "pool_size": 2, "codec": 0, **params})
     header, payload = wire.unpack(reply)

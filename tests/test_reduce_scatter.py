@@ -16,7 +16,7 @@ from harness import TOKEN, Network, make_inputs, msg_type, new_core
 from test_e2e import PACKET, Spec, assert_bits_equal, expected_results, make_input, new_job
 from test_slot_reference import MAC_KEY, joined_pair, replay, spec_of
 
-from intml.p4.engine import P4ModelCore
+from intml.p4.engine import p4model_core
 from intml.protocol import reference, wire
 from intml.protocol.packet import owner_range
 from intml.protocol.wire import HEADER_SIZE, TAG_SIZE, MsgType
@@ -209,7 +209,7 @@ def test_p4_model_serves_reduce_scatter_as_the_kernel(codec):
     counters, and each rank's shard of the allreduce."""
     n = 3
     nets = []
-    for core in (new_core(rows=64, max_elements=P), P4ModelCore(rows=64, max_elements=P, tokens=[TOKEN])):
+    for core in (new_core(rows=64, max_elements=P), p4model_core(rows=64, max_elements=P, tokens=[TOKEN])):
         net = Network(n, codec=codec, packet_elements=P, pool_size=4, seed=3, drop=0.1, duplicate=0.1, reorder=0.1,
                       fault_seed=4, aggregators=[core], record=True)
         net.start(make_inputs(n, n * 45, P, "normal", seed=3), scatter=True)

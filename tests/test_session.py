@@ -278,7 +278,7 @@ def test_a_join_refused_by_one_core_leaves_the_others():
     """Core 1 refuses (its table is full); the LEAVE the session then queues goes to core 0 only, which accepted,
     and frees the job there: no binding is left behind."""
     net = Network(1, cores=2, join=False)
-    net.cores[1].row_used[:] = True  # no free slot rows on core 1
+    net.cores[1].counters.row_used[:] = True  # no free slot rows on core 1
     session = net.session(0)
     session.connect(0.0)
     while not (refused := [e for e in events(session) if isinstance(e, JoinRefused)]):

@@ -52,12 +52,12 @@ def test_endpoints_give_the_results_of_one_aggregator_with_as_many_cores(endpoin
 
 def test_the_join_lays_the_job_out_over_the_endpoints():
     net = Network(2, packet_elements=P, pool_size=7, endpoints=[1, 3])
-    layout = [(int(c.jobs.stride[c.info[net.job].index]), int(c.jobs.offset[c.info[net.job].index]))
+    layout = [(int(c.datapath.jobs.stride[c.info[net.job].index]), int(c.datapath.jobs.offset[c.info[net.job].index]))
               for c in net.cores]
     assert layout == [(4, 0), (4, 1), (4, 2), (4, 3)]
     assert [c.info[net.job].rows.stop - c.info[net.job].rows.start for c in net.cores] == [2, 2, 2, 1]
-    params = [c.info[net.job].params for c in net.cores]
-    assert [(p["first_core"], p["total_cores"]) for p in params] == [(0, 4), (1, 4), (1, 4), (1, 4)]
+    assert [(c.info[net.job].first_core, c.info[net.job].slots.stride) for c in net.cores] == [(0, 4), (1, 4), (1, 4),
+                                                                                           (1, 4)]
     # statistics name the job's slots by their number in the whole pool
     xs = make_inputs(2, 7 * P, P, "normal", seed=1)
     net.start(xs)

@@ -41,7 +41,7 @@ def joined_pair(specs: list[dict], *, core: int = 0, cores: int = 1, group: tupl
         ack = wire.unpack_join(acks[0][0])[1]
         if "mac_key" in s:  # the job's data key, as the control plane sets it at registration
             j = agg.info[s["job"]].index
-            agg.jobs.data_mac[j], agg.jobs.mac_key[j] = True, s["mac_key"]
+            agg.datapath.jobs.data_mac[j], agg.datapath.jobs.mac_key[j] = True, s["mac_key"]
         ref.join(Job(s["job"], s["world"], params["packet_elements"], s["pool"], int(s["codec"]), s["seed"], members,
                      addr_key(int(ack["group"]), int(ack["group_port"])) if ack["group"] else 0, s.get("mac_key")))
     ref.core_stats.update(nonzero(core_row(agg)))  # the JOINs, which the control plane handles
@@ -70,7 +70,7 @@ def nonzero(counters: dict) -> dict:
 def core_row(agg: AggregatorCore) -> dict:
     """The kernel's own row of core events (the reference's core_stats); the core's reported counters add its
     jobs' events to it."""
-    return dict(zip(STAT_NAMES, agg.jobs.core_stats.tolist()))
+    return dict(zip(STAT_NAMES, agg.counters.core_stats.tolist()))
 
 
 def assert_same_state(agg: AggregatorCore, ref: SlotReference) -> None:
@@ -80,8 +80,8 @@ def assert_same_state(agg: AggregatorCore, ref: SlotReference) -> None:
     for job in ref.jobs.values():
         assert nonzero(stats["jobs"][str(job.job_id)]["counters"]) == nonzero(job.stats), job.job_id
         rows = agg.info[job.job_id].rows
-        stride, offset = agg.layout(agg.info[job.job_id].params)
-        t = agg.table
+        stride, offset = agg.info[job.job_id].slots.stride, agg.info[job.job_id].slots.offset
+        t = agg.datapath.table
         used = {(int(r) * stride + offset, int(x))
                 for r, x in zip(*np.nonzero(t.bitmap[rows.start:rows.stop]))}  # an opened round has a bit
         assert used == {(slot, x) for (j, slot, x), s in ref.sets.items() if j == job.job_id and s.key >= 0}
