@@ -19,7 +19,7 @@ import pytest
 from cluster import Procs, aggregator, run_ok
 from harness import Network, msg_type
 
-from intml.aggregator.slots import STAT_NAMES
+from intml.protocol.stats import STAT_NAMES
 from intml.protocol import keys, wire
 from intml.protocol.job import ControlLimits
 from intml.protocol.packet import HDR
