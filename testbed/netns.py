@@ -24,7 +24,7 @@ Topology (``Topology.up``):
   Under loss intml runs without UDP GSO there (``exec_prefix``), so that loss acts per datagram.
   (netem does not exist in this kernel. Duplication is not emulated on the links: nftables' dup statement
   clones a packet out through a device rather than back to the receiver; the fault-injection shim of
-  tests/faults.py tests duplication instead.)
+  tests/support/faults.py tests duplication instead.)
 
 Names carry a unique prefix (``intml-<hex>``), so concurrent runs never collide. ``down`` is idempotent and
 runs on exit, on Ctrl-C and on SIGTERM; ``cleanup`` removes anything a crashed run left behind.
