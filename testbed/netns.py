@@ -127,7 +127,7 @@ class Topology:
         """The command prefix that runs a program in ``namespace``. With loss, intml's UDP GSO is off there
         (INTML_GSO=0): a veth carries a GSO batch as one buffer, so the loss rules would drop whole batches of up
         to 64 datagrams, which no NIC does (it segments on the wire); GSO under per-datagram loss is tested with
-        the fault shim (tests/test_offload_e2e.py)."""
+        the fault shim (tests/integration/test_offload_e2e.py)."""
         return ["ip", "netns", "exec", namespace, *(["env", "INTML_GSO=0"] if self.loss > 0 else [])]
 
     def up(self) -> Topology:

@@ -2,7 +2,7 @@
 bit-identical to one aggregator with the same total core count and to protocol.reference, with faults too; the
 JOIN lays the job out (first_core, total_cores); ranks that list the endpoints differently, endpoints whose cores
 overlap, and a CHALLENGE that lies about the core count are refused. The loopback test with two aggregator
-processes is in tests/test_e2e.py."""
+processes is in tests/integration/test_e2e.py."""
 
 from __future__ import annotations
 
