@@ -164,6 +164,7 @@ def _run_encode(magnitude: int, negative: bool, rand: int) -> int:
     return (layout.SIGN if negative else 0) | layout.NONZERO | k
 
 
+@pytest.mark.slow
 def test_encode_actions_are_the_kernels_rounding():
     """leading_one + encode_b<b>, as generated, give the code protocol.arith._sum_code gives, bit for bit."""
     import numpy as np

@@ -193,6 +193,7 @@ def test_faulty_runs_match_kernel_and_reference(n: int, codec: str, packet_eleme
     assert nonzero(ref.jobs[model.job].stats) == nonzero(model.job_counters())
 
 
+@pytest.mark.slow
 def test_two_jobs_on_two_cores_with_multicast_match_kernel() -> None:
     """Two jobs of different codecs on one aggregator of two cores, results multicast: the model cores' output
     equals the kernel cores', for an allreduce and a reduce-scatter."""
@@ -314,6 +315,7 @@ def test_a_packet_takes_one_pass_per_lanes_per_pass_elements(count: int) -> None
     assert (layout.passes(256), layout.passes(1024)) == (4, 16)
 
 
+@pytest.mark.slow
 def test_reencode_with_the_extern_random_is_unbiased_and_loss_invariant() -> None:
     """Rounds of two ranks whose codes sum to fixed S per lane, re-encoded with ExternRandom (seeded): the mean
     of the results' values per lane lies within 4 standard errors of S (the value is 2**b or 2**(b+1) with

@@ -90,6 +90,7 @@ def mutate(old: str, new: str) -> str:
     return PROGRAM.replace(old, new)
 
 
+@pytest.mark.slow
 def test_program_passes():
     assert errors(PROGRAM) == []
 

@@ -236,6 +236,7 @@ def test_code_in_range_every_code(k_max):
         assert bool(code_in_range(np.uint8(c), k_max)) == in_range(c, k_max), hex(c)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(x=f32_arrays(), chunk=st.integers(1, 700), seed=st.integers(0, 2**64 - 1), stream=st.integers(0, 2**40),
        floors=st.lists(FLOORS, min_size=1, max_size=4), vbits=st.sampled_from([30, 29, 24]))

@@ -349,6 +349,7 @@ UNBIASED_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("x, floor", UNBIASED_CASES)
 def test_encode_is_unbiased(x, floor):
     """Mean of N = 2**20 encodings of one x (one stream, many indices) is x within 5 standard errors.
@@ -582,6 +583,7 @@ def test_chunking_invariance(seed, stream, offset, floor, data):
                                   near)
 
 
+@pytest.mark.slow
 def test_two_threads_concurrently():
     """Two threads (the kernels release the GIL) each encode half of a 4M vector in uneven chunks into slices of
     one out buffer, starting together; the result equals one call."""

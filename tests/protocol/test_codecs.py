@@ -79,6 +79,7 @@ def chunk_cases(draw):
             draw(st.one_of(st.just(NO_EXP), st.integers(lo, hi))), value_bits(draw(st.integers(1, 64))))
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(case=chunk_cases(), key=st.integers(0, M64), offset=st.integers(0, 2**40), precoded=st.booleans(),
        local=st.integers(-128, 127))

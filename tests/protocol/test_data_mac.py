@@ -66,6 +66,7 @@ def test_reference_matches_the_papers_vectors():
     assert siphash24_ref(*PAPER_KEY, bytes(range(15))) == 0xA129CA6149BE45E5  # the paper's worked example
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(data=st.binary(max_size=2100), k0=st.integers(0, 2**64 - 1), k1=st.integers(0, 2**64 - 1))
 def test_numba_matches_reference(data, k0, k1):

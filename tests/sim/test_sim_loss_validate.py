@@ -78,6 +78,7 @@ def test_validation_replays_the_shared_machine_and_the_implied_round_trip():
     assert shared[0]["implied_rtt_ms"] == pytest.approx(64 * 0.5153416110006219 / 6916 * 1e3)
 
 
+@pytest.mark.slow
 def test_a_lossy_point_is_the_median_over_seeds_and_rounds():
     """Under loss one simulated allreduce is no estimate of the testbed's median of rounds (it varies by a factor
     of 3 from seed to seed at n = 4, 1%): validate predicts the median of lossy_seeds x lossy_rounds allreduces

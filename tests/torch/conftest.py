@@ -1,5 +1,5 @@
-"""The torch rooms' shared preamble: one aggregator process per module, and ``ranks`` to run rank bodies against
-it (support/torch_ranks.py: ``init_rank`` is the body's side)."""
+"""The torch room's shared preamble: one aggregator process for the whole room, and ``ranks`` to run rank bodies
+against it (support/torch_ranks.py: ``init_rank`` is the body's side)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from support.cluster import Aggregator, aggregator
 from support.torch_ranks import run_ranks
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def agg() -> Iterator[Aggregator]:
-    """One aggregator shared by a module's tests (each group joins its own job)."""
+    """One aggregator shared by the room's tests: each process group joins and leaves its own job, and none reads
+    the aggregator's counters, so a fresh one per module only added start-ups."""
     with aggregator(idle_timeout=20) as a:
         yield a
         assert a.alive(), f"the shared aggregator died:\n{a.stderr()}"

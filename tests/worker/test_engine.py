@@ -86,6 +86,7 @@ def test_matches_reference(codec, n, size, pool):
         check_saturation(net, xs, P64)
 
 
+@pytest.mark.slow
 @FEW
 @given(
     n=st.sampled_from([1, 2, 3, 4, 8]),
