@@ -14,7 +14,6 @@ import pytest
 from support.cluster import HOST, Procs, aggregator, join_over, operator_stats, run_cli
 from support.harness import TOKEN, Network, core_receive, handshake, join_datagram, msg_type, new_core, worker_addr
 from test_aggregator_core import STRANGER, error_text
-from test_hardening import raw_udp  # noqa: F401 (a fixture)
 
 from intml.aggregator.__main__ import OPEN_WARNING
 from intml.aggregator.core import UNPROVED, AggregatorCore
@@ -190,7 +189,7 @@ def test_a_replayed_join_from_another_address_gets_nothing_live():
 
 
 @pytest.mark.process
-def test_a_spoofed_leave_is_dropped_and_counted_and_the_job_keeps_running(raw_udp):  # noqa: F811
+def test_a_spoofed_leave_is_dropped_and_counted_and_the_job_keeps_running(raw_udp):
     from intml.worker import Worker
 
     with aggregator() as agg, Worker(agg.address, job=33, rank=0, world_size=1, token="t", timeout=5) as w:

@@ -51,16 +51,6 @@ def _recv(sock: socket.socket, timeout: float) -> bytes:
     return sock.recv(1 << 16)
 
 
-@pytest.fixture
-def raw_udp():
-    try:
-        raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_UDP)
-    except PermissionError:
-        pytest.skip("needs a raw socket (root or CAP_NET_RAW) to send from source port 0")
-    with raw:
-        yield raw
-
-
 def _known_secret_core() -> AggregatorCore:
     """A core whose cookie secret is all zeros, so that a test can answer a CHALLENGE it cannot receive (one sent
     to port 0). Its burst kernel is compiled here, before the fork: a child that compiled it itself (seconds on a
