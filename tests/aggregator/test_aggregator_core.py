@@ -747,6 +747,7 @@ def _joined_core(net: Network) -> AggregatorCore:
     return core
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("codec", ["cnat8", "int32"])
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("shuffle", [False, True])

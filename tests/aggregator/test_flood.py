@@ -224,6 +224,7 @@ def _per_datagram(fn, datagrams: int, repeat: int = 5) -> float:
     return best / datagrams
 
 
+@pytest.mark.slow
 def test_what_a_control_datagram_costs():
     """Measured (printed): the kernel's cost of a datagram dropped over budget, against garbage and against the
     Python control plane's cost of each kind a stranger (or a member, for the JOIN proved) can send."""

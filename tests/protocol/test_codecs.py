@@ -93,6 +93,7 @@ def test_encode_chunk_dispatch(case, key, offset, precoded, local) -> None:
     assert got.tobytes() == want.tobytes()
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(case=chunk_cases(), kind=st.sampled_from(["random", "in range", "encoded"]))
 def test_check_dispatch(case, kind) -> None:
@@ -107,6 +108,7 @@ def test_check_dispatch(case, kind) -> None:
     assert codecs.check_result(int(codec.ID), payload, exp, vbits) == codec.check_result(payload, exp, vbits)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(case=chunk_cases(), k=st.integers(0, 9), col=st.integers(0, 30), first=st.booleans())
 def test_add_payloads_dispatch(case, k, col, first) -> None:
@@ -120,6 +122,7 @@ def test_add_payloads_dispatch(case, k, col, first) -> None:
     assert got.tobytes() == want.tobytes()
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(case=chunk_cases(), key=st.integers(0, M64), offset=st.integers(0, 2**40))
 def test_result_dispatch(case, key, offset) -> None:

@@ -3,6 +3,7 @@
 import struct
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from numba import njit
@@ -20,6 +21,7 @@ def _store(a, o, v):
     store_be32(a, o, v)
 
 
+@pytest.mark.slow
 @settings(deadline=None)  # the first example compiles _load and _store (uncached)
 @given(values=st.lists(st.integers(-(2**31), 2**31 - 1), min_size=1, max_size=20), shift=st.integers(0, 7))
 def test_be32_round_trip_at_any_alignment(values, shift):

@@ -33,6 +33,7 @@ def test_share_of_rounds_retried_at_1024_workers():
     assert (totals >= lossless).all()
 
 
+@pytest.mark.slow
 def test_loss_model_against_the_packet_engine():
     n, p, pool = 4, 0.01, 16
     r = simulate(PacketRun(workers=n, elements=1_000_000, rate=10e9, loss=p, pool=pool, rto=0.001, min_rto=0.001,

@@ -127,6 +127,7 @@ def test_cnat_large_values_are_not_clipped_and_overflow_is_counted(n):
     assert np.abs(expected[np.isfinite(expected)]).max() > 2.0**120  # not clipped at 2**10 any more
 
 
+@pytest.mark.slow
 def test_issue_10_example_is_unbiased_through_engines_and_aggregator():
     """Issue 10's [3, 100, 1000, 5000, 1e6, 0.1, 123.456, 1e-20] on 2 ranks, 1500 consecutive allreduces (each has
     its own random streams): every result equals the oracle's and is the same at both ranks, none is clipped at
@@ -201,6 +202,7 @@ def test_faults_do_not_change_results(codec, n, drop, duplicate, reorder, fault_
         check_saturation(net, xs, P)  # retransmissions are not re-encoded, so not counted twice
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     n=st.sampled_from([2, 3, 4]),
