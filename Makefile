@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test clean
+.PHONY: demo test check clean
 
 $(STAMP): pyproject.toml Makefile
 	@# The namespace cluster (tests, bench cluster) needs iproute2 and nftables; as root, install them.
@@ -22,6 +22,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The fast inner loop: the in-process tests only (docs/testing.md). Every test under tests/torch and tests/gpu is
+# torch or gpu: not collecting them saves importing torch and numba's CUDA target.
+check: $(STAMP)
+	$(PY) -m pytest -q -m "not process and not netns and not torch and not gpu and not slow" \
+		--ignore=tests/torch --ignore=tests/gpu
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

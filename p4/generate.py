@@ -6,7 +6,7 @@ bodies of the layout's tables are in p4/actions.py, the rendering helpers in p4/
 p4/generate_tna.py.
 
 ``python -m intml.p4.generate`` rewrites the files; ``--check`` writes nothing and exits 1 naming the files that
-differ from what it would write (tests/test_p4_generate.py runs the same comparison).
+differ from what it would write (tests/p4/test_p4_generate.py runs the same comparison).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The P4-structured pipeline model: the switch program of p4/*.p4 executed in Python, packet by packet and
 pass by pass, from the same tables (p4.entries), registers (p4.layout's widths) and bridged metadata. It is the
 executable counterpart of the .p4 files, held bit for bit to the aggregator core (protocol.slot_reference and
-the Numba kernel, tests/test_p4_model.py).
+the Numba kernel, tests/p4/test_p4_model.py).
 
 Sans-I/O, like the cores: ``receive(datagram, addr, now)`` takes one datagram (None: truncated on receive) and
 returns the datagrams to send, ``(bytes, address key)``, in order; control datagrams the meter admits are listed

@@ -27,7 +27,7 @@ Why each default is what it is:
   0.2 s while unanswered, a LEAVE, a STATS_REQUEST on a stall. ``source_burst = 32`` covers all of that at once
   with room for an operator's repeated statistics requests; ``source_rate = 16`` per second refills it three
   times faster than a worker ever resends. The core's bucket bounds what a flood from many (spoofed) sources
-  costs: ``global_rate = 1000`` per second at tens of microseconds each (measured: tests/test_flood.py) is a few
+  costs: ``global_rate = 1000`` per second at tens of microseconds each (measured: tests/aggregator/test_flood.py) is a few
   percent of a core, and ``global_burst = 256`` lets a whole job of MAX_WORLD ranks complete both rounds of its
   handshake at once. ``per_burst = 64``: at most one JOIN per rank of a MAX_WORLD job reaches Python from one
   received burst, so the results behind them wait for at most that much control work.

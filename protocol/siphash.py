@@ -1,5 +1,5 @@
 """SipHash-2-4 (Aumasson and Bernstein, 2012), the keyed MAC of DATA and RESULT datagrams: Numba functions for the
-kernels, and a plain-Python reference they are held to bit for bit (tests/test_data_mac.py, which also checks the
+kernels, and a plain-Python reference they are held to bit for bit (tests/protocol/test_data_mac.py, which also checks the
 reference against the paper's test vectors).
 
 A 128-bit key is two 64-bit words, k0 and k1, the little-endian halves of its 16 bytes (``key_words``); the tag is

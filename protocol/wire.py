@@ -6,7 +6,7 @@ source of truth: the numpy dtype ``HEADER`` (hot path, tools) and the scapy
 layer ``testbed.capture.IntmlHeader`` (capture dissection) are both generated from it.
 The scapy layers live apart because importing scapy opens a netlink socket to read
 the routing table: the sans-I/O cores import this module, never that one.
-tests/test_wire.py checks the tables here against the dtypes.
+tests/protocol/test_wire.py checks the tables here against the dtypes.
 
 Data header (26 bytes):
 

@@ -7,7 +7,7 @@
         packet.show()
 
 Importing scapy reads the routing table through a netlink socket, so this module stays out of the sans-I/O
-cores' imports (tests/test_sans_io.py checks it).
+cores' imports (tests/protocol/test_sans_io.py checks it).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ Topology (``Topology.up``):
   Under loss intml runs without UDP GSO there (``exec_prefix``), so that loss acts per datagram.
   (netem does not exist in this kernel. Duplication is not emulated on the links: nftables' dup statement
   clones a packet out through a device rather than back to the receiver; the fault-injection shim of
-  tests/faults.py tests duplication instead.)
+  tests/support/faults.py tests duplication instead.)
 
 Names carry a unique prefix (``intml-<hex>``), so concurrent runs never collide. ``down`` is idempotent and
 runs on exit, on Ctrl-C and on SIGTERM; ``cleanup`` removes anything a crashed run left behind.
@@ -127,7 +127,7 @@ class Topology:
         """The command prefix that runs a program in ``namespace``. With loss, intml's UDP GSO is off there
         (INTML_GSO=0): a veth carries a GSO batch as one buffer, so the loss rules would drop whole batches of up
         to 64 datagrams, which no NIC does (it segments on the wire); GSO under per-datagram loss is tested with
-        the fault shim (tests/test_offload_e2e.py)."""
+        the fault shim (tests/integration/test_offload_e2e.py)."""
         return ["ip", "netns", "exec", namespace, *(["env", "INTML_GSO=0"] if self.loss > 0 else [])]
 
     def up(self) -> Topology:

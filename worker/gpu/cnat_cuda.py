@@ -6,7 +6,7 @@ Kernel technology: numba's CUDA target. It compiles the very ``@njit`` functions
 the elements differs (a grid-stride loop here, aligned blocks with a scalar fix-up pass there). Numba types
 every integer at a fixed width and those functions cast each step with ``np.uint32``/``np.uint64`` (or use the
 32-bit LLVM intrinsics of protocol.lanes), so the hash wraps mod 2**32 and 2**64 on the device as on the CPU;
-``tests/test_gpu_codec.py`` checks the codes under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) and, where
+``tests/gpu/test_gpu_codec.py`` checks the codes under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) and, where
 NVVM is installed, that the PTX multiplies at those widths.
 
 Per element, at its chunk's floor (``floors[j // chunk_elements]``: a bucket's chunks at their own or agreed

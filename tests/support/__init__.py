@@ -1,0 +1,1 @@
+"""Helpers the tests share: the in-process harness, live aggregator and rank processes, faulty sockets."""

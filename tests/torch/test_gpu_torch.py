@@ -1,0 +1,229 @@
+"""The hook's and the backend's CUDA path (worker.torch.gpu, worker.gpu.driver), without a GPU: in ranks that call
+``intml.worker.torch.gpu.simulate()``, float32 CPU tensors take the CUDA path (the same Link code, DeviceAllreducer
+and kernels, on numba's CUDA simulator). Each training or allreduce sequence runs twice on the same seed, on the
+CPU path and on the CUDA path, and must give the same bits: DDP gradients with error feedback (the residuals
+too), cnat8 and int32; backend SUM and AVG allreduces. The counters say which path each allreduce took.
+
+Also: CUDA tensors where the CUDA path cannot run go to Gloo under their own reason, with one warning.
+Ranks are forked processes against a real aggregator, as in test_torch.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import types
+import warnings
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+from numba.core import config as numba_config  # noqa: E402
+
+import intml.worker.torch as intml  # noqa: E402
+from intml.worker.torch import gpu, routing  # noqa: E402
+from intml.worker.torch.link import AggregatorLinked  # noqa: E402
+from support.torch_ranks import TOKEN, init_rank  # noqa: E402
+
+pytestmark = [pytest.mark.torch, pytest.mark.gpu, pytest.mark.process, pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")]
+# gpu.simulate() in a forked rank needs numba.cuda not loaded for a real device in this process (as
+# INTML_TEST_CUDA_DEVICE=1 does for test_gpu_codec.py and test_gpu_driver.py)
+simulable = pytest.mark.skipif("numba.cuda" in sys.modules and not numba_config.ENABLE_CUDASIM,
+                               reason="numba.cuda is loaded for a real device: the simulated path cannot run")
+SHAPES = [(37,), (300,), (20, 25), (513,)]  # 1 350 elements, in several buckets
+PACKET, POOL, BUCKET_MB = 256, 4, 0.002
+STEPS = 2
+
+
+class Weights(torch.nn.Module):
+    """forward(rs) = sum_p <p, r_p>: the gradient of parameter p is exactly r_p."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(s)) for s in SHAPES])
+
+    def forward(self, rs):
+        return sum((p * r).sum() for p, r in zip(self.ps, rs, strict=True))
+
+
+def _grads(seed: int, rank: int, it: int) -> list:
+    rng = np.random.default_rng([seed, rank, it])
+    return [torch.from_numpy((rng.standard_normal(s) * 2.0 ** int(rng.integers(-20, 3))).astype(np.float32))
+            for s in SHAPES]
+
+
+def _init(port: int, rank: int, n: int, simulated: bool, backend: str = "gloo", **env: str) -> None:
+    if simulated:
+        gpu.simulate()
+    init_rank(port, rank, n, backend, env)
+
+
+def hook_rank(port: int, address: str, rank: int, n: int, codec: str, seed: int, simulated: bool) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    _init(port, rank, n, simulated)
+    model = Weights()
+    ddp = DDP(model, bucket_cap_mb=BUCKET_MB)
+    state = intml.IntmlHookState(aggregator=address, codec=codec, seed=seed, token=TOKEN, packet_elements=PACKET,
+                                 pool_size=POOL, error_feedback=True)
+    ddp.register_comm_hook(state, intml.intml_hook)
+    steps = []
+    for it in range(STEPS):
+        ddp.zero_grad()
+        ddp(_grads(seed, rank, it)).backward()
+        steps.append({"grads": np.concatenate([p.grad.numpy().reshape(-1) for p in model.ps]),
+                      "residuals": np.concatenate([state.residuals.of_param[id(p)].numpy() for p in model.ps])})
+    out = {"steps": steps, "traffic": dataclasses.asdict(state.traffic)}
+    state.close()
+    dist.destroy_process_group()
+    return out
+
+
+def backend_rank(port: int, address: str, rank: int, n: int, seed: int, simulated: bool) -> dict:
+    _init(port, rank, n, simulated, "intml", INTML_AGGREGATOR=address, INTML_SEED=str(seed), INTML_TOKEN=TOKEN,
+          INTML_PACKET_ELEMENTS=str(PACKET), INTML_POOL=str(POOL), INTML_MIN_ELEMENTS="1000", INTML_CODEC="int32")
+    pg = dist.distributed_c10d._get_default_group()
+    rng = np.random.default_rng([seed, rank])
+    results = []
+    for op, size in ((dist.ReduceOp.SUM, 1500), (dist.ReduceOp.AVG, 1100), (dist.ReduceOp.AVG, 20)):
+        t = torch.from_numpy((rng.standard_normal(size) * 1e-3).astype(np.float32))
+        work = dist.all_reduce(t, op=op, async_op=True)
+        work.wait()
+        results.append(t.numpy().copy())
+    out = {"results": results, "traffic": dataclasses.asdict(pg.traffic)}
+    dist.destroy_process_group()
+    return out
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.view(np.uint32).tolist() == b.view(np.uint32).tolist()
+
+
+@simulable
+def test_hook_cuda_path_equals_cpu_path(ranks):
+    """DDP with error feedback (cnat8): gradients and residuals after every step, bit for bit the CPU path's."""
+    n, seed = 2, 11
+    runs = {simulated: ranks(hook_rank, n, "cnat8", seed, simulated, timeout=240) for simulated in (False, True)}
+    for r in range(n):
+        cpu, cuda = runs[False][r], runs[True][r]
+        for i, (a, b) in enumerate(zip(cpu["steps"], cuda["steps"], strict=True)):
+            assert _same_bits(a["grads"], b["grads"]), (r, i)
+            assert _same_bits(a["residuals"], b["residuals"]), (r, i)
+        assert np.count_nonzero(cuda["steps"][-1]["residuals"]) > 0
+        assert cpu["traffic"]["intml_cuda_allreduces"] == 0
+        t = cuda["traffic"]
+        assert t["intml_cuda_allreduces"] == t["intml_allreduces"] == cpu["traffic"]["intml_allreduces"] > 0
+        assert t["intml_cuda_elements"] == t["intml_elements"] == STEPS * sum(int(np.prod(s)) for s in SHAPES)
+        assert t["intml_cuda_bytes"] == t["intml_bytes"] and t["gloo_allreduces"] == 0
+
+
+@simulable
+def test_backend_cuda_path_equals_cpu_path(ranks):
+    """SUM and AVG allreduces at or above INTML_MIN_ELEMENTS take the CUDA path, bit for bit the CPU path's; a small
+    one stays exact through Gloo. An int32 job (its floats staged through pinned host memory: nothing to encode on
+    the device)."""
+    n, seed = 2, 12
+    runs = {simulated: ranks(backend_rank, n, seed, simulated, timeout=240) for simulated in (False, True)}
+    for r in range(n):
+        cpu, cuda = runs[False][r], runs[True][r]
+        for a, b in zip(cpu["results"], cuda["results"], strict=True):
+            assert _same_bits(a, b)
+        assert cuda["traffic"]["intml_cuda_allreduces"] == cuda["traffic"]["intml_allreduces"] == 2
+        assert cuda["traffic"]["gloo_reasons"] == {routing.SMALL: 1}
+        assert cpu["traffic"]["intml_cuda_allreduces"] == 0
+
+
+def half_rank(port: int, address: str, rank: int, n: int, seed: int, simulated: bool) -> dict:
+    _init(port, rank, n, simulated, "intml", INTML_AGGREGATOR=address, INTML_SEED=str(seed), INTML_TOKEN=TOKEN,
+          INTML_PACKET_ELEMENTS=str(PACKET), INTML_POOL=str(POOL), INTML_MIN_ELEMENTS="1000")
+    pg = dist.distributed_c10d._get_default_group()
+    rng = np.random.default_rng([seed, rank])
+    results = []
+    for dtype, op in ((torch.bfloat16, dist.ReduceOp.SUM), (torch.float16, dist.ReduceOp.AVG)):
+        t = torch.from_numpy(rng.standard_normal(1100).astype(np.float32)).to(dtype)
+        dist.all_reduce(t, op=op)
+        results.append((str(t.dtype), t.view(torch.int16).numpy().copy()))
+    out = {"results": results, "traffic": dataclasses.asdict(pg.traffic)}
+    dist.destroy_process_group()
+    return out
+
+
+@simulable
+def test_backend_cuda_path_takes_bf16_and_fp16(agg):
+    """bfloat16 and float16 tensors (widened to float32 on their device) take the CUDA path, bit for bit the CPU
+    path's, and come back in their dtype."""
+    n, seed = 2, 13
+    runs = {simulated: _run(half_rank, agg.address, n, seed, simulated) for simulated in (False, True)}
+    for r in range(n):
+        cpu, cuda = runs[False][r], runs[True][r]
+        assert [d for d, _ in cuda["results"]] == ["torch.bfloat16", "torch.float16"]
+        for (_, a), (_, b) in zip(cpu["results"], cuda["results"], strict=True):
+            assert np.array_equal(a, b)
+        assert cuda["traffic"]["intml_cuda_allreduces"] == cuda["traffic"]["intml_allreduces"] == 2
+        assert cpu["traffic"]["intml_cuda_allreduces"] == 0 and cpu["traffic"]["intml_allreduces"] == 2
+
+
+def _fake(device: str, dtype=torch.float32, contiguous: bool = True):
+    """What routing reads of a tensor, for devices this CPU-only torch cannot make."""
+    return types.SimpleNamespace(dtype=dtype, device=torch.device(device), is_contiguous=lambda: contiguous,
+                                 numel=lambda: 100_000)
+
+
+def test_routing_of_cuda_tensors():
+    """CUDA float32 tensors go to intml when the CUDA path can run, else to Gloo under CUDA; the path is not even
+    asked about CPU tensors; reduce-scatters of CUDA tensors go to Gloo under CUDA_SCATTER."""
+    asked = []
+
+    def problem(why):
+        return lambda: asked.append(why) or why
+
+    assert routing.unsupported(_fake("cuda:0"), problem(None)) is None
+    assert routing.unsupported(_fake("cuda:0"), problem("no driver")) == routing.CUDA
+    assert routing.unsupported(_fake("cuda:0", torch.float64), problem(None)) == routing.DTYPE
+    assert routing.unsupported(_fake("cuda:0", torch.float16), problem(None)) is None  # widened on its device
+    assert routing.unsupported(_fake("cuda:0", contiguous=False), problem(None)) == routing.LAYOUT
+    assert routing.unsupported(_fake("meta"), problem(None)) == routing.DEVICE
+    asked.clear()
+    assert routing.unsupported(torch.zeros(3), problem("x")) is None and asked == []
+    assert routing.backend_route([_fake("cuda")], "sum", 10, problem(None)) is None
+    assert routing.scatter_route(_fake("cuda"), _fake("cuda"), "sum", 10, 2) == routing.CUDA_SCATTER
+
+
+def test_cuda_fallback_warns_once_naming_the_reason():
+    """Two CUDA buckets to Gloo because the CUDA path cannot run: one IntmlUncompressedWarning naming the extra,
+    both counted under routing.CUDA."""
+    linked = AggregatorLinked()
+    linked.gloo = types.SimpleNamespace(size=lambda: 2)
+    linked.traffic, linked._warned = intml.Traffic(), set()
+    t = torch.zeros(1000)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        linked._to_gloo([t], routing.CUDA)
+        linked._to_gloo([t], routing.CUDA)
+        linked._to_gloo([t], routing.CUDA_SCATTER, reduce_scatter=True)
+    texts = [str(w.message) for w in caught if issubclass(w.category, intml.IntmlUncompressedWarning)]
+    assert len(texts) == 2
+    assert "CUDA device" in texts[0] and "intml[cuda]" in texts[0] and "gloo_reasons['cuda']" in texts[0]
+    assert "reduce-scatters CPU tensors only" in texts[1]
+    assert linked.traffic.gloo_reasons == {routing.CUDA: 2, routing.CUDA_SCATTER: 1}
+
+
+def _python(code: str) -> list[str]:
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.splitlines()
+
+
+def test_cuda_path_problem_without_a_gpu():
+    """Without a GPU (and without the simulator) the path names the cause, and simulate() then refuses (numba's
+    CUDA target is loaded). (simulate() first, and the path runs: the ranks of the tests above.)"""
+    first, refused = _python("from intml.worker.torch import gpu; print(gpu.PATH.problem())\n"
+                             "try:\n    gpu.simulate()\nexcept RuntimeError as e:\n    print(e)")
+    if first == "None":
+        pytest.skip("this machine has a usable CUDA device")
+    assert "needs a CUDA GPU" in first and "before numba.cuda is imported" in refused
