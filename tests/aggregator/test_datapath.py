@@ -24,7 +24,7 @@ from intml.protocol.job import MAX_WORLD, JobParams
 from intml.protocol.packet import round_key
 from intml.protocol.wire import Codec, MsgType
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PARAMS = {"world_size": 2, "packet_elements": 8, "pool_size": 3, "codec": int(Codec.CNAT8), "seed": 5}
 CONTROL_TYPES = (MsgType.JOIN, MsgType.LEAVE, MsgType.STATS_REQUEST)
 

@@ -11,7 +11,7 @@ from support.harness import new_core, worker_addr
 from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
 
-from intml.aggregator.slots import STAT_NAMES
+from intml.protocol.stats import STAT_NAMES
 from intml.protocol import wire
 from intml.protocol.slot_reference import TRANSITIONS, Job, SlotReference
 from intml.protocol.wire import NO_EXP, Codec, MsgType

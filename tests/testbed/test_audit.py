@@ -7,8 +7,9 @@ import json
 import subprocess
 import sys
 
-from intml.testbed import audit
+import pytest
 
+from intml.testbed import audit
 
 pytestmark = [pytest.mark.process]
 
