@@ -5,7 +5,8 @@
 // On the completing contribution, one lane's sum -> its C_nat code, stored for every re-send (which reads it):
 // the leading one b of |sum| by a ternary table, then encode_b<b> rounds stochastically with v1model's random
 // extern, so the round is encoded once and a retransmission can never change it.
-control LaneEncode(inout lane_t lane, in metadata_t meta) {
+control LaneEncode(inout lane_t lane, in lane_index_t cell, in bit<2> step, in bit<1> completes,
+                   in bit<8> k_finite) {
     register<bit<8>, lane_index_t>(LANE_ENTRIES) lane_code;
 
     action encode_b0() {
@@ -182,15 +183,14 @@ control LaneEncode(inout lane_t lane, in metadata_t meta) {
     }
 
     apply {
-        lane_index_t cell = meta.slot_index[9:0] ++ meta.pass_no[3:0];
-        if (meta.step == STEP_RESEND) {
+        if (step == STEP_RESEND) {
             lane_code.read(lane.code, cell);
-        } else if (meta.completes == 1) {
+        } else if (completes == 1) {
             lane.sign = lane.sum[31:31] ++ 7w0;
             lane.magnitude = lane.sum[31:31] == 1 ? -lane.sum : lane.sum;
             random<bit<32>>(lane.rand, 0, 0xFFFFFFFF);
             leading_one.apply();
-            lane.saturated = (lane.code & K_MASK) > meta.k_finite;
+            lane.saturated = (lane.code & K_MASK) > k_finite;
             lane_code.write(cell, lane.code);
         }
     }

@@ -31,8 +31,8 @@ control ControlMeter(inout headers_t hdr, inout metadata_t meta, inout standard_
     apply {
         control_limits.apply();
         bit<64> now = ((bit<64>) sm.ingress_global_timestamp) * 1000;  // BMv2 counts microseconds
-        bit<64> hash = ((bit<64>) meta.src_addr) * HASH_MULTIPLIER;  // Fibonacci hashing: the top bits
-        bucket_t bucket = hash[63:BUCKET_SHIFT];
+        bit<64> spread = ((bit<64>) meta.src_addr) * HASH_MULTIPLIER;  // Fibonacci hashing: the top bits
+        bucket_t bucket = spread[63:BUCKET_SHIFT];
         bit<64> source;
         bit<64> core;
         control_source_tat.read(source, bucket);

@@ -139,7 +139,6 @@ struct metadata_t {{
     bool contribution;
     bool recirculate;
     bit<16> rid;  // egress: the replica (rank, or GROUP_RID) whose destination to write
-    lanes_t lanes;
 }}
 """)
 
@@ -230,8 +229,8 @@ control ControlMeter(inout headers_t hdr, inout metadata_t meta, inout standard_
     apply {{
         control_limits.apply();
         bit<64> now = ((bit<64>) sm.ingress_global_timestamp) * 1000;  // BMv2 counts microseconds
-        bit<64> hash = ((bit<64>) meta.src_addr) * HASH_MULTIPLIER;  // Fibonacci hashing: the top bits
-        bucket_t bucket = hash[63:BUCKET_SHIFT];
+        bit<64> spread = ((bit<64>) meta.src_addr) * HASH_MULTIPLIER;  // Fibonacci hashing: the top bits
+        bucket_t bucket = spread[63:BUCKET_SHIFT];
         bit<64> source;
         bit<64> core;
         control_source_tat.read(source, bucket);
@@ -559,19 +558,18 @@ def lane_aggregate() -> str:
     return guard("LANE_AGGREGATE", f"""
 // One lane's 32-bit sum per (row, set, pass): open writes the value, add adds it, a re-send reads it (int32 mode:
 // the sum is the result).
-control LaneAggregate(inout lane_t lane, in metadata_t meta) {{
+control LaneAggregate(inout lane_t lane, in lane_index_t cell, in bit<2> step) {{
     register<bit<32>, lane_index_t>(LANE_ENTRIES) lane_sum;
 
     apply {{
-        lane_index_t cell = {LANE_INDEX};
-        if (meta.step == STEP_OPEN) {{
+        if (step == STEP_OPEN) {{
             lane.sum = lane.value;
             lane_sum.write(cell, lane.sum);
-        }} else if (meta.step == STEP_ADD) {{
+        }} else if (step == STEP_ADD) {{
             lane_sum.read(lane.sum, cell);
             lane.sum = lane.sum + lane.value;
             lane_sum.write(cell, lane.sum);
-        }} else if (meta.step == STEP_RESEND) {{
+        }} else if (step == STEP_RESEND) {{
             lane_sum.read(lane.sum, cell);
         }}
     }}
@@ -584,21 +582,21 @@ def cnat_encode(static: list) -> str:
 // On the completing contribution, one lane's sum -> its C_nat code, stored for every re-send (which reads it):
 // the leading one b of |sum| by a ternary table, then encode_b<b> rounds stochastically with v1model's random
 // extern, so the round is encoded once and a retransmission can never change it.
-control LaneEncode(inout lane_t lane, in metadata_t meta) {{
+control LaneEncode(inout lane_t lane, in lane_index_t cell, in bit<2> step, in bit<1> completes,
+                   in bit<8> k_finite) {{
     register<bit<8>, lane_index_t>(LANE_ENTRIES) lane_code;
 
 {table("leading_one", static)}
 
     apply {{
-        lane_index_t cell = {LANE_INDEX};
-        if (meta.step == STEP_RESEND) {{
+        if (step == STEP_RESEND) {{
             lane_code.read(lane.code, cell);
-        }} else if (meta.completes == 1) {{
+        }} else if (completes == 1) {{
             lane.sign = lane.sum[31:31] ++ 7w0;
             lane.magnitude = lane.sum[31:31] == 1 ? -lane.sum : lane.sum;
             random<bit<32>>(lane.rand, 0, 0xFFFFFFFF);
             leading_one.apply();
-            lane.saturated = (lane.code & K_MASK) > meta.k_finite;
+            lane.saturated = (lane.code & K_MASK) > k_finite;
             lane_code.write(cell, lane.code);
         }}
     }}
@@ -613,11 +611,11 @@ def lanes_p4() -> str:
         for i in range(L.LANES_PER_PASS):
             j = p * L.LANES_PER_PASS + i
             if load:
-                lines += [f"        meta.lanes.l{i}.active = hdr.{stack}[{j}].isValid();",
-                          f"        meta.lanes.l{i}.{lane_field} = hdr.{stack}[{j}].{field};"]
+                lines += [f"        lanes.l{i}.active = hdr.{stack}[{j}].isValid();",
+                          f"        lanes.l{i}.{lane_field} = hdr.{stack}[{j}].{field};"]
             else:
                 out = "code" if kind == "codes" else "sum"
-                lines.append(f"        hdr.{stack}[{j}].{field} = meta.lanes.l{i}.{out};")
+                lines.append(f"        hdr.{stack}[{j}].{field} = lanes.l{i}.{out};")
         return "\n".join(lines)
 
     def control(name: str, load: bool, why: str) -> str:
@@ -626,8 +624,10 @@ def lanes_p4() -> str:
             for p in range(-(-L.MAX_LANES[Codec.CNAT8 if kind == "codes" else Codec.INT32] // L.LANES_PER_PASS)):
                 action = f"{'load' if load else 'store'}_{kind}_{p}"
                 actions.append(f"    action {action}() {{\n{moves(kind, p, load)}\n    }}")
-                chain.append(f"if (hdr.intml.codec == {codec} && meta.pass_no == {p}) {{ {action}(); }}")
-        return (f"// {why}\ncontrol {name}(inout headers_t hdr, inout metadata_t meta) {{\n" + "\n\n".join(actions)
+                chain.append(f"if (hdr.intml.codec == {codec} && pass_no == {p}) {{ {action}(); }}")
+        params = "in headers_t hdr, in bit<8> pass_no, inout lanes_t lanes" if load else \
+            "inout headers_t hdr, in bit<8> pass_no, in lanes_t lanes"
+        return (f"// {why}\ncontrol {name}({params}) {{\n" + "\n\n".join(actions)
                 + "\n\n    apply {\n        " + "\n        else ".join(chain) + "\n    }\n}\n")
 
     return guard("LANES", "\n" + control(
@@ -685,17 +685,18 @@ def intml() -> str:
     instances = "\n".join(
         lanes(lambda i: f"    {kind}() {name}_{i};") for kind, name in
         (("LaneDecode", "cnat_decode"), ("LaneAggregate", "lane_aggregate"), ("LaneEncode", "cnat_encode")))
-    per_lane = lanes(lambda i: f"""            if (meta.lanes.l{i}.active) {{
-                if (cnat8 && meta.step != STEP_RESEND) {{ cnat_decode_{i}.apply(meta.lanes.l{i}); }}
-                lane_aggregate_{i}.apply(meta.lanes.l{i}, meta);
-                if (cnat8) {{ cnat_encode_{i}.apply(meta.lanes.l{i}, meta); }}
-                if (meta.lanes.l{i}.saturated) {{ count_job(STAT_SATURATED_ELEMENTS); }}
+    per_lane = lanes(lambda i: f"""            if (lanes.l{i}.active) {{
+                if (cnat8 && meta.step != STEP_RESEND) {{ cnat_decode_{i}.apply(lanes.l{i}); }}
+                lane_aggregate_{i}.apply(lanes.l{i}, cell, meta.step);
+                if (cnat8) {{ cnat_encode_{i}.apply(lanes.l{i}, cell, meta.step, meta.completes, meta.k_finite); }}
+                if (lanes.l{i}.saturated) {{ count_job(STAT_SATURATED_ELEMENTS); }}
             }}""")
     includes = "\n".join(f'#include "{name}.p4"' for name in V1MODEL_FILES if name != "intml")
     return f"""{HEADER_NOTE}
 // The top level: pass 0 judges the packet and updates the slot's state; every pass then runs its lanes and ends
 // in Forward. p4/README.md has the diagram.
 #include <core.p4>
+#define V1MODEL_VERSION 20200408
 #include <v1model.p4>
 {includes}
 
@@ -749,10 +750,12 @@ control IntmlIngress(inout headers_t hdr, inout metadata_t meta, inout standard_
         }}
         if (meta.step != STEP_NONE) {{
             bool cnat8 = hdr.intml.codec == CODEC_CNAT8;
-            load_lanes.apply(hdr, meta);
+            lane_index_t cell = {LANE_INDEX};
+            lanes_t lanes;
+            load_lanes.apply(hdr, meta.pass_no, lanes);
 {per_lane}
             if (meta.step == STEP_RESEND || meta.completes == 1) {{
-                store_lanes.apply(hdr, meta);
+                store_lanes.apply(hdr, meta.pass_no, lanes);
             }}
         }}
         forward.apply(hdr, meta, sm);

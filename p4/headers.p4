@@ -258,7 +258,6 @@ struct metadata_t {
     bool contribution;
     bool recirculate;
     bit<16> rid;  // egress: the replica (rank, or GROUP_RID) whose destination to write
-    lanes_t lanes;
 }
 
 #endif

@@ -4,19 +4,18 @@
 
 // One lane's 32-bit sum per (row, set, pass): open writes the value, add adds it, a re-send reads it (int32 mode:
 // the sum is the result).
-control LaneAggregate(inout lane_t lane, in metadata_t meta) {
+control LaneAggregate(inout lane_t lane, in lane_index_t cell, in bit<2> step) {
     register<bit<32>, lane_index_t>(LANE_ENTRIES) lane_sum;
 
     apply {
-        lane_index_t cell = meta.slot_index[9:0] ++ meta.pass_no[3:0];
-        if (meta.step == STEP_OPEN) {
+        if (step == STEP_OPEN) {
             lane.sum = lane.value;
             lane_sum.write(cell, lane.sum);
-        } else if (meta.step == STEP_ADD) {
+        } else if (step == STEP_ADD) {
             lane_sum.read(lane.sum, cell);
             lane.sum = lane.sum + lane.value;
             lane_sum.write(cell, lane.sum);
-        } else if (meta.step == STEP_RESEND) {
+        } else if (step == STEP_RESEND) {
             lane_sum.read(lane.sum, cell);
         }
     }

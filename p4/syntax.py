@@ -12,7 +12,8 @@ specification's grammar appendix) and run the structural checks the open compile
   generator passes ``p4/layout.py``'s) and fit their declared widths.
 
 The preprocessor is not P4: ``preprocess`` inlines local ``#include "file"`` (once each, which is what the include
-guards mean), drops ``#ifndef``/``#define``/``#endif`` guard lines and skips architecture includes
+guards mean), drops ``#ifndef``/``#define``/``#endif`` guard lines and v1model's ``#define V1MODEL_VERSION``, and
+skips architecture includes
 (``<core.p4>``, ``<v1model.p4>``, ``<tna.p4>``), whose type names are listed below instead. Any other directive
 is an error. P4 tells type names from other identifiers in the lexer (p4c keeps a table of declared types); here a
 scan of the declarations before the parse does the same, with one global scope.
@@ -48,6 +49,7 @@ ARCHITECTURE_INCLUDES = frozenset({"core.p4", "v1model.p4", "tna.p4"})
 
 _INCLUDE = re.compile(r'#include\s+(?:"([^"]+)"|<([^>]+)>)\s*$')
 _GUARD = re.compile(r"#(ifndef|define|endif)\b\s*(\w*)\s*$")
+_ARCHITECTURE_VERSION = re.compile(r"#define\s+V1MODEL_VERSION\s+\d+\s*$")  # selects v1model.p4's API
 _COMMENTS = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
 _DECLARED_TYPE = re.compile(
     r"\b(?:header|header_union|struct|enum(?:\s+bit\s*<\s*\d+\s*>)?|parser|control|package)\s+([A-Za-z_]\w*)"
@@ -80,7 +82,7 @@ class Source:
                     self._read((path.parent / include.group(1)).resolve(), seen)
                 elif include and include.group(2) in ARCHITECTURE_INCLUDES:
                     pass
-                elif not guard:
+                elif not guard and not _ARCHITECTURE_VERSION.match(stripped):
                     raise P4SyntaxError(f"{path}:{number}: unsupported preprocessor line {stripped!r}")
                 line = ""  # keeps the line numbers of what follows
             self.lines.append(line)
