@@ -37,9 +37,10 @@ ACTION_BODIES: dict[str, dict[str, str]] = {
     "next_step": {
         "open": "meta.step = STEP_OPEN;",
         "add": "meta.step = STEP_ADD;",
-        "resend": "meta.step = STEP_RESEND;\nmeta.retransmission = true;",
+        "resend": "meta.step = STEP_RESEND;",
         "drop_stale": "meta.drop_stat = STAT_DROP_STALE;",
-        "drop_duplicate_incomplete": "meta.drop_stat = STAT_DROP_DUPLICATE_INCOMPLETE;\nmeta.retransmission = true;"},
+        # a later pass may still lack the rank (a packet lost between passes): go on, decide at the last pass
+        "drop_duplicate_incomplete": "meta.duplicate = true;"},
     "data_bound": {
         "set_bound": "meta.k_limit = k_limit;\nmeta.k_finite = k_finite;\nmeta.bound_hit = true;",
         "no_bound": "meta.bound_hit = false;"},

@@ -64,11 +64,11 @@ class P4ModelCore(AggregatorCore):
     def _sync_state(self) -> None:
         """The registers the control plane reads (statistics, a rejoining rank's resume point, the idle timer)
         copied into the core's table and last-seen arrays."""
-        cells = self.model.registers.cells
+        cells, slot_cells = self.model.registers.cells, self.model.slot_cells
         rows = self.table.round_key.shape[0]
-        self.table.round_key[:] = cells["round_key"][:2 * rows].view(np.int64).reshape(rows, 2)
-        self.table.bitmap[:] = cells["worker_bitmap"][:2 * rows].reshape(rows, 2)
-        self.table.count[:] = cells["worker_count"][:2 * rows].reshape(rows, 2)
+        self.table.round_key[:] = slot_cells("round_key", 2 * rows).view(np.int64).reshape(rows, 2)
+        self.table.bitmap[:] = slot_cells("worker_bitmap", 2 * rows).reshape(rows, 2)
+        self.table.count[:] = slot_cells("worker_count", 2 * rows).reshape(rows, 2)
         jobs = self.jobs.last_seen.shape[0]
         seen = cells["member_seen"][:jobs * MAX_WORLD].reshape(jobs, MAX_WORLD) / 1e6
         np.maximum(self.jobs.last_seen, np.where(seen > 0, seen, -np.inf), out=self.jobs.last_seen)

@@ -8,20 +8,20 @@
 // open writes the packet's values, add raises next_exp. The owners travel to egress (bridged), which truncates
 // the replicas of ranks that are not among them; a re-send carries the round's code, not the request's.
 control Exponent(inout headers_t hdr, inout metadata_t meta) {
-    @name(".round_exp") register<bit<8>, slot_index_t>(SLOT_ENTRIES) round_exp;
-    @name(".round_next_exp") register<bit<8>, slot_index_t>(SLOT_ENTRIES) round_next_exp;
-    @name(".round_elements") register<bit<16>, slot_index_t>(SLOT_ENTRIES) round_elements;
-    @name(".round_owners") register<bit<8>, slot_index_t>(SLOT_ENTRIES) round_owners;
+    @name(".round_exp") register<bit<8>, lane_index_t>(LANE_ENTRIES) round_exp;
+    @name(".round_next_exp") register<bit<8>, lane_index_t>(LANE_ENTRIES) round_next_exp;
+    @name(".round_elements") register<bit<16>, lane_index_t>(LANE_ENTRIES) round_elements;
+    @name(".round_owners") register<bit<8>, lane_index_t>(LANE_ENTRIES) round_owners;
     bit<8> exp;
     bit<8> next_exp;
     bit<16> elements;
     bit<8> owners;
 
     apply {
-        round_exp.read(exp, (slot_index_t) meta.slot_index[9:0]);
-        round_next_exp.read(next_exp, (slot_index_t) meta.slot_index[9:0]);
-        round_elements.read(elements, (slot_index_t) meta.slot_index[9:0]);
-        round_owners.read(owners, (slot_index_t) meta.slot_index[9:0]);
+        round_exp.read(exp, meta.cell);
+        round_next_exp.read(next_exp, meta.cell);
+        round_elements.read(elements, meta.cell);
+        round_owners.read(owners, meta.cell);
         if (meta.step == STEP_ADD && hdr.intml.exp != exp) {
             meta.drop_stat = STAT_DROP_EXPONENT_MISMATCH;
             meta.step = STEP_NONE;
@@ -40,13 +40,13 @@ control Exponent(inout headers_t hdr, inout metadata_t meta) {
             next_exp = hdr.intml.next_exp;
             elements = hdr.intml.count;
             owners = hdr.intml.owners;
-            round_exp.write((slot_index_t) meta.slot_index[9:0], exp);
-            round_next_exp.write((slot_index_t) meta.slot_index[9:0], next_exp);
-            round_elements.write((slot_index_t) meta.slot_index[9:0], elements);
-            round_owners.write((slot_index_t) meta.slot_index[9:0], owners);
+            round_exp.write(meta.cell, exp);
+            round_next_exp.write(meta.cell, next_exp);
+            round_elements.write(meta.cell, elements);
+            round_owners.write(meta.cell, owners);
         } else if (meta.step == STEP_ADD && (int<8>) hdr.intml.next_exp > (int<8>) next_exp) {
             next_exp = hdr.intml.next_exp;
-            round_next_exp.write((slot_index_t) meta.slot_index[9:0], next_exp);
+            round_next_exp.write(meta.cell, next_exp);
         }
         meta.exp = exp;
         meta.next_exp = next_exp;

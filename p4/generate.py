@@ -12,6 +12,7 @@ differ from what it would write (tests/test_p4_generate.py runs the same compari
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -37,8 +38,10 @@ BUCKET_BITS = log2(L.CONTROL_SOURCE_BUCKETS)
 assert SLOT_BITS + PASS_BITS == LANE_BITS and JOB_BITS + RANK_BITS == MEMBER_BITS
 assert L.lane_index(1, 0) == L.MAX_PASSES  # lane cell = slot_index ++ pass_no
 assert 64 - L.BUCKET_SHIFT == BUCKET_BITS
-SLOT_INDEX = f"(slot_index_t) meta.slot_index[{SLOT_BITS - 1}:0]"
 LANE_INDEX = f"meta.slot_index[{SLOT_BITS - 1}:0] ++ meta.pass_no[{PASS_BITS - 1}:0]"
+BLOCK_BYTES = L.LANES_PER_PASS  # a pass of C_nat codes; an int32 pass is 4 blocks
+SKIP_BLOCKS = max(p * width for codec, width in ((Codec.CNAT8, 1), (Codec.INT32, 4))
+                  for p in range(L.MAX_LANES[codec] // L.LANES_PER_PASS))  # the last pass's blocks before it
 
 # This program's own constants beside layout.CONSTANTS (the syntax check compares those with layout's).
 PROGRAM_CONSTANTS = {
@@ -55,17 +58,23 @@ PROGRAM_CONSTANTS = {
 }
 
 
-def headers() -> str:
+def used_constants(texts: Iterable[str]) -> dict[str, int]:
+    """layout.CONSTANTS that ``texts`` (the program's other files) name: headers.p4 declares only these, since
+    p4c warns of an unused const."""
+    text = "\n".join(texts)
+    return {name: value for name, value in L.CONSTANTS.items() if re.search(rf"\b{name}\b", text)}
+
+
+def headers(constants: dict[str, int]) -> str:
     bridged = [(name, width) for name, width in L.BRIDGED] + [("in_port", 9)]
     return guard("HEADERS", f"""
-// ---- p4/layout.py's CONSTANTS (p4/syntax.py checks each against it)
-{chr(10).join(f"const int {name} = {value};" for name, value in L.CONSTANTS.items())}
+// ---- p4/layout.py's CONSTANTS that the program names (p4/syntax.py checks each against it)
+{chr(10).join(f"const int {name} = {value};" for name, value in constants.items())}
 
 // ---- this program's own
 {chr(10).join(f"const int {name} = {value};  // {why}" for name, (value, why) in PROGRAM_CONSTANTS.items())}
 
 typedef bit<{L.ADDR_BITS}> addr_key_t;  // IPv4 << 16 | UDP port (protocol.address)
-typedef bit<{SLOT_BITS}> slot_index_t;  // 2 * row + shadow: SLOT_ENTRIES cells
 typedef bit<{LANE_BITS}> lane_index_t;  // slot_index ++ pass_no: LANE_ENTRIES cells
 typedef bit<{MEMBER_BITS}> member_index_t;  // job_index ++ rank: MEMBER_ENTRIES cells
 typedef bit<{BUCKET_BITS}> bucket_t;  // the control meter's source buckets
@@ -86,16 +95,19 @@ header intml_h {{
 {chr(10).join(f"    bit<{bits}> {name};{'  // signed' if signed else ''}" for name, bits, signed in L.INTML_HEADER)}
 }}
 
-header code_h {{ bit<8> code; }}  // one C_nat code of the payload
-header word_h {{ bit<32> value; }}  // one int32 of the payload
+header block_h {{ bit<{8 * BLOCK_BYTES}> bytes; }}  // payload an earlier pass took, carried through unread
+header code_h {{ bit<8> code; }}  // one C_nat code of this pass
+header word_h {{ bit<32> value; }}  // one int32 of this pass
 
+// A pass parses only its own LANES_PER_PASS elements: those of earlier passes ride in opaque blocks before them
 struct headers_t {{
     ethernet_h ethernet;
     ipv4_h ipv4;
     udp_h udp;
     intml_h intml;
-    code_h[MAX_LANES_CNAT8] codes;
-    word_h[MAX_LANES_INT32] words;
+    block_h[{SKIP_BLOCKS}] done;
+    code_h[LANES_PER_PASS] codes;
+    word_h[LANES_PER_PASS] words;
 }}
 
 // one lane of a pass: the element it carries and what the lane's controls make of it
@@ -118,8 +130,11 @@ struct metadata_t {{
     // bridged: carried across recirculations (p4/layout.py BRIDGED; in_port is this program's: a re-send
     // leaves by the port its request came in)
 {chr(10).join(f"    @field_list({FIELD_LIST}) bit<{width}> {name};" for name, width in bridged)}
-    // pass 0's working state
+    // this pass's working state
     bit<16> remaining;  // the parser's count of payload elements left
+    bit<8> skip;  // the parser's count of blocks before this pass's elements
+    bit<8> lanes_left;  // the parser's count of this pass's lanes left
+    lane_index_t cell;  // slot_index ++ pass_no: this pass's cell of every per-(row, set, pass) register
     addr_key_t src_addr;
 {chr(10).join(f"    bit<{width}> {name};" for name, width in L.JOB_PARAMS if name != "job_index")}
     bit<8> codec;  // the job's codec
@@ -135,8 +150,8 @@ struct metadata_t {{
     bool is_data;  // a DATA packet past the header and job checks
     bool to_cpu;
     bit<8> drop_stat;  // the STAT_ index of the drop reason; 0 (packets_in): none
-    bool retransmission;
-    bool contribution;
+    bool duplicate;  // this pass already has the rank's contribution
+    bool last_pass;  // this pass is the round's last
     bool recirculate;
     bit<16> rid;  // egress: the replica (rank, or GROUP_RID) whose destination to write
 }}
@@ -161,25 +176,47 @@ parser IntmlParser(packet_in pkt, out headers_t hdr, inout metadata_t meta, inou
     // a datagram shorter than the header ends here with PacketTooShort: hdr.intml stays invalid (drop_short)
     state parse_intml {
         pkt.extract(hdr.intml);
-        meta.remaining = hdr.intml.count;
+        meta.remaining = hdr.intml.count - ((bit<16>) meta.pass_no << LANES_PER_PASS_LOG2);
+        meta.lanes_left = LANES_PER_PASS;
         transition select(hdr.intml.type, hdr.intml.codec, hdr.intml.count) {
             (_, _, 0): accept;
-            (TYPE_DATA, CODEC_CNAT8, _): parse_code;
-            (TYPE_DATA, CODEC_INT32, _): parse_word;
+            (TYPE_DATA, CODEC_CNAT8, _): skip_codes;
+            (TYPE_DATA, CODEC_INT32, _): skip_words;
             default: accept;
         }
     }
-    // count elements, one header each; a short payload or a count beyond the stack stops with an error, and the
-    // ingress drops the packet by its length (drop_wrong_count), as the aggregator core does
+    // pass p's elements follow the p * LANES_PER_PASS elements of the passes before: opaque blocks, carried through
+    state skip_codes {
+        meta.skip = meta.pass_no;
+        transition select(meta.skip) { 0: parse_code; default: skip_code_block; }
+    }
+    state skip_code_block {
+        pkt.extract(hdr.done.next);
+        meta.skip = meta.skip - 1;
+        transition select(meta.skip) { 0: parse_code; default: skip_code_block; }
+    }
+    state skip_words {
+        meta.skip = meta.pass_no << 2;  // an int32 is 4 bytes: 4 blocks a pass
+        transition select(meta.skip) { 0: parse_word; default: skip_word_block; }
+    }
+    state skip_word_block {
+        pkt.extract(hdr.done.next);
+        meta.skip = meta.skip - 1;
+        transition select(meta.skip) { 0: parse_word; default: skip_word_block; }
+    }
+    // this pass's elements, one header each; a short payload stops with an error, and the ingress drops the packet
+    // by its length (drop_wrong_count), as the aggregator core does; what follows the pass stays payload
     state parse_code {
         pkt.extract(hdr.codes.next);
         meta.remaining = meta.remaining - 1;
-        transition select(meta.remaining) { 0: accept; default: parse_code; }
+        meta.lanes_left = meta.lanes_left - 1;
+        transition select(meta.remaining, meta.lanes_left) { (0, _): accept; (_, 0): accept; default: parse_code; }
     }
     state parse_word {
         pkt.extract(hdr.words.next);
         meta.remaining = meta.remaining - 1;
-        transition select(meta.remaining) { 0: accept; default: parse_word; }
+        meta.lanes_left = meta.lanes_left - 1;
+        transition select(meta.remaining, meta.lanes_left) { (0, _): accept; (_, 0): accept; default: parse_word; }
     }
 }
 
@@ -203,6 +240,7 @@ control IntmlDeparser(packet_out pkt, in headers_t hdr) {
         pkt.emit(hdr.ipv4);
         pkt.emit(hdr.udp);
         pkt.emit(hdr.intml);
+        pkt.emit(hdr.done);
         pkt.emit(hdr.codes);
         pkt.emit(hdr.words);
     }
@@ -286,8 +324,10 @@ control Judge(inout headers_t hdr, inout metadata_t meta, inout standard_metadat
             }} else if (!membership.apply().hit) {{
                 meta.drop_stat = STAT_DROP_UNREGISTERED_SOURCE;
             }} else {{
-                member_seen.write(meta.job_index[{JOB_BITS - 1}:0] ++ hdr.intml.rank[{RANK_BITS - 1}:0],
-                                  sm.ingress_global_timestamp);
+                if (meta.pass_no == 0) {{
+                    member_seen.write(meta.job_index[{JOB_BITS - 1}:0] ++ hdr.intml.rank[{RANK_BITS - 1}:0],
+                                      sm.ingress_global_timestamp);
+                }}
                 if (!slot_table.apply().hit) {{
                     meta.drop_stat = STAT_DROP_SLOT_OUT_OF_RANGE;
                 }} else if (hdr.intml.codec != meta.codec) {{
@@ -308,6 +348,7 @@ control Judge(inout headers_t hdr, inout metadata_t meta, inout standard_metadat
                 }} else {{
                     meta.is_data = true;
                     meta.slot_index = (bit<16>) (meta.row[{SLOT_BITS - 2}:0] ++ hdr.intml.shadow[0:0]);
+                    meta.cell = {LANE_INDEX};
                     meta.rank = hdr.intml.rank;
                 }}
             }}
@@ -325,8 +366,8 @@ def worker_bitmap() -> str:
 // Order: read here, then WorkerCounter reads the count, NextStep decides, Exponent checks and writes, WorkerCounter
 // writes, and this control writes last: every check precedes every register write.
 control WorkerBitmap(inout headers_t hdr, inout metadata_t meta) {{
-    @name(".round_key") register<bit<64>, slot_index_t>(SLOT_ENTRIES) round_key;
-    @name(".worker_bitmap") register<bit<{L.MAX_WORLD}>, slot_index_t>(SLOT_ENTRIES) worker_bitmap;
+    @name(".round_key") register<bit<64>, lane_index_t>(LANE_ENTRIES) round_key;
+    @name(".worker_bitmap") register<bit<{L.MAX_WORLD}>, lane_index_t>(LANE_ENTRIES) worker_bitmap;
     WorkerCounter() worker_counter;
     bit<64> key;
     bit<64> current;
@@ -334,8 +375,8 @@ control WorkerBitmap(inout headers_t hdr, inout metadata_t meta) {{
 
     apply {{
         key = hdr.intml.allreduce ++ (hdr.intml.chunk ^ 0x80000000);  // allreduce << 32 | (chunk + 2**31)
-        round_key.read(current, {SLOT_INDEX});
-        worker_bitmap.read(bitmap, {SLOT_INDEX});
+        round_key.read(current, meta.cell);
+        worker_bitmap.read(bitmap, meta.cell);
         bit<32> ahead = key[63:32] - current[63:32];  // RFC 1982: newer iff 0 < ahead < 2**31
         meta.empty = bitmap == 0;
         if (meta.empty) {{
@@ -353,10 +394,10 @@ control WorkerBitmap(inout headers_t hdr, inout metadata_t meta) {{
         }}
         worker_counter.apply(hdr, meta);
         if (meta.step == STEP_OPEN) {{
-            round_key.write({SLOT_INDEX}, key);
-            worker_bitmap.write({SLOT_INDEX}, meta.worker_bit);
+            round_key.write(meta.cell, key);
+            worker_bitmap.write(meta.cell, meta.worker_bit);
         }} else if (meta.step == STEP_ADD) {{
-            worker_bitmap.write({SLOT_INDEX}, bitmap | meta.worker_bit);
+            worker_bitmap.write(meta.cell, bitmap | meta.worker_bit);
         }}
     }}
 }}
@@ -368,12 +409,12 @@ def worker_counter() -> str:
 // The contributions to the set's round: the state (EMPTY, FILLING, or COMPLETE at n), and on a contribution the
 // new count, which tells whether this packet completes the round.
 control WorkerCounter(inout headers_t hdr, inout metadata_t meta) {{
-    @name(".worker_count") register<bit<8>, slot_index_t>(SLOT_ENTRIES) worker_count;
+    @name(".worker_count") register<bit<8>, lane_index_t>(LANE_ENTRIES) worker_count;
     NextStep() next_step;
     bit<8> count;
 
     apply {{
-        worker_count.read(count, {SLOT_INDEX});
+        worker_count.read(count, meta.cell);
         if (meta.empty) {{
             meta.state = STATE_EMPTY;
         }} else if (count == meta.world) {{
@@ -386,8 +427,7 @@ control WorkerCounter(inout headers_t hdr, inout metadata_t meta) {{
             count = 0;  // a new round
         }}
         if (meta.step == STEP_OPEN || meta.step == STEP_ADD) {{
-            worker_count.write({SLOT_INDEX}, count + 1);
-            meta.contribution = true;
+            worker_count.write(meta.cell, count + 1);
             meta.completes = count + 1 == meta.world ? 1w1 : 1w0;
         }}
     }}
@@ -410,19 +450,19 @@ control NextStep(inout headers_t hdr, inout metadata_t meta) {{
     }}
 }}
 
-// The end of every pass: drop, recirculate for the next pass, or send the result (the RESULT header as the
-// aggregator core writes it): a completion to the job's multicast group (a replica per rank, or one for the
-// results group; a round with owners: the job's rank group, a replica per rank), a re-send back to the one rank.
+// The end of every pass: recirculate for the next pass, or, at the last, send the result (the RESULT header as
+// the aggregator core writes it) if every pass put the round's result into the packet (all_in): a completion to
+// the job's multicast group (a replica per rank, or one for the results group; a round with owners: the job's rank
+// group, a replica per rank), a re-send back to the one rank. Anything else is dropped: a duplicate, a contribution
+// that does not complete the round, or one that completed its last pass after another packet's passes
+// interleaved with it (the round is complete in every pass: the ranks' retransmissions read it).
 control Forward(inout headers_t hdr, inout metadata_t meta, inout standard_metadata_t sm) {{
     apply {{
-        bit<16> last_pass = meta.elements == 0 ? 16w0 : (meta.elements - 1) >> LANES_PER_PASS_LOG2;
-        if (meta.step == STEP_NONE) {{
-            mark_to_drop(sm);
-        }} else if ((bit<16>) meta.pass_no < last_pass) {{
+        if (!meta.last_pass) {{
             meta.pass_no = meta.pass_no + 1;
             meta.recirculate = true;
             sm.egress_spec = meta.in_port;  // egress recirculates it
-        }} else if (meta.step == STEP_RESEND || meta.completes == 1) {{
+        }} else if (meta.all_in == 1 && (meta.step == STEP_RESEND || meta.completes == 1)) {{
             hdr.intml.type = TYPE_RESULT;
             hdr.intml.owners = meta.owners;
             hdr.intml.rank = 0;
@@ -437,7 +477,7 @@ control Forward(inout headers_t hdr, inout metadata_t meta, inout standard_metad
                 sm.mcast_grp = (bit<16>) meta.job_index + 1;
             }}
         }} else {{
-            mark_to_drop(sm);  // a contribution that does not complete the round: consumed
+            mark_to_drop(sm);
         }}
     }}
 }}
@@ -452,20 +492,20 @@ def exponent() -> str:
 // open writes the packet's values, add raises next_exp. The owners travel to egress (bridged), which truncates
 // the replicas of ranks that are not among them; a re-send carries the round's code, not the request's.
 control Exponent(inout headers_t hdr, inout metadata_t meta) {{
-    @name(".round_exp") register<bit<8>, slot_index_t>(SLOT_ENTRIES) round_exp;
-    @name(".round_next_exp") register<bit<8>, slot_index_t>(SLOT_ENTRIES) round_next_exp;
-    @name(".round_elements") register<bit<16>, slot_index_t>(SLOT_ENTRIES) round_elements;
-    @name(".round_owners") register<bit<8>, slot_index_t>(SLOT_ENTRIES) round_owners;
+    @name(".round_exp") register<bit<8>, lane_index_t>(LANE_ENTRIES) round_exp;
+    @name(".round_next_exp") register<bit<8>, lane_index_t>(LANE_ENTRIES) round_next_exp;
+    @name(".round_elements") register<bit<16>, lane_index_t>(LANE_ENTRIES) round_elements;
+    @name(".round_owners") register<bit<8>, lane_index_t>(LANE_ENTRIES) round_owners;
     bit<8> exp;
     bit<8> next_exp;
     bit<16> elements;
     bit<8> owners;
 
     apply {{
-        round_exp.read(exp, {SLOT_INDEX});
-        round_next_exp.read(next_exp, {SLOT_INDEX});
-        round_elements.read(elements, {SLOT_INDEX});
-        round_owners.read(owners, {SLOT_INDEX});
+        round_exp.read(exp, meta.cell);
+        round_next_exp.read(next_exp, meta.cell);
+        round_elements.read(elements, meta.cell);
+        round_owners.read(owners, meta.cell);
         if (meta.step == STEP_ADD && hdr.intml.exp != exp) {{
             meta.drop_stat = STAT_DROP_EXPONENT_MISMATCH;
             meta.step = STEP_NONE;
@@ -484,13 +524,13 @@ control Exponent(inout headers_t hdr, inout metadata_t meta) {{
             next_exp = hdr.intml.next_exp;
             elements = hdr.intml.count;
             owners = hdr.intml.owners;
-            round_exp.write({SLOT_INDEX}, exp);
-            round_next_exp.write({SLOT_INDEX}, next_exp);
-            round_elements.write({SLOT_INDEX}, elements);
-            round_owners.write({SLOT_INDEX}, owners);
+            round_exp.write(meta.cell, exp);
+            round_next_exp.write(meta.cell, next_exp);
+            round_elements.write(meta.cell, elements);
+            round_owners.write(meta.cell, owners);
         }} else if (meta.step == STEP_ADD && (int<8>) hdr.intml.next_exp > (int<8>) next_exp) {{
             next_exp = hdr.intml.next_exp;
-            round_next_exp.write({SLOT_INDEX}, next_exp);
+            round_next_exp.write(meta.cell, next_exp);
         }}
         meta.exp = exp;
         meta.next_exp = next_exp;
@@ -502,13 +542,14 @@ control Exponent(inout headers_t hdr, inout metadata_t meta) {{
 
 
 def cnat_decode(static: list) -> str:
-    codes = "\n".join(f"        meta.lanes_ok = meta.lanes_ok && (!hdr.codes[{j}].isValid() "
-                      f"|| code_ok(hdr.codes[{j}].code, meta.k_limit));" for j in range(L.MAX_LANES[Codec.CNAT8]))
-    words = "\n".join(f"        meta.lanes_ok = meta.lanes_ok && (!hdr.words[{j}].isValid() "
-                      f"|| word_ok(hdr.words[{j}].value, meta.value_limit));" for j in range(L.MAX_LANES[Codec.INT32]))
+    codes = lanes(lambda j: f"            if (hdr.codes[{j}].isValid() && !code_ok(hdr.codes[{j}].code, meta.k_limit)) "
+                            "{ meta.lanes_ok = false; }")
+    words = lanes(lambda j: f"            if (hdr.words[{j}].isValid() && !word_ok(hdr.words[{j}].value, meta.value_limit)) "
+                            "{ meta.lanes_ok = false; }")
     return guard("CNAT_DECODE", f"""
-// Pass 0 checks every element of the packet, stateless, before any register is written (a packet with one bad
-// element changes nothing: drop_invalid_code). A C_nat code passes iff it is 0, or has the NONZERO bit and
+// Every pass checks its elements, stateless, before any register of the pass is written (a pass with one bad
+// element changes nothing: drop_invalid_code; the passes before it keep the rank's lanes, as a packet lost between
+// passes does, and a retransmission adds only the passes that lack it). A C_nat code passes iff it is 0, or has the NONZERO bit and
 // k < k_limit, the bound of (value bits s(n), exp) from data_bound (protocol.arith.data_k_max + 1); an int32
 // passes iff |value| <= 2**s(n).
 bool code_ok(in bit<8> code, in bit<8> k_limit) {{
@@ -522,22 +563,14 @@ bool word_ok(in bit<32> value, in bit<32> limit) {{
 control LaneCheck(inout headers_t hdr, inout metadata_t meta) {{
 {table("data_bound", static)}
 
-    action check_codes() {{
-        meta.lanes_ok = meta.bound_hit;
-{codes}
-    }}
-
-    action check_words() {{
-        meta.lanes_ok = true;
-{words}
-    }}
-
     apply {{
         data_bound.apply();
         if (hdr.intml.codec == CODEC_CNAT8) {{
-            check_codes();
+            meta.lanes_ok = meta.bound_hit;
+{codes}
         }} else {{
-            check_words();
+            meta.lanes_ok = true;
+{words}
         }}
     }}
 }}
@@ -605,36 +638,30 @@ control LaneEncode(inout lane_t lane, in lane_index_t cell, in bit<2> step, in b
 
 
 def lanes_p4() -> str:
-    def moves(kind: str, p: int, load: bool) -> str:
-        stack, field, lane_field = ("codes", "code", "code") if kind == "codes" else ("words", "value", "value")
-        lines = []
-        for i in range(L.LANES_PER_PASS):
-            j = p * L.LANES_PER_PASS + i
-            if load:
-                lines += [f"        lanes.l{i}.active = hdr.{stack}[{j}].isValid();",
-                          f"        lanes.l{i}.{lane_field} = hdr.{stack}[{j}].{field};"]
-            else:
-                out = "code" if kind == "codes" else "sum"
-                lines.append(f"        hdr.{stack}[{j}].{field} = lanes.l{i}.{out};")
-        return "\n".join(lines)
+    def moves(kind: str, load: bool) -> str:
+        field, lane_field = ("code", "code") if kind == "codes" else ("value", "value")
+        if load:  # every field: the lanes are a fresh local of the pass
+            other = "value" if kind == "codes" else "code"
+            return lanes(lambda i: f"        lanes.l{i}.active = hdr.{kind}[{i}].isValid();\n"
+                                   f"        lanes.l{i}.{lane_field} = hdr.{kind}[{i}].{field};\n"
+                                   f"        lanes.l{i}.{other} = 0;\n"
+                                   + "".join(f"        lanes.l{i}.{f} = 0;\n" for f in ("sum", "sign", "magnitude", "rand"))
+                                   + f"        lanes.l{i}.saturated = false;")
+        out = "code" if kind == "codes" else "sum"
+        return lanes(lambda i: f"        hdr.{kind}[{i}].{field} = lanes.l{i}.{out};")
 
     def control(name: str, load: bool, why: str) -> str:
-        actions, chain = [], []
-        for kind, codec in (("codes", "CODEC_CNAT8"), ("words", "CODEC_INT32")):
-            for p in range(-(-L.MAX_LANES[Codec.CNAT8 if kind == "codes" else Codec.INT32] // L.LANES_PER_PASS)):
-                action = f"{'load' if load else 'store'}_{kind}_{p}"
-                actions.append(f"    action {action}() {{\n{moves(kind, p, load)}\n    }}")
-                chain.append(f"if (hdr.intml.codec == {codec} && pass_no == {p}) {{ {action}(); }}")
-        params = "in headers_t hdr, in bit<8> pass_no, inout lanes_t lanes" if load else \
-            "inout headers_t hdr, in bit<8> pass_no, in lanes_t lanes"
+        verb = "load" if load else "store"
+        actions = [f"    action {verb}_{kind}() {{\n{moves(kind, load)}\n    }}" for kind in ("codes", "words")]
+        params = "in headers_t hdr, out lanes_t lanes" if load else "inout headers_t hdr, in lanes_t lanes"
         return (f"// {why}\ncontrol {name}({params}) {{\n" + "\n\n".join(actions)
-                + "\n\n    apply {\n        " + "\n        else ".join(chain) + "\n    }\n}\n")
+                + f"\n\n    apply {{\n        if (hdr.intml.codec == CODEC_CNAT8) {{ {verb}_codes(); }} "
+                  f"else {{ {verb}_words(); }}\n    }}\n}}\n")
 
     return guard("LANES", "\n" + control(
-        "LoadLanes", True, "The elements of this pass (pass p: elements [p * LANES_PER_PASS, ...)) into the\n// "
-        "lanes; constant stack indices, one action per (codec, pass).") + "\n" + control(
-        "StoreLanes", False, "The lanes' results back into this pass's elements of the packet (the RESULT "
-        "payload)."))
+        "LoadLanes", True, "This pass's elements (the parser put them first in the stacks) into the lanes.")
+        + "\n" + control("StoreLanes", False, "The lanes' results back into this pass's elements of the packet "
+                                               "(the RESULT payload)."))
 
 
 def egress() -> str:
@@ -687,8 +714,8 @@ def intml() -> str:
         (("LaneDecode", "cnat_decode"), ("LaneAggregate", "lane_aggregate"), ("LaneEncode", "cnat_encode")))
     per_lane = lanes(lambda i: f"""            if (lanes.l{i}.active) {{
                 if (cnat8 && meta.step != STEP_RESEND) {{ cnat_decode_{i}.apply(lanes.l{i}); }}
-                lane_aggregate_{i}.apply(lanes.l{i}, cell, meta.step);
-                if (cnat8) {{ cnat_encode_{i}.apply(lanes.l{i}, cell, meta.step, meta.completes, meta.k_finite); }}
+                lane_aggregate_{i}.apply(lanes.l{i}, meta.cell, meta.step);
+                if (cnat8) {{ cnat_encode_{i}.apply(lanes.l{i}, meta.cell, meta.step, meta.completes, meta.k_finite); }}
                 if (lanes.l{i}.saturated) {{ count_job(STAT_SATURATED_ELEMENTS); }}
             }}""")
     includes = "\n".join(f'#include "{name}.p4"' for name in V1MODEL_FILES if name != "intml")
@@ -722,40 +749,62 @@ control IntmlIngress(inout headers_t hdr, inout metadata_t meta, inout standard_
                 exit;
             }}
             core_counter.count(STAT_PACKETS_IN);
-            meta.src_addr = hdr.ipv4.src_addr ++ hdr.udp.src_port;
             meta.in_port = sm.ingress_port;
-            judge.apply(hdr, meta, sm);
-            if (meta.job_known) {{
-                count_job(STAT_PACKETS_IN);
-            }}
-            if (meta.is_data) {{
-                lane_check.apply(hdr, meta);
-                worker_bitmap.apply(hdr, meta);  // then WorkerCounter, NextStep, Exponent
-                if (meta.retransmission) {{ count_job(STAT_RETRANSMISSIONS); }}
-                if (meta.step == STEP_RESEND) {{ count_job(STAT_RESULTS_RESENT); }}
-                if (meta.contribution) {{ count_job(STAT_CONTRIBUTIONS); }}
-                if (meta.completes == 1) {{ count_job(STAT_COMPLETIONS); }}
-            }}
-            if (meta.drop_stat != 0) {{
-                if (meta.job_known) {{
-                    count_job(meta.drop_stat);
-                }} else {{
-                    core_counter.count((bit<32>) meta.drop_stat);
-                }}
-            }}
-            if (meta.to_cpu) {{
-                sm.egress_spec = CPU_PORT;
-                exit;
-            }}
+            meta.all_in = 1;
         }}
+        // every pass judges the packet again (stateless) and decides against its own (row, set, pass) state
+        meta.src_addr = hdr.ipv4.src_addr ++ hdr.udp.src_port;
+        meta.step = STEP_NONE;
+        meta.completes = 0;
+        judge.apply(hdr, meta, sm);
+        if (meta.job_known && meta.pass_no == 0) {{
+            count_job(STAT_PACKETS_IN);
+        }}
+        if (meta.is_data) {{
+            lane_check.apply(hdr, meta);
+            worker_bitmap.apply(hdr, meta);  // then WorkerCounter, NextStep, Exponent
+        }}
+        if (meta.drop_stat != 0) {{
+            if (meta.job_known) {{
+                count_job(meta.drop_stat);
+            }} else {{
+                core_counter.count((bit<32>) meta.drop_stat);
+            }}
+            mark_to_drop(sm);
+            exit;
+        }}
+        if (meta.to_cpu) {{
+            sm.egress_spec = CPU_PORT;
+            exit;
+        }}
+        if (!meta.is_data) {{
+            mark_to_drop(sm);
+            exit;
+        }}
+        if (meta.step != STEP_RESEND && meta.completes == 0) {{
+            meta.all_in = 0;
+        }}
+        meta.last_pass = meta.elements == 0
+            || (bit<16>) meta.pass_no >= (meta.elements - 1) >> LANES_PER_PASS_LOG2;
         if (meta.step != STEP_NONE) {{
             bool cnat8 = hdr.intml.codec == CODEC_CNAT8;
-            lane_index_t cell = {LANE_INDEX};
             lanes_t lanes;
-            load_lanes.apply(hdr, meta.pass_no, lanes);
+            load_lanes.apply(hdr, lanes);
 {per_lane}
             if (meta.step == STEP_RESEND || meta.completes == 1) {{
-                store_lanes.apply(hdr, meta.pass_no, lanes);
+                store_lanes.apply(hdr, lanes);
+            }}
+        }}
+        if (meta.last_pass) {{  // the packet's statistics, by its last pass's decision
+            if (meta.duplicate) {{
+                count_job(STAT_RETRANSMISSIONS);
+                count_job(STAT_DROP_DUPLICATE_INCOMPLETE);
+            }} else if (meta.step == STEP_RESEND) {{
+                count_job(STAT_RETRANSMISSIONS);
+                if (meta.all_in == 1) {{ count_job(STAT_RESULTS_RESENT); }}
+            }} else if (meta.step != STEP_NONE) {{
+                count_job(STAT_CONTRIBUTIONS);
+                if (meta.completes == 1) {{ count_job(STAT_COMPLETIONS); }}
             }}
         }}
         forward.apply(hdr, meta, sm);
@@ -769,7 +818,8 @@ V1Switch(IntmlParser(), IntmlVerifyChecksum(), IntmlIngress(), IntmlEgress(), In
 
 # file name (without .p4) -> text; the include order of intml.p4 (a control is declared before its user)
 V1MODEL_FILES: dict[str, Callable[[list], str]] = {
-    "headers": lambda static: headers(),
+    "headers": lambda static: headers(used_constants(
+        render(static) for name, render in V1MODEL_FILES.items() if name != "headers")),
     "parser": lambda static: parser(),
     "control_meter": lambda static: control_meter(),
     "job_table": lambda static: job_table(),

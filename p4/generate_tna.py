@@ -30,6 +30,8 @@ def types() -> str:
     codes = "\n".join(f"    bit<8> c{i};" for i in range(LANES))
     values = "\n".join(f"    bit<32> v{i};" for i in range(LANES))
     return guard("TNA_TYPES", f"""
+const int SLOT_ENTRIES = {L.SLOT_ENTRIES};  // p4/layout.py: the sketch keeps one slot state per (row, set)
+typedef bit<{SLOT_BITS}> slot_index_t;  // 2 * row + shadow: SLOT_ENTRIES cells
 const int RECIRCULATION_PORT = 68;  // Tofino-1 pipe 0's recirculation port (an assumption of the sketch)
 const int PHASE_CONSUME = 0;  // the pass adds its lanes
 const int PHASE_HARVEST_FIRST = 1;  // the pass reads back the first lanes of its register pairs

@@ -99,8 +99,10 @@ control Judge(inout headers_t hdr, inout metadata_t meta, inout standard_metadat
             } else if (!membership.apply().hit) {
                 meta.drop_stat = STAT_DROP_UNREGISTERED_SOURCE;
             } else {
-                member_seen.write(meta.job_index[5:0] ++ hdr.intml.rank[5:0],
-                                  sm.ingress_global_timestamp);
+                if (meta.pass_no == 0) {
+                    member_seen.write(meta.job_index[5:0] ++ hdr.intml.rank[5:0],
+                                      sm.ingress_global_timestamp);
+                }
                 if (!slot_table.apply().hit) {
                     meta.drop_stat = STAT_DROP_SLOT_OUT_OF_RANGE;
                 } else if (hdr.intml.codec != meta.codec) {
@@ -121,6 +123,7 @@ control Judge(inout headers_t hdr, inout metadata_t meta, inout standard_metadat
                 } else {
                     meta.is_data = true;
                     meta.slot_index = (bit<16>) (meta.row[8:0] ++ hdr.intml.shadow[0:0]);
+                    meta.cell = meta.slot_index[9:0] ++ meta.pass_no[3:0];
                     meta.rank = hdr.intml.rank;
                 }
             }

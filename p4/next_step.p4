@@ -20,13 +20,11 @@ control NextStep(inout headers_t hdr, inout metadata_t meta) {
     }
 
     action drop_duplicate_incomplete() {
-        meta.drop_stat = STAT_DROP_DUPLICATE_INCOMPLETE;
-        meta.retransmission = true;
+        meta.duplicate = true;
     }
 
     action resend() {
         meta.step = STEP_RESEND;
-        meta.retransmission = true;
     }
 
     @name(".next_step")
@@ -53,19 +51,19 @@ control NextStep(inout headers_t hdr, inout metadata_t meta) {
     }
 }
 
-// The end of every pass: drop, recirculate for the next pass, or send the result (the RESULT header as the
-// aggregator core writes it): a completion to the job's multicast group (a replica per rank, or one for the
-// results group; a round with owners: the job's rank group, a replica per rank), a re-send back to the one rank.
+// The end of every pass: recirculate for the next pass, or, at the last, send the result (the RESULT header as
+// the aggregator core writes it) if every pass put the round's result into the packet (all_in): a completion to
+// the job's multicast group (a replica per rank, or one for the results group; a round with owners: the job's rank
+// group, a replica per rank), a re-send back to the one rank. Anything else is dropped: a duplicate, a contribution
+// that does not complete the round, or one that completed its last pass after another packet's passes
+// interleaved with it (the round is complete in every pass: the ranks' retransmissions read it).
 control Forward(inout headers_t hdr, inout metadata_t meta, inout standard_metadata_t sm) {
     apply {
-        bit<16> last_pass = meta.elements == 0 ? 16w0 : (meta.elements - 1) >> LANES_PER_PASS_LOG2;
-        if (meta.step == STEP_NONE) {
-            mark_to_drop(sm);
-        } else if ((bit<16>) meta.pass_no < last_pass) {
+        if (!meta.last_pass) {
             meta.pass_no = meta.pass_no + 1;
             meta.recirculate = true;
             sm.egress_spec = meta.in_port;  // egress recirculates it
-        } else if (meta.step == STEP_RESEND || meta.completes == 1) {
+        } else if (meta.all_in == 1 && (meta.step == STEP_RESEND || meta.completes == 1)) {
             hdr.intml.type = TYPE_RESULT;
             hdr.intml.owners = meta.owners;
             hdr.intml.rank = 0;
@@ -80,7 +78,7 @@ control Forward(inout headers_t hdr, inout metadata_t meta, inout standard_metad
                 sm.mcast_grp = (bit<16>) meta.job_index + 1;
             }
         } else {
-            mark_to_drop(sm);  // a contribution that does not complete the round: consumed
+            mark_to_drop(sm);
         }
     }
 }

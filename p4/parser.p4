@@ -18,25 +18,47 @@ parser IntmlParser(packet_in pkt, out headers_t hdr, inout metadata_t meta, inou
     // a datagram shorter than the header ends here with PacketTooShort: hdr.intml stays invalid (drop_short)
     state parse_intml {
         pkt.extract(hdr.intml);
-        meta.remaining = hdr.intml.count;
+        meta.remaining = hdr.intml.count - ((bit<16>) meta.pass_no << LANES_PER_PASS_LOG2);
+        meta.lanes_left = LANES_PER_PASS;
         transition select(hdr.intml.type, hdr.intml.codec, hdr.intml.count) {
             (_, _, 0): accept;
-            (TYPE_DATA, CODEC_CNAT8, _): parse_code;
-            (TYPE_DATA, CODEC_INT32, _): parse_word;
+            (TYPE_DATA, CODEC_CNAT8, _): skip_codes;
+            (TYPE_DATA, CODEC_INT32, _): skip_words;
             default: accept;
         }
     }
-    // count elements, one header each; a short payload or a count beyond the stack stops with an error, and the
-    // ingress drops the packet by its length (drop_wrong_count), as the aggregator core does
+    // pass p's elements follow the p * LANES_PER_PASS elements of the passes before: opaque blocks, carried through
+    state skip_codes {
+        meta.skip = meta.pass_no;
+        transition select(meta.skip) { 0: parse_code; default: skip_code_block; }
+    }
+    state skip_code_block {
+        pkt.extract(hdr.done.next);
+        meta.skip = meta.skip - 1;
+        transition select(meta.skip) { 0: parse_code; default: skip_code_block; }
+    }
+    state skip_words {
+        meta.skip = meta.pass_no << 2;  // an int32 is 4 bytes: 4 blocks a pass
+        transition select(meta.skip) { 0: parse_word; default: skip_word_block; }
+    }
+    state skip_word_block {
+        pkt.extract(hdr.done.next);
+        meta.skip = meta.skip - 1;
+        transition select(meta.skip) { 0: parse_word; default: skip_word_block; }
+    }
+    // this pass's elements, one header each; a short payload stops with an error, and the ingress drops the packet
+    // by its length (drop_wrong_count), as the aggregator core does; what follows the pass stays payload
     state parse_code {
         pkt.extract(hdr.codes.next);
         meta.remaining = meta.remaining - 1;
-        transition select(meta.remaining) { 0: accept; default: parse_code; }
+        meta.lanes_left = meta.lanes_left - 1;
+        transition select(meta.remaining, meta.lanes_left) { (0, _): accept; (_, 0): accept; default: parse_code; }
     }
     state parse_word {
         pkt.extract(hdr.words.next);
         meta.remaining = meta.remaining - 1;
-        transition select(meta.remaining) { 0: accept; default: parse_word; }
+        meta.lanes_left = meta.lanes_left - 1;
+        transition select(meta.remaining, meta.lanes_left) { (0, _): accept; (_, 0): accept; default: parse_word; }
     }
 }
 
@@ -60,6 +82,7 @@ control IntmlDeparser(packet_out pkt, in headers_t hdr) {
         pkt.emit(hdr.ipv4);
         pkt.emit(hdr.udp);
         pkt.emit(hdr.intml);
+        pkt.emit(hdr.done);
         pkt.emit(hdr.codes);
         pkt.emit(hdr.words);
     }

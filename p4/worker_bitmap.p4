@@ -8,8 +8,8 @@
 // Order: read here, then WorkerCounter reads the count, NextStep decides, Exponent checks and writes, WorkerCounter
 // writes, and this control writes last: every check precedes every register write.
 control WorkerBitmap(inout headers_t hdr, inout metadata_t meta) {
-    @name(".round_key") register<bit<64>, slot_index_t>(SLOT_ENTRIES) round_key;
-    @name(".worker_bitmap") register<bit<64>, slot_index_t>(SLOT_ENTRIES) worker_bitmap;
+    @name(".round_key") register<bit<64>, lane_index_t>(LANE_ENTRIES) round_key;
+    @name(".worker_bitmap") register<bit<64>, lane_index_t>(LANE_ENTRIES) worker_bitmap;
     WorkerCounter() worker_counter;
     bit<64> key;
     bit<64> current;
@@ -17,8 +17,8 @@ control WorkerBitmap(inout headers_t hdr, inout metadata_t meta) {
 
     apply {
         key = hdr.intml.allreduce ++ (hdr.intml.chunk ^ 0x80000000);  // allreduce << 32 | (chunk + 2**31)
-        round_key.read(current, (slot_index_t) meta.slot_index[9:0]);
-        worker_bitmap.read(bitmap, (slot_index_t) meta.slot_index[9:0]);
+        round_key.read(current, meta.cell);
+        worker_bitmap.read(bitmap, meta.cell);
         bit<32> ahead = key[63:32] - current[63:32];  // RFC 1982: newer iff 0 < ahead < 2**31
         meta.empty = bitmap == 0;
         if (meta.empty) {
@@ -36,10 +36,10 @@ control WorkerBitmap(inout headers_t hdr, inout metadata_t meta) {
         }
         worker_counter.apply(hdr, meta);
         if (meta.step == STEP_OPEN) {
-            round_key.write((slot_index_t) meta.slot_index[9:0], key);
-            worker_bitmap.write((slot_index_t) meta.slot_index[9:0], meta.worker_bit);
+            round_key.write(meta.cell, key);
+            worker_bitmap.write(meta.cell, meta.worker_bit);
         } else if (meta.step == STEP_ADD) {
-            worker_bitmap.write((slot_index_t) meta.slot_index[9:0], bitmap | meta.worker_bit);
+            worker_bitmap.write(meta.cell, bitmap | meta.worker_bit);
         }
     }
 }
