@@ -31,7 +31,6 @@ control LaneCheck(inout headers_t hdr, inout metadata_t meta) {
         key = { meta.value_bits : exact; hdr.intml.exp : exact; }
         actions = { set_bound; no_bound; }
         const default_action = no_bound();
-        size = 1785;
         const entries = {
             (8w24, 8w128) : set_bound(8w0, 8w63);
             (8w24, 8w130) : set_bound(8w24, 8w63);
@@ -1974,7 +1973,6 @@ control LaneDecode(inout lane_t lane) {
         key = { lane.code : exact; }
         actions = { decode; invalid_code; }
         const default_action = invalid_code();
-        size = 256;
         const entries = {
             8w0 : decode(32w0);
             8w64 : decode(32w1);

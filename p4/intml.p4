@@ -16,6 +16,7 @@
 #include "lanes.p4"
 #include "lane_aggregate.p4"
 #include "cnat_encode.p4"
+#include "forward.p4"
 #include "egress.p4"
 
 control IntmlIngress(inout headers_t hdr, inout metadata_t meta, inout standard_metadata_t sm) {
