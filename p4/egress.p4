@@ -47,6 +47,14 @@ control IntmlEgress(inout headers_t hdr, inout metadata_t meta, inout standard_m
                 meta.rid = sm.egress_rid;
             }
             if (egress_dest.apply().hit) {
+                // the copy's Ethernet addresses: from the switch (the address the workers sent to) to the rank,
+                // or to the results group's IPv4 multicast address
+                hdr.ethernet.src_addr = hdr.ethernet.dst_addr;
+                if (meta.rid == GROUP_RID) {
+                    hdr.ethernet.dst_addr = 24w0x01005e ++ 1w0 ++ hdr.ipv4.dst_addr[22:0];
+                } else {
+                    member_mac.read(hdr.ethernet.dst_addr, meta.job_index[5:0] ++ meta.rid[5:0]);
+                }
                 job_counter.count((bit<32>) meta.job_index * N_STATS + STAT_PACKETS_OUT);
                 bit<8> owner_code = meta.owners - 1;
                 bit<8> first = 2w0 ++ owner_code[5:0];

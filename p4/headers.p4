@@ -20,6 +20,7 @@ const int LANES_PER_PASS = 64;
 const int LANE_ENTRIES = 16384;
 const int MAX_JOBS = 64;
 const int N_STATS = 31;
+const int GROUP_RID = 65535;
 const int RANK_GROUP_BASE = 64;
 const int NONZERO = 64;
 const int K_MASK = 63;

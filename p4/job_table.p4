@@ -4,6 +4,10 @@
 // Header validation, then the packet against its job, in the aggregator core's order (protocol.slot_reference
 // _validate and _check): each failing check sets the drop reason and stops. Core-scope reasons are counted in
 // core_counter, the rest in the job's counters.
+// A rank's Ethernet address, learned from its packets here and written into its result copies by IntmlEgress:
+// at top level, so that both controls share it.
+@name(".member_mac") register<bit<48>, member_index_t>(MEMBER_ENTRIES) member_mac;
+
 control Judge(inout headers_t hdr, inout metadata_t meta, inout standard_metadata_t sm) {
     @name(".member_seen") register<bit<48>, member_index_t>(MEMBER_ENTRIES) member_seen;
     ControlMeter() control_meter;
@@ -101,6 +105,7 @@ control Judge(inout headers_t hdr, inout metadata_t meta, inout standard_metadat
                 if (meta.pass_no == 0) {
                     member_seen.write(meta.job_index[5:0] ++ hdr.intml.rank[5:0],
                                       sm.ingress_global_timestamp);
+                    member_mac.write(meta.job_index[5:0] ++ hdr.intml.rank[5:0], hdr.ethernet.src_addr);
                 }
                 if (!slot_table.apply().hit) {
                     meta.drop_stat = STAT_DROP_SLOT_OUT_OF_RANGE;

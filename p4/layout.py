@@ -157,6 +157,8 @@ REGISTERS = (
     Register("lane_sum", LANE_ENTRIES, 32, LANES_PER_PASS, doc="the lane's 32-bit sum (int32 mode: the result)"),
     Register("lane_code", LANE_ENTRIES, 8, LANES_PER_PASS, doc="C_nat: the lane's result code, for re-sends"),
     Register("member_seen", MEMBER_ENTRIES, TIMESTAMP_BITS, doc="last packet of (job index, rank), microseconds"),
+    Register("member_mac", MEMBER_ENTRIES, 48,
+             doc="(job index, rank)'s Ethernet address, from its packets: each result copy's destination"),
     Register("control_source_tat", CONTROL_SOURCE_BUCKETS, 64, doc="GCRA TAT of a source-hash bucket, ns"),
     Register("control_core_tat", 1, 64, doc="GCRA TAT of the core's bucket, ns"),
 )

@@ -394,11 +394,12 @@ _INDEX_ARGUMENT = {"read": 1, "write": 0, "execute": 0}  # register.read(out val
 def check_register_indexes(tree: Tree) -> list[str]:
     """Errors for a register whose index type does not fit its size, or an index of another width."""
     types, errors = _Types(tree), []
+    shared = _top_level(tree)
     for control in _declarations(tree, "control_declaration"):
         scope = _scope(_parameters(control.children[0]))
         registers: dict[str, tuple[int, int]] = {}  # name -> (index width, size)
         actions: dict[str, str] = {}  # TNA RegisterAction name -> its register
-        for decl in control.children:
+        for decl in [*shared, *control.children]:
             if not (isinstance(decl, Tree) and decl.data in ("instantiation", "variable_declaration")):
                 continue
             if decl.data == "variable_declaration":
@@ -470,17 +471,27 @@ def _child_token(node: Tree) -> Token:
     return next(c for c in node.children if isinstance(c, Token) and c.type == "IDENTIFIER")
 
 
+def _top_level(tree: Tree) -> list[Tree]:
+    """The program's top-level instantiations (a register that ingress and egress share)."""
+    return [decl for top in tree.children if isinstance(top, Tree)
+            for decl in ([top] if top.data == "instantiation" else top.children)
+            if isinstance(decl, Tree) and decl.data == "instantiation"]
+
+
 def registers(tree: Tree) -> dict[str, dict]:
-    """Every register: name -> value width, index width, size (cells) and the declaring control."""
+    """Every register: name -> value width, index width, size (cells) and the declaring control ("" at top
+    level)."""
     types, out = _Types(tree), {}
-    for control in _declarations(tree, "control_declaration"):
+    top = Tree("control_declaration", [Tree("name", [Token("NAME", "")]), *_top_level(tree)])
+    for control in [top, *_declarations(tree, "control_declaration")]:
         for decl in (c for c in control.children if isinstance(c, Tree) and c.data == "instantiation"):
             type_ref = _type_ref(decl)
             if _type_name(decl) in ("register", "Register") and type_ref.data == "specialized_type":
                 value, index = type_ref.children[1].children
                 args = [a for a in _child(decl, "argument_list").children if a is not None]
                 out[_decl_name(decl)] = {"width": types.width(value), "index": types.width(index),
-                                         "size": types.value(args[0]), "control": _decl_name(control)}
+                                         "size": types.value(args[0]),
+                                         "control": _decl_name(control) if control is not top else ""}
     return out
 
 

@@ -3,7 +3,7 @@ on a veth port; the controller's entries for a joined job go in through ``simple
 (p4.entries.cli_commands); packet streams are sent one frame at a time, and every datagram the switch sends back
 (its UDP payload and destination) is compared, byte for byte, with what the pipeline model sends for the same
 frame. Streams of several passes (recirculation), completions (multicast), re-sends, duplicates, stale packets and
-an invalid code, both codecs. C_nat streams give every rank the same codes, so each sum is a power of two and its
+an invalid code, both codecs; each copy carries the switch's and its rank's Ethernet addresses. C_nat streams give every rank the same codes, so each sum is a power of two and its
 encoding needs no random bits (the shipped program keeps v1model's random()). Skipped, saying why, without root,
 ``ip``, the tools or the ``thrift`` package."""
 
@@ -32,6 +32,7 @@ from intml.protocol.address import addr_key_of, addr_of
 from intml.protocol.wire import NO_EXP, Codec, MsgType
 
 SWITCH_IP = "10.77.0.1"
+SWITCH_MAC = b"\x02\0\0\0\0\x01"
 PORT = 1  # the one switch port: every rank behind it (the multicast nodes are on it too)
 THRIFT = 9090
 QUIET_S = 3.0  # a frame's output is complete after this long without another (BMv2 under load)
@@ -127,8 +128,14 @@ def switch(program: Path, tmp_path: Path):
         sw.close()
 
 
+def mac_of(key: int) -> bytes:
+    """A worker's Ethernet address: one per address key."""
+    return b"\x02\x01" + (key & 0xFFFFFFFF).to_bytes(4, "big")
+
+
 def frame(datagram: bytes, source: int) -> bytes:
-    """Ethernet, IPv4 (checksum computed) and UDP (no checksum) around a datagram from address key ``source``."""
+    """Ethernet (from the worker's address to the switch's), IPv4 (checksum computed) and UDP (no checksum) around
+    a datagram from address key ``source``."""
     ip, port = addr_of(source)
     udp = port.to_bytes(2, "big") + wire.DEFAULT_PORT.to_bytes(2, "big") + (8 + len(datagram)).to_bytes(2, "big")
     udp += b"\0\0"
@@ -138,7 +145,7 @@ def frame(datagram: bytes, source: int) -> bytes:
     while total >> 16:
         total = (total & 0xFFFF) + (total >> 16)
     header[10:12] = (~total & 0xFFFF).to_bytes(2, "big")
-    return b"\x02\0\0\0\0\x01" + b"\x02\0\0\0\0\x02" + b"\x08\x00" + bytes(header) + udp + datagram
+    return SWITCH_MAC + mac_of(source) + b"\x08\x00" + bytes(header) + udp + datagram
 
 
 def unframe(data: bytes) -> tuple[bytes, int]:
@@ -186,3 +193,5 @@ def test_bmv2_sends_what_the_model_sends(switch: Switch, tmp_path: Path, codec: 
     assert sum(len(e) for e in expected) >= 5
     for i, (want, have) in enumerate(zip(expected, got)):
         assert sorted(unframe(f) for f in have) == sorted(want), f"frame {i}"
+        for f in have:  # each copy from the switch to its rank's Ethernet address, as a NIC accepts it
+            assert f[:6] == mac_of(unframe(f)[1]) and f[6:12] == SWITCH_MAC, f"frame {i}"
