@@ -1,6 +1,9 @@
 # Two commands on a fresh machine: `make demo` and `make test`. Both create .venv and install what they need;
 # the stamp makes a second run skip the install unless pyproject.toml or this Makefile changed.
 PYTHON ?= python3
+# p4c and BMv2 built for these machines, where the checkout sits beside ../shared (the P4 compile and BMv2 tests
+# use them; without them those tests are skipped, saying so)
+P4TOOLS := $(wildcard ../shared/p4tools)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -15,13 +18,17 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,torch,plot,train]'
+	@if [ -n "$(P4TOOLS)" ] && [ "$$(id -u)" = 0 ]; then \
+		(apt-get update -qq && apt-get install -y -qq $$(grep -v '^#' $(P4TOOLS)/runtime-packages.txt) >/dev/null \
+		 && $(PY) -m pip install -q --disable-pip-version-check thrift) \
+		|| echo "could not install p4tools' runtime packages: the P4 compile and BMv2 tests will be skipped"; fi
 	touch $@
 
 demo: $(STAMP)
 	$(VENV)/bin/intml-testbed demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	PATH="$(if $(P4TOOLS),$(abspath $(P4TOOLS))/bin:)$$PATH" $(PY) -m pytest -q
 
 # The fast inner loop: the in-process tests only (docs/testing.md). Every test under tests/torch and tests/gpu is
 # torch or gpu: not collecting them saves importing torch and numba's CUDA target.

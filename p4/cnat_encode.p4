@@ -5,7 +5,8 @@
 // On the completing contribution, one lane's sum -> its C_nat code, stored for every re-send (which reads it):
 // the leading one b of |sum| by a ternary table, then encode_b<b> rounds stochastically with v1model's random
 // extern, so the round is encoded once and a retransmission can never change it.
-control LaneEncode(inout lane_t lane, in metadata_t meta) {
+control LaneEncode(inout lane_t lane, in lane_index_t cell, in bit<2> step, in bit<1> completes,
+                   in bit<8> k_finite) {
     register<bit<8>, lane_index_t>(LANE_ENTRIES) lane_code;
 
     action encode_b0() {
@@ -144,7 +145,6 @@ control LaneEncode(inout lane_t lane, in metadata_t meta) {
         key = { lane.magnitude : ternary; }
         actions = { encode_b0; encode_b1; encode_b2; encode_b3; encode_b4; encode_b5; encode_b6; encode_b7; encode_b8; encode_b9; encode_b10; encode_b11; encode_b12; encode_b13; encode_b14; encode_b15; encode_b16; encode_b17; encode_b18; encode_b19; encode_b20; encode_b21; encode_b22; encode_b23; encode_b24; encode_b25; encode_b26; encode_b27; encode_b28; encode_b29; encode_b30; encode_b31; encode_zero; }
         const default_action = encode_zero();
-        size = 32;
         const entries = {
             32w1 &&& 32w0xffffffff : encode_b0();
             32w2 &&& 32w0xfffffffe : encode_b1();
@@ -182,15 +182,14 @@ control LaneEncode(inout lane_t lane, in metadata_t meta) {
     }
 
     apply {
-        lane_index_t cell = meta.slot_index[9:0] ++ meta.pass_no[3:0];
-        if (meta.step == STEP_RESEND) {
+        if (step == STEP_RESEND) {
             lane_code.read(lane.code, cell);
-        } else if (meta.completes == 1) {
+        } else if (completes == 1) {
             lane.sign = lane.sum[31:31] ++ 7w0;
             lane.magnitude = lane.sum[31:31] == 1 ? -lane.sum : lane.sum;
             random<bit<32>>(lane.rand, 0, 0xFFFFFFFF);
             leading_one.apply();
-            lane.saturated = (lane.code & K_MASK) > meta.k_finite;
+            lane.saturated = (lane.code & K_MASK) > k_finite;
             lane_code.write(cell, lane.code);
         }
     }

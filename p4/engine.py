@@ -115,11 +115,14 @@ class P4DataPath:
 
     def round_state(self, job_id: int) -> RoundState:
         rows = self.placed[job_id].rows
-        cells = self.model.registers.cells
         span = slice(2 * rows.start, 2 * rows.stop)
-        return RoundState(read_only(cells["round_key"][span].view(np.int64).reshape(-1, 2)),
-                          read_only(cells["worker_bitmap"][span].reshape(-1, 2)),
-                          read_only(cells["worker_count"][span].reshape(-1, 2)))
+
+        def cells(name: str) -> np.ndarray:  # pass 0's cells of the job's (row, set)s: where a round opens first
+            return self.model.slot_cells(name, span.stop)[span]
+
+        return RoundState(read_only(cells("round_key").view(np.int64).reshape(-1, 2)),
+                          read_only(cells("worker_bitmap").reshape(-1, 2)),
+                          read_only(cells("worker_count").reshape(-1, 2)))
 
     def last_seen(self, job_id: int) -> np.ndarray:
         j = self.placed[job_id].index

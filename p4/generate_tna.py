@@ -30,6 +30,8 @@ def types() -> str:
     codes = "\n".join(f"    bit<8> c{i};" for i in range(LANES))
     values = "\n".join(f"    bit<32> v{i};" for i in range(LANES))
     return guard("TNA_TYPES", f"""
+const int SLOT_ENTRIES = {L.SLOT_ENTRIES};  // p4/layout.py: the sketch keeps one slot state per (row, set)
+typedef bit<{SLOT_BITS}> slot_index_t;  // 2 * row + shadow: SLOT_ENTRIES cells
 const int RECIRCULATION_PORT = 68;  // Tofino-1 pipe 0's recirculation port (an assumption of the sketch)
 const int PHASE_CONSUME = 0;  // the pass adds its lanes
 const int PHASE_HARVEST_FIRST = 1;  // the pass reads back the first lanes of its register pairs
@@ -119,7 +121,11 @@ control SlotState(inout tna_headers_t hdr, inout tna_metadata_t ig_md) {{
         void apply(inout pair_t value, out bit<8> order) {{
             if (hdr.intml.allreduce - value.first == 0 && (hdr.intml.chunk ^ 0x80000000) == value.second) {{
                 order = ORDER_SAME;
-            }} else if (hdr.intml.allreduce - value.first < 0x80000000 && ig_md.lanes_ok) {{
+            }} else if (((hdr.intml.allreduce - value.first != 0 && hdr.intml.allreduce - value.first < 0x80000000)
+                        || (hdr.intml.allreduce == value.first && (hdr.intml.chunk ^ 0x80000000) > value.second))
+                       && ig_md.lanes_ok) {{
+                // newer: a later allreduce (RFC 1982), or a later chunk of the same one; an older chunk of the
+                // same allreduce is OLDER, as in the v1model program and the kernel
                 order = ORDER_NEWER;
                 value.first = hdr.intml.allreduce;
                 value.second = hdr.intml.chunk ^ 0x80000000;

@@ -2,7 +2,7 @@
 #ifndef _INTML_HEADERS_
 #define _INTML_HEADERS_
 
-// ---- p4/layout.py's CONSTANTS (p4/syntax.py checks each against it)
+// ---- p4/layout.py's CONSTANTS that the program names (p4/syntax.py checks each against it)
 const int MAGIC = 18766;
 const int VERSION = 1;
 const int TYPE_DATA = 1;
@@ -17,22 +17,13 @@ const int EXP_MIN = -126;
 const int EXP_MAX = 127;
 const int HEADER_BYTES = 26;
 const int LANES_PER_PASS = 64;
-const int MAX_PASSES = 16;
-const int MAX_PAYLOAD_BYTES = 1024;
-const int MAX_LANES_CNAT8 = 1024;
-const int MAX_LANES_INT32 = 256;
-const int ROWS = 512;
-const int SLOT_ENTRIES = 1024;
 const int LANE_ENTRIES = 16384;
 const int MAX_JOBS = 64;
-const int MAX_WORLD = 64;
 const int N_STATS = 32;
 const int GROUP_RID = 65535;
 const int RANK_GROUP_BASE = 64;
-const int SIGN = 128;
 const int NONZERO = 64;
 const int K_MASK = 63;
-const int K_MAX = 63;
 const int CONTROL_SOURCE_BUCKETS = 1024;
 const int BUCKET_SHIFT = 54;
 const int STEP_NONE = 0;
@@ -53,7 +44,6 @@ const int STAT_COMPLETIONS = 3;
 const int STAT_RETRANSMISSIONS = 4;
 const int STAT_RESULTS_RESENT = 5;
 const int STAT_SATURATED_ELEMENTS = 6;
-const int STAT_DROP_TRUNCATED = 7;
 const int STAT_DROP_SHORT = 8;
 const int STAT_DROP_BAD_MAGIC = 9;
 const int STAT_DROP_BAD_VERSION = 10;
@@ -70,14 +60,8 @@ const int STAT_DROP_EXPONENT_MISMATCH = 20;
 const int STAT_DROP_INVALID_CODE = 21;
 const int STAT_DROP_STALE = 22;
 const int STAT_DROP_DUPLICATE_INCOMPLETE = 23;
-const int STAT_DROP_BAD_MAC = 24;
-const int STAT_DROP_BAD_CONTROL = 25;
-const int STAT_DROP_REFUSED_JOIN = 26;
-const int STAT_DROP_LEAVE_NON_MEMBER = 27;
 const int STAT_DROP_CONTROL_RATE = 28;
-const int STAT_SEND_FAILED = 29;
 const int STAT_DROP_BAD_OWNER = 30;
-const int STAT_NONFINITE_ELEMENTS = 31;
 
 // ---- this program's own
 const int INTML_PORT = 48879;  // protocol.wire.DEFAULT_PORT: the aggregator's UDP port
@@ -92,7 +76,6 @@ const int MEMBER_ENTRIES = 4096;  // layout.MEMBER_ENTRIES: member_seen's cells
 const int HASH_MULTIPLIER = 11400714819323198485;  // layout.HASH_MULTIPLIER: the control meter's Fibonacci hash
 
 typedef bit<48> addr_key_t;  // IPv4 << 16 | UDP port (protocol.address)
-typedef bit<10> slot_index_t;  // 2 * row + shadow: SLOT_ENTRIES cells
 typedef bit<14> lane_index_t;  // slot_index ++ pass_no: LANE_ENTRIES cells
 typedef bit<12> member_index_t;  // job_index ++ rank: MEMBER_ENTRIES cells
 typedef bit<10> bucket_t;  // the control meter's source buckets
@@ -126,16 +109,19 @@ header intml_h {
     bit<8> next_exp;  // signed
 }
 
-header code_h { bit<8> code; }  // one C_nat code of the payload
-header word_h { bit<32> value; }  // one int32 of the payload
+header block_h { bit<512> bytes; }  // payload an earlier pass took, carried through unread
+header code_h { bit<8> code; }  // one C_nat code of this pass
+header word_h { bit<32> value; }  // one int32 of this pass
 
+// A pass parses only its own LANES_PER_PASS elements: those of earlier passes ride in opaque blocks before them
 struct headers_t {
     ethernet_h ethernet;
     ipv4_h ipv4;
     udp_h udp;
     intml_h intml;
-    code_h[MAX_LANES_CNAT8] codes;
-    word_h[MAX_LANES_INT32] words;
+    block_h[15] done;
+    code_h[LANES_PER_PASS] codes;
+    word_h[LANES_PER_PASS] words;
 }
 
 // one lane of a pass: the element it carries and what the lane's controls make of it
@@ -231,9 +217,13 @@ struct metadata_t {
     @field_list(1) bit<8> exp;
     @field_list(1) bit<8> next_exp;
     @field_list(1) bit<8> k_finite;
+    @field_list(1) bit<1> all_in;
     @field_list(1) bit<9> in_port;
-    // pass 0's working state
+    // this pass's working state
     bit<16> remaining;  // the parser's count of payload elements left
+    bit<8> skip;  // the parser's count of blocks before this pass's elements
+    bit<8> lanes_left;  // the parser's count of this pass's lanes left
+    lane_index_t cell;  // slot_index ++ pass_no: this pass's cell of every per-(row, set, pass) register
     addr_key_t src_addr;
     bit<8> world;
     bit<8> value_bits;
@@ -255,11 +245,10 @@ struct metadata_t {
     bool is_data;  // a DATA packet past the header and job checks
     bool to_cpu;
     bit<8> drop_stat;  // the STAT_ index of the drop reason; 0 (packets_in): none
-    bool retransmission;
-    bool contribution;
+    bool duplicate;  // this pass already has the rank's contribution
+    bool last_pass;  // this pass is the round's last
     bool recirculate;
     bit<16> rid;  // egress: the replica (rank, or GROUP_RID) whose destination to write
-    lanes_t lanes;
 }
 
 #endif

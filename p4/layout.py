@@ -39,7 +39,12 @@ exponent and element count). A completion of a round with owners leaves through 
 learn that the round completed), a re-send through the requester's port; in egress each replica whose rank is
 not among the round's owners is truncated to the RESULT header with count 0 (the header-only completion).
 
-Slot state. ``slot_index = 2 * row + shadow`` indexes the per-(row, set) registers. The state is EMPTY (bitmap
+Slot state. ``slot_index = 2 * row + shadow``; every pass of a packet keeps its own state, in registers indexed
+by ``lane_index(slot_index, pass_no)`` as the lanes are, and decides again: a pass never trusts what an earlier
+pass decided, since another packet's passes may have run in between (on BMv2 each egress port has its thread), and
+a packet lost between passes leaves later passes without its bit, so its retransmission adds exactly the passes it
+missed. The result leaves at the last pass if every pass put the round's result into the packet (``all_in``);
+otherwise the round is complete and the ranks' retransmissions read it. The state is EMPTY (bitmap
 0), COMPLETE (count = n) or FILLING; the event is OLDER / SAME_NEW_RANK / SAME_KNOWN_RANK / NEWER
 (aggregator.slots' codes: serial-number order on the allreduce, then chunk + 2**31 unsigned, then the rank's
 bit); the exact table ``next_step`` maps (state, event) to the action, its entries written from
@@ -136,16 +141,18 @@ class Register:
 
 
 REGISTERS = (
-    Register("round_key", SLOT_ENTRIES, 64, doc="allreduce << 32 | (chunk + 2**31) of the set's round"),
-    Register("worker_bitmap", SLOT_ENTRIES, MAX_WORLD, doc="bit r: rank r contributed to the round; 0: EMPTY"),
-    Register("worker_count", SLOT_ENTRIES, 8, doc="contributions to the round (n: COMPLETE)"),
-    Register("round_exp", SLOT_ENTRIES, 8, doc="the round's agreed exponent (int8 bits)"),
-    Register("round_next_exp", SLOT_ENTRIES, 8, doc="max of the contributions' next_exp (int8 bits)"),
-    Register("round_elements", SLOT_ENTRIES, 16, doc="the round's element count"),
-    Register("round_owners", SLOT_ENTRIES, 8, doc="the round's owners code (0: every rank)"),
+    Register("round_key", LANE_ENTRIES, 64, doc="allreduce << 32 | (chunk + 2**31) of the set's round"),
+    Register("worker_bitmap", LANE_ENTRIES, MAX_WORLD, doc="bit r: rank r contributed to the round; 0: EMPTY"),
+    Register("worker_count", LANE_ENTRIES, 8, doc="contributions to the round (n: COMPLETE)"),
+    Register("round_exp", LANE_ENTRIES, 8, doc="the round's agreed exponent (int8 bits)"),
+    Register("round_next_exp", LANE_ENTRIES, 8, doc="max of the contributions' next_exp (int8 bits)"),
+    Register("round_elements", LANE_ENTRIES, 16, doc="the round's element count"),
+    Register("round_owners", LANE_ENTRIES, 8, doc="the round's owners code (0: every rank)"),
     Register("lane_sum", LANE_ENTRIES, 32, LANES_PER_PASS, doc="the lane's 32-bit sum (int32 mode: the result)"),
     Register("lane_code", LANE_ENTRIES, 8, LANES_PER_PASS, doc="C_nat: the lane's result code, for re-sends"),
     Register("member_seen", MEMBER_ENTRIES, TIMESTAMP_BITS, doc="last packet of (job index, rank), microseconds"),
+    Register("member_mac", MEMBER_ENTRIES, 48,
+             doc="(job index, rank)'s Ethernet address, from its packets: each result copy's destination"),
     Register("control_source_tat", CONTROL_SOURCE_BUCKETS, 64, doc="GCRA TAT of a source-hash bucket, ns"),
     Register("control_core_tat", 1, 64, doc="GCRA TAT of the core's bucket, ns"),
 )
@@ -222,8 +229,8 @@ MULTICAST_GROUPS = 2 * MAX_JOBS  # v1model mcast_grp: job index + 1, and the ran
 # ---- bridged metadata (carried across recirculations) --------------------------------------------------------
 BRIDGED = (
     ("pass_no", 8),  # this pass's number, 0 first
-    ("step", STEP_BITS),  # the decision of pass 0: STEP_OPEN / STEP_ADD (contribute) or STEP_RESEND
-    ("completes", 1),  # the contribution completes the round: encode and send the result
+    ("step", STEP_BITS),  # this pass's decision: STEP_OPEN / STEP_ADD (contribute), STEP_RESEND or STEP_NONE
+    ("completes", 1),  # this pass's contribution completes the pass's round: encode and store the result
     ("job_index", 8),
     ("rank", 8),  # the sender's rank (a re-send's destination)
     ("owners", 8),  # the round's owners code: which replicas carry the payload
@@ -232,6 +239,7 @@ BRIDGED = (
     ("exp", 8),  # the round's exponent and next_exp, for the RESULT header
     ("next_exp", 8),
     ("k_finite", 8),  # from data_bound: result lanes with k above it count saturated_elements
+    ("all_in", 1),  # every pass so far put the round's result into the packet (completed it, or read it)
 )
 
 

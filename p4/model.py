@@ -14,15 +14,18 @@ adds 0 and its flags (the code, or the word - INT32_MIN) go into a per-lane 2-bi
 (written on open, ORed on add); the completing pass emits a lane with flags as its flags' code (int32: word) in
 place of the re-encoded sum, and counts it (nonfinite_elements).
 
-A packet's passes run back to back here; on a switch other packets' passes interleave. Pass p touches only
-the lanes of pass p, and recirculation keeps packets in order, so each pass sees the packets in the order pass 0
-did, and the sums and results are the same.
+``receive`` runs a packet's passes back to back; ``enter`` yields after each pass, so that a test can interleave
+the passes of several packets (as BMv2's egress threads do: each egress port has its own) or drop a packet
+between passes (a full queue). Every pass decides against its own (row, set, pass) state, as a switch must, so
+neither changes a round's result: an interleaved completion sends nothing and the ranks' retransmissions read
+the complete round; a packet lost between passes is repaired by its retransmission, which adds exactly the passes
+that lack its rank.
 """
 
 from __future__ import annotations
 
 from collections import namedtuple
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
 import numpy as np
@@ -70,6 +73,7 @@ _U32 = 0xFFFFFFFF
 
 
 Bridged = namedtuple("Bridged", [name for name, _ in BRIDGED])  # the metadata a recirculation carries
+Sent = list[tuple[bytes, int]]  # datagrams out, (bytes, destination address key)
 
 
 class JobHit(NamedTuple):
@@ -145,11 +149,15 @@ class PipelineModel:
         core's registration does the same), no packet seen from its ranks."""
         cells = self.registers.cells
         cells["member_seen"][index * MAX_WORLD:(index + 1) * MAX_WORLD] = 0
-        for x in (0, 1):
-            index = slice(2 * rows.start + x, 2 * rows.stop, 2)
-            cells["round_key"][index] = np.uint64(2**64 - 1)
-            cells["worker_bitmap"][index] = 0
-            cells["worker_count"][index] = 0
+        index = slice(lane_index(2 * rows.start, 0), lane_index(2 * rows.stop, 0))  # both sets, every pass
+        cells["round_key"][index] = np.uint64(2**64 - 1)
+        cells["worker_bitmap"][index] = 0
+        cells["worker_count"][index] = 0
+
+    def slot_cells(self, name: str, slots: int) -> np.ndarray:
+        """A per-(row, set, pass) register's pass-0 cells of the first ``slots`` (row, set)s, by slot index: where
+        a round opens first (what the control plane reads as the slot's state)."""
+        return self.registers.cells[name][lane_index(0, 0):lane_index(slots, 0):lane_index(1, 0)]
 
     def counters(self, job_index: int | None = None) -> dict[str, int]:
         """The counters by name (protocol.stats.STAT_NAMES): a job index's, or the core's."""
@@ -161,7 +169,14 @@ class PipelineModel:
         self.in_burst = 0
 
     # ---- the packet path -----------------------------------------------------------------------------------
-    def receive(self, datagram: bytes | None, addr: int, now: float) -> list[tuple[bytes, int]]:
+    def receive(self, datagram: bytes | None, addr: int, now: float) -> Sent:
+        """The packet's passes back to back: the datagrams it sends."""
+        return next(sent for sent in self.enter(datagram, addr, now) if sent is not None)
+
+    def enter(self, datagram: bytes | None, addr: int, now: float) -> Iterator[Sent | None]:
+        """The packet's passes, one per ``next``: None after a pass that recirculates, then the datagrams it sends
+        (possibly none) after its last. Interleave several packets' iterators to run their passes as a switch's
+        threads may; drop one between passes by no longer advancing it."""
         self.last_passes = 1
         core = self.core_counter
         core[STAT["packets_in"]] += 1
@@ -171,22 +186,26 @@ class PipelineModel:
                 self.control.append((datagram, addr))
             else:
                 core[STAT["drop_control_rate"]] += 1
-            return []
+            yield []
+            return
         if reason:
             core[STAT[reason]] += 1
-            return []
+            yield []
+            return
         action, params = self.tables.lookup("job_table", (h["job"],))
         if action == "unknown_job":
             core[STAT["drop_unknown_job"]] += 1
-            return []
+            yield []
+            return
         job = JobHit(*params, *((Codec.CNAT8, 1) if action == "set_job_cnat8" else (Codec.INT32, 4)))
         counter = self.job_counter[job.job_index]
         counter[STAT["packets_in"]] += 1
         reason, row = self._check(h, addr, len(datagram), job, now)
         if reason:
             counter[STAT[reason]] += 1
-            return []
-        return self._slot(h, datagram, job, 2 * row + h["shadow"])
+            yield []
+            return
+        yield from self._slot(h, datagram, job, 2 * row + h["shadow"])
 
     @staticmethod
     def _parse(datagram: bytes | None) -> tuple[str, dict]:
@@ -244,87 +263,113 @@ class PipelineModel:
             return "drop_bad_owner", 0
         return "", params[0]
 
-    def _lanes_ok(self, payload: bytes, job: JobHit, exp: int) -> bool:
-        """Pass 0's check of every lane, before any register is written."""
+    def _lanes_ok(self, payload: bytes, job: JobHit, exp: int, pass_no: int) -> bool:
+        """LaneCheck: this pass's lanes, before any register is written."""
+        lo = pass_no * LANES_PER_PASS * job.width
+        chunk = payload[lo:lo + LANES_PER_PASS * job.width]
         if job.codec == Codec.INT32:
-            values = np.frombuffer(payload, ">i4")
+            values = np.frombuffer(chunk, ">i4")
             return bool(np.all((values >= -job.value_limit) & (values <= job.value_limit) | (_flags_of(values) > 0)))
         action, (k_limit, _) = self.tables.lookup("data_bound", (job.value_bits, exp & 0xFF))
-        codes = np.frombuffer(payload, np.uint8)
+        codes = np.frombuffer(chunk, np.uint8)
         return action == "set_bound" and bool((lane_ok(codes, k_limit) | (_flags_of(codes) > 0)).all())
 
-    def _slot(self, h: dict, datagram: bytes, job: JobHit, slot_index: int) -> list[tuple[bytes, int]]:
-        """The slot's state (pass 0), then the lanes, pass by pass, then the result's egress."""
-        regs, counter, world = self.registers, self.job_counter[job.job_index], job.world
+    def _slot(self, h: dict, datagram: bytes, job: JobHit, slot_index: int) -> Iterator[Sent | None]:
+        """The packet's passes: each decides against its own (row, set, pass) state, then runs its lanes; None
+        after a pass that recirculates, the datagrams sent (or []) after the last one."""
+        bridged = Bridged(pass_no=0, step=STEP_NONE, completes=False, job_index=job.job_index, rank=h["rank"],
+                          owners=0, slot_index=slot_index, elements=0, exp=0, next_exp=0, k_finite=0, all_in=True)
+        out = bytearray(HEADER_SIZE + job.width * h["count"])
+        while True:
+            bridged, action, reason = self._state(h, datagram[HEADER_SIZE:], job, bridged)
+            if reason:
+                self.job_counter[job.job_index][STAT[reason]] += 1
+                yield []
+                return
+            out = self._pass(bridged, h, job, datagram[HEADER_SIZE:], out)
+            if bridged.pass_no + 1 < passes(bridged.elements):
+                self.last_passes += 1
+                yield None  # egress recirculates it
+                bridged = bridged._replace(pass_no=bridged.pass_no + 1)
+                continue
+            yield self._forward(bridged, action, h, job, out)
+            return
+
+    def _state(self, h: dict, payload: bytes, job: JobHit, bridged: Bridged) -> tuple[Bridged, str, str]:
+        """WorkerBitmap, WorkerCounter, NextStep, Exponent and LaneCheck for this pass: (bridged, the next_step
+        action, a drop reason or ""). A duplicate of this pass goes on to the next one without touching it (its
+        rank may be missing from a later pass: a packet lost between passes)."""
+        regs, world, cell = self.registers, job.world, lane_index(bridged.slot_index, bridged.pass_no)
         key = h["allreduce"] << 32 | ((h["chunk"] + (1 << 31)) & _U32)
         bit = 1 << h["rank"]
-        bitmap, count = regs.read("worker_bitmap", slot_index), regs.read("worker_count", slot_index)
+        bitmap, count = regs.read("worker_bitmap", cell), regs.read("worker_count", cell)
         state = EMPTY if bitmap == 0 else COMPLETE if count == world else FILLING
-        order = "NEWER" if bitmap == 0 else _serial_event(key, regs.read("round_key", slot_index))
+        order = "NEWER" if bitmap == 0 else _serial_event(key, regs.read("round_key", cell))
         event = order if order != "SAME" else "SAME_KNOWN_RANK" if bitmap & bit else "SAME_NEW_RANK"
         action, _ = self.tables.lookup("next_step", (STATE_CODES[state], EVENT_CODES[event]))
         if action == DROP_STALE:
-            counter[STAT["drop_stale"]] += 1
-            return []
+            return bridged, action, "drop_stale"
+        exp = h["exp"]
+        if action == ADD:
+            mismatch = ("drop_exponent_mismatch" if exp != _int8(regs.read("round_exp", cell))
+                        else "drop_wrong_count" if h["count"] != regs.read("round_elements", cell)
+                        else "drop_bad_owner" if h["owners"] != regs.read("round_owners", cell) else "")
+            if mismatch:
+                return bridged, action, mismatch
+        if action in (OPEN, ADD) and not self._lanes_ok(payload, job, exp, bridged.pass_no):
+            return bridged, action, "drop_invalid_code"
+        completes = False
+        if action == OPEN:
+            regs.write("round_key", cell, key)
+            regs.write("round_exp", cell, exp)
+            regs.write("round_elements", cell, h["count"])
+            regs.write("round_next_exp", cell, h["next_exp"])
+            regs.write("round_owners", cell, h["owners"])
+            bitmap, count = 0, 0
+        elif action == ADD:
+            regs.write("round_next_exp", cell, max(_int8(regs.read("round_next_exp", cell)), h["next_exp"]))
+        if action in (OPEN, ADD):
+            regs.write("worker_bitmap", cell, bitmap | bit)
+            regs.write("worker_count", cell, count + 1)
+            completes = count + 1 == world
+        round_exp = regs.read("round_exp", cell)
+        _, (_, k_finite) = self.tables.lookup("data_bound", (job.value_bits, round_exp))
+        step = _STEP_OF.get(action, STEP_NONE)
+        return bridged._replace(
+            step=step, completes=completes, owners=regs.read("round_owners", cell),
+            elements=regs.read("round_elements", cell), exp=_int8(round_exp),
+            next_exp=_int8(regs.read("round_next_exp", cell)), k_finite=k_finite,
+            all_in=bridged.all_in and (completes or step == STEP_RESEND)), action, ""
+
+    def _forward(self, bridged: Bridged, action: str, h: dict, job: JobHit, out: bytearray) -> Sent:
+        """The last pass's end: the packet's statistics by its last decision, then the result (a completion or a
+        re-send whose every pass put the round's result into the packet), or nothing."""
+        counter = self.job_counter[job.job_index]
         if action in (DROP_DUPLICATE, RESEND):
             counter[STAT["retransmissions"]] += 1
             if action == DROP_DUPLICATE:
                 counter[STAT["drop_duplicate_incomplete"]] += 1
                 return []
-            counter[STAT["results_resent"]] += 1
-        exp = h["exp"]
-        if action == ADD:
-            mismatch = ("drop_exponent_mismatch" if exp != _int8(regs.read("round_exp", slot_index))
-                        else "drop_wrong_count" if h["count"] != regs.read("round_elements", slot_index)
-                        else "drop_bad_owner" if h["owners"] != regs.read("round_owners", slot_index) else "")
-            if mismatch:
-                counter[STAT[mismatch]] += 1
-                return []
-        payload = datagram[HEADER_SIZE:]
-        if action != RESEND and not self._lanes_ok(payload, job, exp):
-            counter[STAT["drop_invalid_code"]] += 1
-            return []
-        completes = False
-        if action == OPEN:
-            regs.write("round_key", slot_index, key)
-            regs.write("round_exp", slot_index, exp)
-            regs.write("round_elements", slot_index, h["count"])
-            regs.write("round_next_exp", slot_index, h["next_exp"])
-            regs.write("round_owners", slot_index, h["owners"])
-            bitmap, count = 0, 0
-        elif action == ADD:
-            regs.write("round_next_exp", slot_index, max(_int8(regs.read("round_next_exp", slot_index)),
-                                                         h["next_exp"]))
-        if action in (OPEN, ADD):
-            regs.write("worker_bitmap", slot_index, bitmap | bit)
-            regs.write("worker_count", slot_index, count + 1)
+        else:
             counter[STAT["contributions"]] += 1
-            completes = count + 1 == world
-            if completes:
-                counter[STAT["completions"]] += 1
-        round_exp = regs.read("round_exp", slot_index)
-        _, (_, k_finite) = self.tables.lookup("data_bound", (job.value_bits, round_exp))
-        bridged = Bridged(pass_no=0, step=_STEP_OF.get(action, STEP_NONE), completes=completes,
-                          job_index=job.job_index, rank=h["rank"], owners=regs.read("round_owners", slot_index),
-                          slot_index=slot_index, elements=regs.read("round_elements", slot_index),
-                          exp=_int8(round_exp), next_exp=_int8(regs.read("round_next_exp", slot_index)),
-                          k_finite=k_finite)
-        out = bytearray(HEADER_SIZE + job.width * bridged.elements)
-        self.last_passes = passes(bridged.elements)
-        for pass_no in range(self.last_passes):  # pass 0, then a recirculation per further pass
-            self._pass(bridged._replace(pass_no=pass_no), h, job, payload, out)
-        if bridged.step != STEP_RESEND and not completes:
-            return []  # consumed
+            counter[STAT["completions"]] += bridged.completes
+        if not bridged.all_in:
+            return []  # consumed; or the result is complete in every pass, and retransmissions read it
+        if action == RESEND:
+            counter[STAT["results_resent"]] += 1
         return self._egress(bridged, h, job, out)
 
-    def _pass(self, bridged: Bridged, h: dict, job: JobHit, payload: bytes, out: bytearray) -> None:
+    def _pass(self, bridged: Bridged, h: dict, job: JobHit, payload: bytes, out: bytearray) -> bytearray:
         """One pass over lanes [pass_no * LANES_PER_PASS, ...): add (or write) them into lane_sum and, on the
-        completing contribution, re-encode the new sums into lane_code; a re-send reads the stored result.
-        The lanes of the result go into ``out``'s payload."""
+        contribution that completes this pass's round, re-encode the new sums into lane_code; a re-send reads the
+        stored result. The lanes of the result go into ``out``'s payload (resized to the round's elements)."""
+        if len(out) != HEADER_SIZE + job.width * bridged.elements:
+            out = out[:HEADER_SIZE + job.width * bridged.elements].ljust(HEADER_SIZE + job.width * bridged.elements,
+                                                                         b"\0")
         lo = bridged.pass_no * LANES_PER_PASS
         n = min(LANES_PER_PASS, bridged.elements - lo)
-        if n <= 0:
-            return
+        if n <= 0 or bridged.step == STEP_NONE:
+            return out
         cell = lane_index(bridged.slot_index, bridged.pass_no)
         sums, codes = self.registers.cells["lane_sum"], self.registers.cells["lane_code"]
         codec, width = job.codec, job.width
@@ -338,7 +383,7 @@ class PipelineModel:
                 raw = np.frombuffer(payload, np.uint8, n, lo)
                 lane = _flags_of(raw)
                 hit, values = self.tables.decode(np.where(lane > 0, 0, raw).astype(np.uint8))
-                assert hit.all()  # pass 0 checked every lane
+                assert hit.all()  # this pass checked its lanes
             new = values if bridged.step == STEP_OPEN else sums[:n, cell] + values  # uint32: wraps as the register
             sums[:n, cell] = new
             flags[:n, cell] = lane if bridged.step == STEP_OPEN else flags[:n, cell] | lane
@@ -354,6 +399,7 @@ class PipelineModel:
         else:
             lanes = codes[:n, cell].tobytes()
         out[HEADER_SIZE + width * lo:HEADER_SIZE + width * (lo + n)] = lanes
+        return out
 
     def _encode(self, sums: np.ndarray, job: JobHit, allreduce: int, index: int, k_finite: int) -> np.ndarray:
         """cnat_encode: per lane, the leading one b of |sum| (leading_one), then encode_b<b>: round up iff the top

@@ -20,13 +20,11 @@ control NextStep(inout headers_t hdr, inout metadata_t meta) {
     }
 
     action drop_duplicate_incomplete() {
-        meta.drop_stat = STAT_DROP_DUPLICATE_INCOMPLETE;
-        meta.retransmission = true;
+        meta.duplicate = true;
     }
 
     action resend() {
         meta.step = STEP_RESEND;
-        meta.retransmission = true;
     }
 
     @name(".next_step")
@@ -34,7 +32,6 @@ control NextStep(inout headers_t hdr, inout metadata_t meta) {
         key = { meta.state : exact; meta.event : exact; }
         actions = { open; drop_stale; add; drop_duplicate_incomplete; resend; }
         const default_action = drop_stale();
-        size = 8;
         const entries = {
             (2w0, 2w3) : open();
             (2w1, 2w0) : drop_stale();
@@ -50,38 +47,6 @@ control NextStep(inout headers_t hdr, inout metadata_t meta) {
     apply {
         next_step.apply();
         exponent.apply(hdr, meta);
-    }
-}
-
-// The end of every pass: drop, recirculate for the next pass, or send the result (the RESULT header as the
-// aggregator core writes it): a completion to the job's multicast group (a replica per rank, or one for the
-// results group; a round with owners: the job's rank group, a replica per rank), a re-send back to the one rank.
-control Forward(inout headers_t hdr, inout metadata_t meta, inout standard_metadata_t sm) {
-    apply {
-        bit<16> last_pass = meta.elements == 0 ? 16w0 : (meta.elements - 1) >> LANES_PER_PASS_LOG2;
-        if (meta.step == STEP_NONE) {
-            mark_to_drop(sm);
-        } else if ((bit<16>) meta.pass_no < last_pass) {
-            meta.pass_no = meta.pass_no + 1;
-            meta.recirculate = true;
-            sm.egress_spec = meta.in_port;  // egress recirculates it
-        } else if (meta.step == STEP_RESEND || meta.completes == 1) {
-            hdr.intml.type = TYPE_RESULT;
-            hdr.intml.owners = meta.owners;
-            hdr.intml.rank = 0;
-            hdr.intml.count = meta.elements;
-            hdr.intml.exp = meta.exp;
-            hdr.intml.next_exp = meta.next_exp;
-            if (meta.step == STEP_RESEND) {
-                sm.egress_spec = meta.in_port;
-            } else if (meta.owners != 0) {
-                sm.mcast_grp = RANK_GROUP_BASE + (bit<16>) meta.job_index + 1;
-            } else {
-                sm.mcast_grp = (bit<16>) meta.job_index + 1;
-            }
-        } else {
-            mark_to_drop(sm);  // a contribution that does not complete the round: consumed
-        }
     }
 }
 

@@ -60,7 +60,8 @@ def table_text(table: Table, bodies: dict[str, str], static: list[Entry], name: 
     default = next(a for a in table.actions if a.name == table.default)
     args = ", ".join("0" for _ in default.params)
     lines.append(f"{indent}    {'const ' if table.const else ''}default_action = {default.name}({args});")
-    lines.append(f"{indent}    size = {table.size};")
+    if not table.const:  # a const table's size is its entries (p4c warns of a size beside them)
+        lines.append(f"{indent}    size = {table.size};")
     if table.const:
         rows = [entry_text(table, e) for e in static if e.table == table.name]
         lines.append(f"{indent}    const entries = {{")

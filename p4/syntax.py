@@ -12,7 +12,8 @@ specification's grammar appendix) and run the structural checks the open compile
   generator passes ``p4/layout.py``'s) and fit their declared widths.
 
 The preprocessor is not P4: ``preprocess`` inlines local ``#include "file"`` (once each, which is what the include
-guards mean), drops ``#ifndef``/``#define``/``#endif`` guard lines and skips architecture includes
+guards mean), drops ``#ifndef``/``#define``/``#endif`` guard lines and v1model's ``#define V1MODEL_VERSION``, and
+skips architecture includes
 (``<core.p4>``, ``<v1model.p4>``, ``<tna.p4>``), whose type names are listed below instead. Any other directive
 is an error. P4 tells type names from other identifiers in the lexer (p4c keeps a table of declared types); here a
 scan of the declarations before the parse does the same, with one global scope.
@@ -48,6 +49,7 @@ ARCHITECTURE_INCLUDES = frozenset({"core.p4", "v1model.p4", "tna.p4"})
 
 _INCLUDE = re.compile(r'#include\s+(?:"([^"]+)"|<([^>]+)>)\s*$')
 _GUARD = re.compile(r"#(ifndef|define|endif)\b\s*(\w*)\s*$")
+_ARCHITECTURE_VERSION = re.compile(r"#define\s+V1MODEL_VERSION\s+\d+\s*$")  # selects v1model.p4's API
 _COMMENTS = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
 _DECLARED_TYPE = re.compile(
     r"\b(?:header|header_union|struct|enum(?:\s+bit\s*<\s*\d+\s*>)?|parser|control|package)\s+([A-Za-z_]\w*)"
@@ -80,7 +82,7 @@ class Source:
                     self._read((path.parent / include.group(1)).resolve(), seen)
                 elif include and include.group(2) in ARCHITECTURE_INCLUDES:
                     pass
-                elif not guard:
+                elif not guard and not _ARCHITECTURE_VERSION.match(stripped):
                     raise P4SyntaxError(f"{path}:{number}: unsupported preprocessor line {stripped!r}")
                 line = ""  # keeps the line numbers of what follows
             self.lines.append(line)
@@ -392,11 +394,12 @@ _INDEX_ARGUMENT = {"read": 1, "write": 0, "execute": 0}  # register.read(out val
 def check_register_indexes(tree: Tree) -> list[str]:
     """Errors for a register whose index type does not fit its size, or an index of another width."""
     types, errors = _Types(tree), []
+    shared = _top_level(tree)
     for control in _declarations(tree, "control_declaration"):
         scope = _scope(_parameters(control.children[0]))
         registers: dict[str, tuple[int, int]] = {}  # name -> (index width, size)
         actions: dict[str, str] = {}  # TNA RegisterAction name -> its register
-        for decl in control.children:
+        for decl in [*shared, *control.children]:
             if not (isinstance(decl, Tree) and decl.data in ("instantiation", "variable_declaration")):
                 continue
             if decl.data == "variable_declaration":
@@ -468,17 +471,27 @@ def _child_token(node: Tree) -> Token:
     return next(c for c in node.children if isinstance(c, Token) and c.type == "IDENTIFIER")
 
 
+def _top_level(tree: Tree) -> list[Tree]:
+    """The program's top-level instantiations (a register that ingress and egress share)."""
+    return [decl for top in tree.children if isinstance(top, Tree)
+            for decl in ([top] if top.data == "instantiation" else top.children)
+            if isinstance(decl, Tree) and decl.data == "instantiation"]
+
+
 def registers(tree: Tree) -> dict[str, dict]:
-    """Every register: name -> value width, index width, size (cells) and the declaring control."""
+    """Every register: name -> value width, index width, size (cells) and the declaring control ("" at top
+    level)."""
     types, out = _Types(tree), {}
-    for control in _declarations(tree, "control_declaration"):
+    top = Tree("control_declaration", [Tree("name", [Token("NAME", "")]), *_top_level(tree)])
+    for control in [top, *_declarations(tree, "control_declaration")]:
         for decl in (c for c in control.children if isinstance(c, Tree) and c.data == "instantiation"):
             type_ref = _type_ref(decl)
             if _type_name(decl) in ("register", "Register") and type_ref.data == "specialized_type":
                 value, index = type_ref.children[1].children
                 args = [a for a in _child(decl, "argument_list").children if a is not None]
                 out[_decl_name(decl)] = {"width": types.width(value), "index": types.width(index),
-                                         "size": types.value(args[0]), "control": _decl_name(control)}
+                                         "size": types.value(args[0]),
+                                         "control": _decl_name(control) if control is not top else ""}
     return out
 
 

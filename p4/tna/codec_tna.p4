@@ -16,7 +16,6 @@ control LaneDecode(inout lane_t lane) {
         key = { lane.code : exact; }
         actions = { decode; invalid_code; }
         const default_action = invalid_code();
-        size = 256;
         const entries = {
             8w0 : decode(32w0);
             8w64 : decode(32w1);
@@ -230,7 +229,6 @@ control LaneEncode(inout lane_t lane) {
         key = { lane.magnitude : ternary; }
         actions = { encode_b0; encode_b1; encode_b2; encode_b3; encode_b4; encode_b5; encode_b6; encode_b7; encode_b8; encode_b9; encode_b10; encode_b11; encode_b12; encode_b13; encode_b14; encode_b15; encode_b16; encode_b17; encode_b18; encode_b19; encode_b20; encode_b21; encode_b22; encode_b23; encode_b24; encode_b25; encode_b26; encode_b27; encode_b28; encode_b29; encode_b30; encode_b31; encode_zero; }
         const default_action = encode_zero();
-        size = 32;
         const entries = {
             32w1 &&& 32w0xffffffff : encode_b0();
             32w2 &&& 32w0xfffffffe : encode_b1();

@@ -23,7 +23,11 @@ control SlotState(inout tna_headers_t hdr, inout tna_metadata_t ig_md) {
         void apply(inout pair_t value, out bit<8> order) {
             if (hdr.intml.allreduce - value.first == 0 && (hdr.intml.chunk ^ 0x80000000) == value.second) {
                 order = ORDER_SAME;
-            } else if (hdr.intml.allreduce - value.first < 0x80000000 && ig_md.lanes_ok) {
+            } else if (((hdr.intml.allreduce - value.first != 0 && hdr.intml.allreduce - value.first < 0x80000000)
+                        || (hdr.intml.allreduce == value.first && (hdr.intml.chunk ^ 0x80000000) > value.second))
+                       && ig_md.lanes_ok) {
+                // newer: a later allreduce (RFC 1982), or a later chunk of the same one; an older chunk of the
+                // same allreduce is OLDER, as in the v1model program and the kernel
                 order = ORDER_NEWER;
                 value.first = hdr.intml.allreduce;
                 value.second = hdr.intml.chunk ^ 0x80000000;

@@ -2,6 +2,8 @@
 #ifndef _INTML_TNA_TYPES_
 #define _INTML_TNA_TYPES_
 
+const int SLOT_ENTRIES = 1024;  // p4/layout.py: the sketch keeps one slot state per (row, set)
+typedef bit<10> slot_index_t;  // 2 * row + shadow: SLOT_ENTRIES cells
 const int RECIRCULATION_PORT = 68;  // Tofino-1 pipe 0's recirculation port (an assumption of the sketch)
 const int PHASE_CONSUME = 0;  // the pass adds its lanes
 const int PHASE_HARVEST_FIRST = 1;  // the pass reads back the first lanes of its register pairs
@@ -25,8 +27,9 @@ header bridge_h {
     bit<8> exp;
     bit<8> next_exp;
     bit<8> k_finite;
+    bit<1> all_in;
     bit<8> phase;  // PHASE_CONSUME, PHASE_HARVEST_FIRST or PHASE_HARVEST_SECOND
-    bit<5> pad;
+    bit<4> pad;
 }
 
 // one pass's codes, the part of the payload the PHV holds

@@ -89,12 +89,14 @@ def assert_model_state(model: PipelineModel, core: AggregatorCore, ref: SlotRefe
         stride = info.slots.stride
         index = 2 * (info.rows.start + slot // stride) + x
         if s.key < 0:
-            assert cells["worker_bitmap"][index] == 0
+            assert cells["worker_bitmap"][layout.lane_index(index, 0)] == 0
             continue
-        assert int(cells["round_key"][index]) == s.key
-        assert int(cells["worker_bitmap"][index]) == sum(1 << r for r in s.ranks)
-        assert int(cells["worker_count"][index]) == len(s.ranks)
-        assert int(cells["round_owners"][index]) == s.owners
+        for p in range(layout.passes(s.elements)):  # every pass keeps the round's state
+            cell = layout.lane_index(index, p)
+            assert int(cells["round_key"][cell]) == s.key
+            assert int(cells["worker_bitmap"][cell]) == sum(1 << r for r in s.ranks)
+            assert int(cells["worker_count"][cell]) == len(s.ranks)
+            assert int(cells["round_owners"][cell]) == s.owners
         assert lanes_of(model, "lane_sum", index, s.elements).view(np.int32).tolist() == s.sums
         if s.state(ref.jobs[job_id].world) == COMPLETE:
             stored = lanes_of(model, "lane_code", index, s.elements) if ref.jobs[job_id].codec == Codec.CNAT8 \
