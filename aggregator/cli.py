@@ -1,7 +1,7 @@
 """Argument parsing shared by the console scripts (intml-aggregator, intml-testbed, intml-sim and
 ``python -m intml.testbed.mroute``): a parser whose errors are one line, and the option validators they all use.
 It lives with the aggregator, the lowest package with a command line, so that the simulator's and the testbed's
-import it without importing upwards (tests/test_layering.py).
+import it without importing upwards (tests/testbed/test_layering.py).
 
 Every CLI checks all its options before it starts anything: a bad value ends the run with one line on stderr,
 ``PROG: argument --OPTION: what is wrong, and the range or form that would do (see PROG --help)``, and exit

@@ -3,7 +3,7 @@ fields) and p4/entries.py (the ``const entries``): what P4 cannot say itself. Th
 lanes (lanes.p4, the lane instances in intml.p4), the constant tables (next_step.p4, cnat_decode.p4,
 cnat_encode.p4), the constants and bridged fields (headers.p4), and the Tofino sketch p4/tna/*.p4. The fixed
 controls (HAND_WRITTEN: the parser, the job checks, the slot state, forwarding, egress) are written as P4, one
-concern a file, and checked against the same layout by tests/test_p4_generate.py. The action bodies of the
+concern a file, and checked against the same layout by tests/p4/test_p4_generate.py. The action bodies of the
 generated tables are in p4/actions.py, the rendering helpers in p4/p4text.py, the Tofino sketch in
 p4/generate_tna.py.
 

@@ -1,6 +1,6 @@
 """p4.generate: the committed .p4 files are what the generator writes, they parse with the P4_16 grammar, pass
 the structural checks, and declare exactly p4/layout.py's tables, registers and constants (the layout the
-pipeline model executes). tests/test_p4_compile.py compiles them with p4c."""
+pipeline model executes). tests/p4/test_p4_compile.py compiles them with p4c."""
 
 import itertools
 from pathlib import Path

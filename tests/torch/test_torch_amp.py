@@ -3,8 +3,8 @@ autocast (bf16) and ``torch.amp.GradScaler``, and an infinity injected into one 
 The allreduce passes it on to every rank, as Gloo's does, so every rank's scaler finds it, skips exactly those
 steps and halves its scale; training then goes on and converges.
 
-Ranks are forked processes (tests/cluster.py) with the aggregator a real ``python -m intml.aggregator`` process,
-as in tests/test_torch.py.
+Ranks are forked processes (tests/support/cluster.py) with the aggregator a real ``python -m intml.aggregator`` process,
+as in tests/torch/test_torch.py.
 """
 
 from __future__ import annotations

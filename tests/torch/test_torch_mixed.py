@@ -5,7 +5,7 @@ float16 sums beyond its range are +-Inf, as torch's conversion gives. FSDP2 with
 ``MixedPrecisionPolicy`` reduce-scatters through intml and trains the digits model to within 1 point of Gloo's
 accuracy, Gloo run beside it in the same ranks.
 
-Ranks are forked processes (tests/cluster.py) against a real aggregator process, as in test_torch.py.
+Ranks are forked processes (tests/support/cluster.py) against a real aggregator process, as in test_torch.py.
 """
 
 from __future__ import annotations

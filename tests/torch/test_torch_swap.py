@@ -8,7 +8,7 @@
 * Reproducible when the user seeds: with ``torch.manual_seed`` fixed and no ``INTML_SEED``, two runs give the same
   bits; another seed gives other bits; an unseeded interpreter draws another rounding seed each time.
 
-Ranks are forked processes (tests/cluster.py) against a real aggregator process, as in test_torch.py.
+Ranks are forked processes (tests/support/cluster.py) against a real aggregator process, as in test_torch.py.
 """
 
 from __future__ import annotations
