@@ -12,26 +12,9 @@ One allreduce of a flat float32 tensor of N elements, packet size P and pool siz
   round carries the switch's maximum, the exponent every worker then encodes chunk c + W' against.
 * Each use of a slot flips its shadow set; the parity persists over the job's life, so consecutive uses of a
   slot alternate sets across allreduces too, as the switch requires.
-* A slot whose result is late is retransmitted (the stored datagram, byte for byte). The RTO adapts as TCP's
-  does (RFC 6298): SRTT + 4 RTTVAR from round-trip samples of slots that were not retransmitted (Karn), bounded
-  by [min_rto, max_rto]. A fixed RTO either fires spuriously when the aggregator's CPU is busy, which adds load
-  exactly when it hurts, or waits too long after a real loss. Fast retransmit (TCP's duplicate-ACK rule, per
-  slot): a slot overtaken by FAST_RETRANSMIT results of slots sent after it to the same aggregator core is
-  presumed lost and retransmitted at once, so a loss costs about one round trip instead of an RTO; it recurs
-  while results flow, so losses amid a stream need no timer.
-  The timer is for a silent aggregator core, and it measures silence, as TCP's does (RFC 6298 5.3: restarted by
-  every result): a slot is due once its RTO passed since the later of its own sending and its core's last
-  result or probe. A busy, queueing core keeps answering, so its queue's delay fires nothing however far it
-  exceeds the RTO. When a core does fall silent (a peer that has not sent yet, a process off the CPU), every
-  slot in flight there is due at once: the timer retransmits only the earliest due one, a probe, and backs the
-  core off, doubling its slots' RTOs (up to ``max_rto``) until it answers. Retransmitting every due slot (as
-  each slot's own timer did) multiplied a silence of k RTOs by the window, into the queue of the aggregator
-  it waited on; losses amid a stream are fast retransmitted instead. A core whose last answer was to a
-  retransmission is alive and was not waiting for a peer (a late peer's slots complete together, so a probe's
-  answer comes with the other slots' results, not retransmitted): the slots sent before that answer are due
-  SRTT after it, all at once, as losses at the end of a stream need.
-  A result of a retransmitted slot that comes sooner than the fastest round trip seen after the retransmission
-  answers the original: counted as spurious_retransmissions. Results that are duplicate, stale (another
+* A slot whose result is late is retransmitted (the stored datagram, byte for byte) by the retransmission
+  policy, worker.retransmit: an adaptive RTO (RFC 6298, Karn's rule), fast retransmit after FAST_RETRANSMIT
+  overtaking results, and probes of a silent aggregator core. Results that are duplicate, stale (another
   allreduce, chunk or shadow set), foreign (another job or source) or malformed are counted and dropped.
 * With the job's DATA/RESULT MAC (``data_mac_keys``), every DATA datagram ends in a SipHash-2-4 tag under the data
   key of the core its slot lives on, and the result a slot waits for is taken only if its tag is valid: a forged
@@ -59,8 +42,6 @@ One allreduce of a flat float32 tensor of N elements, packet size P and pool siz
 """
 
 from __future__ import annotations
-
-from collections import namedtuple
 
 import numpy as np
 from numba import njit
@@ -105,53 +86,54 @@ from intml.protocol.job import WorkerTimers
 from intml.protocol.rng import derive_key
 from intml.protocol.siphash import put_tag, tag_ok
 from intml.protocol.wire import MAGIC, OWNERS_SHIFT, TAG_SIZE, VERSION, MsgType, element_datagram_size
-
-STAT_NAMES = (
-    "packets_out",
-    "packets_in",
-    "retransmissions",
-    "fast_retransmissions",
-    "results",
-    "drop_malformed",
-    "drop_foreign",
-    "drop_stale",
-    "saturated_elements",
-    "drop_bad_mac",
-    "spurious_retransmissions",
-    "drop_unsent",
-    "nonfinite_elements",
+from intml.worker.retransmit import (
+    T_RTO,
+    arm,
+    disarm,
+    fast_retransmit,
+    next_deadline,
+    on_result,
+    restart_silences,
+    silence_state,
+    timer_kernel,
+    timing_state,
 )
-(PACKETS_OUT, PACKETS_IN, RETRANSMISSIONS, FAST_RETRANSMISSIONS, RESULTS, DROP_MALFORMED, DROP_FOREIGN, DROP_STALE,
- SATURATED, DROP_BAD_MAC, SPURIOUS, DROP_UNSENT, NONFINITE) = range(len(STAT_NAMES))
-FAST_RETRANSMIT = 3  # results of later-sent slots that mark a slot as lost
-IDLE = np.iinfo(np.int64).min  # cur_chunk of a slot with nothing in flight
-PARKED = IDLE + 1  # cur_chunk of a precoded slot waiting for its chunk's codes (its chunk: State.parked)
+from intml.worker.state import (
+    DROP_BAD_MAC,
+    DROP_FOREIGN,
+    DROP_MALFORMED,
+    DROP_STALE,
+    DROP_UNSENT,
+    IDLE,
+    NONFINITE,
+    PACKETS_IN,
+    PARKED,
+    P_ALLREDUCE,
+    P_CHUNKS,
+    P_CODEC,
+    P_CORES,
+    P_DONE,
+    P_ELEMENTS,
+    P_JOB,
+    P_OUT_LO,
+    P_PKT,
+    P_PRECODED,
+    P_RANK,
+    P_READY,
+    P_SEED,
+    P_SHARD,
+    P_STOCHASTIC,
+    P_VBITS,
+    P_WINDOW,
+    P_WORLD,
+    RESULTS,
+    SATURATED,
+    STAT_NAMES,
+    State,
+    queue_slot,
+)
+
 EXACT = np.uint32(PRECODED | 0x7FFFFFFF)  # low word of codes encoded at their agreed floor (nothing underflows)
-
-# All engine state the kernels touch, as arrays. Python passes it to the entry kernels as a plain tuple, which
-# Numba types in C (~1 us a call), and they rebuild the namedtuple: Numba types a namedtuple argument on a slow
-# Python path (~40 us a call), which made dispatch the largest cost of a worker.
-State = namedtuple(
-    "State",
-    "params x out local_exp agreed_exp cur_chunk parity sent_at rto retries overtaken packet packet_len agg_addr stats "
-    "timing low sent mac_keys codes parked silence",
-)
-# params (int64): job, rank, world, value_bits, codec, packet_elements, window, chunks, elements, allreduce, cores,
-#                 seed (as int64 bits), done_chunks, shard elements of a
-#                 reduce-scatter (0: an allreduce), the first element the output holds, precoded (1) or
-#                 float (0) input, elements whose codes are in ``codes`` (precoded), stochastic (1) or nearest (0)
-#                 rounding
-(P_JOB, P_RANK, P_WORLD, P_VBITS, P_CODEC, P_PKT, P_WINDOW, P_CHUNKS, P_ELEMENTS, P_ALLREDUCE, P_CORES,
- P_SEED, P_DONE, P_SHARD, P_OUT_LO, P_PRECODED, P_READY, P_STOCHASTIC) = range(18)
-# codes (uint8): precoded, the codes in (each chunk at its own floor) and the result codes out; else empty
-# parked (int64): per slot, the chunk a PARKED slot waits to send
-# mac_keys (uint64): (cores, 2), the data key (k0, k1) of each aggregator core; (0, 2) without the DATA/RESULT MAC
-# timing (float64): smoothed RTT, RTT variance, current RTO, min RTO, max RTO, fastest round trip seen
-T_SRTT, T_RTTVAR, T_RTO, T_MIN, T_MAX, T_FLOOR = range(6)
-# silence (float64): (cores, 3), per aggregator core: since when it is silent (the allreduce's start, its last
-# result taken, or its last probe), the backoff its slots' RTOs are multiplied by (1, doubled by each probe),
-# and 1 if its last result answered a retransmission (its next timeout resends every due slot), else 0
-S_SINCE, S_BACKOFF, S_ALIVE = range(3)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -234,8 +216,7 @@ def _build(st, s, c, now):
         if prm[P_PRECODED] and not _take_codes(st, c, exp, payload):
             st.cur_chunk[s] = PARKED
             st.parked[s] = c
-            st.sent_at[s] = np.inf  # no retransmission, RTT or overtaking of what was not sent
-            st.overtaken[s] = 0
+            disarm(st, s)
             return False
         codecs.encode_chunk(codec, st.x[lo:lo + count], payload, _worker_key(prm), lo, exp, prm[P_VBITS], st.low[c],
                             st.local_exp[c], prm[P_STOCHASTIC] != 0)
@@ -254,66 +235,8 @@ def _build(st, s, c, now):
     else:
         st.packet_len[s] = HDR + size
     st.cur_chunk[s] = c
-    st.sent_at[s] = now
-    st.retries[s] = 0
-    st.overtaken[s] = 0
-    st.rto[s] = st.timing[T_RTO]
+    arm(st, s, now)
     return True
-
-
-@njit(cache=True, nogil=True, boundscheck=False)
-def _rtt_sample(timing, sample):
-    """RFC 6298 smoothing of one round-trip sample."""
-    if timing[T_SRTT] == 0.0:
-        timing[T_SRTT] = sample
-        timing[T_RTTVAR] = sample / 2
-    else:
-        timing[T_RTTVAR] = 0.75 * timing[T_RTTVAR] + 0.25 * abs(timing[T_SRTT] - sample)
-        timing[T_SRTT] = 0.875 * timing[T_SRTT] + 0.125 * sample
-    timing[T_FLOOR] = min(timing[T_FLOOR], sample)
-    timing[T_RTO] = min(timing[T_MAX], max(timing[T_MIN], timing[T_SRTT] + 4.0 * timing[T_RTTVAR]))
-
-
-@njit(cache=True, nogil=True, boundscheck=False)
-def _queue(st, s, tx_ptr, tx_len, tx_addr, n_tx):
-    """Queue slot s's current datagram: the transmit entry points at the slot's buffer, nothing is copied (the
-    buffer stays unchanged until the driver has sent the burst: see _build and _fast_retransmit)."""
-    tx_ptr[n_tx] = st.packet[s, st.parity[s]].ctypes.data
-    tx_len[n_tx] = st.packet_len[s]
-    tx_addr[n_tx] = st.agg_addr[s % st.params[P_CORES]]
-    st.stats[PACKETS_OUT] += 1
-
-
-@njit(cache=True, nogil=True, boundscheck=False)
-def _resend(st, s, now, tx_ptr, tx_len, tx_addr, n_tx):
-    _queue(st, s, tx_ptr, tx_len, tx_addr, n_tx)
-    st.sent_at[s] = now
-    st.retries[s] += 1
-    return n_tx + 1
-
-
-@njit(cache=True, nogil=True, boundscheck=False)
-def _count_overtaking(st, s):
-    """The result of slot s overtook every slot still in flight that was sent before it to the same aggregator
-    core. Cores are separate processes that run at their own pace, so results from different cores overtake
-    each other without any loss."""
-    sent = st.sent_at[s]
-    cores = st.params[P_CORES]
-    for other in range(s % cores, st.params[P_WINDOW], cores):
-        if other != s and st.cur_chunk[other] != IDLE and st.sent_at[other] < sent:
-            st.overtaken[other] += 1
-
-
-@njit(cache=True, nogil=True, boundscheck=False)
-def _fast_retransmit(st, now, tx_ptr, tx_len, tx_addr, n_tx):
-    """After a burst of results: resend the slots still in flight that FAST_RETRANSMIT results overtook (a slot
-    whose own result came later in the burst is not resent). Returns the new tx count."""
-    for s in range(st.params[P_WINDOW]):
-        if st.cur_chunk[s] != IDLE and st.overtaken[s] >= FAST_RETRANSMIT and n_tx < tx_len.size:
-            n_tx = _resend(st, s, now, tx_ptr, tx_len, tx_addr, n_tx)
-            st.overtaken[s] = 0
-            st.stats[FAST_RETRANSMISSIONS] += 1
-    return n_tx
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -321,14 +244,12 @@ def start_kernel(state, now, tx_ptr, tx_len, tx_addr):
     """Send every slot's bootstrap chunk. Returns the number of datagrams written (the window)."""
     st = State(*state)
     window = st.params[P_WINDOW]
-    st.silence[:, S_SINCE] = now
-    st.silence[:, S_BACKOFF] = 1.0
-    st.silence[:, S_ALIVE] = 0.0
+    restart_silences(st.silence, now)
     for d in range(window):  # the bootstrap packets carry chunks 0..window-1's exponents
         _precode(st, d)
     for s in range(window):
         _build(st, s, s - window, now)
-        _queue(st, s, tx_ptr, tx_len, tx_addr, s)
+        queue_slot(st, s, tx_ptr, tx_len, tx_addr, s)
     return window
 
 
@@ -421,20 +342,10 @@ def decode_sum(prm, agreed_exp, out, codes, p, c, count):
 
 @njit(inline="always")
 def take_result(st, s, now):
-    """Slot s's round is over: count it, sample the round trip, mark the slots it overtook, restart its core's
-    silence, flip the shadow set."""
+    """Slot s's round is over: count it, tell the retransmission policy (round trip, overtaking, its core's
+    silence), flip the shadow set."""
     st.stats[RESULTS] += 1
-    if st.retries[s] == 0:
-        _rtt_sample(st.timing, now - st.sent_at[s])
-        _count_overtaking(st, s)
-    elif now - st.sent_at[s] < st.timing[T_FLOOR]:  # faster than any round trip: the original's result
-        st.stats[SPURIOUS] += 1
-    # (Karn: a retransmitted slot's result may answer the original, so neither its round trip nor its order is
-    # known; counted as overtaking, the probes answered after a late peer's silence fast-retransmitted the window)
-    quiet = st.silence[s % st.params[P_CORES]]
-    quiet[S_SINCE] = now
-    quiet[S_BACKOFF] = 1.0
-    quiet[S_ALIVE] = st.retries[s] > 0
+    on_result(st, s, now)
     st.parity[s] ^= 1
 
 
@@ -448,7 +359,7 @@ def advance(st, s, c, next_exp, now, tx_ptr, tx_len, tx_addr, n_tx):
         st.agreed_exp[nxt] = next_exp
         if not _build(st, s, nxt, now):
             return n_tx  # parked
-        _queue(st, s, tx_ptr, tx_len, tx_addr, n_tx)
+        queue_slot(st, s, tx_ptr, tx_len, tx_addr, n_tx)
         return n_tx + 1
     st.cur_chunk[s] = IDLE
     return n_tx
@@ -491,51 +402,7 @@ def receive_kernel(state, rx_data, rx_len, rx_addr, n_rx, now, tx_ptr, tx_len, t
         taken[s] = True
         take_result(st, s, now)
         n_tx = advance(st, s, c, get_i8(p, O_NEXT_EXP), now, tx_ptr, tx_len, tx_addr, n_tx)
-    return _fast_retransmit(st, now, tx_ptr, tx_len, tx_addr, n_tx)
-
-
-@njit(inline="always")
-def _deadline(st, s):
-    """When slot s (in flight) is due: its RTO, backed off as its core is, after the later of its sending and the
-    start of its core's silence; SRTT after it, if sooner, when the core's last answer was to a retransmission
-    and s was sent before it."""
-    quiet = st.silence[s % st.params[P_CORES]]
-    wait = min(st.timing[T_MAX], st.rto[s] * quiet[S_BACKOFF])
-    if quiet[S_ALIVE] and st.sent_at[s] < quiet[S_SINCE] and st.timing[T_SRTT] > 0.0:
-        wait = min(wait, st.timing[T_SRTT])
-    return max(st.sent_at[s], quiet[S_SINCE]) + wait
-
-
-@njit(cache=True, nogil=True, boundscheck=False)
-def timer_kernel(state, now, tx_ptr, tx_len, tx_addr):
-    """On each silent aggregator core with slots due, retransmit the earliest due one (the probe; of slots due
-    at once, the least recently sent, so that they take turns), or every due one if the core's last answer was
-    to a retransmission; restart the core's silence and double its backoff. Returns datagrams written to tx."""
-    st = State(*state)
-    n_tx = 0
-    cores = st.params[P_CORES]
-    for k in range(cores):
-        probe, first = -1, np.inf
-        for s in range(k, st.params[P_WINDOW], cores):
-            if st.cur_chunk[s] != IDLE:
-                due = _deadline(st, s)
-                if due < first or (probe >= 0 and due == first and st.sent_at[s] < st.sent_at[probe]):
-                    probe, first = s, due
-        if first > now or n_tx == tx_len.size:
-            continue
-        quiet = st.silence[k]
-        if quiet[S_ALIVE]:
-            for s in range(k, st.params[P_WINDOW], cores):
-                if st.cur_chunk[s] != IDLE and _deadline(st, s) <= now:
-                    n_tx = _resend(st, s, now, tx_ptr, tx_len, tx_addr, n_tx)
-                    st.stats[RETRANSMISSIONS] += 1
-        else:
-            n_tx = _resend(st, probe, now, tx_ptr, tx_len, tx_addr, n_tx)
-            st.stats[RETRANSMISSIONS] += 1
-        quiet[S_SINCE] = now
-        quiet[S_BACKOFF] *= 2.0
-        quiet[S_ALIVE] = 0.0
-    return n_tx
+    return fast_retransmit(st, now, tx_ptr, tx_len, tx_addr, n_tx)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -545,20 +412,9 @@ def unpark_kernel(state, now, tx_ptr, tx_len, tx_addr):
     n_tx = 0
     for s in range(st.params[P_WINDOW]):
         if st.cur_chunk[s] == PARKED and _build(st, s, st.parked[s], now):
-            _queue(st, s, tx_ptr, tx_len, tx_addr, n_tx)
+            queue_slot(st, s, tx_ptr, tx_len, tx_addr, n_tx)
             n_tx += 1
     return n_tx
-
-
-@njit(cache=True, nogil=True, boundscheck=False)
-def next_deadline(state):
-    """The earliest retransmission time, or +inf with nothing in flight."""
-    st = State(*state)
-    t = np.inf
-    for s in range(st.params[P_WINDOW]):
-        if st.cur_chunk[s] != IDLE:
-            t = min(t, _deadline(st, s))
-    return t
 
 
 def _check_output(name: str, arr: np.ndarray, size: int) -> None:
@@ -592,8 +448,8 @@ class StreamEngine:
         self.codec = Codec(codec)
         self.packet_elements = packet_elements
         self.pool_size = pool_size
-        self.timing = np.array([0.0, 0.0, rto, min_rto, max_rto, np.inf])  # persists: later allreduces start adapted
-        self.silence = np.zeros((len(agg_addrs), 3))
+        self.timing = timing_state(rto, min_rto, max_rto)
+        self.silence = silence_state(len(agg_addrs))
         self.params = np.zeros(18, np.int64)
         self.params[[P_JOB, P_RANK, P_WORLD, P_VBITS, P_CODEC, P_PKT, P_CORES]] = (
             job, rank, world_size, value_bits(world_size), int(self.codec), packet_elements, len(agg_addrs))

@@ -1,0 +1,198 @@
+"""The streaming engine's retransmission policy: when a slot whose result is late is sent again (the stored
+datagram, byte for byte), as Numba kernels over the engine's state (worker.state). Sans-I/O: ``now`` comes from the
+driver.
+
+* Adaptive RTO, as TCP's (RFC 6298): SRTT + 4 RTTVAR from round-trip samples of slots that were not retransmitted
+  (Karn's rule), bounded by [min_rto, max_rto]. A fixed RTO either fires spuriously when the aggregator's CPU is
+  busy, which adds load exactly when it hurts, or waits too long after a real loss.
+* Fast retransmit (TCP's duplicate-ACK rule, per slot): a slot overtaken by FAST_RETRANSMIT results of slots sent
+  after it to the same aggregator core is presumed lost and retransmitted at once, so a loss costs about one round
+  trip instead of an RTO; it recurs while results flow, so losses amid a stream need no timer.
+* The timer is for a silent aggregator core, and it measures silence, as TCP's does (RFC 6298 5.3: restarted by
+  every result): a slot is due once its RTO passed since the later of its own sending and its core's last result
+  or probe. A busy, queueing core keeps answering, so its queue's delay fires nothing however far it exceeds the
+  RTO. When a core does fall silent (a peer that has not sent yet, a process off the CPU), every slot in flight
+  there is due at once: the timer retransmits only the earliest due one, a probe, and backs the core off,
+  doubling its slots' RTOs (up to ``max_rto``) until it answers. Retransmitting every due slot (as each slot's own
+  timer did) multiplied a silence of k RTOs by the window, into the queue of the aggregator it waited on.
+* A core whose last answer was to a retransmission is alive and was not waiting for a peer (a late peer's slots
+  complete together, so a probe's answer comes with the other slots' results, not retransmitted): the slots sent
+  before that answer are due SRTT after it, all at once, as losses at the end of a stream need.
+* A result of a retransmitted slot that comes sooner than the fastest round trip seen after the retransmission
+  answers the original: counted as spurious_retransmissions.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from intml.worker.state import (
+    FAST_RETRANSMISSIONS,
+    IDLE,
+    P_CORES,
+    P_WINDOW,
+    RETRANSMISSIONS,
+    SPURIOUS,
+    State,
+    queue_slot,
+)
+
+FAST_RETRANSMIT = 3  # results of later-sent slots that mark a slot as lost
+# timing (float64): smoothed RTT, RTT variance, current RTO, min RTO, max RTO, fastest round trip seen
+T_SRTT, T_RTTVAR, T_RTO, T_MIN, T_MAX, T_FLOOR = range(6)
+# silence (float64): (cores, 3), per aggregator core: since when it is silent (the allreduce's start, its last
+# result taken, or its last probe), the backoff its slots' RTOs are multiplied by (1, doubled by each probe),
+# and 1 if its last result answered a retransmission (its next timeout resends every due slot), else 0
+S_SINCE, S_BACKOFF, S_ALIVE = range(3)
+
+
+def timing_state(rto: float, min_rto: float, max_rto: float) -> np.ndarray:
+    """A job's timing array, before any round trip: it persists, so later allreduces start adapted."""
+    return np.array([0.0, 0.0, rto, min_rto, max_rto, np.inf])
+
+
+def silence_state(cores: int) -> np.ndarray:
+    """A job's silence array (set by each allreduce's start, restart_silences)."""
+    return np.zeros((cores, 3))
+
+
+@njit(inline="always")
+def restart_silences(silence, now):
+    """An allreduce starts: every core is silent since now, not backed off."""
+    silence[:, S_SINCE] = now
+    silence[:, S_BACKOFF] = 1.0
+    silence[:, S_ALIVE] = 0.0
+
+
+@njit(inline="always")
+def arm(st, s, now):
+    """Slot s sent a new chunk at now: its timer runs at the current RTO, with no retries or overtaking marks."""
+    st.sent_at[s] = now
+    st.retries[s] = 0
+    st.overtaken[s] = 0
+    st.rto[s] = st.timing[T_RTO]
+
+
+@njit(inline="always")
+def disarm(st, s):
+    """Slot s has nothing sent (parked): no retransmission, RTT or overtaking of it."""
+    st.sent_at[s] = np.inf
+    st.overtaken[s] = 0
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _rtt_sample(timing, sample):
+    """RFC 6298 smoothing of one round-trip sample."""
+    if timing[T_SRTT] == 0.0:
+        timing[T_SRTT] = sample
+        timing[T_RTTVAR] = sample / 2
+    else:
+        timing[T_RTTVAR] = 0.75 * timing[T_RTTVAR] + 0.25 * abs(timing[T_SRTT] - sample)
+        timing[T_SRTT] = 0.875 * timing[T_SRTT] + 0.125 * sample
+    timing[T_FLOOR] = min(timing[T_FLOOR], sample)
+    timing[T_RTO] = min(timing[T_MAX], max(timing[T_MIN], timing[T_SRTT] + 4.0 * timing[T_RTTVAR]))
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _resend(st, s, now, tx_ptr, tx_len, tx_addr, n_tx):
+    queue_slot(st, s, tx_ptr, tx_len, tx_addr, n_tx)
+    st.sent_at[s] = now
+    st.retries[s] += 1
+    return n_tx + 1
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _count_overtaking(st, s):
+    """The result of slot s overtook every slot still in flight that was sent before it to the same aggregator
+    core. Cores are separate processes that run at their own pace, so results from different cores overtake
+    each other without any loss."""
+    sent = st.sent_at[s]
+    cores = st.params[P_CORES]
+    for other in range(s % cores, st.params[P_WINDOW], cores):
+        if other != s and st.cur_chunk[other] != IDLE and st.sent_at[other] < sent:
+            st.overtaken[other] += 1
+
+
+@njit(inline="always")
+def on_result(st, s, now):
+    """Slot s's result was taken at now: sample the round trip, mark the slots it overtook, restart its core's
+    silence."""
+    if st.retries[s] == 0:
+        _rtt_sample(st.timing, now - st.sent_at[s])
+        _count_overtaking(st, s)
+    elif now - st.sent_at[s] < st.timing[T_FLOOR]:  # faster than any round trip: the original's result
+        st.stats[SPURIOUS] += 1
+    # (Karn: a retransmitted slot's result may answer the original, so neither its round trip nor its order is
+    # known; counted as overtaking, the probes answered after a late peer's silence fast-retransmitted the window)
+    quiet = st.silence[s % st.params[P_CORES]]
+    quiet[S_SINCE] = now
+    quiet[S_BACKOFF] = 1.0
+    quiet[S_ALIVE] = st.retries[s] > 0
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def fast_retransmit(st, now, tx_ptr, tx_len, tx_addr, n_tx):
+    """After a burst of results: resend the slots still in flight that FAST_RETRANSMIT results overtook (a slot
+    whose own result came later in the burst is not resent). Returns the new tx count."""
+    for s in range(st.params[P_WINDOW]):
+        if st.cur_chunk[s] != IDLE and st.overtaken[s] >= FAST_RETRANSMIT and n_tx < tx_len.size:
+            n_tx = _resend(st, s, now, tx_ptr, tx_len, tx_addr, n_tx)
+            st.overtaken[s] = 0
+            st.stats[FAST_RETRANSMISSIONS] += 1
+    return n_tx
+
+
+@njit(inline="always")
+def _deadline(st, s):
+    """When slot s (in flight) is due: its RTO, backed off as its core is, after the later of its sending and the
+    start of its core's silence; SRTT after it, if sooner, when the core's last answer was to a retransmission
+    and s was sent before it."""
+    quiet = st.silence[s % st.params[P_CORES]]
+    wait = min(st.timing[T_MAX], st.rto[s] * quiet[S_BACKOFF])
+    if quiet[S_ALIVE] and st.sent_at[s] < quiet[S_SINCE] and st.timing[T_SRTT] > 0.0:
+        wait = min(wait, st.timing[T_SRTT])
+    return max(st.sent_at[s], quiet[S_SINCE]) + wait
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def timer_kernel(state, now, tx_ptr, tx_len, tx_addr):
+    """On each silent aggregator core with slots due, retransmit the earliest due one (the probe; of slots due
+    at once, the least recently sent, so that they take turns), or every due one if the core's last answer was
+    to a retransmission; restart the core's silence and double its backoff. Returns datagrams written to tx."""
+    st = State(*state)
+    n_tx = 0
+    cores = st.params[P_CORES]
+    for k in range(cores):
+        probe, first = -1, np.inf
+        for s in range(k, st.params[P_WINDOW], cores):
+            if st.cur_chunk[s] != IDLE:
+                due = _deadline(st, s)
+                if due < first or (probe >= 0 and due == first and st.sent_at[s] < st.sent_at[probe]):
+                    probe, first = s, due
+        if first > now or n_tx == tx_len.size:
+            continue
+        quiet = st.silence[k]
+        if quiet[S_ALIVE]:
+            for s in range(k, st.params[P_WINDOW], cores):
+                if st.cur_chunk[s] != IDLE and _deadline(st, s) <= now:
+                    n_tx = _resend(st, s, now, tx_ptr, tx_len, tx_addr, n_tx)
+                    st.stats[RETRANSMISSIONS] += 1
+        else:
+            n_tx = _resend(st, probe, now, tx_ptr, tx_len, tx_addr, n_tx)
+            st.stats[RETRANSMISSIONS] += 1
+        quiet[S_SINCE] = now
+        quiet[S_BACKOFF] *= 2.0
+        quiet[S_ALIVE] = 0.0
+    return n_tx
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def next_deadline(state):
+    """The earliest retransmission time, or +inf with nothing in flight."""
+    st = State(*state)
+    t = np.inf
+    for s in range(st.params[P_WINDOW]):
+        if st.cur_chunk[s] != IDLE:
+            t = min(t, _deadline(st, s))
+    return t
