@@ -153,11 +153,11 @@ def half_rank(port: int, address: str, rank: int, n: int, seed: int, simulated: 
 
 
 @simulable
-def test_backend_cuda_path_takes_bf16_and_fp16(agg):
+def test_backend_cuda_path_takes_bf16_and_fp16(ranks):
     """bfloat16 and float16 tensors (widened to float32 on their device) take the CUDA path, bit for bit the CPU
     path's, and come back in their dtype."""
     n, seed = 2, 13
-    runs = {simulated: _run(half_rank, agg.address, n, seed, simulated) for simulated in (False, True)}
+    runs = {simulated: ranks(half_rank, n, seed, simulated, timeout=240) for simulated in (False, True)}
     for r in range(n):
         cpu, cuda = runs[False][r], runs[True][r]
         assert [d for d, _ in cuda["results"]] == ["torch.bfloat16", "torch.float16"]

@@ -194,10 +194,10 @@ def test_live_stranger_keepalives_keep_nothing_alive() -> None:
 def torch_paused_rank(port: int, address: str, rank: int, n: int, pause: float) -> list[np.ndarray]:
     import torch
     import torch.distributed as dist
-    from test_torch import _init
+    from support.torch_ranks import init_rank
 
-    _init(port, rank, n, "intml", {"INTML_AGGREGATOR": address, "INTML_TOKEN": TOKEN, "INTML_MIN_ELEMENTS": "100",
-                                   "INTML_TIMEOUT": "20"})
+    init_rank(port, rank, n, "intml", {"INTML_AGGREGATOR": address, "INTML_TOKEN": TOKEN, "INTML_MIN_ELEMENTS": "100",
+                                      "INTML_TIMEOUT": "20"})
     got = []
     for _ in range(2):
         t = torch.ones(1000)
