@@ -27,8 +27,9 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(VENV)/bin/intml-testbed demo
 
+# --durations: where the suite's time goes, printed at its end
 test: $(STAMP)
-	PATH="$(if $(P4TOOLS),$(abspath $(P4TOOLS))/bin:)$$PATH" $(PY) -m pytest -q
+	PATH="$(if $(P4TOOLS),$(abspath $(P4TOOLS))/bin:)$$PATH" $(PY) -m pytest -q --durations=25
 
 # The fast inner loop: the in-process tests only (docs/testing.md). Every test under tests/torch and tests/gpu is
 # torch or gpu: not collecting them saves importing torch and numba's CUDA target.

@@ -17,12 +17,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
-from support.cluster import aggregator, run_ok  # noqa: E402
 from support.torch_ranks import TOKEN, init_rank  # noqa: E402
 from test_torch import PACKET, POOL  # noqa: E402
 
 from intml.protocol import reference  # noqa: E402
-from intml.testbed.procs import free_port  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 N_ELEMENTS = 3000  # above the tests' INTML_MIN_ELEMENTS
@@ -30,12 +28,6 @@ MIN = 1000
 
 
 pytestmark = [pytest.mark.torch, pytest.mark.process]
-
-@pytest.fixture(scope="module")
-def agg():
-    with aggregator(idle_timeout=20) as a:
-        yield a
-        assert a.alive(), f"the shared aggregator died:\n{a.stderr()}"
 
 
 def _env(address: str, seed: int) -> dict[str, str]:
@@ -86,10 +78,9 @@ def _rounded(values: np.ndarray, dtype: torch.dtype) -> np.ndarray:
     return torch.from_numpy(values.astype(np.float32)).to(dtype).float().numpy()
 
 
-def test_bf16_and_fp16_allreduce_and_reduce_scatter_through_intml(agg) -> None:
+def test_bf16_and_fp16_allreduce_and_reduce_scatter_through_intml(ranks) -> None:
     n, seed = 2, 61
-    port = free_port()
-    results = run_ok(mixed_rank, [(port, agg.address, r, n, seed) for r in range(n)], timeout=180)
+    results = ranks(mixed_rank, n, seed, timeout=180)
     for k, name in enumerate(DTYPES):
         dtype = DTYPES[name]
         xs = np.stack([r["calls"][k]["input"] for r in results])
@@ -148,10 +139,9 @@ def hook_rank(port: int, address: str, rank: int, n: int, seed: int) -> dict:
     return out
 
 
-def test_ddp_hook_takes_bf16_buckets(agg) -> None:
+def test_ddp_hook_takes_bf16_buckets(ranks) -> None:
     n = 2
-    port = free_port()
-    results = run_ok(hook_rank, [(port, agg.address, r, n, 5) for r in range(n)], timeout=120)
+    results = ranks(hook_rank, n, 5, timeout=120)
     for r in results:
         assert r["grad"][0] == "torch.bfloat16"
         assert np.array_equal(r["grad"][1], results[0]["grad"][1])
@@ -194,10 +184,9 @@ def fsdp2_rank(port: int, address: str, rank: int, n: int, epochs: int) -> dict:
     return out
 
 
-def test_fsdp2_bf16_mixed_precision_trains_as_gloo_does(agg) -> None:
+def test_fsdp2_bf16_mixed_precision_trains_as_gloo_does(ranks) -> None:
     n, epochs = 2, 4
-    port = free_port()
-    results = run_ok(fsdp2_rank, [(port, agg.address, r, n, epochs) for r in range(n)], timeout=600)
+    results = ranks(fsdp2_rank, n, epochs, timeout=600)
     gloo, mine = results[0]["gloo"], results[0]["intml"]
     assert gloo > 0.9, gloo  # it trained
     assert abs(mine - gloo) <= 0.01, (mine, gloo)

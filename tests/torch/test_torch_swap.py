@@ -24,24 +24,17 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
-from support.cluster import aggregator, repo_env, run_ok  # noqa: E402
+from support.cluster import repo_env  # noqa: E402
 from support.torch_ranks import TOKEN, init_rank  # noqa: E402
 from test_torch import PACKET, POOL, assert_reference  # noqa: E402
 
 import intml.worker.torch as intml  # noqa: E402
 from intml.worker.torch import routing  # noqa: E402
-from intml.testbed.procs import free_port  # noqa: E402
 
 SIZES = (30_000, 40_000, 5)  # together above the 64 Ki default, each but the last below it
 
 
 pytestmark = [pytest.mark.torch, pytest.mark.process]
-
-@pytest.fixture(scope="module")
-def agg():
-    with aggregator(idle_timeout=20) as a:
-        yield a
-        assert a.alive(), f"the shared aggregator died:\n{a.stderr()}"
 
 
 def _env(address: str, **extra: str) -> dict[str, str]:
@@ -75,10 +68,9 @@ def coalesced_rank(port: int, address: str, rank: int, n: int, seed: int) -> dic
     return out
 
 
-def test_coalesced_allreduces_go_through_intml_as_one(agg) -> None:
+def test_coalesced_allreduces_go_through_intml_as_one(ranks) -> None:
     n, seed = 2, 57
-    port = free_port()
-    results = run_ok(coalesced_rank, [(port, agg.address, r, n, seed) for r in range(n)], timeout=120)
+    results = ranks(coalesced_rank, n, seed, timeout=120)
     total = sum(SIZES)
     for rank, r in enumerate(results):
         assert r["shapes_kept"] is True
@@ -127,10 +119,9 @@ def swap_rank(port: int, address: str, rank: int, n: int) -> dict:
     return out
 
 
-def test_the_swap_says_what_went_where_at_the_users_line(agg) -> None:
+def test_the_swap_says_what_went_where_at_the_users_line(ranks) -> None:
     n = 2
-    port = free_port()
-    results = run_ok(swap_rank, [(port, agg.address, r, n) for r in range(n)], timeout=120)
+    results = ranks(swap_rank, n, timeout=120)
     for r in results:
         assert len(r["small"]) == 1, r["small"]  # once per group, however many small ones
         [(small, where)] = r["small"]
@@ -157,10 +148,9 @@ def seeded_rank(port: int, address: str, rank: int, n: int, torch_seed: int) -> 
     return x.numpy()
 
 
-def test_a_seeded_run_repeats_bit_for_bit(agg) -> None:
+def test_a_seeded_run_repeats_bit_for_bit(ranks) -> None:
     n = 2
-    runs = [run_ok(seeded_rank, [(port, agg.address, r, n, s) for r in range(n)], timeout=120)
-            for port, s in ((free_port(), 11), (free_port(), 11), (free_port(), 12))]
+    runs = [ranks(seeded_rank, n, s, timeout=120) for s in (11, 11, 12)]
     for run in runs:
         assert run[0].tobytes() == run[1].tobytes()
     assert runs[0][0].tobytes() == runs[1][0].tobytes()  # the same torch seed: the same rounding
