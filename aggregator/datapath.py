@@ -10,12 +10,13 @@ What an implementation must do (a new one, a software switch for example, implem
 * ``counters``: the CoreCounters block it counts into (per job entry, and per core for datagrams that name no
   job); the core counts its control-plane events there too, and marks a placed job live in it.
 * ``refuse(job_id, params, slots, rank)``: one line on why it cannot serve rank ``rank`` of a job with these
-  parameters and this share of its slots (a codec or packet size it lacks, a route it was not given), or None. The core sends that line back in the JOIN's ERROR.
+  parameters and this share of its slots (a codec or packet size it lacks, a route it was not given), or None.
+  The core sends that line back in the JOIN's ERROR.
 * ``place(job_id, params, slots, data_key, now)``: take the job: a free entry of its job table and ``allocate``'s
   slot rows for the slots ``slots`` gives this core, emptied (no round of a previous job may show), with the
-  job's parameters and ``data_key`` (the job's 16-byte key of the DATA/RESULT MAC, used with data_mac). Returns a ``Placed``, or
-  one line naming the limit that refuses it. The job is live (the data path handles its DATA) once the core
-  calls ``counters.start_job``, right after.
+  job's parameters and ``data_key`` (the job's 16-byte key of the DATA/RESULT MAC, used with data_mac). Returns a
+  ``Placed``, or one line naming the limit that refuses it. The job is live (the data path handles its DATA) once
+  the core calls ``counters.start_job``, right after.
 * ``seat(job_id, rank, addr, now)``: rank ``rank`` of the job sends from address key ``addr`` from now on (a
   rank's first JOIN, or a restarted rank's new address); DATA from any other address is counted and dropped.
 * ``remove(job_id)``: free its entry and rows (the core has already ended its counters).

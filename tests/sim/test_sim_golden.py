@@ -1,13 +1,13 @@
-"""A golden check of the packet-level engine: scenarios' full output (every allreduce's virtual time to the last
-bit, retransmissions, losses, queue drops, packet events, the engines' counters, and exactness against
+"""A golden check of the packet-level engine: scenarios' full output (every allreduce's virtual time to the last bit,
+retransmissions, losses, queue drops, packet events, the engines' counters, and exactness against
 protocol.reference) equals what the engine gave before its hot path was batched (``sim/data/
 golden_packet_level.json``, recorded at commit cb9f91d: per-datagram ``Link.send``, ``Simulator.deliver`` and
-``Burst.datagrams()``), re-recorded when the worker's retransmission timer changed (the RTO counts an
-aggregator core's silence, a silent core is probed one slot at a time; only the lossy scenarios moved, and
-the ``spurious_retransmissions`` counter was added; later the ``nonfinite_elements`` and ``drop_unsent`` counters, 0 throughout; and once more when the
-worker session gained its keepalive timer: an extra timer event reorders float additions at equal instants,
-moving two lossy scenarios' times by at most 5.4e-16 relative, every other field unchanged). A
-change to the engine that moves any virtual instant fails here."""
+``Burst.datagrams()``), re-recorded when the worker's retransmission timer changed (the RTO counts an aggregator
+core's silence, a silent core is probed one slot at a time; only the lossy scenarios moved, and the
+``spurious_retransmissions`` counter was added; later the ``nonfinite_elements`` and ``drop_unsent`` counters, 0
+throughout; and once more when the worker session gained its keepalive timer: an extra timer event reorders float
+additions at equal instants, moving two lossy scenarios' times by at most 5.4e-16 relative, every other field
+unchanged). A change to the engine that moves any virtual instant fails here."""
 
 from __future__ import annotations
 
