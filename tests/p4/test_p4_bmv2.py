@@ -21,10 +21,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from support.harness import worker_addr
-from test_p4_compile import compile_, tool
+from support.p4build import compiled, tool
 from test_p4_model import joined
 
-from intml.p4 import generate
 from intml.p4.controller import controller_entries
 from intml.p4.entries import cli_commands
 from intml.protocol import wire
@@ -113,11 +112,9 @@ class Switch:
 
 
 @pytest.fixture(scope="module")
-def program(tmp_path_factory) -> Path:
-    """The program compiled for BMv2 once."""
-    tmp = tmp_path_factory.mktemp("bmv2")
-    compile_("p4c-bm2-ss", "-o", str(tmp / "intml.json"), str(generate.HERE / "intml.p4"), cwd=tmp)
-    return tmp / "intml.json"
+def program() -> Path:
+    """The program compiled for BMv2 (once per source: support.p4build)."""
+    return compiled()
 
 
 @pytest.fixture
