@@ -11,7 +11,8 @@ at once.
 Engines: ``--engine kernel`` (the default) runs each core's data path in the Numba burst kernel;
 ``--engine p4model`` runs it through the P4 pipeline model (intml.p4.engine), packet by packet in Python: slow,
 with bit-identical results, for showing that the switch program computes what the kernel does. It refuses a JOIN
-with data_mac or with more elements per packet than the switch parses.
+with data_mac or with more elements per packet than the switch parses. ``--engine bmv2 --bmv2-program intml.json``
+runs it on a real BMv2 ``simple_switch`` (intml.p4.bmv2; one core, root), with the same refusals.
 
 Metrics: ``--metrics-port PORT`` (with ``--metrics-address``, default 127.0.0.1) serves every core's counters in
 Prometheus's text format at http://ADDRESS:PORT/metrics (intml.aggregator.metrics; needs the ``metrics`` extra,
@@ -25,6 +26,7 @@ joins, and it says so in one line on stderr (``OPEN_WARNING``).
 
 from __future__ import annotations
 
+import atexit
 import errno
 import functools
 import ipaddress
@@ -56,7 +58,7 @@ from intml.protocol.job import (
 from intml.protocol.wire import DEFAULT_PORT, max_packet_elements
 
 MAX_ELEMENTS_LIMIT = max_packet_elements(Codec.CNAT8)  # jobs are further limited by their codec at join
-ENGINES = ("kernel", "p4model")
+ENGINES = ("kernel", "p4model", "bmv2")
 OPEN_WARNING = ("intml-aggregator: warning: no --token-file or INTML_TOKEN: any host that can reach this port can "
                 "join jobs")
 
@@ -125,10 +127,29 @@ def _core_factory(parser: OneLineParser, args) -> Callable[..., Any]:
         return functools.partial(AggregatorCore, burst=args.burst)
     from intml.p4.engine import engine_problem, p4model_core
 
-    problem = engine_problem(args.slots, args.max_jobs)
+    problem = engine_problem(args.slots, args.max_jobs, args.engine)
     if problem:
         parser.error(problem)
-    return p4model_core  # the model builds each output burst to its size
+    if args.engine == "p4model":
+        return p4model_core  # the model builds each output burst to its size
+    from intml.p4.bmv2 import bmv2_core
+    from intml.testbed.bmv2 import Bmv2Error, Bmv2Switch, missing
+
+    if args.cores != 1:
+        parser.option_error("--cores", "--engine bmv2 drives one switch: run it with --cores 1")
+    if args.bmv2_program is None:
+        parser.error("--engine bmv2 needs --bmv2-program PATH: the JSON p4c-bm2-ss compiles from p4/intml.p4 "
+                     "(p4c-bm2-ss -o intml.json p4/intml.p4)")
+    problem = missing()
+    if problem:
+        parser.error(f"--engine bmv2: {problem}")
+    try:
+        switch = Bmv2Switch(args.bmv2_program)
+    except Bmv2Error as exc:
+        parser.error(f"--engine bmv2: {exc}")
+    atexit.register(switch.close)  # on exit, SIGTERM's too: the switch and its namespace go with the process
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    return functools.partial(bmv2_core, switch=switch)
 
 
 def _metrics(parser: OneLineParser, args) -> ModuleType | None:
@@ -213,7 +234,10 @@ def build_parser() -> OneLineParser:
                         "adds one. With neither, only the empty token joins (open mode, with a warning)")
     p.add_argument("--engine", choices=ENGINES, default=ENGINES[0],
                    help="data path: the Numba burst kernel (default) or the P4 pipeline model (slow; no data_mac, "
-                        "at most 1 KB of payload per packet)")
+                        "at most 1 KB of payload per packet), or that model's program on a real BMv2 simple_switch "
+                        "(--bmv2-program; one core, root)")
+    p.add_argument("--bmv2-program", metavar="PATH", default=None,
+                   help="--engine bmv2: the program p4c-bm2-ss compiled from p4/intml.p4 (intml.json)")
     p.add_argument("--burst", type=positive(int), default=BURST,
                    help=f"datagrams per recvmmsg/sendmmsg (default {BURST})")
     p.add_argument("--job-history", type=count(0), default=AGGREGATOR_JOB_HISTORY, metavar="N",

@@ -31,13 +31,20 @@ from intml.protocol.job import (
 )
 
 
-def engine_problem(rows: int, max_jobs: int) -> str | None:
-    """One line on why the P4 switch cannot hold a core of this size, or None."""
+def engine_problem(rows: int, max_jobs: int, engine: str = "p4model") -> str | None:
+    """One line on why the P4 switch (``--engine engine``) cannot hold a core of this size, or None."""
     if rows > ROWS:
-        return f"--engine p4model: the P4 switch has {ROWS} slot rows; got --slots {rows}"
+        return f"--engine {engine}: the P4 switch has {ROWS} slot rows; got --slots {rows}"
     if max_jobs > MAX_JOBS:
-        return f"--engine p4model: the P4 switch's job table holds {MAX_JOBS} jobs; got --max-jobs {max_jobs}"
+        return f"--engine {engine}: the P4 switch's job table holds {MAX_JOBS} jobs; got --max-jobs {max_jobs}"
     return None
+
+
+def switch_refusal(params: JobParams, switch: str) -> str | None:
+    """One line on why the P4 program (run by ``switch``) cannot serve a job with these parameters, or None."""
+    return refusal(params.codec, params.packet_elements, params.data_mac) or (
+        f"JOIN refused: the P4 program ({switch}) rounds stochastically only; join with rounding stochastic, "
+        f"or use the kernel engine" if params.nearest else None)
 
 
 class P4DataPath:
@@ -69,9 +76,7 @@ class P4DataPath:
 
     # ---- aggregator.datapath.DataPath ---------------------------------------------------------------------
     def refuse(self, job_id: int, params: JobParams, slots: Slots, rank: int) -> str | None:
-        return refusal(params.codec, params.packet_elements, params.data_mac) or (
-            "JOIN refused: the P4 pipeline model (--engine p4model) rounds stochastically only; join with rounding "
-            "stochastic, or use the kernel engine" if params.nearest else None)
+        return switch_refusal(params, "the pipeline model, --engine p4model")
 
     def place(self, job_id: int, params: JobParams, slots: Slots, data_key: bytes, now: float) -> Placed | str:
         found = allocate(self.counters, job_id, len(slots.of(params.pool_size)), self.name)
