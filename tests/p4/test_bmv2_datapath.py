@@ -4,7 +4,7 @@ int32 sums are bit-identical, in one pass (64 elements a packet) and in four (25
 duplication and reordering too. C_nat sums are re-encoded with v1model's random() where the kernel uses its keyed
 random bits: every rank gets the same result, each element the kernel's or the other power of two around the same
 exact sum, and the kernel's bit for bit where every rank sends the same tensor (each sum is then a power of two:
-no random bit is drawn). Skipped, saying why, without root, ``ip``, the tools or the ``thrift`` package."""
+no random bit is drawn: each rank sends powers of two, encoded exactly). Skipped, saying why, without root, ``ip``, the tools or the ``thrift`` package."""
 
 from __future__ import annotations
 
@@ -24,8 +24,11 @@ SIZE = 1000  # elements per allreduce: 16 packets of 64, 4 of 256 (the last one 
 
 
 def tensor(seed: int, rank: int, k: int, same: bool) -> np.ndarray:
-    """Rank ``rank``'s tensor of allreduce #k (every rank's is rank 0's with ``same``)."""
+    """Rank ``rank``'s tensor of allreduce #k; with ``same``, every rank's is the same signed powers of two and
+    zeros (each encoded exactly, so every rank sends the same codes)."""
     rng = np.random.default_rng([seed, 0 if same else rank, k])
+    if same:
+        return (rng.choice([-1, 0, 1], SIZE) * 2.0 ** rng.integers(-6, 7, SIZE)).astype(np.float32)
     return (rng.standard_normal(SIZE) * 2.0 ** int(rng.integers(-6, 7))).astype(np.float32)
 
 

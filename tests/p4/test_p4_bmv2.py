@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -24,15 +23,13 @@ from support.harness import worker_addr
 from support.p4build import compiled, tool
 from test_p4_model import joined
 
+from intml.p4.bmv2 import SWITCH_MAC, frame, mac_of, unframe
 from intml.p4.controller import controller_entries
 from intml.p4.entries import cli_commands
 from intml.protocol import wire
-from intml.protocol.address import addr_key_of, addr_of
 from intml.protocol.codec import Codec
 from intml.protocol.wire import NO_EXP, MsgType
 
-SWITCH_IP = "10.77.0.1"
-SWITCH_MAC = b"\x02\0\0\0\0\x01"
 PORT = 1  # the one switch port: every rank behind it (the multicast nodes are on it too)
 THRIFT = 9090
 QUIET_S = 3.0  # a frame's output is complete after this long without another (BMv2 under load)
@@ -125,35 +122,6 @@ def switch(program: Path, tmp_path: Path):
         yield sw
     finally:
         sw.close()
-
-
-def mac_of(key: int) -> bytes:
-    """A worker's Ethernet address: one per address key."""
-    return b"\x02\x01" + (key & 0xFFFFFFFF).to_bytes(4, "big")
-
-
-def frame(datagram: bytes, source: int) -> bytes:
-    """Ethernet (from the worker's address to the switch's), IPv4 (checksum computed) and UDP (no checksum) around
-    a datagram from address key ``source``."""
-    ip, port = addr_of(source)
-    udp = port.to_bytes(2, "big") + wire.DEFAULT_PORT.to_bytes(2, "big") + (8 + len(datagram)).to_bytes(2, "big")
-    udp += b"\0\0"
-    header = bytearray(b"\x45\x00" + (28 + len(datagram)).to_bytes(2, "big") + b"\0\0\0\0\x40\x11\0\0"
-                       + socket.inet_aton(ip) + socket.inet_aton(SWITCH_IP))
-    total = sum(int.from_bytes(header[i:i + 2], "big") for i in range(0, 20, 2))
-    while total >> 16:
-        total = (total & 0xFFFF) + (total >> 16)
-    header[10:12] = (~total & 0xFFFF).to_bytes(2, "big")
-    return SWITCH_MAC + mac_of(source) + b"\x08\x00" + bytes(header) + udp + datagram
-
-
-def unframe(data: bytes) -> tuple[bytes, int]:
-    """(UDP payload, destination address key) of a frame the switch sent."""
-    ihl = (data[14] & 0xF) * 4
-    udp = 14 + ihl
-    length = int.from_bytes(data[udp + 4:udp + 6], "big")
-    key = addr_key_of(socket.inet_ntoa(data[30:34]), int.from_bytes(data[udp + 2:udp + 4], "big"))
-    return data[udp + 8:udp + length], key
 
 
 def packet(rank: int, allreduce: int, payload: np.ndarray, codec: Codec) -> bytes:
