@@ -88,7 +88,10 @@ def test_cnat8_equal_inputs_through_bmv2_are_bit_identical_to_the_kernel(engines
     assert run(bmv2, "cnat8", 7, packet, same=True) == run(kernel, "cnat8", 7, packet, same=True)
 
 
-def test_bmv2_engine_without_a_program_says_so_in_one_line() -> None:
-    result = run_cli("--engine", "bmv2")
-    assert result.returncode != 0 and "--bmv2-program" in result.stderr
+@pytest.mark.parametrize("args, says", [((), "needs --bmv2-program"),
+                                        (("--bmv2-program", "/nonexistent.json"), "no BMv2 program at"),
+                                        (("--bmv2-program", "intml.json", "--cores", "2"), "--cores 1")])
+def test_bmv2_engine_says_what_is_wrong_in_one_line(args: tuple[str, ...], says: str) -> None:
+    result = run_cli("--engine", "bmv2", *args)
+    assert result.returncode != 0 and says in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr, result.stderr
