@@ -28,6 +28,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
@@ -480,13 +481,19 @@ def _answers(engine, elements: int, rng: random.Random) -> list[bytes]:
     return out
 
 
+def boundscheck_env() -> dict[str, str]:
+    """The environment of a child Python whose Numba compiles every kernel with bounds checking. Its cache is its
+    own and only ever holds checked kernels (no unchecked one can be loaded), and it persists, so that the kernels
+    are compiled once per machine and source, not once per run: the compile is most of a short campaign's time."""
+    cache = Path(tempfile.gettempdir()) / f"intml-numba-boundscheck-{os.getuid()}"
+    return dict(os.environ, NUMBA_BOUNDSCHECK="1", NUMBA_CACHE_DIR=str(cache))
+
+
 def fuzz_checked(n: int, seed: int = 0) -> dict:
     """fuzz_receive_paths in a child Python with NUMBA_BOUNDSCHECK=1 and a Numba cache of its own (so that no
     kernel compiled without the checks is loaded)."""
-    with tempfile.TemporaryDirectory(prefix="intml-fuzz-") as cache:
-        env = dict(os.environ, NUMBA_BOUNDSCHECK="1", NUMBA_CACHE_DIR=cache)
-        proc = subprocess.run([sys.executable, "-m", "intml.testbed.audit", str(n), str(seed)], env=env,
-                              capture_output=True, text=True, check=False)
+    proc = subprocess.run([sys.executable, "-m", "intml.testbed.audit", str(n), str(seed)], env=boundscheck_env(),
+                          capture_output=True, text=True, check=False)
     if proc.returncode != 0:  # the child itself died: a crash no exception caught
         return {"boundscheck": True, "crashes": 1, "first_crash": f"exit code {proc.returncode}: "
                                                                   f"{proc.stderr.strip()[-2000:]}"}
