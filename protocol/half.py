@@ -63,6 +63,13 @@ def widen_bits(h, fmt):
 
 
 @njit(inline="always")
+def word_bits(w, fmt):
+    """float32 bits of an input word: a float32's own bits (fmt FLOAT32), or a 16-bit value's widened. For kernels
+    that take either (worker.gpu)."""
+    return _U32(w) if fmt == FLOAT32 else widen_bits(w, fmt)
+
+
+@njit(inline="always")
 def _round_shift(v, shift):
     """v >> shift rounded to nearest, ties to even (shift in [1, 31])."""
     q = _U32(v >> _U32(shift))

@@ -73,14 +73,13 @@ class Link:
         """Allreduce the contiguous float32, bfloat16 or float16 `tensor` (sum or mean), a CPU tensor or one of the
         CUDA path's; the Future holds [tensor] (inplace) or a new tensor of its dtype. With `residual` (error
         feedback, float32 on the tensor's device), send tensor + residual and keep the new residual in it. A 16-bit
-        CPU tensor is encoded from its own words into its own dtype (docs/mixed-precision.md); on the CUDA path,
-        or with a residual (tensor + residual is float32), it goes as a float32 copy rounded back."""
-        cuda = self.cuda.owns(tensor) and self.cuda.problem() is None
-        if tensor.dtype != torch.float32 and (cuda or residual is not None):
+        tensor is encoded from its own words into its own dtype (docs/mixed-precision.md), except with a residual:
+        tensor + residual is float32, rounded back."""
+        if tensor.dtype != torch.float32 and residual is not None:
             wide = tensor.float()  # here, in the caller: on the CUDA path, its stream produced the tensor
             fut = self.submit(wide, op, inplace=True, residual=residual)
             return fut.then(lambda f: narrow(f, wide, tensor, inplace))
-        if cuda:
+        if self.cuda.owns(tensor) and self.cuda.problem() is None:
             marker = self.cuda.ready_marker(tensor)  # here, in the caller: its stream produced the tensor
             return self._submit(lambda: self._allreduce_cuda(tensor, op, inplace, residual, marker))
         return self._submit(lambda: self._allreduce(tensor, op, inplace, residual))
@@ -162,7 +161,10 @@ class Link:
             x = flat if residual is None else flat + residual
             out = flat if inplace else torch.empty_like(flat)
             sent = None if residual is None else path.view(residual)
-            self._device.allreduce(path.view(x), path.view(out), op, sent=sent, stream=stream)
+            dtype = WORD_DTYPES.get(x.dtype)  # a 16-bit tensor goes as its int16 words, which numba can view
+            words = (lambda t: t) if dtype is None else (lambda t: t.view(torch.int16))
+            self._device.allreduce(path.view(words(x)), path.view(words(out)), op, sent=sent, stream=stream,
+                                   dtype=dtype)
             if residual is not None:
                 torch.sub(x, residual, out=residual)  # the new residual: input - what was sent
                 residual.nan_to_num_(0.0, 0.0, 0.0)  # a non-finite element's is reset: it went on as itself
