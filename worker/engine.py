@@ -246,8 +246,8 @@ def _build(st, s, c, now):
             st.parked[s] = c
             disarm(st, s)
             return False
-        codecs.encode_chunk(codec, _values(st, lo, lo + count), payload, _worker_key(prm), lo, exp, prm[P_VBITS], st.low[c],
-                            st.local_exp[c], prm[P_STOCHASTIC] != 0)
+        codecs.encode_chunk(codec, _values(st, lo, lo + count), payload, _worker_key(prm), lo, exp, prm[P_VBITS],
+                            st.low[c], st.local_exp[c], prm[P_STOCHASTIC] != 0)
         if st.sent.size:  # asked for (error feedback): what this rank sends, decoded from the datagram itself
             codecs.decode_result(codec, payload, exp, prm[P_VBITS], st.sent[lo:lo + count])
     nxt = c + window

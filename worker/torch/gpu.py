@@ -6,8 +6,9 @@ target. Where it cannot be imported (no ``intml[cuda]`` extra, no driver or devi
 under routing.CUDA, with one warning naming the cause.
 
 ``simulate()`` makes this process treat float32, bfloat16 and float16 CPU tensors as device tensors: their
-allreduces take the CUDA path (the same Link code, DeviceAllreducer and kernels) on numba's CUDA simulator. It is how the CUDA path is
-tested without a GPU, and shows, on any machine, that a job's results do not depend on the path.
+allreduces take the CUDA path (the same Link code, DeviceAllreducer and kernels) on numba's CUDA simulator. It is
+how the CUDA path is tested without a GPU, and shows, on any machine, that a job's results do not depend on the
+path.
 """
 
 from __future__ import annotations
