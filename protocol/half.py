@@ -104,8 +104,12 @@ def narrow_bits(b, fmt):
 @njit(cache=True, nogil=True, boundscheck=False)
 def widen_kernel(h, out, fmt):
     """out (uint32 view of float32) = the float32 bits of each 16-bit value of h (uint16)."""
-    for j in range(h.size):
-        out[j] = widen_bits(h[j], fmt)
+    if fmt == BFLOAT16:  # a loop per format, so that bfloat16's shift vectorises
+        for j in range(h.size):
+            out[j] = widen_bits(h[j], BFLOAT16)
+    else:
+        for j in range(h.size):
+            out[j] = widen_bits(h[j], FLOAT16)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
