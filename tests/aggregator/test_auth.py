@@ -155,7 +155,7 @@ def test_resume_point_of_a_rank_joining_a_running_job(first):
 
 @pytest.mark.process
 def test_squatting_with_a_wrong_token_reserves_nothing_live():
-    from intml.worker import JoinError, Worker
+    from intml.worker import Worker
 
     with aggregator() as agg, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.bind((HOST, 0))
@@ -167,10 +167,11 @@ def test_squatting_with_a_wrong_token_reserves_nothing_live():
             np.testing.assert_array_equal(w.allreduce(np.ones(8, np.float32), op="sum"), np.ones(8))
             reply = join_over(s, target, 31, 0, token="squatter", **{**PARAMS, "world_size": 1})
             assert reply[wire.HEADER_SIZE:].decode() == UNPROVED  # no parameter of the real job in it
-            with pytest.raises(JoinError, match="token is wrong"):
-                Worker(agg.address, job=31, rank=0, world_size=1, token="right", timeout=5)
+            # another of the aggregator's tokens is another tenant: its job 31 is its own, beside the first
+            with Worker(agg.address, job=31, rank=0, world_size=1, token="right", timeout=5) as other:
+                np.testing.assert_array_equal(other.allreduce(np.full(8, 4, np.float32), op="sum"), np.full(8, 4))
             np.testing.assert_array_equal(w.allreduce(np.ones(8, np.float32), op="sum"), np.ones(8))
-        assert _counters(agg)["drop_bad_mac"] == 3
+        assert _counters(agg)["drop_bad_mac"] == 2
 
 
 @pytest.mark.process
