@@ -140,7 +140,7 @@ struct tna_metadata_t {{
 
 
 def control_meter() -> str:
-    gcra = "\n\n".join(f"""    // GCRA in one SALU: first = the theoretical arrival time, second = the interval (written with the limits)
+    gcra = "\n\n".join(f"""    // GCRA in one SALU: first = the theoretical arrival time, second = the interval
     RegisterAction<pair_t, {index}, bit<32>>(control_{name}_tat) take_{name} = {{
         void apply(inout pair_t value, out bit<32> verdict) {{
             verdict = CONFORMS;
@@ -684,7 +684,8 @@ control TnaIngress(inout tna_headers_t hdr, inout tna_metadata_t ig_md,
 {chr(10).join(check)}
             slot_judge.apply(hdr, ig_md, ig_md.flags.f0 == 0);
             // drop_stale, or drop_invalid_code for a new round: nothing was written
-            if (ig_md.bridge.order == ORDER_OLDER || (ig_md.bridge.order == ORDER_NEWER && ig_md.bridge.lanes_ok == 0)) {{
+            if (ig_md.bridge.order == ORDER_OLDER
+                    || (ig_md.bridge.order == ORDER_NEWER && ig_md.bridge.lanes_ok == 0)) {{
                 ig_dprsr_md.drop_ctl = 1;
             }}
             ig_md.bridge.phase = PHASE_CONSUME;

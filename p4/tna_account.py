@@ -48,7 +48,8 @@ TOFINO2 = Chip(stages=20, salus_per_stage=4, tables_per_stage=16, tcam_blocks_pe
 # ---- the stateful ALU check ------------------------------------------------------------------------------------
 
 _REGISTER = re.compile(r"Register<\s*(\w+(?:<\d+>)?)\s*,\s*\w+(?:<\d+>)?\s*>\s*\([^)]*\)\s*(\w+)\s*;")
-_ACTION = re.compile(r"RegisterAction<\s*(\w+(?:<\d+>)?)\s*,\s*\w+(?:<\d+>)?\s*,\s*(\w+(?:<\d+>)?)\s*>\s*\((\w+)\)\s*(\w+)\s*="
+_TYPE = r"\w+(?:<\d+>)?"
+_ACTION = re.compile(rf"RegisterAction<\s*({_TYPE})\s*,\s*{_TYPE}\s*,\s*({_TYPE})\s*>\s*\((\w+)\)\s*(\w+)\s*="
                      r"\s*\{\s*void apply\(([^)]*)\)\s*\{")
 _FIELD = re.compile(r"\b(bit|int)<(\d+)>\s+(\w+)\s*;|\bbool\s+(\w+)\s*;")
 _PARAMETER = re.compile(r"\b(?:in|out|inout)\s+((?:bit|int)<\d+>|\w+)\s+(\w+)\s*[,)]")

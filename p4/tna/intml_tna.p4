@@ -311,7 +311,8 @@ control TnaIngress(inout tna_headers_t hdr, inout tna_metadata_t ig_md,
             ig_md.flags.f0 = ig_md.flags.f0 | ig_md.flags.f1;
             slot_judge.apply(hdr, ig_md, ig_md.flags.f0 == 0);
             // drop_stale, or drop_invalid_code for a new round: nothing was written
-            if (ig_md.bridge.order == ORDER_OLDER || (ig_md.bridge.order == ORDER_NEWER && ig_md.bridge.lanes_ok == 0)) {
+            if (ig_md.bridge.order == ORDER_OLDER
+                    || (ig_md.bridge.order == ORDER_NEWER && ig_md.bridge.lanes_ok == 0)) {
                 ig_dprsr_md.drop_ctl = 1;
             }
             ig_md.bridge.phase = PHASE_CONSUME;

@@ -14,7 +14,7 @@ control ControlMeter(inout tna_headers_t hdr, inout tna_metadata_t ig_md,
     Register<pair_t, core_cell_t>(1) control_core_tat;
     Hash<bucket_t>(HashAlgorithm_t.CRC16) source_hash;
 
-    // GCRA in one SALU: first = the theoretical arrival time, second = the interval (written with the limits)
+    // GCRA in one SALU: first = the theoretical arrival time, second = the interval
     RegisterAction<pair_t, bucket_t, bit<32>>(control_source_tat) take_source = {
         void apply(inout pair_t value, out bit<32> verdict) {
             verdict = CONFORMS;
@@ -28,7 +28,7 @@ control ControlMeter(inout tna_headers_t hdr, inout tna_metadata_t ig_md,
         }
     };
 
-    // GCRA in one SALU: first = the theoretical arrival time, second = the interval (written with the limits)
+    // GCRA in one SALU: first = the theoretical arrival time, second = the interval
     RegisterAction<pair_t, core_cell_t, bit<32>>(control_core_tat) take_core = {
         void apply(inout pair_t value, out bit<32> verdict) {
             verdict = CONFORMS;
