@@ -317,6 +317,10 @@ control SlotJudge(inout tna_headers_t hdr, inout tna_metadata_t ig_md, in bool l
         ig_md.bridge.agreed = merged == DISAGREES ? 1w0 : 1w1;
         ig_md.bridge.next_exp = merged[7:0] ^ 0x80;
         ig_md.bridge.lanes_ok = lanes_ok ? 1w1 : 1w0;
+        // the round's, when the packet agrees with it (a packet that does not is dropped)
+        ig_md.bridge.owners = hdr.intml.owners;
+        ig_md.bridge.elements = hdr.intml.count;
+        ig_md.bridge.exp = hdr.intml.exp;
     }
 }
 
@@ -501,15 +505,19 @@ def codec(static: list[Entry]) -> str:
     return guard("TNA_CODEC", f"""
 // The judge pass's check of {CHECK_GROUP} codes (one 32-bit word) against the job's k_limit: one ternary lookup;
 // a hit is an invalid code (layout.lane_ok), and the flags of all {WORDS} words are OR-ed before the slot state.
-control LaneCheck(in bit<32> codes, in bit<8> k_limit, inout bit<8> invalid_codes) {{
+control LaneCheck(in bit<32> codes, in bit<8> k_limit, out bit<8> invalid_codes) {{
     action invalid() {{
         invalid_codes = 1;
     }}
 
+    action valid() {{
+        invalid_codes = 0;
+    }}
+
     table lane_check {{
         key = {{ codes : ternary; k_limit : range; }}
-        actions = {{ invalid; NoAction; }}
-        const default_action = NoAction();
+        actions = {{ invalid; valid; }}
+        const default_action = valid();
         const entries = {{
 {checks}
         }}
@@ -634,23 +642,29 @@ parser TnaIngressParser(packet_in pkt, out tna_headers_t hdr, out tna_metadata_t
     }}
     state parse_bridge {{
         pkt.extract(hdr.bridge);
-        transition select(hdr.bridge.carries) {{ 1: parse_sums; default: parse_ethernet; }}
+        transition select(hdr.bridge.carries) {{ 1: parse_sums; default: parse_recirculated; }}
     }}
     state parse_sums {{
         pkt.extract(hdr.sums);
-        transition parse_ethernet;
+        transition parse_recirculated;
+    }}
+    state parse_recirculated {{
+        transition select(hdr.bridge.phase) {{ PHASE_HARVEST: parse_headers; default: parse_ethernet; }}
+    }}
+    // a harvest pass: the codes were consumed (the list repeats parse_ethernet's so that the phase is read only
+    // where the bridge is valid)
+    state parse_headers {{
+        pkt.extract(hdr.ethernet);
+        pkt.extract(hdr.ipv4);
+        pkt.extract(hdr.udp);
+        pkt.extract(hdr.intml);
+        transition accept;
     }}
     state parse_ethernet {{
         pkt.extract(hdr.ethernet);
         pkt.extract(hdr.ipv4);
         pkt.extract(hdr.udp);
         pkt.extract(hdr.intml);
-        transition select(ig_intr_md.ingress_port) {{ RECIRCULATION_PORT: parse_phase; default: parse_codes; }}
-    }}
-    state parse_phase {{
-        transition select(hdr.bridge.phase) {{ PHASE_HARVEST: accept; default: parse_codes; }}
-    }}
-    state parse_codes {{
         pkt.extract(hdr.codes_lo);
         pkt.extract(hdr.codes_hi);
         transition accept;

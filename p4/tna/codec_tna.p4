@@ -4,15 +4,19 @@
 
 // The judge pass's check of 4 codes (one 32-bit word) against the job's k_limit: one ternary lookup;
 // a hit is an invalid code (layout.lane_ok), and the flags of all 16 words are OR-ed before the slot state.
-control LaneCheck(in bit<32> codes, in bit<8> k_limit, inout bit<8> invalid_codes) {
+control LaneCheck(in bit<32> codes, in bit<8> k_limit, out bit<8> invalid_codes) {
     action invalid() {
         invalid_codes = 1;
     }
 
+    action valid() {
+        invalid_codes = 0;
+    }
+
     table lane_check {
         key = { codes : ternary; k_limit : range; }
-        actions = { invalid; NoAction; }
-        const default_action = NoAction();
+        actions = { invalid; valid; }
+        const default_action = valid();
         const entries = {
             (32w0x1000000 &&& 32w0x41000000, 8w0 .. 8w255) : invalid();
             (32w0x2000000 &&& 32w0x42000000, 8w0 .. 8w255) : invalid();

@@ -24,23 +24,29 @@ parser TnaIngressParser(packet_in pkt, out tna_headers_t hdr, out tna_metadata_t
     }
     state parse_bridge {
         pkt.extract(hdr.bridge);
-        transition select(hdr.bridge.carries) { 1: parse_sums; default: parse_ethernet; }
+        transition select(hdr.bridge.carries) { 1: parse_sums; default: parse_recirculated; }
     }
     state parse_sums {
         pkt.extract(hdr.sums);
-        transition parse_ethernet;
+        transition parse_recirculated;
+    }
+    state parse_recirculated {
+        transition select(hdr.bridge.phase) { PHASE_HARVEST: parse_headers; default: parse_ethernet; }
+    }
+    // a harvest pass: the codes were consumed (the list repeats parse_ethernet's so that the phase is read only
+    // where the bridge is valid)
+    state parse_headers {
+        pkt.extract(hdr.ethernet);
+        pkt.extract(hdr.ipv4);
+        pkt.extract(hdr.udp);
+        pkt.extract(hdr.intml);
+        transition accept;
     }
     state parse_ethernet {
         pkt.extract(hdr.ethernet);
         pkt.extract(hdr.ipv4);
         pkt.extract(hdr.udp);
         pkt.extract(hdr.intml);
-        transition select(ig_intr_md.ingress_port) { RECIRCULATION_PORT: parse_phase; default: parse_codes; }
-    }
-    state parse_phase {
-        transition select(hdr.bridge.phase) { PHASE_HARVEST: accept; default: parse_codes; }
-    }
-    state parse_codes {
         pkt.extract(hdr.codes_lo);
         pkt.extract(hdr.codes_hi);
         transition accept;

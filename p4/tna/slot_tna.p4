@@ -121,6 +121,10 @@ control SlotJudge(inout tna_headers_t hdr, inout tna_metadata_t ig_md, in bool l
         ig_md.bridge.agreed = merged == DISAGREES ? 1w0 : 1w1;
         ig_md.bridge.next_exp = merged[7:0] ^ 0x80;
         ig_md.bridge.lanes_ok = lanes_ok ? 1w1 : 1w0;
+        // the round's, when the packet agrees with it (a packet that does not is dropped)
+        ig_md.bridge.owners = hdr.intml.owners;
+        ig_md.bridge.elements = hdr.intml.count;
+        ig_md.bridge.exp = hdr.intml.exp;
     }
 }
 
