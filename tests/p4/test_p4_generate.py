@@ -2,7 +2,6 @@
 the structural checks, and declare exactly p4/layout.py's tables, registers and constants (the layout the
 pipeline model executes). tests/p4/test_p4_compile.py compiles them with p4c."""
 
-import itertools
 from pathlib import Path
 
 import pytest
@@ -192,30 +191,3 @@ def test_lane_check_is_the_layouts():
     for k_limit in range(0, 33):
         for code in range(256):
             assert eval(python, {}, {**constants, "code": code, "k_limit": k_limit}) == layout.lane_ok(code, k_limit)
-
-
-def test_tna_classify_is_the_models_order():
-    """The TNA sketch's classify (round_key's RegisterAction), read from its generated text and evaluated as
-    Python, orders a packet against the round as the model's serial order does: an older chunk of the same
-    allreduce is OLDER (it once said NEWER, and a stale duplicate would have reopened the set)."""
-    import re
-
-    from intml.p4.model import _serial_event
-    text = (P4 / "tna" / "slot_tna.p4").read_text()
-    body = re.search(r"\) classify = \{\s*void apply\(inout pair_t value, out bit<8> order\) \{(.*?)\n        \}\n",
-                     text, re.S)[1]
-    same, newer = (re.search(rf"{kind} \((.*?)\) \{{", body, re.S)[1] for kind in (r"if", r"\} else if"))
-
-    def python(condition: str) -> str:
-        for p4, py in (("hdr.intml.allreduce - value.first", "((a - f) & 0xFFFFFFFF)"), ("hdr.intml.allreduce", "a"),
-                       ("(hdr.intml.chunk ^ 0x80000000)", "c"), ("value.first", "f"), ("value.second", "s"),
-                       ("ig_md.lanes_ok", "True"), ("&&", " and "), ("||", " or ")):
-            condition = condition.replace(p4, py)
-        return " ".join(condition.split())
-
-    same, newer = python(same), python(newer)
-    values = [0, 1, 2, 0x7FFFFFFF, 0x80000000, 0x80000001, 0xFFFFFFFE, 0xFFFFFFFF]
-    for a, f, c, s in itertools.product(values, values, values[:5], values[:5]):
-        scope = {"a": a, "f": f, "c": c, "s": s}
-        order = "SAME" if eval(same, {}, scope) else "NEWER" if eval(newer, {}, scope) else "OLDER"
-        assert order == _serial_event(a << 32 | c, f << 32 | s), (a, f, c, s)
