@@ -69,9 +69,7 @@ class P4DataPath:
 
     # ---- aggregator.datapath.DataPath ---------------------------------------------------------------------
     def refuse(self, job_id: int, params: JobParams, slots: Slots, rank: int) -> str | None:
-        return refusal(params.codec, params.packet_elements, params.data_mac) or (
-            "JOIN refused: the P4 pipeline model (--engine p4model) rounds stochastically only; join with rounding "
-            "stochastic, or use the kernel engine" if params.nearest else None)
+        return refusal(params.codec, params.packet_elements, params.data_mac)
 
     def place(self, job_id: int, params: JobParams, slots: Slots, data_key: bytes, now: float) -> Placed | str:
         found = allocate(self.counters, job_id, len(slots.of(params.pool_size)), self.name)
