@@ -295,7 +295,8 @@ def lanes_p4() -> str:
             return lanes(lambda i: f"        lanes.l{i}.active = hdr.{kind}[{i}].isValid();\n"
                                    f"        lanes.l{i}.{lane_field} = hdr.{kind}[{i}].{field};\n"
                                    f"        lanes.l{i}.{other} = 0;\n"
-                                   + "".join(f"        lanes.l{i}.{f} = 0;\n" for f in ("sum", "sign", "magnitude", "rand", "flags"))
+                                   + "".join(f"        lanes.l{i}.{f} = 0;\n"
+                                             for f in ("sum", "sign", "magnitude", "rand", "flags"))
                                    + f"        lanes.l{i}.saturated = false;")
         out = "code" if kind == "codes" else "sum"
         return lanes(lambda i: f"        hdr.{kind}[{i}].{field} = lanes.l{i}.{out};")
@@ -309,10 +310,11 @@ def lanes_p4() -> str:
                   f"else {{ {verb}_words(); }}\n    }}\n}}\n")
 
     width = 32 * L.LANES_PER_PASS
-    words = lanes(lambda i: f"        lanes.l{i}.rand = hdr.test_random.words[{width - 1 - 32 * i}:{width - 32 - 32 * i}];")
-    test_random = (f"\n#ifdef {TEST_RANDOM}\n// The test build's random words into the lanes (LaneEncode keeps them where "
-                   f"the shipped program draws\n// v1model's random()).\ncontrol LoadTestRandom(in headers_t hdr, "
-                   f"inout lanes_t lanes) {{\n    apply {{\n{words}\n    }}\n}}\n#endif\n")
+    words = lanes(lambda i: f"        lanes.l{i}.rand = hdr.test_random.words[{width - 1 - 32 * i}:"
+                            f"{width - 32 - 32 * i}];")
+    test_random = (f"\n#ifdef {TEST_RANDOM}\n// The test build's random words into the lanes (LaneEncode keeps "
+                   f"them where the shipped program draws\n// v1model's random()).\ncontrol LoadTestRandom(in "
+                   f"headers_t hdr, inout lanes_t lanes) {{\n    apply {{\n{words}\n    }}\n}}\n#endif\n")
     return guard("LANES", "\n" + control(
         "LoadLanes", True, "This pass's elements (the parser put them first in the stacks) into the lanes.")
         + "\n" + control("StoreLanes", False, "The lanes' results back into this pass's elements of the packet "
@@ -329,7 +331,8 @@ def intml() -> str:
                 if (cnat8 && meta.step != STEP_RESEND) {{ cnat_decode_{i}.apply(lanes.l{i}); }}
                 lane_aggregate_{i}.apply(lanes.l{i}, meta.cell, meta.step, cnat8);
                 if (cnat8) {{
-                    cnat_encode_{i}.apply(lanes.l{i}, meta.cell, meta.step, meta.completes, meta.k_finite, meta.nearest);
+                    cnat_encode_{i}.apply(lanes.l{i}, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
                 }}
                 if (lanes.l{i}.saturated) {{ count_job(STAT_SATURATED_ELEMENTS); }}
                 if (meta.completes == 1 && lanes.l{i}.flags != 0) {{ count_job(STAT_NONFINITE_ELEMENTS); }}

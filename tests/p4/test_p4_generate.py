@@ -202,7 +202,8 @@ def test_lane_check_is_the_layouts():
     constants = {"NONZERO": layout.NONZERO, "K_MASK": layout.K_MASK}
     for k_limit in range(0, 33):
         for code in range(256):
-            assert eval(python, {}, {**constants, "code": code, "k_limit": k_limit}) == (layout.lane_ok(code, k_limit) or code in layout.FLAG_CODES)
+            admitted = layout.lane_ok(code, k_limit) or code in layout.FLAG_CODES
+            assert eval(python, {}, {**constants, "code": code, "k_limit": k_limit}) == admitted
 
 
 def test_tna_classify_is_the_models_order():
