@@ -15,7 +15,7 @@ def switch_job(job_id: int, index: int, params: JobParams, slots: Slots, rows: r
     """A job as the switch sees it: parameters, members, results group, the row of each of its slots here."""
     return SwitchJob(job_id, index, params.world_size, params.packet_elements, params.pool_size, int(params.codec),
                      params.seed, dict(members), group,
-                     {s: rows.start + s // slots.stride for s in slots.of(params.pool_size)})
+                     {s: rows.start + s // slots.stride for s in slots.of(params.pool_size)}, params.nearest)
 
 
 def controller_entries(core: AggregatorCore) -> list[Entry]:

@@ -79,8 +79,6 @@ class P4DataPath:
     # ---- aggregator.datapath.DataPath ---------------------------------------------------------------------
     def refuse(self, job: int, params: JobParams, slots: Slots, rank: int) -> str | None:
         return refusal(params.codec, params.packet_elements, params.data_mac) or (
-            "JOIN refused: the P4 pipeline model (--engine p4model) rounds stochastically only; join with rounding "
-            "stochastic, or use the kernel engine" if params.nearest else None) or (
             # the job table matches the wire job id alone (p4/job_table.p4)
             one_tenant_per_id(self.placed, job, "the P4 pipeline (--engine p4model)"))
 
