@@ -8,15 +8,18 @@ Control plane (docs/protocol.md, "Control plane" and "Control plane authenticati
     JOIN, first round (client nonce, no cookie): answered with a CHALLENGE carrying a stateless cookie for the
     sender's address, job, rank and nonce; nothing is kept, and the CHALLENGE is smaller than the JOIN.
     JOIN with the cookie and a proof (a MAC under the token key): the cookie must be this core's for the sender
-    (current or previous epoch), the proof must verify under the job's token (an existing job) or one of the
-    core's tokens (a new job). Only then is anything reserved: the first proved JOIN of a job registers it
+    (current or previous epoch), the proof must verify under one of the core's tokens. Each token is a tenant
+    with its own job ids (docs/protocol.md, "Tenants"): the JOIN joins, or creates, the job of its id of the
+    token that proves it, and two tokens' jobs of one id are two jobs, keyed (tenant, job id) (datapath.job_key).
+    Only then is anything reserved: the first proved JOIN of a job registers it
     (rows of this core's slot table, its job nonce and data key); later ones must carry the same parameters. A
     rank proving the job's token from a new address takes its seat (a restarted rank): the old binding is
     replaced, and the JOIN_ACK tells it the allreduce to use next and each of this core's slots' next shadow set.
     A cookie proved once is remembered until it expires: a JOIN carrying it again is taken only as a repeat (its
     JOIN_ACK was lost) while the seat it won is still held, so a replayed JOIN cannot revive a finished job,
     rebind a seat, or bring back a job nonce (each registration mixes in the core's count of them).
-    An address holds at most one rank of a job. Replies: JOIN_ACK (the parameters, ``cores``, the multicast
+    An address holds at most one rank of a job, and a rank of at most one of the jobs of an id (the data path
+    tells two tenants' jobs of one id apart by it). Replies: JOIN_ACK (the parameters, ``cores``, the multicast
     group, the resume point, MAC'd under the rank's session key) or ERROR with a one-line reason. A sender that
     has not proved the token learns only that (``UNPROVED``), counted as ``drop_bad_mac``; refusals after the
     proof name the parameter or the limit, counted as ``drop_refused_join``.
@@ -30,12 +33,13 @@ Control plane (docs/protocol.md, "Control plane" and "Control plane authenticati
     runs, so that a job lives as long as its ranks do.
     STATS_REQUEST (MAC'd likewise, from a member, whose request also keeps the job alive): a STATS_REPLY with that
     job's counters, how long each rank has been silent and the ranks its incomplete rounds miss, MAC'd, cut to at
-    most MAX_REPLY_RATIO times the request. With rank OPERATOR_RANK and a MAC under one of the core's tokens: every
-    job's statistics (job id 0xFFFFFFFF) or one job's, the finished jobs' history, and the core's counters (every
-    event on the core, aggregator.counters). No member addresses, no seeds, to anyone. A member's request for a job
-    this core does not know gets a short ERROR (if not larger than the request); anything else gets no reply
-    (``drop_bad_mac``). An operator's request carries a sequence number under its MAC, and each is answered once
-    (a replay is not fresh). No reply to a sender that has proved nothing is larger than its request.
+    most MAX_REPLY_RATIO times the request. With rank OPERATOR_RANK and a MAC under one of the core's tokens: the
+    statistics of every job of that token's tenant (job id 0xFFFFFFFF) or of one, its finished jobs' history, and
+    the core's counters (every event on the core, aggregator.counters). No member addresses, no seeds, to anyone.
+    A member's request for a job this core does not know gets a short ERROR (if not larger than the request);
+    anything else gets no reply (``drop_bad_mac``). An operator's request carries a sequence number under its
+    MAC, and each is answered once (a replay is not fresh). No reply to a sender that has proved nothing is larger
+    than its request.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from typing import Any
 import numpy as np
 
 from intml.aggregator.counters import END_REASONS, EVICTED, IDLE, LEAVE
-from intml.aggregator.datapath import DataPath, Slots
+from intml.aggregator.datapath import DataPath, Slots, job_key, job_name, tenant_of, wire_job
 from intml.aggregator.kernel import KernelDataPath
 from intml.protocol import keys, wire
 from intml.protocol.address import addr_of, format_addr
@@ -96,7 +100,7 @@ class JobInfo:
     rows: range
     group: int  # the results group's address key (0: unicast)
     joined_at: float
-    token_key: bytes  # of the token that created the job: only it can join
+    token_key: bytes  # of the token that created the job (its tenant): only it can join
     job_nonce: bytes
     incarnation: int  # the core's count of registrations when this one was made
     left: set[int] = field(default_factory=set)
@@ -151,7 +155,7 @@ class AggregatorCore:
         # cookie -> (expiry, the job's incarnation) of every accepted JOIN whose cookie is still valid
         self._used_cookies: dict[bytes, tuple[float, int]] = {}
         self._operator_seq: dict[bytes, int] = {}  # token key -> the last operator request's sequence number answered
-        self.info: dict[int, JobInfo] = {}
+        self.info: dict[int, JobInfo] = {}  # by job key (datapath.job_key: the job id for tenant 0)
         self.history: deque[dict] = deque(maxlen=job_history)  # finished jobs, oldest first
         self._control_in: list[tuple[bytes, int, float]] = []  # admitted control datagrams not yet handled
 
@@ -212,27 +216,29 @@ class AggregatorCore:
             # expired, or replayed from another address: a fresh challenge for this sender, nothing else
             self.counters.core_stats[DROP_BAD_MAC] += 1
             return self._challenge(job_id, rank, nonce, addr, now)
-        info = self.info.get(job_id)
+        # the token that proves the JOIN is its tenant, whose job of this id it joins (or creates)
+        tenant = next((t for t, k in enumerate(self._token_keys) if keys.verify(k, datagram, wire.JOIN_MAC)), None)
+        key = None if tenant is None else job_key(tenant, job_id)
+        info = None if key is None else self.info.get(key)
         if not self._fresh_cookie(cookie, job_id, rank, nonce, info, now):
             # a replayed JOIN whose seat is gone (left, rebound, or its job ended): a challenge, nothing else
             self.counters.core_stats[DROP_BAD_MAC] += 1
             return self._challenge(job_id, rank, nonce, addr, now)
-        token_key = next((k for k in ([info.token_key] if info else self._token_keys)
-                          if keys.verify(k, datagram, wire.JOIN_MAC)), None)
-        if token_key is None:
+        if key is None:
             return self._refuse(DROP_BAD_MAC, job_id, UNPROVED)
         # proved: from here on the sender is a holder of the job's token
+        token_key = self._token_keys[tenant]
         fields = {name: int(payload[name]) for name in JOB_PARAMS}
         job = self._job_of(fields, rank)
         if isinstance(job, str):
             return self._refuse(DROP_REFUSED_JOIN, job_id, job)
         params, first_core, slots = job
-        problem = self.datapath.refuse(job_id, params, slots, rank)
+        problem = self.datapath.refuse(key, params, slots, rank)
         if problem:
             return self._refuse(DROP_REFUSED_JOIN, job_id, problem)
         if info is None:
             self._incarnations += 1
-            info = self._place(job_id, params, first_core, slots, now, token_key,
+            info = self._place(key, params, first_core, slots, now, token_key,
                                keys.job_nonce(self._secret, nonce, cookie, self._incarnations))
             if isinstance(info, str):  # the limit that was hit
                 return self._refuse(DROP_REFUSED_JOIN, job_id, info)
@@ -247,13 +253,18 @@ class AggregatorCore:
             return self._refuse(DROP_REFUSED_JOIN, job_id,
                                 f"{host}:{port} already holds rank {others[0]} of job {job_id}; each rank must join "
                                 f"from its own address")
+        if self._seated(job_id, rank, addr) not in (None, key):  # the data path would not know whose DATA it is
+            host, port = addr_of(addr)
+            return self._refuse(DROP_REFUSED_JOIN, job_id,
+                                f"{host}:{port} already holds rank {rank} of another token's job {job_id}; join from "
+                                f"another address")
         info.members[rank] = addr  # a restarted rank's new address replaces its old one
-        self.datapath.seat(job_id, rank, addr, now)
+        self.datapath.seat(key, rank, addr, now)
         info.left.discard(rank)
         session = info.sessions[rank] = keys.session_key(token_key, job_id, rank, nonce, cookie)
         self._used_cookies.setdefault(cookie, (keys.cookie_expiry(now), info.incarnation))
         group = info.group
-        allreduce, sets = self._resume_point(job_id, info)
+        allreduce, sets = self._resume_point(key, info)
         ack = wire.pack_join({**_reply_header(job_id, MsgType.JOIN_ACK), "rank": rank},
                              {**info.view(), "cores": self.cores, "group": group >> 16, "group_port": group & 0xFFFF,
                               "allreduce": allreduce, "nonce": nonce, "cookie": cookie, "job_nonce": info.job_nonce,
@@ -280,13 +291,13 @@ class AggregatorCore:
         cookie = keys.cookie(self._secret, addr, job_id, rank, nonce, keys.epoch(now))
         return wire.pack_challenge(job_id, rank, nonce, cookie, self.cores)
 
-    def _resume_point(self, job_id: int, info: JobInfo) -> tuple[int, bytes]:
+    def _resume_point(self, key: int, info: JobInfo) -> tuple[int, bytes]:
         """Where a rank joining now starts: the allreduce its peers are in (one of whose rounds here still waits)
         or the next one, and the slot bitmap of each of this core's slots' next shadow set: the set of a round
         that waits for contributions, else the other set than the slot's last round (0 for an unused slot).
         Rounds compare in serial number order (packet.round_order), as the kernel's do; a set holds a round
         iff its bitmap is not empty."""
-        round_key, bitmap, count = self.datapath.round_state(job_id)
+        round_key, bitmap, count = self.datapath.round_state(key)
         used = bitmap != 0
         last = np.array([int(u[1] and (not u[0] or round_order(int(k[1]), int(k[0])) > 0))
                          for k, u in zip(round_key, used)], np.int64)
@@ -326,22 +337,24 @@ class AggregatorCore:
             return problem
         return params, p["first_core"], Slots(p["total_cores"] or self.cores, p["first_core"] + self.core)
 
-    def _place(self, job_id: int, params: JobParams, first_core: int, slots: Slots, now: float, token_key: bytes,
+    def _place(self, key: int, params: JobParams, first_core: int, slots: Slots, now: float, token_key: bytes,
                job_nonce: bytes) -> JobInfo | str:
-        """A new job placed on the data path and live, or one line naming the limit that refuses it."""
+        """A new job (its key, aggregator.datapath.job_key) placed on the data path and live, or one line naming
+        the limit that refuses it."""
         if params.pool_size > self.max_pool:
             return (f"pool size {params.pool_size} exceeds this aggregator's maximum of {self.max_pool} slots per "
                     f"job (intml-aggregator --max-pool)")
         quota = self._quota(token_key, len(range(slots.offset, params.pool_size, slots.stride)))
         if quota:
             return quota
-        placed = self.datapath.place(job_id, params, slots, keys.data_key(token_key, job_id, job_nonce), now)
+        job_id = wire_job(key)
+        placed = self.datapath.place(key, params, slots, keys.data_key(token_key, job_id, job_nonce), now)
         if isinstance(placed, str):
             return placed
-        self.counters.start_job(placed.index, job_id)  # the data path handles the job's DATA from here
+        self.counters.start_job(placed.index, job_id, tenant_of(key))  # the data path handles its DATA from here
         info = JobInfo(placed.index, params, first_core, slots, placed.rows, placed.group, now, token_key, job_nonce,
                        self._incarnations)
-        self.info[job_id] = info
+        self.info[key] = info
         return info
 
     def _quota(self, token_key: bytes, rows: int) -> str | None:
@@ -356,76 +369,87 @@ class AggregatorCore:
                     f"{rows} more: over its quota of {self.tenant_max_slots} (intml-aggregator --tenant-max-slots)")
         return None
 
-    def _session(self, datagram: bytes, job_id: int, rank: int, addr: int, stranger: int) -> JobInfo | None:
-        """The job of a LEAVE or STATS_REQUEST from its rank's address with a good MAC under the rank's session
-        key; else None, counted as ``stranger`` (``addr`` holds no such rank) or ``drop_bad_mac``."""
-        info = self.info.get(job_id)
-        if info is None or rank >= MAX_WORLD or info.members.get(rank) != addr:
+    def _seated(self, job_id: int, rank: int, addr: int) -> int | None:
+        """The key of the job of id ``job_id`` (of any tenant) whose rank ``rank`` sits at ``addr``, or None."""
+        return next((k for k, info in self.info.items() if wire_job(k) == job_id and info.members.get(rank) == addr),
+                    None)
+
+    def _session(self, datagram: bytes, job_id: int, rank: int, addr: int, stranger: int) -> int | None:
+        """The key of the job of a LEAVE or STATS_REQUEST from its rank's address with a good MAC under the rank's
+        session key; else None, counted as ``stranger`` (``addr`` holds no such rank) or ``drop_bad_mac``."""
+        key = self._seated(job_id, rank, addr) if rank < MAX_WORLD else None
+        if key is None:
             self.counters.core_stats[stranger] += 1
             return None
-        session = info.sessions.get(rank)
+        session = self.info[key].sessions.get(rank)
         if session is None or not keys.verify(session, datagram, len(datagram) - keys.MAC_SIZE):
             self.counters.core_stats[DROP_BAD_MAC] += 1
             return None
-        return info
+        return key
 
     def _leave(self, datagram: bytes, job_id: int, rank: int, addr: int, now: float) -> None:
-        info = self._session(datagram, job_id, rank, addr, DROP_LEAVE_NON_MEMBER)
-        if info is None:
+        key = self._session(datagram, job_id, rank, addr, DROP_LEAVE_NON_MEMBER)
+        if key is None:
             return
+        info = self.info[key]
         info.left.add(rank)
         del info.sessions[rank]  # a replay of this LEAVE finds no key
         if set(info.members) <= info.left:
-            self.teardown(job_id, now, LEAVE)
+            self.teardown(key, now, LEAVE)
 
-    def teardown(self, job_id: int, now: float | None = None, reason: str = EVICTED) -> None:
-        """End a job: free its entry and rows, and keep its final counters in the history. ``reason``: one of
-        END_REASONS (``evicted`` when the driver ends it); ``now``: when (default: its last activity)."""
-        info = self.info.pop(job_id)
-        ended = self._last_activity(job_id, info) if now is None else now
+    def teardown(self, job: int, now: float | None = None, reason: str = EVICTED) -> None:
+        """End a job (its key, aggregator.datapath.job_key: its id for tenant 0): free its entry and rows, and keep
+        its final counters in the history. ``reason``: one of END_REASONS (``evicted`` when the driver ends it);
+        ``now``: when (default: its last activity)."""
+        info = self.info.pop(job)
+        ended = self._last_activity(job, info) if now is None else now
         final = self.counters.end_job(info.index, reason)
-        self.datapath.remove(job_id)
-        self.history.append({"job": job_id, "params": info.view(), "ended": reason, "ended_at": ended,
-                             "lasted_s": round(ended - info.joined_at, 3), "counters": _nonzero(final)})
+        self.datapath.remove(job)
+        self.history.append({"job": wire_job(job), "tenant": tenant_of(job), "params": info.view(), "ended": reason,
+                             "ended_at": ended, "lasted_s": round(ended - info.joined_at, 3),
+                             "counters": _nonzero(final)})
 
-    def _last_activity(self, job_id: int, info: JobInfo) -> float:
+    def _last_activity(self, key: int, info: JobInfo) -> float:
         """The job's join, the latest packet of any member or a member's latest keepalive, whichever is later."""
-        return max(info.joined_at, float(self.datapath.last_seen(job_id).max()), info.alive_at)
+        return max(info.joined_at, float(self.datapath.last_seen(key).max()), info.alive_at)
 
     def handle_timer(self, now: float) -> list[int]:
-        """Tear down jobs idle for longer than idle_timeout; returns their ids."""
-        idle = [job_id for job_id, info in self.info.items()
-                if now - self._last_activity(job_id, info) >= self.idle_timeout]
-        for job_id in idle:
-            self.teardown(job_id, now, IDLE)
+        """Tear down jobs idle for longer than idle_timeout; returns their keys (aggregator.datapath.job_key)."""
+        idle = [key for key, info in self.info.items() if now - self._last_activity(key, info) >= self.idle_timeout]
+        for key in idle:
+            self.teardown(key, now, IDLE)
         return idle
 
     def get_timer(self) -> float | None:
         """When handle_timer next has something to do, or None without jobs."""
         if not self.info:
             return None
-        return min(self._last_activity(job_id, info) for job_id, info in self.info.items()) + self.idle_timeout
+        return min(self._last_activity(key, info) for key, info in self.info.items()) + self.idle_timeout
 
     # ---- statistics -------------------------------------------------------------------------------------
-    def stats(self, now: float, job_id: int = ALL_JOBS) -> dict:
+    def stats(self, now: float, job_id: int = ALL_JOBS, tenant: int | None = None) -> dict:
         """The statistics of every job (or of ``job_id``), the finished jobs' history (newest first), how many
-        jobs ended for each reason, and the core's counters (docs/protocol.md, "STATS_REQUEST and STATS_REPLY")."""
+        jobs ended for each reason, and the core's counters (docs/protocol.md, "STATS_REQUEST and STATS_REPLY").
+        With ``tenant``, of that tenant's jobs only, named by their ids; else of every tenant's, named by
+        aggregator.datapath.job_name (``5@1``: tenant 1's job 5)."""
         jobs = {}
-        for jid, info in self.info.items():
-            if job_id not in (ALL_JOBS, jid):
+        for key, info in self.info.items():
+            jid = wire_job(key)
+            if job_id not in (ALL_JOBS, jid) or tenant not in (None, tenant_of(key)):
                 continue
             n = info.params.world_size
             members = {r: format_addr(a) for r, a in sorted(info.members.items())}
-            _, bitmaps, counts = self.datapath.round_state(jid)
+            _, bitmaps, counts = self.datapath.round_state(key)
             stride, offset = info.slots.stride, info.slots.offset
-            seen = self.datapath.last_seen(jid)
+            seen = self.datapath.last_seen(key)
             waiting = np.nonzero((counts > 0) & (counts < n))
             pending = [
                 {"slot": int(r) * stride + offset, "shadow": int(x),
                  "missing_ranks": [k for k in range(n) if not int(bitmaps[r, x]) >> k & 1]}
                 for r, x in list(zip(*waiting))[:MAX_PENDING_LISTED]
             ]
-            jobs[str(jid)] = {
+            jobs[str(jid) if tenant is not None else job_name(key)] = {
+                "tenant": tenant_of(key),
                 "params": info.view(),
                 "members": members,
                 "silent_s": {r: round(now - float(seen[r]), 3) for r in members},
@@ -436,7 +460,8 @@ class AggregatorCore:
             }
         finished = [{**{k: v for k, v in past.items() if k != "ended_at"},
                      "ended_s_ago": round(now - past["ended_at"], 3)}
-                    for past in reversed(self.history) if job_id in (ALL_JOBS, past["job"])]
+                    for past in reversed(self.history)
+                    if job_id in (ALL_JOBS, past["job"]) and tenant in (None, past["tenant"])]
         return {"core": self.core, "cores": self.cores, "jobs": jobs, "finished": finished,
                 "finished_total": dict(zip(END_REASONS, self.counters.finished.tolist())),
                 "core_counters": dict(zip(STAT_NAMES, self.counters.totals().tolist()))}
@@ -444,36 +469,41 @@ class AggregatorCore:
     def _stats_reply(self, datagram: bytes, job_id: int, rank: int, addr: int, now: float) -> bytes | None:
         """Statistics for a credential, MAC'd under it and cut to at most MAX_REPLY_RATIO times the request: a
         member's (its session key) of its own job, an operator's (rank OPERATOR_RANK, any of the core's tokens)
-        of every job. Never member addresses or seeds. None (no reply) to anyone else."""
+        of every job of its token (its tenant's). Never member addresses or seeds. None (no reply) to anyone
+        else."""
         if rank == OPERATOR_RANK:
-            key = next((k for k in self._token_keys if keys.verify(k, datagram, len(datagram) - keys.MAC_SIZE)), None)
+            tenant = next((t for t, k in enumerate(self._token_keys)
+                           if keys.verify(k, datagram, len(datagram) - keys.MAC_SIZE)), None)
+            key = None if tenant is None else self._token_keys[tenant]
             seq = int.from_bytes(datagram[HDR:HDR + OPERATOR_SEQ], "big")
             if (key is None or len(datagram) < HDR + OPERATOR_SEQ + keys.MAC_SIZE
                     or seq <= self._operator_seq.get(key, 0)):  # a forgery, or a replay: not fresh
                 self.counters.core_stats[DROP_BAD_MAC] += 1
                 return None
             self._operator_seq[key] = seq
-            reply, cuts = self._operator_view(now, job_id)
+            reply, cuts = self._operator_view(now, job_id, tenant)
         else:
-            if job_id not in self.info and job_id != ALL_JOBS:  # anyone may learn this (job ids are in DATA packets)
+            if job_id != ALL_JOBS and all(wire_job(k) != job_id for k in self.info):
+                # anyone may learn this (job ids are in DATA packets)
                 error = _error(job_id, f"job {job_id} unknown")
                 return error if len(error) <= len(datagram) else None
-            info = self._session(datagram, job_id, rank, addr, DROP_BAD_MAC)
-            if info is None:
+            job = self._session(datagram, job_id, rank, addr, DROP_BAD_MAC)
+            if job is None:
                 return None
+            info = self.info[job]
             info.alive_at = now  # a member proved it is alive: the job is not idle
             if len(datagram) == HDR + keys.MAC_SIZE:
                 return None  # a keepalive: nothing to answer
             key = info.sessions[rank]
-            reply, cuts = self._member_view(job_id, now)
+            reply, cuts = self._member_view(job, now)
         body = _fit(reply, cuts, MAX_REPLY_RATIO * len(datagram) - HDR - keys.MAC_SIZE)
         out = wire.pack({**_reply_header(job_id, MsgType.STATS_REPLY), "rank": rank}, body + bytes(keys.MAC_SIZE))
         return keys.seal(key, out, len(out) - keys.MAC_SIZE)
 
-    def _member_view(self, job_id: int, now: float) -> tuple[dict, list[Callable[[dict], object]]]:
-        """A member's statistics of its job (what WorkerSession.request_stats needs first), and the cuts that
-        shorten it, least needed first."""
-        job = self.stats(now, job_id)["jobs"][str(job_id)]
+    def _member_view(self, key: int, now: float) -> tuple[dict, list[Callable[[dict], object]]]:
+        """A member's statistics of its job (its key; what WorkerSession.request_stats needs first), and the cuts
+        that shorten it, least needed first."""
+        job = self.stats(now, wire_job(key), tenant_of(key))["jobs"][str(wire_job(key))]
         missing = sorted({r for round_ in job["pending"] for r in round_["missing_ranks"]})
         reply = {"core": self.core, "missing": missing, "pending_total": job["pending_total"], "left": job["left"],
                  "silent_s": job["silent_s"], "counters": {k: v for k, v in job["counters"].items() if v}}
@@ -482,10 +512,10 @@ class AggregatorCore:
                 lambda r: r.pop("silent_s"), lambda r: r.pop("missing")]
         return reply, cuts
 
-    def _operator_view(self, now: float, job_id: int) -> tuple[dict, list[Callable[[dict], object]]]:
-        """The statistics of every job (or of ``job_id``) and of the core, without member addresses or seeds,
-        and the cuts that shorten it."""
-        reply = self.stats(now, job_id)
+    def _operator_view(self, now: float, job_id: int, tenant: int) -> tuple[dict, list[Callable[[dict], object]]]:
+        """The statistics of every job of ``tenant`` (or of its ``job_id``) and of the core, without member
+        addresses or seeds, and the cuts that shorten it."""
+        reply = self.stats(now, job_id, tenant)
         for job in [*reply["jobs"].values(), *reply["finished"]]:
             job.pop("members", None)
             job["params"] = {k: v for k, v in job["params"].items() if k != "seed"}

@@ -42,10 +42,11 @@ READ_ATTEMPTS = 100  # a row still changing after this many reads (its writer di
 
 
 class JobSample(NamedTuple):
-    """One live job's counters as a reader copied them: its job table index, id and counters."""
+    """One live job's counters as a reader copied them: its job table index, id, tenant and counters."""
 
     index: int
     job_id: int
+    tenant: int
     counters: np.ndarray
 
 
@@ -69,6 +70,7 @@ class CoreCounters:
 
         # int64 first: each counter at an 8-byte-aligned offset
         self.job_id = take((max_jobs,), np.int64)
+        self.tenant = take((max_jobs,), np.int64)  # each job's tenant (aggregator.datapath.job_key)
         self.generation = take((max_jobs,), np.int64)  # odd while the row's job changes
         self.stats = take((max_jobs, N_STATS), np.int64)  # the kernel's per-job rows, never reset
         self.base = take((max_jobs, N_STATS), np.int64)  # each row's value when its current job took it
@@ -79,13 +81,14 @@ class CoreCounters:
 
     @staticmethod
     def nbytes(max_jobs: int, rows: int) -> int:
-        return 8 * (max_jobs * (2 + 2 * N_STATS) + N_STATS + len(END_REASONS)) + max_jobs + rows
+        return 8 * (max_jobs * (3 + 2 * N_STATS) + N_STATS + len(END_REASONS)) + max_jobs + rows
 
     # ---- the writer: the core's control plane ---------------------------------------------------------------
-    def start_job(self, j: int, job_id: int) -> None:
-        """Job ``job_id`` takes table entry ``j``: its counters start at zero from here."""
+    def start_job(self, j: int, job_id: int, tenant: int = 0) -> None:
+        """Tenant ``tenant``'s job ``job_id`` takes table entry ``j``: its counters start at zero from here."""
         self.generation[j] += 1
         self.job_id[j] = job_id
+        self.tenant[j] = tenant
         self.base[j] = self.stats[j]
         self.active[j] = True
         self.generation[j] += 1
@@ -117,9 +120,10 @@ class CoreCounters:
         for j in np.flatnonzero(self.active).tolist():
             for _ in range(READ_ATTEMPTS):
                 generation = int(self.generation[j])
-                active, job_id, counters = bool(self.active[j]), int(self.job_id[j]), self.stats[j] - self.base[j]
+                active, job_id, tenant = bool(self.active[j]), int(self.job_id[j]), int(self.tenant[j])
+                counters = self.stats[j] - self.base[j]
                 if generation % 2 == 0 and int(self.generation[j]) == generation:
                     if active:
-                        samples.append(JobSample(j, job_id, counters))
+                        samples.append(JobSample(j, job_id, tenant, counters))
                     break
         return samples

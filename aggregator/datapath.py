@@ -5,28 +5,35 @@ with one ``DataPath``; it never reads the data path's tables. Implementations: t
 the leaves (aggregator.leafspine.SpineCore, driven by the fabric's controller, not by a core) and the P4 pipeline
 model (p4.engine.P4DataPath).
 
+Jobs are named by their job key (``job_key``): the tenant (the index of the token the job was created with among
+the core's tokens, docs/protocol.md "Tenants") and the job id on the wire, so that two tenants' jobs of one id are
+two jobs. A path that cannot tell them apart (its tables match on the wire id alone) refuses the second
+(``one_tenant_per_id``).
+
 What an implementation must do (a new one, a software switch for example, implements these and nothing else):
 
 * ``counters``: the CoreCounters block it counts into (per job entry, and per core for datagrams that name no
   job); the core counts its control-plane events there too, and marks a placed job live in it.
-* ``refuse(job_id, params, slots, rank)``: one line on why it cannot serve rank ``rank`` of a job with these
-  parameters and this share of its slots (a codec or packet size it lacks, a route it was not given), or None.
-  The core sends that line back in the JOIN's ERROR.
-* ``place(job_id, params, slots, data_key, now)``: take the job: a free entry of its job table and ``allocate``'s
+* ``refuse(job, params, slots, rank)`` (``job``: the job key, here and below): one line on why it cannot serve rank
+  ``rank`` of a job with these parameters and this share of its slots (a codec or packet size it lacks, a route it
+  was not given), or None. The core sends that line back in the JOIN's ERROR.
+* ``place(job, params, slots, data_key, now)``: take the job: a free entry of its job table and ``allocate``'s
   slot rows for the slots ``slots`` gives this core, emptied (no round of a previous job may show), with the
   job's parameters and ``data_key`` (the job's 16-byte key of the DATA/RESULT MAC, used with data_mac). Returns a
   ``Placed``, or one line naming the limit that refuses it. The job is live (the data path handles its DATA) once
-  the core calls ``counters.start_job``, right after.
-* ``seat(job_id, rank, addr, now)``: rank ``rank`` of the job sends from address key ``addr`` from now on (a
+  the core calls ``counters.start_job``, right after. Two live jobs may share a wire job id (two tenants'): a
+  DATA packet belongs to the one whose seat of the packet's rank is the packet's source address (the core never
+  seats one address as the same rank of two jobs of one id).
+* ``seat(job, rank, addr, now)``: rank ``rank`` of the job sends from address key ``addr`` from now on (a
   rank's first JOIN, or a restarted rank's new address); DATA from any other address is counted and dropped.
-* ``remove(job_id)``: free its entry and rows (the core has already ended its counters).
+* ``remove(job)``: free its entry and rows (the core has already ended its counters).
 * ``process(rx, now)``: handle the ``rx.count`` datagrams of a received burst at time ``now``: DATA through the
   slots, counted by reason when dropped; JOIN, LEAVE and STATS_REQUEST admitted by the control admission
   (ControlLimits) and listed, not answered. Returns (the burst to send, valid until the next call; the indices
   in ``rx`` of the admitted control datagrams, in order).
-* ``round_state(job_id)``: the job's ``RoundState`` on this core, read-only (the resume point and the statistics
+* ``round_state(job)``: the job's ``RoundState`` on this core, read-only (the resume point and the statistics
   read it; they never write it).
-* ``last_seen(job_id)``: per rank (MAX_WORLD entries, seconds on the caller's clock), the latest of the job's
+* ``last_seen(job)``: per rank (MAX_WORLD entries, seconds on the caller's clock), the latest of the job's
   placement, the rank's seat and the last DATA packet from the rank's address (any, counted or dropped, once
   its rank and address check out), read-only.
 
@@ -36,6 +43,7 @@ The core owns no socket, clock or thread, and so must an implementation: time co
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import NamedTuple, Protocol
 
 import numpy as np
@@ -82,19 +90,52 @@ class DataPath(Protocol):
     counters: CoreCounters
     max_elements: int
 
-    def refuse(self, job_id: int, params: JobParams, slots: Slots, rank: int) -> str | None: ...
+    def refuse(self, job: int, params: JobParams, slots: Slots, rank: int) -> str | None: ...
 
-    def place(self, job_id: int, params: JobParams, slots: Slots, data_key: bytes, now: float) -> Placed | str: ...
+    def place(self, job: int, params: JobParams, slots: Slots, data_key: bytes, now: float) -> Placed | str: ...
 
-    def seat(self, job_id: int, rank: int, addr: int, now: float) -> None: ...
+    def seat(self, job: int, rank: int, addr: int, now: float) -> None: ...
 
-    def remove(self, job_id: int) -> None: ...
+    def remove(self, job: int) -> None: ...
 
     def process(self, rx: Burst, now: float) -> tuple[Burst, np.ndarray]: ...
 
-    def round_state(self, job_id: int) -> RoundState: ...
+    def round_state(self, job: int) -> RoundState: ...
 
-    def last_seen(self, job_id: int) -> np.ndarray: ...
+    def last_seen(self, job: int) -> np.ndarray: ...
+
+
+JOB_ID_BITS = 32  # a job id on the wire
+
+
+def job_key(tenant: int, job_id: int) -> int:
+    """The key of tenant ``tenant``'s job ``job_id``: the job id itself for tenant 0 (the first token, or the
+    open mode's only one), so that a core of one tenant names its jobs by their ids."""
+    return tenant << JOB_ID_BITS | job_id
+
+
+def wire_job(key: int) -> int:
+    """The job id on the wire of the job whose key is ``key``."""
+    return key & ((1 << JOB_ID_BITS) - 1)
+
+
+def tenant_of(key: int) -> int:
+    """The tenant of the job whose key is ``key``."""
+    return key >> JOB_ID_BITS
+
+
+def job_name(key: int) -> str:
+    """A job as statistics and logs name it: its id, and the tenant after an @ unless it is tenant 0."""
+    return str(wire_job(key)) + (f"@{tenant_of(key)}" if tenant_of(key) else "")
+
+
+def one_tenant_per_id(placed: Iterable[int], key: int, where: str) -> str | None:
+    """For a data path whose tables match a job on its wire id alone: one line refusing job ``key`` while another
+    tenant's job of that id is among ``placed`` (job keys), or None."""
+    if any(wire_job(k) == wire_job(key) and k != key for k in placed):
+        return (f"job {wire_job(key)} already runs on {where} for another token (tenant), and {where} keeps one job "
+                f"per job id: use another job id")
+    return None
 
 
 def check_results_group(results_group: tuple[int, int] | None, max_jobs: int) -> None:
@@ -122,7 +163,7 @@ def first_fit(used: np.ndarray, size: int) -> range | None:
     return None
 
 
-def allocate(counters: CoreCounters, job_id: int, rows: int, where: str) -> tuple[int, range] | str:
+def allocate(counters: CoreCounters, job: int, rows: int, where: str) -> tuple[int, range] | str:
     """A new job's placement, the one every data path uses: the first free job table entry of ``counters``
     and the first fit of ``rows`` consecutive free slot rows, which are marked used. Or one line naming the
     limit that refuses it (``where``: the core, as the line names it)."""
@@ -132,8 +173,8 @@ def allocate(counters: CoreCounters, job_id: int, rows: int, where: str) -> tupl
                 f"wait for a job to leave or use another aggregator")
     span = first_fit(counters.row_used, rows)
     if span is None:
-        return (f"{where} has no free slots for job {job_id}: its pool needs {rows} consecutive slot rows here and "
-                f"{int((~counters.row_used).sum())} of {counters.row_used.size} are free (intml-aggregator "
+        return (f"{where} has no free slots for job {wire_job(job)}: its pool needs {rows} consecutive slot rows here "
+                f"and {int((~counters.row_used).sum())} of {counters.row_used.size} are free (intml-aggregator "
                 f"--slots); use a smaller pool or another aggregator")
     counters.row_used[span.start:span.stop] = True
     return int(free[0]), span

@@ -17,6 +17,7 @@ import numpy as np
 import uvloop
 
 from intml.aggregator.core import AggregatorCore
+from intml.aggregator.datapath import job_name
 from intml.aggregator.slots import result_width
 from intml.burstio.mmsg import BurstSocket
 from intml.protocol import keys, wire
@@ -64,8 +65,8 @@ class DataPlane:
         while True:
             deadline = self.core.get_timer()
             await asyncio.sleep(1.0 if deadline is None else max(0.05, deadline - time.monotonic()))
-            for job_id in self.core.handle_timer(time.monotonic()):
-                print(f"core {self.core.core}: job {job_id} idle for {self.core.idle_timeout} s, torn down",
+            for job in self.core.handle_timer(time.monotonic()):
+                print(f"core {self.core.core}: job {job_name(job)} idle for {self.core.idle_timeout} s, torn down",
                       flush=True)
 
     async def _stats_timer(self) -> None:

@@ -64,7 +64,7 @@ class KernelDataPath:
         c = self.counters
         self.jobs: Jobs = new_jobs(max_jobs)._replace(job_id=c.job_id, active=c.active, stats=c.stats,
                                                        core_stats=c.core_stats)
-        self.placed: dict[int, Placed] = {}
+        self.placed: dict[int, Placed] = {}  # by job key (aggregator.datapath.job_key)
         self.limiter = tuple(new_limiter(control_limits))
         self.table: Table = new_table(rows, max_elements, np.zeros((rows, 2, row_width(max_elements)), np.uint8))
         self._grow(burst)
@@ -87,16 +87,16 @@ class KernelDataPath:
         self._out = Burst(memory, burst * MAX_WORLD)  # a completion sends up to MAX_WORLD results
 
     # ---- aggregator.datapath.DataPath ---------------------------------------------------------------------
-    def refuse(self, job_id: int, params: JobParams, slots: Slots, rank: int) -> str | None:
+    def refuse(self, job: int, params: JobParams, slots: Slots, rank: int) -> str | None:
         return None  # the kernel serves every job the core's checks pass
 
-    def place(self, job_id: int, params: JobParams, slots: Slots, data_key: bytes, now: float) -> Placed | str:
-        found = allocate(self.counters, job_id, len(slots.of(params.pool_size)), self.name)
+    def place(self, job: int, params: JobParams, slots: Slots, data_key: bytes, now: float) -> Placed | str:
+        found = allocate(self.counters, job, len(slots.of(params.pool_size)), self.name)
         if isinstance(found, str):
             return found
         j, rows = found
         jobs = self.jobs
-        place_job(jobs, self.table, j, rows, world=self.contributors(job_id, params),
+        place_job(jobs, self.table, j, rows, world=self.contributors(job, params),
                   value_bits=value_bits(params.world_size),
                   packet_elements=params.packet_elements, pool=params.pool_size, codec=int(params.codec),
                   seed=params.seed, stride=slots.stride, offset=slots.offset, nearest=params.nearest)
@@ -105,20 +105,20 @@ class KernelDataPath:
         jobs.last_seen[j] = now
         jobs.data_mac[j] = params.data_mac
         jobs.mac_key[j] = key_words(data_key)
-        self.placed[job_id] = Placed(j, rows, group)
-        return self.placed[job_id]
+        self.placed[job] = Placed(j, rows, group)
+        return self.placed[job]
 
-    def contributors(self, job_id: int, params: JobParams) -> int:
-        """How many senders complete a round of the job here: its ranks (the spine: its leaves)."""
+    def contributors(self, job: int, params: JobParams) -> int:
+        """How many senders complete a round of the job (its key) here: its ranks (the spine: its leaves)."""
         return params.world_size
 
-    def seat(self, job_id: int, rank: int, addr: int, now: float) -> None:
-        j = self.placed[job_id].index
+    def seat(self, job: int, rank: int, addr: int, now: float) -> None:
+        j = self.placed[job].index
         self.jobs.members[j, rank] = addr
         self.jobs.last_seen[j, rank] = now
 
-    def remove(self, job_id: int) -> None:
-        rows = self.placed.pop(job_id).rows
+    def remove(self, job: int) -> None:
+        rows = self.placed.pop(job).rows
         self.counters.row_used[rows.start:rows.stop] = False
 
     def process(self, rx: Burst, now: float) -> tuple[Burst, np.ndarray]:
@@ -130,13 +130,13 @@ class KernelDataPath:
         out.count, n_ctl = self.run(rx, now, out)
         return out, self.control[:n_ctl]
 
-    def round_state(self, job_id: int) -> RoundState:
-        rows = self.placed[job_id].rows
+    def round_state(self, job: int) -> RoundState:
+        rows = self.placed[job].rows
         span = slice(rows.start, rows.stop)
         return RoundState(*(read_only(a[span]) for a in (self.table.round_key, self.table.bitmap, self.table.count)))
 
-    def last_seen(self, job_id: int) -> np.ndarray:
-        return read_only(self.jobs.last_seen[self.placed[job_id].index])
+    def last_seen(self, job: int) -> np.ndarray:
+        return read_only(self.jobs.last_seen[self.placed[job].index])
 
     # ---- the kernel -------------------------------------------------------------------------------------------
     def run(self, rx: Burst, now: float, out: Burst) -> tuple[int, int]:

@@ -19,7 +19,7 @@ import numpy as np
 
 from intml.aggregator.core import AggregatorCore
 from intml.aggregator.counters import EVICTED
-from intml.aggregator.datapath import Placed, Slots
+from intml.aggregator.datapath import Placed, Slots, one_tenant_per_id, wire_job
 from intml.aggregator.kernel import KernelDataPath
 from intml.aggregator.tiers import leaf_burst, new_fabric, new_routes, spine_burst
 from intml.protocol.burst import Burst
@@ -63,11 +63,12 @@ class LeafDataPath(KernelDataPath):
         bits = rack_bitmap(ranks)
         if not bits or not 0 <= leaf < MAX_WORLD:
             raise ValueError(f"a route needs a leaf index in [0, {MAX_WORLD}) and at least one rank")
-        if job_id in self.placed:
+        if any(wire_job(k) == job_id for k in self.placed):
             raise ValueError(f"job {job_id} already runs on this leaf; add its route before its first JOIN")
         self.routes[job_id] = (leaf, bits, spine)
 
-    def refuse(self, job_id: int, params: JobParams, slots: Slots, rank: int) -> str | None:
+    def refuse(self, job: int, params: JobParams, slots: Slots, rank: int) -> str | None:
+        job_id = wire_job(job)
         route = self.routes.get(job_id)
         if route is None:
             return f"this leaf has no route to a spine for job {job_id} (the fabric's controller installs it)"
@@ -77,6 +78,9 @@ class LeafDataPath(KernelDataPath):
             return f"this leaf's rack for job {job_id} names ranks beyond world size {params.world_size}"
         if params.data_mac:
             return "a leaf does not carry the DATA/RESULT MAC: join without data_mac"
+        # the controller routes a job id, and the spine's RESULT names only the id
+        if problem := one_tenant_per_id(self.placed, job, self.name):
+            return problem
         if slots != Slots():
             return "a leaf holds all of a job's slots: list only the leaf as the job's aggregator"
         if params.packet_elements > max_partial_elements():
@@ -84,10 +88,10 @@ class LeafDataPath(KernelDataPath):
                     f"4 bytes each, must fit one datagram), got {params.packet_elements}")
         return None
 
-    def place(self, job_id: int, params: JobParams, slots: Slots, data_key: bytes, now: float) -> Placed | str:
-        placed = super().place(job_id, params, slots, data_key, now)
+    def place(self, job: int, params: JobParams, slots: Slots, data_key: bytes, now: float) -> Placed | str:
+        placed = super().place(job, params, slots, data_key, now)
         if isinstance(placed, Placed):
-            leaf, bits, spine = self.routes[job_id]
+            leaf, bits, spine = self.routes[wire_job(job)]
             j = placed.index
             self.route.quorum[j] = bin(bits).count("1")
             self.route.rack[j], self.route.spine[j], self.route.leaf[j] = bits, spine, leaf

@@ -14,8 +14,9 @@ process's GIL, and costs the cores nothing but a share of the CPU.
 Families (the counters are those of docs/protocol.md, "Drop reasons"):
     intml_aggregator_<counter>_total{core}             each counter that is not a drop, every event on the core
     intml_aggregator_drops_total{core,reason}          each drop counter, reason = its name without ``drop_``
-    intml_aggregator_job_<counter>_total{core,job}     the same per live job
-    intml_aggregator_job_drops_total{core,job,reason}
+    intml_aggregator_job_<counter>_total{core,tenant,job}  the same per live job (tenant: the index of the job's
+                                                           token, docs/protocol.md "Tenants")
+    intml_aggregator_job_drops_total{core,tenant,job,reason}
     intml_aggregator_finished_jobs_total{core,reason}  jobs that ended: leave, idle, evicted
     intml_aggregator_active_jobs{core}, intml_aggregator_slots_in_use{core}, intml_aggregator_slots{core}
 """
@@ -62,7 +63,7 @@ class AggregatorCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         core_plain, core_drops = _families("", ["core"])
-        job_plain, job_drops = _families("job_", ["core", "job"])
+        job_plain, job_drops = _families("job_", ["core", "tenant", "job"])
         finished = CounterMetricFamily(f"{PREFIX}_finished_jobs", "jobs that ended, by reason (leave: every rank "
                                        "left; idle: --idle-timeout; evicted: torn down by the aggregator)",
                                        labels=["core", "reason"])
@@ -74,7 +75,7 @@ class AggregatorCollector(Collector):
             _add(core_plain, core_drops, [core], counters.totals())
             live = counters.live_jobs()
             for sample in live:
-                _add(job_plain, job_drops, [core, str(sample.job_id)], sample.counters)
+                _add(job_plain, job_drops, [core, str(sample.tenant), str(sample.job_id)], sample.counters)
             for reason, count in zip(END_REASONS, counters.finished.tolist()):
                 finished.add_metric([core, reason], count)
             active.add_metric([core], len(live))

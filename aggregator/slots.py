@@ -97,7 +97,7 @@ from intml.protocol.stats import (
     SAME_NEW_RANK,
     SATURATED,
 )
-from intml.protocol.wire import MAGIC, OWNERS_SHIFT, VERSION, MsgType, element_datagram_size
+from intml.protocol.wire import MAGIC, OWNERS_SHIFT, RANK_MASK, VERSION, MsgType, element_datagram_size
 
 CONTROL = -1  # validate_header's verdict for a JOIN, LEAVE or STATS_REQUEST: the control plane answers it
 
@@ -249,11 +249,17 @@ def new_batch(rows: int, burst: int) -> Batch:
 
 
 @njit(inline="always")
-def _find_job(active, job_ids, job_id):
+def _find_job(active, job_ids, members, job_id, rank, src):
+    """The active job of id ``job_id`` whose seat of ``rank`` is ``src`` (two tenants' jobs may share an id; an
+    address holds a rank of at most one of them), else the first of that id (it counts the drop), else -1."""
+    first = -1
     for j in range(active.size):
         if active[j] and job_ids[j] == job_id:
-            return j
-    return -1
+            if members[j, rank] == src:
+                return j
+            if first < 0:
+                first = j
+    return first
 
 
 # ---- the steps every tier's kernel starts with (process_burst here, aggregator.tiers' leaf_burst and spine_burst):
@@ -272,11 +278,13 @@ def header_verdict(length, p, other_level_type, core_stats):
 
 
 @njit(inline="always")
-def lookup_job(jobs, p):
-    """The index of the active job a datagram names, else -1. The caller counts either (the core's
-    drop_unknown_job, the job's packets_in): counted here, in branches, the counts cost process_burst 10-20% more
-    time per packet (reference counting of the job table's arrays; measured with the same stream, alternating)."""
-    return _find_job(jobs.active, jobs.job_id, get_u32(p, O_JOB))
+def lookup_job(jobs, p, src):
+    """The index of the active job a datagram from address key ``src`` names (_find_job), else -1. The caller
+    counts either (the core's drop_unknown_job, the job's packets_in): counted here, in branches, the counts cost
+    process_burst 10-20% more time per packet (reference counting of the job table's arrays; measured with the
+    same stream, alternating)."""
+    return _find_job(jobs.active, jobs.job_id, jobs.members, get_u32(p, O_JOB),
+                     min(get_u16(p, O_RANK) & RANK_MASK, MAX_WORLD - 1), src)
 
 
 # ---- the pipeline's stages, in packet order ------------------------------------------------------------------
@@ -568,7 +576,7 @@ def process_burst(rx_data, rx_len, rx_addr, n_rx, now, job_arrays, table_arrays,
         if reason:
             cs[reason] += 1
             continue
-        j = lookup_job(jobs, p)
+        j = lookup_job(jobs, p, rx_addr[i])
         if j < 0:
             cs[DROP_UNKNOWN_JOB] += 1
             continue

@@ -167,7 +167,7 @@ def leaf_burst(rx_data, rx_len, rx_addr, n_rx, now, job_arrays, table_arrays, ro
             cs[verdict] += 1
             continue
         from_spine = verdict == OTHER_LEVEL
-        j = lookup_job(jobs, p)
+        j = lookup_job(jobs, p, rx_addr[i])
         if j < 0:
             cs[DROP_UNKNOWN_JOB] += 1
             continue
@@ -287,7 +287,7 @@ def spine_burst(rx_data, rx_len, rx_addr, n_rx, now, job_arrays, table_arrays, f
         if verdict != OTHER_LEVEL:  # a spine takes PARTIALs only: DATA and control go to the ranks' leaves
             cs[verdict if verdict > 0 else DROP_UNKNOWN_TYPE] += 1
             continue
-        j = lookup_job(jobs, p)
+        j = lookup_job(jobs, p, rx_addr[i])
         if j < 0:
             cs[DROP_UNKNOWN_JOB] += 1
             continue

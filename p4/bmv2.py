@@ -19,7 +19,7 @@ import numpy as np
 
 from intml.aggregator.core import AggregatorCore
 from intml.aggregator.counters import CoreCounters
-from intml.aggregator.datapath import Placed, RoundState, Slots, allocate, check_results_group, group_of
+from intml.aggregator.datapath import Placed, RoundState, Slots, allocate, check_results_group, group_of, wire_job
 from intml.aggregator.kernel import read_only
 from intml.aggregator.slots import Limiter, admit_control, new_limiter
 from intml.p4.controller import switch_job
@@ -119,7 +119,7 @@ class Bmv2DataPath:
         self.counters = CoreCounters(max_jobs, rows) if counters is None else counters
         self.limiter = Limiter(*new_limiter(control_limits))
         self._control = np.empty(control_limits.per_burst, np.int64)
-        self.jobs: dict[int, SwitchJob] = {}  # what the controller wrote, by job id
+        self.jobs: dict[int, SwitchJob] = {}  # what the controller wrote, by job key (aggregator.datapath.job_key)
         self.placed: dict[int, Placed] = {}
         self._written: dict[int, list[str]] = {}  # per job id: the commands that delete its entries, in order
         self._last_seen = np.zeros((max_jobs, MAX_WORLD))
@@ -127,12 +127,12 @@ class Bmv2DataPath:
         self._counted_at = -np.inf
 
     # ---- the controller ---------------------------------------------------------------------------------------
-    def _write(self, job_id: int) -> None:
+    def _write(self, job: int) -> None:
         """Write the job's entries, recording how to delete each (handles as the switch numbered them)."""
         undo: list[str] = []
-        self._written[job_id] = undo
+        self._written[job] = undo
         node = 0
-        for line in cli_commands(job_entries(self.jobs[job_id]), port=PORT):
+        for line in cli_commands(job_entries(self.jobs[job]), port=PORT):
             verb, *args = line.split()
             if verb == "table_add":
                 undo.append(f"table_delete {args[0]} {self.switch.table_add(line)}")
@@ -147,17 +147,17 @@ class Bmv2DataPath:
                 if verb == "mc_mgrp_create":
                     undo.append(f"mc_mgrp_destroy {args[0]}")
 
-    def _erase(self, job_id: int) -> None:
+    def _erase(self, job: int) -> None:
         # groups last: a group is destroyed once its nodes are gone
-        for line in sorted(self._written.pop(job_id), key=lambda line: line.startswith("mc_mgrp_destroy")):
+        for line in sorted(self._written.pop(job), key=lambda line: line.startswith("mc_mgrp_destroy")):
             self.switch.command(line)
 
     # ---- aggregator.datapath.DataPath ---------------------------------------------------------------------
-    def refuse(self, job_id: int, params: JobParams, slots: Slots, rank: int) -> str | None:
-        return switch_refusal(params, "BMv2 (--engine bmv2)")
+    def refuse(self, job: int, params: JobParams, slots: Slots, rank: int) -> str | None:
+        return switch_refusal(self.placed, job, params, "BMv2 (--engine bmv2)")
 
-    def place(self, job_id: int, params: JobParams, slots: Slots, data_key: bytes, now: float) -> Placed | str:
-        found = allocate(self.counters, job_id, len(slots.of(params.pool_size)), self.name)
+    def place(self, job: int, params: JobParams, slots: Slots, data_key: bytes, now: float) -> Placed | str:
+        found = allocate(self.counters, job, len(slots.of(params.pool_size)), self.name)
         if isinstance(found, str):
             return found
         j, rows = found
@@ -167,21 +167,21 @@ class Bmv2DataPath:
             self.switch.register_write_range(register, cells, empty)
         self.switch.register_write_range("member_seen", range(j * MAX_WORLD, (j + 1) * MAX_WORLD), 0)
         self._last_seen[j] = now
-        placed = self.placed[job_id] = Placed(j, rows, group_of(self.results_group, j))
-        self.jobs[job_id] = switch_job(job_id, j, params, slots, rows, placed.group, {})
-        self._write(job_id)
+        placed = self.placed[job] = Placed(j, rows, group_of(self.results_group, j))
+        self.jobs[job] = switch_job(wire_job(job), j, params, slots, rows, placed.group, {})
+        self._write(job)
         return placed
 
-    def seat(self, job_id: int, rank: int, addr: int, now: float) -> None:
-        self.jobs[job_id].members[rank] = addr
-        self._last_seen[self.placed[job_id].index, rank] = now
-        self._erase(job_id)
-        self._write(job_id)
+    def seat(self, job: int, rank: int, addr: int, now: float) -> None:
+        self.jobs[job].members[rank] = addr
+        self._last_seen[self.placed[job].index, rank] = now
+        self._erase(job)
+        self._write(job)
 
-    def remove(self, job_id: int) -> None:
-        rows = self.placed.pop(job_id).rows
-        self._erase(job_id)
-        del self.jobs[job_id]
+    def remove(self, job: int) -> None:
+        rows = self.placed.pop(job).rows
+        self._erase(job)
+        del self.jobs[job]
         self.counters.row_used[rows.start:rows.stop] = False
 
     def process(self, rx: Burst, now: float) -> tuple[Burst, np.ndarray]:
@@ -213,10 +213,11 @@ class Bmv2DataPath:
         return out, self._control[:n_ctl].copy()
 
     def _saw(self, job_id: int, rank: int, addr: int, now: float) -> None:
-        """A DATA packet of a seated rank from its address keeps the job alive."""
-        job = self.jobs.get(job_id)
-        if job is not None and rank < MAX_WORLD and job.members.get(rank) == addr:
-            self._last_seen[job.index, rank] = now
+        """A DATA packet (wire job id ``job_id``: one tenant holds an id on a switch) of a seated rank from its
+        address keeps the job alive."""
+        for job in self.jobs.values():
+            if job.job_id == job_id and rank < MAX_WORLD and job.members.get(rank) == addr:
+                self._last_seen[job.index, rank] = now
 
     def _sync_counters(self, now: float, force: bool = False) -> None:
         """Add what the switch counted since the last read into the core's counters (every COUNTERS_EVERY_S)."""
@@ -235,8 +236,8 @@ class Bmv2DataPath:
             target += counts - self._switch_counts[j]
             self._switch_counts[j] = counts
 
-    def round_state(self, job_id: int) -> RoundState:
-        rows = self.placed[job_id].rows
+    def round_state(self, job: int) -> RoundState:
+        rows = self.placed[job].rows
         cells = slice(lane_index(2 * rows.start, 0), lane_index(2 * rows.stop, 0), lane_index(1, 0))
 
         def read(name: str, dtype) -> np.ndarray:  # pass 0's cells: where a round opens first
@@ -245,8 +246,8 @@ class Bmv2DataPath:
         return RoundState(read_only(read("round_key", np.int64)), read_only(read("worker_bitmap", np.uint64)),
                           read_only(read("worker_count", np.int64)))
 
-    def last_seen(self, job_id: int) -> np.ndarray:
-        return read_only(self._last_seen[self.placed[job_id].index])
+    def last_seen(self, job: int) -> np.ndarray:
+        return read_only(self._last_seen[self.placed[job].index])
 
 
 def bmv2_core(*, switch: Switch, rows: int = AGGREGATOR_SLOTS, max_elements: int = AGGREGATOR_MAX_ELEMENTS,

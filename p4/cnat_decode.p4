@@ -6,13 +6,14 @@
 // element changes nothing: drop_invalid_code; the passes before it keep the rank's lanes, as a packet lost between
 // passes does, and a retransmission adds only the passes that lack it). A C_nat code passes iff it is 0, or has the NONZERO bit and
 // k < k_limit, the bound of (value bits s(n), exp) from data_bound (protocol.arith.data_k_max + 1); an int32
-// passes iff |value| <= 2**s(n).
+// passes iff |value| <= 2**s(n). The non-finite flags pass too: a code 0x01-0x03, a word NONFINITE_WORD + 1..3.
 bool code_ok(in bit<8> code, in bit<8> k_limit) {
-    return code == 0 || ((code & NONZERO) != 0 && (code & K_MASK) < k_limit);
+    return (code & 0xFC) == 0 || ((code & NONZERO) != 0 && (code & K_MASK) < k_limit);
 }
 
 bool word_ok(in bit<32> value, in bit<32> limit) {
-    return (int<32>) value >= -(int<32>) limit && (int<32>) value <= (int<32>) limit;
+    return ((value & 0xFFFFFFFC) == NONFINITE_WORD && value[1:0] != 0)
+        || ((int<32>) value >= -(int<32>) limit && (int<32>) value <= (int<32>) limit);
 }
 
 control LaneCheck(inout headers_t hdr, inout metadata_t meta) {

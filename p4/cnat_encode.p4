@@ -4,9 +4,11 @@
 
 // On the completing contribution, one lane's sum -> its C_nat code, stored for every re-send (which reads it):
 // the leading one b of |sum| by a ternary table, then encode_b<b> rounds stochastically with v1model's random
-// extern, so the round is encoded once and a retransmission can never change it.
+// extern (a nearest job: the fixed word NEAREST_WORD rounds to nearest, ties away from zero), so the round is
+// encoded once and a retransmission can never change it. A lane with non-finite flags is sent as their code.
+// The INTML_TEST_RANDOM build takes its words from the packet (LoadTestRandom), so that a test can reproduce them.
 control LaneEncode(inout lane_t lane, in lane_index_t cell, in bit<2> step, in bit<1> completes,
-                   in bit<8> k_finite) {
+                   in bit<8> k_finite, in bit<1> nearest) {
     register<bit<8>, lane_index_t>(LANE_ENTRIES) lane_code;
 
     action encode_b0() {
@@ -187,9 +189,19 @@ control LaneEncode(inout lane_t lane, in lane_index_t cell, in bit<2> step, in b
         } else if (completes == 1) {
             lane.sign = lane.sum[31:31] ++ 7w0;
             lane.magnitude = lane.sum[31:31] == 1 ? -lane.sum : lane.sum;
-            random<bit<32>>(lane.rand, 0, 0xFFFFFFFF);
+            if (nearest == 1) {
+                lane.rand = NEAREST_WORD;
+            }
+#ifndef INTML_TEST_RANDOM
+            else {
+                random<bit<32>>(lane.rand, 0, 0xFFFFFFFF);
+            }
+#endif
             leading_one.apply();
             lane.saturated = (lane.code & K_MASK) > k_finite;
+            if (lane.flags != 0) {
+                lane.code = 6w0 ++ lane.flags;
+            }
             lane_code.write(cell, lane.code);
         }
     }

@@ -38,6 +38,12 @@ control IntmlEgress(inout headers_t hdr, inout metadata_t meta, inout standard_m
     }
 
     apply {
+#ifdef INTML_TEST_RANDOM
+        if (!meta.recirculate && hdr.test_random.isValid()) {  // the words are for the passes only
+            hdr.ethernet.ether_type = hdr.test_random.ether_type;
+            hdr.test_random.setInvalid();
+        }
+#endif
         if (meta.recirculate) {
             recirculate_preserving_field_list(1);
         } else if (meta.step != STEP_NONE) {

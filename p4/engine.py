@@ -8,13 +8,23 @@ kernel. Slow (Python per packet), bit-identical to the kernel engine with ``Keye
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
 from intml.aggregator.core import AggregatorCore
 from intml.aggregator.counters import CoreCounters
-from intml.aggregator.datapath import Placed, RoundState, Slots, allocate, check_results_group, group_of
+from intml.aggregator.datapath import (
+    Placed,
+    RoundState,
+    Slots,
+    allocate,
+    check_results_group,
+    group_of,
+    one_tenant_per_id,
+    wire_job,
+)
 from intml.aggregator.kernel import read_only
 from intml.p4.controller import switch_job
 from intml.p4.entries import SwitchJob, job_entries, static_entries
@@ -40,11 +50,12 @@ def engine_problem(rows: int, max_jobs: int, engine: str = "p4model") -> str | N
     return None
 
 
-def switch_refusal(params: JobParams, switch: str) -> str | None:
-    """One line on why the P4 program (run by ``switch``) cannot serve a job with these parameters, or None."""
+def switch_refusal(placed: Iterable[int], job: int, params: JobParams, where: str) -> str | None:
+    """One line on why the P4 program (run ``where``) cannot serve job key ``job`` with these parameters beside
+    the ``placed`` job keys, or None."""
     return refusal(params.codec, params.packet_elements, params.data_mac) or (
-        f"JOIN refused: the P4 program ({switch}) rounds stochastically only; join with rounding stochastic, "
-        f"or use the kernel engine" if params.nearest else None)
+        # the job table matches the wire job id alone (p4/job_table.p4)
+        one_tenant_per_id(placed, job, where))
 
 
 class P4DataPath:
@@ -66,7 +77,7 @@ class P4DataPath:
         self.model = PipelineModel(random or KeyedRandom(), control_limits, self.counters.stats,
                                    self.counters.core_stats)
         self.model.install(static_entries())
-        self.jobs: dict[int, SwitchJob] = {}  # what the controller wrote, by job id
+        self.jobs: dict[int, SwitchJob] = {}  # what the controller wrote, by job key (aggregator.datapath.job_key)
         self.placed: dict[int, Placed] = {}
         self._seated = np.zeros((max_jobs, MAX_WORLD))  # when each rank took its seat (a job's placement: all)
 
@@ -75,29 +86,29 @@ class P4DataPath:
         self.model.replace_job_entries([e for job in self.jobs.values() for e in job_entries(job)])
 
     # ---- aggregator.datapath.DataPath ---------------------------------------------------------------------
-    def refuse(self, job_id: int, params: JobParams, slots: Slots, rank: int) -> str | None:
-        return switch_refusal(params, "the pipeline model, --engine p4model")
+    def refuse(self, job: int, params: JobParams, slots: Slots, rank: int) -> str | None:
+        return switch_refusal(self.placed, job, params, "the P4 pipeline (--engine p4model)")
 
-    def place(self, job_id: int, params: JobParams, slots: Slots, data_key: bytes, now: float) -> Placed | str:
-        found = allocate(self.counters, job_id, len(slots.of(params.pool_size)), self.name)
+    def place(self, job: int, params: JobParams, slots: Slots, data_key: bytes, now: float) -> Placed | str:
+        found = allocate(self.counters, job, len(slots.of(params.pool_size)), self.name)
         if isinstance(found, str):
             return found
         j, rows = found
         self.model.clear_job(j, rows)
         self._seated[j] = now
-        placed = self.placed[job_id] = Placed(j, rows, group_of(self.results_group, j))
-        self.jobs[job_id] = switch_job(job_id, j, params, slots, rows, placed.group, {})
+        placed = self.placed[job] = Placed(j, rows, group_of(self.results_group, j))
+        self.jobs[job] = switch_job(wire_job(job), j, params, slots, rows, placed.group, {})
         self._write_entries()
         return placed
 
-    def seat(self, job_id: int, rank: int, addr: int, now: float) -> None:
-        self.jobs[job_id].members[rank] = addr
-        self._seated[self.placed[job_id].index, rank] = now
+    def seat(self, job: int, rank: int, addr: int, now: float) -> None:
+        self.jobs[job].members[rank] = addr
+        self._seated[self.placed[job].index, rank] = now
         self._write_entries()
 
-    def remove(self, job_id: int) -> None:
-        rows = self.placed.pop(job_id).rows
-        del self.jobs[job_id]
+    def remove(self, job: int) -> None:
+        rows = self.placed.pop(job).rows
+        del self.jobs[job]
         self.counters.row_used[rows.start:rows.stop] = False
         self._write_entries()
 
@@ -118,8 +129,8 @@ class P4DataPath:
         out.fill(sent)
         return out, np.array(control, np.int64)
 
-    def round_state(self, job_id: int) -> RoundState:
-        rows = self.placed[job_id].rows
+    def round_state(self, job: int) -> RoundState:
+        rows = self.placed[job].rows
         span = slice(2 * rows.start, 2 * rows.stop)
 
         def cells(name: str) -> np.ndarray:  # pass 0's cells of the job's (row, set)s: where a round opens first
@@ -129,8 +140,8 @@ class P4DataPath:
                           read_only(cells("worker_bitmap").reshape(-1, 2)),
                           read_only(cells("worker_count").reshape(-1, 2)))
 
-    def last_seen(self, job_id: int) -> np.ndarray:
-        j = self.placed[job_id].index
+    def last_seen(self, job: int) -> np.ndarray:
+        j = self.placed[job].index
         seen = self.model.registers.cells["member_seen"][j * MAX_WORLD:(j + 1) * MAX_WORLD] / 1e6  # microseconds
         return read_only(np.maximum(self._seated[j], np.where(seen > 0, seen, -np.inf)))
 

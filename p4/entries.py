@@ -60,6 +60,7 @@ class SwitchJob:
     members: dict[int, int]  # rank -> address key
     group: int
     rows: dict[int, int]  # slot -> row
+    nearest: bool = False  # the re-encode rounds to nearest (JOIN flags), else stochastically
 
 
 def u8(value: int) -> int:
@@ -105,7 +106,8 @@ def job_entries(job: SwitchJob) -> list[Entry]:
     s = value_bits(job.world)
     action = "set_job_cnat8" if job.codec == Codec.CNAT8 else "set_job_int32"
     out = [Entry("job_table", (job.job_id,), action,
-                 (job.index, job.world, s, job.pool, job.packet_elements, 1 << s, job.group, job.seed))]
+                 (job.index, job.world, s, job.pool, job.packet_elements, 1 << s, job.group, job.seed,
+                  int(job.nearest)))]
     out += [Entry("membership", (job.index, rank, addr), "set_worker", (1 << rank,))
             for rank, addr in sorted(job.members.items()) if addr]
     out += [Entry("slot_table", (job.index, slot), "set_row", (row,)) for slot, row in sorted(job.rows.items())]

@@ -30,6 +30,8 @@ from intml.protocol.wire import DEFAULT_PORT
 HERE = Path(__file__).resolve().parent
 CPU_PORT = 255  # where admitted control datagrams leave for the controller (a deployment choice)
 FIELD_LIST = 1  # the @field_list recirculate_preserving_field_list keeps: the bridged metadata
+TEST_RANDOM = "INTML_TEST_RANDOM"  # the -D of the test build: random words from the packet, not v1model's random()
+TEST_RANDOM_ETHERTYPE = 0x88B5  # the test build's words header (IEEE 802 local experimental ethertype 1)
 
 SLOT_BITS = log2(L.SLOT_ENTRIES)
 PASS_BITS = log2(L.MAX_PASSES)
@@ -76,6 +78,9 @@ def headers(constants: dict[str, int]) -> str:
 
 // ---- this program's own
 {chr(10).join(f"const int {name} = {value};  // {why}" for name, (value, why) in PROGRAM_CONSTANTS.items())}
+#ifdef {TEST_RANDOM}
+const int ETHERTYPE_TEST_RANDOM = 0x{TEST_RANDOM_ETHERTYPE:X};  // the words header before the IPv4 header
+#endif
 
 typedef bit<{L.ADDR_BITS}> addr_key_t;  // IPv4 << 16 | UDP port (protocol.address)
 typedef bit<{LANE_BITS}> lane_index_t;  // slot_index ++ pass_no: LANE_ENTRIES cells
@@ -101,10 +106,13 @@ header intml_h {{
 header block_h {{ bit<{8 * BLOCK_BYTES}> bytes; }}  // payload an earlier pass took, carried through unread
 header code_h {{ bit<8> code; }}  // one C_nat code of this pass
 header word_h {{ bit<32> value; }}  // one int32 of this pass
+// the {TEST_RANDOM} build's random words: word i (big-endian, in order) is lane i's in every pass
+header test_random_h {{ bit<{32 * L.LANES_PER_PASS}> words; bit<16> ether_type; }}
 
 // A pass parses only its own LANES_PER_PASS elements: those of earlier passes ride in opaque blocks before them
 struct headers_t {{
     ethernet_h ethernet;
+    test_random_h test_random;  // the {TEST_RANDOM} build only
     ipv4_h ipv4;
     udp_h udp;
     intml_h intml;
@@ -122,6 +130,7 @@ struct lane_t {{
     bit<8> sign;  // encode: SIGN or 0
     bit<32> magnitude;  // encode: |sum|
     bit<32> rand;  // encode: the random word
+    bit<{L.FLAG_BITS}> flags;  // the lane's non-finite flags, ORed over the round's contributions (0: finite)
     bool saturated;  // encode: k above k_finite
 }}
 
@@ -200,13 +209,14 @@ def cnat_decode(static: list) -> str:
 // element changes nothing: drop_invalid_code; the passes before it keep the rank's lanes, as a packet lost between
 // passes does, and a retransmission adds only the passes that lack it). A C_nat code passes iff it is 0, or has the NONZERO bit and
 // k < k_limit, the bound of (value bits s(n), exp) from data_bound (protocol.arith.data_k_max + 1); an int32
-// passes iff |value| <= 2**s(n).
+// passes iff |value| <= 2**s(n). The non-finite flags pass too: a code 0x01-0x03, a word NONFINITE_WORD + 1..3.
 bool code_ok(in bit<8> code, in bit<8> k_limit) {{
-    return code == 0 || ((code & NONZERO) != 0 && (code & K_MASK) < k_limit);
+    return (code & 0xFC) == 0 || ((code & NONZERO) != 0 && (code & K_MASK) < k_limit);
 }}
 
 bool word_ok(in bit<32> value, in bit<32> limit) {{
-    return (int<32>) value >= -(int<32>) limit && (int<32>) value <= (int<32>) limit;
+    return ((value & 0xFFFFFFFC) == NONFINITE_WORD && value[1:0] != 0)
+        || ((int<32>) value >= -(int<32>) limit && (int<32>) value <= (int<32>) limit);
 }}
 
 control LaneCheck(inout headers_t hdr, inout metadata_t meta) {{
@@ -242,9 +252,11 @@ def cnat_encode(static: list) -> str:
     return guard("CNAT_ENCODE", f"""
 // On the completing contribution, one lane's sum -> its C_nat code, stored for every re-send (which reads it):
 // the leading one b of |sum| by a ternary table, then encode_b<b> rounds stochastically with v1model's random
-// extern, so the round is encoded once and a retransmission can never change it.
+// extern (a nearest job: the fixed word NEAREST_WORD rounds to nearest, ties away from zero), so the round is
+// encoded once and a retransmission can never change it. A lane with non-finite flags is sent as their code.
+// The {TEST_RANDOM} build takes its words from the packet (LoadTestRandom), so that a test can reproduce them.
 control LaneEncode(inout lane_t lane, in lane_index_t cell, in bit<2> step, in bit<1> completes,
-                   in bit<8> k_finite) {{
+                   in bit<8> k_finite, in bit<1> nearest) {{
     register<bit<8>, lane_index_t>(LANE_ENTRIES) lane_code;
 
 {table("leading_one", static)}
@@ -255,9 +267,19 @@ control LaneEncode(inout lane_t lane, in lane_index_t cell, in bit<2> step, in b
         }} else if (completes == 1) {{
             lane.sign = lane.sum[31:31] ++ 7w0;
             lane.magnitude = lane.sum[31:31] == 1 ? -lane.sum : lane.sum;
-            random<bit<32>>(lane.rand, 0, 0xFFFFFFFF);
+            if (nearest == 1) {{
+                lane.rand = NEAREST_WORD;
+            }}
+#ifndef {TEST_RANDOM}
+            else {{
+                random<bit<32>>(lane.rand, 0, 0xFFFFFFFF);
+            }}
+#endif
             leading_one.apply();
             lane.saturated = (lane.code & K_MASK) > k_finite;
+            if (lane.flags != 0) {{
+                lane.code = 6w0 ++ lane.flags;
+            }}
             lane_code.write(cell, lane.code);
         }}
     }}
@@ -273,7 +295,8 @@ def lanes_p4() -> str:
             return lanes(lambda i: f"        lanes.l{i}.active = hdr.{kind}[{i}].isValid();\n"
                                    f"        lanes.l{i}.{lane_field} = hdr.{kind}[{i}].{field};\n"
                                    f"        lanes.l{i}.{other} = 0;\n"
-                                   + "".join(f"        lanes.l{i}.{f} = 0;\n" for f in ("sum", "sign", "magnitude", "rand"))
+                                   + "".join(f"        lanes.l{i}.{f} = 0;\n"
+                                             for f in ("sum", "sign", "magnitude", "rand", "flags"))
                                    + f"        lanes.l{i}.saturated = false;")
         out = "code" if kind == "codes" else "sum"
         return lanes(lambda i: f"        hdr.{kind}[{i}].{field} = lanes.l{i}.{out};")
@@ -286,10 +309,16 @@ def lanes_p4() -> str:
                 + f"\n\n    apply {{\n        if (hdr.intml.codec == CODEC_CNAT8) {{ {verb}_codes(); }} "
                   f"else {{ {verb}_words(); }}\n    }}\n}}\n")
 
+    width = 32 * L.LANES_PER_PASS
+    words = lanes(lambda i: f"        lanes.l{i}.rand = hdr.test_random.words[{width - 1 - 32 * i}:"
+                            f"{width - 32 - 32 * i}];")
+    test_random = (f"\n#ifdef {TEST_RANDOM}\n// The test build's random words into the lanes (LaneEncode keeps "
+                   f"them where the shipped program draws\n// v1model's random()).\ncontrol LoadTestRandom(in "
+                   f"headers_t hdr, inout lanes_t lanes) {{\n    apply {{\n{words}\n    }}\n}}\n#endif\n")
     return guard("LANES", "\n" + control(
         "LoadLanes", True, "This pass's elements (the parser put them first in the stacks) into the lanes.")
         + "\n" + control("StoreLanes", False, "The lanes' results back into this pass's elements of the packet "
-                                               "(the RESULT payload)."))
+                                               "(the RESULT payload).") + test_random)
 
 
 
@@ -300,9 +329,13 @@ def intml() -> str:
         (("LaneDecode", "cnat_decode"), ("LaneAggregate", "lane_aggregate"), ("LaneEncode", "cnat_encode")))
     per_lane = lanes(lambda i: f"""            if (lanes.l{i}.active) {{
                 if (cnat8 && meta.step != STEP_RESEND) {{ cnat_decode_{i}.apply(lanes.l{i}); }}
-                lane_aggregate_{i}.apply(lanes.l{i}, meta.cell, meta.step);
-                if (cnat8) {{ cnat_encode_{i}.apply(lanes.l{i}, meta.cell, meta.step, meta.completes, meta.k_finite); }}
+                lane_aggregate_{i}.apply(lanes.l{i}, meta.cell, meta.step, cnat8);
+                if (cnat8) {{
+                    cnat_encode_{i}.apply(lanes.l{i}, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }}
                 if (lanes.l{i}.saturated) {{ count_job(STAT_SATURATED_ELEMENTS); }}
+                if (meta.completes == 1 && lanes.l{i}.flags != 0) {{ count_job(STAT_NONFINITE_ELEMENTS); }}
             }}""")
     includes = "\n".join(f'#include "{name}.p4"' for name in INCLUDES)  # a control before its user
     return f"""{HEADER_NOTE}
@@ -322,6 +355,9 @@ control IntmlIngress(inout headers_t hdr, inout metadata_t meta, inout standard_
     LoadLanes() load_lanes;
     StoreLanes() store_lanes;
     Forward() forward;
+#ifdef {TEST_RANDOM}
+    LoadTestRandom() load_test_random;
+#endif
 {instances}
 
     action count_job(bit<8> stat) {{
@@ -376,6 +412,9 @@ control IntmlIngress(inout headers_t hdr, inout metadata_t meta, inout standard_
             bool cnat8 = hdr.intml.codec == CODEC_CNAT8;
             lanes_t lanes;
             load_lanes.apply(hdr, lanes);
+#ifdef {TEST_RANDOM}
+            load_test_random.apply(hdr, lanes);
+#endif
 {per_lane}
             if (meta.step == STEP_RESEND || meta.completes == 1) {{
                 store_lanes.apply(hdr, lanes);

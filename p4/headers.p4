@@ -24,6 +24,8 @@ const int GROUP_RID = 65535;
 const int RANK_GROUP_BASE = 64;
 const int NONZERO = 64;
 const int K_MASK = 63;
+const int NONFINITE_WORD = 2147483648;
+const int NEAREST_WORD = 2147483647;
 const int CONTROL_SOURCE_BUCKETS = 1024;
 const int BUCKET_SHIFT = 54;
 const int STEP_NONE = 0;
@@ -62,6 +64,7 @@ const int STAT_DROP_STALE = 22;
 const int STAT_DROP_DUPLICATE_INCOMPLETE = 23;
 const int STAT_DROP_CONTROL_RATE = 28;
 const int STAT_DROP_BAD_OWNER = 30;
+const int STAT_NONFINITE_ELEMENTS = 31;
 
 // ---- this program's own
 const int INTML_PORT = 48879;  // protocol.wire.DEFAULT_PORT: the aggregator's UDP port
@@ -74,6 +77,9 @@ const int PROTO_UDP = 17;  // UDP in the IPv4 protocol
 const int LANES_PER_PASS_LOG2 = 6;  // passes = (elements - 1) >> this, + 1
 const int MEMBER_ENTRIES = 4096;  // layout.MEMBER_ENTRIES: member_seen's cells
 const int HASH_MULTIPLIER = 11400714819323198485;  // layout.HASH_MULTIPLIER: the control meter's Fibonacci hash
+#ifdef INTML_TEST_RANDOM
+const int ETHERTYPE_TEST_RANDOM = 0x88B5;  // the words header before the IPv4 header
+#endif
 
 typedef bit<48> addr_key_t;  // IPv4 << 16 | UDP port (protocol.address)
 typedef bit<14> lane_index_t;  // slot_index ++ pass_no: LANE_ENTRIES cells
@@ -112,10 +118,13 @@ header intml_h {
 header block_h { bit<512> bytes; }  // payload an earlier pass took, carried through unread
 header code_h { bit<8> code; }  // one C_nat code of this pass
 header word_h { bit<32> value; }  // one int32 of this pass
+// the INTML_TEST_RANDOM build's random words: word i (big-endian, in order) is lane i's in every pass
+header test_random_h { bit<2048> words; bit<16> ether_type; }
 
 // A pass parses only its own LANES_PER_PASS elements: those of earlier passes ride in opaque blocks before them
 struct headers_t {
     ethernet_h ethernet;
+    test_random_h test_random;  // the INTML_TEST_RANDOM build only
     ipv4_h ipv4;
     udp_h udp;
     intml_h intml;
@@ -133,6 +142,7 @@ struct lane_t {
     bit<8> sign;  // encode: SIGN or 0
     bit<32> magnitude;  // encode: |sum|
     bit<32> rand;  // encode: the random word
+    bit<2> flags;  // the lane's non-finite flags, ORed over the round's contributions (0: finite)
     bool saturated;  // encode: k above k_finite
 }
 
@@ -232,6 +242,7 @@ struct metadata_t {
     bit<32> value_limit;
     bit<48> group;
     bit<64> seed;
+    bit<1> nearest;
     bit<8> codec;  // the job's codec
     bit<64> worker_bit;
     bit<16> row;

@@ -28,6 +28,9 @@ control IntmlIngress(inout headers_t hdr, inout metadata_t meta, inout standard_
     LoadLanes() load_lanes;
     StoreLanes() store_lanes;
     Forward() forward;
+#ifdef INTML_TEST_RANDOM
+    LoadTestRandom() load_test_random;
+#endif
     LaneDecode() cnat_decode_0;
     LaneDecode() cnat_decode_1;
     LaneDecode() cnat_decode_2;
@@ -273,389 +276,648 @@ control IntmlIngress(inout headers_t hdr, inout metadata_t meta, inout standard_
             bool cnat8 = hdr.intml.codec == CODEC_CNAT8;
             lanes_t lanes;
             load_lanes.apply(hdr, lanes);
+#ifdef INTML_TEST_RANDOM
+            load_test_random.apply(hdr, lanes);
+#endif
             if (lanes.l0.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_0.apply(lanes.l0); }
-                lane_aggregate_0.apply(lanes.l0, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_0.apply(lanes.l0, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_0.apply(lanes.l0, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_0.apply(lanes.l0, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l0.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l0.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l1.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_1.apply(lanes.l1); }
-                lane_aggregate_1.apply(lanes.l1, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_1.apply(lanes.l1, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_1.apply(lanes.l1, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_1.apply(lanes.l1, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l1.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l1.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l2.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_2.apply(lanes.l2); }
-                lane_aggregate_2.apply(lanes.l2, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_2.apply(lanes.l2, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_2.apply(lanes.l2, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_2.apply(lanes.l2, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l2.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l2.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l3.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_3.apply(lanes.l3); }
-                lane_aggregate_3.apply(lanes.l3, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_3.apply(lanes.l3, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_3.apply(lanes.l3, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_3.apply(lanes.l3, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l3.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l3.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l4.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_4.apply(lanes.l4); }
-                lane_aggregate_4.apply(lanes.l4, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_4.apply(lanes.l4, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_4.apply(lanes.l4, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_4.apply(lanes.l4, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l4.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l4.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l5.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_5.apply(lanes.l5); }
-                lane_aggregate_5.apply(lanes.l5, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_5.apply(lanes.l5, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_5.apply(lanes.l5, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_5.apply(lanes.l5, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l5.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l5.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l6.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_6.apply(lanes.l6); }
-                lane_aggregate_6.apply(lanes.l6, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_6.apply(lanes.l6, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_6.apply(lanes.l6, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_6.apply(lanes.l6, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l6.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l6.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l7.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_7.apply(lanes.l7); }
-                lane_aggregate_7.apply(lanes.l7, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_7.apply(lanes.l7, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_7.apply(lanes.l7, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_7.apply(lanes.l7, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l7.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l7.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l8.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_8.apply(lanes.l8); }
-                lane_aggregate_8.apply(lanes.l8, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_8.apply(lanes.l8, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_8.apply(lanes.l8, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_8.apply(lanes.l8, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l8.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l8.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l9.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_9.apply(lanes.l9); }
-                lane_aggregate_9.apply(lanes.l9, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_9.apply(lanes.l9, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_9.apply(lanes.l9, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_9.apply(lanes.l9, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l9.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l9.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l10.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_10.apply(lanes.l10); }
-                lane_aggregate_10.apply(lanes.l10, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_10.apply(lanes.l10, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_10.apply(lanes.l10, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_10.apply(lanes.l10, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l10.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l10.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l11.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_11.apply(lanes.l11); }
-                lane_aggregate_11.apply(lanes.l11, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_11.apply(lanes.l11, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_11.apply(lanes.l11, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_11.apply(lanes.l11, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l11.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l11.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l12.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_12.apply(lanes.l12); }
-                lane_aggregate_12.apply(lanes.l12, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_12.apply(lanes.l12, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_12.apply(lanes.l12, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_12.apply(lanes.l12, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l12.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l12.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l13.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_13.apply(lanes.l13); }
-                lane_aggregate_13.apply(lanes.l13, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_13.apply(lanes.l13, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_13.apply(lanes.l13, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_13.apply(lanes.l13, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l13.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l13.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l14.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_14.apply(lanes.l14); }
-                lane_aggregate_14.apply(lanes.l14, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_14.apply(lanes.l14, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_14.apply(lanes.l14, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_14.apply(lanes.l14, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l14.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l14.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l15.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_15.apply(lanes.l15); }
-                lane_aggregate_15.apply(lanes.l15, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_15.apply(lanes.l15, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_15.apply(lanes.l15, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_15.apply(lanes.l15, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l15.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l15.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l16.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_16.apply(lanes.l16); }
-                lane_aggregate_16.apply(lanes.l16, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_16.apply(lanes.l16, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_16.apply(lanes.l16, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_16.apply(lanes.l16, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l16.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l16.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l17.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_17.apply(lanes.l17); }
-                lane_aggregate_17.apply(lanes.l17, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_17.apply(lanes.l17, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_17.apply(lanes.l17, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_17.apply(lanes.l17, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l17.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l17.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l18.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_18.apply(lanes.l18); }
-                lane_aggregate_18.apply(lanes.l18, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_18.apply(lanes.l18, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_18.apply(lanes.l18, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_18.apply(lanes.l18, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l18.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l18.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l19.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_19.apply(lanes.l19); }
-                lane_aggregate_19.apply(lanes.l19, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_19.apply(lanes.l19, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_19.apply(lanes.l19, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_19.apply(lanes.l19, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l19.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l19.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l20.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_20.apply(lanes.l20); }
-                lane_aggregate_20.apply(lanes.l20, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_20.apply(lanes.l20, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_20.apply(lanes.l20, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_20.apply(lanes.l20, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l20.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l20.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l21.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_21.apply(lanes.l21); }
-                lane_aggregate_21.apply(lanes.l21, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_21.apply(lanes.l21, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_21.apply(lanes.l21, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_21.apply(lanes.l21, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l21.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l21.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l22.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_22.apply(lanes.l22); }
-                lane_aggregate_22.apply(lanes.l22, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_22.apply(lanes.l22, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_22.apply(lanes.l22, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_22.apply(lanes.l22, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l22.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l22.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l23.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_23.apply(lanes.l23); }
-                lane_aggregate_23.apply(lanes.l23, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_23.apply(lanes.l23, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_23.apply(lanes.l23, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_23.apply(lanes.l23, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l23.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l23.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l24.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_24.apply(lanes.l24); }
-                lane_aggregate_24.apply(lanes.l24, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_24.apply(lanes.l24, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_24.apply(lanes.l24, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_24.apply(lanes.l24, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l24.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l24.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l25.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_25.apply(lanes.l25); }
-                lane_aggregate_25.apply(lanes.l25, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_25.apply(lanes.l25, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_25.apply(lanes.l25, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_25.apply(lanes.l25, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l25.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l25.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l26.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_26.apply(lanes.l26); }
-                lane_aggregate_26.apply(lanes.l26, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_26.apply(lanes.l26, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_26.apply(lanes.l26, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_26.apply(lanes.l26, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l26.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l26.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l27.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_27.apply(lanes.l27); }
-                lane_aggregate_27.apply(lanes.l27, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_27.apply(lanes.l27, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_27.apply(lanes.l27, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_27.apply(lanes.l27, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l27.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l27.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l28.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_28.apply(lanes.l28); }
-                lane_aggregate_28.apply(lanes.l28, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_28.apply(lanes.l28, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_28.apply(lanes.l28, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_28.apply(lanes.l28, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l28.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l28.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l29.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_29.apply(lanes.l29); }
-                lane_aggregate_29.apply(lanes.l29, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_29.apply(lanes.l29, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_29.apply(lanes.l29, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_29.apply(lanes.l29, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l29.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l29.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l30.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_30.apply(lanes.l30); }
-                lane_aggregate_30.apply(lanes.l30, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_30.apply(lanes.l30, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_30.apply(lanes.l30, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_30.apply(lanes.l30, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l30.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l30.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l31.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_31.apply(lanes.l31); }
-                lane_aggregate_31.apply(lanes.l31, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_31.apply(lanes.l31, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_31.apply(lanes.l31, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_31.apply(lanes.l31, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l31.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l31.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l32.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_32.apply(lanes.l32); }
-                lane_aggregate_32.apply(lanes.l32, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_32.apply(lanes.l32, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_32.apply(lanes.l32, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_32.apply(lanes.l32, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l32.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l32.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l33.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_33.apply(lanes.l33); }
-                lane_aggregate_33.apply(lanes.l33, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_33.apply(lanes.l33, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_33.apply(lanes.l33, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_33.apply(lanes.l33, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l33.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l33.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l34.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_34.apply(lanes.l34); }
-                lane_aggregate_34.apply(lanes.l34, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_34.apply(lanes.l34, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_34.apply(lanes.l34, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_34.apply(lanes.l34, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l34.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l34.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l35.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_35.apply(lanes.l35); }
-                lane_aggregate_35.apply(lanes.l35, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_35.apply(lanes.l35, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_35.apply(lanes.l35, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_35.apply(lanes.l35, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l35.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l35.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l36.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_36.apply(lanes.l36); }
-                lane_aggregate_36.apply(lanes.l36, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_36.apply(lanes.l36, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_36.apply(lanes.l36, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_36.apply(lanes.l36, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l36.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l36.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l37.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_37.apply(lanes.l37); }
-                lane_aggregate_37.apply(lanes.l37, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_37.apply(lanes.l37, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_37.apply(lanes.l37, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_37.apply(lanes.l37, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l37.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l37.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l38.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_38.apply(lanes.l38); }
-                lane_aggregate_38.apply(lanes.l38, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_38.apply(lanes.l38, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_38.apply(lanes.l38, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_38.apply(lanes.l38, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l38.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l38.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l39.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_39.apply(lanes.l39); }
-                lane_aggregate_39.apply(lanes.l39, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_39.apply(lanes.l39, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_39.apply(lanes.l39, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_39.apply(lanes.l39, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l39.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l39.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l40.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_40.apply(lanes.l40); }
-                lane_aggregate_40.apply(lanes.l40, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_40.apply(lanes.l40, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_40.apply(lanes.l40, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_40.apply(lanes.l40, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l40.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l40.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l41.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_41.apply(lanes.l41); }
-                lane_aggregate_41.apply(lanes.l41, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_41.apply(lanes.l41, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_41.apply(lanes.l41, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_41.apply(lanes.l41, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l41.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l41.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l42.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_42.apply(lanes.l42); }
-                lane_aggregate_42.apply(lanes.l42, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_42.apply(lanes.l42, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_42.apply(lanes.l42, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_42.apply(lanes.l42, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l42.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l42.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l43.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_43.apply(lanes.l43); }
-                lane_aggregate_43.apply(lanes.l43, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_43.apply(lanes.l43, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_43.apply(lanes.l43, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_43.apply(lanes.l43, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l43.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l43.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l44.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_44.apply(lanes.l44); }
-                lane_aggregate_44.apply(lanes.l44, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_44.apply(lanes.l44, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_44.apply(lanes.l44, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_44.apply(lanes.l44, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l44.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l44.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l45.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_45.apply(lanes.l45); }
-                lane_aggregate_45.apply(lanes.l45, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_45.apply(lanes.l45, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_45.apply(lanes.l45, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_45.apply(lanes.l45, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l45.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l45.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l46.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_46.apply(lanes.l46); }
-                lane_aggregate_46.apply(lanes.l46, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_46.apply(lanes.l46, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_46.apply(lanes.l46, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_46.apply(lanes.l46, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l46.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l46.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l47.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_47.apply(lanes.l47); }
-                lane_aggregate_47.apply(lanes.l47, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_47.apply(lanes.l47, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_47.apply(lanes.l47, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_47.apply(lanes.l47, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l47.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l47.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l48.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_48.apply(lanes.l48); }
-                lane_aggregate_48.apply(lanes.l48, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_48.apply(lanes.l48, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_48.apply(lanes.l48, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_48.apply(lanes.l48, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l48.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l48.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l49.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_49.apply(lanes.l49); }
-                lane_aggregate_49.apply(lanes.l49, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_49.apply(lanes.l49, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_49.apply(lanes.l49, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_49.apply(lanes.l49, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l49.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l49.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l50.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_50.apply(lanes.l50); }
-                lane_aggregate_50.apply(lanes.l50, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_50.apply(lanes.l50, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_50.apply(lanes.l50, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_50.apply(lanes.l50, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l50.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l50.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l51.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_51.apply(lanes.l51); }
-                lane_aggregate_51.apply(lanes.l51, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_51.apply(lanes.l51, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_51.apply(lanes.l51, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_51.apply(lanes.l51, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l51.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l51.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l52.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_52.apply(lanes.l52); }
-                lane_aggregate_52.apply(lanes.l52, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_52.apply(lanes.l52, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_52.apply(lanes.l52, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_52.apply(lanes.l52, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l52.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l52.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l53.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_53.apply(lanes.l53); }
-                lane_aggregate_53.apply(lanes.l53, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_53.apply(lanes.l53, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_53.apply(lanes.l53, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_53.apply(lanes.l53, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l53.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l53.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l54.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_54.apply(lanes.l54); }
-                lane_aggregate_54.apply(lanes.l54, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_54.apply(lanes.l54, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_54.apply(lanes.l54, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_54.apply(lanes.l54, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l54.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l54.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l55.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_55.apply(lanes.l55); }
-                lane_aggregate_55.apply(lanes.l55, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_55.apply(lanes.l55, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_55.apply(lanes.l55, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_55.apply(lanes.l55, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l55.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l55.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l56.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_56.apply(lanes.l56); }
-                lane_aggregate_56.apply(lanes.l56, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_56.apply(lanes.l56, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_56.apply(lanes.l56, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_56.apply(lanes.l56, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l56.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l56.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l57.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_57.apply(lanes.l57); }
-                lane_aggregate_57.apply(lanes.l57, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_57.apply(lanes.l57, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_57.apply(lanes.l57, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_57.apply(lanes.l57, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l57.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l57.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l58.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_58.apply(lanes.l58); }
-                lane_aggregate_58.apply(lanes.l58, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_58.apply(lanes.l58, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_58.apply(lanes.l58, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_58.apply(lanes.l58, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l58.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l58.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l59.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_59.apply(lanes.l59); }
-                lane_aggregate_59.apply(lanes.l59, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_59.apply(lanes.l59, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_59.apply(lanes.l59, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_59.apply(lanes.l59, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l59.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l59.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l60.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_60.apply(lanes.l60); }
-                lane_aggregate_60.apply(lanes.l60, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_60.apply(lanes.l60, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_60.apply(lanes.l60, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_60.apply(lanes.l60, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l60.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l60.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l61.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_61.apply(lanes.l61); }
-                lane_aggregate_61.apply(lanes.l61, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_61.apply(lanes.l61, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_61.apply(lanes.l61, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_61.apply(lanes.l61, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l61.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l61.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l62.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_62.apply(lanes.l62); }
-                lane_aggregate_62.apply(lanes.l62, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_62.apply(lanes.l62, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_62.apply(lanes.l62, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_62.apply(lanes.l62, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l62.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l62.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (lanes.l63.active) {
                 if (cnat8 && meta.step != STEP_RESEND) { cnat_decode_63.apply(lanes.l63); }
-                lane_aggregate_63.apply(lanes.l63, meta.cell, meta.step);
-                if (cnat8) { cnat_encode_63.apply(lanes.l63, meta.cell, meta.step, meta.completes, meta.k_finite); }
+                lane_aggregate_63.apply(lanes.l63, meta.cell, meta.step, cnat8);
+                if (cnat8) {
+                    cnat_encode_63.apply(lanes.l63, meta.cell, meta.step, meta.completes, meta.k_finite,
+                                          meta.nearest);
+                }
                 if (lanes.l63.saturated) { count_job(STAT_SATURATED_ELEMENTS); }
+                if (meta.completes == 1 && lanes.l63.flags != 0) { count_job(STAT_NONFINITE_ELEMENTS); }
             }
             if (meta.step == STEP_RESEND || meta.completes == 1) {
                 store_lanes.apply(hdr, lanes);

@@ -12,7 +12,8 @@ control Judge(inout headers_t hdr, inout metadata_t meta, inout standard_metadat
     @name(".member_seen") register<bit<48>, member_index_t>(MEMBER_ENTRIES) member_seen;
     ControlMeter() control_meter;
 
-    action set_job_cnat8(bit<8> job_index, bit<8> world, bit<8> value_bits, bit<16> pool, bit<16> packet_elements, bit<32> value_limit, bit<48> group, bit<64> seed) {
+    action set_job_cnat8(bit<8> job_index, bit<8> world, bit<8> value_bits, bit<16> pool, bit<16> packet_elements,
+                          bit<32> value_limit, bit<48> group, bit<64> seed, bit<1> nearest) {
         meta.job_index = job_index;
         meta.world = world;
         meta.value_bits = value_bits;
@@ -21,10 +22,12 @@ control Judge(inout headers_t hdr, inout metadata_t meta, inout standard_metadat
         meta.value_limit = value_limit;
         meta.group = group;
         meta.seed = seed;
+        meta.nearest = nearest;
         meta.codec = CODEC_CNAT8;
     }
 
-    action set_job_int32(bit<8> job_index, bit<8> world, bit<8> value_bits, bit<16> pool, bit<16> packet_elements, bit<32> value_limit, bit<48> group, bit<64> seed) {
+    action set_job_int32(bit<8> job_index, bit<8> world, bit<8> value_bits, bit<16> pool, bit<16> packet_elements,
+                          bit<32> value_limit, bit<48> group, bit<64> seed, bit<1> nearest) {
         meta.job_index = job_index;
         meta.world = world;
         meta.value_bits = value_bits;
@@ -33,6 +36,7 @@ control Judge(inout headers_t hdr, inout metadata_t meta, inout standard_metadat
         meta.value_limit = value_limit;
         meta.group = group;
         meta.seed = seed;
+        meta.nearest = nearest;
         meta.codec = CODEC_INT32;
     }
 

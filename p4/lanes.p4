@@ -12,6 +12,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l0.sign = 0;
         lanes.l0.magnitude = 0;
         lanes.l0.rand = 0;
+        lanes.l0.flags = 0;
         lanes.l0.saturated = false;
         lanes.l1.active = hdr.codes[1].isValid();
         lanes.l1.code = hdr.codes[1].code;
@@ -20,6 +21,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l1.sign = 0;
         lanes.l1.magnitude = 0;
         lanes.l1.rand = 0;
+        lanes.l1.flags = 0;
         lanes.l1.saturated = false;
         lanes.l2.active = hdr.codes[2].isValid();
         lanes.l2.code = hdr.codes[2].code;
@@ -28,6 +30,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l2.sign = 0;
         lanes.l2.magnitude = 0;
         lanes.l2.rand = 0;
+        lanes.l2.flags = 0;
         lanes.l2.saturated = false;
         lanes.l3.active = hdr.codes[3].isValid();
         lanes.l3.code = hdr.codes[3].code;
@@ -36,6 +39,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l3.sign = 0;
         lanes.l3.magnitude = 0;
         lanes.l3.rand = 0;
+        lanes.l3.flags = 0;
         lanes.l3.saturated = false;
         lanes.l4.active = hdr.codes[4].isValid();
         lanes.l4.code = hdr.codes[4].code;
@@ -44,6 +48,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l4.sign = 0;
         lanes.l4.magnitude = 0;
         lanes.l4.rand = 0;
+        lanes.l4.flags = 0;
         lanes.l4.saturated = false;
         lanes.l5.active = hdr.codes[5].isValid();
         lanes.l5.code = hdr.codes[5].code;
@@ -52,6 +57,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l5.sign = 0;
         lanes.l5.magnitude = 0;
         lanes.l5.rand = 0;
+        lanes.l5.flags = 0;
         lanes.l5.saturated = false;
         lanes.l6.active = hdr.codes[6].isValid();
         lanes.l6.code = hdr.codes[6].code;
@@ -60,6 +66,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l6.sign = 0;
         lanes.l6.magnitude = 0;
         lanes.l6.rand = 0;
+        lanes.l6.flags = 0;
         lanes.l6.saturated = false;
         lanes.l7.active = hdr.codes[7].isValid();
         lanes.l7.code = hdr.codes[7].code;
@@ -68,6 +75,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l7.sign = 0;
         lanes.l7.magnitude = 0;
         lanes.l7.rand = 0;
+        lanes.l7.flags = 0;
         lanes.l7.saturated = false;
         lanes.l8.active = hdr.codes[8].isValid();
         lanes.l8.code = hdr.codes[8].code;
@@ -76,6 +84,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l8.sign = 0;
         lanes.l8.magnitude = 0;
         lanes.l8.rand = 0;
+        lanes.l8.flags = 0;
         lanes.l8.saturated = false;
         lanes.l9.active = hdr.codes[9].isValid();
         lanes.l9.code = hdr.codes[9].code;
@@ -84,6 +93,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l9.sign = 0;
         lanes.l9.magnitude = 0;
         lanes.l9.rand = 0;
+        lanes.l9.flags = 0;
         lanes.l9.saturated = false;
         lanes.l10.active = hdr.codes[10].isValid();
         lanes.l10.code = hdr.codes[10].code;
@@ -92,6 +102,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l10.sign = 0;
         lanes.l10.magnitude = 0;
         lanes.l10.rand = 0;
+        lanes.l10.flags = 0;
         lanes.l10.saturated = false;
         lanes.l11.active = hdr.codes[11].isValid();
         lanes.l11.code = hdr.codes[11].code;
@@ -100,6 +111,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l11.sign = 0;
         lanes.l11.magnitude = 0;
         lanes.l11.rand = 0;
+        lanes.l11.flags = 0;
         lanes.l11.saturated = false;
         lanes.l12.active = hdr.codes[12].isValid();
         lanes.l12.code = hdr.codes[12].code;
@@ -108,6 +120,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l12.sign = 0;
         lanes.l12.magnitude = 0;
         lanes.l12.rand = 0;
+        lanes.l12.flags = 0;
         lanes.l12.saturated = false;
         lanes.l13.active = hdr.codes[13].isValid();
         lanes.l13.code = hdr.codes[13].code;
@@ -116,6 +129,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l13.sign = 0;
         lanes.l13.magnitude = 0;
         lanes.l13.rand = 0;
+        lanes.l13.flags = 0;
         lanes.l13.saturated = false;
         lanes.l14.active = hdr.codes[14].isValid();
         lanes.l14.code = hdr.codes[14].code;
@@ -124,6 +138,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l14.sign = 0;
         lanes.l14.magnitude = 0;
         lanes.l14.rand = 0;
+        lanes.l14.flags = 0;
         lanes.l14.saturated = false;
         lanes.l15.active = hdr.codes[15].isValid();
         lanes.l15.code = hdr.codes[15].code;
@@ -132,6 +147,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l15.sign = 0;
         lanes.l15.magnitude = 0;
         lanes.l15.rand = 0;
+        lanes.l15.flags = 0;
         lanes.l15.saturated = false;
         lanes.l16.active = hdr.codes[16].isValid();
         lanes.l16.code = hdr.codes[16].code;
@@ -140,6 +156,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l16.sign = 0;
         lanes.l16.magnitude = 0;
         lanes.l16.rand = 0;
+        lanes.l16.flags = 0;
         lanes.l16.saturated = false;
         lanes.l17.active = hdr.codes[17].isValid();
         lanes.l17.code = hdr.codes[17].code;
@@ -148,6 +165,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l17.sign = 0;
         lanes.l17.magnitude = 0;
         lanes.l17.rand = 0;
+        lanes.l17.flags = 0;
         lanes.l17.saturated = false;
         lanes.l18.active = hdr.codes[18].isValid();
         lanes.l18.code = hdr.codes[18].code;
@@ -156,6 +174,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l18.sign = 0;
         lanes.l18.magnitude = 0;
         lanes.l18.rand = 0;
+        lanes.l18.flags = 0;
         lanes.l18.saturated = false;
         lanes.l19.active = hdr.codes[19].isValid();
         lanes.l19.code = hdr.codes[19].code;
@@ -164,6 +183,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l19.sign = 0;
         lanes.l19.magnitude = 0;
         lanes.l19.rand = 0;
+        lanes.l19.flags = 0;
         lanes.l19.saturated = false;
         lanes.l20.active = hdr.codes[20].isValid();
         lanes.l20.code = hdr.codes[20].code;
@@ -172,6 +192,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l20.sign = 0;
         lanes.l20.magnitude = 0;
         lanes.l20.rand = 0;
+        lanes.l20.flags = 0;
         lanes.l20.saturated = false;
         lanes.l21.active = hdr.codes[21].isValid();
         lanes.l21.code = hdr.codes[21].code;
@@ -180,6 +201,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l21.sign = 0;
         lanes.l21.magnitude = 0;
         lanes.l21.rand = 0;
+        lanes.l21.flags = 0;
         lanes.l21.saturated = false;
         lanes.l22.active = hdr.codes[22].isValid();
         lanes.l22.code = hdr.codes[22].code;
@@ -188,6 +210,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l22.sign = 0;
         lanes.l22.magnitude = 0;
         lanes.l22.rand = 0;
+        lanes.l22.flags = 0;
         lanes.l22.saturated = false;
         lanes.l23.active = hdr.codes[23].isValid();
         lanes.l23.code = hdr.codes[23].code;
@@ -196,6 +219,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l23.sign = 0;
         lanes.l23.magnitude = 0;
         lanes.l23.rand = 0;
+        lanes.l23.flags = 0;
         lanes.l23.saturated = false;
         lanes.l24.active = hdr.codes[24].isValid();
         lanes.l24.code = hdr.codes[24].code;
@@ -204,6 +228,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l24.sign = 0;
         lanes.l24.magnitude = 0;
         lanes.l24.rand = 0;
+        lanes.l24.flags = 0;
         lanes.l24.saturated = false;
         lanes.l25.active = hdr.codes[25].isValid();
         lanes.l25.code = hdr.codes[25].code;
@@ -212,6 +237,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l25.sign = 0;
         lanes.l25.magnitude = 0;
         lanes.l25.rand = 0;
+        lanes.l25.flags = 0;
         lanes.l25.saturated = false;
         lanes.l26.active = hdr.codes[26].isValid();
         lanes.l26.code = hdr.codes[26].code;
@@ -220,6 +246,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l26.sign = 0;
         lanes.l26.magnitude = 0;
         lanes.l26.rand = 0;
+        lanes.l26.flags = 0;
         lanes.l26.saturated = false;
         lanes.l27.active = hdr.codes[27].isValid();
         lanes.l27.code = hdr.codes[27].code;
@@ -228,6 +255,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l27.sign = 0;
         lanes.l27.magnitude = 0;
         lanes.l27.rand = 0;
+        lanes.l27.flags = 0;
         lanes.l27.saturated = false;
         lanes.l28.active = hdr.codes[28].isValid();
         lanes.l28.code = hdr.codes[28].code;
@@ -236,6 +264,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l28.sign = 0;
         lanes.l28.magnitude = 0;
         lanes.l28.rand = 0;
+        lanes.l28.flags = 0;
         lanes.l28.saturated = false;
         lanes.l29.active = hdr.codes[29].isValid();
         lanes.l29.code = hdr.codes[29].code;
@@ -244,6 +273,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l29.sign = 0;
         lanes.l29.magnitude = 0;
         lanes.l29.rand = 0;
+        lanes.l29.flags = 0;
         lanes.l29.saturated = false;
         lanes.l30.active = hdr.codes[30].isValid();
         lanes.l30.code = hdr.codes[30].code;
@@ -252,6 +282,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l30.sign = 0;
         lanes.l30.magnitude = 0;
         lanes.l30.rand = 0;
+        lanes.l30.flags = 0;
         lanes.l30.saturated = false;
         lanes.l31.active = hdr.codes[31].isValid();
         lanes.l31.code = hdr.codes[31].code;
@@ -260,6 +291,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l31.sign = 0;
         lanes.l31.magnitude = 0;
         lanes.l31.rand = 0;
+        lanes.l31.flags = 0;
         lanes.l31.saturated = false;
         lanes.l32.active = hdr.codes[32].isValid();
         lanes.l32.code = hdr.codes[32].code;
@@ -268,6 +300,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l32.sign = 0;
         lanes.l32.magnitude = 0;
         lanes.l32.rand = 0;
+        lanes.l32.flags = 0;
         lanes.l32.saturated = false;
         lanes.l33.active = hdr.codes[33].isValid();
         lanes.l33.code = hdr.codes[33].code;
@@ -276,6 +309,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l33.sign = 0;
         lanes.l33.magnitude = 0;
         lanes.l33.rand = 0;
+        lanes.l33.flags = 0;
         lanes.l33.saturated = false;
         lanes.l34.active = hdr.codes[34].isValid();
         lanes.l34.code = hdr.codes[34].code;
@@ -284,6 +318,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l34.sign = 0;
         lanes.l34.magnitude = 0;
         lanes.l34.rand = 0;
+        lanes.l34.flags = 0;
         lanes.l34.saturated = false;
         lanes.l35.active = hdr.codes[35].isValid();
         lanes.l35.code = hdr.codes[35].code;
@@ -292,6 +327,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l35.sign = 0;
         lanes.l35.magnitude = 0;
         lanes.l35.rand = 0;
+        lanes.l35.flags = 0;
         lanes.l35.saturated = false;
         lanes.l36.active = hdr.codes[36].isValid();
         lanes.l36.code = hdr.codes[36].code;
@@ -300,6 +336,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l36.sign = 0;
         lanes.l36.magnitude = 0;
         lanes.l36.rand = 0;
+        lanes.l36.flags = 0;
         lanes.l36.saturated = false;
         lanes.l37.active = hdr.codes[37].isValid();
         lanes.l37.code = hdr.codes[37].code;
@@ -308,6 +345,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l37.sign = 0;
         lanes.l37.magnitude = 0;
         lanes.l37.rand = 0;
+        lanes.l37.flags = 0;
         lanes.l37.saturated = false;
         lanes.l38.active = hdr.codes[38].isValid();
         lanes.l38.code = hdr.codes[38].code;
@@ -316,6 +354,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l38.sign = 0;
         lanes.l38.magnitude = 0;
         lanes.l38.rand = 0;
+        lanes.l38.flags = 0;
         lanes.l38.saturated = false;
         lanes.l39.active = hdr.codes[39].isValid();
         lanes.l39.code = hdr.codes[39].code;
@@ -324,6 +363,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l39.sign = 0;
         lanes.l39.magnitude = 0;
         lanes.l39.rand = 0;
+        lanes.l39.flags = 0;
         lanes.l39.saturated = false;
         lanes.l40.active = hdr.codes[40].isValid();
         lanes.l40.code = hdr.codes[40].code;
@@ -332,6 +372,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l40.sign = 0;
         lanes.l40.magnitude = 0;
         lanes.l40.rand = 0;
+        lanes.l40.flags = 0;
         lanes.l40.saturated = false;
         lanes.l41.active = hdr.codes[41].isValid();
         lanes.l41.code = hdr.codes[41].code;
@@ -340,6 +381,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l41.sign = 0;
         lanes.l41.magnitude = 0;
         lanes.l41.rand = 0;
+        lanes.l41.flags = 0;
         lanes.l41.saturated = false;
         lanes.l42.active = hdr.codes[42].isValid();
         lanes.l42.code = hdr.codes[42].code;
@@ -348,6 +390,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l42.sign = 0;
         lanes.l42.magnitude = 0;
         lanes.l42.rand = 0;
+        lanes.l42.flags = 0;
         lanes.l42.saturated = false;
         lanes.l43.active = hdr.codes[43].isValid();
         lanes.l43.code = hdr.codes[43].code;
@@ -356,6 +399,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l43.sign = 0;
         lanes.l43.magnitude = 0;
         lanes.l43.rand = 0;
+        lanes.l43.flags = 0;
         lanes.l43.saturated = false;
         lanes.l44.active = hdr.codes[44].isValid();
         lanes.l44.code = hdr.codes[44].code;
@@ -364,6 +408,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l44.sign = 0;
         lanes.l44.magnitude = 0;
         lanes.l44.rand = 0;
+        lanes.l44.flags = 0;
         lanes.l44.saturated = false;
         lanes.l45.active = hdr.codes[45].isValid();
         lanes.l45.code = hdr.codes[45].code;
@@ -372,6 +417,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l45.sign = 0;
         lanes.l45.magnitude = 0;
         lanes.l45.rand = 0;
+        lanes.l45.flags = 0;
         lanes.l45.saturated = false;
         lanes.l46.active = hdr.codes[46].isValid();
         lanes.l46.code = hdr.codes[46].code;
@@ -380,6 +426,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l46.sign = 0;
         lanes.l46.magnitude = 0;
         lanes.l46.rand = 0;
+        lanes.l46.flags = 0;
         lanes.l46.saturated = false;
         lanes.l47.active = hdr.codes[47].isValid();
         lanes.l47.code = hdr.codes[47].code;
@@ -388,6 +435,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l47.sign = 0;
         lanes.l47.magnitude = 0;
         lanes.l47.rand = 0;
+        lanes.l47.flags = 0;
         lanes.l47.saturated = false;
         lanes.l48.active = hdr.codes[48].isValid();
         lanes.l48.code = hdr.codes[48].code;
@@ -396,6 +444,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l48.sign = 0;
         lanes.l48.magnitude = 0;
         lanes.l48.rand = 0;
+        lanes.l48.flags = 0;
         lanes.l48.saturated = false;
         lanes.l49.active = hdr.codes[49].isValid();
         lanes.l49.code = hdr.codes[49].code;
@@ -404,6 +453,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l49.sign = 0;
         lanes.l49.magnitude = 0;
         lanes.l49.rand = 0;
+        lanes.l49.flags = 0;
         lanes.l49.saturated = false;
         lanes.l50.active = hdr.codes[50].isValid();
         lanes.l50.code = hdr.codes[50].code;
@@ -412,6 +462,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l50.sign = 0;
         lanes.l50.magnitude = 0;
         lanes.l50.rand = 0;
+        lanes.l50.flags = 0;
         lanes.l50.saturated = false;
         lanes.l51.active = hdr.codes[51].isValid();
         lanes.l51.code = hdr.codes[51].code;
@@ -420,6 +471,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l51.sign = 0;
         lanes.l51.magnitude = 0;
         lanes.l51.rand = 0;
+        lanes.l51.flags = 0;
         lanes.l51.saturated = false;
         lanes.l52.active = hdr.codes[52].isValid();
         lanes.l52.code = hdr.codes[52].code;
@@ -428,6 +480,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l52.sign = 0;
         lanes.l52.magnitude = 0;
         lanes.l52.rand = 0;
+        lanes.l52.flags = 0;
         lanes.l52.saturated = false;
         lanes.l53.active = hdr.codes[53].isValid();
         lanes.l53.code = hdr.codes[53].code;
@@ -436,6 +489,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l53.sign = 0;
         lanes.l53.magnitude = 0;
         lanes.l53.rand = 0;
+        lanes.l53.flags = 0;
         lanes.l53.saturated = false;
         lanes.l54.active = hdr.codes[54].isValid();
         lanes.l54.code = hdr.codes[54].code;
@@ -444,6 +498,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l54.sign = 0;
         lanes.l54.magnitude = 0;
         lanes.l54.rand = 0;
+        lanes.l54.flags = 0;
         lanes.l54.saturated = false;
         lanes.l55.active = hdr.codes[55].isValid();
         lanes.l55.code = hdr.codes[55].code;
@@ -452,6 +507,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l55.sign = 0;
         lanes.l55.magnitude = 0;
         lanes.l55.rand = 0;
+        lanes.l55.flags = 0;
         lanes.l55.saturated = false;
         lanes.l56.active = hdr.codes[56].isValid();
         lanes.l56.code = hdr.codes[56].code;
@@ -460,6 +516,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l56.sign = 0;
         lanes.l56.magnitude = 0;
         lanes.l56.rand = 0;
+        lanes.l56.flags = 0;
         lanes.l56.saturated = false;
         lanes.l57.active = hdr.codes[57].isValid();
         lanes.l57.code = hdr.codes[57].code;
@@ -468,6 +525,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l57.sign = 0;
         lanes.l57.magnitude = 0;
         lanes.l57.rand = 0;
+        lanes.l57.flags = 0;
         lanes.l57.saturated = false;
         lanes.l58.active = hdr.codes[58].isValid();
         lanes.l58.code = hdr.codes[58].code;
@@ -476,6 +534,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l58.sign = 0;
         lanes.l58.magnitude = 0;
         lanes.l58.rand = 0;
+        lanes.l58.flags = 0;
         lanes.l58.saturated = false;
         lanes.l59.active = hdr.codes[59].isValid();
         lanes.l59.code = hdr.codes[59].code;
@@ -484,6 +543,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l59.sign = 0;
         lanes.l59.magnitude = 0;
         lanes.l59.rand = 0;
+        lanes.l59.flags = 0;
         lanes.l59.saturated = false;
         lanes.l60.active = hdr.codes[60].isValid();
         lanes.l60.code = hdr.codes[60].code;
@@ -492,6 +552,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l60.sign = 0;
         lanes.l60.magnitude = 0;
         lanes.l60.rand = 0;
+        lanes.l60.flags = 0;
         lanes.l60.saturated = false;
         lanes.l61.active = hdr.codes[61].isValid();
         lanes.l61.code = hdr.codes[61].code;
@@ -500,6 +561,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l61.sign = 0;
         lanes.l61.magnitude = 0;
         lanes.l61.rand = 0;
+        lanes.l61.flags = 0;
         lanes.l61.saturated = false;
         lanes.l62.active = hdr.codes[62].isValid();
         lanes.l62.code = hdr.codes[62].code;
@@ -508,6 +570,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l62.sign = 0;
         lanes.l62.magnitude = 0;
         lanes.l62.rand = 0;
+        lanes.l62.flags = 0;
         lanes.l62.saturated = false;
         lanes.l63.active = hdr.codes[63].isValid();
         lanes.l63.code = hdr.codes[63].code;
@@ -516,6 +579,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l63.sign = 0;
         lanes.l63.magnitude = 0;
         lanes.l63.rand = 0;
+        lanes.l63.flags = 0;
         lanes.l63.saturated = false;
     }
 
@@ -527,6 +591,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l0.sign = 0;
         lanes.l0.magnitude = 0;
         lanes.l0.rand = 0;
+        lanes.l0.flags = 0;
         lanes.l0.saturated = false;
         lanes.l1.active = hdr.words[1].isValid();
         lanes.l1.value = hdr.words[1].value;
@@ -535,6 +600,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l1.sign = 0;
         lanes.l1.magnitude = 0;
         lanes.l1.rand = 0;
+        lanes.l1.flags = 0;
         lanes.l1.saturated = false;
         lanes.l2.active = hdr.words[2].isValid();
         lanes.l2.value = hdr.words[2].value;
@@ -543,6 +609,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l2.sign = 0;
         lanes.l2.magnitude = 0;
         lanes.l2.rand = 0;
+        lanes.l2.flags = 0;
         lanes.l2.saturated = false;
         lanes.l3.active = hdr.words[3].isValid();
         lanes.l3.value = hdr.words[3].value;
@@ -551,6 +618,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l3.sign = 0;
         lanes.l3.magnitude = 0;
         lanes.l3.rand = 0;
+        lanes.l3.flags = 0;
         lanes.l3.saturated = false;
         lanes.l4.active = hdr.words[4].isValid();
         lanes.l4.value = hdr.words[4].value;
@@ -559,6 +627,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l4.sign = 0;
         lanes.l4.magnitude = 0;
         lanes.l4.rand = 0;
+        lanes.l4.flags = 0;
         lanes.l4.saturated = false;
         lanes.l5.active = hdr.words[5].isValid();
         lanes.l5.value = hdr.words[5].value;
@@ -567,6 +636,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l5.sign = 0;
         lanes.l5.magnitude = 0;
         lanes.l5.rand = 0;
+        lanes.l5.flags = 0;
         lanes.l5.saturated = false;
         lanes.l6.active = hdr.words[6].isValid();
         lanes.l6.value = hdr.words[6].value;
@@ -575,6 +645,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l6.sign = 0;
         lanes.l6.magnitude = 0;
         lanes.l6.rand = 0;
+        lanes.l6.flags = 0;
         lanes.l6.saturated = false;
         lanes.l7.active = hdr.words[7].isValid();
         lanes.l7.value = hdr.words[7].value;
@@ -583,6 +654,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l7.sign = 0;
         lanes.l7.magnitude = 0;
         lanes.l7.rand = 0;
+        lanes.l7.flags = 0;
         lanes.l7.saturated = false;
         lanes.l8.active = hdr.words[8].isValid();
         lanes.l8.value = hdr.words[8].value;
@@ -591,6 +663,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l8.sign = 0;
         lanes.l8.magnitude = 0;
         lanes.l8.rand = 0;
+        lanes.l8.flags = 0;
         lanes.l8.saturated = false;
         lanes.l9.active = hdr.words[9].isValid();
         lanes.l9.value = hdr.words[9].value;
@@ -599,6 +672,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l9.sign = 0;
         lanes.l9.magnitude = 0;
         lanes.l9.rand = 0;
+        lanes.l9.flags = 0;
         lanes.l9.saturated = false;
         lanes.l10.active = hdr.words[10].isValid();
         lanes.l10.value = hdr.words[10].value;
@@ -607,6 +681,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l10.sign = 0;
         lanes.l10.magnitude = 0;
         lanes.l10.rand = 0;
+        lanes.l10.flags = 0;
         lanes.l10.saturated = false;
         lanes.l11.active = hdr.words[11].isValid();
         lanes.l11.value = hdr.words[11].value;
@@ -615,6 +690,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l11.sign = 0;
         lanes.l11.magnitude = 0;
         lanes.l11.rand = 0;
+        lanes.l11.flags = 0;
         lanes.l11.saturated = false;
         lanes.l12.active = hdr.words[12].isValid();
         lanes.l12.value = hdr.words[12].value;
@@ -623,6 +699,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l12.sign = 0;
         lanes.l12.magnitude = 0;
         lanes.l12.rand = 0;
+        lanes.l12.flags = 0;
         lanes.l12.saturated = false;
         lanes.l13.active = hdr.words[13].isValid();
         lanes.l13.value = hdr.words[13].value;
@@ -631,6 +708,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l13.sign = 0;
         lanes.l13.magnitude = 0;
         lanes.l13.rand = 0;
+        lanes.l13.flags = 0;
         lanes.l13.saturated = false;
         lanes.l14.active = hdr.words[14].isValid();
         lanes.l14.value = hdr.words[14].value;
@@ -639,6 +717,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l14.sign = 0;
         lanes.l14.magnitude = 0;
         lanes.l14.rand = 0;
+        lanes.l14.flags = 0;
         lanes.l14.saturated = false;
         lanes.l15.active = hdr.words[15].isValid();
         lanes.l15.value = hdr.words[15].value;
@@ -647,6 +726,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l15.sign = 0;
         lanes.l15.magnitude = 0;
         lanes.l15.rand = 0;
+        lanes.l15.flags = 0;
         lanes.l15.saturated = false;
         lanes.l16.active = hdr.words[16].isValid();
         lanes.l16.value = hdr.words[16].value;
@@ -655,6 +735,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l16.sign = 0;
         lanes.l16.magnitude = 0;
         lanes.l16.rand = 0;
+        lanes.l16.flags = 0;
         lanes.l16.saturated = false;
         lanes.l17.active = hdr.words[17].isValid();
         lanes.l17.value = hdr.words[17].value;
@@ -663,6 +744,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l17.sign = 0;
         lanes.l17.magnitude = 0;
         lanes.l17.rand = 0;
+        lanes.l17.flags = 0;
         lanes.l17.saturated = false;
         lanes.l18.active = hdr.words[18].isValid();
         lanes.l18.value = hdr.words[18].value;
@@ -671,6 +753,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l18.sign = 0;
         lanes.l18.magnitude = 0;
         lanes.l18.rand = 0;
+        lanes.l18.flags = 0;
         lanes.l18.saturated = false;
         lanes.l19.active = hdr.words[19].isValid();
         lanes.l19.value = hdr.words[19].value;
@@ -679,6 +762,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l19.sign = 0;
         lanes.l19.magnitude = 0;
         lanes.l19.rand = 0;
+        lanes.l19.flags = 0;
         lanes.l19.saturated = false;
         lanes.l20.active = hdr.words[20].isValid();
         lanes.l20.value = hdr.words[20].value;
@@ -687,6 +771,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l20.sign = 0;
         lanes.l20.magnitude = 0;
         lanes.l20.rand = 0;
+        lanes.l20.flags = 0;
         lanes.l20.saturated = false;
         lanes.l21.active = hdr.words[21].isValid();
         lanes.l21.value = hdr.words[21].value;
@@ -695,6 +780,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l21.sign = 0;
         lanes.l21.magnitude = 0;
         lanes.l21.rand = 0;
+        lanes.l21.flags = 0;
         lanes.l21.saturated = false;
         lanes.l22.active = hdr.words[22].isValid();
         lanes.l22.value = hdr.words[22].value;
@@ -703,6 +789,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l22.sign = 0;
         lanes.l22.magnitude = 0;
         lanes.l22.rand = 0;
+        lanes.l22.flags = 0;
         lanes.l22.saturated = false;
         lanes.l23.active = hdr.words[23].isValid();
         lanes.l23.value = hdr.words[23].value;
@@ -711,6 +798,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l23.sign = 0;
         lanes.l23.magnitude = 0;
         lanes.l23.rand = 0;
+        lanes.l23.flags = 0;
         lanes.l23.saturated = false;
         lanes.l24.active = hdr.words[24].isValid();
         lanes.l24.value = hdr.words[24].value;
@@ -719,6 +807,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l24.sign = 0;
         lanes.l24.magnitude = 0;
         lanes.l24.rand = 0;
+        lanes.l24.flags = 0;
         lanes.l24.saturated = false;
         lanes.l25.active = hdr.words[25].isValid();
         lanes.l25.value = hdr.words[25].value;
@@ -727,6 +816,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l25.sign = 0;
         lanes.l25.magnitude = 0;
         lanes.l25.rand = 0;
+        lanes.l25.flags = 0;
         lanes.l25.saturated = false;
         lanes.l26.active = hdr.words[26].isValid();
         lanes.l26.value = hdr.words[26].value;
@@ -735,6 +825,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l26.sign = 0;
         lanes.l26.magnitude = 0;
         lanes.l26.rand = 0;
+        lanes.l26.flags = 0;
         lanes.l26.saturated = false;
         lanes.l27.active = hdr.words[27].isValid();
         lanes.l27.value = hdr.words[27].value;
@@ -743,6 +834,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l27.sign = 0;
         lanes.l27.magnitude = 0;
         lanes.l27.rand = 0;
+        lanes.l27.flags = 0;
         lanes.l27.saturated = false;
         lanes.l28.active = hdr.words[28].isValid();
         lanes.l28.value = hdr.words[28].value;
@@ -751,6 +843,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l28.sign = 0;
         lanes.l28.magnitude = 0;
         lanes.l28.rand = 0;
+        lanes.l28.flags = 0;
         lanes.l28.saturated = false;
         lanes.l29.active = hdr.words[29].isValid();
         lanes.l29.value = hdr.words[29].value;
@@ -759,6 +852,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l29.sign = 0;
         lanes.l29.magnitude = 0;
         lanes.l29.rand = 0;
+        lanes.l29.flags = 0;
         lanes.l29.saturated = false;
         lanes.l30.active = hdr.words[30].isValid();
         lanes.l30.value = hdr.words[30].value;
@@ -767,6 +861,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l30.sign = 0;
         lanes.l30.magnitude = 0;
         lanes.l30.rand = 0;
+        lanes.l30.flags = 0;
         lanes.l30.saturated = false;
         lanes.l31.active = hdr.words[31].isValid();
         lanes.l31.value = hdr.words[31].value;
@@ -775,6 +870,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l31.sign = 0;
         lanes.l31.magnitude = 0;
         lanes.l31.rand = 0;
+        lanes.l31.flags = 0;
         lanes.l31.saturated = false;
         lanes.l32.active = hdr.words[32].isValid();
         lanes.l32.value = hdr.words[32].value;
@@ -783,6 +879,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l32.sign = 0;
         lanes.l32.magnitude = 0;
         lanes.l32.rand = 0;
+        lanes.l32.flags = 0;
         lanes.l32.saturated = false;
         lanes.l33.active = hdr.words[33].isValid();
         lanes.l33.value = hdr.words[33].value;
@@ -791,6 +888,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l33.sign = 0;
         lanes.l33.magnitude = 0;
         lanes.l33.rand = 0;
+        lanes.l33.flags = 0;
         lanes.l33.saturated = false;
         lanes.l34.active = hdr.words[34].isValid();
         lanes.l34.value = hdr.words[34].value;
@@ -799,6 +897,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l34.sign = 0;
         lanes.l34.magnitude = 0;
         lanes.l34.rand = 0;
+        lanes.l34.flags = 0;
         lanes.l34.saturated = false;
         lanes.l35.active = hdr.words[35].isValid();
         lanes.l35.value = hdr.words[35].value;
@@ -807,6 +906,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l35.sign = 0;
         lanes.l35.magnitude = 0;
         lanes.l35.rand = 0;
+        lanes.l35.flags = 0;
         lanes.l35.saturated = false;
         lanes.l36.active = hdr.words[36].isValid();
         lanes.l36.value = hdr.words[36].value;
@@ -815,6 +915,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l36.sign = 0;
         lanes.l36.magnitude = 0;
         lanes.l36.rand = 0;
+        lanes.l36.flags = 0;
         lanes.l36.saturated = false;
         lanes.l37.active = hdr.words[37].isValid();
         lanes.l37.value = hdr.words[37].value;
@@ -823,6 +924,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l37.sign = 0;
         lanes.l37.magnitude = 0;
         lanes.l37.rand = 0;
+        lanes.l37.flags = 0;
         lanes.l37.saturated = false;
         lanes.l38.active = hdr.words[38].isValid();
         lanes.l38.value = hdr.words[38].value;
@@ -831,6 +933,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l38.sign = 0;
         lanes.l38.magnitude = 0;
         lanes.l38.rand = 0;
+        lanes.l38.flags = 0;
         lanes.l38.saturated = false;
         lanes.l39.active = hdr.words[39].isValid();
         lanes.l39.value = hdr.words[39].value;
@@ -839,6 +942,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l39.sign = 0;
         lanes.l39.magnitude = 0;
         lanes.l39.rand = 0;
+        lanes.l39.flags = 0;
         lanes.l39.saturated = false;
         lanes.l40.active = hdr.words[40].isValid();
         lanes.l40.value = hdr.words[40].value;
@@ -847,6 +951,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l40.sign = 0;
         lanes.l40.magnitude = 0;
         lanes.l40.rand = 0;
+        lanes.l40.flags = 0;
         lanes.l40.saturated = false;
         lanes.l41.active = hdr.words[41].isValid();
         lanes.l41.value = hdr.words[41].value;
@@ -855,6 +960,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l41.sign = 0;
         lanes.l41.magnitude = 0;
         lanes.l41.rand = 0;
+        lanes.l41.flags = 0;
         lanes.l41.saturated = false;
         lanes.l42.active = hdr.words[42].isValid();
         lanes.l42.value = hdr.words[42].value;
@@ -863,6 +969,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l42.sign = 0;
         lanes.l42.magnitude = 0;
         lanes.l42.rand = 0;
+        lanes.l42.flags = 0;
         lanes.l42.saturated = false;
         lanes.l43.active = hdr.words[43].isValid();
         lanes.l43.value = hdr.words[43].value;
@@ -871,6 +978,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l43.sign = 0;
         lanes.l43.magnitude = 0;
         lanes.l43.rand = 0;
+        lanes.l43.flags = 0;
         lanes.l43.saturated = false;
         lanes.l44.active = hdr.words[44].isValid();
         lanes.l44.value = hdr.words[44].value;
@@ -879,6 +987,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l44.sign = 0;
         lanes.l44.magnitude = 0;
         lanes.l44.rand = 0;
+        lanes.l44.flags = 0;
         lanes.l44.saturated = false;
         lanes.l45.active = hdr.words[45].isValid();
         lanes.l45.value = hdr.words[45].value;
@@ -887,6 +996,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l45.sign = 0;
         lanes.l45.magnitude = 0;
         lanes.l45.rand = 0;
+        lanes.l45.flags = 0;
         lanes.l45.saturated = false;
         lanes.l46.active = hdr.words[46].isValid();
         lanes.l46.value = hdr.words[46].value;
@@ -895,6 +1005,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l46.sign = 0;
         lanes.l46.magnitude = 0;
         lanes.l46.rand = 0;
+        lanes.l46.flags = 0;
         lanes.l46.saturated = false;
         lanes.l47.active = hdr.words[47].isValid();
         lanes.l47.value = hdr.words[47].value;
@@ -903,6 +1014,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l47.sign = 0;
         lanes.l47.magnitude = 0;
         lanes.l47.rand = 0;
+        lanes.l47.flags = 0;
         lanes.l47.saturated = false;
         lanes.l48.active = hdr.words[48].isValid();
         lanes.l48.value = hdr.words[48].value;
@@ -911,6 +1023,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l48.sign = 0;
         lanes.l48.magnitude = 0;
         lanes.l48.rand = 0;
+        lanes.l48.flags = 0;
         lanes.l48.saturated = false;
         lanes.l49.active = hdr.words[49].isValid();
         lanes.l49.value = hdr.words[49].value;
@@ -919,6 +1032,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l49.sign = 0;
         lanes.l49.magnitude = 0;
         lanes.l49.rand = 0;
+        lanes.l49.flags = 0;
         lanes.l49.saturated = false;
         lanes.l50.active = hdr.words[50].isValid();
         lanes.l50.value = hdr.words[50].value;
@@ -927,6 +1041,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l50.sign = 0;
         lanes.l50.magnitude = 0;
         lanes.l50.rand = 0;
+        lanes.l50.flags = 0;
         lanes.l50.saturated = false;
         lanes.l51.active = hdr.words[51].isValid();
         lanes.l51.value = hdr.words[51].value;
@@ -935,6 +1050,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l51.sign = 0;
         lanes.l51.magnitude = 0;
         lanes.l51.rand = 0;
+        lanes.l51.flags = 0;
         lanes.l51.saturated = false;
         lanes.l52.active = hdr.words[52].isValid();
         lanes.l52.value = hdr.words[52].value;
@@ -943,6 +1059,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l52.sign = 0;
         lanes.l52.magnitude = 0;
         lanes.l52.rand = 0;
+        lanes.l52.flags = 0;
         lanes.l52.saturated = false;
         lanes.l53.active = hdr.words[53].isValid();
         lanes.l53.value = hdr.words[53].value;
@@ -951,6 +1068,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l53.sign = 0;
         lanes.l53.magnitude = 0;
         lanes.l53.rand = 0;
+        lanes.l53.flags = 0;
         lanes.l53.saturated = false;
         lanes.l54.active = hdr.words[54].isValid();
         lanes.l54.value = hdr.words[54].value;
@@ -959,6 +1077,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l54.sign = 0;
         lanes.l54.magnitude = 0;
         lanes.l54.rand = 0;
+        lanes.l54.flags = 0;
         lanes.l54.saturated = false;
         lanes.l55.active = hdr.words[55].isValid();
         lanes.l55.value = hdr.words[55].value;
@@ -967,6 +1086,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l55.sign = 0;
         lanes.l55.magnitude = 0;
         lanes.l55.rand = 0;
+        lanes.l55.flags = 0;
         lanes.l55.saturated = false;
         lanes.l56.active = hdr.words[56].isValid();
         lanes.l56.value = hdr.words[56].value;
@@ -975,6 +1095,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l56.sign = 0;
         lanes.l56.magnitude = 0;
         lanes.l56.rand = 0;
+        lanes.l56.flags = 0;
         lanes.l56.saturated = false;
         lanes.l57.active = hdr.words[57].isValid();
         lanes.l57.value = hdr.words[57].value;
@@ -983,6 +1104,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l57.sign = 0;
         lanes.l57.magnitude = 0;
         lanes.l57.rand = 0;
+        lanes.l57.flags = 0;
         lanes.l57.saturated = false;
         lanes.l58.active = hdr.words[58].isValid();
         lanes.l58.value = hdr.words[58].value;
@@ -991,6 +1113,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l58.sign = 0;
         lanes.l58.magnitude = 0;
         lanes.l58.rand = 0;
+        lanes.l58.flags = 0;
         lanes.l58.saturated = false;
         lanes.l59.active = hdr.words[59].isValid();
         lanes.l59.value = hdr.words[59].value;
@@ -999,6 +1122,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l59.sign = 0;
         lanes.l59.magnitude = 0;
         lanes.l59.rand = 0;
+        lanes.l59.flags = 0;
         lanes.l59.saturated = false;
         lanes.l60.active = hdr.words[60].isValid();
         lanes.l60.value = hdr.words[60].value;
@@ -1007,6 +1131,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l60.sign = 0;
         lanes.l60.magnitude = 0;
         lanes.l60.rand = 0;
+        lanes.l60.flags = 0;
         lanes.l60.saturated = false;
         lanes.l61.active = hdr.words[61].isValid();
         lanes.l61.value = hdr.words[61].value;
@@ -1015,6 +1140,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l61.sign = 0;
         lanes.l61.magnitude = 0;
         lanes.l61.rand = 0;
+        lanes.l61.flags = 0;
         lanes.l61.saturated = false;
         lanes.l62.active = hdr.words[62].isValid();
         lanes.l62.value = hdr.words[62].value;
@@ -1023,6 +1149,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l62.sign = 0;
         lanes.l62.magnitude = 0;
         lanes.l62.rand = 0;
+        lanes.l62.flags = 0;
         lanes.l62.saturated = false;
         lanes.l63.active = hdr.words[63].isValid();
         lanes.l63.value = hdr.words[63].value;
@@ -1031,6 +1158,7 @@ control LoadLanes(in headers_t hdr, out lanes_t lanes) {
         lanes.l63.sign = 0;
         lanes.l63.magnitude = 0;
         lanes.l63.rand = 0;
+        lanes.l63.flags = 0;
         lanes.l63.saturated = false;
     }
 
@@ -1179,5 +1307,78 @@ control StoreLanes(inout headers_t hdr, in lanes_t lanes) {
         if (hdr.intml.codec == CODEC_CNAT8) { store_codes(); } else { store_words(); }
     }
 }
+
+#ifdef INTML_TEST_RANDOM
+// The test build's random words into the lanes (LaneEncode keeps them where the shipped program draws
+// v1model's random()).
+control LoadTestRandom(in headers_t hdr, inout lanes_t lanes) {
+    apply {
+        lanes.l0.rand = hdr.test_random.words[2047:2016];
+        lanes.l1.rand = hdr.test_random.words[2015:1984];
+        lanes.l2.rand = hdr.test_random.words[1983:1952];
+        lanes.l3.rand = hdr.test_random.words[1951:1920];
+        lanes.l4.rand = hdr.test_random.words[1919:1888];
+        lanes.l5.rand = hdr.test_random.words[1887:1856];
+        lanes.l6.rand = hdr.test_random.words[1855:1824];
+        lanes.l7.rand = hdr.test_random.words[1823:1792];
+        lanes.l8.rand = hdr.test_random.words[1791:1760];
+        lanes.l9.rand = hdr.test_random.words[1759:1728];
+        lanes.l10.rand = hdr.test_random.words[1727:1696];
+        lanes.l11.rand = hdr.test_random.words[1695:1664];
+        lanes.l12.rand = hdr.test_random.words[1663:1632];
+        lanes.l13.rand = hdr.test_random.words[1631:1600];
+        lanes.l14.rand = hdr.test_random.words[1599:1568];
+        lanes.l15.rand = hdr.test_random.words[1567:1536];
+        lanes.l16.rand = hdr.test_random.words[1535:1504];
+        lanes.l17.rand = hdr.test_random.words[1503:1472];
+        lanes.l18.rand = hdr.test_random.words[1471:1440];
+        lanes.l19.rand = hdr.test_random.words[1439:1408];
+        lanes.l20.rand = hdr.test_random.words[1407:1376];
+        lanes.l21.rand = hdr.test_random.words[1375:1344];
+        lanes.l22.rand = hdr.test_random.words[1343:1312];
+        lanes.l23.rand = hdr.test_random.words[1311:1280];
+        lanes.l24.rand = hdr.test_random.words[1279:1248];
+        lanes.l25.rand = hdr.test_random.words[1247:1216];
+        lanes.l26.rand = hdr.test_random.words[1215:1184];
+        lanes.l27.rand = hdr.test_random.words[1183:1152];
+        lanes.l28.rand = hdr.test_random.words[1151:1120];
+        lanes.l29.rand = hdr.test_random.words[1119:1088];
+        lanes.l30.rand = hdr.test_random.words[1087:1056];
+        lanes.l31.rand = hdr.test_random.words[1055:1024];
+        lanes.l32.rand = hdr.test_random.words[1023:992];
+        lanes.l33.rand = hdr.test_random.words[991:960];
+        lanes.l34.rand = hdr.test_random.words[959:928];
+        lanes.l35.rand = hdr.test_random.words[927:896];
+        lanes.l36.rand = hdr.test_random.words[895:864];
+        lanes.l37.rand = hdr.test_random.words[863:832];
+        lanes.l38.rand = hdr.test_random.words[831:800];
+        lanes.l39.rand = hdr.test_random.words[799:768];
+        lanes.l40.rand = hdr.test_random.words[767:736];
+        lanes.l41.rand = hdr.test_random.words[735:704];
+        lanes.l42.rand = hdr.test_random.words[703:672];
+        lanes.l43.rand = hdr.test_random.words[671:640];
+        lanes.l44.rand = hdr.test_random.words[639:608];
+        lanes.l45.rand = hdr.test_random.words[607:576];
+        lanes.l46.rand = hdr.test_random.words[575:544];
+        lanes.l47.rand = hdr.test_random.words[543:512];
+        lanes.l48.rand = hdr.test_random.words[511:480];
+        lanes.l49.rand = hdr.test_random.words[479:448];
+        lanes.l50.rand = hdr.test_random.words[447:416];
+        lanes.l51.rand = hdr.test_random.words[415:384];
+        lanes.l52.rand = hdr.test_random.words[383:352];
+        lanes.l53.rand = hdr.test_random.words[351:320];
+        lanes.l54.rand = hdr.test_random.words[319:288];
+        lanes.l55.rand = hdr.test_random.words[287:256];
+        lanes.l56.rand = hdr.test_random.words[255:224];
+        lanes.l57.rand = hdr.test_random.words[223:192];
+        lanes.l58.rand = hdr.test_random.words[191:160];
+        lanes.l59.rand = hdr.test_random.words[159:128];
+        lanes.l60.rand = hdr.test_random.words[127:96];
+        lanes.l61.rand = hdr.test_random.words[95:64];
+        lanes.l62.rand = hdr.test_random.words[63:32];
+        lanes.l63.rand = hdr.test_random.words[31:0];
+    }
+}
+#endif
 
 #endif

@@ -109,6 +109,10 @@ DATA_K_MAX = max(VALUE_BITS)  # the largest k a DATA code may ever hold (s(1) = 
 EXPONENTS = (NO_EXP, *range(reference.EXP_MIN, reference.EXP_MAX + 1))  # the exp values data_bound keys on
 HASH_MULTIPLIER = 0x9E3779B97F4A7C15  # the control meter's Fibonacci hash (aggregator.slots.source_bucket)
 BUCKET_SHIFT = 64 - (CONTROL_SOURCE_BUCKETS.bit_length() - 1)
+FLAG_BITS = 2  # a lane's non-finite flags (docs/arithmetic.md, "Non-finite values"): +Inf, -Inf; both: NaN
+FLAG_CODES = range(1, 1 << FLAG_BITS)  # C_nat: the codes 0x01-0x03 carry a lane's flags (the NONZERO bit clear)
+NONFINITE_WORD = 1 << 31  # int32 mode: the word INT32_MIN + flags carries a lane's flags (its top 30 bits are these)
+NEAREST_WORD = 2**31 - 1  # the fixed random word of nearest rounding (protocol.arith.sum_to_codes_kernel)
 
 # ---- the next-step table's codes -----------------------------------------------------------------------------
 STATE_CODES = {EMPTY: 0, FILLING: 1, COMPLETE: 2}
@@ -150,6 +154,8 @@ REGISTERS = (
     Register("round_owners", LANE_ENTRIES, 8, doc="the round's owners code (0: every rank)"),
     Register("lane_sum", LANE_ENTRIES, 32, LANES_PER_PASS, doc="the lane's 32-bit sum (int32 mode: the result)"),
     Register("lane_code", LANE_ENTRIES, 8, LANES_PER_PASS, doc="C_nat: the lane's result code, for re-sends"),
+    Register("lane_flags", LANE_ENTRIES, FLAG_BITS, LANES_PER_PASS,
+             doc="the lane's non-finite flags, ORed over the contributions (1: +Inf, 2: -Inf, 3: NaN)"),
     Register("member_seen", MEMBER_ENTRIES, TIMESTAMP_BITS, doc="last packet of (job index, rank), microseconds"),
     Register("member_mac", MEMBER_ENTRIES, 48,
              doc="(job index, rank)'s Ethernet address, from its packets: each result copy's destination"),
@@ -190,7 +196,7 @@ class Table:
 
 
 JOB_PARAMS = (("job_index", 8), ("world", 8), ("value_bits", 8), ("pool", 16), ("packet_elements", 16),
-              ("value_limit", 32), ("group", ADDR_BITS), ("seed", 64))
+              ("value_limit", 32), ("group", ADDR_BITS), ("seed", 64), ("nearest", 1))
 DATA_BOUND_ENTRIES = len(VALUE_BITS) * len(EXPONENTS)
 ENCODE_ACTIONS = tuple(Action(f"encode_b{b}") for b in range(32))
 
@@ -259,7 +265,8 @@ CONSTANTS = {  # what every .p4 file may name (``#define`` / ``const``), with it
     "MAX_LANES_CNAT8": MAX_LANES[Codec.CNAT8], "MAX_LANES_INT32": MAX_LANES[Codec.INT32],
     "ROWS": ROWS, "SLOT_ENTRIES": SLOT_ENTRIES, "LANE_ENTRIES": LANE_ENTRIES, "MAX_JOBS": MAX_JOBS,
     "MAX_WORLD": MAX_WORLD, "N_STATS": N_STATS, "GROUP_RID": GROUP_RID, "RANK_GROUP_BASE": RANK_GROUP_BASE, "SIGN": SIGN, "NONZERO": NONZERO,
-    "K_MASK": K_MASK, "K_MAX": K_MAX, "CONTROL_SOURCE_BUCKETS": CONTROL_SOURCE_BUCKETS, "BUCKET_SHIFT": BUCKET_SHIFT,
+    "K_MASK": K_MASK, "K_MAX": K_MAX, "NONFINITE_WORD": NONFINITE_WORD, "NEAREST_WORD": NEAREST_WORD,
+    "CONTROL_SOURCE_BUCKETS": CONTROL_SOURCE_BUCKETS, "BUCKET_SHIFT": BUCKET_SHIFT,
     "STEP_NONE": STEP_NONE, "STEP_OPEN": STEP_OPEN, "STEP_ADD": STEP_ADD, "STEP_RESEND": STEP_RESEND,
     **{f"STATE_{s}": c for s, c in STATE_CODES.items()}, **{f"EVENT_{e}": c for e, c in EVENT_CODES.items()},
     **{f"STAT_{name.upper()}": index for name, index in STAT.items()},

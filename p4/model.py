@@ -8,11 +8,12 @@ returns the datagrams to send, ``(bytes, address key)``, in order; control datag
 in ``control`` for the control plane (the switch's CPU port). Counters are the aggregator core's statistics
 (protocol.stats.STAT_NAMES), per job index and per core.
 
-Non-finite lanes (docs/arithmetic.md, "Non-finite values") follow the switch rule the .p4 program is to gain: the
-pass-0 check also admits the non-finite codes 0x01-0x03 (int32: the reserved words INT32_MIN + 1..3); such a lane
-adds 0 and its flags (the code, or the word - INT32_MIN) go into a per-lane 2-bit register, ``lane_flags`` here
-(written on open, ORed on add); the completing pass emits a lane with flags as its flags' code (int32: word) in
-place of the re-encoded sum, and counts it (nonfinite_elements).
+Non-finite lanes (docs/arithmetic.md, "Non-finite values"), as the .p4 program: a pass's check also admits the
+non-finite codes 0x01-0x03 (int32: the reserved words INT32_MIN + 1..3); such a lane adds 0 and its flags (the
+code, or the word - INT32_MIN) go into the per-lane 2-bit register ``lane_flags`` (written on open, ORed on add);
+the completing pass emits a lane with flags as its flags' code (int32: word) in place of the re-encoded sum, and
+counts it (nonfinite_elements). A job with ``nearest`` re-encodes with the fixed word NEAREST_WORD in place of the
+random one (nearest, ties away from zero), as the kernel does.
 
 ``receive`` runs a packet's passes back to back; ``enter`` yields after each pass, so that a test can interleave
 the passes of several packets (as BMv2's egress threads do: each egress port has its own) or drop a packet
@@ -44,6 +45,7 @@ from intml.p4.layout import (
     MAX_JOBS,
     MAX_WORLD,
     N_STATS,
+    NEAREST_WORD,
     RANK_GROUP_BASE,
     NONZERO,
     SIGN,
@@ -87,6 +89,7 @@ class JobHit(NamedTuple):
     value_limit: int
     group: int
     seed: int
+    nearest: int
     codec: Codec
     width: int
 
@@ -131,8 +134,6 @@ class PipelineModel:
         self.in_burst = 0
         self.control: list[tuple[bytes, int]] = []
         self.last_passes = 0  # the passes the last packet took
-        # the lane_flags register the program is to gain: (lanes, cells) as lane_code's
-        self.lane_flags = np.zeros_like(self.registers.cells["lane_code"])
         self.tables.install(limit_entries(control_limits))
 
     # ---- the controller's side ---------------------------------------------------------------------------
@@ -371,9 +372,8 @@ class PipelineModel:
         if n <= 0 or bridged.step == STEP_NONE:
             return out
         cell = lane_index(bridged.slot_index, bridged.pass_no)
-        sums, codes = self.registers.cells["lane_sum"], self.registers.cells["lane_code"]
+        sums, codes, flags = (self.registers.cells[name] for name in ("lane_sum", "lane_code", "lane_flags"))
         codec, width = job.codec, job.width
-        flags = self.lane_flags
         if bridged.step in (STEP_OPEN, STEP_ADD):
             if codec == Codec.INT32:
                 words = np.frombuffer(payload, ">i4", n, width * lo).astype(np.int32)
@@ -403,10 +403,11 @@ class PipelineModel:
 
     def _encode(self, sums: np.ndarray, job: JobHit, allreduce: int, index: int, k_finite: int) -> np.ndarray:
         """cnat_encode: per lane, the leading one b of |sum| (leading_one), then encode_b<b>: round up iff the top
-        b bits of the lane's random word are below the remainder under the leading one."""
+        b bits of the lane's random word (nearest: NEAREST_WORD) are below the remainder under the leading one."""
         negative = (sums >> np.uint32(31)).astype(np.uint8)
         magnitude = np.where(negative, (~sums + np.uint32(1)), sums).astype(np.uint32)
-        words = self.random.words(job.seed, allreduce, index, sums.size)
+        words = (np.full(sums.size, NEAREST_WORD, np.uint32) if job.nearest
+                 else self.random.words(job.seed, allreduce, index, sums.size))
         counter = self.job_counter[job.job_index]
         out = np.zeros(sums.size, np.uint8)
         for lane, action in enumerate(self.tables.leading_one(magnitude)):

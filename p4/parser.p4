@@ -4,8 +4,21 @@
 parser IntmlParser(packet_in pkt, out headers_t hdr, inout metadata_t meta, inout standard_metadata_t sm) {
     state start {
         pkt.extract(hdr.ethernet);
-        transition select(hdr.ethernet.ether_type) { ETHERTYPE_IPV4: parse_ipv4; default: accept; }
+        transition select(hdr.ethernet.ether_type) {
+            ETHERTYPE_IPV4: parse_ipv4;
+#ifdef INTML_TEST_RANDOM
+            ETHERTYPE_TEST_RANDOM: parse_test_random;
+#endif
+            default: accept;
+        }
     }
+#ifdef INTML_TEST_RANDOM
+    // the test build's random words, between the Ethernet and the IPv4 header (IntmlEgress removes them)
+    state parse_test_random {
+        pkt.extract(hdr.test_random);
+        transition select(hdr.test_random.ether_type) { ETHERTYPE_IPV4: parse_ipv4; default: accept; }
+    }
+#endif
     state parse_ipv4 {
         pkt.extract(hdr.ipv4);
         transition select(hdr.ipv4.ihl, hdr.ipv4.protocol) { (5, PROTO_UDP): parse_udp; default: accept; }
@@ -78,6 +91,7 @@ control IntmlComputeChecksum(inout headers_t hdr, inout metadata_t meta) {
 control IntmlDeparser(packet_out pkt, in headers_t hdr) {
     apply {
         pkt.emit(hdr.ethernet);
+        pkt.emit(hdr.test_random);
         pkt.emit(hdr.ipv4);
         pkt.emit(hdr.udp);
         pkt.emit(hdr.intml);

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import re
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 from lark import Lark, Token, Tree
@@ -48,7 +48,8 @@ ARCHITECTURE_TYPES = frozenset({
 ARCHITECTURE_INCLUDES = frozenset({"core.p4", "v1model.p4", "tna.p4"})
 
 _INCLUDE = re.compile(r'#include\s+(?:"([^"]+)"|<([^>]+)>)\s*$')
-_GUARD = re.compile(r"#(ifndef|define|endif)\b\s*(\w*)\s*$")
+_GUARD = re.compile(r"#define\s+(\w+)\s*$")  # an include guard's (the guard's #ifndef is a conditional below)
+_CONDITIONAL = re.compile(r"#(ifdef|ifndef|else|endif)\b\s*(\w*)\s*$")
 _ARCHITECTURE_VERSION = re.compile(r"#define\s+V1MODEL_VERSION\s+\d+\s*$")  # selects v1model.p4's API
 _COMMENTS = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
 _DECLARED_TYPE = re.compile(
@@ -63,12 +64,18 @@ class P4SyntaxError(ValueError):
 
 
 class Source:
-    """A .p4 file with its local includes inlined, and where each line of the result came from."""
+    """A .p4 file with its local includes inlined, and where each line of the result came from. ``defines``: the
+    names ``-D`` defines; ``#ifdef`` / ``#ifndef`` / ``#else`` / ``#endif`` keep the lines they select (a file is
+    inlined once, so an include guard's ``#ifndef`` always holds)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, defines: Iterable[str] = ()) -> None:
         self.lines: list[str] = []
         self.origin: list[tuple[Path, int]] = []
+        self.defines = frozenset(defines)
+        self._kept: list[bool] = []  # per open conditional: whether its lines are kept
         self._read(Path(path).resolve(), set())
+        if self._kept:
+            raise P4SyntaxError(f"{path}: {len(self._kept)} #if without #endif")
 
     def _read(self, path: Path, seen: set[Path]) -> None:
         if path in seen:
@@ -76,7 +83,13 @@ class Source:
         seen.add(path)
         for number, line in enumerate(path.read_text().splitlines(), 1):
             stripped = line.strip()
-            if stripped.startswith("#"):
+            conditional = _CONDITIONAL.match(stripped)
+            if conditional:
+                self._conditional(*conditional.groups(), f"{path}:{number}")
+                line = ""
+            elif not all(self._kept):
+                line = ""  # left out by a conditional
+            elif stripped.startswith("#"):
                 include, guard = _INCLUDE.match(stripped), _GUARD.match(stripped)
                 if include and include.group(1):
                     self._read((path.parent / include.group(1)).resolve(), seen)
@@ -87,6 +100,16 @@ class Source:
                 line = ""  # keeps the line numbers of what follows
             self.lines.append(line)
             self.origin.append((path, number))
+
+    def _conditional(self, directive: str, name: str, where: str) -> None:
+        if directive in ("ifdef", "ifndef"):
+            self._kept.append((name in self.defines) == (directive == "ifdef"))
+        elif not self._kept:
+            raise P4SyntaxError(f"{where}: #{directive} without #if")
+        elif directive == "else":
+            self._kept[-1] = not self._kept[-1]
+        else:
+            self._kept.pop()
 
     @property
     def text(self) -> str:
@@ -161,9 +184,9 @@ def parse_text(text: str, where=lambda line: f"line {line}") -> Tree:
         raise P4SyntaxError(f"{where(error.line)}: {type(error).__name__}\n{context}") from None
 
 
-def parse(path: Path) -> Tree:
-    """The parse tree of a .p4 file and the files it includes."""
-    source = Source(path)
+def parse(path: Path, defines: Iterable[str] = ()) -> Tree:
+    """The parse tree of a .p4 file and the files it includes, as compiled with ``-D`` ``defines``."""
+    source = Source(path, defines)
     return parse_text(source.text, source.where)
 
 

@@ -240,3 +240,55 @@ def allreduce(inputs: list[np.ndarray], *, codec: str, seed: int, allreduce_seq:
         out[lo:lo + packet_elements] = chunk_result(parts, seed=seed, allreduce_seq=allreduce_seq, offset=lo,
                                                     nearest=rounding == "nearest")
     return out
+
+
+# ---- 16-bit formats (protocol.half): exact widening, and rounding to nearest by comparing distances
+BFLOAT16, FLOAT16 = 1, 2
+HALF_NAN = {BFLOAT16: 0x7FC0, FLOAT16: 0x7E00}  # the quiet NaN any NaN rounds to, with its sign
+
+
+def half_to_float32(bits: np.ndarray, fmt: int) -> np.ndarray:
+    """The float32 value of each 16-bit value (bits as uint16): bfloat16 is float32's upper half, float16 numpy's."""
+    bits = np.asarray(bits, dtype=np.uint16).reshape(-1)
+    if fmt == BFLOAT16:
+        return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return bits.view(np.float16).astype(np.float32)
+
+
+def _finite_halves(fmt: int) -> tuple[np.ndarray, np.ndarray]:
+    """(bits, float64 values) of every non-negative finite 16-bit value, ascending, then the infinity as the next
+    step of the format's exponent ladder (2**128 or 2**16): what IEEE rounding with an unbounded exponent would
+    round to, before overflow makes it Inf."""
+    bits = np.arange(0x8000, dtype=np.uint16)
+    with np.errstate(invalid="ignore"):  # a signalling NaN's cast; NaNs are left out
+        values = half_to_float32(bits, fmt).astype(np.float64)
+    finite = np.isfinite(values)
+    inf = 0x7F80 if fmt == BFLOAT16 else 0x7C00
+    return np.append(bits[finite], inf), np.append(values[finite], 2.0**128 if fmt == BFLOAT16 else 2.0**16)
+
+
+def float32_to_half(x: np.ndarray, fmt: int) -> np.ndarray:
+    """The 16-bit bits (uint16) of each float32 rounded to the nearer 16-bit value, ties to the one with an even
+    last bit; the step past the largest finite value is Inf; a NaN is HALF_NAN with its sign."""
+    x = np.asarray(x, dtype=np.float32).reshape(-1)
+    bits, values = _finite_halves(fmt)
+    out = np.empty(x.size, np.uint16)
+    with np.errstate(invalid="ignore"):
+        wide = x.astype(np.float64)
+    for i, v in enumerate(wide):
+        sign = 0x8000 if np.signbit(v) else 0
+        if np.isnan(v):
+            out[i] = sign | HALF_NAN[fmt]
+            continue
+        a = abs(v)
+        if a >= values[-1]:
+            out[i] = sign | bits[-1]
+            continue
+        hi = int(np.searchsorted(values, a))  # values[hi - 1] < a <= values[hi]
+        if values[hi] == a:
+            out[i] = sign | bits[hi]
+            continue
+        below, above = a - values[hi - 1], values[hi] - a  # exact: neighbours within a factor 2
+        nearer = hi - 1 if below < above or (below == above and bits[hi - 1] % 2 == 0) else hi
+        out[i] = sign | bits[nearer]
+    return out

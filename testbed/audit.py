@@ -9,7 +9,9 @@ It starts its own aggregator (one core, on 127.0.0.1, with a fresh token) and ru
   spoofed from the aggregator's address, and forged DATA spoofed from a rank's address that the aggregator turns
   into such RESULTs, at pool sizes 1 to 256 (the worker survives, counts them, and its next job is bit-exact),
   and a spoofed LEAVE (the job keeps running);
-* fuzzed datagrams at the live aggregator (it stays up, and a job after them is bit-exact).
+* fuzzed datagrams at the live aggregator (it stays up, and a job after them is bit-exact);
+* two tenants (the run's token and a second one, --token-file) running a job of the same id at once (each
+  allreduce is bit-exact: each job sums its own tenant's ranks only).
 
 ``--fuzz N`` adds a campaign of N fuzzed datagrams against the worker's and the aggregator's receive paths
 in-process, in a Python whose Numba compiles every kernel with bounds checking (NUMBA_BOUNDSCHECK=1): an index
@@ -21,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import secrets
 import socket
 import subprocess
 import sys
@@ -28,6 +31,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
@@ -350,6 +354,34 @@ def _spoofed_leave(port: int, token: str) -> Row:
         "dropped, the job kept its rank" if alive else "the job was torn down")
 
 
+def _two_tenants(port: int, tokens: tuple[str, str]) -> Row:
+    """Each of two tokens runs job 47 at once; each allreduce must be its own input's, bit-exact."""
+    import threading
+
+    from intml.worker import Worker
+
+    xs = [np.linspace(-3, 3, 1000, dtype=np.float32), np.linspace(10, 20, 1000, dtype=np.float32)]
+    got: dict[int, np.ndarray] = {}
+    start = threading.Barrier(2)
+
+    def tenant(i: int) -> None:
+        with Worker(f"{HOST}:{port}", job=47, rank=0, world_size=1, token=tokens[i], packet_elements=P,
+                    pool_size=8, seed=47, timeout=10) as w:
+            start.wait(20)
+            got[i] = w.allreduce(xs[i]).copy()
+
+    threads = [threading.Thread(target=tenant, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    exact = [i in got and np.array_equal(got[i].view(np.uint32), reference.allreduce(
+        [xs[i]], codec="cnat8", seed=47, allreduce_seq=0, packet_elements=P).view(np.uint32)) for i in range(2)]
+    return "two tenants, same job id", "held" if all(exact) else "FAILED", (
+        "both jobs ran at once, each bit-exact over its own ranks" if all(exact) else
+        f"bit-exact: tenant 1 {exact[0]}, tenant 2 {exact[1]}")
+
+
 # ---- the fuzz campaign, in-process with bounds checking ----------------------------------------------------------
 
 
@@ -480,13 +512,19 @@ def _answers(engine, elements: int, rng: random.Random) -> list[bytes]:
     return out
 
 
+def boundscheck_env() -> dict[str, str]:
+    """The environment of a child Python whose Numba compiles every kernel with bounds checking. Its cache is its
+    own and only ever holds checked kernels (no unchecked one can be loaded), and it persists, so that the kernels
+    are compiled once per machine and source, not once per run: the compile is most of a short campaign's time."""
+    cache = Path(tempfile.gettempdir()) / f"intml-numba-boundscheck-{os.getuid()}"
+    return dict(os.environ, NUMBA_BOUNDSCHECK="1", NUMBA_CACHE_DIR=str(cache))
+
+
 def fuzz_checked(n: int, seed: int = 0) -> dict:
     """fuzz_receive_paths in a child Python with NUMBA_BOUNDSCHECK=1 and a Numba cache of its own (so that no
     kernel compiled without the checks is loaded)."""
-    with tempfile.TemporaryDirectory(prefix="intml-fuzz-") as cache:
-        env = dict(os.environ, NUMBA_BOUNDSCHECK="1", NUMBA_CACHE_DIR=cache)
-        proc = subprocess.run([sys.executable, "-m", "intml.testbed.audit", str(n), str(seed)], env=env,
-                              capture_output=True, text=True, check=False)
+    proc = subprocess.run([sys.executable, "-m", "intml.testbed.audit", str(n), str(seed)], env=boundscheck_env(),
+                          capture_output=True, text=True, check=False)
     if proc.returncode != 0:  # the child itself died: a crash no exception caught
         return {"boundscheck": True, "crashes": 1, "first_crash": f"exit code {proc.returncode}: "
                                                                   f"{proc.stderr.strip()[-2000:]}"}
@@ -496,25 +534,36 @@ def fuzz_checked(n: int, seed: int = 0) -> dict:
 # ---- the command -------------------------------------------------------------------------------------------------
 
 
-def run(fuzz: int, as_json: bool, pools: tuple[int, ...] = POOLS) -> int:
-    """Run every check, print the table (or JSON); 0 if everything held, 1 otherwise."""
+def _run_checks(checks: list[Callable[[int], Row]], token_file: str) -> list[Row]:
+    """Each check against one aggregator that also takes the tokens of ``token_file``; a row each."""
     from intml.testbed.bench_allreduce import aggregator
-    from intml.testbed.procs import run_token
 
-    token = run_token()
     rows: list[Row] = []
-    checks: list[Callable[[int], Row]] = [
-        lambda port: _wrong_token(port, token), lambda port: _replayed_join(port, token),
-        lambda port: _operator_replay(port, token), _amplification, lambda port: _spoofed_leave(port, token),
-        lambda port: _forgery(port, token, "result", pools), lambda port: _forgery(port, token, "data", pools),
-        lambda port: _live_fuzz(port, token), lambda port: _control_flood(port, token)]
-    start = time.monotonic()
-    with aggregator(1, 1024) as port:
+    with aggregator(1, 1024, extra=("--token-file", token_file)) as port:
         for check in checks:
             try:
                 rows.append(check(port))
             except Exception as exc:  # noqa: BLE001 -- one check's failure is a row, the others still run
                 rows.append((getattr(check, "__name__", "check"), "FAILED", f"{type(exc).__name__}: {exc}"))
+    return rows
+
+
+def run(fuzz: int, as_json: bool, pools: tuple[int, ...] = POOLS) -> int:
+    """Run every check, print the table (or JSON); 0 if everything held, 1 otherwise."""
+    from intml.testbed.procs import run_token
+
+    token, second = run_token(), secrets.token_hex(16)  # the second tenant's token
+    checks: list[Callable[[int], Row]] = [
+        lambda port: _wrong_token(port, token), lambda port: _replayed_join(port, token),
+        lambda port: _operator_replay(port, token), _amplification, lambda port: _spoofed_leave(port, token),
+        lambda port: _forgery(port, token, "result", pools), lambda port: _forgery(port, token, "data", pools),
+        lambda port: _live_fuzz(port, token), lambda port: _control_flood(port, token),
+        lambda port: _two_tenants(port, (token, second))]
+    start = time.monotonic()
+    with tempfile.NamedTemporaryFile("w", suffix=".tokens") as token_file:
+        token_file.write(second + "\n")
+        token_file.flush()
+        rows = _run_checks(checks, token_file.name)
     fuzzed_stats = None
     if fuzz:
         fuzzed_stats = fuzz_checked(fuzz)

@@ -53,12 +53,15 @@ class AggregatorError(RuntimeError):
 
 @contextlib.contextmanager
 def aggregator(cores: int, max_packet_elements: int, host: str = "127.0.0.1",
-               prefix: list[str] | None = None, multicast: str | None = None, multicast_ttl: int = 1) -> Iterator[int]:
+               prefix: list[str] | None = None, multicast: str | None = None, multicast_ttl: int = 1,
+               extra: tuple[str, ...] = ()) -> Iterator[int]:
     """Run `intml-aggregator --port 0` (optionally under a command prefix such as `ip netns exec NS`, and with
-    results multicast to `multicast`) and yield its base port; the process is always terminated on exit. It
-    accepts the run's token (procs.run_token, in INTML_TOKEN), which the ranks get through rank_env."""
+    results multicast to `multicast`; ``extra``: more of its options) and yield its base port; the process is
+    always terminated on exit. It accepts the run's token (procs.run_token, in INTML_TOKEN), which the ranks get
+    through rank_env."""
     cmd = [*(prefix or []), sys.executable, "-m", "intml.aggregator", "--host", host, "--port", "0", "--cores", str(cores),
-           "--max-packet-elements", str(max_packet_elements), "--slots", str(aggregator_slots(max_packet_elements))]
+           "--max-packet-elements", str(max_packet_elements), "--slots", str(aggregator_slots(max_packet_elements)),
+           *extra]
     if multicast:
         cmd += ["--multicast", multicast, "--multicast-ttl", str(multicast_ttl)]
     # its stderr goes to a file (not a pipe, which nothing reads while it runs): a start failure becomes one line,

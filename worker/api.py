@@ -248,15 +248,17 @@ class Worker:
 
     # ---- allreduce --------------------------------------------------------------------------------------
     def _prepare(self, x: np.ndarray, op: str, out: np.ndarray | None, sent: np.ndarray | None,
-                 scatter: bool = False) -> np.ndarray:
+                 scatter: bool = False, dtype: str | None = None) -> np.ndarray:
         if op not in ("sum", "mean"):
             raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
         if self._closed:
             raise RuntimeError(f"{self._who()}: the worker is closed")
         arr = np.asarray(x)
-        if arr.dtype.kind != "f":
-            raise TypeError(f"allreduce takes a floating-point array, got {arr.dtype}")
-        self._begin(lambda now: self.engine.start(arr, now, out, sent=sent, scatter=scatter))
+        if arr.dtype.kind != "f" and dtype in (None, "float32"):
+            raise TypeError(f"allreduce takes a floating-point array, or 16-bit words with dtype='bfloat16' or "
+                            f"'float16', got {arr.dtype}")
+        self._begin(lambda now: self.engine.start(arr, now, out, sent=sent, scatter=scatter, dtype=dtype,
+                                                  mean=op == "mean"))
         return arr
 
     def _begin(self, start: Callable[[float], Burst]) -> None:
@@ -298,38 +300,40 @@ class Worker:
             if isinstance(event, NoProgress):
                 raise AllreduceTimeout(self._timeout_message())
 
-    def _finish(self, arr: np.ndarray, op: str, out: np.ndarray | None, scatter: bool = False) -> np.ndarray:
+    def _finish(self, arr: np.ndarray, out: np.ndarray | None, scatter: bool = False) -> np.ndarray:
         self.session.unwatch_progress()
         if out is None:
             out = self.engine.result if scatter else self.engine.result.reshape(arr.shape)
-        if op == "mean":
-            out /= np.float32(self.world_size)
         return out
 
     def allreduce(self, x: np.ndarray, op: str = "sum", out: np.ndarray | None = None, *,
-                  sent: np.ndarray | None = None) -> np.ndarray:
-        """Sum (or mean) of x over all ranks, as float32 of x's shape; identical at every rank.
+                  sent: np.ndarray | None = None, dtype: str | None = None) -> np.ndarray:
+        """Sum (or mean) of x over all ranks, of x's shape, as float32, or in x's 16-bit format for a bfloat16 or
+        float16 x (``dtype``: "bfloat16" for bfloat16 words as uint16 or int16; a float16 array is float16 by
+        default; see StreamEngine.start); identical at every rank.
 
-        ``out``: a C-contiguous float32 array of x.size elements to write the result into and return (x itself
-        for an in-place allreduce, as torch.distributed does); reusing one across calls avoids allocating and
-        page-faulting a tensor-sized result every time. ``sent``: a float32 array of the same layout that receives
-        what this rank put on the wire, decoded (before the mean's division; see StreamEngine.start)."""
-        return self._run(x, op, out, sent, scatter=False)
+        ``out``: a C-contiguous array of x.size elements (float32, or 16-bit for a 16-bit x) to write the result
+        into and return (x itself for an in-place allreduce, as torch.distributed does); reusing one across calls
+        avoids allocating and page-faulting a tensor-sized result every time. ``sent``: a float32 array of x.size
+        elements that receives what this rank put on the wire, decoded (before the mean's division)."""
+        return self._run(x, op, out, sent, scatter=False, dtype=dtype)
 
-    def reduce_scatter(self, x: np.ndarray, op: str = "sum", out: np.ndarray | None = None) -> np.ndarray:
+    def reduce_scatter(self, x: np.ndarray, op: str = "sum", out: np.ndarray | None = None, *,
+                       dtype: str | None = None) -> np.ndarray:
         """This rank's shard of the sum (or mean) of x over all ranks: of the x.size elements (a multiple of the
         world size; any shape, flattened), the x.size / world_size from rank * x.size / world_size, as a flat
         float32 array. Bit for bit the allreduce of x restricted to the shard; the aggregator sends each chunk's
         sum only to the ranks whose shards it overlaps (docs/protocol.md, "Reduce-scatter"). ``out``: a
-        C-contiguous float32 array of the shard's size to write it into and return."""
-        return self._run(x, op, out, None, scatter=True)
+        C-contiguous array of the shard's size (float32, or 16-bit for a 16-bit x) to write it into and return.
+        ``dtype``: as allreduce's."""
+        return self._run(x, op, out, None, scatter=True, dtype=dtype)
 
     def _run(self, x: np.ndarray, op: str, out: np.ndarray | None, sent: np.ndarray | None, *,
-             scatter: bool) -> np.ndarray:
+             scatter: bool, dtype: str | None = None) -> np.ndarray:
         with self._busy:
-            arr = self._prepare(x, op, out, sent, scatter)
+            arr = self._prepare(x, op, out, sent, scatter, dtype)
             self._loop(None)
-            return self._finish(arr, op, out, scatter)
+            return self._finish(arr, out, scatter)
 
     def _loop(self, tend: Callable[[float, Callable[[Burst], None]], float] | None) -> None:
         while not self.engine.done:
@@ -355,23 +359,24 @@ class Worker:
             self.session.unwatch_progress()
 
     async def allreduce_async(self, x: np.ndarray, op: str = "sum", out: np.ndarray | None = None, *,
-                              sent: np.ndarray | None = None) -> np.ndarray:
+                              sent: np.ndarray | None = None, dtype: str | None = None) -> np.ndarray:
         """allreduce on the running asyncio event loop (other tasks run while waiting for results)."""
-        return await self._run_async(x, op, out, sent, scatter=False)
+        return await self._run_async(x, op, out, sent, scatter=False, dtype=dtype)
 
-    async def reduce_scatter_async(self, x: np.ndarray, op: str = "sum", out: np.ndarray | None = None) -> np.ndarray:
+    async def reduce_scatter_async(self, x: np.ndarray, op: str = "sum", out: np.ndarray | None = None, *,
+                                   dtype: str | None = None) -> np.ndarray:
         """reduce_scatter on the running asyncio event loop."""
-        return await self._run_async(x, op, out, None, scatter=True)
+        return await self._run_async(x, op, out, None, scatter=True, dtype=dtype)
 
     async def _run_async(self, x: np.ndarray, op: str, out: np.ndarray | None, sent: np.ndarray | None, *,
-                         scatter: bool) -> np.ndarray:
+                         scatter: bool, dtype: str | None) -> np.ndarray:
         loop = asyncio.get_running_loop()
         readable = asyncio.Event()
         for rx in self._inputs:
             loop.add_reader(rx.fileno(), readable.set)
         self._busy.acquire()  # held only for moments by the keepalive thread, so the loop barely waits
         try:
-            arr = self._prepare(x, op, out, sent, scatter)
+            arr = self._prepare(x, op, out, sent, scatter, dtype)
             while not self.engine.done:
                 if (wait := self._wait()) > 0:
                     try:
@@ -380,7 +385,7 @@ class Worker:
                         pass
                 readable.clear()
                 self._step()
-            return self._finish(arr, op, out, scatter)
+            return self._finish(arr, out, scatter)
         finally:
             self._busy.release()
             for rx in self._inputs:

@@ -59,6 +59,7 @@ from intml.protocol.arith import (
     worker_stream,
 )
 from intml.protocol.burst import Burst
+from intml.protocol.half import FLOAT16, FLOAT32, format_of, narrow_kernel, widen_kernel
 from intml.protocol.packet import (
     HDR,
     O_ALLREDUCE,
@@ -114,7 +115,9 @@ from intml.worker.state import (
     P_CORES,
     P_DONE,
     P_ELEMENTS,
+    P_FORMAT,
     P_JOB,
+    P_MEAN,
     P_OUT_LO,
     P_PKT,
     P_PRECODED,
@@ -126,6 +129,7 @@ from intml.worker.state import (
     P_VBITS,
     P_WINDOW,
     P_WORLD,
+    PARAMS,
     RESULTS,
     SATURATED,
     STAT_NAMES,
@@ -165,6 +169,30 @@ def _worker_key_of(seed, allreduce, rank):
     return derive_key(np.uint64(seed), worker_stream(allreduce, rank))
 
 
+@njit(inline="always")
+def _values(st, lo, hi):
+    """Elements lo..hi (one chunk at most) of the input as float32: the input's own, or a 16-bit input's widened
+    into the scratch, exactly."""
+    fmt = st.params[P_FORMAT]
+    if fmt == FLOAT32:
+        return st.x[lo:hi]
+    block = st.scratch[:hi - lo]
+    widen_kernel(st.x16[lo:hi], block.view(np.uint32), fmt)
+    return block
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def chunk_exponents16_kernel(x16, chunk_elements, lo, hi, out, fmt, scratch):
+    """chunk_exponents_kernel of 16-bit x16, a chunk (scratch's size) widened at a time."""
+    nonfinite = 0
+    for c in range(out.size):
+        start = c * chunk_elements
+        block = scratch[:min(x16.size, start + chunk_elements) - start]
+        widen_kernel(x16[start:start + block.size], block.view(np.uint32), fmt)
+        nonfinite += chunk_exponents_kernel(block, chunk_elements, lo, hi, out[c:c + 1])
+    return nonfinite
+
+
 @njit(cache=True, nogil=True, boundscheck=False)
 def _precode(st, d):
     """cnat8: encode chunk d at its own floor (protocol.arith.precode_chunk) into the payload of the datagram
@@ -177,7 +205,7 @@ def _precode(st, d):
     lo = d * prm[P_PKT]
     hi = min(prm[P_ELEMENTS], lo + prm[P_PKT])
     payload = st.packet[s, 1 - st.parity[s], HDR:HDR + hi - lo]
-    sat, nonfinite, st.local_exp[d], st.low[d] = precode_chunk(st.x[lo:hi], payload, _worker_key(prm), lo,
+    sat, nonfinite, st.local_exp[d], st.low[d] = precode_chunk(_values(st, lo, hi), payload, _worker_key(prm), lo,
                                                                prm[P_VBITS], prm[P_STOCHASTIC] != 0)
     st.stats[SATURATED] += sat
     st.stats[NONFINITE] += nonfinite
@@ -218,8 +246,8 @@ def _build(st, s, c, now):
             st.parked[s] = c
             disarm(st, s)
             return False
-        codecs.encode_chunk(codec, st.x[lo:lo + count], payload, _worker_key(prm), lo, exp, prm[P_VBITS], st.low[c],
-                            st.local_exp[c], prm[P_STOCHASTIC] != 0)
+        codecs.encode_chunk(codec, _values(st, lo, lo + count), payload, _worker_key(prm), lo, exp, prm[P_VBITS],
+                            st.low[c], st.local_exp[c], prm[P_STOCHASTIC] != 0)
         if st.sent.size:  # asked for (error feedback): what this rank sends, decoded from the datagram itself
             codecs.decode_result(codec, payload, exp, prm[P_VBITS], st.sent[lo:lo + count])
     nxt = c + window
@@ -315,11 +343,25 @@ def validate_result(prm, agreed_exp, p, length, c, count):
 
 
 @njit(inline="always")
-def decode_sum(prm, agreed_exp, out, codes, p, c, count):
-    """Chunk c's sum (count elements) from its result into the output ``out`` (the part of it that lies there:
-    out holds elements P_OUT_LO .. P_OUT_LO + out.size), or its codes into ``codes`` (precoded: the device
-    decodes them); DROP_MALFORMED instead if the payload is invalid for the codec, else -1. Count 0: a bootstrap
-    round, which carries only the next exponent, or a header-only completion."""
+def decode_values(prm, payload, exp, out, out16, scratch, lo, hi):
+    """The values of a result's payload into output elements lo..hi (one chunk at most), divided by the world
+    size for a mean: into float32 ``out``, or for a 16-bit output through the scratch and rounded into ``out16``
+    (to nearest even, as float32's values would be rounded: protocol.half)."""
+    fmt = prm[P_FORMAT]
+    values = out[lo:hi] if fmt == FLOAT32 else scratch[:hi - lo]
+    codecs.decode_result(prm[P_CODEC], payload, exp, prm[P_VBITS], values)
+    if prm[P_MEAN]:
+        values /= np.float32(prm[P_WORLD])
+    if fmt != FLOAT32:
+        narrow_kernel(values.view(np.uint32), out16[lo:hi], fmt)
+
+
+@njit(inline="always")
+def decode_sum(prm, agreed_exp, out, out16, scratch, codes, p, c, count):
+    """Chunk c's sum (count elements) from its result into the output ``out`` or ``out16`` (the part of it that
+    lies there: the output holds elements P_OUT_LO .. P_OUT_LO + its size), or its codes into ``codes``
+    (precoded: the device decodes them); DROP_MALFORMED instead if the payload is invalid for the codec, else -1.
+    Count 0: a bootstrap round, which carries only the next exponent, or a header-only completion."""
     if c < 0:
         return -1
     if count:
@@ -332,10 +374,11 @@ def decode_sum(prm, agreed_exp, out, codes, p, c, count):
             codes[lo:lo + count] = payload
             prm[P_DONE] += 1
             return -1
-        a, b = max(lo, prm[P_OUT_LO]), min(lo + count, prm[P_OUT_LO] + out.size)  # codes decode one by one
+        size = out.size if prm[P_FORMAT] == FLOAT32 else out16.size
+        a, b = max(lo, prm[P_OUT_LO]), min(lo + count, prm[P_OUT_LO] + size)  # codes decode one by one
         if a < b:  # a chunk owned by every rank (more than 4 shards) may miss this one's
-            codecs.decode_result(codec, payload[(a - lo) * width:(b - lo) * width], exp, prm[P_VBITS],
-                                 out[a - prm[P_OUT_LO]:b - prm[P_OUT_LO]])
+            decode_values(prm, payload[(a - lo) * width:(b - lo) * width], exp, out, out16, scratch,
+                          a - prm[P_OUT_LO], b - prm[P_OUT_LO])
     prm[P_DONE] += 1
     return -1
 
@@ -394,7 +437,7 @@ def receive_kernel(state, rx_data, rx_len, rx_addr, n_rx, now, tx_ptr, tx_len, t
             count = owned_count(prm, c, _chunk_count(st, c))
             drop = validate_result(prm, agreed_exp, p, length, c, count)
             if drop < 0:
-                drop = decode_sum(prm, agreed_exp, out, st.codes, p, c, count)
+                drop = decode_sum(prm, agreed_exp, out, st.out16, st.scratch, st.codes, p, c, count)
         if drop >= 0:
             st.stats[drop] += 1
             continue
@@ -417,10 +460,13 @@ def unpark_kernel(state, now, tx_ptr, tx_len, tx_addr):
     return n_tx
 
 
-def _check_output(name: str, arr: np.ndarray, size: int) -> None:
-    if arr.dtype != np.float32 or arr.size != size or not arr.flags.c_contiguous:
+def _check_output(name: str, arr: np.ndarray, size: int, width: int) -> None:
+    """arr must be C-contiguous with size elements: float32 (width 4), or of a 2-byte dtype (width 2)."""
+    ok = arr.dtype == np.float32 if width == 4 else arr.dtype.itemsize == 2 and arr.dtype.kind in "uif"
+    if not ok or arr.size != size or not arr.flags.c_contiguous:
         layout = "" if arr.flags.c_contiguous else ", not contiguous"
-        raise ValueError(f"{name} must be a C-contiguous float32 array of {size} elements, got "
+        kind = "float32" if width == 4 else "16-bit (uint16, int16 or float16)"
+        raise ValueError(f"{name} must be a C-contiguous {kind} array of {size} elements, got "
                          f"{arr.dtype} of {arr.size} elements{layout}")
 
 
@@ -450,7 +496,7 @@ class StreamEngine:
         self.pool_size = pool_size
         self.timing = timing_state(rto, min_rto, max_rto)
         self.silence = silence_state(len(agg_addrs))
-        self.params = np.zeros(18, np.int64)
+        self.params = np.zeros(PARAMS, np.int64)
         self.params[[P_JOB, P_RANK, P_WORLD, P_VBITS, P_CODEC, P_PKT, P_CORES]] = (
             job, rank, world_size, value_bits(world_size), int(self.codec), packet_elements, len(agg_addrs))
         self.params[P_SEED] = np.uint64(seed).view(np.int64)
@@ -469,6 +515,9 @@ class StreamEngine:
         self.state: State | None = None
         self._no_sent = np.empty(0, np.float32)
         self._no_codes = np.empty(0, np.uint8)
+        self._no_bits = np.empty(0, np.uint16)
+        self.scratch = np.empty(packet_elements, np.float32)  # a 16-bit allreduce's chunk as float32
+        self._result: np.ndarray | None = None
 
     def resume(self, allreduce: int, shadow_sets: np.ndarray) -> None:
         """Continue a job where its peers are (a JOIN_ACK's resume point): the next ``start`` is allreduce
@@ -486,39 +535,63 @@ class StreamEngine:
         return self.tx
 
     def start(self, x: np.ndarray, now: float, out: np.ndarray | None = None, *,
-              sent: np.ndarray | None = None, scatter: bool = False) -> Burst:
-        """Begin the next allreduce of float32 x (any shape); returns the bootstrap datagrams (one per slot).
+              sent: np.ndarray | None = None, scatter: bool = False, dtype: str | None = None,
+              mean: bool = False) -> Burst:
+        """Begin the next allreduce of x (any shape); returns the bootstrap datagrams (one per slot).
         ``scatter``: a reduce-scatter instead, x.size a multiple of the world size: the result is this rank's
-        shard, its x.size / world elements from rank * x.size / world (``out`` then has that many).
+        shard, its x.size / world elements from rank * x.size / world (``out`` then has that many). ``mean``: the
+        result is the sum divided by the world size (in float32, chunk by chunk).
 
-        The result goes to ``out`` (float32, C-contiguous, x.size elements; it may be x itself: a chunk's input is
-        encoded into its stored datagram before its result can arrive) or, by default, to a new array: reusing
-        one saves the page faults of a fresh tensor-sized allocation on every allreduce.
+        ``dtype``: "float32" (x is converted to float32), "bfloat16" or "float16" (x holds the 16-bit values: their
+        bits as uint16 or int16, or for float16 a float16 array). By default a float16 x is float16, anything else
+        float32. A 16-bit x is encoded a chunk at a time from its own bits, the result written straight into a
+        16-bit output (protocol.half): the float32 allreduce of its values, rounded to nearest even, with no float32
+        copy of the tensor.
 
-        ``sent`` (same layout as ``out``, optional): receives, chunk by chunk as they are encoded, the value of what
-        this rank puts on the wire, decoded from its datagrams (error feedback's compressed gradient). Complete
-        once the allreduce is; without it the engine does no extra work."""
-        flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
-        world = int(self.params[P_WORLD])
-        if scatter and flat.size % world:
-            raise ValueError(f"a reduce-scatter needs a multiple of the world size {world} elements, got {flat.size}")
-        shard = flat.size // world if scatter else 0
-        size = shard if scatter else flat.size
-        if out is None:
-            out = np.empty(size, np.float32)
+        The result goes to ``out`` (x's format: float32, or any 2-byte dtype for a 16-bit x; C-contiguous, x.size
+        elements; it may be x itself: a chunk's input is encoded into its stored datagram before its result can
+        arrive) or, by default, to a new array (of x's dtype if 16-bit): reusing one saves the page faults of a
+        fresh tensor-sized allocation on every allreduce.
+
+        ``sent`` (float32, x.size elements, optional): receives, chunk by chunk as they are encoded, the value of
+        what this rank puts on the wire, decoded from its datagrams (error feedback's compressed gradient), before
+        any mean's division. Complete once the allreduce is; without it the engine does no extra work."""
+        arr = np.asarray(x)
+        fmt = format_of(dtype) if dtype is not None else FLOAT16 if arr.dtype == np.float16 else FLOAT32
+        if fmt == FLOAT32:
+            flat, bits = np.ascontiguousarray(arr, dtype=np.float32).reshape(-1), self._no_bits
         else:
-            _check_output("out", out, size)
+            if arr.dtype.itemsize != 2 or arr.dtype.kind not in "uif":
+                raise TypeError(f"a {dtype or 'float16'} allreduce takes the values' 16-bit words (uint16, int16 or "
+                                f"float16), got {arr.dtype}")
+            flat, bits = self._no_sent, np.ascontiguousarray(arr).reshape(-1).view(np.uint16)
+        elements = max(flat.size, bits.size)
+        world = int(self.params[P_WORLD])
+        if scatter and elements % world:
+            raise ValueError(f"a reduce-scatter needs a multiple of the world size {world} elements, got {elements}")
+        shard = elements // world if scatter else 0
+        size = shard if scatter else elements
+        if out is None:
+            out = np.empty(size, np.float32 if fmt == FLOAT32 else arr.dtype)
+        else:
+            _check_output("out", out, size, 4 if fmt == FLOAT32 else 2)
         if sent is not None:
-            _check_output("sent", sent, flat.size)
-        chunks = -(-flat.size // self.packet_elements)
+            _check_output("sent", sent, elements, 4)
+        self._result = out.reshape(-1)
+        out32, out16 = (out.reshape(-1), self._no_bits) if fmt == FLOAT32 else (self._no_sent,
+                                                                               out.reshape(-1).view(np.uint16))
+        chunks = -(-elements // self.packet_elements)
         codec = codecs.BY_ID[self.codec]
         local = np.empty(chunks, np.int64)
         low = np.zeros(chunks, np.uint32)  # 0: not precoded, encode_chunk encodes the chunk when it is sent
         if not codec.PRECODES:  # else each chunk's exponent comes with its codes, a window ahead (see _precode)
-            self.stats[NONFINITE] += chunk_exponents_kernel(flat, self.packet_elements, *codec.EXP_RANGE, local)
-        return self._start(now, flat.size, x=flat, out=out.reshape(-1), local=local, low=low,
+            self.stats[NONFINITE] += (
+                chunk_exponents_kernel(flat, self.packet_elements, *codec.EXP_RANGE, local) if fmt == FLOAT32
+                else chunk_exponents16_kernel(bits, self.packet_elements, *codec.EXP_RANGE, local, fmt, self.scratch))
+        self.params[[P_FORMAT, P_MEAN]] = fmt, mean
+        return self._start(now, elements, x=flat, out=out32, local=local, low=low,
                            sent=self._no_sent if sent is None else sent.reshape(-1), codes=self._no_codes,
-                           shard=shard, precoded=False)
+                           shard=shard, precoded=False, x16=bits, out16=out16)
 
     def start_precoded(self, codes: np.ndarray, local_exp: np.ndarray, low: np.ndarray, now: float, *,
                        ready: int | None = None) -> Burst:
@@ -545,12 +618,15 @@ class StreamEngine:
         if local.size != chunks or low.size != chunks:
             raise ValueError(f"{codes.size} codes in chunks of {self.packet_elements} need {chunks} exponents and "
                              f"low words, got {local.size} and {low.size}")
-        self.params[P_READY] = codes.size if ready is None else ready
+        self.params[[P_READY, P_FORMAT, P_MEAN]] = codes.size if ready is None else ready, FLOAT32, False
+        self._result = None
         return self._start(now, codes.size, x=self._no_sent, out=self._no_sent, local=local, low=low,
-                           sent=self._no_sent, codes=codes, shard=0, precoded=True)
+                           sent=self._no_sent, codes=codes, shard=0, precoded=True, x16=self._no_bits,
+                           out16=self._no_bits)
 
     def _start(self, now: float, elements: int, *, x: np.ndarray, out: np.ndarray, local: np.ndarray,
-               low: np.ndarray, sent: np.ndarray, codes: np.ndarray, shard: int, precoded: bool) -> Burst:
+               low: np.ndarray, sent: np.ndarray, codes: np.ndarray, shard: int, precoded: bool, x16: np.ndarray,
+               out16: np.ndarray) -> Burst:
         """The next allreduce's state, and its bootstrap datagrams: start's and start_precoded's common part."""
         chunks = local.size
         window = min(self.pool_size, chunks)
@@ -566,7 +642,8 @@ class StreamEngine:
             packet=self.packet,
             packet_len=np.zeros(self.pool_size, np.int64), agg_addr=self.agg_addr, stats=self.stats,
             timing=self.timing, low=low, sent=sent, mac_keys=self.mac_keys, codes=codes,
-            parked=np.full(self.pool_size, IDLE, np.int64), silence=self.silence)
+            parked=np.full(self.pool_size, IDLE, np.int64), silence=self.silence, x16=x16, out16=out16,
+            scratch=self.scratch)
         self._args = tuple(self.state)
         tx = self.tx
         n = start_kernel(self._args, now, tx.ptr, tx.length, tx.addr) if window else 0
@@ -659,7 +736,8 @@ class StreamEngine:
 
     @property
     def result(self) -> np.ndarray:
-        return self.state.out
+        """The current allreduce's output: ``start``'s ``out``, or the array it made (flat)."""
+        return self._result
 
     def pending_slots(self) -> list[int]:
         return np.flatnonzero(self.state.cur_chunk != IDLE).tolist()

@@ -35,15 +35,20 @@ PARKED = IDLE + 1  # cur_chunk of a precoded slot waiting for its chunk's codes 
 State = namedtuple(
     "State",
     "params x out local_exp agreed_exp cur_chunk parity sent_at rto retries overtaken packet packet_len agg_addr stats "
-    "timing low sent mac_keys codes parked silence",
+    "timing low sent mac_keys codes parked silence x16 out16 scratch",
 )
 # params (int64): job, rank, world, value_bits, codec, packet_elements, window, chunks, elements, allreduce, cores,
 #                 seed (as int64 bits), done_chunks, shard elements of a
 #                 reduce-scatter (0: an allreduce), the first element the output holds, precoded (1) or
 #                 float (0) input, elements whose codes are in ``codes`` (precoded), stochastic (1) or nearest (0)
-#                 rounding
+#                 rounding, the input's format (protocol.half: FLOAT32, BFLOAT16, FLOAT16), mean (1: the result is
+#                 divided by the world size) or sum (0)
 (P_JOB, P_RANK, P_WORLD, P_VBITS, P_CODEC, P_PKT, P_WINDOW, P_CHUNKS, P_ELEMENTS, P_ALLREDUCE, P_CORES,
- P_SEED, P_DONE, P_SHARD, P_OUT_LO, P_PRECODED, P_READY, P_STOCHASTIC) = range(18)
+ P_SEED, P_DONE, P_SHARD, P_OUT_LO, P_PRECODED, P_READY, P_STOCHASTIC, P_FORMAT, P_MEAN) = range(20)
+PARAMS = 20
+# x, out (float32): a float32 allreduce's input and output; else empty
+# x16, out16 (uint16): a 16-bit allreduce's input and output bits; else empty
+# scratch (float32, packet_elements): a 16-bit allreduce's one chunk, widened to encode it or decoded to narrow it
 # codes (uint8): precoded, the codes in (each chunk at its own floor) and the result codes out; else empty
 # parked (int64): per slot, the chunk a PARKED slot waits to send
 # mac_keys (uint64): (cores, 2), the data key (k0, k1) of each aggregator core; (0, 2) without the DATA/RESULT MAC

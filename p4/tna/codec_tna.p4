@@ -2,18 +2,326 @@
 #ifndef _INTML_TNA_CODEC_
 #define _INTML_TNA_CODEC_
 
-// A consume pass's lane: code -> +-2**k (an exact table in SRAM).
-control LaneDecode(inout lane_t lane) {
-    action decode(bit<32> value) {
-        lane.value = value;
+// The judge pass's check of 4 codes (one 32-bit word) against the job's k_limit: one ternary lookup;
+// a hit is an invalid code (layout.lane_ok), and the flags of all 16 words are OR-ed before the slot state.
+control LaneCheck(in bit<32> codes, in bit<8> k_limit, out bit<8> invalid_codes) {
+    action invalid() {
+        invalid_codes = 1;
+    }
+
+    action valid() {
+        invalid_codes = 0;
+    }
+
+    table lane_check {
+        key = { codes : ternary; k_limit : range; }
+        actions = { invalid; valid; }
+        const default_action = valid();
+        const entries = {
+            (32w0x1000000 &&& 32w0x41000000, 8w0 .. 8w255) : invalid();
+            (32w0x2000000 &&& 32w0x42000000, 8w0 .. 8w255) : invalid();
+            (32w0x4000000 &&& 32w0x44000000, 8w0 .. 8w255) : invalid();
+            (32w0x8000000 &&& 32w0x48000000, 8w0 .. 8w255) : invalid();
+            (32w0x10000000 &&& 32w0x50000000, 8w0 .. 8w255) : invalid();
+            (32w0x20000000 &&& 32w0x60000000, 8w0 .. 8w255) : invalid();
+            (32w0x80000000 &&& 32w0xc0000000, 8w0 .. 8w255) : invalid();
+            (32w0x40000000 &&& 32w0x7f000000, 8w0 .. 8w0) : invalid();
+            (32w0x41000000 &&& 32w0x7f000000, 8w0 .. 8w1) : invalid();
+            (32w0x42000000 &&& 32w0x7f000000, 8w0 .. 8w2) : invalid();
+            (32w0x43000000 &&& 32w0x7f000000, 8w0 .. 8w3) : invalid();
+            (32w0x44000000 &&& 32w0x7f000000, 8w0 .. 8w4) : invalid();
+            (32w0x45000000 &&& 32w0x7f000000, 8w0 .. 8w5) : invalid();
+            (32w0x46000000 &&& 32w0x7f000000, 8w0 .. 8w6) : invalid();
+            (32w0x47000000 &&& 32w0x7f000000, 8w0 .. 8w7) : invalid();
+            (32w0x48000000 &&& 32w0x7f000000, 8w0 .. 8w8) : invalid();
+            (32w0x49000000 &&& 32w0x7f000000, 8w0 .. 8w9) : invalid();
+            (32w0x4a000000 &&& 32w0x7f000000, 8w0 .. 8w10) : invalid();
+            (32w0x4b000000 &&& 32w0x7f000000, 8w0 .. 8w11) : invalid();
+            (32w0x4c000000 &&& 32w0x7f000000, 8w0 .. 8w12) : invalid();
+            (32w0x4d000000 &&& 32w0x7f000000, 8w0 .. 8w13) : invalid();
+            (32w0x4e000000 &&& 32w0x7f000000, 8w0 .. 8w14) : invalid();
+            (32w0x4f000000 &&& 32w0x7f000000, 8w0 .. 8w15) : invalid();
+            (32w0x50000000 &&& 32w0x7f000000, 8w0 .. 8w16) : invalid();
+            (32w0x51000000 &&& 32w0x7f000000, 8w0 .. 8w17) : invalid();
+            (32w0x52000000 &&& 32w0x7f000000, 8w0 .. 8w18) : invalid();
+            (32w0x53000000 &&& 32w0x7f000000, 8w0 .. 8w19) : invalid();
+            (32w0x54000000 &&& 32w0x7f000000, 8w0 .. 8w20) : invalid();
+            (32w0x55000000 &&& 32w0x7f000000, 8w0 .. 8w21) : invalid();
+            (32w0x56000000 &&& 32w0x7f000000, 8w0 .. 8w22) : invalid();
+            (32w0x57000000 &&& 32w0x7f000000, 8w0 .. 8w23) : invalid();
+            (32w0x58000000 &&& 32w0x7f000000, 8w0 .. 8w24) : invalid();
+            (32w0x59000000 &&& 32w0x7f000000, 8w0 .. 8w25) : invalid();
+            (32w0x5a000000 &&& 32w0x7f000000, 8w0 .. 8w26) : invalid();
+            (32w0x5b000000 &&& 32w0x7f000000, 8w0 .. 8w27) : invalid();
+            (32w0x5c000000 &&& 32w0x7f000000, 8w0 .. 8w28) : invalid();
+            (32w0x5d000000 &&& 32w0x7f000000, 8w0 .. 8w29) : invalid();
+            (32w0x5e000000 &&& 32w0x7f000000, 8w0 .. 8w30) : invalid();
+            (32w0x5f000000 &&& 32w0x7f000000, 8w0 .. 8w31) : invalid();
+            (32w0x60000000 &&& 32w0x7f000000, 8w0 .. 8w32) : invalid();
+            (32w0x61000000 &&& 32w0x7f000000, 8w0 .. 8w33) : invalid();
+            (32w0x62000000 &&& 32w0x7f000000, 8w0 .. 8w34) : invalid();
+            (32w0x63000000 &&& 32w0x7f000000, 8w0 .. 8w35) : invalid();
+            (32w0x64000000 &&& 32w0x7f000000, 8w0 .. 8w36) : invalid();
+            (32w0x65000000 &&& 32w0x7f000000, 8w0 .. 8w37) : invalid();
+            (32w0x66000000 &&& 32w0x7f000000, 8w0 .. 8w38) : invalid();
+            (32w0x67000000 &&& 32w0x7f000000, 8w0 .. 8w39) : invalid();
+            (32w0x68000000 &&& 32w0x7f000000, 8w0 .. 8w40) : invalid();
+            (32w0x69000000 &&& 32w0x7f000000, 8w0 .. 8w41) : invalid();
+            (32w0x6a000000 &&& 32w0x7f000000, 8w0 .. 8w42) : invalid();
+            (32w0x6b000000 &&& 32w0x7f000000, 8w0 .. 8w43) : invalid();
+            (32w0x6c000000 &&& 32w0x7f000000, 8w0 .. 8w44) : invalid();
+            (32w0x6d000000 &&& 32w0x7f000000, 8w0 .. 8w45) : invalid();
+            (32w0x6e000000 &&& 32w0x7f000000, 8w0 .. 8w46) : invalid();
+            (32w0x6f000000 &&& 32w0x7f000000, 8w0 .. 8w47) : invalid();
+            (32w0x70000000 &&& 32w0x7f000000, 8w0 .. 8w48) : invalid();
+            (32w0x71000000 &&& 32w0x7f000000, 8w0 .. 8w49) : invalid();
+            (32w0x72000000 &&& 32w0x7f000000, 8w0 .. 8w50) : invalid();
+            (32w0x73000000 &&& 32w0x7f000000, 8w0 .. 8w51) : invalid();
+            (32w0x74000000 &&& 32w0x7f000000, 8w0 .. 8w52) : invalid();
+            (32w0x75000000 &&& 32w0x7f000000, 8w0 .. 8w53) : invalid();
+            (32w0x76000000 &&& 32w0x7f000000, 8w0 .. 8w54) : invalid();
+            (32w0x77000000 &&& 32w0x7f000000, 8w0 .. 8w55) : invalid();
+            (32w0x78000000 &&& 32w0x7f000000, 8w0 .. 8w56) : invalid();
+            (32w0x79000000 &&& 32w0x7f000000, 8w0 .. 8w57) : invalid();
+            (32w0x7a000000 &&& 32w0x7f000000, 8w0 .. 8w58) : invalid();
+            (32w0x7b000000 &&& 32w0x7f000000, 8w0 .. 8w59) : invalid();
+            (32w0x7c000000 &&& 32w0x7f000000, 8w0 .. 8w60) : invalid();
+            (32w0x7d000000 &&& 32w0x7f000000, 8w0 .. 8w61) : invalid();
+            (32w0x7e000000 &&& 32w0x7f000000, 8w0 .. 8w62) : invalid();
+            (32w0x7f000000 &&& 32w0x7f000000, 8w0 .. 8w63) : invalid();
+            (32w0x10000 &&& 32w0x410000, 8w0 .. 8w255) : invalid();
+            (32w0x20000 &&& 32w0x420000, 8w0 .. 8w255) : invalid();
+            (32w0x40000 &&& 32w0x440000, 8w0 .. 8w255) : invalid();
+            (32w0x80000 &&& 32w0x480000, 8w0 .. 8w255) : invalid();
+            (32w0x100000 &&& 32w0x500000, 8w0 .. 8w255) : invalid();
+            (32w0x200000 &&& 32w0x600000, 8w0 .. 8w255) : invalid();
+            (32w0x800000 &&& 32w0xc00000, 8w0 .. 8w255) : invalid();
+            (32w0x400000 &&& 32w0x7f0000, 8w0 .. 8w0) : invalid();
+            (32w0x410000 &&& 32w0x7f0000, 8w0 .. 8w1) : invalid();
+            (32w0x420000 &&& 32w0x7f0000, 8w0 .. 8w2) : invalid();
+            (32w0x430000 &&& 32w0x7f0000, 8w0 .. 8w3) : invalid();
+            (32w0x440000 &&& 32w0x7f0000, 8w0 .. 8w4) : invalid();
+            (32w0x450000 &&& 32w0x7f0000, 8w0 .. 8w5) : invalid();
+            (32w0x460000 &&& 32w0x7f0000, 8w0 .. 8w6) : invalid();
+            (32w0x470000 &&& 32w0x7f0000, 8w0 .. 8w7) : invalid();
+            (32w0x480000 &&& 32w0x7f0000, 8w0 .. 8w8) : invalid();
+            (32w0x490000 &&& 32w0x7f0000, 8w0 .. 8w9) : invalid();
+            (32w0x4a0000 &&& 32w0x7f0000, 8w0 .. 8w10) : invalid();
+            (32w0x4b0000 &&& 32w0x7f0000, 8w0 .. 8w11) : invalid();
+            (32w0x4c0000 &&& 32w0x7f0000, 8w0 .. 8w12) : invalid();
+            (32w0x4d0000 &&& 32w0x7f0000, 8w0 .. 8w13) : invalid();
+            (32w0x4e0000 &&& 32w0x7f0000, 8w0 .. 8w14) : invalid();
+            (32w0x4f0000 &&& 32w0x7f0000, 8w0 .. 8w15) : invalid();
+            (32w0x500000 &&& 32w0x7f0000, 8w0 .. 8w16) : invalid();
+            (32w0x510000 &&& 32w0x7f0000, 8w0 .. 8w17) : invalid();
+            (32w0x520000 &&& 32w0x7f0000, 8w0 .. 8w18) : invalid();
+            (32w0x530000 &&& 32w0x7f0000, 8w0 .. 8w19) : invalid();
+            (32w0x540000 &&& 32w0x7f0000, 8w0 .. 8w20) : invalid();
+            (32w0x550000 &&& 32w0x7f0000, 8w0 .. 8w21) : invalid();
+            (32w0x560000 &&& 32w0x7f0000, 8w0 .. 8w22) : invalid();
+            (32w0x570000 &&& 32w0x7f0000, 8w0 .. 8w23) : invalid();
+            (32w0x580000 &&& 32w0x7f0000, 8w0 .. 8w24) : invalid();
+            (32w0x590000 &&& 32w0x7f0000, 8w0 .. 8w25) : invalid();
+            (32w0x5a0000 &&& 32w0x7f0000, 8w0 .. 8w26) : invalid();
+            (32w0x5b0000 &&& 32w0x7f0000, 8w0 .. 8w27) : invalid();
+            (32w0x5c0000 &&& 32w0x7f0000, 8w0 .. 8w28) : invalid();
+            (32w0x5d0000 &&& 32w0x7f0000, 8w0 .. 8w29) : invalid();
+            (32w0x5e0000 &&& 32w0x7f0000, 8w0 .. 8w30) : invalid();
+            (32w0x5f0000 &&& 32w0x7f0000, 8w0 .. 8w31) : invalid();
+            (32w0x600000 &&& 32w0x7f0000, 8w0 .. 8w32) : invalid();
+            (32w0x610000 &&& 32w0x7f0000, 8w0 .. 8w33) : invalid();
+            (32w0x620000 &&& 32w0x7f0000, 8w0 .. 8w34) : invalid();
+            (32w0x630000 &&& 32w0x7f0000, 8w0 .. 8w35) : invalid();
+            (32w0x640000 &&& 32w0x7f0000, 8w0 .. 8w36) : invalid();
+            (32w0x650000 &&& 32w0x7f0000, 8w0 .. 8w37) : invalid();
+            (32w0x660000 &&& 32w0x7f0000, 8w0 .. 8w38) : invalid();
+            (32w0x670000 &&& 32w0x7f0000, 8w0 .. 8w39) : invalid();
+            (32w0x680000 &&& 32w0x7f0000, 8w0 .. 8w40) : invalid();
+            (32w0x690000 &&& 32w0x7f0000, 8w0 .. 8w41) : invalid();
+            (32w0x6a0000 &&& 32w0x7f0000, 8w0 .. 8w42) : invalid();
+            (32w0x6b0000 &&& 32w0x7f0000, 8w0 .. 8w43) : invalid();
+            (32w0x6c0000 &&& 32w0x7f0000, 8w0 .. 8w44) : invalid();
+            (32w0x6d0000 &&& 32w0x7f0000, 8w0 .. 8w45) : invalid();
+            (32w0x6e0000 &&& 32w0x7f0000, 8w0 .. 8w46) : invalid();
+            (32w0x6f0000 &&& 32w0x7f0000, 8w0 .. 8w47) : invalid();
+            (32w0x700000 &&& 32w0x7f0000, 8w0 .. 8w48) : invalid();
+            (32w0x710000 &&& 32w0x7f0000, 8w0 .. 8w49) : invalid();
+            (32w0x720000 &&& 32w0x7f0000, 8w0 .. 8w50) : invalid();
+            (32w0x730000 &&& 32w0x7f0000, 8w0 .. 8w51) : invalid();
+            (32w0x740000 &&& 32w0x7f0000, 8w0 .. 8w52) : invalid();
+            (32w0x750000 &&& 32w0x7f0000, 8w0 .. 8w53) : invalid();
+            (32w0x760000 &&& 32w0x7f0000, 8w0 .. 8w54) : invalid();
+            (32w0x770000 &&& 32w0x7f0000, 8w0 .. 8w55) : invalid();
+            (32w0x780000 &&& 32w0x7f0000, 8w0 .. 8w56) : invalid();
+            (32w0x790000 &&& 32w0x7f0000, 8w0 .. 8w57) : invalid();
+            (32w0x7a0000 &&& 32w0x7f0000, 8w0 .. 8w58) : invalid();
+            (32w0x7b0000 &&& 32w0x7f0000, 8w0 .. 8w59) : invalid();
+            (32w0x7c0000 &&& 32w0x7f0000, 8w0 .. 8w60) : invalid();
+            (32w0x7d0000 &&& 32w0x7f0000, 8w0 .. 8w61) : invalid();
+            (32w0x7e0000 &&& 32w0x7f0000, 8w0 .. 8w62) : invalid();
+            (32w0x7f0000 &&& 32w0x7f0000, 8w0 .. 8w63) : invalid();
+            (32w256 &&& 32w16640, 8w0 .. 8w255) : invalid();
+            (32w512 &&& 32w16896, 8w0 .. 8w255) : invalid();
+            (32w1024 &&& 32w17408, 8w0 .. 8w255) : invalid();
+            (32w2048 &&& 32w18432, 8w0 .. 8w255) : invalid();
+            (32w4096 &&& 32w20480, 8w0 .. 8w255) : invalid();
+            (32w8192 &&& 32w24576, 8w0 .. 8w255) : invalid();
+            (32w32768 &&& 32w49152, 8w0 .. 8w255) : invalid();
+            (32w16384 &&& 32w32512, 8w0 .. 8w0) : invalid();
+            (32w16640 &&& 32w32512, 8w0 .. 8w1) : invalid();
+            (32w16896 &&& 32w32512, 8w0 .. 8w2) : invalid();
+            (32w17152 &&& 32w32512, 8w0 .. 8w3) : invalid();
+            (32w17408 &&& 32w32512, 8w0 .. 8w4) : invalid();
+            (32w17664 &&& 32w32512, 8w0 .. 8w5) : invalid();
+            (32w17920 &&& 32w32512, 8w0 .. 8w6) : invalid();
+            (32w18176 &&& 32w32512, 8w0 .. 8w7) : invalid();
+            (32w18432 &&& 32w32512, 8w0 .. 8w8) : invalid();
+            (32w18688 &&& 32w32512, 8w0 .. 8w9) : invalid();
+            (32w18944 &&& 32w32512, 8w0 .. 8w10) : invalid();
+            (32w19200 &&& 32w32512, 8w0 .. 8w11) : invalid();
+            (32w19456 &&& 32w32512, 8w0 .. 8w12) : invalid();
+            (32w19712 &&& 32w32512, 8w0 .. 8w13) : invalid();
+            (32w19968 &&& 32w32512, 8w0 .. 8w14) : invalid();
+            (32w20224 &&& 32w32512, 8w0 .. 8w15) : invalid();
+            (32w20480 &&& 32w32512, 8w0 .. 8w16) : invalid();
+            (32w20736 &&& 32w32512, 8w0 .. 8w17) : invalid();
+            (32w20992 &&& 32w32512, 8w0 .. 8w18) : invalid();
+            (32w21248 &&& 32w32512, 8w0 .. 8w19) : invalid();
+            (32w21504 &&& 32w32512, 8w0 .. 8w20) : invalid();
+            (32w21760 &&& 32w32512, 8w0 .. 8w21) : invalid();
+            (32w22016 &&& 32w32512, 8w0 .. 8w22) : invalid();
+            (32w22272 &&& 32w32512, 8w0 .. 8w23) : invalid();
+            (32w22528 &&& 32w32512, 8w0 .. 8w24) : invalid();
+            (32w22784 &&& 32w32512, 8w0 .. 8w25) : invalid();
+            (32w23040 &&& 32w32512, 8w0 .. 8w26) : invalid();
+            (32w23296 &&& 32w32512, 8w0 .. 8w27) : invalid();
+            (32w23552 &&& 32w32512, 8w0 .. 8w28) : invalid();
+            (32w23808 &&& 32w32512, 8w0 .. 8w29) : invalid();
+            (32w24064 &&& 32w32512, 8w0 .. 8w30) : invalid();
+            (32w24320 &&& 32w32512, 8w0 .. 8w31) : invalid();
+            (32w24576 &&& 32w32512, 8w0 .. 8w32) : invalid();
+            (32w24832 &&& 32w32512, 8w0 .. 8w33) : invalid();
+            (32w25088 &&& 32w32512, 8w0 .. 8w34) : invalid();
+            (32w25344 &&& 32w32512, 8w0 .. 8w35) : invalid();
+            (32w25600 &&& 32w32512, 8w0 .. 8w36) : invalid();
+            (32w25856 &&& 32w32512, 8w0 .. 8w37) : invalid();
+            (32w26112 &&& 32w32512, 8w0 .. 8w38) : invalid();
+            (32w26368 &&& 32w32512, 8w0 .. 8w39) : invalid();
+            (32w26624 &&& 32w32512, 8w0 .. 8w40) : invalid();
+            (32w26880 &&& 32w32512, 8w0 .. 8w41) : invalid();
+            (32w27136 &&& 32w32512, 8w0 .. 8w42) : invalid();
+            (32w27392 &&& 32w32512, 8w0 .. 8w43) : invalid();
+            (32w27648 &&& 32w32512, 8w0 .. 8w44) : invalid();
+            (32w27904 &&& 32w32512, 8w0 .. 8w45) : invalid();
+            (32w28160 &&& 32w32512, 8w0 .. 8w46) : invalid();
+            (32w28416 &&& 32w32512, 8w0 .. 8w47) : invalid();
+            (32w28672 &&& 32w32512, 8w0 .. 8w48) : invalid();
+            (32w28928 &&& 32w32512, 8w0 .. 8w49) : invalid();
+            (32w29184 &&& 32w32512, 8w0 .. 8w50) : invalid();
+            (32w29440 &&& 32w32512, 8w0 .. 8w51) : invalid();
+            (32w29696 &&& 32w32512, 8w0 .. 8w52) : invalid();
+            (32w29952 &&& 32w32512, 8w0 .. 8w53) : invalid();
+            (32w30208 &&& 32w32512, 8w0 .. 8w54) : invalid();
+            (32w30464 &&& 32w32512, 8w0 .. 8w55) : invalid();
+            (32w30720 &&& 32w32512, 8w0 .. 8w56) : invalid();
+            (32w30976 &&& 32w32512, 8w0 .. 8w57) : invalid();
+            (32w31232 &&& 32w32512, 8w0 .. 8w58) : invalid();
+            (32w31488 &&& 32w32512, 8w0 .. 8w59) : invalid();
+            (32w31744 &&& 32w32512, 8w0 .. 8w60) : invalid();
+            (32w32000 &&& 32w32512, 8w0 .. 8w61) : invalid();
+            (32w32256 &&& 32w32512, 8w0 .. 8w62) : invalid();
+            (32w32512 &&& 32w32512, 8w0 .. 8w63) : invalid();
+            (32w1 &&& 32w65, 8w0 .. 8w255) : invalid();
+            (32w2 &&& 32w66, 8w0 .. 8w255) : invalid();
+            (32w4 &&& 32w68, 8w0 .. 8w255) : invalid();
+            (32w8 &&& 32w72, 8w0 .. 8w255) : invalid();
+            (32w16 &&& 32w80, 8w0 .. 8w255) : invalid();
+            (32w32 &&& 32w96, 8w0 .. 8w255) : invalid();
+            (32w128 &&& 32w192, 8w0 .. 8w255) : invalid();
+            (32w64 &&& 32w127, 8w0 .. 8w0) : invalid();
+            (32w65 &&& 32w127, 8w0 .. 8w1) : invalid();
+            (32w66 &&& 32w127, 8w0 .. 8w2) : invalid();
+            (32w67 &&& 32w127, 8w0 .. 8w3) : invalid();
+            (32w68 &&& 32w127, 8w0 .. 8w4) : invalid();
+            (32w69 &&& 32w127, 8w0 .. 8w5) : invalid();
+            (32w70 &&& 32w127, 8w0 .. 8w6) : invalid();
+            (32w71 &&& 32w127, 8w0 .. 8w7) : invalid();
+            (32w72 &&& 32w127, 8w0 .. 8w8) : invalid();
+            (32w73 &&& 32w127, 8w0 .. 8w9) : invalid();
+            (32w74 &&& 32w127, 8w0 .. 8w10) : invalid();
+            (32w75 &&& 32w127, 8w0 .. 8w11) : invalid();
+            (32w76 &&& 32w127, 8w0 .. 8w12) : invalid();
+            (32w77 &&& 32w127, 8w0 .. 8w13) : invalid();
+            (32w78 &&& 32w127, 8w0 .. 8w14) : invalid();
+            (32w79 &&& 32w127, 8w0 .. 8w15) : invalid();
+            (32w80 &&& 32w127, 8w0 .. 8w16) : invalid();
+            (32w81 &&& 32w127, 8w0 .. 8w17) : invalid();
+            (32w82 &&& 32w127, 8w0 .. 8w18) : invalid();
+            (32w83 &&& 32w127, 8w0 .. 8w19) : invalid();
+            (32w84 &&& 32w127, 8w0 .. 8w20) : invalid();
+            (32w85 &&& 32w127, 8w0 .. 8w21) : invalid();
+            (32w86 &&& 32w127, 8w0 .. 8w22) : invalid();
+            (32w87 &&& 32w127, 8w0 .. 8w23) : invalid();
+            (32w88 &&& 32w127, 8w0 .. 8w24) : invalid();
+            (32w89 &&& 32w127, 8w0 .. 8w25) : invalid();
+            (32w90 &&& 32w127, 8w0 .. 8w26) : invalid();
+            (32w91 &&& 32w127, 8w0 .. 8w27) : invalid();
+            (32w92 &&& 32w127, 8w0 .. 8w28) : invalid();
+            (32w93 &&& 32w127, 8w0 .. 8w29) : invalid();
+            (32w94 &&& 32w127, 8w0 .. 8w30) : invalid();
+            (32w95 &&& 32w127, 8w0 .. 8w31) : invalid();
+            (32w96 &&& 32w127, 8w0 .. 8w32) : invalid();
+            (32w97 &&& 32w127, 8w0 .. 8w33) : invalid();
+            (32w98 &&& 32w127, 8w0 .. 8w34) : invalid();
+            (32w99 &&& 32w127, 8w0 .. 8w35) : invalid();
+            (32w100 &&& 32w127, 8w0 .. 8w36) : invalid();
+            (32w101 &&& 32w127, 8w0 .. 8w37) : invalid();
+            (32w102 &&& 32w127, 8w0 .. 8w38) : invalid();
+            (32w103 &&& 32w127, 8w0 .. 8w39) : invalid();
+            (32w104 &&& 32w127, 8w0 .. 8w40) : invalid();
+            (32w105 &&& 32w127, 8w0 .. 8w41) : invalid();
+            (32w106 &&& 32w127, 8w0 .. 8w42) : invalid();
+            (32w107 &&& 32w127, 8w0 .. 8w43) : invalid();
+            (32w108 &&& 32w127, 8w0 .. 8w44) : invalid();
+            (32w109 &&& 32w127, 8w0 .. 8w45) : invalid();
+            (32w110 &&& 32w127, 8w0 .. 8w46) : invalid();
+            (32w111 &&& 32w127, 8w0 .. 8w47) : invalid();
+            (32w112 &&& 32w127, 8w0 .. 8w48) : invalid();
+            (32w113 &&& 32w127, 8w0 .. 8w49) : invalid();
+            (32w114 &&& 32w127, 8w0 .. 8w50) : invalid();
+            (32w115 &&& 32w127, 8w0 .. 8w51) : invalid();
+            (32w116 &&& 32w127, 8w0 .. 8w52) : invalid();
+            (32w117 &&& 32w127, 8w0 .. 8w53) : invalid();
+            (32w118 &&& 32w127, 8w0 .. 8w54) : invalid();
+            (32w119 &&& 32w127, 8w0 .. 8w55) : invalid();
+            (32w120 &&& 32w127, 8w0 .. 8w56) : invalid();
+            (32w121 &&& 32w127, 8w0 .. 8w57) : invalid();
+            (32w122 &&& 32w127, 8w0 .. 8w58) : invalid();
+            (32w123 &&& 32w127, 8w0 .. 8w59) : invalid();
+            (32w124 &&& 32w127, 8w0 .. 8w60) : invalid();
+            (32w125 &&& 32w127, 8w0 .. 8w61) : invalid();
+            (32w126 &&& 32w127, 8w0 .. 8w62) : invalid();
+            (32w127 &&& 32w127, 8w0 .. 8w63) : invalid();
+        }
+    }
+
+    apply {
+        lane_check.apply();
+    }
+}
+
+// A consume pass's lane: code -> +-2**k in the slot's unit (an exact lookup; the judge pass checked the code).
+control LaneDecode(in bit<8> code, out bit<32> value) {
+    action decode(bit<32> decoded) {
+        value = decoded;
     }
 
     action invalid_code() {
-        lane.value = 0;
+        value = 0;
     }
 
     table cnat_decode {
-        key = { lane.code : exact; }
+        key = { code : exact; }
         actions = { decode; invalid_code; }
         const default_action = invalid_code();
         const entries = {
@@ -88,145 +396,175 @@ control LaneDecode(inout lane_t lane) {
     }
 }
 
-// A harvest pass's lane of a completed round: the leading one by a TCAM table, then encode_b<b> with the Random
-// extern's word; constant shifts only, as Tofino requires.
-control LaneEncode(inout lane_t lane) {
-    Random<bit<32>>() random_word;
-
+// A harvest pass's encode, first lookup: the magnitude's leading one (TCAM) gives k and the fraction.
+control LeadingOne(inout bit<32> magnitude, inout bit<8> code) {
     action encode_b0() {
-        lane.code = lane.sign | NONZERO | (8w0);
+        code = code | 8w64;
+        magnitude = 0;
     }
 
     action encode_b1() {
-        lane.code = lane.sign | NONZERO | ((lane.rand >> 31) < (lane.magnitude & 0x1) ? 8w2 : 8w1);
+        code = code | 8w65;
+        magnitude = magnitude << 31;
     }
 
     action encode_b2() {
-        lane.code = lane.sign | NONZERO | ((lane.rand >> 30) < (lane.magnitude & 0x3) ? 8w3 : 8w2);
+        code = code | 8w66;
+        magnitude = magnitude << 30;
     }
 
     action encode_b3() {
-        lane.code = lane.sign | NONZERO | ((lane.rand >> 29) < (lane.magnitude & 0x7) ? 8w4 : 8w3);
+        code = code | 8w67;
+        magnitude = magnitude << 29;
     }
 
     action encode_b4() {
-        lane.code = lane.sign | NONZERO | ((lane.rand >> 28) < (lane.magnitude & 0xf) ? 8w5 : 8w4);
+        code = code | 8w68;
+        magnitude = magnitude << 28;
     }
 
     action encode_b5() {
-        lane.code = lane.sign | NONZERO | ((lane.rand >> 27) < (lane.magnitude & 0x1f) ? 8w6 : 8w5);
+        code = code | 8w69;
+        magnitude = magnitude << 27;
     }
 
     action encode_b6() {
-        lane.code = lane.sign | NONZERO | ((lane.rand >> 26) < (lane.magnitude & 0x3f) ? 8w7 : 8w6);
+        code = code | 8w70;
+        magnitude = magnitude << 26;
     }
 
     action encode_b7() {
-        lane.code = lane.sign | NONZERO | ((lane.rand >> 25) < (lane.magnitude & 0x7f) ? 8w8 : 8w7);
+        code = code | 8w71;
+        magnitude = magnitude << 25;
     }
 
     action encode_b8() {
-        lane.code = lane.sign | NONZERO | ((lane.rand >> 24) < (lane.magnitude & 0xff) ? 8w9 : 8w8);
+        code = code | 8w72;
+        magnitude = magnitude << 24;
     }
 
     action encode_b9() {
-        lane.code = lane.sign | NONZERO | ((lane.rand >> 23) < (lane.magnitude & 0x1ff) ? 8w10 : 8w9);
+        code = code | 8w73;
+        magnitude = magnitude << 23;
     }
 
     action encode_b10() {
-        lane.code = lane.sign | NONZERO | ((lane.rand >> 22) < (lane.magnitude & 0x3ff) ? 8w11 : 8w10);
+        code = code | 8w74;
+        magnitude = magnitude << 22;
     }
 
     action encode_b11() {
-        lane.code = lane.sign | NONZERO | ((lane.rand >> 21) < (lane.magnitude & 0x7ff) ? 8w12 : 8w11);
+        code = code | 8w75;
+        magnitude = magnitude << 21;
     }
 
     action encode_b12() {
-        lane.code = lane.sign | NONZERO | ((lane.rand >> 20) < (lane.magnitude & 0xfff) ? 8w13 : 8w12);
+        code = code | 8w76;
+        magnitude = magnitude << 20;
     }
 
     action encode_b13() {
-        lane.code = lane.sign | NONZERO | ((lane.rand >> 19) < (lane.magnitude & 0x1fff) ? 8w14 : 8w13);
+        code = code | 8w77;
+        magnitude = magnitude << 19;
     }
 
     action encode_b14() {
-        lane.code = lane.sign | NONZERO | ((lane.rand >> 18) < (lane.magnitude & 0x3fff) ? 8w15 : 8w14);
+        code = code | 8w78;
+        magnitude = magnitude << 18;
     }
 
     action encode_b15() {
-        lane.code = lane.sign | NONZERO | ((lane.rand >> 17) < (lane.magnitude & 0x7fff) ? 8w16 : 8w15);
+        code = code | 8w79;
+        magnitude = magnitude << 17;
     }
 
     action encode_b16() {
-        lane.code = lane.sign | NONZERO | ((lane.rand >> 16) < (lane.magnitude & 0xffff) ? 8w17 : 8w16);
+        code = code | 8w80;
+        magnitude = magnitude << 16;
     }
 
     action encode_b17() {
-        lane.code = lane.sign | NONZERO | ((lane.rand >> 15) < (lane.magnitude & 0x1ffff) ? 8w18 : 8w17);
+        code = code | 8w81;
+        magnitude = magnitude << 15;
     }
 
     action encode_b18() {
-        lane.code = lane.sign | NONZERO | ((lane.rand >> 14) < (lane.magnitude & 0x3ffff) ? 8w19 : 8w18);
+        code = code | 8w82;
+        magnitude = magnitude << 14;
     }
 
     action encode_b19() {
-        lane.code = lane.sign | NONZERO | ((lane.rand >> 13) < (lane.magnitude & 0x7ffff) ? 8w20 : 8w19);
+        code = code | 8w83;
+        magnitude = magnitude << 13;
     }
 
     action encode_b20() {
-        lane.code = lane.sign | NONZERO | ((lane.rand >> 12) < (lane.magnitude & 0xfffff) ? 8w21 : 8w20);
+        code = code | 8w84;
+        magnitude = magnitude << 12;
     }
 
     action encode_b21() {
-        lane.code = lane.sign | NONZERO | ((lane.rand >> 11) < (lane.magnitude & 0x1fffff) ? 8w22 : 8w21);
+        code = code | 8w85;
+        magnitude = magnitude << 11;
     }
 
     action encode_b22() {
-        lane.code = lane.sign | NONZERO | ((lane.rand >> 10) < (lane.magnitude & 0x3fffff) ? 8w23 : 8w22);
+        code = code | 8w86;
+        magnitude = magnitude << 10;
     }
 
     action encode_b23() {
-        lane.code = lane.sign | NONZERO | ((lane.rand >> 9) < (lane.magnitude & 0x7fffff) ? 8w24 : 8w23);
+        code = code | 8w87;
+        magnitude = magnitude << 9;
     }
 
     action encode_b24() {
-        lane.code = lane.sign | NONZERO | ((lane.rand >> 8) < (lane.magnitude & 0xffffff) ? 8w25 : 8w24);
+        code = code | 8w88;
+        magnitude = magnitude << 8;
     }
 
     action encode_b25() {
-        lane.code = lane.sign | NONZERO | ((lane.rand >> 7) < (lane.magnitude & 0x1ffffff) ? 8w26 : 8w25);
+        code = code | 8w89;
+        magnitude = magnitude << 7;
     }
 
     action encode_b26() {
-        lane.code = lane.sign | NONZERO | ((lane.rand >> 6) < (lane.magnitude & 0x3ffffff) ? 8w27 : 8w26);
+        code = code | 8w90;
+        magnitude = magnitude << 6;
     }
 
     action encode_b27() {
-        lane.code = lane.sign | NONZERO | ((lane.rand >> 5) < (lane.magnitude & 0x7ffffff) ? 8w28 : 8w27);
+        code = code | 8w91;
+        magnitude = magnitude << 5;
     }
 
     action encode_b28() {
-        lane.code = lane.sign | NONZERO | ((lane.rand >> 4) < (lane.magnitude & 0xfffffff) ? 8w29 : 8w28);
+        code = code | 8w92;
+        magnitude = magnitude << 4;
     }
 
     action encode_b29() {
-        lane.code = lane.sign | NONZERO | ((lane.rand >> 3) < (lane.magnitude & 0x1fffffff) ? 8w30 : 8w29);
+        code = code | 8w93;
+        magnitude = magnitude << 3;
     }
 
     action encode_b30() {
-        lane.code = lane.sign | NONZERO | ((lane.rand >> 2) < (lane.magnitude & 0x3fffffff) ? 8w31 : 8w30);
+        code = code | 8w94;
+        magnitude = magnitude << 2;
     }
 
     action encode_b31() {
-        lane.code = lane.sign | NONZERO | ((lane.rand >> 1) < (lane.magnitude & 0x7fffffff) ? 8w32 : 8w31);
+        code = code | 8w95;
+        magnitude = magnitude << 1;
     }
 
     action encode_zero() {
-        lane.code = 0;
+        code = 0;
+        magnitude = 0;
     }
 
     table leading_one {
-        key = { lane.magnitude : ternary; }
+        key = { magnitude : ternary; }
         actions = { encode_b0; encode_b1; encode_b2; encode_b3; encode_b4; encode_b5; encode_b6; encode_b7; encode_b8; encode_b9; encode_b10; encode_b11; encode_b12; encode_b13; encode_b14; encode_b15; encode_b16; encode_b17; encode_b18; encode_b19; encode_b20; encode_b21; encode_b22; encode_b23; encode_b24; encode_b25; encode_b26; encode_b27; encode_b28; encode_b29; encode_b30; encode_b31; encode_zero; }
         const default_action = encode_zero();
         const entries = {
@@ -266,54 +604,28 @@ control LaneEncode(inout lane_t lane) {
     }
 
     apply {
-        lane.rand = random_word.get();
-        lane.sign = lane.sum[31:31] ++ 7w0;
-        lane.magnitude = lane.sum[31:31] == 1 ? -lane.sum : lane.sum;
         leading_one.apply();
     }
 }
 
-// Eight lanes' result codes in one register pair: first = lanes 4w..4w+3, second = the same lanes of the second
-// half. A completion's harvest pass writes its half, a re-send's harvest pass reads it (one 32-bit output per
-// stateful ALU and pass).
-control CodeStore(in bit<32> codes, out bit<32> loaded, in bridge_h bridge) {
-    Register<pair_t, lane_index_t>(LANE_ENTRIES) lane_code;
+// ... second lookup: the fraction minus the rounding word, saturated, is nonzero iff word < fraction: round up
+// (protocol/arith.py::_sum_code's rounding, probability fraction / 2**b).
+control RoundUp(in bit<32> excess, inout bit<8> code) {
+    action round_up() {
+        code = code + 1;
+    }
 
-    RegisterAction<pair_t, lane_index_t, bit<32>>(lane_code) store_first = {
-        void apply(inout pair_t value) {
-            value.first = codes;
+    table round_up_table {
+        key = { excess : ternary; }
+        actions = { round_up; NoAction; }
+        const default_action = round_up();
+        const entries = {
+            32w0 &&& 32w0xffffffff : NoAction();
         }
-    };
-
-    RegisterAction<pair_t, lane_index_t, bit<32>>(lane_code) store_second = {
-        void apply(inout pair_t value) {
-            value.second = codes;
-        }
-    };
-
-    RegisterAction<pair_t, lane_index_t, bit<32>>(lane_code) load_first = {
-        void apply(inout pair_t value, out bit<32> first) {
-            first = value.first;
-        }
-    };
-
-    RegisterAction<pair_t, lane_index_t, bit<32>>(lane_code) load_second = {
-        void apply(inout pair_t value, out bit<32> second) {
-            second = value.second;
-        }
-    };
+    }
 
     apply {
-        lane_index_t cell = bridge.slot_index[9:0] ++ bridge.pass_no[3:0];
-        if (bridge.step != STEP_RESEND && bridge.phase == PHASE_HARVEST_FIRST) {
-            store_first.execute(cell);
-        } else if (bridge.step != STEP_RESEND) {
-            store_second.execute(cell);
-        } else if (bridge.phase == PHASE_HARVEST_FIRST) {
-            loaded = load_first.execute(cell);
-        } else {
-            loaded = load_second.execute(cell);
-        }
+        round_up_table.apply();
     }
 }
 

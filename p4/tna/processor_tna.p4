@@ -2,47 +2,46 @@
 #ifndef _INTML_TNA_PROCESSOR_
 #define _INTML_TNA_PROCESSOR_
 
-// Two lanes' sums in one 64-bit register pair (SwitchML's Processor), lanes p and p + 32: a consume pass
-// writes (open) or adds (add) both; a stateful ALU returns one 32-bit value per pass, so the harvest reads the
-// first lanes in one pass and the second lanes in the next (SwitchML's HARVEST passes do the same).
-control Processor(in bit<32> value_first, in bit<32> value_second, out bit<32> sum, in bridge_h bridge) {
-    Register<pair_t, lane_index_t>(LANE_ENTRIES) lane_sum;
+// Two lanes' sums in one 64-bit register pair (SwitchML's processor), lanes p and p + 32: a consume pass
+// writes (open) or adds (add) both; a SALU returns one 32-bit value per pass, so a harvest pass reads one half.
+control Processor(in bit<32> value_first, in bit<32> value_second, inout bit<32> sum, in cell_t cell,
+                  in bridge_h bridge) {
+    Register<pair_t, cell_t>(LANE_ENTRIES) lane_sum;
 
-    RegisterAction<pair_t, lane_index_t, bit<32>>(lane_sum) write_pair = {
+    RegisterAction<pair_t, cell_t, bit<32>>(lane_sum) write_pair = {
         void apply(inout pair_t value) {
             value.first = value_first;
             value.second = value_second;
         }
     };
 
-    RegisterAction<pair_t, lane_index_t, bit<32>>(lane_sum) add_pair = {
+    RegisterAction<pair_t, cell_t, bit<32>>(lane_sum) add_pair = {
         void apply(inout pair_t value) {
             value.first = value.first + value_first;
             value.second = value.second + value_second;
         }
     };
 
-    RegisterAction<pair_t, lane_index_t, bit<32>>(lane_sum) read_first = {
+    RegisterAction<pair_t, cell_t, bit<32>>(lane_sum) read_first = {
         void apply(inout pair_t value, out bit<32> first) {
             first = value.first;
         }
     };
 
-    RegisterAction<pair_t, lane_index_t, bit<32>>(lane_sum) read_second = {
+    RegisterAction<pair_t, cell_t, bit<32>>(lane_sum) read_second = {
         void apply(inout pair_t value, out bit<32> second) {
             second = value.second;
         }
     };
 
     apply {
-        lane_index_t cell = bridge.slot_index[9:0] ++ bridge.pass_no[3:0];
         if (bridge.phase == PHASE_CONSUME && bridge.step == STEP_OPEN) {
             write_pair.execute(cell);
         } else if (bridge.phase == PHASE_CONSUME && bridge.step == STEP_ADD) {
             add_pair.execute(cell);
-        } else if (bridge.phase == PHASE_HARVEST_FIRST) {
+        } else if (bridge.phase == PHASE_HARVEST && bridge.reading == 1 && bridge.half == 0) {
             sum = read_first.execute(cell);
-        } else if (bridge.phase == PHASE_HARVEST_SECOND) {
+        } else if (bridge.phase == PHASE_HARVEST && bridge.reading == 1) {
             sum = read_second.execute(cell);
         }
     }

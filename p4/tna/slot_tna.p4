@@ -2,86 +2,232 @@
 #ifndef _INTML_TNA_SLOT_
 #define _INTML_TNA_SLOT_
 
-// The slot's state in pass 0, one RegisterAction per register (a register is touched once per pass on Tofino),
-// in dependency order so that each action decides from what the earlier stages returned (p4/README.md, "Tofino
-// resource account"):
-//   round_key: the packet's order against the round; opens the new round (NEWER, every lane valid);
-//   round_exp: (owners ++ exp, biased next_exp): written on open, returns the round's owners code and exp for an
-//              add's checks (and a re-send's code), raises next_exp: the owners code costs no stateful ALU;
-//   worker_bitmap: (ranks 0-31, 32-63): reset to the rank's bit on open, the bit added on a same-round packet,
-//                  returns the bits before (a known rank: duplicate or re-send);
-// The count is the bitmap's: the round completes when the bitmap equals the job's full mask (ranks 0..n-1), so
-// Tofino needs no worker_count register (its stateful ALU goes to the lanes; p4/README.md).
-// One departure from the v1model program: next_exp is raised before the bitmap tells a duplicate from a new rank
-// (a conforming worker's duplicate carries the same next_exp, so the max is the same).
-control SlotState(inout tna_headers_t hdr, inout tna_metadata_t ig_md) {
-    Register<pair_t, slot_index_t>(SLOT_ENTRIES) round_key;
-    Register<pair_t, slot_index_t>(SLOT_ENTRIES) round_exp;
-    Register<pair_t, slot_index_t>(SLOT_ENTRIES) worker_bitmap;
+// The judge pass's slot state for its group (cell = slot_index ++ pass_no, as the v1model program's): three
+// registers, one SALU each, in dependency order; each action is chosen by the control flow (SwitchML's idiom),
+// so that a SALU decides from at most two predicates. Opening writes happen only when every code is valid.
+control SlotJudge(inout tna_headers_t hdr, inout tna_metadata_t ig_md, in bool lanes_ok) {
+    Register<bit<32>, cell_t>(LANE_ENTRIES) round_allreduce;
+    Register<bit<32>, cell_t>(LANE_ENTRIES) round_chunk;
+    Register<pair_t, cell_t>(LANE_ENTRIES) round_exp;
 
-    RegisterAction<pair_t, slot_index_t, bit<8>>(round_key) classify = {
-        void apply(inout pair_t value, out bit<8> order) {
-            if (hdr.intml.allreduce - value.first == 0 && (hdr.intml.chunk ^ 0x80000000) == value.second) {
+    // RFC 1982: the packet's allreduce is newer iff 0 < allreduce - current < 2**31 (as a signed difference)
+    RegisterAction<bit<32>, cell_t, bit<8>>(round_allreduce) advance_allreduce = {
+        void apply(inout bit<32> value, out bit<8> order) {
+            if (value == hdr.intml.allreduce) {
                 order = ORDER_SAME;
-            } else if (((hdr.intml.allreduce - value.first != 0 && hdr.intml.allreduce - value.first < 0x80000000)
-                        || (hdr.intml.allreduce == value.first && (hdr.intml.chunk ^ 0x80000000) > value.second))
-                       && ig_md.lanes_ok) {
-                // newer: a later allreduce (RFC 1982), or a later chunk of the same one; an older chunk of the
-                // same allreduce is OLDER, as in the v1model program and the kernel
+            } else if ((int<32>)(hdr.intml.allreduce - value) > 0) {
                 order = ORDER_NEWER;
-                value.first = hdr.intml.allreduce;
-                value.second = hdr.intml.chunk ^ 0x80000000;
+                value = hdr.intml.allreduce;
             } else {
                 order = ORDER_OLDER;
             }
         }
     };
 
-    RegisterAction<pair_t, slot_index_t, bit<32>>(round_exp) agree = {
-        void apply(inout pair_t value, out bit<32> exp) {
-            exp = value.first;
-            if (ig_md.order == ORDER_NEWER) {
-                value.first = hdr.intml.owners ++ 16w0 ++ hdr.intml.exp;
-                value.second = 24w0 ++ (hdr.intml.next_exp ^ 0x80);
-            } else if (ig_md.order == ORDER_SAME && 24w0 ++ (hdr.intml.next_exp ^ 0x80) > value.second) {
-                value.second = 24w0 ++ (hdr.intml.next_exp ^ 0x80);
+    RegisterAction<bit<32>, cell_t, bit<8>>(round_allreduce) peek_allreduce = {
+        void apply(inout bit<32> value, out bit<8> order) {
+            if (value == hdr.intml.allreduce) {
+                order = ORDER_SAME;
+            } else if ((int<32>)(hdr.intml.allreduce - value) > 0) {
+                order = ORDER_NEWER;
+            } else {
+                order = ORDER_OLDER;
             }
         }
     };
 
-    // returns KNOWN_RANK if the rank's bit was set (a duplicate or a re-send), else COMPLETES if its bit completes
-    // the round, else 0
-    RegisterAction<pair_t, slot_index_t, bit<32>>(worker_bitmap) mark = {
-        void apply(inout pair_t value, out bit<32> result) {
-            result = 0;
-            if (ig_md.order == ORDER_NEWER) {
-                if (ig_md.worker_bit_lo == ig_md.full_lo && ig_md.worker_bit_hi == ig_md.full_hi) {
-                    result = COMPLETES;  // a one-rank job
+    // a newer allreduce: its chunk opens the round whatever the chunk before
+    RegisterAction<bit<32>, cell_t, bit<8>>(round_chunk) open_chunk = {
+        void apply(inout bit<32> value, out bit<8> order) {
+            value = ig_md.chunk_key;
+            order = ORDER_NEWER;
+        }
+    };
+
+    // the same allreduce: a later chunk is newer, an earlier one older (the model's serial order)
+    RegisterAction<bit<32>, cell_t, bit<8>>(round_chunk) advance_chunk = {
+        void apply(inout bit<32> value, out bit<8> order) {
+            if (value == ig_md.chunk_key) {
+                order = ORDER_SAME;
+            } else if (ig_md.chunk_key > value) {
+                order = ORDER_NEWER;
+                value = ig_md.chunk_key;
+            } else {
+                order = ORDER_OLDER;
+            }
+        }
+    };
+
+    RegisterAction<bit<32>, cell_t, bit<8>>(round_chunk) peek_chunk = {
+        void apply(inout bit<32> value, out bit<8> order) {
+            if (value == ig_md.chunk_key) {
+                order = ORDER_SAME;
+            } else if (ig_md.chunk_key > value) {
+                order = ORDER_NEWER;
+            } else {
+                order = ORDER_OLDER;
+            }
+        }
+    };
+
+    // first = owners ++ count ++ exp, second = next_exp + 128; returns the round's next_exp + 128 (raised to the
+    // packet's), or DISAGREES
+    RegisterAction<pair_t, cell_t, bit<32>>(round_exp) open_round = {
+        void apply(inout pair_t value, out bit<32> merged) {
+            value.first = ig_md.round_word;
+            value.second = ig_md.next_exp_key;
+            merged = value.second;
+        }
+    };
+
+    // One departure from the v1model program: next_exp is raised before the bitmap tells a duplicate from a new
+    // rank (a conforming worker's duplicate carries the same next_exp, so the max is the same).
+    RegisterAction<pair_t, cell_t, bit<32>>(round_exp) join_round = {
+        void apply(inout pair_t value, out bit<32> merged) {
+            merged = DISAGREES;
+            if (value.first == ig_md.round_word) {
+                if (value.second < ig_md.next_exp_key) {
+                    value.second = ig_md.next_exp_key;
                 }
-                value.first = ig_md.worker_bit_lo;
-                value.second = ig_md.worker_bit_hi;
-            } else if ((value.first & ig_md.worker_bit_lo) != 0 || (value.second & ig_md.worker_bit_hi) != 0) {
-                result = KNOWN_RANK;
-            } else if (ig_md.order == ORDER_SAME && ig_md.exp_ok) {
-                if ((value.first | ig_md.worker_bit_lo) == ig_md.full_lo
-                        && (value.second | ig_md.worker_bit_hi) == ig_md.full_hi) {
-                    result = COMPLETES;
-                }
-                value.first = value.first | ig_md.worker_bit_lo;
-                value.second = value.second | ig_md.worker_bit_hi;
+                merged = value.second;
             }
         }
     };
 
     apply {
-        ig_md.order = classify.execute(ig_md.bridge.slot_index[9:0]);
-        bit<32> round_word = agree.execute(ig_md.bridge.slot_index[9:0]);  // owners (31:24), exp (7:0)
-        ig_md.exp_ok = round_word[7:0] == hdr.intml.exp && round_word[31:24] == hdr.intml.owners;
-        ig_md.bridge.owners = ig_md.order == ORDER_NEWER ? hdr.intml.owners : round_word[31:24];
-        bit<32> marked = mark.execute(ig_md.bridge.slot_index[9:0]);
-        ig_md.new_rank = marked != KNOWN_RANK;
-        if (marked == COMPLETES) {
-            ig_md.bridge.completes = 1;
+        ig_md.chunk_key = hdr.intml.chunk ^ 0x80000000;
+        ig_md.round_word = hdr.intml.owners ++ hdr.intml.count ++ hdr.intml.exp;
+        ig_md.next_exp_key = 24w0 ++ (hdr.intml.next_exp ^ 0x80);
+        bit<8> order;
+        if (lanes_ok) {
+            order = advance_allreduce.execute(ig_md.cell);
+        } else {
+            order = peek_allreduce.execute(ig_md.cell);
+        }
+        if (order == ORDER_NEWER && lanes_ok) {
+            order = open_chunk.execute(ig_md.cell);
+        } else if (order == ORDER_SAME && lanes_ok) {
+            order = advance_chunk.execute(ig_md.cell);
+        } else if (order == ORDER_SAME) {
+            order = peek_chunk.execute(ig_md.cell);
+        }
+        bit<32> merged = DISAGREES;
+        if (order == ORDER_NEWER && lanes_ok) {
+            merged = open_round.execute(ig_md.cell);
+        } else if (order == ORDER_SAME) {
+            merged = join_round.execute(ig_md.cell);
+        }
+        ig_md.bridge.order = order[1:0];
+        ig_md.bridge.agreed = merged == DISAGREES ? 1w0 : 1w1;
+        ig_md.bridge.next_exp = merged[7:0] ^ 0x80;
+        ig_md.bridge.lanes_ok = lanes_ok ? 1w1 : 1w0;
+        // the round's, when the packet agrees with it (a packet that does not is dropped)
+        ig_md.bridge.owners = hdr.intml.owners;
+        ig_md.bridge.elements = hdr.intml.count;
+        ig_md.bridge.exp = hdr.intml.exp;
+    }
+}
+
+// The consume pass's count: the bitmap (ranks 0-31 in first, 32-63 in second) returns the bits before, so a
+// rank already counted is known; the countdown starts at world - 1 on a new round and returns what remains
+// after this contribution, so zero completes (SwitchML's bitmap and count, split: each register one SALU, and
+// the count needs the bitmap's answer).
+control SlotTally(inout tna_metadata_t ig_md, inout ingress_intrinsic_metadata_for_deparser_t ig_dprsr_md) {
+    Register<pair_t, cell_t>(LANE_ENTRIES) worker_bitmap;
+    Register<bit<8>, cell_t>(LANE_ENTRIES) worker_countdown;
+
+    RegisterAction<pair_t, cell_t, bit<32>>(worker_bitmap) open_lo = {
+        void apply(inout pair_t value) {
+            value.first = ig_md.worker_bit;
+            value.second = 0;
+        }
+    };
+
+    RegisterAction<pair_t, cell_t, bit<32>>(worker_bitmap) mark_lo = {
+        void apply(inout pair_t value, out bit<32> before) {
+            before = value.first;
+            value.first = value.first | ig_md.worker_bit;
+        }
+    };
+
+    RegisterAction<pair_t, cell_t, bit<32>>(worker_bitmap) peek_lo = {
+        void apply(inout pair_t value, out bit<32> before) {
+            before = value.first;
+        }
+    };
+
+    RegisterAction<pair_t, cell_t, bit<32>>(worker_bitmap) open_hi = {
+        void apply(inout pair_t value) {
+            value.second = ig_md.worker_bit;
+            value.first = 0;
+        }
+    };
+
+    RegisterAction<pair_t, cell_t, bit<32>>(worker_bitmap) mark_hi = {
+        void apply(inout pair_t value, out bit<32> before) {
+            before = value.second;
+            value.second = value.second | ig_md.worker_bit;
+        }
+    };
+
+    RegisterAction<pair_t, cell_t, bit<32>>(worker_bitmap) peek_hi = {
+        void apply(inout pair_t value, out bit<32> before) {
+            before = value.second;
+        }
+    };
+
+    RegisterAction<bit<8>, cell_t, bit<8>>(worker_countdown) start_count = {
+        void apply(inout bit<8> value, out bit<8> remaining) {
+            value = ig_md.others;
+            remaining = value;
+        }
+    };
+
+    RegisterAction<bit<8>, cell_t, bit<8>>(worker_countdown) count_down = {
+        void apply(inout bit<8> value, out bit<8> remaining) {
+            value = value - 1;
+            remaining = value;
+        }
+    };
+
+    RegisterAction<bit<8>, cell_t, bit<8>>(worker_countdown) peek_count = {
+        void apply(inout bit<8> value, out bit<8> remaining) {
+            remaining = value;
+        }
+    };
+
+    apply {
+        bit<8> remaining = 1;
+        bool contributes = ig_md.bridge.agreed == 1 && ig_md.bridge.lanes_ok == 1;
+        ig_md.bridge.step = STEP_NONE;
+        if (ig_md.bridge.order == ORDER_NEWER) {
+            if (ig_md.rank_hi) { open_hi.execute(ig_md.cell); } else { open_lo.execute(ig_md.cell); }
+            remaining = start_count.execute(ig_md.cell);
+            ig_md.bridge.step = STEP_OPEN;
+        } else {
+            bit<32> before;
+            if (contributes && ig_md.rank_hi) {
+                before = mark_hi.execute(ig_md.cell);
+            } else if (contributes) {
+                before = mark_lo.execute(ig_md.cell);
+            } else if (ig_md.rank_hi) {
+                before = peek_hi.execute(ig_md.cell);
+            } else {
+                before = peek_lo.execute(ig_md.cell);
+            }
+            if ((before & ig_md.worker_bit) != 0) {  // a duplicate, or a re-send once the round is complete
+                remaining = peek_count.execute(ig_md.cell);
+                if (remaining == 0) { ig_md.bridge.step = STEP_RESEND; }
+            } else if (contributes) {
+                remaining = count_down.execute(ig_md.cell);
+                ig_md.bridge.step = STEP_ADD;
+            } else {
+                ig_dprsr_md.drop_ctl = 1;  // drop_exponent_mismatch or drop_invalid_code: nothing was written
+            }
+        }
+        ig_md.bridge.completes = remaining == 0 && ig_md.bridge.step != STEP_RESEND ? 1w1 : 1w0;
+        if (ig_md.bridge.completes == 0 && ig_md.bridge.step != STEP_RESEND) {
+            ig_md.bridge.all_in = 0;
         }
     }
 }

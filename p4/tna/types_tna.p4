@@ -2,19 +2,18 @@
 #ifndef _INTML_TNA_TYPES_
 #define _INTML_TNA_TYPES_
 
-const int SLOT_ENTRIES = 1024;  // p4/layout.py: the sketch keeps one slot state per (row, set)
-typedef bit<10> slot_index_t;  // 2 * row + shadow: SLOT_ENTRIES cells
-const int RECIRCULATION_PORT = 68;  // Tofino-1 pipe 0's recirculation port (an assumption of the sketch)
-const int PHASE_CONSUME = 0;  // the pass adds its lanes
-const int PHASE_HARVEST_FIRST = 1;  // the pass reads back the first lanes of its register pairs
-const int PHASE_HARVEST_SECOND = 2;  // ... and the second
-const int KNOWN_RANK = 1;
-const int COMPLETES = 2;
+typedef bit<14> cell_t;  // slot_index ++ pass_no: the group's slot state and lanes
+const int RECIRCULATION_PORT = 68;  // Tofino-1 pipe 0's recirculation port: one port keeps a slot's passes in order
+const int PHASE_JUDGE = 0;
+const int PHASE_CONSUME = 1;
+const int PHASE_HARVEST = 2;
 const int ORDER_OLDER = 0;
 const int ORDER_SAME = 1;
 const int ORDER_NEWER = 2;
+const int DISAGREES = 0xffffffff;  // round_exp's output when the round's word is not the packet's
+const int CONFORMS = 1;  // a GCRA bucket's output: the datagram takes a token
 
-// The bridge header: what a recirculated pass needs from pass 0 (p4/layout.py BRIDGED, and the phase)
+// the bridge header: layout.BRIDGED and the sketch's own fields, carried from pass to pass
 header bridge_h {
     bit<8> pass_no;
     bit<2> step;
@@ -28,122 +27,84 @@ header bridge_h {
     bit<8> next_exp;
     bit<8> k_finite;
     bit<1> all_in;
-    bit<8> phase;  // PHASE_CONSUME, PHASE_HARVEST_FIRST or PHASE_HARVEST_SECOND
-    bit<4> pad;
+    bit<2> phase;
+    bit<2> order;
+    bit<1> agreed;
+    bit<1> lanes_ok;
+    bit<1> half;
+    bit<1> reading;
+    bit<1> carries;
+    bit<3> pad;
 }
 
-// one pass's codes, the part of the payload the PHV holds
-header pass_codes_h {
-    bit<8> c0;
-    bit<8> c1;
-    bit<8> c2;
-    bit<8> c3;
-    bit<8> c4;
-    bit<8> c5;
-    bit<8> c6;
-    bit<8> c7;
-    bit<8> c8;
-    bit<8> c9;
-    bit<8> c10;
-    bit<8> c11;
-    bit<8> c12;
-    bit<8> c13;
-    bit<8> c14;
-    bit<8> c15;
-    bit<8> c16;
-    bit<8> c17;
-    bit<8> c18;
-    bit<8> c19;
-    bit<8> c20;
-    bit<8> c21;
-    bit<8> c22;
-    bit<8> c23;
-    bit<8> c24;
-    bit<8> c25;
-    bit<8> c26;
-    bit<8> c27;
-    bit<8> c28;
-    bit<8> c29;
-    bit<8> c30;
-    bit<8> c31;
-    bit<8> c32;
-    bit<8> c33;
-    bit<8> c34;
-    bit<8> c35;
-    bit<8> c36;
-    bit<8> c37;
-    bit<8> c38;
-    bit<8> c39;
-    bit<8> c40;
-    bit<8> c41;
-    bit<8> c42;
-    bit<8> c43;
-    bit<8> c44;
-    bit<8> c45;
-    bit<8> c46;
-    bit<8> c47;
-    bit<8> c48;
-    bit<8> c49;
-    bit<8> c50;
-    bit<8> c51;
-    bit<8> c52;
-    bit<8> c53;
-    bit<8> c54;
-    bit<8> c55;
-    bit<8> c56;
-    bit<8> c57;
-    bit<8> c58;
-    bit<8> c59;
-    bit<8> c60;
-    bit<8> c61;
-    bit<8> c62;
-    bit<8> c63;
+// one pass's codes, four per word: the lanes 0-31 (a harvest pass writes its codes here) and 32-63
+header codes_lo_h {
+    bit<32> q0;
+    bit<32> q1;
+    bit<32> q2;
+    bit<32> q3;
+    bit<32> q4;
+    bit<32> q5;
+    bit<32> q6;
+    bit<32> q7;
 }
 
-// the codes a harvest pass prepends: half a pass
-header half_codes_h {
-    bit<8> c0;
-    bit<8> c1;
-    bit<8> c2;
-    bit<8> c3;
-    bit<8> c4;
-    bit<8> c5;
-    bit<8> c6;
-    bit<8> c7;
-    bit<8> c8;
-    bit<8> c9;
-    bit<8> c10;
-    bit<8> c11;
-    bit<8> c12;
-    bit<8> c13;
-    bit<8> c14;
-    bit<8> c15;
-    bit<8> c16;
-    bit<8> c17;
-    bit<8> c18;
-    bit<8> c19;
-    bit<8> c20;
-    bit<8> c21;
-    bit<8> c22;
-    bit<8> c23;
-    bit<8> c24;
-    bit<8> c25;
-    bit<8> c26;
-    bit<8> c27;
-    bit<8> c28;
-    bit<8> c29;
-    bit<8> c30;
-    bit<8> c31;
+header codes_hi_h {
+    bit<32> q8;
+    bit<32> q9;
+    bit<32> q10;
+    bit<32> q11;
+    bit<32> q12;
+    bit<32> q13;
+    bit<32> q14;
+    bit<32> q15;
+}
+
+// the sums a harvest pass read, for the next pass to encode
+header sums_h {
+    bit<32> s0;
+    bit<32> s1;
+    bit<32> s2;
+    bit<32> s3;
+    bit<32> s4;
+    bit<32> s5;
+    bit<32> s6;
+    bit<32> s7;
+    bit<32> s8;
+    bit<32> s9;
+    bit<32> s10;
+    bit<32> s11;
+    bit<32> s12;
+    bit<32> s13;
+    bit<32> s14;
+    bit<32> s15;
+    bit<32> s16;
+    bit<32> s17;
+    bit<32> s18;
+    bit<32> s19;
+    bit<32> s20;
+    bit<32> s21;
+    bit<32> s22;
+    bit<32> s23;
+    bit<32> s24;
+    bit<32> s25;
+    bit<32> s26;
+    bit<32> s27;
+    bit<32> s28;
+    bit<32> s29;
+    bit<32> s30;
+    bit<32> s31;
 }
 
 struct tna_headers_t {
     bridge_h bridge;
+    sums_h sums;
     ethernet_h ethernet;
     ipv4_h ipv4;
     udp_h udp;
     intml_h intml;
-    half_codes_h result;
-    pass_codes_h codes;
+    codes_lo_h codes_lo;
+    codes_hi_h codes_hi;
 }
 
 struct pair_t {
@@ -151,89 +112,115 @@ struct pair_t {
     bit<32> second;
 }
 
-// the lanes' values in the slot's unit, then their sums
-struct lane_values_t {
-    bit<32> v0;
-    bit<32> v1;
-    bit<32> v2;
-    bit<32> v3;
-    bit<32> v4;
-    bit<32> v5;
-    bit<32> v6;
-    bit<32> v7;
-    bit<32> v8;
-    bit<32> v9;
-    bit<32> v10;
-    bit<32> v11;
-    bit<32> v12;
-    bit<32> v13;
-    bit<32> v14;
-    bit<32> v15;
-    bit<32> v16;
-    bit<32> v17;
-    bit<32> v18;
-    bit<32> v19;
-    bit<32> v20;
-    bit<32> v21;
-    bit<32> v22;
-    bit<32> v23;
-    bit<32> v24;
-    bit<32> v25;
-    bit<32> v26;
-    bit<32> v27;
-    bit<32> v28;
-    bit<32> v29;
-    bit<32> v30;
-    bit<32> v31;
-    bit<32> v32;
-    bit<32> v33;
-    bit<32> v34;
-    bit<32> v35;
-    bit<32> v36;
-    bit<32> v37;
-    bit<32> v38;
-    bit<32> v39;
-    bit<32> v40;
-    bit<32> v41;
-    bit<32> v42;
-    bit<32> v43;
-    bit<32> v44;
-    bit<32> v45;
-    bit<32> v46;
-    bit<32> v47;
-    bit<32> v48;
-    bit<32> v49;
-    bit<32> v50;
-    bit<32> v51;
-    bit<32> v52;
-    bit<32> v53;
-    bit<32> v54;
-    bit<32> v55;
-    bit<32> v56;
-    bit<32> v57;
-    bit<32> v58;
-    bit<32> v59;
-    bit<32> v60;
-    bit<32> v61;
-    bit<32> v62;
-    bit<32> v63;
+// a consume pass's decoded values; a harvest pass's rounding words (0-31) and the sums it reads
+// (32-63): the same containers, as the passes never need both
+struct lane_words_t {
+    bit<32> w0;
+    bit<32> w1;
+    bit<32> w2;
+    bit<32> w3;
+    bit<32> w4;
+    bit<32> w5;
+    bit<32> w6;
+    bit<32> w7;
+    bit<32> w8;
+    bit<32> w9;
+    bit<32> w10;
+    bit<32> w11;
+    bit<32> w12;
+    bit<32> w13;
+    bit<32> w14;
+    bit<32> w15;
+    bit<32> w16;
+    bit<32> w17;
+    bit<32> w18;
+    bit<32> w19;
+    bit<32> w20;
+    bit<32> w21;
+    bit<32> w22;
+    bit<32> w23;
+    bit<32> w24;
+    bit<32> w25;
+    bit<32> w26;
+    bit<32> w27;
+    bit<32> w28;
+    bit<32> w29;
+    bit<32> w30;
+    bit<32> w31;
+    bit<32> w32;
+    bit<32> w33;
+    bit<32> w34;
+    bit<32> w35;
+    bit<32> w36;
+    bit<32> w37;
+    bit<32> w38;
+    bit<32> w39;
+    bit<32> w40;
+    bit<32> w41;
+    bit<32> w42;
+    bit<32> w43;
+    bit<32> w44;
+    bit<32> w45;
+    bit<32> w46;
+    bit<32> w47;
+    bit<32> w48;
+    bit<32> w49;
+    bit<32> w50;
+    bit<32> w51;
+    bit<32> w52;
+    bit<32> w53;
+    bit<32> w54;
+    bit<32> w55;
+    bit<32> w56;
+    bit<32> w57;
+    bit<32> w58;
+    bit<32> w59;
+    bit<32> w60;
+    bit<32> w61;
+    bit<32> w62;
+    bit<32> w63;
+}
+
+// the judge pass's invalid-code flags, one per lane_check lookup, OR-ed into f0
+struct check_flags_t {
+    bit<8> f0;
+    bit<8> f1;
+    bit<8> f2;
+    bit<8> f3;
+    bit<8> f4;
+    bit<8> f5;
+    bit<8> f6;
+    bit<8> f7;
+    bit<8> f8;
+    bit<8> f9;
+    bit<8> f10;
+    bit<8> f11;
+    bit<8> f12;
+    bit<8> f13;
+    bit<8> f14;
+    bit<8> f15;
 }
 
 struct tna_metadata_t {
     bridge_h bridge;
-    bit<32> worker_bit_lo;
-    bit<32> worker_bit_hi;
-    bit<8> world;
-    bit<32> full_lo;  // the job's full bitmap (ranks 0..n-1), from the job table
-    bit<32> full_hi;
-    bit<2> event;
-    bit<2> state;
-    bit<8> order;  // ORDER_OLDER / ORDER_SAME / ORDER_NEWER: the packet's round against the set's
-    bool lanes_ok;
-    bool exp_ok;
-    bool new_rank;
-    lane_values_t values;
-    lane_values_t sums;
+    cell_t cell;
+    bit<32> worker_bit;  // the rank's bit in its half of the bitmap (job_table)
+    bool rank_hi;  // the rank is 32 or above
+    bit<8> others;  // world - 1: the countdown a new round starts from (job_table)
+    bit<8> k_limit;  // data_bound
+    bit<8> last_group;  // the round's groups - 1
+    bit<32> chunk_key;  // chunk + 2**31: chunks order unsigned
+    bit<32> round_word;  // owners ++ count ++ exp: what every contribution of the round must agree on
+    bit<32> next_exp_key;  // next_exp + 128: exponents order unsigned
+    bit<32> now;  // ingress time in 1.024 us units (ns >> 10), 32 bits: wraps in 73 minutes
+    bit<32> source_deadline;  // now + the source bucket's tolerance
+    bit<32> core_deadline;
+    bit<32> source_tolerance;  // control_limits
+    bit<32> core_tolerance;
+    bit<10> bucket;
+    bool drop;
+    check_flags_t flags;
+    lane_words_t words;
 }
 
 #endif

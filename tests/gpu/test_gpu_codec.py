@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from numba.core import config
 
-from intml.protocol import arith, cnat
+from intml.protocol import arith, cnat, half
 from intml.protocol.rng import BLOCK, stream_key
 
 if "numba.cuda" not in sys.modules and os.environ.get("INTML_TEST_CUDA_DEVICE") != "1":
@@ -207,6 +207,31 @@ def test_rejects_host_arrays_and_wrong_dtypes():
         cnat_cuda.encode(cuda.to_device(np.zeros(4, np.float64)), seed=0, stream=0, floor=0)
     with pytest.raises(ValueError, match="floor"):
         cnat_cuda.decode(cuda.to_device(np.zeros(4, np.uint8)), floor=128)
+
+
+@pytest.mark.parametrize("fmt", [half.BFLOAT16, half.FLOAT16])
+def test_16bit_words_equal_cpu(fmt):
+    """bfloat16 and float16 words (random patterns, NaN and infinities among them): the device's encode, chunk
+    statistics and rounding back to 16 bits are protocol.half's, bit for bit."""
+    words = np.random.default_rng(fmt).integers(0, 1 << 16, 700 if SIMULATED else 1 << 16).astype(np.uint16)
+    device = cuda.to_device(words.view(np.int16))
+    wide = half.to_float32(words, fmt)
+    for seed in (None, 5):
+        want = half.encode(words, fmt, floor=-20, seed=seed, stream=3)
+        got = cnat_cuda.encode_chunks(device, key=0 if seed is None else stream_key(seed, 3), floors=[-20],
+                                      chunk_elements=words.size, stochastic=seed is not None, fmt=fmt)
+        assert got.codes.copy_to_host().tolist() == want.codes.tolist() and got.saturated == want.saturated
+    stats = cnat_cuda.chunk_stats(device, 64, fmt=fmt)
+    want_stats = cnat_cuda.chunk_stats(cuda.to_device(wide), 64)
+    assert stats.exponents.tolist() == want_stats.exponents.tolist()
+    assert stats.lows.tolist() == want_stats.lows.tolist()
+    with np.errstate(invalid="ignore"):  # a signalling NaN's product
+        tripled = wide * np.float32(3)  # values that round, and overflow to Inf
+    out = cuda.device_array(words.size, np.uint16)
+    cnat_cuda.narrow(cuda.to_device(tripled), out, fmt)
+    assert out.copy_to_host().tolist() == half.from_float32(tripled, fmt).tolist()
+    with pytest.raises(TypeError, match="16-bit words"):
+        cnat_cuda.chunk_stats(cuda.to_device(wide), 64, fmt=fmt)
 
 
 def _run(code: str, *args: str) -> subprocess.CompletedProcess:

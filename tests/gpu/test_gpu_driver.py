@@ -26,6 +26,7 @@ if not cuda.is_available():
     pytest.skip("numba.cuda was imported for a real device before this module, and there is none",
                 allow_module_level=True)
 
+from intml.protocol import half  # noqa: E402
 from intml.worker.api import Worker  # noqa: E402
 from intml.worker.gpu import driver  # noqa: E402
 from intml.worker.gpu.driver import DeviceAllreducer  # noqa: E402
@@ -129,3 +130,36 @@ def test_codes_landing_late_are_waited_for(agg, monkeypatch):
     assert next(looks) > 3 * (x.size // PKT)  # every piece was found unfinished twice first
     assert result.copy_to_host().tobytes() == want.tobytes()
     assert sent.copy_to_host().tobytes() == want_sent.tobytes()
+
+
+def half_rank(address: str, rank: int, codec: str, jobs: tuple[int, int]) -> list[tuple[bytes, bytes]]:
+    """A bfloat16 sum and a float16 mean of rank-dependent words: on the host (job jobs[0]) and on the device (job
+    jobs[1], same seed: the same random words), each result's bytes."""
+    options = dict(rank=rank, world_size=N, token=TOKEN, codec=codec, packet_elements=PKT, pool_size=POOL,
+                   seed=SEED, timeout=30)
+    x = inputs(rank)[0]
+    calls = [(half.from_float32(x, half.BFLOAT16).view(np.int16), "bfloat16", "sum"),
+             (x.astype(np.float16), "float16", "mean")]
+    with Worker(address, job=jobs[0], **options) as w:
+        host = [w.allreduce(words, op, dtype=dtype).tobytes() for words, dtype, op in calls]
+    with Worker(address, job=jobs[1], **options) as w:
+        device = DeviceAllreducer(w, piece_elements=3 * PKT)
+        got = []
+        for words, dtype, op in calls:
+            xd = cuda.to_device(words)
+            out = cuda.device_array_like(xd)
+            device.allreduce(xd, out, op, dtype=dtype)
+            got.append(out.copy_to_host().tobytes())
+    return list(zip(host, got, strict=True))
+
+
+@pytest.mark.parametrize("codec", ["cnat8", "int32"])
+def test_16bit_device_allreduce_equals_host(agg, codec):
+    """bfloat16 and float16 device arrays (their words, encoded on the device with no float32 copy) give the host's
+    16-bit allreduce, bit for bit, at every rank."""
+    jobs = (200 + 2 * len(codec), 201 + 2 * len(codec))
+    got = run_ok(half_rank, [(agg.address, r, codec, jobs) for r in range(N)], timeout=240)
+    for r in range(N):
+        for i, (host, device) in enumerate(got[r]):
+            assert device == host, (r, i)
+            assert device == got[0][i][1]

@@ -3,8 +3,10 @@ on a veth port; the controller's entries for a joined job go in through ``simple
 (p4.entries.cli_commands); packet streams are sent one frame at a time, and every datagram the switch sends back
 (its UDP payload and destination) is compared, byte for byte, with what the pipeline model sends for the same
 frame. Streams of several passes (recirculation), completions (multicast), re-sends, duplicates, stale packets and
-an invalid code, both codecs; each copy carries the switch's and its rank's Ethernet addresses. C_nat streams give every rank the same codes, so each sum is a power of two and its
-encoding needs no random bits (the shipped program keeps v1model's random()). Skipped, saying why, without root,
+an invalid code, both codecs, non-finite lanes; each copy carries the switch's and its rank's Ethernet addresses.
+On the shipped program (v1model's random()) C_nat streams give every rank the same codes, so each sum is exact and
+its encoding needs no random bits, or join with nearest rounding; sums that need random bits run on the test build
+(``-DINTML_TEST_RANDOM``), whose frames carry the words the model is given. Skipped, saying why, without root,
 ``ip``, the tools or the ``thrift`` package."""
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -23,13 +26,20 @@ from support.harness import worker_addr
 from support.p4build import compiled, tool
 from test_p4_model import joined
 
-from intml.p4.bmv2 import SWITCH_MAC, frame, mac_of, unframe
+from intml.aggregator.core import AggregatorCore
 from intml.p4.controller import controller_entries
 from intml.p4.entries import cli_commands
+from intml.p4.extern import CarriedRandom
+from intml.p4.generate import TEST_RANDOM, TEST_RANDOM_ETHERTYPE
+from intml.p4.layout import LANES_PER_PASS
+from intml.protocol.reference import INT32_NONFINITE
 from intml.protocol import wire
+from intml.protocol.address import addr_key_of, addr_of
 from intml.protocol.codec import Codec
 from intml.protocol.wire import NO_EXP, MsgType
 
+SWITCH_IP = "10.77.0.1"
+SWITCH_MAC = b"\x02\0\0\0\0\x01"
 PORT = 1  # the one switch port: every rank behind it (the multicast nodes are on it too)
 THRIFT = 9090
 QUIET_S = 3.0  # a frame's output is complete after this long without another (BMv2 under load)
@@ -108,20 +118,48 @@ class Switch:
         subprocess.run(["ip", "netns", "del", self.namespace], capture_output=True)
 
 
-@pytest.fixture(scope="module")
-def program() -> Path:
-    """The program compiled for BMv2 (once per source: support.p4build)."""
-    return compiled()
-
-
 @pytest.fixture
-def switch(program: Path, tmp_path: Path):
-    """A fresh simple_switch (empty tables and groups, every register 0: every set EMPTY)."""
+def switch(request: pytest.FixtureRequest, tmp_path: Path):
+    """A fresh simple_switch (empty tables and groups, every register 0: every set EMPTY) running the program
+    compiled with the ``-D`` defines of the fixture's parameter (default: none, the shipped program), once per
+    source (support.p4build)."""
+    program = compiled(*getattr(request, "param", ()))
     sw = Switch(f"intml-bmv2-{os.getpid()}", program, tmp_path / "simple_switch.log")
     try:
         yield sw
     finally:
         sw.close()
+
+
+def mac_of(key: int) -> bytes:
+    """A worker's Ethernet address: one per address key."""
+    return b"\x02\x01" + (key & 0xFFFFFFFF).to_bytes(4, "big")
+
+
+def frame(datagram: bytes, source: int, words: np.ndarray | None = None) -> bytes:
+    """Ethernet (from the worker's address to the switch's), IPv4 (checksum computed) and UDP (no checksum) around
+    a datagram from address key ``source``; ``words``: the test build's random words, in their header between the
+    Ethernet and the IPv4 header."""
+    ip, port = addr_of(source)
+    udp = port.to_bytes(2, "big") + wire.DEFAULT_PORT.to_bytes(2, "big") + (8 + len(datagram)).to_bytes(2, "big")
+    udp += b"\0\0"
+    header = bytearray(b"\x45\x00" + (28 + len(datagram)).to_bytes(2, "big") + b"\0\0\0\0\x40\x11\0\0"
+                       + socket.inet_aton(ip) + socket.inet_aton(SWITCH_IP))
+    total = sum(int.from_bytes(header[i:i + 2], "big") for i in range(0, 20, 2))
+    while total >> 16:
+        total = (total & 0xFFFF) + (total >> 16)
+    header[10:12] = (~total & 0xFFFF).to_bytes(2, "big")
+    carried = b"" if words is None else (TEST_RANDOM_ETHERTYPE.to_bytes(2, "big") + words.astype(">u4").tobytes())
+    return SWITCH_MAC + mac_of(source) + carried + b"\x08\x00" + bytes(header) + udp + datagram
+
+
+def unframe(data: bytes) -> tuple[bytes, int]:
+    """(UDP payload, destination address key) of a frame the switch sent."""
+    ihl = (data[14] & 0xF) * 4
+    udp = 14 + ihl
+    length = int.from_bytes(data[udp + 4:udp + 6], "big")
+    key = addr_key_of(socket.inet_ntoa(data[30:34]), int.from_bytes(data[udp + 2:udp + 4], "big"))
+    return data[udp + 8:udp + length], key
 
 
 def packet(rank: int, allreduce: int, payload: np.ndarray, codec: Codec) -> bytes:
@@ -130,35 +168,90 @@ def packet(rank: int, allreduce: int, payload: np.ndarray, codec: Codec) -> byte
                       "next_exp": NO_EXP}, payload)
 
 
-def stream(codec: Codec, elements: int) -> list[tuple[bytes, int]]:
+NONFINITE = {3: (1, 0), 17: (0, 2), 70: (3, 0), 71: (1, 2), 149: (2, 2)}  # lane -> each rank's flags (0: finite)
+
+
+def stream(codec: Codec, elements: int, same_codes: bool = True, nonfinite: bool = False) -> list[tuple[bytes, int]]:
     """Two ranks: a round (completion, multicast), a re-send, the next round on the same set, a duplicate, a stale
-    packet, its completion; then an invalid code."""
+    packet, its completion; then an invalid code. ``same_codes``: C_nat ranks send equal codes, so that every sum is
+    0 or ±2^k, encoded exactly (else their codes differ and the sums need rounding); ``nonfinite``: the NONFINITE
+    lanes carry flags (a finite lane beside one is a single code: exact too)."""
     rng = np.random.default_rng(elements)
     if codec == Codec.INT32:
         values = [rng.integers(-1000, 1000, elements).astype(">i4") for _ in range(3)]
-        same = [lambda r, v=v: v if r == 0 else -v // 2 for v in values]
+        ranks = [lambda r, v=v: v if r == 0 else -v // 2 for v in values]
     else:
-        values = [np.where(rng.random(elements) < 0.2, 0, 0x40 | rng.integers(0, 5, elements)
-                           | (rng.random(elements) < 0.5) * 0x80).astype(np.uint8) for _ in range(3)]
-        same = [lambda r, v=v: v for v in values]  # equal codes: every sum is 0 or ±2^k, encoded exactly
-    bad = values[2].copy()
+        values = [np.where(rng.random((2, elements)) < 0.2, 0, 0x40 | rng.integers(0, 5, (2, elements))
+                           | (rng.random((2, elements)) < 0.5) * 0x80).astype(np.uint8) for _ in range(3)]
+        ranks = [lambda r, v=v: v[0 if same_codes else r] for v in values]
+
+    def payload(k: int, rank: int) -> np.ndarray:
+        out = ranks[k](rank).copy()
+        for lane, flags in NONFINITE.items():
+            if nonfinite and lane < elements and flags[rank]:
+                out[lane] = flags[rank] if codec == Codec.CNAT8 else INT32_NONFINITE + flags[rank]
+        return out
+
+    bad = payload(2, 0)
     bad[-1] = 0x7F if codec == Codec.CNAT8 else 0x7FFFFFFF
-    items = [(0, 0, same[0](0)), (1, 0, same[0](1)), (0, 0, same[0](0)), (1, 2, same[1](1)), (1, 2, same[1](1)),
-             (0, 0, same[0](0)), (0, 2, same[1](0)), (0, 4, bad), (1, 4, same[2](1))]
+    items = [(0, 0, payload(0, 0)), (1, 0, payload(0, 1)), (0, 0, payload(0, 0)), (1, 2, payload(1, 1)),
+             (1, 2, payload(1, 1)), (0, 0, payload(0, 0)), (0, 2, payload(1, 0)), (0, 4, bad), (1, 4, payload(2, 1))]
     return [(packet(rank, allreduce, payload, codec), worker_addr(rank)) for rank, allreduce, payload in items]
 
 
-@pytest.mark.parametrize("codec, elements", [(Codec.CNAT8, 40), (Codec.CNAT8, 150), (Codec.INT32, 150)])
-def test_bmv2_sends_what_the_model_sends(switch: Switch, tmp_path: Path, codec: Codec, elements: int) -> None:
-    core, _, model = joined(2, elements, codec)
-    commands = cli_commands(controller_entries(core), port=PORT)
-    result = switch.cli(commands)
+def load(switch: Switch, core: AggregatorCore) -> None:
+    """The controller's entries for ``core``'s jobs into the switch."""
+    result = switch.cli(cli_commands(controller_entries(core), port=PORT))
     assert "Error" not in result.stdout, result.stdout[-3000:]
-    items = stream(codec, elements)
-    expected = [model.receive(datagram, source, 0.0) for datagram, source in items]
-    got = switch.exchange([frame(datagram, source) for datagram, source in items], tmp_path)
+
+
+def assert_sends(got: list[list[bytes]], expected: list[list[tuple[bytes, int]]]) -> None:
+    """Each input frame's output equals the model's, byte for byte; each copy from the switch to its rank's
+    Ethernet address, as a NIC accepts it."""
     assert sum(len(e) for e in expected) >= 5
     for i, (want, have) in enumerate(zip(expected, got)):
         assert sorted(unframe(f) for f in have) == sorted(want), f"frame {i}"
-        for f in have:  # each copy from the switch to its rank's Ethernet address, as a NIC accepts it
+        for f in have:
             assert f[:6] == mac_of(unframe(f)[1]) and f[6:12] == SWITCH_MAC, f"frame {i}"
+
+
+@pytest.mark.parametrize("codec, elements, nonfinite", [(Codec.CNAT8, 40, False), (Codec.CNAT8, 150, True),
+                                                        (Codec.INT32, 150, True)])
+def test_bmv2_sends_what_the_model_sends(switch: Switch, tmp_path: Path, codec: Codec, elements: int,
+                                         nonfinite: bool) -> None:
+    core, _, model = joined(2, elements, codec)
+    load(switch, core)
+    items = stream(codec, elements, nonfinite=nonfinite)
+    expected = [model.receive(datagram, source, 0.0) for datagram, source in items]
+    assert_sends(switch.exchange([frame(datagram, source) for datagram, source in items], tmp_path), expected)
+    assert (model.counters(0)["nonfinite_elements"] > 0) == nonfinite
+
+
+def test_bmv2_rounds_a_nearest_job_as_the_model(switch: Switch, tmp_path: Path) -> None:
+    """A job joined with nearest rounding, ranks with different codes: every sum is rounded, and the shipped
+    program rounds it as the model (and the kernel) do, deterministically."""
+    core, _, model = joined(2, 150, Codec.CNAT8, flags=wire.FLAG_NEAREST)
+    load(switch, core)
+    items = stream(Codec.CNAT8, 150, same_codes=False, nonfinite=True)
+    expected = [model.receive(datagram, source, 0.0) for datagram, source in items]
+    assert_sends(switch.exchange([frame(datagram, source) for datagram, source in items], tmp_path), expected)
+
+
+@pytest.mark.parametrize("switch", [(TEST_RANDOM,)], indirect=True)
+def test_bmv2_test_build_rounds_with_the_carried_words(switch: Switch, tmp_path: Path) -> None:
+    """The test build takes its random words from the frame: ranks with different codes (sums that need random
+    bits), each frame with its own words, which the model is given too; other words would round otherwise."""
+    random = CarriedRandom()
+    core, _, model = joined(2, 150, Codec.CNAT8, random)
+    load(switch, core)
+    items = stream(Codec.CNAT8, 150, same_codes=False, nonfinite=True)
+    rng = np.random.default_rng(3)
+    words = [rng.integers(0, 1 << 32, LANES_PER_PASS, dtype=np.uint32) for _ in items]
+    expected = []
+    for (datagram, source), carried in zip(items, words):
+        random.carried = carried
+        expected.append(model.receive(datagram, source, 0.0))
+    other = joined(2, 150, Codec.CNAT8, CarriedRandom())[2]  # every word 0: rounds down
+    assert [other.receive(datagram, source, 0.0) for datagram, source in items] != expected
+    assert_sends(switch.exchange([frame(datagram, source, carried) for (datagram, source), carried
+                                  in zip(items, words)], tmp_path), expected)

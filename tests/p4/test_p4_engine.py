@@ -9,7 +9,9 @@ import socket
 import numpy as np
 import pytest
 from support.cluster import HOST, aggregator, join_over, run_ok
+from support.harness import handshake, worker_addr
 
+from intml.p4.engine import p4model_core
 from intml.protocol import wire
 from intml.protocol.wire import MsgType
 from support.allreduce import CODECS, RS_PLAN, SMALL_PLAN, assert_bits_equal, check_results, expected_results, new_job, reduce_scatter_worker, run_job, shard_of
@@ -75,3 +77,15 @@ def test_p4model_engine_refuses_a_join_in_one_line(params: dict, says: str) -> N
     header, payload = wire.unpack(reply)
     text = payload.tobytes().decode()
     assert header["type"] == MsgType.ERROR and says in text and "\n" not in text, text
+
+
+def test_p4model_engine_refuses_a_second_tenants_job_of_one_id_naming_why() -> None:
+    """The P4 job table matches the wire job id alone: a second token's job of an id running is refused."""
+    core = p4model_core(rows=16, max_elements=64, max_jobs=4, tokens=["a", "b"])
+    params = {"world_size": 2, "packet_elements": 64, "pool_size": 4, "codec": 0, "seed": 1}
+    [(reply, _)] = handshake(core, worker_addr(0), 0.0, 7, 0, token="a", **params)
+    assert reply[wire.OFFSETS["type"]] == MsgType.JOIN_ACK
+    [(reply, _)] = handshake(core, worker_addr(1), 0.0, 7, 1, token="b", **params)
+    assert reply[wire.OFFSETS["type"]] == MsgType.ERROR and b"keeps one job per job id" in reply
+    [(reply, _)] = handshake(core, worker_addr(1), 0.0, 8, 1, token="b", **params)
+    assert reply[wire.OFFSETS["type"]] == MsgType.JOIN_ACK  # another id is b's to take

@@ -54,13 +54,14 @@ def model_of(core: AggregatorCore, random=None) -> PipelineModel:
     return model
 
 
-def joined(world: int, packet_elements: int, codec: Codec = Codec.CNAT8, random=None
+def joined(world: int, packet_elements: int, codec: Codec = Codec.CNAT8, random=None, flags: int = 0
            ) -> tuple[AggregatorCore, SlotReference, PipelineModel]:
-    """Job 7 of ``world`` ranks (one slot) joined on a kernel core, the reference and a model of that core."""
+    """Job 7 of ``world`` ranks (one slot) joined on a kernel core with JOIN ``flags``, the reference and a model of
+    that core."""
     core = AggregatorCore(rows=4, max_elements=packet_elements, tokens=[TOKEN])
     for rank in range(world):
         handshake(core, worker_addr(rank), 0.0, 7, rank, token=TOKEN, world_size=world,
-                  packet_elements=packet_elements, pool_size=1, codec=int(codec))
+                  packet_elements=packet_elements, pool_size=1, codec=int(codec), flags=flags)
     ref = SlotReference()
     ref.join(Job(7, world, packet_elements, 1, int(codec), 0, {r: worker_addr(r) for r in range(world)}))
     return core, ref, model_of(core, random)
@@ -231,6 +232,32 @@ def test_non_finite_lanes_match_kernel_and_reference(codec: str) -> None:
         if datagram is not None and datagram[3] == MsgType.DATA:
             assert out == ref.receive(datagram, addr)
     assert nonzero(ref.jobs[model.job].stats) == nonzero(model.job_counters())
+
+
+@pytest.mark.parametrize("codec", ["cnat8", "int32"])
+def test_nearest_jobs_match_kernel_and_reference(codec: str) -> None:
+    """A job joined with nearest rounding (the JOIN flag, the job table's ``nearest``), with loss and duplication,
+    a packet of 3 passes: the model sends the kernel's datagrams and counters, and every rank gets the reference's
+    deterministic result; the same stream with stochastic rounding gives other C_nat results."""
+    n, elements = 3, 150
+    xs = make_inputs(n, 2 * elements + 7, elements, "normal", 5)
+
+    def run(core, nearest=True):
+        net = Network(n, codec=codec, packet_elements=elements, pool_size=4, drop=0.1, duplicate=0.1, fault_seed=2,
+                      aggregators=[core], record=True, nearest=nearest)
+        return net, net.allreduce(xs)
+
+    kernel, kernel_results = run(AggregatorCore(rows=64, max_elements=elements, tokens=[TOKEN]))
+    model, model_results = run(p4model_core(rows=64, max_elements=elements, tokens=[TOKEN]))
+    assert model.sent_down == kernel.sent_down
+    assert model.job_counters() == kernel.job_counters()
+    want = reference.allreduce(xs, codec=codec, seed=model.seed, allreduce_seq=0, packet_elements=elements,
+                               rounding="nearest")
+    for got in model_results + kernel_results:
+        assert_bits_equal(got, want, codec)
+    if codec == "cnat8":
+        _, stochastic = run(p4model_core(rows=64, max_elements=elements, tokens=[TOKEN]), nearest=False)
+        assert not np.array_equal(stochastic[0], want)
 
 
 @pytest.mark.slow
@@ -443,7 +470,6 @@ def test_cli_commands_load_every_entry() -> None:
 
 
 @pytest.mark.parametrize("params, says", [({"flags": wire.FLAG_DATA_MAC}, "data_mac"),
-                                          ({"flags": wire.FLAG_NEAREST}, "rounds stochastically only"),
                                           ({"packet_elements": 1025}, "1024 cnat8 elements"),
                                           ({"packet_elements": 257, "codec": int(Codec.INT32)}, "256 int32")])
 def test_the_model_engine_refuses_what_the_switch_cannot_do(params: dict, says: str) -> None:

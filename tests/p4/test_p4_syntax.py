@@ -161,6 +161,20 @@ def test_includes_and_guards(tmp_path: Path):
         syntax.parse(main)
 
 
+def test_conditionals_keep_what_the_defines_select(tmp_path: Path):
+    main = tmp_path / "main.p4"
+    main.write_text("#ifdef TEST\nconst bit<8> A = 1;\n#else\nconst bit<8> A = 2;\n#endif\n"
+                    "#ifndef TEST\nconst bit<8> B = 3;\n#endif\n")
+    assert syntax.constants(syntax.parse(main)) == {"A": (2, 8), "B": (3, 8)}
+    assert syntax.constants(syntax.parse(main, ["TEST"])) == {"A": (1, 8)}
+    main.write_text("#ifdef TEST\nconst bit<8> A = 1;\n")
+    with pytest.raises(syntax.P4SyntaxError, match="#if without #endif"):
+        syntax.parse(main)
+    main.write_text("const bit<8> A = 1;\n#else\n")
+    with pytest.raises(syntax.P4SyntaxError, match="main.p4:2: #else without #if"):
+        syntax.parse(main)
+
+
 DECLARATIONS = """
 error { NoError, PacketTooShort }
 match_kind { exact, ternary, lpm }

@@ -67,8 +67,9 @@ def core_receive(core: AggregatorCore, datagrams: Sequence[Datagram], now: float
 
 
 def engine_start(engine: StreamEngine, x: np.ndarray, now: float, out: np.ndarray | None = None, *,
-                 scatter: bool = False) -> list[Datagram]:
-    return engine.start(x, now, out, scatter=scatter).datagrams()
+                 scatter: bool = False, **options) -> list[Datagram]:
+    """engine.start's datagrams (options: its dtype and mean)."""
+    return engine.start(x, now, out, scatter=scatter, **options).datagrams()
 
 
 def engine_receive(engine: StreamEngine, datagrams: Sequence[Datagram], now: float) -> list[Datagram]:
@@ -282,12 +283,13 @@ class Network:
 
     # ---- data plane -----------------------------------------------------------------------------------------
     def start(self, xs: Sequence[np.ndarray], outs: Sequence[np.ndarray | None] | None = None, *,
-              scatter: bool = False) -> None:
+              scatter: bool = False, **options) -> None:
         """Begin the next allreduce (``scatter``: reduce-scatter) on every engine (xs[r] is rank r's input, outs[r]
-        its result buffer)."""
+        its result buffer; options: StreamEngine.start's dtype and mean)."""
         assert len(xs) == self.n
         for r, (engine, x) in enumerate(zip(self.engines, xs)):
-            self._from_worker(r, engine_start(engine, x, self.now, None if outs is None else outs[r], scatter=scatter))
+            self._from_worker(r, engine_start(engine, x, self.now, None if outs is None else outs[r], scatter=scatter,
+                                              **options))
 
     def _from_worker(self, rank: int, datagrams: list[Datagram]) -> None:
         for data, dst in datagrams:

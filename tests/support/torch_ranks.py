@@ -21,6 +21,8 @@ def init_rank(rendezvous: Any, rank: int, n: int, backend: str = "gloo", env: di
     import torch
     import torch.distributed as dist
 
+    if backend == "intml":
+        import intml.worker.torch  # noqa: F401  (registers the backend, whoever forked this rank)
     os.environ.update(env or {})
     torch.set_num_threads(1)
     where = {"init_method": f"tcp://127.0.0.1:{rendezvous}"} if isinstance(rendezvous, int) else {"store": rendezvous}

@@ -18,7 +18,8 @@ def test_a_short_audit_holds(capsys):
     assert audit.run(0, True, pools=(1, 64)) == 0
     report = json.loads(capsys.readouterr().out)
     outcomes = {row["check"]: row["outcome"] for row in report["rows"]}
-    assert len(outcomes) == 9 and set(outcomes.values()) <= {"held", "skipped"}, report
+    assert len(outcomes) == 10 and set(outcomes.values()) <= {"held", "skipped"}, report
+    assert outcomes["two tenants, same job id"] == "held"
     assert report["seconds"] < 120
 
 

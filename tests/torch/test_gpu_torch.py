@@ -154,8 +154,8 @@ def half_rank(port: int, address: str, rank: int, n: int, seed: int, simulated: 
 
 @simulable
 def test_backend_cuda_path_takes_bf16_and_fp16(ranks):
-    """bfloat16 and float16 tensors (widened to float32 on their device) take the CUDA path, bit for bit the CPU
-    path's, and come back in their dtype."""
+    """bfloat16 and float16 tensors (their 16-bit words, encoded on their device) take the CUDA path, bit for bit
+    the CPU path's, and come back in their dtype."""
     n, seed = 2, 13
     runs = {simulated: ranks(half_rank, n, seed, simulated, timeout=240) for simulated in (False, True)}
     for r in range(n):
@@ -184,7 +184,7 @@ def test_routing_of_cuda_tensors():
     assert routing.unsupported(_fake("cuda:0"), problem(None)) is None
     assert routing.unsupported(_fake("cuda:0"), problem("no driver")) == routing.CUDA
     assert routing.unsupported(_fake("cuda:0", torch.float64), problem(None)) == routing.DTYPE
-    assert routing.unsupported(_fake("cuda:0", torch.float16), problem(None)) is None  # widened on its device
+    assert routing.unsupported(_fake("cuda:0", torch.float16), problem(None)) is None  # encoded on its device
     assert routing.unsupported(_fake("cuda:0", contiguous=False), problem(None)) == routing.LAYOUT
     assert routing.unsupported(_fake("meta"), problem(None)) == routing.DEVICE
     asked.clear()

@@ -87,12 +87,13 @@ def test_receive_kernel_in_bounds_when_checked(pool, extra, codec, seed, size):
 
 
 @pytest.mark.process
-def test_receive_kernel_stays_in_bounds(tmp_path):
+def test_receive_kernel_stays_in_bounds():
     """The property above, in a Python whose Numba compiles every kernel with bounds checking (and a cache of its
-    own, so that no unchecked compiled kernel is loaded)."""
-    env = dict(os.environ, NUMBA_BOUNDSCHECK="1", NUMBA_CACHE_DIR=str(tmp_path))
+    own, so that no unchecked compiled kernel is loaded: the audit's)."""
+    from intml.testbed.audit import boundscheck_env
+
     proc = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider",
-                           "-k", "in_bounds_when_checked"], cwd=os.path.dirname(__file__), env=env,
+                           "-k", "in_bounds_when_checked"], cwd=os.path.dirname(__file__), env=boundscheck_env(),
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-2000:]
 

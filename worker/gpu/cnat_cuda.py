@@ -19,7 +19,10 @@ floors in one launch; the single-floor functions are one chunk), the device comp
   code, ``nonfinite_flags``, counted).
 
 Inputs and outputs are device arrays, or anything with ``__cuda_array_interface__`` (a CUDA torch tensor):
-C-contiguous float32 values and uint8 codes. Every launch takes an optional CUDA stream.
+C-contiguous float32 values and uint8 codes. The encode and the chunk statistics also take bfloat16 or float16
+values as their 16-bit words (uint16 or int16, ``fmt`` BFLOAT16 or FLOAT16: protocol.half), each widened to
+float32 in the thread that reads it, and ``narrow`` rounds decoded float32 values to 16-bit words. Every launch
+takes an optional CUDA stream.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from intml.protocol.cnat import (
     nonfinite_flags,
     small_code,
 )
+from intml.protocol.half import FLOAT32, narrow_bits, word_bits
 from intml.protocol.rng import block_key, stream_key
 
 _U32 = np.uint32
@@ -65,15 +69,15 @@ class ChunkStats(NamedTuple):
 
 
 @cuda.jit
-def _encode_kernel(bits, out, key, offset, floors, chunk_elements, stochastic, counts):
-    """out = codes of bits (float32 bits of elements offset.. of the tensor), element j at floors[j //
-    chunk_elements]; counts[0] += saturated elements, counts[1] += non-finite ones."""
-    for j in range(cuda.grid(1), bits.size, cuda.gridsize(1)):
+def _encode_kernel(words, out, key, offset, floors, chunk_elements, stochastic, counts, fmt):
+    """out = codes of words (float32 bits, or 16-bit words of format fmt, of elements offset.. of the tensor),
+    element j at floors[j // chunk_elements]; counts[0] += saturated elements, counts[1] += non-finite ones."""
+    for j in range(cuda.grid(1), words.size, cuda.gridsize(1)):
         floor = floors[j // chunk_elements]
         fast_floor, kfl, small_bits, bias, sat_bits = encode_params(floor)
         g = _U64(_U64(offset) + _U64(j))
         r = encode_word(stochastic, _U32(g & _U64(0xFFFFFFFF)), block_key(key, g >> _U64(32)))
-        b = bits[j]
+        b = word_bits(words[j], fmt)
         ab = _U32(b & _U32(0x7FFFFFFF))
         if ab != _U32(0) and ab < small_bits:
             out[j] = small_code(b, r, floor)
@@ -88,7 +92,7 @@ def _encode_kernel(bits, out, key, offset, floors, chunk_elements, stochastic, c
 
 
 @cuda.jit
-def _chunk_stats_kernel(bits, chunk_elements, lo, hi, exponents, lows):
+def _chunk_stats_kernel(words, chunk_elements, lo, hi, exponents, lows, fmt):
     """One block per chunk (grid-stride over chunks): exponents[c] = chunk_exponent of the largest finite
     magnitude, lows[c] = the smallest nonzero magnitude minus one."""
     top = cuda.shared.array(1, np.uint32)
@@ -100,9 +104,9 @@ def _chunk_stats_kernel(bits, chunk_elements, lo, hi, exponents, lows):
         cuda.syncthreads()
         my_top = _U32(0)
         my_low = _U32(0xFFFFFFFF)
-        end = min(bits.size, (c + 1) * chunk_elements)
+        end = min(words.size, (c + 1) * chunk_elements)
         for j in range(c * chunk_elements + cuda.threadIdx.x, end, cuda.blockDim.x):
-            ab = _U32(bits[j] & _U32(0x7FFFFFFF))
+            ab = _U32(word_bits(words[j], fmt) & _U32(0x7FFFFFFF))
             my_top = max(my_top, ab if ab <= _U32(F32_LARGEST) else _U32(0))  # Inf and NaN travel as flags
             my_low = min(my_low, _U32(ab - _U32(1)))  # zeros wrap to the maximum and drop out
         cuda.atomic.max(top, 0, my_top)
@@ -119,6 +123,13 @@ def _decode_kernel(codes, out, floors, chunk_elements):
     """out (uint32 view of float32) = the values of codes, code j at floors[j // chunk_elements]."""
     for j in range(cuda.grid(1), codes.size, cuda.gridsize(1)):
         out[j] = decode_bits(codes[j], decode_origin(floors[j // chunk_elements]))
+
+
+@cuda.jit
+def _narrow_kernel(bits, out, fmt):
+    """out (16-bit words) = float32 bits rounded to format fmt (protocol.half.narrow_bits)."""
+    for j in range(cuda.grid(1), bits.size, cuda.gridsize(1)):
+        out[j] = narrow_bits(bits[j], fmt)
 
 
 @cuda.jit
@@ -150,6 +161,19 @@ def _device(a: Any, dtype: type, name: str) -> Any:
     return array.reshape(array.size)
 
 
+def words(x: Any, fmt: int, name: str = "x") -> Any:
+    """The flat input words of a device array: a float32 one's bits (fmt FLOAT32), or a 16-bit one's words
+    (uint16, int16 or float16: the values' bits in format fmt)."""
+    if fmt == FLOAT32:
+        return _device(x, np.float32, name).view(np.uint32)
+    array = _as_device(x, name)
+    if array.dtype.itemsize != 2 or array.dtype.kind not in "uif":
+        raise TypeError(f"{name} must hold 16-bit words (uint16, int16 or float16), got {array.dtype}")
+    if not array.is_c_contiguous():
+        raise ValueError(f"{name} must be C-contiguous")
+    return array.reshape(array.size).view(np.uint16)
+
+
 def _out(out: Any, n: int, dtype: type, stream: Any) -> Any:
     if out is None:
         return cuda.device_array(n, dtype, stream=stream)
@@ -173,29 +197,29 @@ def _floors(floors: Any, n: int, chunk_elements: int, stream: Any) -> Any:
 
 
 def launch_encode(x: Any, out: Any, key: int, offset: int, floors: Any, chunk_elements: int, stochastic: bool,
-                  stream: Any = 0) -> Any:
-    """Queue the encode of float32 x into uint8 out on stream, element j at floors[j // chunk_elements] (host
-    values, one per chunk), without waiting: returns the device array counts, [saturated elements, non-finite
-    elements], valid once the stream has run."""
-    flat = _device(x, np.float32, "x")
+                  stream: Any = 0, fmt: int = FLOAT32) -> Any:
+    """Queue the encode of float32 x (or 16-bit words of format fmt) into uint8 out on stream, element j at
+    floors[j // chunk_elements] (host values, one per chunk), without waiting: returns the device array counts,
+    [saturated elements, non-finite elements], valid once the stream has run."""
+    flat = words(x, fmt)
     codes = _out(out, flat.size, np.uint8, stream)
     if offset < 0:
         raise ValueError(f"offset must be >= 0, got {offset}")
     counts = cuda.to_device(np.array([0, 0], np.int64), stream=stream)
     _encode_kernel[_blocks(flat.size), THREADS, stream](
-        flat.view(np.uint32), codes, _U64(key), _U64(offset), _floors(floors, flat.size, chunk_elements, stream),
-        chunk_elements, bool(stochastic), counts
+        flat, codes, _U64(key), _U64(offset), _floors(floors, flat.size, chunk_elements, stream), chunk_elements,
+        bool(stochastic), counts, fmt
     )
     return counts
 
 
 def encode_chunks(x: Any, *, key: int, floors: Any, chunk_elements: int, offset: int = 0, out: Any = None,
-                  stochastic: bool = True, cuda_stream: Any = 0) -> Encoded:
-    """Codes of float32 x, chunk c (elements c * chunk_elements..) at floors[c], random words keyed by (key,
-    offset + j): each chunk's codes are protocol.cnat's encode of that chunk at its floor and offset."""
-    flat = _device(x, np.float32, "x")
-    codes = _out(out, flat.size, np.uint8, cuda_stream)
-    counts = launch_encode(flat, codes, key, offset, floors, chunk_elements, stochastic, cuda_stream)
+                  stochastic: bool = True, cuda_stream: Any = 0, fmt: int = FLOAT32) -> Encoded:
+    """Codes of float32 x (or 16-bit words of format fmt), chunk c (elements c * chunk_elements..) at floors[c],
+    random words keyed by (key, offset + j): each chunk's codes are protocol.cnat's encode of that chunk (its
+    values) at its floor and offset."""
+    codes = _out(out, words(x, fmt).size, np.uint8, cuda_stream)
+    counts = launch_encode(x, codes, key, offset, floors, chunk_elements, stochastic, cuda_stream, fmt)
     saturated, _ = counts.copy_to_host(stream=cuda_stream)
     return Encoded(codes, int(saturated))
 
@@ -216,17 +240,18 @@ def encode_nearest(x: Any, *, floor: int, out: Any = None, cuda_stream: Any = 0)
 
 
 def chunk_stats(x: Any, chunk_elements: int, codec_range: tuple[int, int] = (EXP_MIN, EXP_MAX),
-                cuda_stream: Any = 0) -> ChunkStats:
+                cuda_stream: Any = 0, fmt: int = FLOAT32) -> ChunkStats:
     """Per-chunk exponents (protocol.arith.chunk_exponents) and lows (precode_chunk's low, without the PRECODED
-    tag) of a flat float32 device array (the exponents over the finite values)."""
-    flat = _device(x, np.float32, "x")
+    tag) of a flat float32 device array, or of 16-bit words of format fmt (the exponents over the finite
+    values)."""
+    flat = words(x, fmt)
     if chunk_elements < 1:
         raise ValueError(f"chunk_elements must be >= 1, got {chunk_elements}")
     chunks = -(-flat.size // chunk_elements)
     exponents = cuda.device_array(chunks, np.int8, stream=cuda_stream)
     lows = cuda.device_array(chunks, np.uint32, stream=cuda_stream)
     _chunk_stats_kernel[max(1, min(MAX_BLOCKS, chunks)), THREADS, cuda_stream](
-        flat.view(np.uint32), chunk_elements, codec_range[0], codec_range[1], exponents, lows
+        flat, chunk_elements, codec_range[0], codec_range[1], exponents, lows, fmt
     )
     return ChunkStats(exponents.copy_to_host(stream=cuda_stream), lows.copy_to_host(stream=cuda_stream))
 
@@ -239,6 +264,17 @@ def decode_chunks(codes: Any, *, floors: Any, chunk_elements: int, out: Any = No
     _decode_kernel[_blocks(flat.size), THREADS, cuda_stream](
         flat, values.view(np.uint32), _floors(floors, flat.size, chunk_elements, cuda_stream), chunk_elements)
     return values
+
+
+def narrow(values: Any, out: Any, fmt: int, cuda_stream: Any = 0) -> Any:
+    """out (16-bit words of format fmt, as many as values) = float32 values rounded to nearest even
+    (protocol.half); returns out."""
+    flat = _device(values, np.float32, "values")
+    target = words(out, fmt, "out")
+    if target.size != flat.size:
+        raise ValueError(f"out has {target.size} elements, needs {flat.size}")
+    _narrow_kernel[_blocks(flat.size), THREADS, cuda_stream](flat.view(np.uint32), target, fmt)
+    return out
 
 
 def decode(codes: Any, *, floor: int, out: Any = None, cuda_stream: Any = 0) -> Any:

@@ -1,5 +1,5 @@
-"""One rank's allreduce of a float32 tensor on a CUDA device through the aggregator: the device encodes, the host
-moves one byte per element, the device decodes (docs/gpu.md).
+"""One rank's allreduce of a float32 (or bfloat16 or float16) tensor on a CUDA device through the aggregator: the
+device encodes, the host moves one byte per element, the device decodes (docs/gpu.md).
 
 For a cnat8 job, on one CUDA stream:
 
@@ -13,12 +13,15 @@ For a cnat8 job, on one CUDA stream:
    encoded on the device from the floats at that floor and copied over its codes (``reencoded``): exactly the
    codes the CPU path sends;
 5. the result codes, written by the engine over the host codes, go back piece by piece as the chunks below
-   ``completed()`` finish, and decode on the device at their agreed floors into ``out``;
+   ``completed()`` finish, and decode on the device at their agreed floors into ``out`` (divided by the world
+   size for a mean); a 16-bit ``out`` through a float32 scratch of one piece, rounded into it (protocol.half);
 6. ``sent`` (error feedback): the value of what this rank sent, decoded from the device codes at the floors they
    went out at (lowering a chunk's codes to its agreed floor keeps their values).
 
-An int32 job has nothing to precode (its encode needs the agreed exponents): its floats are staged through pinned
-host memory to the CPU engine and back, 4 bytes per element each way.
+A 16-bit tensor's words are read by the kernels as they are (steps 1, 2 and 4 widen each value in the thread that
+reads it): no float32 copy of the tensor. An int32 job has nothing to precode (its encode needs the agreed
+exponents): its values are staged through pinned host memory to the CPU engine and back, in their own format (4
+or 2 bytes per element each way).
 
 The same code runs on a GPU and under numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``), where "pinned" memory
 is host memory and every stream operation is synchronous; ``_finished`` is the one place that differs (the
@@ -36,6 +39,7 @@ from numba import cuda, njit
 
 from intml.protocol.arith import PRECODED, cnat_floor
 from intml.protocol.codec import Codec
+from intml.protocol.half import FLOAT32, format_of
 from intml.worker.api import Worker
 from intml.worker.engine import P_VBITS
 from intml.worker.gpu import cnat_cuda
@@ -62,14 +66,16 @@ class _Buffers:
     """The device and pinned host buffers of one bucket size, kept between allreduces (allocating pinned memory
     costs milliseconds)."""
 
-    def __init__(self, n: int, codec: Codec) -> None:
-        self.n = n
+    def __init__(self, n: int, codec: Codec, dtype: np.dtype, piece: int) -> None:
+        self.n, self.dtype = n, dtype
         if codec == Codec.CNAT8:
             self.codes_host = cuda.pinned_array(n, np.uint8)
             self.codes_dev = cuda.device_array(n, np.uint8)
             self.result_dev = cuda.device_array(n, np.uint8)
+            if dtype != np.float32:  # one piece of a 16-bit result, decoded before it is rounded
+                self.scratch_dev = cuda.device_array(min(n, piece), np.float32)
         else:
-            self.floats_host = cuda.pinned_array(n, np.float32)
+            self.floats_host = cuda.pinned_array(n, dtype)
             self.sent_host = cuda.pinned_array(n, np.float32)
 
 
@@ -83,43 +89,48 @@ class DeviceAllreducer:
         self._buffers: _Buffers | None = None
         self.reencoded_chunks = 0  # chunks encoded again at their agreed floors, over this allreducer's life
 
-    def _buffers_for(self, n: int) -> _Buffers:
-        if self._buffers is None or self._buffers.n != n:
-            self._buffers = _Buffers(n, self.worker.codec)
+    def _buffers_for(self, n: int, dtype: np.dtype) -> _Buffers:
+        if self._buffers is None or (self._buffers.n, self._buffers.dtype) != (n, dtype):
+            self._buffers = _Buffers(n, self.worker.codec, dtype, self.piece)
         return self._buffers
 
-    def allreduce(self, x: Any, out: Any, op: str = "sum", *, sent: Any = None, stream: Any = 0) -> None:
+    def allreduce(self, x: Any, out: Any, op: str = "sum", *, sent: Any = None, stream: Any = 0,
+                  dtype: str | None = None) -> None:
         """out = the sum (or mean) over the ranks of the flat float32 device array x (out may be x itself), on
-        `stream`; bit for bit ``Worker.allreduce`` of x's values on the host. ``sent`` (a float32 device array like
-        x): receives the value of what this rank put on the wire (error feedback). Returns once out (and sent) are
-        complete on the device."""
+        `stream`; bit for bit ``Worker.allreduce`` of x's values on the host. ``dtype`` "bfloat16" or "float16": x
+        and out hold 16-bit words of that format instead (uint16, int16 or float16), as Worker.allreduce takes
+        them. ``sent`` (a float32 device array of x's size): receives the value of what this rank put on the wire
+        (error feedback). Returns once out (and sent) are complete on the device."""
         if op not in ("sum", "mean"):
             raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
-        x = cnat_cuda._device(x, np.float32, "x")
-        out = cnat_cuda._device(out, np.float32, "out")
+        fmt = FLOAT32 if dtype is None else format_of(dtype)
+        x, out = _flat(x, fmt, "x"), _flat(out, fmt, "out")
         if out.size != x.size or (sent is not None and sent.size != x.size):
             raise ValueError(f"out and sent must have x's {x.size} elements")
         if x.size == 0:
             return
         if self.worker.codec != Codec.CNAT8:
-            self._staged(x, out, op, sent, stream)
+            self._staged(x, out, op, sent, stream, dtype)
             return
-        _CnatRound(self, x, out, sent, stream).run()
-        if op == "mean":  # Worker.allreduce's float32 division of the sum, which no product by 1/n always equals
-            _divide_kernel[cnat_cuda._blocks(out.size), cnat_cuda.THREADS, stream](
-                out, np.float32(self.worker.world_size))
+        _CnatRound(self, x, out, sent, stream, fmt, op == "mean").run()
         stream_sync(stream)
 
-    def _staged(self, x: Any, out: Any, op: str, sent: Any, stream: Any) -> None:
-        """An int32 job: the floats through pinned host memory and the CPU engine."""
-        buf = self._buffers_for(x.size)
+    def _staged(self, x: Any, out: Any, op: str, sent: Any, stream: Any, dtype: str | None) -> None:
+        """An int32 job: the values (float32 bits or 16-bit words) through pinned host memory and the CPU engine."""
+        buf = self._buffers_for(x.size, x.dtype)
         x.copy_to_host(buf.floats_host, stream=stream)
         stream_sync(stream)
-        self.worker.allreduce(buf.floats_host, op, out=buf.floats_host, sent=None if sent is None else buf.sent_host)
+        self.worker.allreduce(buf.floats_host, op, out=buf.floats_host, sent=None if sent is None else buf.sent_host,
+                              dtype=dtype)
         out.copy_to_device(buf.floats_host, stream=stream)
         if sent is not None:
             sent.copy_to_device(buf.sent_host, stream=stream)
         stream_sync(stream)
+
+
+def _flat(a: Any, fmt: int, name: str) -> Any:
+    """A flat device view of float32 values (fmt FLOAT32) or of 16-bit words."""
+    return cnat_cuda._device(a, np.float32, name) if fmt == FLOAT32 else cnat_cuda.words(a, fmt, name)
 
 
 @cuda.jit
@@ -140,21 +151,23 @@ class _CnatRound:
     """One cnat8 allreduce of a DeviceAllreducer: the steps of the module docstring, the engine's driver work in
     ``tend``."""
 
-    def __init__(self, owner: DeviceAllreducer, x: Any, out: Any, sent: Any, stream: Any) -> None:
+    def __init__(self, owner: DeviceAllreducer, x: Any, out: Any, sent: Any, stream: Any, fmt: int,
+                 mean: bool) -> None:
         self.owner, self.x, self.out, self.sent, self.stream = owner, x, out, sent, stream
+        self.fmt, self.mean = fmt, mean
         worker = owner.worker
         self.engine = engine = worker.engine
         self.pkt = engine.packet_elements
         self.vbits = int(engine.params[P_VBITS])
-        self.buf = owner._buffers_for(x.size)
+        self.buf = owner._buffers_for(x.size, np.dtype(np.float32 if fmt == FLOAT32 else np.uint16))
         self.key = engine.stream_key(engine.next_allreduce)
-        stats = cnat_cuda.chunk_stats(x, self.pkt, cuda_stream=stream)
+        stats = cnat_cuda.chunk_stats(x, self.pkt, cuda_stream=stream, fmt=fmt)
         self.local = stats.exponents.astype(np.int64)
         self.low = stats.lows | np.uint32(PRECODED)
         # the floor each chunk's device codes are at: its own, or its agreed one once encoded again
         self.sent_floors = cnat_floors(self.local, self.vbits, np.empty(self.local.size, np.int64))
         cnat_cuda.launch_encode(x, self.buf.codes_dev, self.key, 0, self.sent_floors, self.pkt, engine.stochastic,
-                                stream)
+                                stream, fmt)
         self.pieces: deque[tuple[int, Any]] = deque()  # (end element, event after its copy) in flight
         for a in range(0, x.size, owner.piece):
             b = min(x.size, a + owner.piece)
@@ -200,7 +213,7 @@ class _CnatRound:
         for c, floor in requests:
             a, b = c * pkt, min(x.size, (c + 1) * pkt)
             cnat_cuda.launch_encode(x[a:b], buf.codes_dev[a:b], self.key, a, [floor], b - a, self.engine.stochastic,
-                                    self.stream)
+                                    self.stream, self.fmt)
             buf.codes_dev[a:b].copy_to_host(buf.codes_host[a:b], stream=self.stream)
             self.sent_floors[c] = floor
         stream_sync(self.stream)
@@ -208,15 +221,20 @@ class _CnatRound:
 
     def _decode_results(self, end: int) -> None:
         """Copy the result codes of elements decoded..end (whole chunks) to the device and decode them into out at
-        their chunks' agreed floors."""
-        a = self.decoded
-        if end <= a:
-            return
-        buf, pkt = self.buf, self.pkt
-        buf.result_dev[a:end].copy_to_device(buf.codes_host[a:end], stream=self.stream)
-        chunks = slice(a // pkt, -(-end // pkt))
-        floors = cnat_floors(self.engine.agreed_exp[chunks], self.vbits,
-                             np.empty(chunks.stop - chunks.start, np.int64))
-        cnat_cuda.decode_chunks(buf.result_dev[a:end], floors=floors, chunk_elements=pkt, out=self.out[a:end],
-                                cuda_stream=self.stream)
-        self.decoded = end
+        their chunks' agreed floors, a piece at a time."""
+        buf, pkt, piece = self.buf, self.pkt, self.owner.piece
+        for a in range(self.decoded, end, piece):
+            b = min(end, a + piece)
+            buf.result_dev[a:b].copy_to_device(buf.codes_host[a:b], stream=self.stream)
+            chunks = slice(a // pkt, -(-b // pkt))
+            floors = cnat_floors(self.engine.agreed_exp[chunks], self.vbits,
+                                 np.empty(chunks.stop - chunks.start, np.int64))
+            values = self.out[a:b] if self.fmt == FLOAT32 else buf.scratch_dev[:b - a]
+            cnat_cuda.decode_chunks(buf.result_dev[a:b], floors=floors, chunk_elements=pkt, out=values,
+                                    cuda_stream=self.stream)
+            if self.mean:  # Worker.allreduce's float32 division of the sum, which no product by 1/n always equals
+                _divide_kernel[cnat_cuda._blocks(b - a), cnat_cuda.THREADS, self.stream](
+                    values, np.float32(self.owner.worker.world_size))
+            if self.fmt != FLOAT32:
+                cnat_cuda.narrow(values, self.out[a:b], self.fmt, self.stream)
+        self.decoded = max(self.decoded, end)

@@ -5,9 +5,10 @@ their device, one byte per element over PCIe), and how a torch tensor becomes th
 target. Where it cannot be imported (no ``intml[cuda]`` extra, no driver or device), CUDA tensors go to Gloo
 under routing.CUDA, with one warning naming the cause.
 
-``simulate()`` makes this process treat float32 CPU tensors as device tensors: their allreduces take the CUDA
-path (the same Link code, DeviceAllreducer and kernels) on numba's CUDA simulator. It is how the CUDA path is
-tested without a GPU, and shows, on any machine, that a job's results do not depend on the path.
+``simulate()`` makes this process treat float32, bfloat16 and float16 CPU tensors as device tensors: their
+allreduces take the CUDA path (the same Link code, DeviceAllreducer and kernels) on numba's CUDA simulator. It is
+how the CUDA path is tested without a GPU, and shows, on any machine, that a job's results do not depend on the
+path.
 """
 
 from __future__ import annotations
@@ -78,10 +79,11 @@ class CudaPath:
 
 
 class SimulatedCudaPath(CudaPath):
-    """float32 CPU tensors as device tensors, on numba's CUDA simulator (see the module docstring)."""
+    """float32 and 16-bit float CPU tensors as device tensors, on numba's CUDA simulator (see the module
+    docstring)."""
 
     def owns(self, tensor: torch.Tensor) -> bool:
-        return tensor.device.type == "cpu" and tensor.dtype == torch.float32
+        return tensor.device.type == "cpu" and tensor.dtype in (torch.float32, torch.bfloat16, torch.float16)
 
     def view(self, tensor: torch.Tensor) -> Any:
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
@@ -102,9 +104,9 @@ PATH: CudaPath = CudaPath()
 
 
 def simulate() -> None:
-    """From now on, in this process, float32 CPU tensors take the CUDA path on numba's CUDA simulator. Call it
-    before numba.cuda is first imported (it sets NUMBA_ENABLE_CUDASIM) and before the hook state or process group
-    is built."""
+    """From now on, in this process, float32, bfloat16 and float16 CPU tensors take the CUDA path on numba's CUDA
+    simulator. Call it before numba.cuda is first imported (it sets NUMBA_ENABLE_CUDASIM) and before the hook state
+    or process group is built."""
     global PATH
     from numba.core import config
 

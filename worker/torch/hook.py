@@ -1,7 +1,8 @@
 """The DDP communication hook: ``ddp.register_comm_hook(IntmlHookState(), intml_hook)`` averages each gradient
 bucket through the aggregator, whatever its size, with optional error feedback and Gloo warm-up steps. A CUDA
-bucket is encoded and decoded on its device (``gpu``; its residual stays there). A bfloat16 or float16 bucket goes
-as float32 and comes back in its dtype (docs/mixed-precision.md). A bucket intml cannot encode (not a float32 or
+bucket is encoded and decoded on its device (``gpu``; its residual stays there). A bfloat16 or float16 bucket is
+encoded from its own 16-bit words and comes back in its dtype (with error feedback: as float32, its residual's
+dtype; docs/mixed-precision.md). A bucket intml cannot encode (not a float32 or
 16-bit float, on another device, on CUDA without a usable ``intml[cuda]``) goes exactly through Gloo, with a warning the
 first time for each reason."""
 

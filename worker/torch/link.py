@@ -72,8 +72,10 @@ class Link:
     def submit(self, tensor: torch.Tensor, op: str, *, inplace: bool, residual: torch.Tensor | None = None) -> Future:
         """Allreduce the contiguous float32, bfloat16 or float16 `tensor` (sum or mean), a CPU tensor or one of the
         CUDA path's; the Future holds [tensor] (inplace) or a new tensor of its dtype. With `residual` (error
-        feedback, float32 on the tensor's device), send tensor + residual and keep the new residual in it."""
-        if tensor.dtype != torch.float32:
+        feedback, float32 on the tensor's device), send tensor + residual and keep the new residual in it. A 16-bit
+        tensor is encoded from its own words into its own dtype (docs/mixed-precision.md), except with a residual:
+        tensor + residual is float32, rounded back."""
+        if tensor.dtype != torch.float32 and residual is not None:
             wide = tensor.float()  # here, in the caller: on the CUDA path, its stream produced the tensor
             fut = self.submit(wide, op, inplace=True, residual=residual)
             return fut.then(lambda f: narrow(f, wide, tensor, inplace))
@@ -86,10 +88,6 @@ class Link:
         """Reduce-scatter the flat float32, bfloat16 or float16 CPU `input` (sum or mean) into `output` (of its
         dtype), this rank's shard (its input.numel() / world size elements from rank * that); the Future holds
         [output]."""
-        if input.dtype != torch.float32:
-            shard = torch.empty(output.shape)
-            fut = self.submit_reduce_scatter(input.float(), shard, op)
-            return fut.then(lambda f: narrow(f, shard, output, True))
         return self._submit(lambda: self._reduce_scatter(input, output, op))
 
     def _submit(self, collective: Callable[[], object]) -> Future:
@@ -137,20 +135,20 @@ class Link:
 
     def _allreduce(self, tensor, op, inplace, residual):
         w = self.worker
-        flat = tensor.detach().reshape(-1).numpy()  # a view: the tensor is contiguous float32 on the CPU
+        flat, dtype = words(tensor)
         # error feedback: send input + residual, and let the engine write what it sent into the residual's buffer
         # (x is a new array, so nothing reads the old residual any more)
         sent = None if residual is None else residual.numpy()
         x = flat if sent is None else flat + sent
         before = w.counters()
-        out = w.allreduce(x, op, out=flat if inplace else None, sent=sent)  # in place: no result allocation
+        out = w.allreduce(x, op, out=flat if inplace else None, sent=sent, dtype=dtype)  # in place: no allocation
         if sent is not None:
             np.subtract(x, sent, out=sent)  # the new residual: input - what was sent
             residual.nan_to_num_(0.0, 0.0, 0.0)  # a non-finite element's is reset: it went on as itself
         self._count(x.size, before)
         if inplace:
             return [tensor]
-        return torch.from_numpy(out).view(tensor.shape)
+        return torch.from_numpy(out).view(tensor.dtype).view(tensor.shape)
 
     def _allreduce_cuda(self, tensor, op, inplace, residual, marker):
         """_allreduce of a CUDA path tensor: the same steps on its device (intml.worker.gpu), bit for bit."""
@@ -163,7 +161,10 @@ class Link:
             x = flat if residual is None else flat + residual
             out = flat if inplace else torch.empty_like(flat)
             sent = None if residual is None else path.view(residual)
-            self._device.allreduce(path.view(x), path.view(out), op, sent=sent, stream=stream)
+            dtype = WORD_DTYPES.get(x.dtype)  # a 16-bit tensor goes as its int16 words, which numba can view
+            words = (lambda t: t) if dtype is None else (lambda t: t.view(torch.int16))
+            self._device.allreduce(path.view(words(x)), path.view(words(out)), op, sent=sent, stream=stream,
+                                   dtype=dtype)
             if residual is not None:
                 torch.sub(x, residual, out=residual)  # the new residual: input - what was sent
                 residual.nan_to_num_(0.0, 0.0, 0.0)  # a non-finite element's is reset: it went on as itself
@@ -180,9 +181,9 @@ class Link:
 
     def _reduce_scatter(self, input, output, op):  # noqa: A002
         w = self.worker
-        x = input.detach().reshape(-1).numpy()  # views: both are contiguous float32 on the CPU
+        x, dtype = words(input)
         before = w.counters()
-        w.reduce_scatter(x, op, out=output.detach().reshape(-1).numpy())
+        w.reduce_scatter(x, op, out=words(output)[0], dtype=dtype)
         self._count(x.size, before, reduce_scatter=True)
         return [output]
 
@@ -200,9 +201,21 @@ class Link:
         self.worker.close()
 
 
+WORD_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def words(tensor: torch.Tensor) -> tuple[np.ndarray, str | None]:
+    """A flat numpy view of a contiguous CPU tensor, and the ``dtype`` Worker.allreduce takes it with: a float32
+    tensor's values (None), a 16-bit float tensor's int16 words and its format's name."""
+    flat = tensor.detach().reshape(-1)
+    if tensor.dtype == torch.float32:
+        return flat.numpy(), None
+    return flat.view(torch.int16).numpy(), WORD_DTYPES[tensor.dtype]
+
+
 def narrow(fut: Future, wide: torch.Tensor, tensor: torch.Tensor, inplace: bool):
-    """A 16-bit collective's completion: its float32 result `wide` rounded to `tensor`'s dtype (to nearest, ties
-    to even, as torch converts; beyond float16's range, +-Inf): into `tensor` ([tensor], inplace) or new."""
+    """A widened 16-bit allreduce's completion: its float32 result `wide` rounded to `tensor`'s dtype (to nearest,
+    ties to even, as torch converts; beyond float16's range, +-Inf): into `tensor` ([tensor], inplace) or new."""
     fut.value()  # raises the collective's exception
     if inplace:
         tensor.copy_(wide.view_as(tensor))
