@@ -74,9 +74,10 @@ def mac_of(key: int) -> bytes:
     return b"\x02\x01" + (key & 0xFFFFFFFF).to_bytes(4, "big")
 
 
-def frame(datagram: bytes, source: int) -> bytes:
+def frame(datagram: bytes, source: int, carried: bytes = b"") -> bytes:
     """Ethernet (from the worker's address to the switch's), IPv4 (checksum computed) and UDP (no checksum) around
-    a datagram from address key ``source``."""
+    a datagram from address key ``source``; ``carried``: a header between the Ethernet and the IPv4 header (the
+    test build's random words, with their ethertype)."""
     ip, port = addr_of(source)
     udp = port.to_bytes(2, "big") + wire.DEFAULT_PORT.to_bytes(2, "big") + (8 + len(datagram)).to_bytes(2, "big")
     udp += b"\0\0"
@@ -86,7 +87,7 @@ def frame(datagram: bytes, source: int) -> bytes:
     while total >> 16:
         total = (total & 0xFFFF) + (total >> 16)
     header[10:12] = (~total & 0xFFFF).to_bytes(2, "big")
-    return SWITCH_MAC + mac_of(source) + b"\x08\x00" + bytes(header) + udp + datagram
+    return SWITCH_MAC + mac_of(source) + carried + b"\x08\x00" + bytes(header) + udp + datagram
 
 
 def unframe(data: bytes) -> tuple[bytes, int]:

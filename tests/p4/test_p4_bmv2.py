@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,8 @@ from support.p4build import compiled, tool
 from test_p4_model import joined
 
 from intml.aggregator.core import AggregatorCore
+from intml.p4 import bmv2
+from intml.p4.bmv2 import SWITCH_MAC, mac_of, unframe
 from intml.p4.controller import controller_entries
 from intml.p4.entries import cli_commands
 from intml.p4.extern import CarriedRandom
@@ -34,12 +35,9 @@ from intml.p4.generate import TEST_RANDOM, TEST_RANDOM_ETHERTYPE
 from intml.p4.layout import LANES_PER_PASS
 from intml.protocol.reference import INT32_NONFINITE
 from intml.protocol import wire
-from intml.protocol.address import addr_key_of, addr_of
 from intml.protocol.codec import Codec
 from intml.protocol.wire import NO_EXP, MsgType
 
-SWITCH_IP = "10.77.0.1"
-SWITCH_MAC = b"\x02\0\0\0\0\x01"
 PORT = 1  # the one switch port: every rank behind it (the multicast nodes are on it too)
 THRIFT = 9090
 QUIET_S = 3.0  # a frame's output is complete after this long without another (BMv2 under load)
@@ -131,35 +129,11 @@ def switch(request: pytest.FixtureRequest, tmp_path: Path):
         sw.close()
 
 
-def mac_of(key: int) -> bytes:
-    """A worker's Ethernet address: one per address key."""
-    return b"\x02\x01" + (key & 0xFFFFFFFF).to_bytes(4, "big")
-
-
 def frame(datagram: bytes, source: int, words: np.ndarray | None = None) -> bytes:
-    """Ethernet (from the worker's address to the switch's), IPv4 (checksum computed) and UDP (no checksum) around
-    a datagram from address key ``source``; ``words``: the test build's random words, in their header between the
-    Ethernet and the IPv4 header."""
-    ip, port = addr_of(source)
-    udp = port.to_bytes(2, "big") + wire.DEFAULT_PORT.to_bytes(2, "big") + (8 + len(datagram)).to_bytes(2, "big")
-    udp += b"\0\0"
-    header = bytearray(b"\x45\x00" + (28 + len(datagram)).to_bytes(2, "big") + b"\0\0\0\0\x40\x11\0\0"
-                       + socket.inet_aton(ip) + socket.inet_aton(SWITCH_IP))
-    total = sum(int.from_bytes(header[i:i + 2], "big") for i in range(0, 20, 2))
-    while total >> 16:
-        total = (total & 0xFFFF) + (total >> 16)
-    header[10:12] = (~total & 0xFFFF).to_bytes(2, "big")
+    """p4.bmv2's frame; ``words``: the test build's random words, in their header between the Ethernet and the IPv4
+    header."""
     carried = b"" if words is None else (TEST_RANDOM_ETHERTYPE.to_bytes(2, "big") + words.astype(">u4").tobytes())
-    return SWITCH_MAC + mac_of(source) + carried + b"\x08\x00" + bytes(header) + udp + datagram
-
-
-def unframe(data: bytes) -> tuple[bytes, int]:
-    """(UDP payload, destination address key) of a frame the switch sent."""
-    ihl = (data[14] & 0xF) * 4
-    udp = 14 + ihl
-    length = int.from_bytes(data[udp + 4:udp + 6], "big")
-    key = addr_key_of(socket.inet_ntoa(data[30:34]), int.from_bytes(data[udp + 2:udp + 4], "big"))
-    return data[udp + 8:udp + length], key
+    return bmv2.frame(datagram, source, carried)
 
 
 def packet(rank: int, allreduce: int, payload: np.ndarray, codec: Codec) -> bytes:
