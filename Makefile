@@ -34,8 +34,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	PATH="$(if $(P4TOOLS),$(abspath $(P4TOOLS))/bin:)$$PATH" $(PY) -m pytest -q -n 2 --dist loadfile --durations=25
 
-# The fast inner loop: the in-process tests only (docs/testing.md), on two xdist workers. Every test under tests/torch and tests/gpu is
-# torch or gpu: not collecting them saves importing torch and numba's CUDA target.
+# The fast inner loop: the in-process tests only (docs/testing.md), on two xdist workers. Every test under
+# tests/torch and tests/gpu is torch or gpu: not collecting them saves importing torch and numba's CUDA target.
 check: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m "not process and not netns and not torch and not gpu and not slow" \
 		--ignore=tests/torch --ignore=tests/gpu
