@@ -1,0 +1,45 @@
+"""``randomk<ratio>`` (in seed 003's survey, with error feedback): each element kept with probability ratio,
+chosen by its keyed random word (below T = floor(ratio * 2**32)), and scaled on receipt by 2**32 / T, the inverse
+of that probability, so that the expectation is the value.
+
+Package: topk's (index, value) pairs of the kept elements, values unscaled.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from intml.protocol.codecs.host.base import HostCodec
+from intml.protocol.codecs.host.packing import float32_ratio, random_words, ratio_bits, ratio_name, ratio_of_bits
+from intml.protocol.codecs.host.topk import sparse_package, sparse_pairs
+
+
+def threshold(ratio: float) -> int:
+    """Elements whose random word is below this are kept (at least 1, at most 2**32: all)."""
+    return max(1, int(ratio * 2 ** 32))
+
+
+class RandomK(HostCodec):
+    wire_id = 25
+    unbiased = True
+    switch_reason = "randomk sends (index, value) pairs that differ per worker: a switch sums aligned slots only"
+
+    def __init__(self, ratio: float) -> None:
+        self.ratio = ratio
+        self.name = ratio_name("randomk", ratio)
+
+    def wire_param(self) -> int:
+        return ratio_bits(self.ratio)
+
+    def encode(self, x: np.ndarray, key: int, offset: int) -> bytes:
+        return sparse_package(x, np.flatnonzero(random_words(key, offset, x.size) < threshold(self.ratio)))
+
+    def decode(self, package: bytes, count: int) -> np.ndarray:
+        indices, values = sparse_pairs(package, count, self.name)
+        out = np.zeros(count, np.float32)
+        out[indices] = values.astype(np.float64) * (2 ** 32 / threshold(self.ratio))
+        return out
+
+
+FAMILIES = {"randomk": (RandomK.wire_id, lambda text: RandomK(float32_ratio(text, "randomk")),
+                        lambda param: RandomK(ratio_of_bits(param, "randomk")))}
