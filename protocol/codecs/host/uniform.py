@@ -65,7 +65,8 @@ def decode_fixed(package: bytes, count: int, codec: str, expected_bits: int | No
 class Uniform(HostCodec):
     wire_id = 16
     unbiased = False
-    switch_reason = "uniform<N> scales by each package's own [w_min, w_max]: a switch cannot add codes on different grids"
+    switch_reason = ("uniform<N> scales by each package's own [w_min, w_max]: "
+                     "a switch cannot add codes on different grids")
 
     def __init__(self, bits: int) -> None:
         self.bits = bits
