@@ -53,6 +53,15 @@ def unpack_codes(data: bytes, count: int, width: int, codec: str) -> np.ndarray:
     return (fields << np.arange(width - 1, -1, -1, dtype=np.uint32)).sum(axis=1, dtype=np.uint32)
 
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def saturated(values: np.ndarray) -> np.ndarray:
+    """float64 values as float32, those past its range at its largest finite value: an unbiased codec's scaled-up
+    value near float32's limit can exceed it, and a decoder returns finite values."""
+    return np.clip(values, -FLOAT32_MAX, FLOAT32_MAX).astype(np.float32)
+
+
 def random_words(key: int, offset: int, count: int) -> np.ndarray:
     """The 32-bit random words of elements ``offset``.. of the stream ``key`` (protocol.rng, as C_nat draws)."""
     out = np.empty(count, np.uint32)
@@ -77,8 +86,8 @@ def float32_ratio(text: str, codec: str) -> float:
 
 
 def ratio_name(family: str, ratio: float) -> str:
-    """A ratio codec's name: its family and the float32 ratio's shortest decimal (topk0.01)."""
-    return family + str(np.float32(ratio))
+    """A ratio codec's name: its family and the float32 ratio's shortest decimal (topk0.01, randomk1)."""
+    return family + np.format_float_positional(np.float32(ratio), trim="-")
 
 
 def ratio_bits(ratio: float) -> int:

@@ -1,6 +1,10 @@
-"""``randomk<ratio>`` (in seed 003's survey, with error feedback): each element kept with probability ratio,
-chosen by its keyed random word (below T = floor(ratio * 2**32)), and scaled on receipt by 2**32 / T, the inverse
-of that probability, so that the expectation is the value.
+"""``randomk<ratio>`` (in seed 003's survey): each element kept with probability ratio, chosen by its keyed random
+word (below T = floor(ratio * 2**32)), and scaled on receipt by 2**32 / T, the inverse of that probability, so that
+the expectation is the value.
+
+Being unbiased, it needs no error feedback, and must not have it: a kept element decodes to 1 / ratio times
+itself, so base.Memory would keep 1 - 1 / ratio times it, and the residual would grow without bound. (GRACE's
+random-k sends values unscaled, biased, for use with memory; top-k is this package's codec for error feedback.)
 
 Package: topk's (index, value) pairs of the kept elements, values unscaled.
 """
@@ -10,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from intml.protocol.codecs.host.base import HostCodec
-from intml.protocol.codecs.host.packing import float32_ratio, random_words, ratio_bits, ratio_name, ratio_of_bits
+from intml.protocol.codecs.host.packing import (float32_ratio, random_words, ratio_bits, ratio_name, ratio_of_bits,
+                                                saturated)
 from intml.protocol.codecs.host.topk import sparse_package, sparse_pairs
 
 
@@ -37,7 +42,7 @@ class RandomK(HostCodec):
     def decode(self, package: bytes, count: int) -> np.ndarray:
         indices, values = sparse_pairs(package, count, self.name)
         out = np.zeros(count, np.float32)
-        out[indices] = values.astype(np.float64) * (2 ** 32 / threshold(self.ratio))
+        out[indices] = saturated(values.astype(np.float64) * (2 ** 32 / threshold(self.ratio)))
         return out
 
 

@@ -21,6 +21,7 @@ from intml.protocol.codecs.host import huffman
 from intml.protocol.codecs.host.adaptive import bits_for, entropy_bits, sample_threshold
 from intml.protocol.codecs.host.base import HostCodec
 from intml.protocol.codecs.host.lloyd import ROUNDS
+from intml.protocol.codecs.host.packing import FLOAT32_MAX
 
 
 def words(key: int, offset: int, count: int) -> list[int]:
@@ -60,7 +61,7 @@ def quantize(value: float, lo: float, hi: float, bits: int) -> int:
 
 
 def uniform_package(xs: list[float], bits: int) -> bytes:
-    lo, hi = (min(xs), max(xs)) if xs else (0.0, 0.0)
+    lo, hi = (min(xs) + 0.0, max(xs) + 0.0) if xs else (0.0, 0.0)
     codes = "".join(field(quantize(v, lo, hi, bits), bits) for v in xs)
     return struct.pack(">ffB", lo, hi, bits) + to_bytes(codes)
 
@@ -71,7 +72,7 @@ def uniform_values(package: bytes, count: int) -> np.ndarray:
 
 
 def adaptive_bits(codec: HostCodec, xs: list[float], key: int, offset: int) -> int:
-    lo, hi = (min(xs), max(xs)) if xs else (0.0, 0.0)
+    lo, hi = (min(xs) + 0.0, max(xs) + 0.0) if xs else (0.0, 0.0)
     sample = [v for v, w in zip(xs, words(key, offset, len(xs))) if w < sample_threshold(codec.f_bp)] or xs
     histogram = [0] * 2 ** codec.m
     for v in sample:
@@ -92,7 +93,7 @@ def canonical(symbols: list[int], lengths: list[int]) -> dict[int, str]:
 def adaptive_huffman_package(codec: HostCodec, x: np.ndarray, key: int, offset: int) -> bytes:
     xs = values_of(x)
     bits = adaptive_bits(codec, xs, key, offset)
-    lo, hi = (min(xs), max(xs)) if xs else (0.0, 0.0)
+    lo, hi = (min(xs) + 0.0, max(xs) + 0.0) if xs else (0.0, 0.0)
     codes = [quantize(v, lo, hi, bits) for v in xs]
     histogram = np.zeros(2 ** bits, np.int64)
     for q in codes:
@@ -128,7 +129,7 @@ def adaptive_huffman_values(codec: HostCodec, package: bytes, count: int) -> np.
 
 def lloyd_package(codec: HostCodec, x: np.ndarray) -> bytes:
     xs, count = values_of(x), 2 ** codec.bits
-    lo, hi = (min(xs), max(xs)) if xs else (0.0, 0.0)
+    lo, hi = (min(xs) + 0.0, max(xs) + 0.0) if xs else (0.0, 0.0)
     levels = [lo + (hi - lo) * ((j + 0.5) / count) for j in range(count)]
 
     def nearest(v: float, levels: list[float]) -> int:
@@ -164,26 +165,23 @@ def bitmask_values(codec: HostCodec, package: bytes, count: int) -> np.ndarray:
 def qsgd_package(codec: HostCodec, x: np.ndarray, key: int, offset: int) -> bytes:
     xs = values_of(x)
     norm = math.sqrt(float(sum(Fraction(v) ** 2 for v in xs)))
-    rounded = f32(norm)
-    if rounded < norm:
-        rounded = struct.unpack(">f", struct.pack(">I", struct.unpack(">I", struct.pack(">f", rounded))[0] + 1))[0]
     width = codec.levels.bit_length()
     codes = ""
     for v, w in zip(xs, words(key, offset, len(xs))):
         level = 0
-        if rounded:
-            r = abs(v) / rounded * codec.levels
+        if norm:
+            r = abs(v) / norm * codec.levels
             level = math.floor(r) + (w / 2 ** 32 < r - math.floor(r))
         codes += ("1" if v < 0 else "0") + field(level, width)
-    return struct.pack(">f", rounded) + to_bytes(codes)
+    return struct.pack(">d", norm) + to_bytes(codes)
 
 
 def qsgd_values(codec: HostCodec, package: bytes, count: int) -> np.ndarray:
-    (norm,) = struct.unpack(">f", package[:4])
+    (norm,) = struct.unpack(">d", package[:8])
     width = codec.levels.bit_length() + 1
     out = []
-    for code in fields(package[4:], count, width):
-        magnitude = norm * ((code & ((1 << (width - 1)) - 1)) / codec.levels)
+    for code in fields(package[8:], count, width):
+        magnitude = min(norm * ((code & ((1 << (width - 1)) - 1)) / codec.levels), FLOAT32_MAX)
         out.append(-magnitude if code >> (width - 1) else magnitude)
     return np.array(out, np.float32)
 
@@ -219,12 +217,12 @@ def pairs_values(package: bytes, count: int, scale: float) -> np.ndarray:
     out = [0.0] * count
     for i in range(0, len(package), 8):
         index, value = struct.unpack(">If", package[i:i + 8])
-        out[index] = value * scale
+        out[index] = min(value * scale, FLOAT32_MAX) if value >= 0 else max(value * scale, -FLOAT32_MAX)
     return np.array(out, np.float32)
 
 
 def topk_package(codec: HostCodec, x: np.ndarray) -> bytes:
-    k = min(x.size, max(1, math.ceil(codec.ratio * x.size))) if x.size else 0
+    k = max(1, int(codec.ratio * x.size)) if x.size else 0
     return pairs_package(x, sorted(range(x.size), key=lambda i: (-abs(float(x[i])), i))[:k])
 
 

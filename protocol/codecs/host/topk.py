@@ -1,4 +1,4 @@
-"""``topk<ratio>`` (in seed 003's survey, with error feedback): the ceil(ratio * count) values of largest
+"""``topk<ratio>`` (in seed 003's survey, with error feedback): the floor(ratio * count) values of largest
 magnitude in each package (ties to the lower index), the rest dropped; meant for use with base.Memory.
 
 Package: the kept elements as (index uint32, value float32) pairs, indices ascending and relative to the
@@ -39,8 +39,9 @@ def sparse_pairs(package: bytes, count: int, codec: str) -> tuple[np.ndarray, np
 
 
 def kept(ratio: float, count: int) -> int:
-    """How many elements top-k keeps of ``count``: ceil(ratio * count), at least one of a non-empty package."""
-    return min(count, max(1, math.ceil(ratio * count))) if count else 0
+    """How many elements top-k keeps of ``count``: floor(ratio * count), at least one of a non-empty package
+    (floor, as GRACE's: the float32 ratio 0.1 is a little over 0.1, and 10% of 50 should be 5)."""
+    return max(1, math.floor(ratio * count)) if count else 0
 
 
 class TopK(HostCodec):

@@ -33,8 +33,9 @@ def centres(codes: np.ndarray, lo: float, hi: float, bits: int) -> np.ndarray:
 
 
 def range_of(x: np.ndarray) -> tuple[float, float]:
-    """A package's [w_min, w_max] (0, 0 for an empty one)."""
-    return (float(x.min()), float(x.max())) if x.size else (0.0, 0.0)
+    """A package's [w_min, w_max] (0, 0 for an empty one); + 0.0 makes a -0.0 a 0.0, since which of two zeros is the
+    minimum would be up to the implementation."""
+    return (float(x.min()) + 0.0, float(x.max()) + 0.0) if x.size else (0.0, 0.0)
 
 
 def read_range(reader: Reader) -> tuple[float, float, int]:
