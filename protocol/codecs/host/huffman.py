@@ -27,22 +27,26 @@ MAX_SYMBOLS = 3524577
 
 
 def code_lengths(histogram: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Huffman's code lengths of the symbols that occur: (symbols, lengths) in canonical order. Ties merge the
-    subtree holding the smaller symbol first, so every encoder builds the same code."""
-    present = [int(s) for s in np.flatnonzero(histogram)]
+    """Huffman's code lengths of the symbols that occur: (symbols, lengths) in canonical order. The two lightest
+    subtrees merge first, ties to the one holding the smaller symbol, so every encoder builds the same code."""
+    present = np.flatnonzero(histogram)
     if int(histogram.sum()) > MAX_SYMBOLS:
         raise ValueError(f"Huffman coding takes at most {MAX_SYMBOLS} symbols at once")
-    depth = dict.fromkeys(present, 0)
-    heap = [(int(histogram[s]), s, [s]) for s in present]
+    # Nodes 0..k-1 are the leaves; each merge makes the next node, the parent of the two it takes.
+    parent = [-1] * max(2 * present.size - 1, 0)
+    heap = [(int(histogram[s]), int(s), node) for node, s in enumerate(present)]
     heapq.heapify(heap)
-    while len(heap) > 1:
-        w1, s1, leaves1 = heapq.heappop(heap)
-        w2, s2, leaves2 = heapq.heappop(heap)
-        for s in leaves1 + leaves2:
-            depth[s] += 1
-        heapq.heappush(heap, (w1 + w2, min(s1, s2), leaves1 + leaves2))
-    order = sorted(present, key=lambda s: (depth[s], s))
-    return np.array(order, np.int64), np.array([depth[s] for s in order], np.int64)
+    for node in range(present.size, len(parent)):
+        w1, s1, a = heapq.heappop(heap)
+        w2, s2, b = heapq.heappop(heap)
+        parent[a] = parent[b] = node
+        heapq.heappush(heap, (w1 + w2, min(s1, s2), node))
+    depth = [0] * len(parent)
+    for node in range(len(parent) - 2, -1, -1):  # a parent comes after its children
+        depth[node] = depth[parent[node]] + 1
+    lengths = np.array(depth[:present.size], np.int64)
+    order = np.lexsort((present, lengths))
+    return present[order].astype(np.int64), lengths[order]
 
 
 def canonical_codes(lengths: np.ndarray) -> np.ndarray:
