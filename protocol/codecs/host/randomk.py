@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from intml.protocol.codecs.host.base import HostCodec
-from intml.protocol.codecs.host.packing import (float32_ratio, random_words, ratio_bits, ratio_name, ratio_of_bits,
-                                                saturated)
-from intml.protocol.codecs.host.topk import sparse_package, sparse_pairs
+from intml.protocol.codecs.host.packing import random_words, saturated
+from intml.protocol.codecs.host.topk import Sparse, sparse_package, sparse_pairs
 
 
 def threshold(ratio: float) -> int:
@@ -24,17 +22,10 @@ def threshold(ratio: float) -> int:
     return max(1, int(ratio * 2 ** 32))
 
 
-class RandomK(HostCodec):
+class RandomK(Sparse):
     wire_id = 25
     unbiased = True
-    switch_reason = "randomk sends (index, value) pairs that differ per worker: a switch sums aligned slots only"
-
-    def __init__(self, ratio: float) -> None:
-        self.ratio = ratio
-        self.name = ratio_name("randomk", ratio)
-
-    def wire_param(self) -> int:
-        return ratio_bits(self.ratio)
+    family = "randomk"
 
     def encode(self, x: np.ndarray, key: int, offset: int) -> bytes:
         return sparse_package(x, np.flatnonzero(random_words(key, offset, x.size) < threshold(self.ratio)))
@@ -46,5 +37,4 @@ class RandomK(HostCodec):
         return out
 
 
-FAMILIES = {"randomk": (RandomK.wire_id, lambda text: RandomK(float32_ratio(text, "randomk")),
-                        lambda param: RandomK(ratio_of_bits(param, "randomk")))}
+FAMILIES = RandomK.entry()

@@ -44,17 +44,31 @@ def kept(ratio: float, count: int) -> int:
     return max(1, math.floor(ratio * count)) if count else 0
 
 
-class TopK(HostCodec):
-    wire_id = 24
-    unbiased = False
-    switch_reason = "topk sends (index, value) pairs that differ per worker: a switch sums aligned slots only"
+class Sparse(HostCodec):
+    """What top-k and random-k share: a ratio in the name and the JOIN's parameter, and the sparse package."""
+
+    family: str
 
     def __init__(self, ratio: float) -> None:
         self.ratio = ratio
-        self.name = ratio_name("topk", ratio)
+        self.name = ratio_name(self.family, ratio)
+        self.switch_reason = (f"{self.family} sends (index, value) pairs that differ per worker: "
+                              "a switch sums aligned slots only")
 
     def wire_param(self) -> int:
         return ratio_bits(self.ratio)
+
+    @classmethod
+    def entry(cls) -> dict:
+        """The family's FAMILIES entry."""
+        return {cls.family: (cls.wire_id, lambda text: cls(float32_ratio(text, cls.family)),
+                             lambda param: cls(ratio_of_bits(param, cls.family)))}
+
+
+class TopK(Sparse):
+    wire_id = 24
+    unbiased = False
+    family = "topk"
 
     def encode(self, x: np.ndarray, key: int, offset: int) -> bytes:
         largest = np.argsort(-np.abs(x), kind="stable")[:kept(self.ratio, x.size)]
@@ -70,5 +84,4 @@ class TopK(HostCodec):
         return out
 
 
-FAMILIES = {"topk": (TopK.wire_id, lambda text: TopK(float32_ratio(text, "topk")),
-                     lambda param: TopK(ratio_of_bits(param, "topk")))}
+FAMILIES = TopK.entry()
