@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from intml.protocol.codecs.host import FAMILIES, MalformedPackage, Memory, from_wire, huffman, parse
+from intml.protocol.codecs.host.packing import Reader
 from intml.protocol.codecs.host.powersgd import LowRank
 from intml.protocol.codecs.host.reference import REFERENCES
 
@@ -172,7 +173,6 @@ def test_huffman_round_trip(histogram):
         assert np.sum(2.0 ** -lengths) == 1  # a complete prefix code
         entropy = -np.sum(histogram[histogram > 0] * np.log2(histogram[histogram > 0] / values.size))
         assert entropy <= 8 * len(data) < entropy + values.size + 8  # within a bit per symbol of the entropy
-    from intml.protocol.codecs.host.packing import Reader
     book = Reader(huffman.write_codebook(symbols, lengths), "test")
     read_symbols, read_lengths = huffman.read_codebook(book, max(histogram.size, 1))
     assert (read_symbols.tolist(), read_lengths.tolist()) == (symbols.tolist(), lengths.tolist())
