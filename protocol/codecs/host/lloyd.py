@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from intml.protocol.codecs.host.base import HostCodec, MalformedPackage
-from intml.protocol.codecs.host.packing import (Reader, integer_suffix, pack_codes, unpack_codes,
+from intml.protocol.codecs.host.base import MalformedPackage
+from intml.protocol.codecs.host.packing import (IntegerCodec, Reader, pack_codes, unpack_codes,
                                                 wire_integer)
 from intml.protocol.codecs.host.uniform import range_of
 
@@ -40,17 +40,15 @@ def fit(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
     return levels32, nearest(x64, levels32.astype(np.float64))
 
 
-class Lloyd(HostCodec):
+class Lloyd(IntegerCodec):
     wire_id = 19
     unbiased = False
     switch_reason = "lloyd<N> sends indices into each package's own codebook of levels: a switch cannot add them"
+    family, low, high = "lloyd", 1, MAX_BITS
 
     def __init__(self, bits: int) -> None:
+        super().__init__(bits)
         self.bits = bits
-        self.name = f"lloyd{bits}"
-
-    def wire_param(self) -> int:
-        return self.bits
 
     def encode(self, x: np.ndarray, key: int, offset: int) -> bytes:
         levels, codes = fit(x, self.bits)
@@ -67,5 +65,4 @@ class Lloyd(HostCodec):
         return levels[unpack_codes(reader.rest(), count, bits, self.name)]
 
 
-FAMILIES = {"lloyd": (Lloyd.wire_id, lambda text: Lloyd(integer_suffix(text, "lloyd", 1, MAX_BITS)),
-                      lambda param: Lloyd(wire_integer(param, "lloyd", 1, MAX_BITS)))}
+FAMILIES = Lloyd.entry()

@@ -103,6 +103,28 @@ def ratio_of_bits(bits: int, codec: str) -> float:
     return ratio
 
 
+class IntegerCodec(HostCodec):
+    """A codec with one integer parameter in low..high, written after its family's name (uniform8) and sent as
+    the JOIN's parameter."""
+
+    family: str
+    low: int
+    high: int
+
+    def __init__(self, param: int) -> None:
+        self.param = param
+        self.name = f"{self.family}{param}"
+
+    def wire_param(self) -> int:
+        return self.param
+
+    @classmethod
+    def entry(cls) -> dict:
+        """The family's FAMILIES entry."""
+        return {cls.family: (cls.wire_id, lambda text: cls(integer_suffix(text, cls.family, cls.low, cls.high)),
+                             lambda param: cls(wire_integer(param, cls.family, cls.low, cls.high)))}
+
+
 def integer_suffix(text: str, codec: str, low: int, high: int) -> int:
     """The integer after a family's name (uniform8's 8), in [low, high]."""
     if not text.isdigit() or not low <= int(text) <= high:

@@ -22,24 +22,22 @@ import math
 
 import numpy as np
 
-from intml.protocol.codecs.host.base import HostCodec, MalformedPackage, Memory
-from intml.protocol.codecs.host.packing import integer_suffix, uniforms, wire_integer
+from intml.protocol.codecs.host.base import MalformedPackage, Memory
+from intml.protocol.codecs.host.packing import IntegerCodec, uniforms
 
 MAX_RANK = 1024
 
 
-class PowerSGD(HostCodec):
+class PowerSGD(IntegerCodec):
     wire_id = 26
     unbiased = False
     switch_reason = ("powersgd orthonormalises the first sum before the second round: a step between two "
                      "allreduces that a switch cannot take")
+    family, low, high = "powersgd", 1, MAX_RANK
 
     def __init__(self, rank: int) -> None:
+        super().__init__(rank)
         self.rank = rank
-        self.name = f"powersgd{rank}"
-
-    def wire_param(self) -> int:
-        return self.rank
 
     def encode(self, x: np.ndarray, key: int, offset: int) -> bytes:
         """A package of factor values, float32 big-endian."""
@@ -106,5 +104,4 @@ class LowRank:
         return product(self.p, self.q).astype(np.float32).reshape(-1)
 
 
-FAMILIES = {"powersgd": (PowerSGD.wire_id, lambda text: PowerSGD(integer_suffix(text, "powersgd", 1, MAX_RANK)),
-                         lambda param: PowerSGD(wire_integer(param, "powersgd", 1, MAX_RANK)))}
+FAMILIES = PowerSGD.entry()

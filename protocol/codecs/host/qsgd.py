@@ -12,9 +12,9 @@ import math
 
 import numpy as np
 
-from intml.protocol.codecs.host.base import HostCodec, MalformedPackage
-from intml.protocol.codecs.host.packing import (Reader, integer_suffix, pack_codes, saturated, uniforms,
-                                                unpack_codes, wire_integer)
+from intml.protocol.codecs.host.base import MalformedPackage
+from intml.protocol.codecs.host.packing import (IntegerCodec, Reader, pack_codes, saturated, uniforms,
+                                                unpack_codes)
 
 MAX_LEVELS = 2 ** 15
 
@@ -26,18 +26,16 @@ def norm_of(x: np.ndarray) -> float:
     return math.sqrt(math.fsum((x.astype(np.float64) ** 2).tolist()))
 
 
-class QSGD(HostCodec):
+class QSGD(IntegerCodec):
     wire_id = 21
     unbiased = True
     switch_reason = "qsgd<s> scales by each package's own norm: a switch cannot add levels of different scales"
+    family, low, high = "qsgd", 1, MAX_LEVELS
 
     def __init__(self, levels: int) -> None:
+        super().__init__(levels)
         self.levels = levels
         self.width = levels.bit_length() + 1
-        self.name = f"qsgd{levels}"
-
-    def wire_param(self) -> int:
-        return self.levels
 
     def encode(self, x: np.ndarray, key: int, offset: int) -> bytes:
         norm = norm_of(x)
@@ -63,5 +61,4 @@ class QSGD(HostCodec):
         return saturated(np.where(codes >> (self.width - 1) == 1, -magnitude, magnitude))
 
 
-FAMILIES = {"qsgd": (QSGD.wire_id, lambda text: QSGD(integer_suffix(text, "qsgd", 1, MAX_LEVELS)),
-                     lambda param: QSGD(wire_integer(param, "qsgd", 1, MAX_LEVELS)))}
+FAMILIES = QSGD.entry()

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from intml.protocol.codecs.host.base import HostCodec, MalformedPackage
-from intml.protocol.codecs.host.packing import Reader, integer_suffix, pack_codes, unpack_codes, wire_integer
+from intml.protocol.codecs.host.base import MalformedPackage
+from intml.protocol.codecs.host.packing import IntegerCodec, Reader, pack_codes, unpack_codes
 
 HEADER = ">ffB"
 MAX_BITS = 16
@@ -63,18 +63,16 @@ def decode_fixed(package: bytes, count: int, codec: str, expected_bits: int | No
     return centres(unpack_codes(reader.rest(), count, bits, codec), lo, hi, bits)
 
 
-class Uniform(HostCodec):
+class Uniform(IntegerCodec):
     wire_id = 16
     unbiased = False
     switch_reason = ("uniform<N> scales by each package's own [w_min, w_max]: "
                      "a switch cannot add codes on different grids")
+    family, low, high = "uniform", 2, MAX_BITS
 
     def __init__(self, bits: int) -> None:
+        super().__init__(bits)
         self.bits = bits
-        self.name = f"uniform{bits}"
-
-    def wire_param(self) -> int:
-        return self.bits
 
     def encode(self, x: np.ndarray, key: int, offset: int) -> bytes:
         return encode_fixed(x, self.bits)
@@ -83,5 +81,4 @@ class Uniform(HostCodec):
         return decode_fixed(package, count, self.name, self.bits)
 
 
-FAMILIES = {"uniform": (Uniform.wire_id, lambda text: Uniform(integer_suffix(text, "uniform", 2, MAX_BITS)),
-                        lambda param: Uniform(wire_integer(param, "uniform", 2, MAX_BITS)))}
+FAMILIES = Uniform.entry()
