@@ -109,6 +109,19 @@ def test_unbiased_within_six_standard_errors(name):
     assert codec.unbiased and np.all(error <= bound)
 
 
+@SETTINGS
+@given(cut=st.integers(0, 300), key=KEYS, offset=OFFSETS)
+def test_random_draws_follow_the_element_not_the_package(cut, key, offset):
+    """Keyed as C_nat is: which elements random-k keeps depends on their index in the tensor, not on where the
+    packages are cut."""
+    codec, x = parse("randomk0.3"), gaussian(300, 8)
+    whole = codec.decode(codec.encode(x, key, offset), 300)
+    parts = [codec.decode(codec.encode(x[:cut], key, offset), cut),
+             codec.decode(codec.encode(x[cut:], key, offset + cut), 300 - cut)]
+    assert whole.tobytes() == np.concatenate(parts).tobytes()
+    assert whole.tobytes() != codec.decode(codec.encode(x, key ^ 1, offset), 300).tobytes()
+
+
 def test_only_qsgd_terngrad_and_randomk_claim_unbiasedness():
     assert {family_of(name) for name in NAMES if parse(name).unbiased} == {"qsgd", "terngrad", "randomk"}
 
