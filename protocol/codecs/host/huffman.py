@@ -32,21 +32,31 @@ def code_lengths(histogram: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     present = np.flatnonzero(histogram)
     if int(histogram.sum()) > MAX_SYMBOLS:
         raise ValueError(f"Huffman coding takes at most {MAX_SYMBOLS} symbols at once")
-    # Nodes 0..k-1 are the leaves; each merge makes the next node, the parent of the two it takes.
-    parent = [-1] * max(2 * present.size - 1, 0)
-    heap = [(int(histogram[s]), int(s), node) for node, s in enumerate(present)]
-    heapq.heapify(heap)
-    for node in range(present.size, len(parent)):
-        w1, s1, a = heapq.heappop(heap)
-        w2, s2, b = heapq.heappop(heap)
-        parent[a] = parent[b] = node
-        heapq.heappush(heap, (w1 + w2, min(s1, s2), node))
-    depth = [0] * len(parent)
-    for node in range(len(parent) - 2, -1, -1):  # a parent comes after its children
-        depth[node] = depth[parent[node]] + 1
-    lengths = np.array(depth[:present.size], np.int64)
+    lengths = _depths(histogram[present].astype(np.int64), present.astype(np.int64))
     order = np.lexsort((present, lengths))
     return present[order].astype(np.int64), lengths[order]
+
+
+@njit(cache=True)
+def _depths(weights, symbols):
+    """Each leaf's depth in Huffman's tree. Nodes 0..k-1 are the leaves; each merge makes the next node, the
+    parent of the two it takes; a parent comes after its children, so depths are filled from the root down."""
+    k = weights.size
+    if k == 0:
+        return np.zeros(0, np.int64)
+    parent = np.full(2 * k - 1, -1, np.int64)
+    heap = [(weights[i], symbols[i], i) for i in range(k)]
+    heapq.heapify(heap)
+    for node in range(k, 2 * k - 1):
+        w1, s1, a = heapq.heappop(heap)
+        w2, s2, b = heapq.heappop(heap)
+        parent[a] = node
+        parent[b] = node
+        heapq.heappush(heap, (w1 + w2, min(s1, s2), np.int64(node)))
+    depth = np.zeros(2 * k - 1, np.int64)
+    for node in range(2 * k - 3, -1, -1):
+        depth[node] = depth[parent[node]] + 1
+    return depth[:k]
 
 
 def canonical_codes(lengths: np.ndarray) -> np.ndarray:
@@ -96,12 +106,27 @@ def encode(values: np.ndarray, symbols: np.ndarray, lengths: np.ndarray) -> byte
     table_code = np.zeros(int(symbols.max()) + 1, np.int64)
     table_length = np.zeros(int(symbols.max()) + 1, np.int64)
     table_code[symbols], table_length[symbols] = canonical_codes(lengths), lengths
-    code, length = table_code[values], table_length[values]
-    width = int(lengths.max())
-    column = np.arange(width, dtype=np.int64)
-    # Each code left-aligned in a row of ``width`` bits; the mask keeps the first ``length`` of them.
-    bits = (code[:, None] >> np.maximum(length[:, None] - 1 - column, 0)) & 1
-    return np.packbits(bits[column < length[:, None]].astype(np.uint8)).tobytes()
+    out = np.zeros((int(table_length[values].sum()) + 7) // 8, np.uint8)
+    _encode(values.astype(np.int64), table_code, table_length, out)
+    return out.tobytes()
+
+
+@njit(cache=True)
+def _encode(values, table_code, table_length, out):
+    """Appends each value's code to ``out`` through a bit accumulator (codes are at most 30 bits)."""
+    acc = 0
+    held = 0
+    at = 0
+    for v in values:
+        acc = (acc << table_length[v]) | table_code[v]
+        held += table_length[v]
+        while held >= 8:
+            held -= 8
+            out[at] = (acc >> held) & 0xFF
+            at += 1
+        acc &= (1 << held) - 1
+    if held:
+        out[at] = (acc << (8 - held)) & 0xFF
 
 
 def decode(data: bytes, symbols: np.ndarray, lengths: np.ndarray, count: int, codec: str) -> np.ndarray:
