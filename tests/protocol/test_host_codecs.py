@@ -223,6 +223,7 @@ MALFORMED = {
         huffman_package(0, [2, 2], codes=b""),  # runs out
         huffman_package(0, [2, 2], codes=b"\0\0"),  # a byte left over
         huffman_package(0, []),  # no codebook for two elements
+        huffman_package(3, []),  # an empty codebook starting at a symbol
         huffman_package(0, [2, 2], n_bits=17),  # N out of range
         huffman_package(0, [2, 2], n_bits=1)[:-1]],  # truncated codebook
     "lloyd1": [b"\2" + b"\0" * 16 + b"\0", b"\1" + struct.pack(">ff", 0, np.nan) + b"\0", b"\1\0\0"],

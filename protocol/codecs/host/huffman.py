@@ -87,7 +87,7 @@ def read_codebook(reader: Reader, alphabet: int) -> tuple[np.ndarray, np.ndarray
     if first + span > alphabet:
         raise MalformedPackage(f"a codebook of symbols {first}..{first + span - 1} over an alphabet of {alphabet}")
     table = unpack_codes(reader.take(f"{(span * FIELD + 7) // 8}s")[0], span, FIELD, reader.codec).astype(np.int64)
-    if span and (table[0] == 0 or table[-1] == 0):
+    if span and (table[0] == 0 or table[-1] == 0) or not span and first:
         raise MalformedPackage("a codebook's range starts or ends with an absent symbol")
     present = np.flatnonzero(table)
     lengths = table[present] - 1
