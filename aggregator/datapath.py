@@ -138,6 +138,15 @@ def one_tenant_per_id(placed: Iterable[int], key: int, where: str) -> str | None
     return None
 
 
+def host_refusal(params: JobParams, where: str) -> str | None:
+    """One line refusing a host-codec job on a data path that sums on a switch (``where``): the codec's reason,
+    or None for a switch codec."""
+    codec = params.host_codec
+    if codec is None:
+        return None
+    return f"JOIN refused: {where} cannot run codec {codec.name}: {codec.switch_reason}"
+
+
 def check_results_group(results_group: tuple[int, int] | None, max_jobs: int) -> None:
     """Raise ValueError unless ``results_group`` (first IPv4 multicast group as an integer, UDP port) leaves a
     group for each of ``max_jobs`` job entries (or is None: results by unicast)."""
