@@ -71,11 +71,13 @@ class HostQ(HostCodec):
 @contextlib.contextmanager
 def registered() -> Iterator[None]:
     """``hostq<N>`` is a host codec (protocol.codecs.host.FAMILIES) inside the block."""
+    before = dict(host.FAMILIES)
     host.FAMILIES[FAMILY] = (WIRE_ID, lambda text: HostQ(int(text)), HostQ)
     try:
         yield
     finally:
-        del host.FAMILIES[FAMILY]
+        host.FAMILIES.clear()
+        host.FAMILIES.update(before)
 
 
 def reference(codec: HostCodec, xs: list[np.ndarray], *, seed: int, allreduce: int, packet_elements: int,
