@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from numba import njit
 
 from intml.aggregator.counters import CoreCounters
 from intml.aggregator.datapath import (
@@ -56,6 +57,14 @@ from intml.protocol.stats import (
     RETRANSMISSIONS,
 )
 from intml.protocol.wire import HEADER, MAGIC, MAX_DATAGRAM, NO_EXP, OWNERS_SHIFT, RANK_MASK, VERSION, MsgType, pack
+
+
+@njit(cache=True)
+def round_event(allreduce, chunk, current):
+    """The round key of a DATA packet of (allreduce, chunk), and where it stands against a set holding round
+    ``current``: -1, 0 or 1 (packet.round_order; compiled once, not per process)."""
+    key = round_key(allreduce, chunk)
+    return key, round_order(key, current)
 
 
 @dataclass
@@ -169,9 +178,9 @@ class HostDataPath:
             st[reason] += 1
             return []
         row, bit = placed.rows.start + slot // placed.slots.stride, 1 << rank
-        key = int(round_key(int(h["allreduce"]), chunk))
+        key, order = round_event(int(h["allreduce"]), chunk, int(self.round_key[row, x]))
         bitmap = int(self.bitmap[row, x])
-        order = 1 if bitmap == 0 else int(round_order(key, int(self.round_key[row, x])))
+        order = 1 if bitmap == 0 else int(order)  # an empty set takes any round
         if order < 0:
             st[DROP_STALE] += 1
             return []

@@ -54,6 +54,18 @@ from intml.worker.state import (
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
+def header_kernel(p, job, allreduce, chunk, rank, slot, count, codec, shadow):
+    """A host DATA header in p: no exponents (put_header, compiled once, not per process)."""
+    put_header(p, MsgType.DATA, job, allreduce, chunk, rank, slot, count, codec, shadow, NO_EXP, NO_EXP)
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def restart_kernel(silence, now):
+    """An allreduce starts (worker.retransmit.restart_silences)."""
+    restart_silences(silence, now)
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
 def send_kernel(state, s, now, tx_ptr, tx_len, tx_addr, n_tx):
     """Slot s's new datagram (built in its buffer of its parity) goes out at now: arm its timer, queue it.
     Returns the new tx count."""
@@ -150,7 +162,7 @@ class HostStreamEngine:
         self.done_chunks = 0
         self._key = int(derive_key(np.uint64(self.seed), worker_stream(self.allreduce_seq, self.rank)))
         self.cur_chunk[:] = IDLE
-        restart_silences(self.silence, now)
+        restart_kernel(self.silence, now)
         n = 0
         for s in range(window):
             n = self._send(s, s, now, n)
@@ -168,8 +180,8 @@ class HostStreamEngine:
             raise ValueError(f"a {self.codec.name} package of {values.size} elements is {len(package)} bytes, more "
                              f"than a datagram holds: use fewer packet elements")
         p = self.packet[s, self.parity[s]]
-        put_header(p, MsgType.DATA, self.job, self.allreduce_seq, c, self.rank, s, values.size, self.codec.wire_id,
-                   self.parity[s], NO_EXP, NO_EXP)
+        header_kernel(p, self.job, self.allreduce_seq, c, self.rank, s, values.size, self.codec.wire_id,
+                      int(self.parity[s]))
         p[HDR:HDR + len(package)] = np.frombuffer(package, np.uint8)
         length = HDR + len(package)
         if tag:
