@@ -189,7 +189,7 @@ JOIN_VALUES = dict(world_size=8, packet_elements=256, pool_size=2**16 - 1, codec
                    cores=0, first_core=3, total_cores=255, seed=2**64 - 1, flags=1, group=0xEFFF0001,
                    group_port=48879, allreduce=2**32 - 1,
                    nonce=bytes(range(16)), cookie=b"c" * 16, job_nonce=b"j" * 16, mac=bytes(range(100, 116)),
-                   idle_timeout=2**32 - 1)
+                   idle_timeout=2**32 - 1, codec_param=2**32 - 2)
 
 
 def _field(record: np.void, name: str) -> int | bytes:
