@@ -217,3 +217,20 @@ def test_job_params_of_a_host_codec() -> None:
         JobParams(world_size=2, codec=Codec.INT32, codec_param=3)
     with pytest.raises(ValueError, match="host codec"):
         JobParams.of(world_size=2, codec="nosuch4")
+
+
+def test_worker_drops_a_result_package_it_cannot_decode() -> None:
+    """A RESULT of the awaited round whose package is malformed (or of the wrong count) is drop_malformed at the
+    worker, and the slot takes the real result after it."""
+    net = Network(2, codec="hostq8", packet_elements=P, pool_size=2)
+    xs = _inputs(2, 6)
+    net.start(xs)
+    results = core_receive(net.cores[0], [(d, src) for d, src, _ in net.up], net.now)
+    net.up = []
+    real = next(d for d, dst in results if dst == net.addr(0))
+    bad = [real[:-1], real + b"\x00" * 4, real[:wire.HEADER_SIZE]]
+    assert engine_receive(net.engines[0], [(d, net.core_addrs[0]) for d in bad], net.now) == []
+    assert net.engines[0].counters()["drop_malformed"] == len(bad)
+    net.down = [(d, net.core_addrs[0], dst) for d, dst in results]
+    net.run()
+    _check(net, xs, 0)
