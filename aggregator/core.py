@@ -113,8 +113,8 @@ class JobInfo:
         """The parameters as the JOIN states them (statistics, refusals)."""
         p = self.params
         return {"world_size": p.world_size, "packet_elements": p.packet_elements, "pool_size": p.pool_size,
-                "codec": int(p.codec), "codec_param": p.codec_param, "seed": p.seed, "flags": p.flags, "first_core": self.first_core,
-                "total_cores": self.slots.stride}
+                "codec": int(p.codec), "codec_param": p.codec_param, "seed": p.seed, "flags": p.flags,
+                "first_core": self.first_core, "total_cores": self.slots.stride}
 
 
 class AggregatorCore:
@@ -129,8 +129,8 @@ class AggregatorCore:
         """``datapath``: what moves the DATA (aggregator.datapath); by default the burst kernel with the host mode
         beside it (aggregator.host.HostModeDataPath), built from ``kernel``, aggregator.kernel.KernelDataPath's
         options (rows, max_elements, max_jobs, burst, results_group, control_limits, counters). ``tokens``: the
-        tokens a new job may be created with (the default, only the empty token, is the open mode). ``random_bytes``: the source of the core's cookie
-        secret (injectable for deterministic tests). ``job_history``: how many finished jobs the statistics
+        tokens a new job may be created with (the default, only the empty token, is the open mode).
+        ``random_bytes``: the source of the core's cookie secret (injectable for deterministic tests). ``job_history``: how many finished jobs the statistics
         keep. ``max_pool``: the most slots a job may have. ``tenant_max_jobs``, ``tenant_max_slots``: the jobs
         and slot rows the jobs of one token may hold on this core at once (None: no quota but the core's), so
         that one tenant cannot take the table from the others."""
@@ -321,8 +321,8 @@ class AggregatorCore:
         """The JOIN's fields as the job's parameters, this aggregator's first core among the job's and this
         core's share of the slots; or one line on what is wrong with them."""
         try:
-            params = JobParams(**{k: p[k] for k in ("world_size", "packet_elements", "pool_size", "codec", "codec_param",
-                                                    "seed")},
+            params = JobParams(**{k: p[k] for k in ("world_size", "packet_elements", "pool_size", "codec",
+                                                    "codec_param", "seed")},
                                data_mac=bool(p["flags"] & wire.FLAG_DATA_MAC),
                                nearest=bool(p["flags"] & wire.FLAG_NEAREST))
             problem = params.problem(self.max_elements)

@@ -75,7 +75,7 @@ JOIN payload (101 bytes):
 | job_nonce       |     61 |   16 | raw  | JOIN: 0; JOIN_ACK: the job nonce of this core (the data key's input) |
 | mac             |     77 |   16 | raw  | JOIN: 0, or the proof under the token key; JOIN_ACK: under the session key |
 | idle_timeout    |     93 |    4 | u32  | JOIN: 0; JOIN_ACK: the core's idle timeout in ms (0: none); a worker keeps alive at a third of it |
-| codec_param     |     97 |    4 | u32  | a host codec's parameter (HostCodec.wire_param: N, s, a ratio's float32 bits); 0 for a switch codec |
+| codec_param     |     97 |    4 | u32  | a host codec's parameter (HostCodec.wire_param); 0 for a switch codec |
 
 A job's slots may be spread over several aggregators (docs/protocol.md, "Several aggregators"): core c of an
 aggregator then owns the slots s with s % total_cores == first_core + c.
