@@ -130,10 +130,10 @@ class AggregatorCore:
         beside it (aggregator.host.HostModeDataPath), built from ``kernel``, aggregator.kernel.KernelDataPath's
         options (rows, max_elements, max_jobs, burst, results_group, control_limits, counters). ``tokens``: the
         tokens a new job may be created with (the default, only the empty token, is the open mode).
-        ``random_bytes``: the source of the core's cookie secret (injectable for deterministic tests). ``job_history``: how many finished jobs the statistics
-        keep. ``max_pool``: the most slots a job may have. ``tenant_max_jobs``, ``tenant_max_slots``: the jobs
-        and slot rows the jobs of one token may hold on this core at once (None: no quota but the core's), so
-        that one tenant cannot take the table from the others."""
+        ``random_bytes``: the source of the core's cookie secret (injectable for deterministic tests). ``job_history``:
+        how many finished jobs the statistics keep. ``max_pool``: the most slots a job may have. ``tenant_max_jobs``,
+        ``tenant_max_slots``: the jobs and slot rows the jobs of one token may hold on this core at once (None: no quota
+        but the core's), so that one tenant cannot take the table from the others."""
         if not 0 <= core < cores:
             raise ValueError(f"core must be in [0, {cores}), got {core}")
         if datapath is not None and kernel:
