@@ -19,6 +19,7 @@ from intml.protocol import wire
 from intml.protocol.codec import Codec
 from intml.protocol.job import JobParams
 from intml.protocol.wire import NO_EXP, MsgType
+from intml.worker.host import HostStreamEngine
 
 P = 32  # elements per packet: a few chunks per slot
 SIZE = 300  # a partial last chunk
@@ -234,3 +235,12 @@ def test_worker_drops_a_result_package_it_cannot_decode() -> None:
     net.down = [(d, net.core_addrs[0], dst) for d, dst in results]
     net.run()
     _check(net, xs, 0)
+
+
+def test_worker_refuses_a_package_no_aggregator_receives() -> None:
+    """A package longer than 4 bytes per packet element (hostq's 9-byte header and a code, for one element) is
+    refused at the worker with a clear error, not sent to be cut."""
+    engine = HostStreamEngine(job=1, rank=0, world_size=2, codec=HostQ(8), packet_elements=1, pool_size=1, seed=0,
+                              agg_addrs=[1])
+    with pytest.raises(ValueError, match="11 bytes, more than the aggregator receives"):
+        engine.start(np.array([1.0, 2.0], np.float32), 0.0)
