@@ -238,9 +238,9 @@ def test_worker_drops_a_result_package_it_cannot_decode() -> None:
 
 
 def test_worker_refuses_a_package_no_aggregator_receives() -> None:
-    """A package longer than 4 bytes per packet element (hostq's 9-byte header and a code, for one element) is
+    """A package longer than 4 bytes per packet element (hostq's 9-byte header, for one element) is
     refused at the worker with a clear error, not sent to be cut."""
     engine = HostStreamEngine(job=1, rank=0, world_size=2, codec=HostQ(8), packet_elements=1, pool_size=1, seed=0,
                               agg_addrs=[1])
-    with pytest.raises(ValueError, match="11 bytes, more than the aggregator receives"):
+    with pytest.raises(ValueError, match="9 bytes, more than the aggregator receives"):
         engine.start(np.array([1.0, 2.0], np.float32), 0.0)
