@@ -63,6 +63,30 @@ def codec_name(codec: Codec) -> str:
 
 
 HOST_CODECS = 16  # codec ids from here on are host codecs' (protocol.codecs.host), summed by the aggregator's host mode
+# A host codec's package of P elements takes at most HOST_PACKAGE_BYTES * P + HOST_PACKAGE_SLACK bytes: a value and
+# an index per element (a sparse codec sending all), and a header or a codebook.
+HOST_PACKAGE_BYTES = 8
+HOST_PACKAGE_SLACK = 1024
+# an aggregator receives 4 bytes per element of its --max-packet-elements and a tag (an INT32 payload's datagram,
+# aggregator.dataplane); so does a datagram of this many
+HOST_DATAGRAM_ELEMENTS = max_packet_elements(Codec.INT32, data_mac=True)
+
+
+def host_package_limit(packet_elements: int) -> int:
+    """The most bytes a host codec's package of up to ``packet_elements`` elements may take (worker.host refuses
+    to send a longer one)."""
+    return HOST_PACKAGE_BYTES * packet_elements + HOST_PACKAGE_SLACK
+
+
+def host_max_packet(max_elements: int) -> int:
+    """The most packet elements of a host-codec job whose every package an aggregator taking packets of up to
+    ``max_elements`` INT32 elements receives whole (host_package_limit)."""
+    return max(0, (4 * max_elements - HOST_PACKAGE_SLACK) // HOST_PACKAGE_BYTES)
+
+
+def host_aggregator_elements(packet_elements: int) -> int:
+    """The --max-packet-elements an aggregator needs for a host-codec job of ``packet_elements``."""
+    return -(-host_package_limit(packet_elements) // 4)
 
 
 ROUNDINGS = ("stochastic", "nearest")  # C_nat's rounding: unbiased, or deterministic to the nearer power of two
@@ -96,14 +120,17 @@ class JobParams:
                 codec = host.from_wire(self.codec, self.codec_param)
             except ValueError as exc:  # MalformedPackage: no such codec, or a parameter it does not take
                 return f"host codec {self.codec} with parameter {self.codec_param}: {exc}"
-            # a host RESULT carries the float32 values by default (HostCodec.encode_result)
-            limit, where = max_packet_elements(Codec.INT32, self.data_mac), f"for {codec.name}"
+            limit, where = host_max_packet(HOST_DATAGRAM_ELEMENTS), f"for {codec.name}"
+            if max_elements is not None and host_max_packet(max_elements) < limit:
+                limit, where = host_max_packet(max_elements), (
+                    f"for {codec.name} on this aggregator (its --max-packet-elements {max_elements}: a host package "
+                    f"may take {HOST_PACKAGE_BYTES} bytes per element and {HOST_PACKAGE_SLACK} more)")
         elif self.codec not in tuple(Codec) or self.codec_param:
             return f"unknown codec {self.codec} with parameter {self.codec_param}"
         else:
             limit, where = max_packet_elements(self.codec), f"for {Codec(self.codec).name.lower()}"
-        if max_elements is not None and max_elements < limit:
-            limit, where = max_elements, "on this aggregator (its --max-packet-elements)"
+            if max_elements is not None and max_elements < limit:
+                limit, where = max_elements, "on this aggregator (its --max-packet-elements)"
         if not 1 <= self.packet_elements <= limit:
             return f"packet elements must be in [1, {limit}] {where}, got {self.packet_elements}"
         if not 1 <= self.pool_size <= 0xFFFF:

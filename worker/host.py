@@ -18,13 +18,12 @@ from numba import njit
 
 from intml.protocol.arith import worker_stream
 from intml.protocol.burst import Burst
-from intml.protocol.codec import Codec
 from intml.protocol.codecs.host import HostCodec, MalformedPackage
-from intml.protocol.job import WorkerTimers
+from intml.protocol.job import WorkerTimers, host_package_limit
 from intml.protocol.packet import HDR, put_header
 from intml.protocol.rng import derive_key
 from intml.protocol.siphash import put_tag, tag_ok
-from intml.protocol.wire import HEADER, MAGIC, NO_EXP, TAG_SIZE, VERSION, MsgType, element_datagram_size
+from intml.protocol.wire import HEADER, MAGIC, NO_EXP, TAG_SIZE, VERSION, MsgType
 from intml.worker.engine import take_result
 from intml.worker.retransmit import (
     T_RTO,
@@ -109,9 +108,8 @@ class HostStreamEngine:
         self.silence = silence_state(len(agg_addrs))
         self.parity = np.zeros(pool_size, np.int64)  # persists over the job's life
         self.cur_chunk = np.full(pool_size, IDLE, np.int64)
-        # two datagram buffers per slot, by parity, as StreamEngine's; a package takes at most 4 bytes per packet
-        # element, as an INT32 payload: the most an aggregator that took the job receives (its --max-packet-elements)
-        self.packet = np.zeros((pool_size, 2, element_datagram_size(Codec.INT32, packet_elements, True)), np.uint8)
+        # two datagram buffers per slot, by parity, as StreamEngine's, for the longest package
+        self.packet = np.zeros((pool_size, 2, HDR + host_package_limit(packet_elements) + TAG_SIZE), np.uint8)
         self.packet_len = np.zeros(pool_size, np.int64)
         self.tx = Burst(self.packet, pool_size)
         self.stats = np.zeros(len(STAT_NAMES), np.int64)
@@ -178,9 +176,10 @@ class HostStreamEngine:
         if self._sent is not None:
             self._sent[lo:lo + values.size] = self.codec.decode(package, values.size)
         tag = TAG_SIZE if self.mac_keys.shape[0] else 0
-        if len(package) > 4 * self.packet_elements:
+        if len(package) > host_package_limit(self.packet_elements):
             raise ValueError(f"a {self.codec.name} package of {values.size} elements is {len(package)} bytes, more "
-                             f"than the aggregator receives: 4 bytes per packet element ({self.packet_elements})")
+                             f"than the {host_package_limit(self.packet_elements)} an aggregator receives for "
+                             f"{self.packet_elements} packet elements (protocol.job.host_package_limit)")
         p = self.packet[s, self.parity[s]]
         header_kernel(p, self.job, self.allreduce_seq, c, self.rank, s, values.size, self.codec.wire_id,
                       int(self.parity[s]))

@@ -17,12 +17,13 @@ from intml.aggregator.leafspine import leaf_core
 from intml.p4.engine import p4model_core
 from intml.protocol import wire
 from intml.protocol.codec import Codec
-from intml.protocol.job import JobParams
+from intml.protocol.job import JobParams, host_aggregator_elements, host_package_limit
 from intml.protocol.wire import NO_EXP, MsgType
 from intml.worker.host import HostStreamEngine
 
 P = 32  # elements per packet: a few chunks per slot
 SIZE = 300  # a partial last chunk
+AGG = host_aggregator_elements(P)  # the aggregators' --max-packet-elements
 
 
 @pytest.fixture(autouse=True)
@@ -74,7 +75,7 @@ def test_two_cores_multicast_mean_and_the_mac() -> None:
     assert all(net.job_counters(core)["completions"] for core in range(2))
     group = (0xE0000105, 4000)
     multicast = Network(3, codec="hostq8", packet_elements=P, pool_size=4, drop=0.05,
-                        aggregators=[new_core(rows=256, max_elements=P, results_group=group)])
+                        aggregators=[new_core(rows=256, max_elements=AGG, results_group=group)])
     assert multicast.group
     multicast.allreduce(xs)
     _check(multicast, xs, 0)
@@ -172,7 +173,7 @@ def _fuzz_net() -> Network:
 def test_a_host_job_beside_a_switch_job() -> None:
     """One core runs a host job and a C_nat job at once: each gets its own results, the kernel never sees the host
     job's DATA (no truncation counted), and the core's packets_in counts every datagram once."""
-    core = new_core(rows=256, max_elements=P)
+    core = new_core(rows=256, max_elements=AGG)
     host_net = Network(2, codec="hostq8", packet_elements=P, pool_size=4, job=7, aggregators=[core])
     switch_net = Network(2, codec="cnat8", packet_elements=P, pool_size=4, job=8, aggregators=[core],
                          worker_port=6000)
@@ -198,13 +199,13 @@ def test_switch_data_paths_refuse_a_host_codec_with_its_reason() -> None:
     """The P4 engine and a leaf switch refuse a host codec at JOIN, in one line naming the codec's switch_reason;
     another id's codec or a parameter the codec does not take is refused by the JOIN's checks."""
     params = {"world_size": 2, "packet_elements": P, "pool_size": 2, "codec": WIRE_ID, "codec_param": 8}
-    for core in (p4model_core(tokens=["harness-token"], rows=64, max_elements=P),
-                 leaf_core(rows=64, max_elements=P, tokens=["harness-token"])):
+    for core in (p4model_core(tokens=["harness-token"], rows=64, max_elements=AGG),
+                 leaf_core(rows=64, max_elements=AGG, tokens=["harness-token"])):
         if hasattr(core.datapath, "add_route"):
             core.datapath.add_route(7, leaf=0, ranks=[0, 1], spine=1)
         line = _join_error(core, params)
         assert HostQ.switch_reason in line and "hostq8" in line and "\n" not in line, line
-    core = new_core(rows=64, max_elements=P)
+    core = new_core(rows=64, max_elements=AGG)
     assert "parameter 17" in _join_error(core, {**params, "codec_param": 17})
     assert "no host codec has wire id 251" in _join_error(core, {**params, "codec": 251})
 
@@ -238,9 +239,19 @@ def test_worker_drops_a_result_package_it_cannot_decode() -> None:
 
 
 def test_worker_refuses_a_package_no_aggregator_receives() -> None:
-    """A package longer than 4 bytes per packet element (hostq's 9-byte header, for one element) is
-    refused at the worker with a clear error, not sent to be cut."""
-    engine = HostStreamEngine(job=1, rank=0, world_size=2, codec=HostQ(8), packet_elements=1, pool_size=1, seed=0,
+    """A package longer than host_package_limit is refused at the worker with a clear error, not sent to be cut;
+    and a JOIN whose packages an aggregator could not receive whole is refused."""
+
+    class Bloated(HostQ):
+        def encode(self, x: np.ndarray, key: int, offset: int) -> bytes:
+            return super().encode(x, key, offset) + bytes(host_package_limit(P))
+
+    engine = HostStreamEngine(job=1, rank=0, world_size=2, codec=Bloated(8), packet_elements=P, pool_size=1, seed=0,
                               agg_addrs=[1])
-    with pytest.raises(ValueError, match="9 bytes, more than the aggregator receives"):
-        engine.start(np.array([1.0, 2.0], np.float32), 0.0)
+    with pytest.raises(ValueError, match=f"more than the {host_package_limit(P)} an aggregator receives"):
+        engine.start(np.ones(P, np.float32), 0.0)
+    params = JobParams.of(world_size=2, codec="hostq8", packet_elements=P + 1)
+    assert params.problem(AGG) == (f"packet elements must be in [1, {P}] for hostq8 on this aggregator (its "
+                                   f"--max-packet-elements {AGG}: a host package may take 8 bytes per element and "
+                                   f"1024 more), got {P + 1}")
+    assert params.problem() is None and params.problem(AGG + 2) is None

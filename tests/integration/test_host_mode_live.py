@@ -18,6 +18,7 @@ from support.host_codec import HostQ, reference, registered
 
 from intml.aggregator.core import AggregatorCore
 from intml.aggregator.dataplane import DataPlane
+from intml.protocol.job import host_aggregator_elements
 from intml.worker import Worker
 
 pytestmark = pytest.mark.process
@@ -30,7 +31,7 @@ def _serve(conn) -> None:
     with registered():
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         sock.bind((HOST, 0))
-        plane = DataPlane(AggregatorCore(tokens=[TOKEN], rows=64, max_elements=PACKET), sock)
+        plane = DataPlane(AggregatorCore(tokens=[TOKEN], rows=64, max_elements=host_aggregator_elements(PACKET)), sock)
         conn.send(sock.getsockname()[1])
         uvloop.run(plane.serve())
 

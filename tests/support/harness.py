@@ -29,7 +29,7 @@ from intml.protocol import keys, reference, wire
 from intml.protocol.burst import Burst
 from intml.protocol.codec import Codec
 from intml.protocol.codecs import host as host_codecs
-from intml.protocol.job import CODEC_NAMES, JobParams
+from intml.protocol.job import CODEC_NAMES, JobParams, host_aggregator_elements
 from intml.protocol.packet import HDR
 from intml.protocol.wire import MsgType
 from intml.worker.engine import StreamEngine
@@ -188,6 +188,8 @@ class Network:
         self.codec = (self.host_codec.wire_id if self.host_codec else Codec.CNAT8 if codec == "cnat8"
                       else Codec.INT32 if codec == "int32" else Codec(codec))
         self.codec_param = self.host_codec.wire_param() if self.host_codec else 0
+        # the cores' --max-packet-elements, unless given: what the job's packets need
+        self.max_elements = host_aggregator_elements(packet_elements) if self.host_codec else packet_elements
         self.packet_elements, self.pool_size = packet_elements, pool_size
         self.seed, self.job, self.token = seed, job, token
         self.now = 0.0
@@ -198,7 +200,7 @@ class Network:
         self.core_addrs = [base + i for base, k in zip(self.endpoints, endpoints) for i in range(k)]
         if aggregators is None:
             aggregators = [AggregatorCore(core=i, cores=k, rows=rows, idle_timeout=idle_timeout,
-                                          max_elements=max_elements or packet_elements, tokens=[token])
+                                          max_elements=max_elements or self.max_elements, tokens=[token])
                            for k in endpoints for i in range(k)]
         cores = len(aggregators)
         self.cores = aggregators
