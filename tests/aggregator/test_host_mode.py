@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 from support.harness import Network, core_receive, engine_receive, handshake, header, msg_type, new_core, worker_addr
 from support.host_codec import WIRE_ID, HostQ, reference, registered
 
+from intml.aggregator.core import AggregatorCore
+from intml.aggregator.kernel import KernelDataPath
 from intml.aggregator.leafspine import leaf_core
 from intml.p4.engine import p4model_core
 from intml.protocol import wire
@@ -200,7 +202,8 @@ def test_switch_data_paths_refuse_a_host_codec_with_its_reason() -> None:
     another id's codec or a parameter the codec does not take is refused by the JOIN's checks."""
     params = {"world_size": 2, "packet_elements": P, "pool_size": 2, "codec": WIRE_ID, "codec_param": 8}
     for core in (p4model_core(tokens=["harness-token"], rows=64, max_elements=AGG),
-                 leaf_core(rows=64, max_elements=AGG, tokens=["harness-token"])):
+                 leaf_core(rows=64, max_elements=AGG, tokens=["harness-token"]),
+                 AggregatorCore(KernelDataPath(rows=64, max_elements=AGG), tokens=["harness-token"])):
         if hasattr(core.datapath, "add_route"):
             core.datapath.add_route(7, leaf=0, ranks=[0, 1], spine=1)
         line = _join_error(core, params)
@@ -208,6 +211,20 @@ def test_switch_data_paths_refuse_a_host_codec_with_its_reason() -> None:
     core = new_core(rows=64, max_elements=AGG)
     assert "parameter 17" in _join_error(core, {**params, "codec_param": 17})
     assert "no host codec has wire id 251" in _join_error(core, {**params, "codec": 251})
+
+
+def test_a_job_id_runs_in_one_mode_at_a_time() -> None:
+    """Two tenants' jobs of one id, one host and one switch codec, would be told apart by the kernel only by their
+    seats: the second is refused, in one line, whichever mode comes first."""
+    switch = {"world_size": 2, "packet_elements": P, "pool_size": 2, "codec": int(Codec.CNAT8)}
+    hosted = {**switch, "codec": WIRE_ID, "codec_param": 8}
+    for first, second in ((hosted, switch), (switch, hosted)):
+        core = AggregatorCore(tokens=["harness-token", "other"], rows=64, max_elements=AGG)
+        [(ack, _)] = handshake(core, worker_addr(0), 0.0, 7, 0, token="harness-token", **first)
+        assert msg_type(ack) == MsgType.JOIN_ACK
+        [(reply, _)] = handshake(core, worker_addr(1), 0.0, 7, 0, token="other", **second)
+        assert msg_type(reply) == MsgType.ERROR
+        assert "job 7 already runs on aggregator core 0's" in reply[wire.HEADER_SIZE:].decode()
 
 
 def test_job_params_of_a_host_codec() -> None:
