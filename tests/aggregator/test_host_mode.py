@@ -125,6 +125,16 @@ def test_malformed_packages_are_counted_and_never_summed() -> None:
     _check(net, xs, 0)
 
 
+def test_a_codec_that_breaks_its_contract_costs_one_package() -> None:
+    """A decode that raises something else than MalformedPackage on a hostile package (a codec's bug) is counted as
+    drop_bad_package, as a refused one is: no exception leaves process()."""
+    net = Network(2, codec="hostq8", packet_elements=P, pool_size=2)
+    host = net.cores[0].datapath.host
+    host.jobs[net.job].codec.decode = lambda package, count: 1 // 0
+    assert core_receive(net.cores[0], [(_data(net, 0, b"\x00" * 20), net.addr(0))], net.now) == []
+    assert net.job_counters()["drop_bad_package"] == 1
+
+
 def test_header_checks_of_a_host_round() -> None:
     """A host round has no exponents, owners or bootstrap chunk, and one count: each is counted by its reason."""
     net = Network(2, codec="hostq8", packet_elements=P, pool_size=2)
