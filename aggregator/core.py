@@ -55,7 +55,7 @@ import numpy as np
 
 from intml.aggregator.counters import END_REASONS, EVICTED, IDLE, LEAVE
 from intml.aggregator.datapath import DataPath, Slots, job_key, job_name, tenant_of, wire_job
-from intml.aggregator.kernel import KernelDataPath
+from intml.aggregator.host import HostModeDataPath
 from intml.protocol import keys, wire
 from intml.protocol.address import addr_of, format_addr
 from intml.protocol.burst import Burst
@@ -86,7 +86,8 @@ MAX_REPLY_RATIO = 3  # no STATS_REPLY is larger than this many times its request
 UNPROVED = "JOIN refused: the token is wrong, or the aggregator lacks it (--token-file / INTML_TOKEN)"
 OPERATOR_SEQ = 8  # bytes: an operator's STATS_REQUEST starts its padding with a u64 sequence number
 # every rank must agree (first_core, total_cores: on the layout of the job's slots over its aggregators)
-JOB_PARAMS = ("world_size", "packet_elements", "pool_size", "codec", "seed", "flags", "first_core", "total_cores")
+JOB_PARAMS = ("world_size", "packet_elements", "pool_size", "codec", "codec_param", "seed", "flags", "first_core",
+              "total_cores")
 
 
 @dataclass
@@ -112,8 +113,8 @@ class JobInfo:
         """The parameters as the JOIN states them (statistics, refusals)."""
         p = self.params
         return {"world_size": p.world_size, "packet_elements": p.packet_elements, "pool_size": p.pool_size,
-                "codec": int(p.codec), "seed": p.seed, "flags": p.flags, "first_core": self.first_core,
-                "total_cores": self.slots.stride}
+                "codec": int(p.codec), "codec_param": p.codec_param, "seed": p.seed, "flags": p.flags,
+                "first_core": self.first_core, "total_cores": self.slots.stride}
 
 
 class AggregatorCore:
@@ -125,19 +126,19 @@ class AggregatorCore:
                  tokens: Iterable[str] = ("",), random_bytes: Callable[[int], bytes] = os.urandom,
                  job_history: int = AGGREGATOR_JOB_HISTORY, tenant_max_jobs: int | None = None,
                  tenant_max_slots: int | None = None, **kernel: Any) -> None:
-        """``datapath``: what moves the DATA (aggregator.datapath); by default the burst kernel, built from
-        ``kernel``, aggregator.kernel.KernelDataPath's options (rows, max_elements, max_jobs, burst,
-        results_group, control_limits, counters). ``tokens``: the tokens a new job may be created with (the
-        default, only the empty token, is the open mode). ``random_bytes``: the source of the core's cookie
-        secret (injectable for deterministic tests). ``job_history``: how many finished jobs the statistics
-        keep. ``max_pool``: the most slots a job may have. ``tenant_max_jobs``, ``tenant_max_slots``: the jobs
-        and slot rows the jobs of one token may hold on this core at once (None: no quota but the core's), so
-        that one tenant cannot take the table from the others."""
+        """``datapath``: what moves the DATA (aggregator.datapath); by default the burst kernel with the host mode
+        beside it (aggregator.host.HostModeDataPath), built from ``kernel``, aggregator.kernel.KernelDataPath's
+        options (rows, max_elements, max_jobs, burst, results_group, control_limits, counters). ``tokens``: the
+        tokens a new job may be created with (the default, only the empty token, is the open mode).
+        ``random_bytes``: the source of the core's cookie secret (injectable for deterministic tests). ``job_history``:
+        how many finished jobs the statistics keep. ``max_pool``: the most slots a job may have. ``tenant_max_jobs``,
+        ``tenant_max_slots``: the jobs and slot rows the jobs of one token may hold on this core at once (None: no quota
+        but the core's), so that one tenant cannot take the table from the others."""
         if not 0 <= core < cores:
             raise ValueError(f"core must be in [0, {cores}), got {core}")
         if datapath is not None and kernel:
             raise TypeError(f"options of the kernel data path with a data path of its own: {sorted(kernel)}")
-        self.datapath = KernelDataPath(name=f"aggregator core {core}", **kernel) if datapath is None else datapath
+        self.datapath = HostModeDataPath(name=f"aggregator core {core}", **kernel) if datapath is None else datapath
         self.counters = self.datapath.counters
         self.max_elements = self.datapath.max_elements
         # an address holds at most one rank of a job, so that one holder of the token cannot stand in for a whole
@@ -320,7 +321,8 @@ class AggregatorCore:
         """The JOIN's fields as the job's parameters, this aggregator's first core among the job's and this
         core's share of the slots; or one line on what is wrong with them."""
         try:
-            params = JobParams(**{k: p[k] for k in ("world_size", "packet_elements", "pool_size", "codec", "seed")},
+            params = JobParams(**{k: p[k] for k in ("world_size", "packet_elements", "pool_size", "codec",
+                                                    "codec_param", "seed")},
                                data_mac=bool(p["flags"] & wire.FLAG_DATA_MAC),
                                nearest=bool(p["flags"] & wire.FLAG_NEAREST))
             problem = params.problem(self.max_elements)

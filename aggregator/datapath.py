@@ -2,8 +2,10 @@
 membership, teardown, statistics) and its data path: what moves DATA through the slots. The core is constructed
 with one ``DataPath``; it never reads the data path's tables. Implementations: the Numba burst kernel
 (aggregator.kernel.KernelDataPath), a rack switch's leaf (aggregator.leafspine.LeafDataPath), the switch above
-the leaves (aggregator.leafspine.SpineCore, driven by the fabric's controller, not by a core) and the P4 pipeline
-model (p4.engine.P4DataPath).
+the leaves (aggregator.leafspine.SpineCore, driven by the fabric's controller, not by a core), the P4 pipeline
+model (p4.engine.P4DataPath) and the host mode of codecs no switch can sum (aggregator.host.HostDataPath, beside
+the kernel in aggregator.host.HostModeDataPath, a core's default). A data path that sums as a switch does refuses
+a host codec (``host_refusal``).
 
 Jobs are named by their job key (``job_key``): the tenant (the index of the token the job was created with among
 the core's tokens, docs/protocol.md "Tenants") and the job id on the wire, so that two tenants' jobs of one id are
@@ -136,6 +138,15 @@ def one_tenant_per_id(placed: Iterable[int], key: int, where: str) -> str | None
         return (f"job {wire_job(key)} already runs on {where} for another token (tenant), and {where} keeps one job "
                 f"per job id: use another job id")
     return None
+
+
+def host_refusal(params: JobParams, where: str) -> str | None:
+    """One line refusing a host-codec job on a data path that sums on a switch (``where``): the codec's reason,
+    or None for a switch codec."""
+    codec = params.host_codec
+    if codec is None:
+        return None
+    return f"JOIN refused: {where} cannot run codec {codec.name}: {codec.switch_reason}"
 
 
 def check_results_group(results_group: tuple[int, int] | None, max_jobs: int) -> None:

@@ -6,7 +6,15 @@ from __future__ import annotations
 import numpy as np
 
 from intml.aggregator.counters import CoreCounters
-from intml.aggregator.datapath import Placed, RoundState, Slots, allocate, check_results_group, group_of
+from intml.aggregator.datapath import (
+    Placed,
+    RoundState,
+    Slots,
+    allocate,
+    check_results_group,
+    group_of,
+    host_refusal,
+)
 from intml.aggregator.slots import (
     Jobs,
     Table,
@@ -88,7 +96,8 @@ class KernelDataPath:
 
     # ---- aggregator.datapath.DataPath ---------------------------------------------------------------------
     def refuse(self, job: int, params: JobParams, slots: Slots, rank: int) -> str | None:
-        return None  # the kernel serves every job the core's checks pass
+        # every switch-codec job the core's checks pass; a host codec's is aggregator.host's (a core's default)
+        return host_refusal(params, self.name)
 
     def place(self, job: int, params: JobParams, slots: Slots, data_key: bytes, now: float) -> Placed | str:
         found = allocate(self.counters, job, len(slots.of(params.pool_size)), self.name)

@@ -19,7 +19,7 @@ import numpy as np
 
 from intml.aggregator.core import AggregatorCore
 from intml.aggregator.counters import EVICTED
-from intml.aggregator.datapath import Placed, Slots, one_tenant_per_id, wire_job
+from intml.aggregator.datapath import Placed, Slots, host_refusal, one_tenant_per_id, wire_job
 from intml.aggregator.kernel import KernelDataPath
 from intml.aggregator.tiers import leaf_burst, new_fabric, new_routes, spine_burst
 from intml.protocol.burst import Burst
@@ -78,6 +78,8 @@ class LeafDataPath(KernelDataPath):
             return f"this leaf's rack for job {job_id} names ranks beyond world size {params.world_size}"
         if params.data_mac:
             return "a leaf does not carry the DATA/RESULT MAC: join without data_mac"
+        if problem := host_refusal(params, self.name):
+            return problem
         # the controller routes a job id, and the spine's RESULT names only the id
         if problem := one_tenant_per_id(self.placed, job, self.name):
             return problem

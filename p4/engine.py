@@ -22,6 +22,7 @@ from intml.aggregator.datapath import (
     allocate,
     check_results_group,
     group_of,
+    host_refusal,
     one_tenant_per_id,
     wire_job,
 )
@@ -53,7 +54,7 @@ def engine_problem(rows: int, max_jobs: int, engine: str = "p4model") -> str | N
 def switch_refusal(placed: Iterable[int], job: int, params: JobParams, where: str) -> str | None:
     """One line on why the P4 program (run ``where``) cannot serve job key ``job`` with these parameters beside
     the ``placed`` job keys, or None."""
-    return refusal(params.codec, params.packet_elements, params.data_mac) or (
+    return host_refusal(params, where) or refusal(params.codec, params.packet_elements, params.data_mac) or (
         # the job table matches the wire job id alone (p4/job_table.p4)
         one_tenant_per_id(placed, job, where))
 

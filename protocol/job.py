@@ -40,7 +40,7 @@ import dataclasses
 import numpy as np
 
 from intml.protocol.codec import Codec
-from intml.protocol.codecs import BY_NAME
+from intml.protocol.codecs import BY_NAME, host
 from intml.protocol.wire import FLAG_DATA_MAC, FLAG_NEAREST, JOIN, max_packet_elements
 
 MAX_WORLD = 64  # ranks per job: the switch keeps one 64-bit bitmap per shadow set
@@ -58,8 +58,35 @@ CONTROL_SOURCE_BUCKETS = 1024  # a power of two: the hash's top bits index it
 
 
 def codec_name(codec: Codec) -> str:
-    """The name users and command lines give a codec (its key in CODEC_NAMES)."""
+    """The name users and command lines give a switch codec (its key in CODEC_NAMES)."""
     return next(name for name, value in CODEC_NAMES.items() if value == codec)
+
+
+HOST_CODECS = 16  # codec ids from here on are host codecs' (protocol.codecs.host), summed by the aggregator's host mode
+# A host codec's package of P elements takes at most HOST_PACKAGE_BYTES * P + HOST_PACKAGE_SLACK bytes: a value and
+# an index per element (a sparse codec sending all), and a header or a codebook.
+HOST_PACKAGE_BYTES = 8
+HOST_PACKAGE_SLACK = 1024
+# an aggregator receives 4 bytes per element of its --max-packet-elements and a tag (an INT32 payload's datagram,
+# aggregator.dataplane); so does a datagram of this many
+HOST_DATAGRAM_ELEMENTS = max_packet_elements(Codec.INT32, data_mac=True)
+
+
+def host_package_limit(packet_elements: int) -> int:
+    """The most bytes a host codec's package of up to ``packet_elements`` elements may take (worker.host refuses
+    to send a longer one)."""
+    return HOST_PACKAGE_BYTES * packet_elements + HOST_PACKAGE_SLACK
+
+
+def host_max_packet(max_elements: int) -> int:
+    """The most packet elements of a host-codec job whose every package an aggregator taking packets of up to
+    ``max_elements`` INT32 elements receives whole (host_package_limit)."""
+    return max(0, (4 * max_elements - HOST_PACKAGE_SLACK) // HOST_PACKAGE_BYTES)
+
+
+def host_aggregator_elements(packet_elements: int) -> int:
+    """The --max-packet-elements an aggregator needs for a host-codec job of ``packet_elements``."""
+    return -(-host_package_limit(packet_elements) // 4)
 
 
 ROUNDINGS = ("stochastic", "nearest")  # C_nat's rounding: unbiased, or deterministic to the nearer power of two
@@ -72,10 +99,11 @@ class JobParams:
     world_size: int
     packet_elements: int = 1024
     pool_size: int = 64
-    codec: Codec = Codec.CNAT8
+    codec: Codec | int = Codec.CNAT8  # a switch codec, or a host codec's wire id (>= HOST_CODECS)
     seed: int = 0
     data_mac: bool = False  # DATA / RESULT carry a keyed MAC (the JOIN's flags, bit 0)
     nearest: bool = False  # C_nat rounds to nearest at the workers and the switch, biased (flags, bit 1)
+    codec_param: int = 0  # a host codec's parameter (HostCodec.wire_param); 0 for a switch codec
 
     def __post_init__(self) -> None:
         problem = self.problem()
@@ -87,12 +115,22 @@ class JobParams:
         ``max_elements`` elements), or None."""
         if not 1 <= self.world_size <= MAX_WORLD:
             return f"world size must be in [1, {MAX_WORLD}], got {self.world_size}"
-        if self.codec not in tuple(Codec):
-            return f"unknown codec {self.codec}"
-        limit = max_packet_elements(self.codec)
-        where = f"for {Codec(self.codec).name.lower()}"
-        if max_elements is not None and max_elements < limit:
-            limit, where = max_elements, "on this aggregator (its --max-packet-elements)"
+        if self.codec >= HOST_CODECS:
+            try:
+                codec = host.from_wire(self.codec, self.codec_param)
+            except ValueError as exc:  # MalformedPackage: no such codec, or a parameter it does not take
+                return f"host codec {self.codec} with parameter {self.codec_param}: {exc}"
+            limit, where = host_max_packet(HOST_DATAGRAM_ELEMENTS), f"for {codec.name}"
+            if max_elements is not None and host_max_packet(max_elements) < limit:
+                limit, where = host_max_packet(max_elements), (
+                    f"for {codec.name} on this aggregator (its --max-packet-elements {max_elements}: a host package "
+                    f"may take {HOST_PACKAGE_BYTES} bytes per element and {HOST_PACKAGE_SLACK} more)")
+        elif self.codec not in tuple(Codec) or self.codec_param:
+            return f"unknown codec {self.codec} with parameter {self.codec_param}"
+        else:
+            limit, where = max_packet_elements(self.codec), f"for {Codec(self.codec).name.lower()}"
+            if max_elements is not None and max_elements < limit:
+                limit, where = max_elements, "on this aggregator (its --max-packet-elements)"
         if not 1 <= self.packet_elements <= limit:
             return f"packet elements must be in [1, {limit}] {where}, got {self.packet_elements}"
         if not 1 <= self.pool_size <= 0xFFFF:
@@ -103,10 +141,20 @@ class JobParams:
 
     @classmethod
     def of(cls, *, world_size: int, codec: str = "cnat8", **fields: int | bool) -> JobParams:
-        """From a codec name (``cnat8``, ``int32``), as users and command lines give it."""
-        if codec not in CODEC_NAMES:
-            raise ValueError(f"codec must be one of {sorted(CODEC_NAMES)}, got {codec!r}")
-        return cls(world_size=world_size, codec=CODEC_NAMES[codec], **fields)
+        """From a codec name (``cnat8``, ``int32``, or a host codec's: ``uniform8``...), as users and command lines
+        give it."""
+        if codec in CODEC_NAMES:
+            return cls(world_size=world_size, codec=CODEC_NAMES[codec], **fields)
+        try:
+            found = host.parse(codec)
+        except ValueError as exc:
+            raise ValueError(f"codec must be one of {sorted(CODEC_NAMES)} or a host codec's name: {exc}") from None
+        return cls(world_size=world_size, codec=found.wire_id, codec_param=found.wire_param(), **fields)
+
+    @property
+    def host_codec(self) -> host.HostCodec | None:
+        """The job's host codec (the aggregator's host mode sums it), or None for a switch codec."""
+        return host.from_wire(self.codec, self.codec_param) if self.codec >= HOST_CODECS else None
 
     @property
     def flags(self) -> int:

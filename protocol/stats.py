@@ -41,6 +41,7 @@ STAT_NAMES = (
     "send_failed",
     "drop_bad_owner",
     "nonfinite_elements",
+    "drop_bad_package",
 )
 (
     PACKETS_IN,
@@ -75,6 +76,7 @@ STAT_NAMES = (
     SEND_FAILED,  # the driver: datagrams the kernel refused to send (their destination), skipped
     DROP_BAD_OWNER,  # an owners code naming a rank >= n, or not the round's
     NONFINITE,  # result lanes sent as +-Inf or NaN (a rank's non-finite value), once per completed round
+    DROP_BAD_PACKAGE,  # host mode: a package its codec cannot decode (protocol.codecs.host.MalformedPackage)
 ) = range(len(STAT_NAMES))
 N_STATS = len(STAT_NAMES)
 

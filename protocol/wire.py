@@ -54,7 +54,7 @@ protocol without owners. Code v > 0 names ranks lo .. lo + span with v - 1 = spa
 to its owners and cut to its header (count 0: a *header-only completion*) to the other ranks. In control messages
 ``rank`` is the whole u16 (an operator's STATS_REQUEST uses 0xFFFF).
 
-JOIN payload (97 bytes):
+JOIN payload (101 bytes):
 
 | field           | offset | size | type | meaning |
 |-----------------|-------:|-----:|------|---------|
@@ -75,6 +75,7 @@ JOIN payload (97 bytes):
 | job_nonce       |     61 |   16 | raw  | JOIN: 0; JOIN_ACK: the job nonce of this core (the data key's input) |
 | mac             |     77 |   16 | raw  | JOIN: 0, or the proof under the token key; JOIN_ACK: under the session key |
 | idle_timeout    |     93 |    4 | u32  | JOIN: 0; JOIN_ACK: the core's idle timeout in ms (0: none); a worker keeps alive at a third of it |
+| codec_param     |     97 |    4 | u32  | a host codec's parameter (HostCodec.wire_param); 0 for a switch codec |
 
 A job's slots may be spread over several aggregators (docs/protocol.md, "Several aggregators"): core c of an
 aggregator then owns the slots s with s % total_cores == first_core + c.
@@ -157,6 +158,7 @@ JOIN_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("job_nonce", "V16", "JOIN: 0; JOIN_ACK: the core's job nonce"),
     ("mac", "V16", "JOIN: proof under the token key, or 0; JOIN_ACK: under the session key"),
     ("idle_timeout", ">u4", "JOIN: 0; JOIN_ACK: the core's idle timeout in ms (0: none): keep alive well within it"),
+    ("codec_param", ">u4", "a host codec's parameter (protocol.codecs.host); 0 for a switch codec"),
 )
 JOIN = np.dtype([(name, code) for name, code, _ in JOIN_FIELDS])
 JOIN_SIZE = JOIN.itemsize

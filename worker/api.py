@@ -30,6 +30,7 @@ from intml.protocol.address import addr_of, format_addr
 from intml.protocol.burst import Burst
 from intml.protocol.job import BURST, ROUNDINGS, JobParams, WorkerTimers
 from intml.worker.engine import StreamEngine
+from intml.worker.host import HostStreamEngine
 from intml.worker.session import (
     Event,
     JobJoined,
@@ -92,7 +93,9 @@ class Worker:
         this long raises AllreduceTimeout. ``connect_timeout``: how long the JOIN may wait for the aggregator
         (default: ``timeout``). ``data_mac``: DATA and RESULT packets carry a keyed MAC (every rank must agree).
         ``rounding``: "stochastic" (unbiased C_nat) or "nearest" (deterministic, biased: docs/rounding.md), at the
-        workers and the switch; every rank must agree."""
+        workers and the switch; every rank must agree. ``codec``: "cnat8" or "int32", summed as a switch would, or
+        a host codec's name (``uniform8``...: protocol.codecs.host), summed by the aggregator's host mode
+        (docs/protocol.md, "Host mode"; float32 allreduces only)."""
         if rounding not in ROUNDINGS:
             raise ValueError(f"rounding must be one of {', '.join(ROUNDINGS)}, got {rounding!r}")
         if not 0 <= rank < world_size:
@@ -107,6 +110,7 @@ class Worker:
         self.host, self.port = self.aggregators[0]
         self.job, self.rank, self.world_size = job, rank, world_size
         self.codec = params.codec
+        self.codec_name = codec
         self.timeout = timeout
         self.session = WorkerSession(job=job, rank=rank, params=params, token=token,
                                      aggregator=[addr_key(h, p) for h, p in self.aggregators], timeout=timeout,
@@ -136,19 +140,22 @@ class Worker:
                 # only the job's results come to its group: rows of one result each, which lets GRO coalesce
                 # them (a switch's, or a kernel's, replicated GSO batch arrives in one read)
                 results = BurstSocket(_group_socket(group, *addr_of(via)), burst=rx_burst,
-                                      max_packet=wire.element_datagram_size(params.codec, params.packet_elements,
-                                                                            params.data_mac))
+                                      max_packet=wire.MAX_DATAGRAM if params.host_codec else
+                                      wire.element_datagram_size(params.codec, params.packet_elements,
+                                                                 params.data_mac))
             except OSError as exc:
                 self.close()  # leave the job: a retry must not find this rank still bound
                 raise JoinError(f"{self._who()}: cannot receive the job's results on multicast group {name}: "
                                 f"{exc.strerror or exc}") from None
             self._inputs.append(results)
             self._poll.register(results.fileno(), select.POLLIN)
-        self.engine = StreamEngine(job=job, rank=rank, world_size=world_size, codec=self.codec,
-                                   packet_elements=packet_elements, pool_size=pool_size, seed=seed,
-                                   agg_addrs=joined.addrs,
-                                   rto=timers.rto, min_rto=timers.min_rto, max_rto=timers.max_rto,
-                                   data_mac_keys=joined.data_keys if data_mac else None, nearest=params.nearest)
+        engine = dict(job=job, rank=rank, world_size=world_size, packet_elements=packet_elements, pool_size=pool_size,
+                      seed=seed, agg_addrs=joined.addrs, rto=timers.rto, min_rto=timers.min_rto, max_rto=timers.max_rto,
+                      data_mac_keys=joined.data_keys if data_mac else None)
+        host_codec = params.host_codec
+        self.engine: StreamEngine | HostStreamEngine = (
+            StreamEngine(codec=self.codec, nearest=params.nearest, **engine) if host_codec is None
+            else HostStreamEngine(codec=host_codec, **engine))  # the aggregator's host mode sums it
         # where the job's peers are: a fresh job's start, or the next allreduce of one this rank rejoins
         self.engine.resume(joined.allreduce, joined.shadow_sets)
 
@@ -414,4 +421,4 @@ class Worker:
 
     def __repr__(self) -> str:
         return (f"Worker({self._aggregator_name()}, job={self.job}, rank={self.rank}/{self.world_size}, "
-                f"{self.codec.name})")
+                f"{self.codec_name})")

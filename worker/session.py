@@ -127,7 +127,8 @@ class WorkerSession:
         self._token_key = keys.token_key(token)
         self._random = random_bytes
         self._fields = dict(world_size=params.world_size, packet_elements=params.packet_elements,
-                            pool_size=params.pool_size, codec=int(params.codec), seed=params.seed, flags=params.flags)
+                            pool_size=params.pool_size, codec=int(params.codec), seed=params.seed, flags=params.flags,
+                            codec_param=params.codec_param)
         # by a core's address key:
         self._nonce: dict[int, bytes] = {}  # client nonce of the JOIN in progress
         self._cookie: dict[int, bytes] = {}  # the cookie of its CHALLENGE

@@ -48,7 +48,7 @@ from support.cluster import (
 from intml.burstio.mmsg import offload_default
 from intml.protocol import reference, wire
 from intml.protocol.arith import EXP_MAX, EXP_MIN, data_k_max, value_bits
-from intml.protocol.cnat import K_MASK, NONZERO, SIGN
+from intml.protocol.cnat import K_MASK, NAN_FLAGS, NONZERO, SIGN
 from intml.protocol.codec import Codec
 from intml.protocol.wire import NO_EXP, MsgType
 
@@ -532,7 +532,8 @@ class Fuzzer:
         count = r.randint(1, self.packet)
         exp = r.choice([NO_EXP, r.randint(EXP_MIN, EXP_MAX)])
         header.update(count=count, codec=int(Codec.CNAT8), exp=exp)
-        choices = [r.choice(list(range(1, NONZERO)) + list(range(SIGN, SIGN | NONZERO)))]  # no NONZERO bit
+        # no NONZERO bit, and not a non-finite code (0x01-0x03: valid, its chunk would open the far round)
+        choices = [r.choice(list(range(NAN_FLAGS + 1, NONZERO)) + list(range(SIGN, SIGN | NONZERO)))]
         if exp == NO_EXP:
             choices.append(NONZERO | r.randint(0, K_MASK))  # any nonzero code: the chunk has no exponent
         else:  # above the agreed exponent: k > T - f

@@ -66,7 +66,7 @@ def test_doc_tables_match_dtypes():
     for table, dtype in zip(tables, (HEADER, JOIN, CHALLENGE)):
         documented = [(r["field"], int(r["offset"]), int(r["size"]), r["type"]) for r in table]
         assert documented == dtype_spec(dtype)
-    assert HEADER_SIZE == 26 and wire.JOIN_SIZE == 97 and wire.CHALLENGE_SIZE == 33
+    assert HEADER_SIZE == 26 and wire.JOIN_SIZE == 101 and wire.CHALLENGE_SIZE == 33
 
 
 def test_offsets_are_plain_ints_of_a_packed_header():
@@ -189,7 +189,7 @@ JOIN_VALUES = dict(world_size=8, packet_elements=256, pool_size=2**16 - 1, codec
                    cores=0, first_core=3, total_cores=255, seed=2**64 - 1, flags=1, group=0xEFFF0001,
                    group_port=48879, allreduce=2**32 - 1,
                    nonce=bytes(range(16)), cookie=b"c" * 16, job_nonce=b"j" * 16, mac=bytes(range(100, 116)),
-                   idle_timeout=2**32 - 1)
+                   idle_timeout=2**32 - 1, codec_param=2**32 - 2)
 
 
 def _field(record: np.void, name: str) -> int | bytes:

@@ -28,10 +28,12 @@ from intml.aggregator.core import AggregatorCore
 from intml.protocol import keys, reference, wire
 from intml.protocol.burst import Burst
 from intml.protocol.codec import Codec
-from intml.protocol.job import JobParams
+from intml.protocol.codecs import host as host_codecs
+from intml.protocol.job import CODEC_NAMES, JobParams, host_aggregator_elements
 from intml.protocol.packet import HDR
 from intml.protocol.wire import MsgType
 from intml.worker.engine import StreamEngine
+from intml.worker.host import HostStreamEngine
 from intml.worker.session import STATS_REQUEST_SIZE, JobJoined, WorkerSession
 
 AGG_PORT = 48879
@@ -181,7 +183,13 @@ class Network:
         self.nearest = nearest
         self.data_mac_key = data_mac_key
         self.n = n
-        self.codec = Codec.CNAT8 if codec == "cnat8" else Codec.INT32 if codec == "int32" else Codec(codec)
+        # a host codec by its name (protocol.codecs.host): the aggregator's host mode, HostStreamEngines
+        self.host_codec = host_codecs.parse(codec) if isinstance(codec, str) and codec not in CODEC_NAMES else None
+        self.codec = (self.host_codec.wire_id if self.host_codec else Codec.CNAT8 if codec == "cnat8"
+                      else Codec.INT32 if codec == "int32" else Codec(codec))
+        self.codec_param = self.host_codec.wire_param() if self.host_codec else 0
+        # the cores' --max-packet-elements, unless given: what the job's packets need
+        self.max_elements = host_aggregator_elements(packet_elements) if self.host_codec else packet_elements
         self.packet_elements, self.pool_size = packet_elements, pool_size
         self.seed, self.job, self.token = seed, job, token
         self.now = 0.0
@@ -192,18 +200,18 @@ class Network:
         self.core_addrs = [base + i for base, k in zip(self.endpoints, endpoints) for i in range(k)]
         if aggregators is None:
             aggregators = [AggregatorCore(core=i, cores=k, rows=rows, idle_timeout=idle_timeout,
-                                          max_elements=max_elements or packet_elements, tokens=[token])
+                                          max_elements=max_elements or self.max_elements, tokens=[token])
                            for k in endpoints for i in range(k)]
         cores = len(aggregators)
         self.cores = aggregators
         self.core_of = {addr: i for i, addr in enumerate(self.core_addrs)}
         self.rank_of = {self.addr(r): r for r in range(n)}
+        engine = dict(job=job, world_size=n, packet_elements=packet_elements, pool_size=pool_size, seed=seed,
+                      agg_addrs=self.core_addrs, rto=rto, min_rto=min_rto, max_rto=max_rto,
+                      data_mac_keys=None if data_mac_key is None else np.array([data_mac_key] * cores, np.uint64))
         self.engines = [
-            StreamEngine(job=job, rank=r, world_size=n, codec=self.codec, packet_elements=packet_elements,
-                         pool_size=pool_size, seed=seed, agg_addrs=self.core_addrs, rto=rto,
-                         min_rto=min_rto, max_rto=max_rto,
-                         data_mac_keys=None if data_mac_key is None else np.array([data_mac_key] * cores, np.uint64),
-                         nearest=nearest)
+            HostStreamEngine(rank=r, codec=self.host_codec, **engine) if self.host_codec
+            else StreamEngine(rank=r, codec=self.codec, nearest=nearest, **engine)
             for r in range(n)
         ]
         self.uplink = Link(drop=drop, duplicate=duplicate, reorder=reorder, seed=2 * fault_seed + 1)
@@ -227,7 +235,7 @@ class Network:
     # ---- control plane --------------------------------------------------------------------------------------
     def join_params(self, **overrides) -> dict:
         return {"world_size": self.n, "packet_elements": self.packet_elements, "pool_size": self.pool_size,
-                "codec": int(self.codec), "seed": self.seed, **overrides}
+                "codec": int(self.codec), "codec_param": self.codec_param, "seed": self.seed, **overrides}
 
     def join(self, rank: int, *, core: int = 0, src: int | None = None, job: int | None = None,
              token: str | None = None, nonce: bytes = NONCE, **overrides) -> list[Datagram]:
@@ -240,7 +248,7 @@ class Network:
     def session(self, rank: int) -> WorkerSession:
         """The control plane of rank ``rank`` with this network's parameters, as a Worker builds it."""
         params = JobParams(world_size=self.n, packet_elements=self.packet_elements, pool_size=self.pool_size,
-                           codec=self.codec, seed=self.seed, nearest=self.nearest)
+                           codec=self.codec, codec_param=self.codec_param, seed=self.seed, nearest=self.nearest)
         return WorkerSession(job=self.job, rank=rank, params=params, token=self.token, aggregator=self.endpoints)
 
     def join_all(self) -> list[Datagram]:
@@ -266,7 +274,10 @@ class Network:
         if self.data_mac_key is not None:
             for core in self.cores:
                 j = core.info[self.job].index
-                core.datapath.jobs.data_mac[j], core.datapath.jobs.mac_key[j] = True, self.data_mac_key
+                if self.host_codec:
+                    core.datapath.host.jobs[self.job].mac_key = tuple(np.uint64(k) for k in self.data_mac_key)
+                else:
+                    core.datapath.jobs.data_mac[j], core.datapath.jobs.mac_key[j] = True, self.data_mac_key
         return replies
 
     def leave(self, rank: int, core: int = 0) -> bytes:

@@ -1,0 +1,284 @@
+"""The aggregator's host mode (docs/protocol.md, "Host mode"), driven sans-I/O: host-codec allreduces through
+AggregatorCores and HostStreamEngines are bit-identical at every rank and equal to the codec's reference whatever
+the loss, duplication and reordering; malformed packages are counted and dropped, never raised, never summed;
+switch data paths refuse a host codec at JOIN with its reason. The codec is the tests' stand-in
+(support.host_codec), registered for each test: any registered codec takes the same path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from support.harness import Network, core_receive, engine_receive, handshake, header, msg_type, new_core, worker_addr
+from support.host_codec import WIRE_ID, HostQ, reference, registered
+
+from intml.aggregator.core import AggregatorCore
+from intml.aggregator.kernel import KernelDataPath
+from intml.aggregator.leafspine import leaf_core
+from intml.p4.engine import p4model_core
+from intml.protocol import wire
+from intml.protocol.codec import Codec
+from intml.protocol.job import JobParams, host_aggregator_elements, host_package_limit
+from intml.protocol.wire import NO_EXP, MsgType
+from intml.worker.host import HostStreamEngine
+
+P = 32  # elements per packet: a few chunks per slot
+SIZE = 300  # a partial last chunk
+AGG = host_aggregator_elements(P)  # the aggregators' --max-packet-elements
+
+
+@pytest.fixture(autouse=True)
+def hostq():
+    with registered():
+        yield
+
+
+def _inputs(n: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    xs = [rng.standard_normal(SIZE).astype(np.float32) for _ in range(n)]
+    xs[0][P:2 * P] = 1.5  # a constant chunk: its package is a header alone
+    return xs
+
+
+def _check(net: Network, xs: list[np.ndarray], allreduce: int, bits: int = 8, mean: bool = False) -> None:
+    want = reference(HostQ(bits), xs, seed=net.seed, allreduce=allreduce, packet_elements=net.packet_elements,
+                     mean=mean)
+    for rank, engine in enumerate(net.engines):
+        np.testing.assert_array_equal(engine.result.view(np.uint32), want.view(np.uint32), err_msg=f"rank {rank}")
+
+
+@pytest.mark.parametrize("n", range(2, 9))
+def test_bit_identical_under_loss_duplication_and_reordering(n: int) -> None:
+    """Every rank gets the reference's bits, in consecutive allreduces, over a lossy, duplicating, reordering
+    network; the faults did happen."""
+    net = Network(n, codec="hostq8", packet_elements=P, pool_size=4, drop=0.1, duplicate=0.1, reorder=0.2,
+                  fault_seed=n)
+    for allreduce in range(2):
+        xs = _inputs(n, 10 * n + allreduce)
+        net.allreduce(xs)
+        _check(net, xs, allreduce)
+    faults = net.uplink.counts
+    assert faults["dropped"] and faults["duplicated"] and faults["reordered"], faults
+    counters = net.job_counters()
+    assert counters["completions"] == 2 * -(-SIZE // P) and counters["drop_bad_package"] == 0
+    assert counters["results_resent"] > 0 and counters["retransmissions"] > 0
+
+
+def test_two_cores_multicast_mean_and_the_mac() -> None:
+    """A job whose slots are split over two cores, with the DATA/RESULT MAC, a mean; and one whose results go to
+    a multicast group: the same reference bits."""
+    net = Network(3, codec="hostq5", packet_elements=P, pool_size=4, cores=2, drop=0.05, reorder=0.1,
+                  data_mac_key=(0x0123456789ABCDEF, 0xFEDCBA9876543210))
+    xs = _inputs(3, 1)
+    net.start(xs, mean=True)
+    net.run()
+    _check(net, xs, 0, bits=5, mean=True)
+    assert all(net.job_counters(core)["completions"] for core in range(2))
+    group = (0xE0000105, 4000)
+    multicast = Network(3, codec="hostq8", packet_elements=P, pool_size=4, drop=0.05,
+                        aggregators=[new_core(rows=256, max_elements=AGG, results_group=group)])
+    assert multicast.group
+    multicast.allreduce(xs)
+    _check(multicast, xs, 0)
+
+
+def test_forged_result_is_counted_and_dropped() -> None:
+    """A result whose tag is wrong leaves the slot waiting for the real one."""
+    net = Network(2, codec="hostq8", packet_elements=P, pool_size=2, data_mac_key=(1, 2))
+    xs = _inputs(2, 3)
+    net.start(xs)
+    results = core_receive(net.cores[0], [(d, src) for d, src, _ in net.up], net.now)  # the first chunks' results
+    net.up = []
+    forged = bytearray(next(d for d, dst in results if dst == net.addr(0)))
+    forged[wire.HEADER_SIZE + 1] ^= 1
+    assert engine_receive(net.engines[0], [(bytes(forged), net.core_addrs[0])], net.now) == []
+    net.down = [(d, net.core_addrs[0], dst) for d, dst in results]
+    net.run()
+    _check(net, xs, 0)
+    assert net.engines[0].counters()["drop_bad_mac"] == 1
+
+
+def _data(net: Network, rank: int, package: bytes, *, count: int = P, slot: int = 0, chunk: int = 0,
+          **fields: int) -> bytes:
+    h = {"type": int(MsgType.DATA), "job": net.job, "allreduce": 0, "chunk": chunk, "rank": rank, "slot": slot,
+         "count": count, "codec": WIRE_ID, "shadow": 0, "exp": NO_EXP, "next_exp": NO_EXP, **fields}
+    return wire.pack(h, package)
+
+
+def test_malformed_packages_are_counted_and_never_summed() -> None:
+    """Packages the codec refuses (short, inconsistent, the wrong length, a code out of range, oversized) are
+    counted as drop_bad_package and change nothing: the allreduce that follows is the reference's."""
+    net = Network(2, codec="hostq8", packet_elements=P, pool_size=2)
+    good = HostQ(8).encode(np.linspace(-1, 1, P, dtype=np.float32), 5, 0)
+    codes_too_high = HostQ(8).encode(np.linspace(-1, 1, P, dtype=np.float32), 5, 0)[:9] + b"\x01\x00" * P
+    bad = [b"", good[:5], good[:-1], good + b"\x00\x00", good + bytes(4000), codes_too_high,
+           HostQ(9).encode(np.linspace(-1, 1, P, dtype=np.float32), 5, 0)]
+    out = core_receive(net.cores[0], [(_data(net, 0, package), net.addr(0)) for package in bad], net.now)
+    assert out == []
+    counters = net.job_counters()
+    assert counters["drop_bad_package"] == len(bad) and counters["contributions"] == 0
+    _, bitmaps, counts = net.cores[0].datapath.round_state(net.job)
+    assert not bitmaps.any() and not counts.any()
+    xs = _inputs(2, 4)
+    net.allreduce(xs)
+    _check(net, xs, 0)
+
+
+def test_a_codec_that_breaks_its_contract_costs_one_package() -> None:
+    """A decode that raises something else than MalformedPackage on a hostile package (a codec's bug) is counted as
+    drop_bad_package, as a refused one is: no exception leaves process()."""
+    net = Network(2, codec="hostq8", packet_elements=P, pool_size=2)
+    host = net.cores[0].datapath.host
+    host.jobs[net.job].codec.decode = lambda package, count: 1 // 0
+    assert core_receive(net.cores[0], [(_data(net, 0, b"\x00" * 20), net.addr(0))], net.now) == []
+    assert net.job_counters()["drop_bad_package"] == 1
+
+
+def test_header_checks_of_a_host_round() -> None:
+    """A host round has no exponents, owners or bootstrap chunk, and one count: each is counted by its reason."""
+    net = Network(2, codec="hostq8", packet_elements=P, pool_size=2)
+    package = HostQ(8).encode(np.ones(P, np.float32), 1, 0)
+    cases = {"drop_bad_exponent": _data(net, 0, package, exp=3), "drop_bad_owner": _data(net, 1 << 8, package),
+             "drop_wrong_count": _data(net, 0, package, chunk=-1), "drop_wrong_codec": _data(net, 0, package, codec=1),
+             "drop_slot_out_of_range": _data(net, 0, package, slot=2)}
+    for reason, datagram in cases.items():
+        before = net.job_counters()[reason]
+        assert core_receive(net.cores[0], [(datagram, net.addr(0))], net.now) == []
+        assert net.job_counters()[reason] == before + 1, reason
+    core_receive(net.cores[0], [(_data(net, 0, package), net.addr(0))], net.now)
+    other = HostQ(8).encode(np.ones(P - 1, np.float32), 1, 0)
+    core_receive(net.cores[0], [(_data(net, 1, other, count=P - 1), net.addr(1))], net.now)
+    assert net.job_counters()["drop_wrong_count"] == 2  # the round's count is its first contribution's
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(fields=st.fixed_dictionaries({
+    "allreduce": st.integers(0, 3), "chunk": st.integers(-2, 12), "rank": st.integers(0, 0x1FF),
+    "slot": st.integers(0, 5), "count": st.integers(0, 80), "shadow": st.integers(0, 2),
+    "exp": st.sampled_from([NO_EXP, 0, 5]), "next_exp": st.sampled_from([NO_EXP, 1])}),
+    package=st.binary(max_size=200), src=st.integers(0, 3))
+def test_fuzzed_data_never_raises(fields: dict, package: bytes, src: int) -> None:
+    """Any DATA of a host job, from a member or not, is taken or counted: process() never raises, every datagram
+    is in packets_in, and what the slots hold stays a round the codec decoded."""
+    net = _fuzz_net()
+    before = net.core_counters()["packets_in"]
+    rank = fields.pop("rank")
+    core_receive(net.cores[0], [(_data(net, rank, package, **fields), worker_addr(src))], net.now)
+    after = net.core_counters()
+    assert after["packets_in"] == before + 1 and after["drop_truncated"] == 0
+    host = net.cores[0].datapath.host
+    for (row, x), contributions in host.decoded.items():
+        assert all(v.dtype == np.float32 and v.size == host.elements[row, x] for v in contributions.values())
+
+
+_FUZZ: list[Network] = []
+
+
+def _fuzz_net() -> Network:
+    """One joined network for all the fuzz examples (a join costs more than an example)."""
+    if not _FUZZ:
+        _FUZZ.append(Network(3, codec="hostq8", packet_elements=64, pool_size=4))
+    return _FUZZ[0]
+
+
+def test_a_host_job_beside_a_switch_job() -> None:
+    """One core runs a host job and a C_nat job at once: each gets its own results, the kernel never sees the host
+    job's DATA (no truncation counted), and the core's packets_in counts every datagram once."""
+    core = new_core(rows=256, max_elements=AGG)
+    host_net = Network(2, codec="hostq8", packet_elements=P, pool_size=4, job=7, aggregators=[core])
+    switch_net = Network(2, codec="cnat8", packet_elements=P, pool_size=4, job=8, aggregators=[core],
+                         worker_port=6000)
+    xs = _inputs(2, 5)
+    host_net.start(xs)
+    switch_net.start(xs)
+    Network.run_together([host_net, switch_net])
+    _check(host_net, xs, 0)
+    assert all(np.array_equal(e.result, switch_net.engines[0].result) for e in switch_net.engines)
+    totals = host_net.core_counters()
+    assert totals["drop_truncated"] == 0 and totals["drop_unknown_job"] == 0
+    jobs = [host_net.job_counters(job=j)["packets_in"] for j in (7, 8)]
+    assert totals["packets_in"] >= sum(jobs) > 0
+
+
+def _join_error(core, params: dict) -> str:
+    [(reply, _)] = handshake(core, worker_addr(0), 0.0, 7, 0, token="harness-token", **params)
+    assert msg_type(reply) == MsgType.ERROR, header(reply)
+    return reply[wire.HEADER_SIZE:].decode()
+
+
+def test_switch_data_paths_refuse_a_host_codec_with_its_reason() -> None:
+    """The P4 engine and a leaf switch refuse a host codec at JOIN, in one line naming the codec's switch_reason;
+    another id's codec or a parameter the codec does not take is refused by the JOIN's checks."""
+    params = {"world_size": 2, "packet_elements": P, "pool_size": 2, "codec": WIRE_ID, "codec_param": 8}
+    for core in (p4model_core(tokens=["harness-token"], rows=64, max_elements=AGG),
+                 leaf_core(rows=64, max_elements=AGG, tokens=["harness-token"]),
+                 AggregatorCore(KernelDataPath(rows=64, max_elements=AGG), tokens=["harness-token"])):
+        if hasattr(core.datapath, "add_route"):
+            core.datapath.add_route(7, leaf=0, ranks=[0, 1], spine=1)
+        line = _join_error(core, params)
+        assert HostQ.switch_reason in line and "hostq8" in line and "\n" not in line, line
+    core = new_core(rows=64, max_elements=AGG)
+    assert "parameter 17" in _join_error(core, {**params, "codec_param": 17})
+    assert "no host codec has wire id 251" in _join_error(core, {**params, "codec": 251})
+
+
+def test_a_job_id_runs_in_one_mode_at_a_time() -> None:
+    """Two tenants' jobs of one id, one host and one switch codec, would be told apart by the kernel only by their
+    seats: the second is refused, in one line, whichever mode comes first."""
+    switch = {"world_size": 2, "packet_elements": P, "pool_size": 2, "codec": int(Codec.CNAT8)}
+    hosted = {**switch, "codec": WIRE_ID, "codec_param": 8}
+    for first, second in ((hosted, switch), (switch, hosted)):
+        core = AggregatorCore(tokens=["harness-token", "other"], rows=64, max_elements=AGG)
+        [(ack, _)] = handshake(core, worker_addr(0), 0.0, 7, 0, token="harness-token", **first)
+        assert msg_type(ack) == MsgType.JOIN_ACK
+        [(reply, _)] = handshake(core, worker_addr(1), 0.0, 7, 0, token="other", **second)
+        assert msg_type(reply) == MsgType.ERROR
+        assert "job 7 already runs on aggregator core 0's" in reply[wire.HEADER_SIZE:].decode()
+
+
+def test_job_params_of_a_host_codec() -> None:
+    """A host codec's name gives its wire id and parameter; a switch codec takes no parameter."""
+    params = JobParams.of(world_size=2, codec="hostq6")
+    assert (params.codec, params.codec_param, params.host_codec.name) == (WIRE_ID, 6, "hostq6")
+    assert JobParams.of(world_size=2, codec="int32").host_codec is None
+    with pytest.raises(ValueError, match="unknown codec 1 with parameter 3"):
+        JobParams(world_size=2, codec=Codec.INT32, codec_param=3)
+    with pytest.raises(ValueError, match="host codec"):
+        JobParams.of(world_size=2, codec="nosuch4")
+
+
+def test_worker_drops_a_result_package_it_cannot_decode() -> None:
+    """A RESULT of the awaited round whose package is malformed (or of the wrong count) is drop_malformed at the
+    worker, and the slot takes the real result after it."""
+    net = Network(2, codec="hostq8", packet_elements=P, pool_size=2)
+    xs = _inputs(2, 6)
+    net.start(xs)
+    results = core_receive(net.cores[0], [(d, src) for d, src, _ in net.up], net.now)
+    net.up = []
+    real = next(d for d, dst in results if dst == net.addr(0))
+    bad = [real[:-1], real + b"\x00" * 4, real[:wire.HEADER_SIZE]]
+    assert engine_receive(net.engines[0], [(d, net.core_addrs[0]) for d in bad], net.now) == []
+    assert net.engines[0].counters()["drop_malformed"] == len(bad)
+    net.down = [(d, net.core_addrs[0], dst) for d, dst in results]
+    net.run()
+    _check(net, xs, 0)
+
+
+def test_worker_refuses_a_package_no_aggregator_receives() -> None:
+    """A package longer than host_package_limit is refused at the worker with a clear error, not sent to be cut;
+    and a JOIN whose packages an aggregator could not receive whole is refused."""
+
+    class Bloated(HostQ):
+        def encode(self, x: np.ndarray, key: int, offset: int) -> bytes:
+            return super().encode(x, key, offset) + bytes(host_package_limit(P))
+
+    engine = HostStreamEngine(job=1, rank=0, world_size=2, codec=Bloated(8), packet_elements=P, pool_size=1, seed=0,
+                              agg_addrs=[1])
+    with pytest.raises(ValueError, match=f"more than the {host_package_limit(P)} an aggregator receives"):
+        engine.start(np.ones(P, np.float32), 0.0)
+    params = JobParams.of(world_size=2, codec="hostq8", packet_elements=P + 1)
+    assert params.problem(AGG) == (f"packet elements must be in [1, {P}] for hostq8 on this aggregator (its "
+                                   f"--max-packet-elements {AGG}: a host package may take 8 bytes per element and "
+                                   f"1024 more), got {P + 1}")
+    assert params.problem() is None and params.problem(AGG + 2) is None
