@@ -54,7 +54,9 @@ from pathlib import Path
 
 import numpy as np
 
-from intml.protocol.job import CODEC_NAMES, MAX_WORLD, JobParams
+from intml.protocol.codecs.host import parse as host_codec
+from intml.protocol.job import CODEC_NAMES, MAX_WORLD, JobParams, host_aggregator_elements
+from intml.protocol.packet import HDR
 from intml.worker.traffic import ring_bytes
 from intml.testbed.procs import free_port, rank_env
 
@@ -70,7 +72,13 @@ SPLIT_SEED = 0
 
 # ---- run specs -------------------------------------------------------------------------------------------
 def parse_run(spec: str) -> dict:
-    """'cnat8-ef-w20' -> {'name', 'codec', 'error_feedback', 'warmup_steps', 'integration', 'threaded'}."""
+    """'cnat8-ef-w20' -> {'name', 'codec', 'error_feedback', 'warmup_steps', 'integration', 'threaded'}. A host
+    codec's name (protocol.codecs.host: 'uniform8', 'adaptive-huffman-c6') is a run of its own, without options:
+    integration 'worker'."""
+    with contextlib.suppress(ValueError):
+        host_codec(spec)
+        return {"name": spec, "codec": spec, "error_feedback": False, "warmup_steps": 0, "integration": "worker",
+                "threaded": False}
     base, *flags = spec.split("-")
     if base not in BASES:
         raise ValueError(f"run {spec!r}: must start with one of {', '.join(BASES)}")
@@ -98,6 +106,10 @@ def check_parallel(specs: tuple[str, ...], parallel: str) -> None:
     """FSDP2 and model averaging have no DDP communication hook: their intml runs go through the backend."""
     if parallel not in PARALLEL:
         raise ValueError(f"parallel must be one of {', '.join(PARALLEL)}, got {parallel!r}")
+    hosted = [s for s in specs if parse_run(s)["integration"] == "worker"]
+    if parallel != "average" and hosted:
+        raise ValueError(f"runs {', '.join(hosted)} name host codecs, which train only with --parallel average (the "
+                         f"torch backend and hook serve cnat8 and int32)")
     hooked = [s for s in specs if parse_run(s)["integration"] == "hook"]
     if parallel != "ddp" and hooked:
         raise ValueError(f"runs {', '.join(hooked)} use the DDP hook, which {parallel} cannot take; use the backend "
@@ -177,6 +189,13 @@ def rank_main(cfg: dict) -> None:
     else:
         dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    worker = None
+    if run["integration"] == "worker":  # a host codec: the averages go through a Worker of the aggregator's host mode
+        from intml.worker import Worker
+
+        worker = Worker(os.environ["INTML_AGGREGATOR"], job=cfg["job"], rank=rank, world_size=world,
+                        token=os.environ.get("INTML_TOKEN", ""), codec=run["codec"],
+                        packet_elements=int(os.environ["INTML_PACKET_ELEMENTS"]), seed=int(os.environ["INTML_SEED"]))
     x_tr, y_tr, x_te, y_te = load_data()
     mine = shards(len(x_tr), world, cfg["seed"])[rank]
     batch = cfg["batch"]
@@ -194,7 +213,8 @@ def rank_main(cfg: dict) -> None:
         from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
         ddp = model  # local SGD; the averager averages the parameters at each epoch's last step
-        averager = PeriodicModelAverager(period=steps_per_epoch, warmup_steps=steps_per_epoch - 1)
+        averager = (PeriodicModelAverager(period=steps_per_epoch, warmup_steps=steps_per_epoch - 1)
+                    if worker is None else None)
     elif cfg.get("bucket_cap_mb") is None:
         ddp = DDP(model)
     else:
@@ -225,11 +245,14 @@ def rank_main(cfg: dict) -> None:
             loss = torch.nn.functional.cross_entropy(ddp(x_mine[idx]), y_mine[idx])
             loss.backward()
             opt.step()
-            if averager is not None:
+            if average:
                 if i == steps_per_epoch - 1:  # what a gzip exchange of the weights would send instead
                     raw = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().tobytes()
                     gzip_bits.append(8 * len(zlib.compress(raw, 9)) / parameters)
-                averager.average_parameters(model.parameters())
+                    if worker is not None:
+                        average_through(worker, model, world)
+                if averager is not None:
+                    averager.average_parameters(model.parameters())
             step_s.append(time.perf_counter() - start)
             total += loss.item()
             if fsdp2 or (average and i != steps_per_epoch - 1):  # shards, or replicas that differ until averaged
@@ -266,6 +289,16 @@ def rank_main(cfg: dict) -> None:
         report["bytes_per_step"] = (traffic.intml_bytes + traffic.gloo_bytes) / exchanges
     else:  # plain Gloo: the ring model for every parameter once per exchange
         report["bytes_per_step"] = ring_bytes(report["parameters"], world)
+    if worker is not None:  # the codec's packages as built, the header of each packet, resends apart
+        c = worker.counters()
+        report["using_intml"] = True
+        # per averaging (host mode sends no bootstrap round)
+        packets = -(-parameters // int(os.environ["INTML_PACKET_ELEMENTS"]))
+        report["bytes_per_step"] = c["package_bytes"] / exchanges + packets * HDR
+        report["traffic"] = {"intml_allreduces": cfg["epochs"], "gloo_allreduces": 0, "gloo_bytes": 0,
+                             "intml_bytes": report["bytes_per_step"] * exchanges,
+                             "retransmissions": c["retransmissions"]}
+        worker.close()
     if average:  # per averaging: bytes each way per worker, as bits per parameter
         report["bits_per_parameter"] = 8 * report["bytes_per_step"] / parameters
         report["gzip_bits_per_parameter"] = statistics.median(gzip_bits)
@@ -274,6 +307,18 @@ def rank_main(cfg: dict) -> None:
     if state is not None:
         state.close()
     dist.destroy_process_group()
+
+
+def average_through(worker, model, world: int) -> None:
+    """Average the model's parameters over the job through ``worker`` (what PeriodicModelAverager does through
+    the default group): their sum divided by the world size, written back in place."""
+    import torch
+
+    params = list(model.parameters())
+    flat = torch.cat([p.detach().reshape(-1) for p in params]).numpy()
+    mean = torch.from_numpy(worker.allreduce(flat) / np.float32(world))
+    with torch.no_grad():
+        torch.nn.utils.vector_to_parameters(mean, params)
 
 
 # ---- the parent: torchrun per run and seed, the table, the plot ----------------------------------------------
@@ -451,7 +496,9 @@ def run(workers: int = 4, seeds: int = 5, epochs: int = 30, runs: tuple[str, ...
     args = {"epochs": epochs, "batch": batch, "lr": lr, "lr_decay": lr_decay, "bucket_cap_mb": bucket_cap_mb,
             "parallel": parallel}
     reports = []
-    with aggregator(cores=1, max_packet_elements=packet_elements) as port, \
+    hosted = any(parse_run(s)["integration"] == "worker" for s in specs)
+    most = max(packet_elements, host_aggregator_elements(packet_elements)) if hosted else packet_elements
+    with aggregator(cores=1, max_packet_elements=most) as port, \
             tempfile.TemporaryDirectory(prefix="intml-train-") as tmp:
         env = rank_env()
         env.update(INTML_AGGREGATOR=f"127.0.0.1:{port}", INTML_PACKET_ELEMENTS=str(packet_elements))
@@ -460,7 +507,9 @@ def run(workers: int = 4, seeds: int = 5, epochs: int = 30, runs: tuple[str, ...
                 started = time.monotonic()
                 # the job seed of the stochastic rounding follows the run's seed, so the table is reproducible
                 env["INTML_SEED"] = str(1000 + seed)
-                report = launch(spec, seed, workers, args, env, Path(tmp, f"{spec}-{seed}.json"), run_timeout)
+                job = {"job": 60_000 + 100 * seed + specs.index(spec)}  # a host-codec run's own job id
+                report = launch(spec, seed, workers, dict(args, **job), env, Path(tmp, f"{spec}-{seed}.json"),
+                                run_timeout)
                 if parse_run(spec)["codec"] is not None and not report["using_intml"]:
                     raise RuntimeError(f"run {spec} seed {seed} did not use intml")
                 reports.append(report)
@@ -510,7 +559,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="DDP; FSDP2 (fully_shard); or average: local SGD, parameters averaged after every "
                              "epoch (seed 001); the last two's intml runs take -backend (default ddp)")
     parser.add_argument("--runs", type=_runs_arg, default=None,
-                        help="comma-separated: gloo, int32, cnat8 with optional -ef, -wK, -backend, -thread "
+                        help="comma-separated: gloo, int32, cnat8 with optional -ef, -wK, -backend, -thread; with "
+                             "--parallel average also host codecs (uniform8, adaptive-huffman: docs/codecs.md) "
                              f"(default {','.join(DEFAULT_RUNS)}; otherwise {','.join(BACKEND_RUNS)})")
     parser.add_argument("--batch", type=positive(), default=16, help="batch per rank (default 16)")
     parser.add_argument("--lr", type=positive(float), default=0.2)

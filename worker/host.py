@@ -97,6 +97,7 @@ class HostStreamEngine:
                  data_mac_keys: np.ndarray | None = None) -> None:
         """Arguments as StreamEngine's; ``codec``: the job's host codec (protocol.codecs.host)."""
         self.codec = codec
+        self.package_bytes = 0  # of every DATA package built (first transmissions): what the codec put on the wire
         self.job, self.rank, self.world_size, self.seed = job, rank, world_size, seed
         self.packet_elements, self.pool_size = packet_elements, pool_size
         self.mac_keys = np.zeros((0, 2), np.uint64) if data_mac_keys is None else np.ascontiguousarray(
@@ -173,6 +174,7 @@ class HostStreamEngine:
         lo = c * self.packet_elements
         values = self._x[lo:lo + self.packet_elements]
         package = self.codec.encode(values, self._key, lo)
+        self.package_bytes += len(package)
         if self._sent is not None:
             self._sent[lo:lo + values.size] = self.codec.decode(package, values.size)
         tag = TAG_SIZE if self.mac_keys.shape[0] else 0
@@ -287,7 +289,8 @@ class HostStreamEngine:
         return np.flatnonzero(self.cur_chunk != IDLE).tolist()
 
     def counters(self) -> dict[str, int]:
-        return dict(zip(STAT_NAMES, self.stats.tolist()))
+        """StreamEngine's counters, and ``package_bytes``: the codec's bytes sent, headers and resends apart."""
+        return dict(zip(STAT_NAMES, self.stats.tolist())) | {"package_bytes": self.package_bytes}
 
     @property
     def rto(self) -> float:

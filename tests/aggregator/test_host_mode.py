@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.harness import Network, core_receive, engine_receive, handshake, header, msg_type, new_core, worker_addr
-from support.host_codec import WIRE_ID, HostQ, reference, registered
+from support.host_codec import WIRE_ID, HostQ, rank_key, reference, registered
 
 from intml.aggregator.core import AggregatorCore
 from intml.aggregator.kernel import KernelDataPath
@@ -78,9 +78,14 @@ def test_the_papers_codecs_take_the_same_path(name: str) -> None:
     net = Network(3, codec=name, packet_elements=P, pool_size=4, drop=0.1, duplicate=0.1, reorder=0.2, fault_seed=7)
     xs = _inputs(3, 5)
     net.allreduce(xs)
-    want = reference(parse(name), xs, seed=net.seed, allreduce=0, packet_elements=P)
+    codec = parse(name)
+    want = reference(codec, xs, seed=net.seed, allreduce=0, packet_elements=P)
     for rank, engine in enumerate(net.engines):
         np.testing.assert_array_equal(engine.result.view(np.uint32), want.view(np.uint32), err_msg=f"rank {rank}")
+        # the bytes the codec put on the wire: each package once, however often it was resent
+        key = rank_key(net.seed, 0, rank)
+        assert engine.counters()["package_bytes"] == sum(len(codec.encode(xs[rank][lo:lo + P], key, lo))
+                                                         for lo in range(0, SIZE, P)), rank
     assert net.uplink.counts["dropped"] and net.job_counters()["drop_bad_package"] == 0
 
 

@@ -80,11 +80,16 @@ def registered() -> Iterator[None]:
         host.FAMILIES.update(before)
 
 
+def rank_key(seed: int, allreduce: int, rank: int) -> int:
+    """The key of rank ``rank``'s random words in allreduce ``allreduce`` of a job seeded ``seed``."""
+    return int(derive_key(np.uint64(seed), worker_stream(allreduce, rank)))
+
+
 def reference(codec: HostCodec, xs: list[np.ndarray], *, seed: int, allreduce: int, packet_elements: int,
               mean: bool = False) -> np.ndarray:
     """What every rank's host-mode allreduce of ``xs`` (rank order) must give, computed without the network: each
     rank's packages encoded with its key, decoded, combined in rank order, the result package decoded."""
-    keys = [int(derive_key(np.uint64(seed), worker_stream(allreduce, r))) for r in range(len(xs))]
+    keys = [rank_key(seed, allreduce, r) for r in range(len(xs))]
     out = np.empty(xs[0].size, np.float32)
     for lo in range(0, out.size, packet_elements):
         parts = [x.reshape(-1)[lo:lo + packet_elements].astype(np.float32) for x in xs]
