@@ -1,7 +1,9 @@
 """`intml-testbed bench codec`: elements/s of each C_nat kernel on one thread, beside a memory copy.
 
 The anchor is np.copyto of the same float32 array in the same run: a kernel that reads 4 bytes and writes 1
-per element cannot beat memory bandwidth by much, so the ratio says how close to the memory wall it runs.
+per element cannot beat memory bandwidth by much, so the ratio says how close to the memory wall it runs. The
+kernels take turns within each repeat, so the ratios (stochastic encode against deterministic encode among them)
+hold on a VM whose load comes and goes.
 """
 
 from __future__ import annotations
@@ -11,9 +13,9 @@ import platform
 import numpy as np
 
 from intml.protocol import arith, cnat
-from intml.testbed.timing import emit, median_seconds
+from intml.testbed.timing import emit, interleaved_medians
 
-TARGETS = {"stochastic encode": "≥ 1.5 G/s and ≥ 35% of copy", "decode": "≥ 2 G/s"}
+TARGETS = {"stochastic encode": "≥ 1.5 G/s, ≥ 35% of copy, ≥ 0.85× deterministic", "decode": "≥ 2 G/s"}
 
 
 def run(elements: int, repeats: int, as_json: bool) -> list[dict]:
@@ -35,7 +37,7 @@ def run(elements: int, repeats: int, as_json: bool) -> list[dict]:
         "decode-accumulate": lambda: cnat.decode_accumulate(codes, acc, floor=floor),
         "integer-sum re-encode": lambda: arith.sum_to_codes(sums, -40, seed=1, stream=3, out=codes),
     }
-    seconds = {name: median_seconds(fn, repeats, warmup=2) for name, fn in kernels.items()}
+    seconds = interleaved_medians(kernels, repeats, warmup=2)
     copy_rate = elements / seconds["memory copy (anchor)"]
     rows = [
         {
@@ -58,6 +60,7 @@ def run(elements: int, repeats: int, as_json: bool) -> list[dict]:
             ("ratio_to_copy", "× copy", ".2f"),
             ("target", "target", ""),
         ],
-        {"elements": elements, "repeats": repeats, "cpu": platform.processor() or platform.machine()},
+        {"elements": elements, "repeats": repeats, "cpu": platform.processor() or platform.machine(),
+         "stochastic / deterministic encode": round(seconds["deterministic encode"] / seconds["stochastic encode"], 3)},
     )
     return rows

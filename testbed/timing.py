@@ -20,6 +20,22 @@ def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> f
     return statistics.median(times)
 
 
+def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, float]:
+    """Median wall time of each fn over `repeats` rounds, each round running every fn once in turn (after `warmup`
+    untimed rounds): a burst of load from other jobs then slows all of them alike, so ratios between them hold
+    where one fn's repeats back to back would catch the burst alone."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def emit(rows: list[dict], as_json: bool, title: str, columns: list[tuple[str, str, str]], extra: dict) -> None:
     """Print rows as an aligned table (columns: key, header, format) or, with as_json, as one JSON object."""
     if as_json:
