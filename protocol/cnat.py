@@ -142,18 +142,38 @@ def fast_code(b, r, kfl, bias):
     return np.uint8(0) if e < kfl else np.uint8(code)
 
 
+@njit(inline="always")
+def _widen(top, low, ab):
+    """The extremes (largest magnitude, smallest nonzero magnitude minus one) with one more magnitude ab."""
+    return max(top, ab), min(low, _U32(ab - _U32(1)))  # a zero wraps to the maximum and drops out
+
+
 @njit(cache=True, nogil=True, boundscheck=False)
-def _nearest_codes(bits, out, kfl, bias):
-    """fast_code of each value with the deterministic word. The loops that write codes are kept apart from
-    _extremes and from the block walk: LLVM vectorises them only on their own, and with the reductions inside it
-    picks 512-bit shuffles that slow the stochastic loop by a quarter on AVX-512 machines."""
+def _encode_block(bits, out, lo0, k, kfl, bias, stochastic):
+    """The branch-free loop that vectorises; kept in its own function because LLVM will not vectorise it inside
+    the block walk. Each code is fast_code's (the scalar pass fixes the values it leaves at 0). Returns the
+    largest magnitude and the smallest nonzero magnitude minus one, as float bits."""
+    top = _U32(0)
+    low = _U32(0xFFFFFFFF)
     for j in range(bits.size):
-        out[j] = fast_code(bits[j], _U32(_DETERMINISTIC_WORD), kfl, bias)
+        b = bits[j]
+        ab = _U32(b & _U32(0x7FFFFFFF))
+        out[j] = fast_code(b, encode_word(stochastic, _U32(lo0 + _U32(j)), k), kfl, bias)
+        top, low = _widen(top, low, ab)
+    return top, low
+
+
+# A stochastic encode of this many elements or more forms its words from protocol.rng.block_heads' table: one
+# table serves up to 2**16 elements, and filling it costs the multiply per element it then saves, so a shorter call
+# (a packet's chunk) hashes each word whole.
+_HEADS_FROM = 4 * BLOCK
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def _stochastic_codes(bits, out, heads, base, kfl, bias):
-    """fast_code of each value with its random word, lowbias32_tail of its head (protocol.rng.block_heads)."""
+    """fast_code of each value with its random word, lowbias32_tail of its head (protocol.rng.block_heads). Apart
+    from _extremes: with the reductions in the same loop LLVM picks 512-bit shuffles on AVX-512 machines, which
+    halve the vector ports left to the hash (this loop ran a quarter slower)."""
     for j in range(bits.size):
         out[j] = fast_code(bits[j], lowbias32_tail(_U32(heads[j] + base)), kfl, bias)
 
@@ -164,9 +184,7 @@ def _extremes(bits):
     top = _U32(0)
     low = _U32(0xFFFFFFFF)
     for j in range(bits.size):
-        ab = _U32(bits[j] & _U32(0x7FFFFFFF))
-        top = max(top, ab)
-        low = min(low, _U32(ab - _U32(1)))  # zeros wrap to the maximum and drop out
+        top, low = _widen(top, low, _U32(bits[j] & _U32(0x7FFFFFFF)))
     return top, low
 
 
@@ -199,7 +217,7 @@ def encode_kernel(x, out, key, offset, floor, stochastic):
     nonfinite = 0
     top_all = _U32(0)
     low_all = _U32(0xFFFFFFFF)
-    heads = np.empty(BLOCK if stochastic else 0, np.uint32)
+    heads = np.empty(BLOCK if stochastic and n >= _HEADS_FROM else 0, np.uint32)
     filled = np.int64(-1)
     start = 0
     while start < n:
@@ -208,12 +226,12 @@ def encode_kernel(x, out, key, offset, floor, stochastic):
         end = min(n, start + BLOCK - s0)
         lo0 = _U32(idx & _U64(0xFFFFFFFF))
         k = block_key(key, idx >> _U64(32))
-        if stochastic:
+        if heads.size:
             base, filled = block_heads(heads, k, lo0, end - start, filled)
             _stochastic_codes(bits[start:end], out[start:end], heads[s0:s0 + end - start], base, kfl, bias)
+            top, low = _extremes(bits[start:end])
         else:
-            _nearest_codes(bits[start:end], out[start:end], kfl, bias)
-        top, low = _extremes(bits[start:end])
+            top, low = _encode_block(bits[start:end], out[start:end], lo0, k, kfl, bias, stochastic)
         top_all = max(top_all, top)
         low_all = min(low_all, low)
         if top > sat_bits:
