@@ -20,10 +20,10 @@ def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> f
     return statistics.median(times)
 
 
-def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, float]:
-    """Median wall time of each fn over `repeats` rounds, each round running every fn once in turn (after `warmup`
-    untimed rounds): a burst of load from other jobs then slows all of them alike, so ratios between them hold
-    where one fn's repeats back to back would catch the burst alone."""
+def interleaved_times(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Wall times of each fn over `repeats` rounds, each round running every fn once in turn (after `warmup`
+    untimed rounds): a burst of load from other jobs then slows neighbours in a round alike, so a ratio taken
+    within each round holds where one fn's repeats back to back would catch the burst alone."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
@@ -33,7 +33,7 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warm
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
 
 
 def emit(rows: list[dict], as_json: bool, title: str, columns: list[tuple[str, str, str]], extra: dict) -> None:
