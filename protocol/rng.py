@@ -15,7 +15,8 @@ lowbias32 is Chris Wellons' 32-bit integer hash (a bijection with very low avala
 element is what lets the encoder run at memory speed: it vectorises to 8 lanes of AVX2, where a 64-bit hash
 cannot (AVX2 has no 64-bit vector multiply). Two streams see the same hash inputs only as a permutation of each
 other's indices (``lo ^ kA == lo' ^ kB``), never at the same element, so different ranks' roundings of the same
-element are independent.
+element are independent. A long encode forms each word's first multiply from a table instead (block_heads):
+the same words, one multiply per element fewer.
 """
 
 from __future__ import annotations
@@ -105,13 +106,13 @@ def _fill_heads(heads, first, mask):
 @njit(inline="always")
 def block_heads(heads, k, lo0, span, filled):
     """The first multiply of bits32 for ``span`` elements from lo0 (k = their block key) without a multiply per
-    element: lowbias32_head(lo ^ k) == heads[lo % BLOCK] + the returned base, for lo in [lo0, lo0 + span).
+    element: lowbias32_head(lo ^ k) == heads[lo % BLOCK] + offset, for lo in [lo0, lo0 + span).
 
     Why it holds: with lo = base | j (base a multiple of BLOCK, j < BLOCK), x = lo ^ k has x >> 16 = c fixed over
     the block, so x ^ (x >> 16) = lo ^ m, m = k ^ c, which is (base ^ m with the low bits cleared) + (j ^ (m & _LOW))
     on disjoint bits, and the multiply distributes over that sum. heads (BLOCK uint32) keeps mul(j ^ mask) for
     the mask in ``filled`` (-1: none), which stays the same for the 2**16 / BLOCK blocks that share c, so a long
-    walk fills it once per 2**16 elements. Returns (base, filled)."""
+    walk fills it once per 2**16 elements. Returns (offset, filled)."""
     s0 = int(lo0 & _U32(_LOW))
     base = _U32(lo0 - _U32(s0))
     m = _U32(k ^ _U32(_U32(base ^ k) >> _U32(16)))
