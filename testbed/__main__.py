@@ -8,6 +8,7 @@ import sys
 from intml.aggregator.cli import (INTERRUPTED, OneLineParser, count, fraction, multicast_group, output_file, positive,
                                   rate)
 from intml.protocol import wire
+from intml.protocol.codecs.host import parse as parse_host_codec
 from intml.protocol.job import (
     AGGREGATOR_MAX_JOBS,
     AGGREGATOR_MAX_POOL,
@@ -25,8 +26,10 @@ WORKERS = count(1, MAX_WORLD, "ranks per job: MAX_WORLD, one bit each in a slot'
 CORES = count(1, MAX_CORES, "a job's cores on all its aggregators: one byte in the JOIN")
 WARMUP = count(0)
 # Bytes per element each process of a benchmark holds at least (its arrays of --elements): a rank's float32 input
-# and result; the codec bench's input, codes, decoded values, copy, accumulator, integer sums and float64 draw.
-HELD = {"allreduce": 8, "mac": 8, "cluster": 8, "loss": 8, "codec": 4 + 1 + 4 + 4 + 4 + 4 + 8}
+# and result; the codec bench's input, codes, decoded values, copy, accumulator, integer sums and float64 draw; the
+# host codecs bench's input, packages (at most 4 bytes), decoded values and their float64 error.
+HELD = {"allreduce": 8, "mac": 8, "cluster": 8, "loss": 8, "codec": 4 + 1 + 4 + 4 + 4 + 4 + 8,
+        "host-codecs": 4 + 4 + 4 + 8}
 
 
 def add_pool(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +41,14 @@ def add_pool(parser: argparse.ArgumentParser) -> None:
 def results_group(text: str) -> str:
     """An argparse type: the first of the aggregator's results groups, one per job it may hold."""
     return multicast_group(text, AGGREGATOR_MAX_JOBS, "one per job of intml-aggregator's --max-jobs")
+
+
+def host_codec(text: str) -> str:
+    """An argparse type: a host codec's name (protocol.codecs.host.parse)."""
+    try:
+        return parse_host_codec(text).name
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def codec_size(text: str) -> tuple[str, int]:
@@ -60,6 +71,12 @@ def build_parser() -> OneLineParser:
     codec.add_argument("--elements", type=positive(), default=1 << 25, help="array length (default 2**25)")
     codec.add_argument("--repeats", type=positive(), default=11, help="timed runs; the median is reported")
     codec.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    hc = bench.add_parser("host-codecs", help="the host codecs' wire bits, error and speed on a Gaussian vector")
+    hc.add_argument("--elements", type=positive(), default=1 << 20, help="vector length (default 2**20)")
+    hc.add_argument("--package", type=positive(), default=16384, help="elements per package (default 16384)")
+    hc.add_argument("--repeats", type=positive(), default=3, help="timed runs; the median is reported")
+    hc.add_argument("--codec", nargs="+", type=host_codec, help="codec names (default: one of each family)")
+    hc.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     bio = bench.add_parser("burstio", help="GSO/GRO and recvmmsg/sendmmsg bursts vs plain sendto/recvfrom on loopback")
     bio.add_argument("--packets", type=positive(), default=200_000, help="datagrams per variant (default 200000)")
     bio.add_argument("--size", type=positive(int, wire.MAX_DATAGRAM, "the largest UDP payload"), nargs="+",
@@ -248,6 +265,11 @@ def run(args: argparse.Namespace) -> int | None:
         from intml.testbed import bench_codec
 
         bench_codec.run(args.elements, args.repeats, args.json)
+    elif args.command == "bench" and args.bench == "host-codecs":
+        from intml.testbed import bench_host_codecs
+
+        bench_host_codecs.run(args.elements, args.package, args.repeats, args.codec or bench_host_codecs.CODECS,
+                              args.json)
     elif args.command == "bench" and args.bench == "burstio":
         from intml.testbed import bench_burstio
 

@@ -14,6 +14,12 @@ Runs (``--runs``; every run is repeated for each seed):
   backend (``init_process_group("intml")``, DDP without a hook) instead of the hook, ``-thread`` allreduces
   on the background thread (``INTML_THREAD=1``) instead of completed in the hook.
 
+``--parallel average`` is seed 001's own scheme, periodic model averaging: each rank trains its copy on its shard
+alone (no gradient allreduce), and after every epoch the ranks average their parameters with torch's
+``PeriodicModelAverager`` over the default group (Gloo for ``gloo``, intml for ``<codec>-backend``: any model gets
+it by passing an intml group). Its table adds bits per parameter on the wire per averaging, and what gzip
+(deflate, level 9) makes of the raw float32 parameters.
+
 ``--parallel fsdp2`` trains the same model with FSDP2 instead of DDP: ``fully_shard`` on each Linear layer and on
 the root over a 1-D DeviceMesh of all ranks, so the gradients are reduce-scattered (each rank keeps its shard of
 the parameters) and the parameters all-gathered; its runs are ``gloo`` and ``<codec>-backend`` (the hook is a DDP
@@ -43,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -53,8 +60,8 @@ from intml.testbed.procs import free_port, rank_env
 
 BASES = ("gloo", *CODEC_NAMES)
 DEFAULT_RUNS = ("gloo", "int32", "cnat8", "cnat8-ef")
-PARALLEL = ("ddp", "fsdp2")
-FSDP2_RUNS = ("gloo", "int32-backend", "cnat8-backend")  # the default runs of --parallel fsdp2
+PARALLEL = ("ddp", "fsdp2", "average")
+BACKEND_RUNS = ("gloo", "int32-backend", "cnat8-backend")  # the default runs of --parallel fsdp2 and average
 HIDDEN = (392, 50)  # seed 001: 784-392-50-10 tanh; digits has 64 inputs
 CLASSES = 10
 TEST_FRACTION = 0.25
@@ -88,12 +95,12 @@ def parse_run(spec: str) -> dict:
 
 
 def check_parallel(specs: tuple[str, ...], parallel: str) -> None:
-    """FSDP2 has no DDP communication hook: its intml runs go through the backend."""
+    """FSDP2 and model averaging have no DDP communication hook: their intml runs go through the backend."""
     if parallel not in PARALLEL:
         raise ValueError(f"parallel must be one of {', '.join(PARALLEL)}, got {parallel!r}")
     hooked = [s for s in specs if parse_run(s)["integration"] == "hook"]
-    if parallel == "fsdp2" and hooked:
-        raise ValueError(f"runs {', '.join(hooked)} use the DDP hook, which FSDP2 cannot take; use the backend "
+    if parallel != "ddp" and hooked:
+        raise ValueError(f"runs {', '.join(hooked)} use the DDP hook, which {parallel} cannot take; use the backend "
                          f"instead (for example {parse_run(hooked[0])['codec']}-backend)")
 
 
@@ -163,6 +170,7 @@ def rank_main(cfg: dict) -> None:
     elif run["integration"] == "backend":
         import intml.worker.torch  # noqa: F401 -- registers the "intml" backend
 
+        os.environ["INTML_CODEC"] = run["codec"]
         os.environ["INTML_THREAD"] = "1" if run["threaded"] else "0"
         os.environ["INTML_MIN_ELEMENTS"] = "0"  # every bucket through intml: the model is below the 64 Ki default
         dist.init_process_group("intml")
@@ -178,9 +186,15 @@ def rank_main(cfg: dict) -> None:
 
     model = make_model(cfg["seed"])
     parameters = sum(p.numel() for p in model.parameters())  # before FSDP2 leaves each rank its shards
-    fsdp2 = cfg.get("parallel", "ddp") == "fsdp2"
+    fsdp2, average = cfg.get("parallel", "ddp") == "fsdp2", cfg.get("parallel") == "average"
+    averager = None
     if fsdp2:
         ddp = shard_fsdp2(model, world)  # the same module, its parameters now this rank's shards
+    elif average:
+        from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+
+        ddp = model  # local SGD; the averager averages the parameters at each epoch's last step
+        averager = PeriodicModelAverager(period=steps_per_epoch, warmup_steps=steps_per_epoch - 1)
     elif cfg.get("bucket_cap_mb") is None:
         ddp = DDP(model)
     else:
@@ -199,7 +213,7 @@ def rank_main(cfg: dict) -> None:
     sched = torch.optim.lr_scheduler.ExponentialLR(opt, cfg["lr_decay"])
     generator = torch.Generator().manual_seed(cfg["seed"] * 1000 + rank)
 
-    step_s, accuracy, loss_curve, checked = [], [], [], 0
+    step_s, accuracy, loss_curve, checked, gzip_bits = [], [], [], 0, []
     hashes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     for epoch in range(cfg["epochs"]):
         perm = torch.randperm(len(mine), generator=generator)
@@ -211,9 +225,14 @@ def rank_main(cfg: dict) -> None:
             loss = torch.nn.functional.cross_entropy(ddp(x_mine[idx]), y_mine[idx])
             loss.backward()
             opt.step()
+            if averager is not None:
+                if i == steps_per_epoch - 1:  # what a gzip exchange of the weights would send instead
+                    raw = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().tobytes()
+                    gzip_bits.append(8 * len(zlib.compress(raw, 9)) / parameters)
+                averager.average_parameters(model.parameters())
             step_s.append(time.perf_counter() - start)
             total += loss.item()
-            if fsdp2:  # each rank holds only its shard: no replicas to compare
+            if fsdp2 or (average and i != steps_per_epoch - 1):  # shards, or replicas that differ until averaged
                 continue
             # consistency: every rank holds the same parameters after every step
             control.allgather([hashes], [torch.tensor([parameter_hash(model)])]).wait()
@@ -227,6 +246,7 @@ def rank_main(cfg: dict) -> None:
             accuracy.append(float((model(x_test).argmax(dim=1) == y_test).float().mean()))
         loss_curve.append(total / steps_per_epoch)
     steps = cfg["epochs"] * steps_per_epoch
+    exchanges = cfg["epochs"] if average else steps  # the collectives whose bytes are counted: per epoch or step
     report = {
         "run": cfg["run"], "parallel": cfg.get("parallel", "ddp"), "seed": cfg["seed"], "world_size": world,
         "epochs": cfg["epochs"],
@@ -243,9 +263,12 @@ def rank_main(cfg: dict) -> None:
     if fsdp2:  # all-gathers and reduce-scatters: the allreduce byte models do not apply
         report["bytes_per_step"] = None
     elif traffic is not None:
-        report["bytes_per_step"] = (traffic.intml_bytes + traffic.gloo_bytes) / steps
-    else:  # plain Gloo: the ring model for every parameter once per step
+        report["bytes_per_step"] = (traffic.intml_bytes + traffic.gloo_bytes) / exchanges
+    else:  # plain Gloo: the ring model for every parameter once per exchange
         report["bytes_per_step"] = ring_bytes(report["parameters"], world)
+    if average:  # per averaging: bytes each way per worker, as bits per parameter
+        report["bits_per_parameter"] = 8 * report["bytes_per_step"] / parameters
+        report["gzip_bits_per_parameter"] = statistics.median(gzip_bits)
     if rank == 0:
         Path(cfg["out"]).write_text(json.dumps(report))
     if state is not None:
@@ -293,6 +316,9 @@ def summarise(reports: list[dict], target: float) -> list[dict]:
             "step_ms_median": 1e3 * statistics.median(r["step_s_median"] for r in mine),
             "bytes_per_step": (None if mine[0]["bytes_per_step"] is None
                                else statistics.median(r["bytes_per_step"] for r in mine)),
+            **({key: statistics.median(r[key] for r in mine) for key in ("bits_per_parameter",
+                                                                          "gzip_bits_per_parameter")}
+               if "bits_per_parameter" in mine[0] else {}),
             "collectives": collectives(mine[0]),
             "retransmissions": sum(r.get("traffic", {}).get("retransmissions", 0) for r in mine),
             "hash_checked_steps": sum(r["hash_checked_steps"] for r in mine),
@@ -329,15 +355,21 @@ def collectives_text(rows: list[dict]) -> str:
 
 
 def table(rows: list[dict], target: float) -> str:
+    """Markdown; with model averaging, bytes are per averaging and two columns give them as bits per parameter."""
+    average = "bits_per_parameter" in rows[0]
+    per = "averaging" if average else "step"
     head = ("| run | final test accuracy, median (min–max) | epochs to " f"{target:.0%}" " (median) | "
-            "time per step, median | bytes per step per worker, each way | retransmissions | steps hash-checked |")
-    lines = [head, "|" + "---|" * 7]
+            f"time per step, median | bytes per {per} per worker, each way | "
+            + ("bits per parameter on the wire | gzip of the raw weights, bits per parameter | " if average else "")
+            + "retransmissions | steps hash-checked |")
+    lines = [head, "|" + "---|" * (9 if average else 7)]
     for r in rows:
         reach = "—" if r["epochs_to_target_median"] is None else f"{r['epochs_to_target_median']:g}"
+        bits = f"{r['bits_per_parameter']:.2f} | {r['gzip_bits_per_parameter']:.2f} | " if average else ""
         lines.append(f"| {r['run']} | {100 * r['final_acc_median']:.2f}% ({100 * r['final_acc_min']:.2f}–"
                      f"{100 * r['final_acc_max']:.2f}) | {reach} ({r['reached']} seeds) | "
-                     f"{r['step_ms_median']:.2f} ms | {bytes_text(r['bytes_per_step'])} | {r['retransmissions']} | "
-                     f"{r['hash_checked_steps']} |")
+                     f"{r['step_ms_median']:.2f} ms | {bytes_text(r['bytes_per_step'])} | {bits}"
+                     f"{r['retransmissions']} | {r['hash_checked_steps']} |")
     return "\n".join(lines)
 
 
@@ -409,11 +441,11 @@ def run(workers: int = 4, seeds: int = 5, epochs: int = 30, runs: tuple[str, ...
         bucket_cap_mb: float | None = None, json_out: str | None = None, plot_out: str | None = None,
         run_timeout: float = 600.0, quiet: bool = False, parallel: str = "ddp") -> dict:
     """The whole experiment: one aggregator, then every run for every seed (seeds 0..seeds-1) in turn. `runs`
-    defaults to DEFAULT_RUNS with DDP and FSDP2_RUNS with FSDP2."""
+    defaults to DEFAULT_RUNS with DDP and BACKEND_RUNS otherwise."""
     from intml.testbed.bench_allreduce import aggregator
 
     if runs is None:
-        runs = FSDP2_RUNS if parallel == "fsdp2" else DEFAULT_RUNS
+        runs = DEFAULT_RUNS if parallel == "ddp" else BACKEND_RUNS
     specs = [parse_run(r)["name"] for r in runs]
     check_parallel(tuple(specs), parallel)
     args = {"epochs": epochs, "batch": batch, "lr": lr, "lr_decay": lr_decay, "bucket_cap_mb": bucket_cap_mb,
@@ -450,7 +482,7 @@ def run(workers: int = 4, seeds: int = 5, epochs: int = 30, runs: tuple[str, ...
         print(f"{parallel.upper()} training on load_digits: {workers} workers, {seeds} seeds, {epochs} epochs, batch "
               f"{batch} per rank, SGD lr {lr} x {lr_decay}/epoch")
         print(table(rows, target))
-        if parallel == "fsdp2":
+        if parallel != "ddp":
             print(collectives_text(rows))
         print(result["verdict"])
     return result
@@ -475,10 +507,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", type=positive(), default=5, help="seeds 0..N-1 per run (default 5)")
     parser.add_argument("--epochs", type=positive(), default=30)
     parser.add_argument("--parallel", choices=PARALLEL, default="ddp",
-                        help="DDP, or FSDP2 (fully_shard; its intml runs take -backend) (default ddp)")
+                        help="DDP; FSDP2 (fully_shard); or average: local SGD, parameters averaged after every "
+                             "epoch (seed 001); the last two's intml runs take -backend (default ddp)")
     parser.add_argument("--runs", type=_runs_arg, default=None,
                         help="comma-separated: gloo, int32, cnat8 with optional -ef, -wK, -backend, -thread "
-                             f"(default {','.join(DEFAULT_RUNS)}; with fsdp2 {','.join(FSDP2_RUNS)})")
+                             f"(default {','.join(DEFAULT_RUNS)}; otherwise {','.join(BACKEND_RUNS)})")
     parser.add_argument("--batch", type=positive(), default=16, help="batch per rank (default 16)")
     parser.add_argument("--lr", type=positive(float), default=0.2)
     parser.add_argument("--lr-decay", type=positive(float), default=0.95, help="per-epoch factor (default 0.95)")

@@ -1,5 +1,5 @@
-"""The switch program meets the real compilers: p4c's ``p4test`` (front and mid end) and ``p4c-bm2-ss`` (BMv2's
-back end) compile the v1model program, and ``p4test`` the Tofino sketch against Tofino's ``tna.p4``. Each runs
+"""The switch program meets the real compilers: ``p4c-bm2-ss`` (p4c's front and mid end and BMv2's back end)
+compiles the v1model program, and ``p4test`` the Tofino sketch against Tofino's ``tna.p4``. Each runs
 under a memory cap and a timeout, so that a program too large for the compiler fails this test instead of taking
 the machine. The tools come from ``../shared/p4tools`` (or PATH); without them the tests are skipped, saying so."""
 
@@ -14,11 +14,9 @@ from support.p4build import P4, compile_, compiled, include_dir, tool
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
 
-def test_v1model_program_passes_p4test(tmp_path: Path):
-    compile_("p4test", "--std", "p4-16", str(P4 / "intml.p4"), cwd=tmp_path)
-
-
 def test_v1model_program_compiles_for_bmv2():
+    """p4c-bm2-ss runs p4c's front and mid end (what p4test runs) and BMv2's back end, warnings failing it: a
+    separate p4test of the v1model program would repeat the first two (a minute of a CPU each run)."""
     assert compiled().stat().st_size > 0
 
 

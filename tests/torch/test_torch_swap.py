@@ -165,7 +165,17 @@ def _rounding_seed(code: str) -> int:
 
 
 def test_default_seed_varies_unless_torch_was_seeded() -> None:
-    seeded = [_rounding_seed("torch.manual_seed(3)") for _ in range(2)]
-    assert seeded[0] == seeded[1] != _rounding_seed("torch.manual_seed(4)")
-    assert _rounding_seed("") != _rounding_seed("")  # torch seeds itself at random: so does intml
+    from intml.worker.torch.link import rounding_seed
+
+    state = torch.random.get_rng_state()
+    try:
+        seeded = []
+        for seed in (3, 3, 4):
+            torch.manual_seed(seed)
+            seeded.append(rounding_seed())
+    finally:
+        torch.random.set_rng_state(state)
+    assert seeded[0] == seeded[1] != seeded[2]
     assert 0 <= seeded[0] < 2**62
+    # a fresh interpreter's torch seeds itself at random: so does intml
+    assert _rounding_seed("") != _rounding_seed("")

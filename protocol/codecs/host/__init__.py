@@ -9,10 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from intml.protocol.codecs.host import (adaptive, bitmask, lloyd, powersgd, qsgd, randomk, signsgd, terngrad, topk,
+                                       uniform)
 from intml.protocol.codecs.host.base import HostCodec, MalformedPackage, Memory
 
 # family name -> (wire id, constructor from the text after the family name, constructor from the wire parameter)
 FAMILIES: dict[str, tuple[int, Callable[[str], HostCodec], Callable[[int], HostCodec]]] = {}
+for _module in (uniform, adaptive, lloyd, bitmask, qsgd, terngrad, signsgd, topk, randomk, powersgd):
+    FAMILIES.update(_module.FAMILIES)
 
 
 def parse(name: str) -> HostCodec:
