@@ -170,12 +170,12 @@ _HEADS_FROM = 4 * BLOCK
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def _stochastic_codes(bits, out, heads, base, kfl, bias):
+def _stochastic_codes(bits, out, heads, head_offset, kfl, bias):
     """fast_code of each value with its random word, lowbias32_tail of its head (protocol.rng.block_heads). Apart
     from _extremes: with the reductions in the same loop LLVM picks 512-bit shuffles on AVX-512 machines, which
-    halve the vector ports left to the hash (this loop ran a quarter slower)."""
+    leave Intel cores fewer vector ports for the hash (this loop ran a quarter slower)."""
     for j in range(bits.size):
-        out[j] = fast_code(bits[j], lowbias32_tail(_U32(heads[j] + base)), kfl, bias)
+        out[j] = fast_code(bits[j], lowbias32_tail(_U32(heads[j] + head_offset)), kfl, bias)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -227,8 +227,8 @@ def encode_kernel(x, out, key, offset, floor, stochastic):
         lo0 = _U32(idx & _U64(0xFFFFFFFF))
         k = block_key(key, idx >> _U64(32))
         if heads.size:
-            base, filled = block_heads(heads, k, lo0, end - start, filled)
-            _stochastic_codes(bits[start:end], out[start:end], heads[s0:s0 + end - start], base, kfl, bias)
+            head_offset, filled = block_heads(heads, k, lo0, end - start, filled)
+            _stochastic_codes(bits[start:end], out[start:end], heads[s0:s0 + end - start], head_offset, kfl, bias)
             top, low = _extremes(bits[start:end])
         else:
             top, low = _encode_block(bits[start:end], out[start:end], lo0, k, kfl, bias, stochastic)

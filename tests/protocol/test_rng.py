@@ -163,9 +163,9 @@ def _words_through_heads(key, offset, n):
         s0 = int(idx % np.uint64(BLOCK))
         end = min(n, start + BLOCK - s0)
         k = block_key(key, idx >> np.uint64(32))
-        base, filled = block_heads(heads, k, np.uint32(idx & np.uint64(0xFFFFFFFF)), end - start, filled)
+        head_offset, filled = block_heads(heads, k, np.uint32(idx & np.uint64(0xFFFFFFFF)), end - start, filled)
         for j in range(end - start):
-            out[start + j] = lowbias32_tail(np.uint32(heads[s0 + j] + base))
+            out[start + j] = lowbias32_tail(np.uint32(heads[s0 + j] + head_offset))
         start = end
     return out
 
