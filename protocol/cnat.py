@@ -54,7 +54,7 @@ import numpy as np
 from numba import njit
 
 from intml.protocol.lanes import byte_outside, clz32, or8, shl32
-from intml.protocol.rng import BLOCK, block_key, lowbias32, stream_key
+from intml.protocol.rng import BLOCK, block_heads, block_key, lowbias32, lowbias32_tail, stream_key
 
 F_MIN = -149  # the lowest floor: 2**-149 is float32's smallest denormal
 F_MAX = 127  # the highest floor: 2**127 is float32's largest power of two
@@ -142,6 +142,12 @@ def fast_code(b, r, kfl, bias):
     return np.uint8(0) if e < kfl else np.uint8(code)
 
 
+@njit(inline="always")
+def _widen(top, low, ab):
+    """The extremes (largest magnitude, smallest nonzero magnitude minus one) with one more magnitude ab."""
+    return max(top, ab), min(low, _U32(ab - _U32(1)))  # a zero wraps to the maximum and drops out
+
+
 @njit(cache=True, nogil=True, boundscheck=False)
 def _encode_block(bits, out, lo0, k, kfl, bias, stochastic):
     """The branch-free loop that vectorises; kept in its own function because LLVM will not vectorise it inside
@@ -153,8 +159,32 @@ def _encode_block(bits, out, lo0, k, kfl, bias, stochastic):
         b = bits[j]
         ab = _U32(b & _U32(0x7FFFFFFF))
         out[j] = fast_code(b, encode_word(stochastic, _U32(lo0 + _U32(j)), k), kfl, bias)
-        top = max(top, ab)
-        low = min(low, _U32(ab - _U32(1)))  # zeros wrap to the maximum and drop out
+        top, low = _widen(top, low, ab)
+    return top, low
+
+
+# A stochastic encode of this many elements or more forms its words from protocol.rng.block_heads' table: one
+# table serves up to 2**16 elements, and filling it costs the multiply per element it then saves, so a shorter call
+# (a packet's chunk) hashes each word whole.
+_HEADS_FROM = 4 * BLOCK
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _stochastic_codes(bits, out, heads, head_offset, kfl, bias):
+    """fast_code of each value with its random word, lowbias32_tail of its head (protocol.rng.block_heads). Apart
+    from _extremes: with the reductions in the same loop LLVM picks 512-bit shuffles on AVX-512 machines, which
+    leave Intel cores fewer vector ports for the hash (this loop ran a quarter slower)."""
+    for j in range(bits.size):
+        out[j] = fast_code(bits[j], lowbias32_tail(_U32(heads[j] + head_offset)), kfl, bias)
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _extremes(bits):
+    """The largest magnitude and the smallest nonzero magnitude minus one, as float bits."""
+    top = _U32(0)
+    low = _U32(0xFFFFFFFF)
+    for j in range(bits.size):
+        top, low = _widen(top, low, _U32(bits[j] & _U32(0x7FFFFFFF)))
     return top, low
 
 
@@ -187,13 +217,21 @@ def encode_kernel(x, out, key, offset, floor, stochastic):
     nonfinite = 0
     top_all = _U32(0)
     low_all = _U32(0xFFFFFFFF)
+    heads = np.empty(BLOCK if stochastic and n >= _HEADS_FROM else 0, np.uint32)
+    filled = np.int64(-1)
     start = 0
     while start < n:
         idx = _U64(offset + start)
-        end = min(n, start + BLOCK - int(idx % _U64(BLOCK)))
+        s0 = int(idx % _U64(BLOCK))
+        end = min(n, start + BLOCK - s0)
         lo0 = _U32(idx & _U64(0xFFFFFFFF))
         k = block_key(key, idx >> _U64(32))
-        top, low = _encode_block(bits[start:end], out[start:end], lo0, k, kfl, bias, stochastic)
+        if heads.size:
+            head_offset, filled = block_heads(heads, k, lo0, end - start, filled)
+            _stochastic_codes(bits[start:end], out[start:end], heads[s0:s0 + end - start], head_offset, kfl, bias)
+            top, low = _extremes(bits[start:end])
+        else:
+            top, low = _encode_block(bits[start:end], out[start:end], lo0, k, kfl, bias, stochastic)
         top_all = max(top_all, top)
         low_all = min(low_all, low)
         if top > sat_bits:

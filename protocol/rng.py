@@ -15,7 +15,8 @@ lowbias32 is Chris Wellons' 32-bit integer hash (a bijection with very low avala
 element is what lets the encoder run at memory speed: it vectorises to 8 lanes of AVX2, where a 64-bit hash
 cannot (AVX2 has no 64-bit vector multiply). Two streams see the same hash inputs only as a permutation of each
 other's indices (``lo ^ kA == lo' ^ kB``), never at the same element, so different ranks' roundings of the same
-element are independent.
+element are independent. A long encode forms each word's first multiply from a table instead (block_heads):
+the same words, one multiply per element fewer.
 """
 
 from __future__ import annotations
@@ -38,13 +39,25 @@ def splitmix64_int(x: int) -> int:
     return x ^ (x >> 31)
 
 
+_HEAD_MULTIPLIER = 0x7FEB352D
+
+
+@njit(inline="always")
+def lowbias32_tail(y):
+    """lowbias32 after its first multiply (lowbias32_head's result)."""
+    y = _U32(y ^ (y >> 15))
+    y = mul32(y, _U32(0x846CA68B))
+    return _U32(y ^ (y >> 16))
+
+
+@njit(inline="always")
+def lowbias32_head(x):
+    return mul32(_U32(x ^ (x >> 16)), _U32(_HEAD_MULTIPLIER))
+
+
 @njit(inline="always")
 def lowbias32(x):
-    x = _U32(x ^ (x >> 16))
-    x = mul32(x, _U32(0x7FEB352D))
-    x = _U32(x ^ (x >> 15))
-    x = mul32(x, _U32(0x846CA68B))
-    return _U32(x ^ (x >> 16))
+    return lowbias32_tail(lowbias32_head(x))
 
 
 @njit(inline="always")
@@ -80,6 +93,34 @@ def block_key(key, hi):
 
 
 BLOCK = 4096  # kernels walk their input in blocks aligned to this, so no block straddles a 2**32 boundary
+_LOW = BLOCK - 1  # block_heads needs BLOCK a power of two no larger than 2**16
+_HIGH = 0xFFFFFFFF ^ _LOW
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _fill_heads(heads, first, mask):
+    for j in range(heads.size):
+        heads[j] = mul32(_U32(_U32(first + j) ^ mask), _U32(_HEAD_MULTIPLIER))
+
+
+@njit(inline="always")
+def block_heads(heads, k, lo0, span, filled):
+    """The first multiply of bits32 for ``span`` elements from lo0 (k = their block key) without a multiply per
+    element: lowbias32_head(lo ^ k) == heads[lo % BLOCK] + offset, for lo in [lo0, lo0 + span).
+
+    Why it holds: with lo = base | j (base a multiple of BLOCK, j < BLOCK), x = lo ^ k has x >> 16 = c fixed over
+    the block, so x ^ (x >> 16) = lo ^ m, m = k ^ c, which is (base ^ m with the low bits cleared) + (j ^ (m & _LOW))
+    on disjoint bits, and the multiply distributes over that sum. heads (BLOCK uint32) keeps mul(j ^ mask) for
+    the mask in ``filled`` (-1: none), which stays the same for the 2**16 / BLOCK blocks that share c, so a long
+    walk fills it once per 2**16 elements. Returns (offset, filled)."""
+    s0 = int(lo0 & _U32(_LOW))
+    base = _U32(lo0 - _U32(s0))
+    m = _U32(k ^ _U32(_U32(base ^ k) >> _U32(16)))
+    mask = np.int64(m & _U32(_LOW))
+    if mask != filled:
+        _fill_heads(heads[s0:s0 + span], s0, _U32(mask))
+        filled = mask if span == BLOCK else np.int64(-1)  # a partial fill serves no other block
+    return mul32(_U32(_U32(base ^ m) & _U32(_HIGH)), _U32(_HEAD_MULTIPLIER)), filled
 
 
 @njit(cache=True, nogil=True, boundscheck=False)

@@ -1,19 +1,22 @@
 """`intml-testbed bench codec`: elements/s of each C_nat kernel on one thread, beside a memory copy.
 
 The anchor is np.copyto of the same float32 array in the same run: a kernel that reads 4 bytes and writes 1
-per element cannot beat memory bandwidth by much, so the ratio says how close to the memory wall it runs.
+per element cannot beat memory bandwidth by much, so the ratio says how close to the memory wall it runs. The
+kernels take turns within each repeat, and stochastic encode's speed against deterministic encode's is the
+median of its ratio within each repeat, so it holds on a VM whose load comes and goes.
 """
 
 from __future__ import annotations
 
 import platform
+import statistics
 
 import numpy as np
 
 from intml.protocol import arith, cnat
-from intml.testbed.timing import emit, median_seconds
+from intml.testbed.timing import emit, interleaved_times
 
-TARGETS = {"stochastic encode": "≥ 1.5 G/s and ≥ 35% of copy", "decode": "≥ 2 G/s"}
+TARGETS = {"stochastic encode": "≥ 1.5 G/s, ≥ 35% of copy, ≥ 0.85× deterministic", "decode": "≥ 2 G/s"}
 
 
 def run(elements: int, repeats: int, as_json: bool) -> list[dict]:
@@ -35,7 +38,9 @@ def run(elements: int, repeats: int, as_json: bool) -> list[dict]:
         "decode-accumulate": lambda: cnat.decode_accumulate(codes, acc, floor=floor),
         "integer-sum re-encode": lambda: arith.sum_to_codes(sums, -40, seed=1, stream=3, out=codes),
     }
-    seconds = {name: median_seconds(fn, repeats, warmup=2) for name, fn in kernels.items()}
+    times = interleaved_times(kernels, repeats, warmup=2)
+    seconds = {name: statistics.median(t) for name, t in times.items()}
+    paired = statistics.median(d / s for d, s in zip(times["deterministic encode"], times["stochastic encode"]))
     copy_rate = elements / seconds["memory copy (anchor)"]
     rows = [
         {
@@ -58,6 +63,7 @@ def run(elements: int, repeats: int, as_json: bool) -> list[dict]:
             ("ratio_to_copy", "× copy", ".2f"),
             ("target", "target", ""),
         ],
-        {"elements": elements, "repeats": repeats, "cpu": platform.processor() or platform.machine()},
+        {"elements": elements, "repeats": repeats, "cpu": platform.processor() or platform.machine(),
+         "stochastic encode × deterministic (median within repeats)": round(paired, 3)},
     )
     return rows

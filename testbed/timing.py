@@ -20,6 +20,22 @@ def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> f
     return statistics.median(times)
 
 
+def interleaved_times(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Wall times of each fn over `repeats` rounds, each round running every fn once in turn (after `warmup`
+    untimed rounds): a burst of load from other jobs then slows neighbours in a round alike, so a ratio taken
+    within each round holds where one fn's repeats back to back would catch the burst alone."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
 def emit(rows: list[dict], as_json: bool, title: str, columns: list[tuple[str, str, str]], extra: dict) -> None:
     """Print rows as an aligned table (columns: key, header, format) or, with as_json, as one JSON object."""
     if as_json:

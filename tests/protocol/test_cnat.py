@@ -134,6 +134,17 @@ def test_encode_matches_reference(x, seed, stream, offset, floor):
     assert got.saturated == saturated == saturating(x, floor)
 
 
+
+@pytest.mark.parametrize("offset", [2**16 - 5000, 2**32 - 70000])
+def test_long_encode_matches_reference_as_head_tables_change(offset):
+    """A call long enough that the encoder's table of word heads (protocol.rng.block_heads) serves several whole
+    blocks, is refilled where the key's top half changes (every 2**16 elements) and where the block key changes
+    (2**32), after a partial first block: the codes equal the oracle's."""
+    x = bulk_f32(np.random.default_rng(offset), 140_000)
+    got = encode(x, seed=9, stream=10, offset=offset, floor=-40)
+    np.testing.assert_array_equal(got.codes, reference.encode(x, seed=9, stream=10, offset=offset, floor=-40)[0])
+
+
 @SETTINGS
 @given(x=f32_arrays(), floor=FLOORS)
 @example(x=np.array([1.5, -1.5, 1.49, 1.5 - 2**-23, 768.0, 2.0**-51, 0.49 * 2.0**-50], np.float32), floor=-50)
