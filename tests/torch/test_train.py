@@ -80,3 +80,17 @@ def test_model_averaging_over_an_intml_group() -> None:
     assert 0 < r["gzip_bits_per_parameter"] <= 33, r["gzip_bits_per_parameter"]
     with pytest.raises(ValueError, match="use the backend instead"):
         train.run(runs=("cnat8",), parallel="average")
+
+
+def test_model_averaging_through_a_host_codec() -> None:
+    """A host codec's run (seed 001's uniform 8-bit quantizer) averages through the aggregator's host mode: the
+    replicas agree after each averaging, the run learns, and the wire carries 8 bits per parameter plus the
+    package and packet headers."""
+    result = train.run(workers=2, seeds=1, epochs=EPOCHS, runs=("uniform8",), parallel="average", quiet=True,
+                       run_timeout=120)
+    [r] = result["reports"]
+    assert r["using_intml"] and r["hash_checked_steps"] == EPOCHS
+    assert r["final_accuracy"] >= MIN_ACCURACY, f"test accuracy {r['final_accuracy']:.3f}"
+    assert 8 < r["bits_per_parameter"] < 8.8, r["bits_per_parameter"]
+    with pytest.raises(ValueError, match="train only with --parallel average"):
+        train.run(runs=("uniform8",), parallel="ddp")
