@@ -243,7 +243,8 @@ def test_leave_every_core_frees_the_job():
     while not session.joined:
         exchange(net, 0, session, 0.0)
     assert all(net.job in core.info for core in net.cores)
-    stale = session.sealed(MsgType.LEAVE, agg_addr(0))[:-1] + b"\0"  # a LEAVE with a bad MAC changes nothing
+    sealed = session.sealed(MsgType.LEAVE, agg_addr(0))
+    stale = sealed[:-1] + bytes([sealed[-1] ^ 1])  # a LEAVE with a bad MAC changes nothing
     assert core_receive(net.cores[0], [(stale, net.addr(0))], 0.0) == [] and net.job in net.cores[0].info
     session.leave()
     leaves = session.datagrams_to_send(0.0)
