@@ -106,7 +106,8 @@ def test_random_streams_reach_every_transition_and_drop_reason():
         return reasons | set(TRANSITIONS) <= seen
 
     find(st.lists(packets(), min_size=80, max_size=80), covers_everything,
-         settings=settings(max_examples=80, derandomize=True, database=None, phases=[Phase.generate]))
+         settings=settings(max_examples=80, derandomize=True, database=None, phases=[Phase.generate], deadline=None,
+                           suppress_health_check=[HealthCheck.too_slow]))  # a loaded machine changes no outcome
 
 
 # ---- the allreduce counter's wrap ---------------------------------------------------------------------------
