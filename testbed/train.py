@@ -75,13 +75,17 @@ def parse_run(spec: str) -> dict:
     """'cnat8-ef-w20' -> {'name', 'codec', 'error_feedback', 'warmup_steps', 'integration', 'threaded'}. A host
     codec's name (protocol.codecs.host: 'uniform8', 'adaptive-huffman-c6') is a run of its own, without options:
     integration 'worker'."""
-    with contextlib.suppress(ValueError):
+    try:
         host_codec(spec)
+    except ValueError as exc:
+        not_host = str(exc)
+    else:
         return {"name": spec, "codec": spec, "error_feedback": False, "warmup_steps": 0, "integration": "worker",
                 "threaded": False}
     base, *flags = spec.split("-")
-    if base not in BASES:
-        raise ValueError(f"run {spec!r}: must start with one of {', '.join(BASES)}")
+    if base not in BASES:  # say why it is not a host codec either ('uniform99': N out of range)
+        raise ValueError(f"run {spec!r}: must start with one of {', '.join(BASES)}, or be a host codec's name: "
+                         f"{not_host}")
     run = {"name": spec, "codec": None if base == "gloo" else base, "error_feedback": False, "warmup_steps": 0,
            "integration": "gloo" if base == "gloo" else "hook", "threaded": False}
     for flag in flags:

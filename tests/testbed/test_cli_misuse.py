@@ -75,6 +75,7 @@ MISUSE = [
     ("intml-testbed", "train --packet-elements 20000", "at most 16370"),
     ("intml-testbed", "train --target 1.5", "at most 1"),
     ("intml-testbed", "train --runs gloo,fast", "must start with one of"),
+    ("intml-testbed", "train --parallel average --runs uniform99", "uniform takes an integer in 2..16"),
     ("intml-testbed", "train --json-out /no/such/folder/r.json", "does not exist"),
     ("intml-testbed", "bench", "required"),
     ("intml-aggregator", "--port 70000", "at most 65535"),
