@@ -26,10 +26,9 @@ from torch.futures import Future
 
 from intml.worker.torch import routing
 from intml.worker.torch.config import IntmlConfig
-from intml.worker.torch.link import AggregatorLinked, value
+from intml.worker.torch.link import CPU, AggregatorLinked, value
 
 BACKEND = "intml"
-CPU = torch.device("cpu")
 DEVICES = (CPU, torch.device("cuda"))  # Gloo takes CUDA tensors too (it stages them through the host)
 
 
