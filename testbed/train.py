@@ -33,7 +33,9 @@ per step), writes all reports to ``--json-out`` and plots test accuracy against 
 
 Bytes per step and worker, each way: intml from the packet format (``worker.traffic.intml_bytes``: payload plus
 a 26-byte header per data packet and per slot-opening bootstrap packet, retransmissions counted apart);
-Gloo from the ring model 2(n-1)/n x 4 bytes per element, not measured.
+Gloo from the ring model 2(n-1)/n x 4 bytes per element, not measured. A host codec's are measured (its packages
+vary with the data): the packages sent plus a header per packet; what comes back is in the report's traffic
+(``host_result_bytes``).
 """
 
 from __future__ import annotations

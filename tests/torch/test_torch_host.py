@@ -161,6 +161,9 @@ def test_config_takes_host_codecs_and_refuses_others_in_one_line() -> None:
         assert "cnat8 or int32" in text and "adaptive-huffman" in text and "topk" in text, text
     with pytest.raises(ValueError, match="randomk0.01: it is unbiased .* grow without bound"):
         intml.IntmlConfig.from_env({"INTML_CODEC": "randomk0.01", "INTML_ERROR_FEEDBACK": "1"})
+    assert intml.IntmlConfig.from_env({"INTML_CODEC": "randomk0.01"}).host_codec().name == "randomk0.01"
+    with pytest.raises(ValueError, match="powersgd2 cannot run through torch: low rank needs"):
+        intml.IntmlConfig.from_env({"INTML_CODEC": "powersgd2"})
 
 
 def test_a_host_codecs_cuda_tensors_need_no_cuda_path() -> None:

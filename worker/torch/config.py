@@ -18,6 +18,7 @@ import os
 from collections.abc import Mapping
 
 from intml.protocol.codecs import host
+from intml.protocol.codecs.host.powersgd import PowerSGD
 from intml.protocol.codecs.host.randomk import RandomK
 from intml.protocol.job import CODEC_NAMES, ROUNDINGS, JobParams, WorkerTimers, codec_name
 
@@ -85,6 +86,10 @@ class IntmlConfig:
 
     def validated(self) -> IntmlConfig:
         codec = self.host_codec()  # raises for a name that is neither a switch nor a host codec's
+        if isinstance(codec, PowerSGD):
+            raise ValueError(f"INTML_CODEC={codec.name} cannot run through torch: low rank needs each gradient's "
+                             f"matrix shape and two allreduces per step (protocol.codecs.host.powersgd.LowRank over a "
+                             f"Worker), and a bucket through it alone would go as uncompressed float32")
         if self.error_feedback and isinstance(codec, RandomK):
             raise ValueError(f"INTML_ERROR_FEEDBACK=1 cannot go with {codec.name}: it is unbiased and scales what it "
                              f"keeps by 1/ratio, so the residual would grow without bound; use topk with error "
