@@ -176,3 +176,37 @@ def test_a_host_codecs_cuda_tensors_need_no_cuda_path() -> None:
         linked.link = types.SimpleNamespace(worker=types.SimpleNamespace(host_codec=codec),
                                             cuda=types.SimpleNamespace(problem=lambda: "no GPU here"))
         assert routing.unsupported(cuda, linked._cuda_problem) == reason
+
+
+def cuda_rank(port: int, address: str, rank: int, n: int) -> dict:
+    """uniform8 through the backend on CUDA tensors, float32 and bfloat16, and the same values on the CPU."""
+    init_rank(port, rank, n, "intml", {"INTML_AGGREGATOR": address, "INTML_TOKEN": TOKEN, "INTML_SEED": str(SEED),
+                                       "INTML_CODEC": "uniform8", "INTML_PACKET_ELEMENTS": str(PACKET),
+                                       "INTML_POOL": str(POOL), "INTML_MIN_ELEMENTS": str(MIN)})
+    x = torch.from_numpy(np.random.default_rng([SEED, rank]).standard_normal(N).astype(np.float32))
+    out: dict = {"input": x.numpy().copy(), "results": []}
+    for t in (x.cuda(), x.to("cuda", torch.bfloat16)):
+        dist.all_reduce(t)
+        out["results"].append((str(t.device.type), str(t.dtype), t.cpu().float().numpy()))
+    out["traffic"] = dataclasses.asdict(dist.distributed_c10d._get_default_group().traffic)
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.process
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_are_staged_through_host_memory(ranks) -> None:
+    """CUDA tensors with a host codec: through intml, staged as float32 CPU copies, the result back on the device in
+    the tensor's dtype, bit for bit the codec's reference (bfloat16: rounded once)."""
+    results = ranks(cuda_rank, 2, timeout=180)
+    xs = [r["input"] for r in results]
+    wide = [torch.from_numpy(x).to(torch.bfloat16).float().numpy() for x in xs]
+    want32 = reference(parse("uniform8"), xs, seed=SEED, allreduce=0, packet_elements=PACKET)
+    want16 = torch.from_numpy(reference(parse("uniform8"), wide, seed=SEED, allreduce=1, packet_elements=PACKET))
+    for r in results:
+        (dev32, dtype32, got32), (dev16, dtype16, got16) = r["results"]
+        assert (dev32, dtype32, dev16, dtype16) == ("cuda", "torch.float32", "cuda", "torch.bfloat16")
+        np.testing.assert_array_equal(got32.view(np.uint32), want32.view(np.uint32))
+        np.testing.assert_array_equal(got16, want16.to(torch.bfloat16).float().numpy())
+        assert r["traffic"]["intml_allreduces"] == 2 and r["traffic"]["gloo_allreduces"] == 0, r["traffic"]
