@@ -162,6 +162,8 @@ def test_config_takes_host_codecs_and_refuses_others_in_one_line() -> None:
     with pytest.raises(ValueError, match="randomk0.01: it is unbiased .* grow without bound"):
         intml.IntmlConfig.from_env({"INTML_CODEC": "randomk0.01", "INTML_ERROR_FEEDBACK": "1"})
     assert intml.IntmlConfig.from_env({"INTML_CODEC": "randomk0.01"}).host_codec().name == "randomk0.01"
+    with pytest.raises(ValueError, match="INTML_ROUNDING=nearest is C_nat's; uniform8 rounds as it defines"):
+        intml.IntmlConfig.from_env({"INTML_CODEC": "uniform8", "INTML_ROUNDING": "nearest"})
     with pytest.raises(ValueError, match="powersgd2 cannot run through torch: low rank needs"):
         intml.IntmlConfig.from_env({"INTML_CODEC": "powersgd2"})
 

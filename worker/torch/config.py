@@ -86,6 +86,9 @@ class IntmlConfig:
 
     def validated(self) -> IntmlConfig:
         codec = self.host_codec()  # raises for a name that is neither a switch nor a host codec's
+        if codec is not None and self.rounding != ROUNDINGS[0]:
+            raise ValueError(f"INTML_ROUNDING={self.rounding} is C_nat's; {codec.name} rounds as it defines "
+                             f"(docs/codecs.md): leave INTML_ROUNDING unset with a host codec")
         if isinstance(codec, PowerSGD):
             raise ValueError(f"INTML_CODEC={codec.name} cannot run through torch: low rank needs each gradient's "
                              f"matrix shape and two allreduces per step (protocol.codecs.host.powersgd.LowRank over a "
