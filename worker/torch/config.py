@@ -86,6 +86,8 @@ class IntmlConfig:
 
     def validated(self) -> IntmlConfig:
         codec = self.host_codec()  # raises for a name that is neither a switch nor a host codec's
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"INTML_ROUNDING must be one of {', '.join(ROUNDINGS)}, got {self.rounding!r}")
         if codec is not None and self.rounding != ROUNDINGS[0]:
             raise ValueError(f"INTML_ROUNDING={self.rounding} is C_nat's; {codec.name} rounds as it defines "
                              f"(docs/codecs.md): leave INTML_ROUNDING unset with a host codec")
@@ -97,8 +99,6 @@ class IntmlConfig:
             raise ValueError(f"INTML_ERROR_FEEDBACK=1 cannot go with {codec.name}: it is unbiased and scales what it "
                              f"keeps by 1/ratio, so the residual would grow without bound; use topk with error "
                              f"feedback, or randomk without")
-        if self.rounding not in ROUNDINGS:
-            raise ValueError(f"INTML_ROUNDING must be one of {', '.join(ROUNDINGS)}, got {self.rounding!r}")
         if self.fallback not in ("error", "gloo"):
             raise ValueError(f"INTML_FALLBACK must be 'error' or 'gloo', got {self.fallback!r}")
         if self.min_elements < 0:
