@@ -16,7 +16,7 @@ from collections import Counter
 import numpy as np
 
 from intml.protocol.job import AGGREGATOR_MAX_ELEMENTS
-from intml.sim.costs import IO_PER_DATAGRAM_GSO, SOFTWARE_AGGREGATOR
+from intml.sim.costs import IO_PER_DATAGRAM, SOFTWARE_AGGREGATOR
 from intml.sim.models import Net, ring
 from intml.sim.training import PROFILES, SOURCES, buckets, iteration
 from intml.worker.tuner import Bucket, Measured, Network, Tuner, measure
@@ -26,6 +26,7 @@ BATCH = 64  # per rank
 SIGNAL = 1e-6  # per element variance of the true gradient (the tuner's choices are scale-free)
 # the aggregator's host mode, elements per second per core per contribution: sim.costs' software aggregator
 AGGREGATOR_RATE = 1 / (SOFTWARE_AGGREGATOR.per_element + SOFTWARE_AGGREGATOR.per_packet / AGGREGATOR_MAX_ELEMENTS)
+MEDIAN = 0.6744897501960817  # of |N(0, 1)|
 COLUMNS = ("model", "rate_gbit", "workers", "codec", "step_s", "ring_s", "less_time", "why")
 STEP_COLUMNS = ("model", "step", "rate_gbit", "codec", "step_s", "why")
 __all__ = ["SOURCES", "run", "steps", "table"]
@@ -33,8 +34,9 @@ __all__ = ["SOURCES", "run", "steps", "table"]
 
 def gaussian_stats(elements: int, world: int, signal: float, noise: float, first: bool = False) -> np.ndarray:
     """One rank's ``measure()`` of a bucket of Gaussian gradients (per element variance signal + noise) in closed
-    form: the largest of ``elements`` normals at about sqrt(2 ln elements) deviations, the sample entropy of 16
-    equal bins over that range, and the last step's mean with variance signal + noise / world (0 on the first)."""
+    form: the largest of ``elements`` normals at about sqrt(2 ln elements) deviations, the median |x| at 0.674
+    deviations, the sample entropy of 16 equal bins over that range, and the last step's mean with variance
+    signal + noise / world (0 on the first)."""
     v = signal + noise
     a = math.sqrt(2 * math.log(max(elements, 2)))
     edges = [math.erf(a * (2 * i / 16 - 1) / math.sqrt(2)) for i in range(17)]
@@ -42,7 +44,7 @@ def gaussian_stats(elements: int, world: int, signal: float, noise: float, first
     entropy = -sum(q * math.log2(q) for q in p if q > 0)
     largest = a * math.sqrt(v)
     mean_sq = 0.0 if first else elements * (signal + noise / world)
-    return np.array([1.0, elements * v, mean_sq / world, entropy, (2 * largest) ** 2, largest,
+    return np.array([1.0, elements * v, mean_sq / world, entropy, (2 * largest) ** 2, largest, MEDIAN * math.sqrt(v),
                      largest * elements * math.sqrt(v) * math.sqrt(2 / math.pi) - elements * v, 0.0, 0.0])
 
 
@@ -116,4 +118,4 @@ def steps(model: str, workers: int, rates: list[tuple[int, float]], count: int, 
 
 def network(switch: bool, gso: bool) -> Network:
     """The tuner's network in the simulator: an ASIC switch or none, GSO/GRO's datagram cost or sendmmsg's."""
-    return Network(switch=switch, **({"datagram_io": IO_PER_DATAGRAM_GSO} if gso else {}))
+    return Network(switch=switch, **({} if gso else {"datagram_io": IO_PER_DATAGRAM}))

@@ -35,7 +35,7 @@ from intml.protocol.codecs.host.topk import TopK
 from intml.protocol.codecs.host.uniform import Uniform, quantize, range_of
 from intml.protocol.job import AGGREGATOR_MAX_ELEMENTS
 from intml.protocol.packet import HDR
-from intml.sim.costs import HOST_COSTS, IO_PER_DATAGRAM
+from intml.sim.costs import HOST_COSTS, IO_PER_DATAGRAM_GSO
 from intml.sim.network import IP_UDP, WIRE_OVERHEAD
 
 SWITCH_CODECS = ("cnat8", "int32")
@@ -63,7 +63,8 @@ PLACEHOLDER_HOST_CODEC_COSTS: dict[type, tuple[float, float]] = {
 FLOAT32_RESULT_DECODE = HOST_COSTS["int32"].decode  # a host codec's RESULT is float32: a byte swap, as int32's decode
 
 # Per-bucket statistics, each a sum over the ranks of one rank's value (measure()).
-FIELDS = ("ranks", "norm_sq", "mean_norm_sq", "entropy", "range_sq", "max_abs", "tern", "residual_sq", "nonfinite")
+FIELDS = ("ranks", "norm_sq", "mean_norm_sq", "entropy", "range_sq", "max_abs", "median_abs", "tern", "residual_sq",
+          "nonfinite")
 # Measurements of the step, summed over the ranks and used as their mean.
 MEASURED = ("link_rate", "aggregator_rate", "compute_s", "overlap")
 # Fields every rank must hold equal: the step, the configuration's digest, the previous decision's digest, in
@@ -109,7 +110,7 @@ class Network:
     rtt: float = 10e-6
     mtu: int = 9000
     packet_elements: int = AGGREGATOR_MAX_ELEMENTS
-    datagram_io: float = IO_PER_DATAGRAM  # a rank's CPU seconds per datagram sent or received (GSO: less)
+    datagram_io: float = IO_PER_DATAGRAM_GSO  # a rank's CPU per datagram each way: burstio uses GSO/GRO if it can
 
 
 def measure(x: np.ndarray, world: int, *, residual: np.ndarray | None = None, last_mean: np.ndarray | None = None,
@@ -129,7 +130,8 @@ def measure(x: np.ndarray, world: int, *, residual: np.ndarray | None = None, la
     max_abs = max(abs(lo), abs(hi))
     last = 0.0 if last_mean is None else float(np.square(np.asarray(last_mean, np.float64)).sum())
     res = 0.0 if residual is None else float(np.square(np.asarray(residual, np.float64)).sum())
-    return np.array([1.0, norm_sq, last / world, entropy, (hi - lo) ** 2, max_abs,
+    median_abs = float(np.median(np.abs(sample))) if sample.size else 0.0
+    return np.array([1.0, norm_sq, last / world, entropy, (hi - lo) ** 2, max_abs, median_abs,
                      max_abs * float(np.abs(x).sum()) - norm_sq, res, float(nonfinite)])
 
 
@@ -143,6 +145,7 @@ class Shared:
     entropy: float  # mean of the ranks' sample entropies, bits at sample_bits
     range_sq: float  # sum of (max - min)^2
     max_abs: float  # sum of max|g_i|: at least any rank's max
+    median_abs: float  # mean of the ranks' median |g| (of the sample): a typical element
     tern: float  # sum of max_i ||g_i||_1 - ||g_i||^2: terngrad's variance
     residual_sq: float  # sum of ||r_i||^2
     nonfinite: float
@@ -343,13 +346,12 @@ class Tuner:
 
     def _unsafe(self, name: str, s: Shared, bucket: Bucket) -> str | None:
         """Why the codec would lose precision silently on this bucket, or None (docs/tuner.md, "Safety")."""
-        rms = math.sqrt(s.norm_sq / (s.ranks * bucket.elements)) if bucket.elements else 0.0
         largest = s.max_abs  # at least any rank's max|g|
         limit = FLOAT16_MAX if bucket.dtype == "float16" else FLOAT32_MAX
         codec = self.codecs.get(name)
-        if name == "int32" and rms > 0 and rms < largest * 2.0 ** -(31 - math.ceil(math.log2(s.ranks)) -
-                                                                      INT32_KEPT_BITS):
-            return f"int32: typical elements keep fewer than {INT32_KEPT_BITS} bits below the largest"
+        if name == "int32" and 0 < s.median_abs < largest * 2.0 ** -(31 - math.ceil(math.log2(s.ranks)) -
+                                                                          INT32_KEPT_BITS):
+            return f"int32: half the elements keep fewer than {INT32_KEPT_BITS} bits below the largest"
         if name == "cnat8" and 2 * largest > limit:
             return f"cnat8 rounds up to a power of two past {bucket.dtype}'s largest value"
         if isinstance(codec, QSGD) and math.sqrt(s.norm_sq) > limit:
@@ -378,7 +380,7 @@ class Tuner:
         for i, bucket in enumerate(self.buckets):
             start = base + len(MEASURED) + i * len(FIELDS)
             v = [float(x) for x in shared[start:start + len(FIELDS)]] if not problem else [0.0] * len(FIELDS)
-            s = Shared(self.world, v[1], v[2], v[3] / self.world, *v[4:])
+            s = Shared(self.world, v[1], v[2], v[3] / self.world, v[4], v[5], v[6] / self.world, *v[7:])
             choices[bucket.name] = self._choose(bucket, s, m, problem is not None or self.diverged, warnings)
         compute, overlap = m["compute_s"], m["overlap"]
         comm = sum(c.seconds for c in choices.values())
@@ -418,7 +420,8 @@ class Tuner:
             scored[codec] = (seconds * (1 + ratio), seconds, ratio)
         if not scored:
             self.current[name], self.pending[name] = self.fallback, 0
-            warnings.append(f"tuner: no codec is within budget for {name}; {self.fallback}")
+            warnings.append(f"tuner: no codec is allowed for {name}: {self.fallback}, the fallback, although "
+                            f"{refused.get(self.fallback, 'not a candidate')}")
             return Choice(self.fallback, "none allowed", self._seconds(self.fallback, s, bucket, m), None, refused)
         best = min(scored, key=lambda c: scored[c][0])
         now = self.current[name]
