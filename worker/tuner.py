@@ -36,10 +36,12 @@ from intml.protocol.codecs.host.uniform import Uniform, quantize, range_of
 from intml.protocol.job import AGGREGATOR_MAX_ELEMENTS
 from intml.protocol.packet import HDR
 from intml.sim.costs import HOST_COSTS, IO_PER_DATAGRAM_GSO
+from intml.sim.models import Net, ring
 from intml.sim.network import IP_UDP, WIRE_OVERHEAD
 
 SWITCH_CODECS = ("cnat8", "int32")
-DEFAULT_CANDIDATES = ("cnat8", "int32", "uniform4", "uniform6", "uniform8", "adaptive", "adaptive-huffman",
+GLOO = "gloo"  # Gloo's ring allreduce of float32, as the hook's fallback: exact, never beyond any range
+DEFAULT_CANDIDATES = (GLOO, "cnat8", "int32", "uniform4", "uniform6", "uniform8", "adaptive", "adaptive-huffman",
                       "qsgd127", "terngrad", "bitmask", "topk0.01", "randomk0.01")
 # Why these never run under auto: their result is not an estimate of the gradients' sum
 NOT_AN_ESTIMATE = {"signsgd": "signsgd's result is the sign of the vote, not an estimate of the gradients' mean",
@@ -203,7 +205,7 @@ class Tuner:
 
     def __init__(self, buckets: list[Bucket], world: int, network: Network = Network(), *,
                  candidates: tuple[str, ...] = DEFAULT_CANDIDATES, pins: dict[str, str] | None = None,
-                 budget: float = 0.5, margin: float = 0.1, patience: int = 3, fallback: str = "int32",
+                 budget: float = 0.5, margin: float = 0.1, patience: int = 3, fallback: str = GLOO,
                  error_feedback: bool = False) -> None:
         self.buckets, self.world, self.network = list(buckets), world, network
         names = [b.name for b in self.buckets]
@@ -225,8 +227,8 @@ class Tuner:
 
     @staticmethod
     def _parse(name: str) -> host.HostCodec | None:
-        """None for a switch codec; ValueError for a codec auto cannot run or has no cost for."""
-        if name in SWITCH_CODECS:
+        """None for a switch codec and Gloo; ValueError for a codec auto cannot run or has no cost for."""
+        if name in SWITCH_CODECS or name == GLOO:
             return None
         codec = host.parse(name)
         family = next((f for f in NOT_AN_ESTIMATE if name.startswith(f)), None)
@@ -302,6 +304,8 @@ class Tuner:
         """The variance (or, for a biased codec, the mean squared error) the codec adds to the averaged gradient,
         summed over the bucket's elements: docs/tuner.md's bounds."""
         n, e, total = s.ranks, bucket.elements, s.norm_sq
+        if name == GLOO:
+            return 0.0
         if name == "cnat8":  # docs/arithmetic.md: mu^2 / 8 + 9/64 sum x_i^2 for the sum
             added = n * n * s.mean_norm_sq / 8 + 9 / 64 * total
         elif name == "int32":  # fixed point with unit 2^(E - s(n)), s(n) = 31 - ceil(log2 n): u^2 / 4 per element
@@ -328,6 +332,8 @@ class Tuner:
         """Predicted seconds of the bucket's allreduce: the slowest of the rank's CPU, its link each way, the
         aggregator's link and CPU (host mode), plus a round trip."""
         net, e, n = self.network, bucket.elements, s.ranks
+        if name == GLOO:
+            return ring(Net(n, m["link_rate"], delay=net.rtt / 2, mtu=net.mtu), e)
         up, down, datagrams = self._wire(name, s)
         io = 2 * net.datagram_io * datagrams  # a datagram out and one in per packet
         if name in SWITCH_CODECS:
@@ -420,8 +426,8 @@ class Tuner:
             scored[codec] = (seconds * (1 + ratio), seconds, ratio)
         if not scored:
             self.current[name], self.pending[name] = self.fallback, 0
-            warnings.append(f"tuner: no codec is allowed for {name}: {self.fallback}, the fallback, although "
-                            f"{refused.get(self.fallback, 'not a candidate')}")
+            warnings.append(f"tuner: no codec is allowed for {name}; falling back to {self.fallback}"
+                            + (f" although {refused[self.fallback]}" if self.fallback in refused else ""))
             return Choice(self.fallback, "none allowed", self._seconds(self.fallback, s, bucket, m), None, refused)
         best = min(scored, key=lambda c: scored[c][0])
         now = self.current[name]

@@ -14,12 +14,15 @@ from intml.worker.tuner import FIELDS, measure
 
 def test_the_choice_switches_when_the_simulated_rate_changes_mid_run() -> None:
     rows = tuning.run("AlexNet", 16, [(0, 10e9), (8, 100e9)], 14)
-    got = [set(r["codecs"]) for r in rows]
-    assert got[:3] == [{"int32"}] * 3  # the fallback, until a variance estimate and 3 steps of cnat8 winning
-    assert got[3:10] == [{"cnat8"}] * 7  # and for 2 steps after the rate rose (hysteresis)
-    assert got[10:] == [{"int32"}] * 4  # at 100 Gbit the hosts' CPU binds: int32 costs no more, adds no variance
+    got = [tuning.summary(r["codecs"]) for r in rows]
+    assert got[:3] == ["gloo x11"] * 3  # the fallback, until a variance estimate and 3 steps of cnat8 winning
+    assert got[3:10] == ["cnat8 x11"] * 7  # and for 2 steps after the rate rose (hysteresis)
+    # at 100 Gbit the hosts' CPU binds cnat8: Gloo's ring for the 25 MB buckets, int32 for the 1 MB first one
+    # (the ring's 2(n - 1) latencies) and the smaller last one
+    assert got[10:] == ["gloo x9, int32 x2"] * 4
     assert rows[9]["step_s"] > rows[10]["step_s"]
-    assert "int32 beat cnat8 by over 10% for 3 steps" in rows[10]["decision"].choices["bucket1"].reason
+    assert "gloo beat cnat8 by over 10% for 3 steps" in rows[10]["decision"].choices["bucket1"].reason
+    assert rows[10]["decision"].choices["bucket0"].codec == "int32"
 
 
 def test_a_fixed_codec_is_pinned_in_every_bucket() -> None:
@@ -42,7 +45,7 @@ def test_the_closed_form_statistics_match_measured_gaussians() -> None:
 def test_cli_auto_at_two_rates(capsys) -> None:
     assert main(["train", "--codec", "auto", "--model", "AlexNet", "--rate", "10gbit", "100gbit", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
-    assert [(r["rate_gbit"], r["codec"]) for r in rows] == [(10, "cnat8 x11"), (100, "int32 x11")]
+    assert [(r["rate_gbit"], r["codec"]) for r in rows] == [(10, "cnat8 x11"), (100, "gloo x9, int32 x2")]
 
 
 @pytest.mark.process  # code_version runs git
@@ -51,7 +54,7 @@ def test_cli_rate_change_prints_every_step(capsys) -> None:
                  "--steps", "10", "--csv"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 11  # a header and 10 steps
-    assert "int32 beat cnat8" in lines[9] and ",int32 x5," in lines[9] and ",cnat8 x5," in lines[8]
+    assert "gloo beat cnat8" in lines[9] and ",cnat8 x5," in lines[8] and ",cnat8 x5," not in lines[9]
 
 
 @pytest.mark.process  # code_version runs git
