@@ -175,6 +175,9 @@ class Choice:
 
 @dataclass(frozen=True)
 class Decision:
+    """A step's choices per bucket, the predicted seconds per step, the digest ranks compare, and the warnings
+    (inconsistencies, fallbacks, unsafe pins) to log."""
+
     step: int
     choices: dict[str, Choice]
     step_seconds: float
@@ -186,6 +189,13 @@ class Decision:
         codecs = " ".join(f"{name}={c.codec}" for name, c in self.choices.items())
         return f"tuner step {self.step}: {codecs}; predicted {self.step_seconds * 1e3:.3f} ms/step; " \
                f"digest {self.digest:012x}"
+
+    def as_dict(self) -> dict:
+        """The decision for a metrics endpoint or JSON: plain numbers and strings."""
+        return {"step": self.step, "step_seconds": self.step_seconds, "digest": f"{self.digest:012x}",
+                "warnings": list(self.warnings),
+                "buckets": {name: {"codec": c.codec, "reason": c.reason, "seconds": c.seconds, "ratio": c.ratio,
+                                   "refused": dict(c.refused)} for name, c in self.choices.items()}}
 
 
 def _pieces(value: int) -> list[int]:

@@ -4,6 +4,8 @@ unsafe codecs are refused; a rank that decided from other statistics is detected
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -76,6 +78,9 @@ def test_every_rank_decides_the_same_and_settles_on_cnat8_at_10gbit() -> None:
     assert decision.line().startswith(f"tuner step {decision.step}: head=cnat8 body=cnat8; predicted ")
     ratio = decision.choices["body"].ratio
     assert 0 < ratio < 0.5  # within the default budget
+    metrics = json.loads(json.dumps(decision.as_dict()))
+    assert metrics["buckets"]["body"]["codec"] == "cnat8" and metrics["buckets"]["body"]["ratio"] == ratio
+    assert metrics["digest"] == f"{decision.digest:012x}" and "topk0.01" in metrics["buckets"]["body"]["refused"]
 
 
 @pytest.mark.parametrize("lossy", [statistics_only(lambda v: v.astype(np.float32).astype(np.float64)),
