@@ -12,14 +12,52 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 
+from intml.protocol.codecs.host.adaptive import Adaptive, AdaptiveHuffman
+from intml.protocol.codecs.host.bitmask import Bitmask
+from intml.protocol.codecs.host.lloyd import Lloyd
+from intml.protocol.codecs.host.qsgd import QSGD
+from intml.protocol.codecs.host.randomk import RandomK
+from intml.protocol.codecs.host.terngrad import TernGrad
+from intml.protocol.codecs.host.topk import TopK
+from intml.protocol.codecs.host.uniform import Uniform
 from intml.protocol.job import AGGREGATOR_MAX_ELEMENTS
-from intml.sim.costs import IO_PER_DATAGRAM, SOFTWARE_AGGREGATOR
+from intml.sim.costs import HOST_COSTS, IO_PER_DATAGRAM, IO_PER_DATAGRAM_GSO, SOFTWARE_AGGREGATOR
 from intml.sim.models import Net, ring
+from intml.sim.network import IP_UDP, WIRE_OVERHEAD
 from intml.sim.training import PROFILES, SOURCES, buckets, iteration
-from intml.worker.tuner import Bucket, Measured, Network, Tuner, measure
+from intml.worker.tuner import Bucket, Costs, Measured, Network, Tuner, measure
+
+# Seconds per element at one core, (encode, decode) of a worker's package. PLACEHOLDER until sim/costs.py carries
+# per-codec host costs: 1 / the rates of docs/codecs.md's "Measured size and error" table (intml-testbed bench
+# host-codecs, 2**20 N(0, 1) values in 16384-element packages, 2026-11-27 03:50 UTC, shared 2-core build VM at
+# load 4-5: rough). A family's other parameters take the measured member's rates (uniform<N> uniform8's).
+PLACEHOLDER_HOST_CODEC_COSTS: dict[type, tuple[float, float]] = {
+    Uniform: (1 / 33.8e6, 1 / 19.8e6),
+    Adaptive: (1 / 16.6e6, 1 / 9.4e6),
+    AdaptiveHuffman: (1 / 7.7e6, 1 / 8.8e6),
+    Lloyd: (1 / 1.5e6, 1 / 10.0e6),
+    Bitmask: (1 / 11.8e6, 1 / 7.2e6),
+    QSGD: (1 / 4.0e6, 1 / 7.7e6),  # qsgd127's
+    TernGrad: (1 / 12.5e6, 1 / 11.4e6),
+    TopK: (1 / 4.1e6, 1 / 237.6e6),
+    RandomK: (1 / 331.5e6, 1 / 410.7e6),
+}
+
+
+def gloo_ring(world: int, rate: float, elements: int, network: Network) -> float:
+    """Gloo's ring (sim.models.ring) on the tuner's network: its round trip split over two links."""
+    return ring(Net(world, rate, delay=network.rtt / 2, mtu=network.mtu), elements)
+
+
+# The simulator's calibration (sim.costs) as the tuner's costs: GSO/GRO's datagram cost, as burstio uses where it can;
+# a host codec's RESULT is float32, decoded with a byte swap as int32's is.
+COSTS = Costs(switch_cpu={name: (cost.encode, cost.decode) for name, cost in HOST_COSTS.items()},
+              host_cpu=PLACEHOLDER_HOST_CODEC_COSTS, result_decode=HOST_COSTS["int32"].decode,
+              datagram_io=IO_PER_DATAGRAM_GSO, datagram_overhead=WIRE_OVERHEAD, ip_udp=IP_UDP, ring=gloo_ring)
 
 NOISE_SCALE = 1000  # per-sample gradient noise scale: of the order McCandlish et al. measure for ImageNet classifiers
 BATCH = 64  # per rank
@@ -53,20 +91,21 @@ def model_buckets(model: str) -> list[Bucket]:
     return [Bucket(f"bucket{i}", size) for i, size in enumerate(buckets(PROFILES[model][0]))]
 
 
-def tuner_for(model: str, workers: int, codec: str, network: Network) -> Tuner:
+def tuner_for(model: str, workers: int, codec: str, network: Network, costs: Costs = COSTS) -> Tuner:
     """The tuner of a model's DDP buckets: ``auto``, or every bucket pinned to the fixed ``codec``."""
     named = model_buckets(model)
     pins = {} if codec == "auto" else {b.name: codec for b in named}
-    return Tuner(named, workers, network, pins=pins)
+    return Tuner(named, workers, costs, network, pins=pins)
 
 
 def run(model: str, workers: int, rates: list[tuple[int, float]], steps: int, codec: str = "auto", *,
-        network: Network = Network(), noise_scale: float = NOISE_SCALE, batch: int = BATCH) -> list[dict]:
+        network: Network = Network(), costs: Costs = COSTS, noise_scale: float = NOISE_SCALE,
+        batch: int = BATCH) -> list[dict]:
     """``steps`` steps of the model's DDP iteration with the tuner deciding; ``rates``: (first step, link rate)
     in order. Every rank measures the same (the statistics are closed-form), so the shared vector is world x one
     rank's. Each row: the step, the rate, the codec per bucket, the decision and the predicted seconds."""
     parameters, compute = PROFILES[model]
-    tuner = tuner_for(model, workers, codec, network)
+    tuner = tuner_for(model, workers, codec, network, costs)
     noise = SIGNAL * noise_scale / batch
     out = []
     for step in range(steps):
@@ -89,14 +128,14 @@ def table(workers: int, rates: list[float], codec: str = "auto", *, switch: bool
           noise_scale: float = NOISE_SCALE, batch: int = BATCH, models: tuple[str, ...] = tuple(PROFILES)) -> list[dict]:
     """Per model and rate, what the tuner settles on after its hysteresis (or the fixed codec) and the predicted
     seconds per iteration, beside Gloo's ring; ``why`` is the largest bucket's reason."""
-    net = network(switch, gso)
+    options = setup(switch, gso)
     got = []
     for model in models:
         parameters, compute = PROFILES[model]
         for rate in rates:
-            last = run(model, workers, [(0, rate)], 6, codec, network=net, noise_scale=noise_scale,
+            last = run(model, workers, [(0, rate)], 6, codec, **options, noise_scale=noise_scale,
                        batch=batch)[-1]
-            ring_s = iteration(parameters, compute, lambda n: ring(Net(workers, rate, mtu=9000), n))
+            ring_s = iteration(parameters, compute, lambda n: gloo_ring(workers, rate, n, options["network"]))
             choices = last["decision"].choices
             largest = max(model_buckets(model), key=lambda b: b.elements).name
             got.append({"model": model, "rate_gbit": rate / 1e9, "workers": workers, "codec": summary(last["codecs"]),
@@ -112,10 +151,10 @@ def steps(model: str, workers: int, rates: list[tuple[int, float]], count: int, 
     largest = max(model_buckets(model), key=lambda b: b.elements).name
     return [{"model": model, "step": r["step"], "rate_gbit": r["rate"] / 1e9, "codec": summary(r["codecs"]),
              "step_s": r["step_s"], "why": r["decision"].choices[largest].reason}
-            for r in run(model, workers, rates, count, codec, network=network(switch, gso), noise_scale=noise_scale,
+            for r in run(model, workers, rates, count, codec, **setup(switch, gso), noise_scale=noise_scale,
                          batch=batch)]
 
 
-def network(switch: bool, gso: bool) -> Network:
-    """The tuner's network in the simulator: an ASIC switch or none, GSO/GRO's datagram cost or sendmmsg's."""
-    return Network(switch=switch, **({} if gso else {"datagram_io": IO_PER_DATAGRAM}))
+def setup(switch: bool, gso: bool) -> dict:
+    """``run``'s network and costs: an ASIC switch or none; GSO/GRO's datagram cost or sendmmsg's."""
+    return {"network": Network(switch=switch), "costs": COSTS if gso else replace(COSTS, datagram_io=IO_PER_DATAGRAM)}

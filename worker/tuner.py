@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,9 +36,6 @@ from intml.protocol.codecs.host.topk import TopK
 from intml.protocol.codecs.host.uniform import Uniform, quantize, range_of
 from intml.protocol.job import AGGREGATOR_MAX_ELEMENTS
 from intml.protocol.packet import HDR
-from intml.sim.costs import HOST_COSTS, IO_PER_DATAGRAM_GSO
-from intml.sim.models import Net, ring
-from intml.sim.network import IP_UDP, WIRE_OVERHEAD
 
 SWITCH_CODECS = ("cnat8", "int32")
 GLOO = "gloo"  # Gloo's ring allreduce of float32, as the hook's fallback: exact, never beyond any range
@@ -47,22 +45,6 @@ DEFAULT_CANDIDATES = (GLOO, "cnat8", "int32", "uniform4", "uniform6", "uniform8"
 NOT_AN_ESTIMATE = {"signsgd": "signsgd's result is the sign of the vote, not an estimate of the gradients' mean",
                    "powersgd": "powersgd needs each layer's matrix shape and two allreduces per step, not a bucket"}
 
-# Seconds per element at one core, (encode, decode) of a worker's package. PLACEHOLDER until sim/costs.py carries
-# per-codec host costs: 1 / the rates of docs/codecs.md's "Measured size and error" table (intml-testbed bench
-# host-codecs, 2**20 N(0, 1) values in 16384-element packages, 2026-11-27 03:50 UTC, shared 2-core build VM at
-# load 4-5: rough). A family's other parameters take the measured member's rates (uniform<N> uniform8's).
-PLACEHOLDER_HOST_CODEC_COSTS: dict[type, tuple[float, float]] = {
-    Uniform: (1 / 33.8e6, 1 / 19.8e6),
-    Adaptive: (1 / 16.6e6, 1 / 9.4e6),
-    AdaptiveHuffman: (1 / 7.7e6, 1 / 8.8e6),
-    Lloyd: (1 / 1.5e6, 1 / 10.0e6),
-    Bitmask: (1 / 11.8e6, 1 / 7.2e6),
-    QSGD: (1 / 4.0e6, 1 / 7.7e6),  # qsgd127's
-    TernGrad: (1 / 12.5e6, 1 / 11.4e6),
-    TopK: (1 / 4.1e6, 1 / 237.6e6),
-    RandomK: (1 / 331.5e6, 1 / 410.7e6),
-}
-FLOAT32_RESULT_DECODE = HOST_COSTS["int32"].decode  # a host codec's RESULT is float32: a byte swap, as int32's decode
 
 # Per-bucket statistics, each a sum over the ranks of one rank's value (measure()).
 FIELDS = ("ranks", "norm_sq", "mean_norm_sq", "entropy", "range_sq", "max_abs", "median_abs", "tern", "residual_sq",
@@ -104,7 +86,7 @@ class Measured:
 class Network:
     """What the ranks share and do not measure: whether a switch sums cnat8 and int32 at line rate (else they go
     through the aggregator's host mode too), the aggregator's cores and its link's rate (None: the ranks'), the
-    round trip, the MTU, the most elements per packet and the CPU cost of a datagram."""
+    round trip, the MTU and the most elements per packet."""
 
     switch: bool = True
     aggregator_cores: int = 1
@@ -112,7 +94,22 @@ class Network:
     rtt: float = 10e-6
     mtu: int = 9000
     packet_elements: int = AGGREGATOR_MAX_ELEMENTS
-    datagram_io: float = IO_PER_DATAGRAM_GSO  # a rank's CPU per datagram each way: burstio uses GSO/GRO if it can
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What the tuner predicts times from, calibrated or measured by its user (the simulator's: sim.tuning.COSTS):
+    a rank's CPU seconds per element (encode, decode) for the switch codecs by name and the host codecs by class,
+    to decode a float32 result, and per datagram each way; a datagram's wire bytes beyond its payload and the part
+    of them that the MTU counts; Gloo's ring allreduce seconds for (world, link rate, elements, network)."""
+
+    switch_cpu: dict[str, tuple[float, float]]
+    host_cpu: dict[type, tuple[float, float]]
+    result_decode: float
+    datagram_io: float
+    datagram_overhead: int
+    ip_udp: int
+    ring: Callable[[int, float, int, Network], float]
 
 
 def measure(x: np.ndarray, world: int, *, residual: np.ndarray | None = None, last_mean: np.ndarray | None = None,
@@ -213,11 +210,11 @@ class Tuner:
     ``pins``: bucket name -> codec, kept whatever the statistics say. ``fallback``: the fixed codec used before
     there is a variance estimate and after any inconsistency."""
 
-    def __init__(self, buckets: list[Bucket], world: int, network: Network = Network(), *,
+    def __init__(self, buckets: list[Bucket], world: int, costs: Costs, network: Network = Network(), *,
                  candidates: tuple[str, ...] = DEFAULT_CANDIDATES, pins: dict[str, str] | None = None,
                  budget: float = 0.5, margin: float = 0.1, patience: int = 3, fallback: str = GLOO,
                  error_feedback: bool = False) -> None:
-        self.buckets, self.world, self.network = list(buckets), world, network
+        self.buckets, self.world, self.costs, self.network = list(buckets), world, costs, network
         names = [b.name for b in self.buckets]
         if len(set(names)) != len(names):
             raise ValueError(f"bucket names must be distinct: {names}")
@@ -235,8 +232,7 @@ class Tuner:
             (self.buckets, world, network, self.candidates, sorted(self.pins.items()), budget, margin, patience,
              fallback, error_feedback)).encode()).digest()[:3], "big")
 
-    @staticmethod
-    def _parse(name: str) -> host.HostCodec | None:
+    def _parse(self, name: str) -> host.HostCodec | None:
         """None for a switch codec and Gloo; ValueError for a codec auto cannot run or has no cost for."""
         if name in SWITCH_CODECS or name == GLOO:
             return None
@@ -244,7 +240,7 @@ class Tuner:
         family = next((f for f in NOT_AN_ESTIMATE if name.startswith(f)), None)
         if family:
             raise ValueError(f"{name}: {NOT_AN_ESTIMATE[family]}")
-        if type(codec) not in PLACEHOLDER_HOST_CODEC_COSTS:
+        if type(codec) not in self.costs.host_cpu:
             raise ValueError(f"{name}: the tuner has no cost model for it")
         return codec
 
@@ -305,9 +301,9 @@ class Tuner:
         included, and datagrams per element (the largest packet the MTU holds, at most ``packet_elements``)."""
         bits, package_header = self._bits(name, s)
         down_bits = 8 if name == "cnat8" else 32
-        room = (self.network.mtu - IP_UDP - HDR) * 8 - package_header
+        room = (self.network.mtu - self.costs.ip_udp - HDR) * 8 - package_header
         per_packet = max(1, min(self.network.packet_elements, int(room // max(bits, down_bits))))
-        header = (HDR + WIRE_OVERHEAD) * 8 / per_packet
+        header = (HDR + self.costs.datagram_overhead) * 8 / per_packet
         return bits + package_header / per_packet + header, down_bits + header, 1 / per_packet
 
     def _variance(self, name: str, s: Shared, bucket: Bucket) -> float:
@@ -343,16 +339,16 @@ class Tuner:
         aggregator's link and CPU (host mode), plus a round trip."""
         net, e, n = self.network, bucket.elements, s.ranks
         if name == GLOO:
-            return ring(Net(n, m["link_rate"], delay=net.rtt / 2, mtu=net.mtu), e)
+            return self.costs.ring(n, m["link_rate"], e, net)
         up, down, datagrams = self._wire(name, s)
-        io = 2 * net.datagram_io * datagrams  # a datagram out and one in per packet
+        io = 2 * self.costs.datagram_io * datagrams  # a datagram out and one in per packet
         if name in SWITCH_CODECS:
-            cost = HOST_COSTS[name]
-            rank_cpu = e * (cost.encode + cost.decode + io)
+            encode, decode = self.costs.switch_cpu[name]
+            rank_cpu = e * (encode + decode + io)
             aggregator_per_element = 1 / m["aggregator_rate"]
         else:
-            encode, decode = PLACEHOLDER_HOST_CODEC_COSTS[type(self.codecs[name])]
-            rank_cpu = e * (encode + FLOAT32_RESULT_DECODE + io)
+            encode, decode = self.costs.host_cpu[type(self.codecs[name])]
+            rank_cpu = e * (encode + self.costs.result_decode + io)
             aggregator_per_element = decode + 1 / m["aggregator_rate"]
         bounds = [rank_cpu, e * up / m["link_rate"], e * down / m["link_rate"]]
         if not (net.switch and name in SWITCH_CODECS):  # the aggregator's host mode: n packages in, one result out

@@ -11,7 +11,8 @@ import pytest
 
 from intml.protocol.codecs.host.adaptive import Adaptive, bits_for
 from intml.protocol.codecs.host.uniform import range_of
-from intml.worker.tuner import (CHECKED, FIELDS, MEASURED, Bucket, Measured, Network, Tuner, measure)
+from intml.sim.tuning import COSTS
+from intml.worker.tuner import CHECKED, FIELDS, MEASURED, Bucket, Measured, Network, Tuner, measure
 
 WORLD = 4
 BUCKETS = [Bucket("head", 3_000), Bucket("body", 9_000)]
@@ -25,7 +26,7 @@ class Ranks:
     def __init__(self, buckets: list[Bucket] = BUCKETS, noise: float = 4.0, seed: int = 0, **options) -> None:
         self.rng = np.random.default_rng(seed)
         self.buckets, self.noise = buckets, noise
-        self.tuners = [Tuner(buckets, WORLD, Network(), **options) for _ in range(WORLD)]
+        self.tuners = [Tuner(buckets, WORLD, COSTS, Network(), **options) for _ in range(WORLD)]
         self.signal = [self.rng.normal(0, 1, b.elements) for b in buckets]
         self.last: list[np.ndarray | None] = [None] * len(buckets)
 
@@ -149,7 +150,7 @@ def test_a_rank_that_decided_from_other_statistics_is_detected() -> None:
 
 def test_a_rank_with_another_configuration_is_detected() -> None:
     ranks = Ranks()
-    ranks.tuners[2] = Tuner(BUCKETS, WORLD, Network(), budget=0.25)
+    ranks.tuners[2] = Tuner(BUCKETS, WORLD, COSTS, Network(), budget=0.25)
     _, shared = ranks.shared(SLOW)
     for tuner in ranks.tuners:
         decision = tuner.decide(shared)
@@ -233,12 +234,12 @@ def test_int32_is_refused_when_elements_span_more_than_its_fixed_point() -> None
                                        ("nosuch", "unknown codec")])
 def test_codecs_auto_cannot_run_are_refused_up_front(name: str, why: str) -> None:
     with pytest.raises(ValueError, match=why):
-        Tuner(BUCKETS, WORLD, candidates=("int32", name))
+        Tuner(BUCKETS, WORLD, COSTS, candidates=("int32", name))
 
 
 def test_pins_must_name_buckets() -> None:
     with pytest.raises(ValueError, match="pins name no bucket"):
-        Tuner(BUCKETS, WORLD, pins={"tail": "int32"})
+        Tuner(BUCKETS, WORLD, COSTS, pins={"tail": "int32"})
 
 
 def test_measure_uses_seed_001s_entropy_as_adaptive_does() -> None:
