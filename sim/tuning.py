@@ -125,7 +125,8 @@ def summary(codecs: list[str]) -> str:
 
 
 def table(workers: int, rates: list[float], codec: str = "auto", *, switch: bool = True, gso: bool = True,
-          noise_scale: float = NOISE_SCALE, batch: int = BATCH, models: tuple[str, ...] = tuple(PROFILES)) -> list[dict]:
+          noise_scale: float = NOISE_SCALE, batch: int = BATCH,
+          models: tuple[str, ...] = tuple(PROFILES)) -> list[dict]:
     """Per model and rate, what the tuner settles on after its hysteresis (or the fixed codec) and the predicted
     seconds per iteration, beside Gloo's ring; ``why`` is the largest bucket's reason."""
     options = setup(switch, gso)

@@ -254,9 +254,12 @@ class Tuner:
         own = [measured.link_rate, measured.aggregator_rate, measured.compute_s, measured.overlap]
         return np.concatenate([np.array(checked + own, np.float64), *[np.asarray(s, np.float64) for s in stats]])
 
+    def _size(self) -> int:
+        return len(CHECKED) + len(MEASURED) + len(FIELDS) * len(self.buckets)
+
     def _inconsistency(self, shared: np.ndarray) -> str | None:
         """Why the shared vector cannot be trusted, or None."""
-        size = len(CHECKED) + len(MEASURED) + len(FIELDS) * len(self.buckets)
+        size = self._size()
         if shared.shape != (size,):
             return f"the shared vector has shape {shared.shape}, expected ({size},)"
         if not np.isfinite(shared).all():
@@ -306,7 +309,7 @@ class Tuner:
         header = (HDR + self.costs.datagram_overhead) * 8 / per_packet
         return bits + package_header / per_packet + header, down_bits + header, 1 / per_packet
 
-    def _variance(self, name: str, s: Shared, bucket: Bucket) -> float:
+    def added_variance(self, name: str, s: Shared, bucket: Bucket) -> float:
         """The variance (or, for a biased codec, the mean squared error) the codec adds to the averaged gradient,
         summed over the bucket's elements: docs/tuner.md's bounds."""
         n, e, total = s.ranks, bucket.elements, s.norm_sq
@@ -353,7 +356,8 @@ class Tuner:
         bounds = [rank_cpu, e * up / m["link_rate"], e * down / m["link_rate"]]
         if not (net.switch and name in SWITCH_CODECS):  # the aggregator's host mode: n packages in, one result out
             agg_rate = net.aggregator_link_rate or m["link_rate"]
-            bounds += [n * e * up / agg_rate, e * down / agg_rate, n * e * aggregator_per_element / net.aggregator_cores]
+            bounds += [n * e * up / agg_rate, e * down / agg_rate,
+                       n * e * aggregator_per_element / net.aggregator_cores]
         return max(bounds) + net.rtt
 
     def _unsafe(self, name: str, s: Shared, bucket: Bucket) -> str | None:
@@ -376,6 +380,15 @@ class Tuner:
 
     # ---- the decision ----------------------------------------------------------------------------------------------
 
+    def statistics(self, shared: np.ndarray) -> list[Shared]:
+        """Each bucket's shared statistics in an allreduced vector of ``local_vector``s."""
+        out = []
+        for i in range(len(self.buckets)):
+            start = len(CHECKED) + len(MEASURED) + i * len(FIELDS)
+            v = [float(x) for x in shared[start:start + len(FIELDS)]]
+            out.append(Shared(self.world, v[1], v[2], v[3] / self.world, v[4], v[5], v[6] / self.world, *v[7:]))
+        return out
+
     def decide(self, shared: np.ndarray) -> Decision:
         """The codec of every bucket for the next step, from the allreduced ``local_vector``s."""
         shared = np.asarray(shared, np.float64)
@@ -388,12 +401,9 @@ class Tuner:
         base = len(CHECKED)
         m = {k: float(v) / self.world if not problem else 0.0
              for k, v in zip(MEASURED, shared[base:base + len(MEASURED)])}
-        choices = {}
-        for i, bucket in enumerate(self.buckets):
-            start = base + len(MEASURED) + i * len(FIELDS)
-            v = [float(x) for x in shared[start:start + len(FIELDS)]] if not problem else [0.0] * len(FIELDS)
-            s = Shared(self.world, v[1], v[2], v[3] / self.world, v[4], v[5], v[6] / self.world, *v[7:])
-            choices[bucket.name] = self._choose(bucket, s, m, problem is not None or self.diverged, warnings)
+        per_bucket = self.statistics(shared if not problem else np.zeros(self._size()))
+        choices = {bucket.name: self._choose(bucket, s, m, problem is not None or self.diverged, warnings)
+                   for bucket, s in zip(self.buckets, per_bucket)}
         compute, overlap = m["compute_s"], m["overlap"]
         comm = sum(c.seconds for c in choices.values())
         step_seconds = max(compute, compute * (1 - overlap) + comm)
@@ -424,7 +434,7 @@ class Tuner:
         refused: dict[str, str] = {}
         for codec in dict.fromkeys((*self.candidates, self.current[name])):
             unsafe = self._unsafe(codec, s, bucket)
-            ratio = self._variance(codec, s, bucket) / noise
+            ratio = self.added_variance(codec, s, bucket) / noise
             if unsafe or ratio > self.budget:
                 refused[codec] = unsafe or f"adds {ratio:.3g} of the minibatch variance, over {self.budget}"
                 continue
