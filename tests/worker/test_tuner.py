@@ -108,11 +108,16 @@ def test_switches_when_the_link_rate_changes() -> None:
     assert got == [["cnat8", "cnat8"], ["cnat8", "cnat8"], ["int32", "int32"]]
 
 
-def test_no_flapping_between_codecs_within_the_margin() -> None:
-    """A rate between the two that makes them about equal never flips the choice back and forth."""
-    ranks = Ranks(margin=0.5, candidates=("cnat8", "int32"), fallback="int32")
-    history = [tuple(codecs(ranks.step(rate))) for rate in [SLOW, FAST] * 6]
-    assert set(history) == {("int32", "int32")}  # neither ever beats the other by 50%
+def test_hysteresis_keeps_a_rate_that_changes_every_step_from_flipping_the_choice() -> None:
+    """The rate alternates between 10 Gbit (cnat8 wins) and 100 Gbit (int32 wins): without hysteresis the choice
+    flips at every step; with the default margin and patience it never moves."""
+    def switches(**options) -> int:
+        ranks = Ranks(candidates=("cnat8", "int32"), fallback="int32", **options)
+        history = [codecs(ranks.step(rate))[1] for rate in [SLOW, FAST] * 6]
+        return sum(a != b for a, b in zip(history, history[1:]))
+
+    assert switches(margin=0.0, patience=1) >= 9
+    assert switches() == 0
 
 
 def test_pins_stay_pinned() -> None:
