@@ -195,6 +195,13 @@ class Decision:
                                    "refused": dict(c.refused)} for name, c in self.choices.items()}}
 
 
+def divergent_ranks(digests: list[int]) -> list[int]:
+    """The ranks whose decision digest (allgathered) differs from the most common one: who to name in the report
+    when the shared vector's checked fields say that some rank differs."""
+    common = max(set(digests), key=digests.count)
+    return [rank for rank, digest in enumerate(digests) if digest != common]
+
+
 def _pieces(value: int) -> list[int]:
     return [(value >> (PIECE_BITS * i)) & ((1 << PIECE_BITS) - 1) for i in range(DIGEST_PIECES)]
 

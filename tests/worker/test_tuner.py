@@ -14,7 +14,7 @@ from intml.protocol.codecs import host
 from intml.protocol.codecs.host.adaptive import Adaptive, bits_for
 from intml.protocol.codecs.host.uniform import range_of
 from intml.sim.tuning import COSTS
-from intml.worker.tuner import CHECKED, FIELDS, MEASURED, Bucket, Measured, Network, Tuner, measure
+from intml.worker.tuner import CHECKED, FIELDS, MEASURED, Bucket, Measured, Network, Tuner, divergent_ranks, measure
 
 WORLD = 4
 BUCKETS = [Bucket("head", 3_000), Bucket("body", 9_000)]
@@ -146,6 +146,7 @@ def test_a_rank_that_decided_from_other_statistics_is_detected() -> None:
     other[len(CHECKED) + len(MEASURED) + 1] *= 1.5  # rank 3's copy: another norm, as a bug would give
     decisions = [t.decide(shared if r < 3 else other) for r, t in enumerate(ranks.tuners)]
     assert decisions[3].digest != decisions[0].digest
+    assert divergent_ranks([d.digest for d in decisions]) == [3]  # named, where the caller allgathers the digests
     _, shared = ranks.shared(SLOW)
     after = [t.decide(shared) for t in ranks.tuners]
     for d in after:  # every rank sees it at the next step and falls back, with a warning
