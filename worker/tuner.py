@@ -59,6 +59,8 @@ CHECKED = ("step", "config_0", "config_1") + tuple(f"decision_{i}" for i in rang
 FLOAT16_MAX = 65504.0
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 INT32_KEPT_BITS = 8  # int32 is refused when a typical element keeps fewer significant bits than this
+RESOLUTION = 2.0 ** -16  # the smallest spread of the ranks' gradients, relative to their norms, that is trusted:
+# float32 statistics carry 24 bits; 8 are left for the rounding of the sums and of the transport
 
 
 @dataclass(frozen=True)
@@ -118,20 +120,30 @@ def measure(x: np.ndarray, world: int, *, residual: np.ndarray | None = None, la
     ``last_mean``, the bucket's averaged result of the last step (the same at every rank; None before the first).
     The entropy is seed 001's: of a keyed ``sample_bp``-basis-point sample quantized to ``sample_bits`` bits."""
     x = np.asarray(x, np.float32).reshape(-1)
-    finite = np.isfinite(x)
-    nonfinite = int(x.size - finite.sum())
-    x = x[finite].astype(np.float64)
-    norm_sq = float(x @ x)
+    nonfinite = 0
+    with np.errstate(over="ignore", invalid="ignore"):
+        suspect = not np.isfinite(x.sum())
+    if suspect:  # an inf or NaN (or a float32 sum's overflow): count them, and measure the rest
+        finite = np.isfinite(x)
+        nonfinite, x = int(x.size - finite.sum()), x[finite]
+    norm_sq = _square_sum(x)
     lo, hi = range_of(x)
     sample = x[random_words(key, 0, x.size) < sample_threshold(sample_bp)]
     sample = sample if sample.size else x
     entropy = entropy_bits(np.bincount(quantize(sample, lo, hi, sample_bits), minlength=2 ** sample_bits))
     max_abs = max(abs(lo), abs(hi))
-    last = 0.0 if last_mean is None else float(np.square(np.asarray(last_mean, np.float64)).sum())
-    res = 0.0 if residual is None else float(np.square(np.asarray(residual, np.float64)).sum())
+    last = 0.0 if last_mean is None else _square_sum(last_mean)
+    res = 0.0 if residual is None else _square_sum(residual)
     median_abs = float(np.median(np.abs(sample))) if sample.size else 0.0
+    l1 = float(np.linalg.norm(x, 1))
     return np.array([1.0, norm_sq, last / world, entropy, (hi - lo) ** 2, max_abs, median_abs,
-                     max_abs * float(np.abs(x).sum()) - norm_sq, res, float(nonfinite)])
+                     max_abs * l1 - norm_sq, res, float(nonfinite)])
+
+
+def _square_sum(x: np.ndarray) -> float:
+    """The sum of squares in float64: the minibatch variance is the small difference of two of them."""
+    v = np.asarray(x).reshape(-1)
+    return float(np.einsum("i,i->", v, v, dtype=np.float64))
 
 
 @dataclass(frozen=True)
@@ -151,12 +163,14 @@ class Shared:
 
     def minibatch_variance(self) -> float | None:
         """The variance of the averaged gradient from the ranks' own spread (summed over elements):
-        sum ||g_i - mean||^2 / (n - 1) / n, with ``mean_norm_sq`` from the last step; None when no estimate."""
+        sum ||g_i - mean||^2 / (n - 1) / n, with ``mean_norm_sq`` from the last step; None before there is a mean
+        (or with one rank), 0 when the spread is below what the statistics resolve (RESOLUTION of the norms: the
+        ranks agree, or the vector lost the digits that tell them apart)."""
         n = self.ranks
         if n < 2 or self.mean_norm_sq <= 0:
             return None
-        spread = (self.norm_sq - n * self.mean_norm_sq) / (n - 1)
-        return spread / n if spread > 0 else None
+        spread = self.norm_sq - n * self.mean_norm_sq
+        return spread / (n - 1) / n if spread > RESOLUTION * self.norm_sq else 0.0
 
 
 @dataclass(frozen=True)
@@ -441,9 +455,11 @@ class Tuner:
         refused: dict[str, str] = {}
         for codec in dict.fromkeys((*self.candidates, self.current[name])):
             unsafe = self._unsafe(codec, s, bucket)
-            ratio = self.added_variance(codec, s, bucket) / noise
+            added = self.added_variance(codec, s, bucket)
+            ratio = added / noise if noise > 0 else (0.0 if added == 0 else math.inf)
             if unsafe or ratio > self.budget:
-                refused[codec] = unsafe or f"adds {ratio:.3g} of the minibatch variance, over {self.budget}"
+                refused[codec] = unsafe or (f"adds {ratio:.3g} of the minibatch variance, over {self.budget}"
+                                            if noise > 0 else "adds variance, and the ranks' spread is unresolved")
                 continue
             seconds = self._seconds(codec, s, bucket, m)
             scored[codec] = (seconds * (1 + ratio), seconds, ratio)

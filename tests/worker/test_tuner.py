@@ -98,6 +98,16 @@ def test_decisions_survive_the_statistics_losing_precision(lossy) -> None:
         assert not b.warnings
 
 
+def test_statistics_too_coarse_to_see_the_ranks_spread_allow_no_lossy_codec() -> None:
+    """The ranks agree to 1 part in 10^6, which bfloat16 statistics cannot resolve: the minibatch variance is
+    taken as 0, and only an exact codec is allowed (never a permissive guess from rounding noise)."""
+    ranks = Ranks(noise=1e-3)
+    for _ in range(6):
+        decision = ranks.step(SLOW, lossy=statistics_only(to_bfloat16))
+    assert codecs(decision) == ["gloo", "gloo"]
+    assert decision.choices["body"].refused["cnat8"] == "adds variance, and the ranks' spread is unresolved"
+
+
 def test_switches_when_the_link_rate_changes() -> None:
     ranks = Ranks()
     for _ in range(5):
