@@ -1,5 +1,5 @@
-"""The online codec tuner (docs/tuner.md): per gradient bucket, the codec (switch cnat8 or int32, or a host codec)
-with the least predicted time to a target accuracy, within a stated variance budget, and why.
+"""The online codec tuner (docs/tuner.md): per gradient bucket, the codec (switch cnat8 or int32, a host codec, or
+Gloo's exact ring) with the least predicted time to a target accuracy, within a stated variance budget, and why.
 
 Sans-I/O: it is fed measurements and returns decisions; the caller allreduces its statistics. Each step:
 
@@ -11,8 +11,8 @@ Every input of a decision is either in the tuner's configuration or in the share
 differently unless their configuration or their copy of the shared vector differs. The vector carries, besides the
 statistics, fields every rank must hold equal (the step, the configuration's and the previous decision's
 digests), each summed: a sum other than world x the rank's own value means some rank differs, and every rank then
-falls back to a fixed codec with a warning. Decisions use only +, -, *, / and comparisons on the shared values,
-which IEEE 754 rounds the same way everywhere.
+falls back to a fixed codec with a warning. Decisions use only +, -, *, /, sqrt, frexp and comparisons on the
+shared values, which IEEE 754 rounds the same way everywhere (no libm logarithm).
 """
 
 from __future__ import annotations
@@ -216,6 +216,12 @@ def divergent_ranks(digests: list[int]) -> list[int]:
     return [rank for rank, digest in enumerate(digests) if digest != common]
 
 
+def ceil_log2(x: float) -> int:
+    """ceil(log2(x)) for x > 0, exactly (frexp, not a libm logarithm that may round differently elsewhere)."""
+    mantissa, exponent = math.frexp(x)
+    return exponent - 1 if mantissa == 0.5 else exponent
+
+
 def _pieces(value: int) -> list[int]:
     return [(value >> (PIECE_BITS * i)) & ((1 << PIECE_BITS) - 1) for i in range(DIGEST_PIECES)]
 
@@ -339,7 +345,7 @@ class Tuner:
         if name == "cnat8":  # docs/arithmetic.md: mu^2 / 8 + 9/64 sum x_i^2 for the sum
             added = n * n * s.mean_norm_sq / 8 + 9 / 64 * total
         elif name == "int32":  # fixed point with unit 2^(E - s(n)), s(n) = 31 - ceil(log2 n): u^2 / 4 per element
-            unit = 2.0 ** (math.ceil(math.log2(max(s.max_abs, 1e-300))) - (31 - math.ceil(math.log2(n))))
+            unit = 2.0 ** (ceil_log2(max(s.max_abs, 1e-300)) - (31 - ceil_log2(n)))
             added = n * e * unit * unit / 4
         else:
             codec = self.codecs[name]
@@ -386,8 +392,7 @@ class Tuner:
         largest = s.max_abs  # at least any rank's max|g|
         limit = FLOAT16_MAX if bucket.dtype == "float16" else FLOAT32_MAX
         codec = self.codecs.get(name)
-        if name == "int32" and 0 < s.median_abs < largest * 2.0 ** -(31 - math.ceil(math.log2(s.ranks)) -
-                                                                          INT32_KEPT_BITS):
+        if name == "int32" and 0 < s.median_abs < largest * 2.0 ** -(31 - ceil_log2(s.ranks) - INT32_KEPT_BITS):
             return f"int32: half the elements keep fewer than {INT32_KEPT_BITS} bits below the largest"
         if name == "cnat8" and 2 * largest > limit:
             return f"cnat8 rounds up to a power of two past {bucket.dtype}'s largest value"

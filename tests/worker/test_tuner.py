@@ -14,7 +14,8 @@ from intml.protocol.codecs import host
 from intml.protocol.codecs.host.adaptive import Adaptive, bits_for
 from intml.protocol.codecs.host.uniform import range_of
 from intml.sim.tuning import COSTS
-from intml.worker.tuner import CHECKED, FIELDS, MEASURED, Bucket, Measured, Network, Tuner, divergent_ranks, measure
+from intml.worker.tuner import (CHECKED, FIELDS, MEASURED, Bucket, Measured, Network, Tuner, ceil_log2, divergent_ranks,
+                                measure)
 
 WORLD = 4
 BUCKETS = [Bucket("head", 3_000), Bucket("body", 9_000)]
@@ -308,3 +309,11 @@ def test_without_a_switch_and_with_fast_host_kernels_a_few_bits_win_at_1_gbit() 
     for _ in range(6):
         decision = with_switch.step(Measured(1e9, 500e6, 0.05))
     assert codecs(decision) == ["cnat8", "cnat8"]  # a switch sums cnat8 at line rate; results come back 8-bit
+
+
+def test_ceil_log2_is_exact_at_and_around_powers_of_two() -> None:
+    for e in range(-60, 60):
+        x = 2.0 ** e
+        assert ceil_log2(x) == e and ceil_log2(np.nextafter(x, np.inf)) == e + 1
+        assert ceil_log2(np.nextafter(x, 0)) == e
+    assert [ceil_log2(n) for n in (1, 2, 3, 4, 5, 16, 17)] == [0, 1, 2, 2, 3, 4, 5]
