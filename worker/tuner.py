@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from intml.protocol.codecs import host
-from intml.protocol.codecs.host.adaptive import Adaptive, AdaptiveHuffman, entropy_bits, sample_threshold
+from intml.protocol.codecs.host.adaptive import Adaptive, AdaptiveHuffman, bits_for, entropy_bits, sample_threshold
 from intml.protocol.codecs.host.bitmask import Bitmask
 from intml.protocol.codecs.host.lloyd import Lloyd
 from intml.protocol.codecs.host.packing import random_words
@@ -51,8 +51,8 @@ FIELDS = ("ranks", "norm_sq", "mean_norm_sq", "entropy", "range_sq", "max_abs", 
           "nonfinite")
 # Measurements of the step, summed over the ranks and used as their mean.
 MEASURED = ("link_rate", "aggregator_rate", "compute_s", "overlap")
-# Fields every rank must hold equal: the step, the configuration's digest, the previous decision's digest, in
-# 12-bit pieces so that world x piece stays exact through float32 (and int32) up to 4096 ranks.
+# Fields every rank must hold equal: the step (mod 4096), the configuration's digest, the previous decision's digest,
+# in 12-bit pieces so that world x piece stays exact through float32 (and int32) up to 4096 ranks.
 PIECE_BITS = 12
 DIGEST_PIECES = 4
 CHECKED = ("step", "config_0", "config_1") + tuple(f"decision_{i}" for i in range(DIGEST_PIECES))
@@ -222,6 +222,11 @@ def ceil_log2(x: float) -> int:
     return exponent - 1 if mantissa == 0.5 else exponent
 
 
+def _adaptive_bits(codec: Adaptive, s: Shared) -> int:
+    """The N that adaptive picks from the ranks' mean entropy (bits_for, as the codec does per package)."""
+    return bits_for(s.entropy, codec.c)
+
+
 def _pieces(value: int) -> list[int]:
     return [(value >> (PIECE_BITS * i)) & ((1 << PIECE_BITS) - 1) for i in range(DIGEST_PIECES)]
 
@@ -277,9 +282,15 @@ class Tuner:
         """This rank's contribution: the checked fields, its measurements, then each bucket's ``measure()``."""
         if len(stats) != len(self.buckets):
             raise ValueError(f"{len(stats)} buckets measured, the tuner has {len(self.buckets)}")
-        checked = [self.step, self.config_digest & 0xFFF, self.config_digest >> PIECE_BITS, *_pieces(self.last_digest)]
+        checked = self._checked()
         own = [measured.link_rate, measured.aggregator_rate, measured.compute_s, measured.overlap]
         return np.concatenate([np.array(checked + own, np.float64), *[np.asarray(s, np.float64) for s in stats]])
+
+    def _checked(self) -> list[int]:
+        """The fields every rank must hold equal (CHECKED), each below 2**PIECE_BITS."""
+        mask = (1 << PIECE_BITS) - 1
+        return [self.step & mask, self.config_digest & mask, self.config_digest >> PIECE_BITS,
+                *_pieces(self.last_digest)]
 
     def _size(self) -> int:
         return len(CHECKED) + len(MEASURED) + len(FIELDS) * len(self.buckets)
@@ -291,8 +302,7 @@ class Tuner:
             return f"the shared vector has shape {shared.shape}, expected ({size},)"
         if not np.isfinite(shared).all():
             return "the shared statistics are not finite (a rank's gradient holds inf or NaN)"
-        own = [self.step, self.config_digest & 0xFFF, self.config_digest >> PIECE_BITS, *_pieces(self.last_digest)]
-        for name, got, mine in zip(CHECKED, shared[:len(CHECKED)], own):
+        for name, got, mine in zip(CHECKED, shared[:len(CHECKED)], self._checked()):
             if got != self.world * mine:
                 return (f"ranks disagree on {name} (sum {got:g}, {self.world} x this rank's {mine}): a rank computed "
                         "different statistics or decisions")
@@ -306,13 +316,13 @@ class Tuner:
     # ---- the cost and variance models ----------------------------------------------------------------------------
 
     def _bits(self, name: str, s: Shared) -> tuple[float, float]:
-        """Bits per element of a rank's package and of the result, and bits of header per package."""
+        """Bits per element of a rank's package, and its header's bits per package."""
         if name in SWITCH_CODECS:
             width = 8 if name == "cnat8" else 32
             return width, 0.0
         codec = self.codecs[name]
         if isinstance(codec, Adaptive):
-            bits = min(16, max(1, math.ceil(s.entropy + codec.c)))
+            bits = _adaptive_bits(codec, s)
             if isinstance(codec, AdaptiveHuffman):  # entropy at N bits ~ H + N - M; a codebook per package
                 return min(bits, s.entropy + bits - codec.m), 120 + 5 * 2 ** bits
             return bits, 72
@@ -350,7 +360,7 @@ class Tuner:
         else:
             codec = self.codecs[name]
             if isinstance(codec, (Uniform, Lloyd, Adaptive)):  # a bin of range / 2^N: width^2 / 12 per element
-                bits = min(16, max(1, math.ceil(s.entropy + codec.c))) if isinstance(codec, Adaptive) else codec.bits
+                bits = _adaptive_bits(codec, s) if isinstance(codec, Adaptive) else codec.bits
                 added = s.range_sq * e / (12 * 4.0 ** bits)
             elif isinstance(codec, Bitmask):  # truncation below B - 9 mantissa bits
                 added = total * 4.0 ** -(codec.bits - 9)
