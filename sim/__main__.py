@@ -68,10 +68,10 @@ def cmd_loss(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from intml.sim import training
     if args.codec:
         cmd_train_codec(args)
         return
+    from intml.sim import training
     got = training.table(args.workers, args.rate)
     _emit({"code_version": output.code_version(), "profiles": training.SOURCES}, got, args, training.COLUMNS)
     if args.plot:
