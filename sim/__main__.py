@@ -163,7 +163,7 @@ def build_parser() -> OneLineParser:
                    "name (cnat8, int32, uniform8...): that codec fixed; default: intml cnat8 against the ring")
     t.add_argument("--model", nargs="+", choices=sorted(PROFILES), help="with --codec: these model profiles only")
     t.add_argument("--no-switch", action="store_true", help="with --codec: no switch sums cnat8 and int32; "
-                   "every codec goes through the aggregator's host mode")
+                   "every codec goes through the software aggregator")
     t.add_argument("--no-gso", action="store_true", help="with --codec: ranks send and receive without GSO/GRO")
     t.add_argument("--noise-scale", type=positive(float), default=NOISE_SCALE, help="with --codec: the "
                    f"gradients' per-sample noise scale (default {NOISE_SCALE}; sim/tuning.py)")

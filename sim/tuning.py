@@ -62,7 +62,7 @@ COSTS = Costs(switch_cpu={name: (cost.encode, cost.decode) for name, cost in HOS
 NOISE_SCALE = 1000  # per-sample gradient noise scale: of the order McCandlish et al. measure for ImageNet classifiers
 BATCH = 64  # per rank
 SIGNAL = 1e-6  # per element variance of the true gradient (the tuner's choices are scale-free)
-# the aggregator's host mode, elements per second per core per contribution: sim.costs' software aggregator
+# the software aggregator, elements per second per core per contribution: sim.costs' calibration
 AGGREGATOR_RATE = 1 / (SOFTWARE_AGGREGATOR.per_element + SOFTWARE_AGGREGATOR.per_packet / AGGREGATOR_MAX_ELEMENTS)
 MEDIAN = 0.6744897501960817  # of |N(0, 1)|
 COLUMNS = ("model", "rate_gbit", "workers", "codec", "step_s", "ring_s", "less_time", "why")

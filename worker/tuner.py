@@ -87,8 +87,8 @@ class Measured:
 @dataclass(frozen=True)
 class Network:
     """What the ranks share and do not measure: whether a switch sums cnat8 and int32 at line rate (else they go
-    through the aggregator's host mode too), the aggregator's cores and its link's rate (None: the ranks'), the
-    round trip, the MTU and the most elements per packet."""
+    through the software aggregator as the host codecs do), the aggregator's cores and its link's rate (None: the
+    ranks'), the round trip, the MTU and the most elements per packet."""
 
     switch: bool = True
     aggregator_cores: int = 1
@@ -376,7 +376,7 @@ class Tuner:
 
     def _seconds(self, name: str, s: Shared, bucket: Bucket, m: dict[str, float]) -> float:
         """Predicted seconds of the bucket's allreduce: the slowest of the rank's CPU, its link each way, the
-        aggregator's link and CPU (host mode), plus a round trip."""
+        aggregator's link and CPU (a software aggregator: host mode, or its kernel), plus a round trip."""
         net, e, n = self.network, bucket.elements, s.ranks
         if name == GLOO:
             return self.costs.ring(n, m["link_rate"], e, net)
@@ -391,7 +391,7 @@ class Tuner:
             rank_cpu = e * (encode + self.costs.result_decode + io)
             aggregator_per_element = decode + 1 / m["aggregator_rate"]
         bounds = [rank_cpu, e * up / m["link_rate"], e * down / m["link_rate"]]
-        if not (net.switch and name in SWITCH_CODECS):  # the aggregator's host mode: n packages in, one result out
+        if not (net.switch and name in SWITCH_CODECS):  # a software aggregator: n packages in, one result out
             agg_rate = net.aggregator_link_rate or m["link_rate"]
             bounds += [n * e * up / agg_rate, e * down / agg_rate,
                        n * e * aggregator_per_element / net.aggregator_cores]
