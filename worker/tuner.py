@@ -74,7 +74,7 @@ class Bucket:
 
 @dataclass(frozen=True)
 class Measured:
-    """One rank's measurements of the last step: its link's achieved rate (bit/s), the aggregator's host-mode rate
+    """One rank's measurements of the last step: its link's achieved rate (bit/s), the software aggregator's rate
     per core (elements/s per contribution), the step's compute seconds, and the share of the compute that
     communication overlaps (DDP: the backward pass, about 2/3)."""
 
