@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from intml.worker.torch import routing
+from intml.worker.torch.auto import AUTO
 from intml.worker.torch.config import IntmlConfig
 from intml.worker.torch.link import CPU, AggregatorLinked, value
 
@@ -91,8 +92,12 @@ class IntmlProcessGroup(AggregatorLinked, dist.ProcessGroup):
         for device in DEVICES:
             self._register_backend(device, dist.ProcessGroup.BackendType.GLOO, self.gloo._get_backend(CPU))
         self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+        config = config if config is not None else IntmlConfig.from_env()
+        if config.codec == AUTO:  # an allreduce here is no bucket that recurs step after step, as the tuner needs
+            raise ValueError("INTML_CODEC=auto runs in the DDP hook (IntmlHookState), not the intml backend: choose "
+                             "a codec for the backend")
         # always on a thread: async_op=True must return at once, and a call does not say whether it is async
-        self._attach(config if config is not None else IntmlConfig.from_env(), rank, size, threaded=True)
+        self._attach(config, rank, size, threaded=True)
 
     def getBackendName(self) -> str:  # noqa: N802 -- the c10d name
         return BACKEND

@@ -21,6 +21,7 @@ from intml.protocol.codecs import host
 from intml.protocol.codecs.host.powersgd import PowerSGD
 from intml.protocol.codecs.host.randomk import RandomK
 from intml.protocol.job import CODEC_NAMES, ROUNDINGS, JobParams, WorkerTimers, codec_name
+from intml.worker.torch.auto import AUTO, parse_pins
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -42,7 +43,8 @@ class IntmlConfig:
 
     aggregator: str | None = None  # host:port of intml-aggregator, or several comma-separated (one job over all)
     token: str = ""  # INTML_TOKEN: the job's shared secret, one the aggregator knows (it never goes on the wire)
-    codec: str = codec_name(JobParams.codec)  # cnat8 or int32 (summed by a switch), or a host codec's name
+    codec: str = codec_name(JobParams.codec)  # cnat8 or int32 (summed by a switch), a host codec's name, or auto
+    codec_pin: str = ""  # hook, codec auto: "0:int32,3:gloo", DDP bucket index -> codec the tuner keeps (auto.py)
     job: int | None = None  # job id on the aggregator; None: rank 0 draws one at random and shares it
     seed: int | None = None  # job seed of the stochastic rounding; None: rank 0's from torch's (link.rounding_seed)
     rounding: str = ROUNDINGS[0]  # C_nat's: "stochastic" (unbiased) or "nearest" (deterministic, biased)
@@ -85,6 +87,13 @@ class IntmlConfig:
         return cls(**values).validated()
 
     def validated(self) -> IntmlConfig:
+        if self.codec_pin and self.codec != AUTO:
+            raise ValueError(f"INTML_CODEC_PIN pins buckets for the tuner: it needs INTML_CODEC=auto, got "
+                             f"{self.codec!r}")
+        self.pins()  # raises for a malformed pin
+        if self.codec == AUTO and self.rounding != ROUNDINGS[0]:
+            raise ValueError(f"INTML_ROUNDING={self.rounding} cannot go with INTML_CODEC=auto: the tuner's variance "
+                             f"model is stochastic rounding's (unbiased)")
         codec = self.host_codec()  # raises for a name that is neither a switch nor a host codec's
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"INTML_ROUNDING must be one of {', '.join(ROUNDINGS)}, got {self.rounding!r}")
@@ -110,15 +119,21 @@ class IntmlConfig:
                 raise ValueError(f"{name} must be a positive number of seconds, got {seconds}")
         return self
 
+    def pins(self) -> dict[int, str]:
+        """``codec_pin`` parsed: DDP bucket index -> codec (auto.parse_pins)."""
+        return parse_pins(self.codec_pin)
+
     def host_codec(self) -> host.HostCodec | None:
-        """The host codec ``codec`` names (the aggregator's host mode sums it), or None for cnat8 and int32. A name
-        that is neither raises ValueError in one line naming the switch codecs and the host codecs' families."""
-        if self.codec in CODEC_NAMES:
+        """The host codec ``codec`` names (the aggregator's host mode sums it), or None for cnat8, int32 and auto. A
+        name that is none of them raises ValueError in one line naming the switch codecs and the host codecs'
+        families."""
+        if self.codec in (*CODEC_NAMES, AUTO):
             return None
         try:
             return host.parse(self.codec)
         except ValueError as exc:
             families = ", ".join(sorted(host.FAMILIES))
             why = "" if not self.codec.startswith(tuple(host.FAMILIES)) else f" ({exc})"
-            raise ValueError(f"INTML_CODEC must be {' or '.join(CODEC_NAMES)} (summed by a switch) or a host codec "
-                             f"of the families {families} (docs/codecs.md), got {self.codec!r}{why}") from None
+            raise ValueError(f"INTML_CODEC must be {' or '.join(CODEC_NAMES)} (summed by a switch), a host codec "
+                             f"of the families {families} (docs/codecs.md) or {AUTO} (the tuner picks per bucket, "
+                             f"DDP hook only), got {self.codec!r}{why}") from None

@@ -9,15 +9,21 @@ first time for each reason. A host codec's buckets (``codec="topk0.01"``) go as 
 
 from __future__ import annotations
 
+import dataclasses
+import time
+
 import torch
 import torch.distributed as dist
 from torch.futures import Future
 
 from intml.worker.torch import routing
+from intml.worker.torch.auto import AUTO, AutoCodec
 from intml.worker.torch.backend import IntmlProcessGroup
 from intml.worker.torch.config import IntmlConfig
 from intml.worker.torch.feedback import Residuals
-from intml.worker.torch.link import AggregatorLinked, sum_op, value
+from intml.worker.torch.link import AggregatorLinked, Link, sum_op, value
+from intml.worker.traffic import ring_bytes
+from intml.worker.tuner import GLOO, SWITCH_CODECS
 
 
 class IntmlHookState(AggregatorLinked):
@@ -36,10 +42,23 @@ class IntmlHookState(AggregatorLinked):
         self.step = 0
         self.residuals = Residuals()
         config = config if config is not None else IntmlConfig.from_env(**options)
-        self._attach(config, self.rank, self.world_size, config.threaded)
+        # auto: start-up joins with a switch codec, so that an unreachable aggregator shows (and falls back) at
+        # once; the tuner's other codecs join when a bucket first uses them
+        self._attach(config, self.rank, self.world_size, config.threaded,
+                     codec=SWITCH_CODECS[0] if config.codec == AUTO else None)
+        self.auto: AutoCodec | None = None  # the tuner's side at this rank (INTML_CODEC=auto)
+        self.links: dict[str, Link | None] = {}  # auto: a link per codec
+        if config.codec == AUTO and self.link is not None:
+            # the statistics' sample key: the start-up job's id, the same at every rank
+            self.auto = AutoCodec(self.rank, self.world_size, self.link.worker.job, config.pins(), config.error_feedback,
+                                  self._shared_sum)
+            self.links[SWITCH_CODECS[0]] = self.link
 
     def close(self) -> None:
-        """Leave the aggregator's job (also done at interpreter exit)."""
+        """Leave the aggregator's jobs (also done at interpreter exit)."""
+        for link in self.links.values():
+            if link is not None and link is not self.link:
+                link.close()
         self._leave()
 
     def __getstate__(self):  # DDP pickles nothing of it, but keep a state from being sent across processes
@@ -52,10 +71,48 @@ class IntmlHookState(AggregatorLinked):
             self.step += 1
         reason = (routing.FALLBACK if self.link is None else routing.WARMUP if step < self.config.warmup_steps
                   else routing.unsupported(buf, self._cuda_problem))
+        residual = self.residuals.of(bucket) if self.config.error_feedback and reason is None else None
         if reason is not None:
-            return self._gloo_mean(buf, reason)
-        residual = self.residuals.of(bucket) if self.config.error_feedback else None
-        return self.link.submit(buf, "mean", inplace=False, residual=residual).then(value)
+            fut = self._gloo_mean(buf, reason)
+        elif self.auto is not None:
+            fut = self._tuned(bucket.index(), buf, residual)
+        else:
+            fut = self.link.submit(buf, "mean", inplace=False, residual=residual).then(value)
+        if self.auto is not None and bucket.is_last() and self.auto.layout:
+            self.auto.end_step()  # the statistics of the step's buckets, shared; the next codecs decided
+        return fut
+
+    def _tuned(self, index: int, buf: torch.Tensor, residual: torch.Tensor | None) -> Future:
+        """Bucket ``index`` through the codec the tuner chose for it (``auto``), measured and timed for it."""
+        auto = self.auto
+        codec = auto.codec(index)
+        auto.observe(index, buf, residual)
+        if codec != GLOO and codec not in self.links:  # the same bucket at every rank: a collective join
+            self.links[codec] = self._join(dataclasses.replace(self.config, codec=codec, job=None), self.rank,
+                                           self.world_size, self.config.threaded)
+        link = None if codec == GLOO else self.links[codec]
+        started, sent = time.perf_counter(), self.traffic.intml_bytes
+        if link is None:  # Gloo's ring (chosen, or its codec fell back at its join): exact, so the residual goes too
+            if residual is not None:
+                buf.add_(residual)
+                residual.zero_()
+            fut = self._gloo_mean(buf, routing.TUNED)
+        else:
+            fut = link.submit(buf, "mean", inplace=False, residual=residual).then(value)
+
+        def timed(f: Future) -> torch.Tensor:
+            result = f.value()
+            bits = 8 * (ring_bytes(buf.numel(), self.world_size, buf.element_size()) if link is None
+                        else self.traffic.intml_bytes - sent)
+            auto.done(index, result, bits, time.perf_counter() - started, aggregated=link is not None)
+            return result
+
+        return fut.then(timed)
+
+    def _shared_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """The tuner's statistics summed over the group through Gloo (auto's module docstring says why)."""
+        self._control_allreduce(t)
+        return t
 
     def _gloo_mean(self, buf: torch.Tensor, reason: str) -> Future:
         """The average through Gloo (warm-up, fallback, other dtypes), as torch's default allreduce hook does."""

@@ -4,6 +4,7 @@ the errors of that path. Shared by the DDP hook (``hook``) and the process-group
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import hashlib
 import queue
 import secrets
@@ -361,14 +362,22 @@ class AggregatorLinked:
 
     gloo: dist.ProcessGroup
 
-    def _attach(self, config: IntmlConfig, rank: int, size: int, threaded: bool) -> None:
+    def _attach(self, config: IntmlConfig, rank: int, size: int, threaded: bool, codec: str | None = None) -> None:
+        """Join the aggregator with ``config`` (its codec, or ``codec`` where given) as ``self.link``."""
         self.config = config
         self.traffic = Traffic()
         self._warned: set[str] = set()
         self._summarised = False
-        self.link = connect(config, rank, size, self._control_allreduce, self.traffic, threaded)
-        if self.link is not None:
-            _LINKS.add(self.link)
+        self.link = self._join(config if codec is None else dataclasses.replace(config, codec=codec), rank, size,
+                               threaded)
+
+    def _join(self, config: IntmlConfig, rank: int, size: int, threaded: bool) -> Link | None:
+        """A link to a job of ``config`` (a collective over the group; None where start-up fell back to Gloo),
+        counted in ``self.traffic`` and left at interpreter exit."""
+        link = connect(config, rank, size, self._control_allreduce, self.traffic, threaded)
+        if link is not None:
+            _LINKS.add(link)
+        return link
 
     def _to_gloo(self, tensors: Sequence[torch.Tensor], reason: str, reduce_scatter: bool = False) -> None:
         """Count an allreduce (or reduce-scatter) that goes to Gloo for `reason`, warning the first time for a

@@ -28,6 +28,7 @@ import typing_extensions
 
 FALLBACK = "fallback"  # start-up could not reach the aggregator (IntmlFallbackWarning said so then)
 WARMUP = "warmup"  # hook: one of the first INTML_WARMUP_STEPS steps
+TUNED = "tuned"  # hook, INTML_CODEC=auto: the tuner chose Gloo's exact ring for the bucket this step
 SMALL = "small"  # backend: fewer than INTML_MIN_ELEMENTS elements, kept exact
 OP = "op"  # a reduce op other than SUM and AVG
 DTYPE = "dtype"  # not float32, bfloat16 or float16
@@ -42,7 +43,7 @@ SHAPE = "shape"  # reduce-scatter: the input is not world size times the output
 # sums beyond its range come back +-Inf, as torch's own conversion gives)
 DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 
-CHOSEN = frozenset({FALLBACK, WARMUP, SMALL})  # configured by the user: no warning
+CHOSEN = frozenset({FALLBACK, WARMUP, SMALL, TUNED})  # configured by the user: no warning
 
 WHY = {
     OP: "intml sums; only ReduceOp.SUM and AVG go through it",
