@@ -157,6 +157,7 @@ class AutoCodec:
         self.step_started: float | None = None
         self.decision: Decision | None = None  # the last one applied, for logs and metrics
         self._warned: set[str] = set()
+        self.steps = 0  # steps ended
 
     def codec(self, index: int) -> str:
         """The codec of bucket ``index`` this step: its pin, the applied decision's, or the fallback (Gloo)."""
@@ -169,7 +170,9 @@ class AutoCodec:
         x = buf.detach().reshape(-1).to("cpu", torch.float32).numpy()
         r = None if residual is None else residual.detach().to("cpu").numpy()
         self.layout[index] = Bucket(bucket_name(index), x.size, str(buf.dtype).removeprefix("torch."))
-        self.stats[index] = measure(x, self.world, residual=r, last_mean=self.last_mean.get(index), key=self.key)
+        last = self.last_mean.get(index)
+        last = last if last is not None and last.size == x.size else None  # DDP rebuilt its buckets since
+        self.stats[index] = measure(x, self.world, residual=r, last_mean=last, key=self.key)
 
     def done(self, index: int, result: torch.Tensor, bits: float, seconds: float, aggregated: bool) -> None:
         """Bucket ``index``'s allreduce finished: its mean ``result``; it sent ``bits`` in ``seconds``, through
@@ -193,6 +196,10 @@ class AutoCodec:
     def end_step(self) -> Decision | None:
         """At the step's last bucket, at every rank: share the statistics, decide, apply the verified decision."""
         buckets = [self.layout[i] for i in sorted(self.layout)]
+        self.steps += 1
+        if self.steps == 1:  # DDP's first step has provisional buckets, rebuilt after it: the tuner starts after
+            self._next_step()
+            return None
         if self.tuner is None or self.tuner.buckets != buckets:  # the first step, or DDP rebuilt its buckets
             self.tuner = self._tuner(buckets)
             self.pending = None
@@ -202,8 +209,8 @@ class AutoCodec:
         slots[self.rank] = tuner.last_digest  # 48 bits: exact in float64
         shared = self.allreduce_sum(torch.from_numpy(np.concatenate([local, slots]))).numpy()
         decision = tuner.decide(shared[:local.size])
-        if tuner.diverged:
-            ranks = divergent_ranks([int(d) for d in shared[local.size:]])
+        ranks = divergent_ranks([int(d) for d in shared[local.size:]])
+        if ranks:
             decision.warnings.append(f"tuner: ranks {ranks} decided differently from the others' last decision")
         for text in decision.warnings:
             if text not in self._warned:
@@ -216,8 +223,11 @@ class AutoCodec:
             self.applied = {}
         elif verified is not None:
             self._apply(verified)
-        self.layout, self.stats, self.timing, self.step_started = {}, {}, Timing(), None
+        self._next_step()
         return verified
+
+    def _next_step(self) -> None:
+        self.layout, self.stats, self.timing, self.step_started = {}, {}, Timing(), None
 
     def _apply(self, decision: Decision) -> None:
         applied = {int(name.removeprefix("bucket")): c.codec for name, c in decision.choices.items()}
