@@ -62,7 +62,7 @@ from intml.protocol.packet import HDR
 from intml.worker.traffic import ring_bytes
 from intml.testbed.procs import free_port, rank_env
 
-BASES = ("gloo", *CODEC_NAMES)
+BASES = ("gloo", *CODEC_NAMES, "auto")  # auto: the hook's tuner picks each bucket's codec (worker.torch.auto)
 DEFAULT_RUNS = ("gloo", "int32", "cnat8", "cnat8-ef")
 PARALLEL = ("ddp", "fsdp2", "average")
 BACKEND_RUNS = ("gloo", "int32-backend", "cnat8-backend")  # the default runs of --parallel fsdp2 and average
@@ -112,6 +112,8 @@ def parse_run(spec: str, parallel: str = "ddp") -> dict:
             run["warmup_steps"] = int(flag[1:])
         else:
             raise ValueError(f"run {spec!r}: unknown option {flag!r} (use ef, wK, backend or thread)")
+    if run["integration"] == "backend" and base == "auto":
+        raise ValueError(f"run {spec!r}: auto runs in the DDP hook, not the backend")
     if run["integration"] == "backend" and (run["error_feedback"] or run["warmup_steps"]):
         raise ValueError(f"run {spec!r}: error feedback and warm-up are options of the hook, not the backend")
     return run
@@ -571,7 +573,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "epoch (seed 001); the last two's intml runs take -backend (default ddp)")
     parser.add_argument("--runs", type=_runs_arg, default=None,
                         help="comma-separated: gloo, or a codec (int32, cnat8, or a host codec: uniform8, topk0.01, "
-                             "adaptive-huffman: docs/codecs.md) with optional -ef, -wK, -backend, -thread; with "
+                             "adaptive-huffman: docs/codecs.md), or auto (the tuner picks per bucket: docs/tuner.md), with "
+                             "optional -ef, -wK, -backend (not auto), -thread; with "
                              "--parallel average a bare host codec averages through the aggregator's host mode "
                              f"(default {','.join(DEFAULT_RUNS)}; otherwise {','.join(BACKEND_RUNS)})")
     parser.add_argument("--batch", type=positive(), default=16, help="batch per rank (default 16)")

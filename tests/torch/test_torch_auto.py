@@ -129,3 +129,13 @@ def test_auto_costs_are_the_simulators() -> None:
     for world, elements in ((2, 1 << 20), (16, 1 << 24)):
         ours, theirs = ring_seconds(world, 10e9, elements, Network()), SIM_COSTS.ring(world, 10e9, elements, Network())
         assert 0.9 < ours / theirs <= 1.0
+
+
+def test_train_takes_auto_as_a_hook_run() -> None:
+    """``intml-testbed train --runs auto``: the tuner's run, through the hook only."""
+    from intml.testbed import train
+
+    run = train.parse_run("auto-ef")
+    assert (run["codec"], run["integration"], run["error_feedback"]) == ("auto", "hook", True)
+    with pytest.raises(ValueError, match="auto runs in the DDP hook"):
+        train.parse_run("auto-backend")
