@@ -574,7 +574,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", type=_runs_arg, default=None,
                         help="comma-separated: gloo, or a codec (int32, cnat8, or a host codec: uniform8, topk0.01, "
                              "adaptive-huffman: docs/codecs.md), or auto (the tuner picks per bucket: docs/tuner.md), "
-                             "with optional -ef, -wK, -backend (not auto), -thread; with --parallel average a bare host codec averages through the aggregator's host mode "
+                             "with optional -ef, -wK, -backend (not auto), -thread; with --parallel average a bare "
+                             "host codec averages through the aggregator's host mode "
                              f"(default {','.join(DEFAULT_RUNS)}; otherwise {','.join(BACKEND_RUNS)})")
     parser.add_argument("--batch", type=positive(), default=16, help="batch per rank (default 16)")
     parser.add_argument("--lr", type=positive(float), default=0.2)

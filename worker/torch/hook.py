@@ -50,8 +50,8 @@ class IntmlHookState(AggregatorLinked):
         self.links: dict[str, Link | None] = {}  # auto: a link per codec
         if config.codec == AUTO and self.link is not None:
             # the statistics' sample key: the start-up job's id, the same at every rank
-            self.auto = AutoCodec(self.rank, self.world_size, self.link.worker.job, config.pins(), config.error_feedback,
-                                  self._shared_sum)
+            self.auto = AutoCodec(self.rank, self.world_size, self.link.worker.job, config.pins(),
+                                  config.error_feedback, self._shared_sum)
             self.links[SWITCH_CODECS[0]] = self.link
 
     def close(self) -> None:
