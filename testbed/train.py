@@ -296,6 +296,8 @@ def rank_main(cfg: dict) -> None:
     }
     if traffic is not None:
         report["traffic"] = dict(vars(traffic))
+    if getattr(state, "auto", None) is not None and state.auto.decision is not None:  # the tuner's last choice
+        report["tuned"] = state.auto.decision.as_dict()
     if fsdp2:  # all-gathers and reduce-scatters: the allreduce byte models do not apply
         report["bytes_per_step"] = None
     elif traffic is not None:
