@@ -49,7 +49,6 @@ from intml.protocol.stats import (
     DROP_SHADOW,
     DROP_SLOT,
     DROP_STALE,
-    DROP_TRUNCATED,
     DROP_UNREGISTERED,
     PACKETS_IN,
     PACKETS_OUT,
@@ -155,8 +154,10 @@ class HostDataPath:
 
     def handle(self, datagram: bytes, src: int, now: float) -> list[tuple[bytes, int]]:
         """One DATA datagram of a host job (``selects``) from address key ``src`` at ``now``: through the slot's
-        set as the kernel's stages do (aggregator.slots.process_burst), counted by reason when dropped. Returns
-        the RESULT datagrams to send, with their destinations."""
+        set as the kernel's stages do (aggregator.slots.process_burst), counted by reason when dropped, and in the
+        core's packets_in as the kernel counts every datagram. Returns the RESULT datagrams to send, with their
+        destinations."""
+        self.counters.core_stats[PACKETS_IN] += 1
         h = np.frombuffer(datagram, HEADER, count=1)[0]
         rank, owners = int(h["rank"]) & RANK_MASK, int(h["rank"]) >> OWNERS_SHIFT
         placed = self._find(int(h["job"]), rank, src)
@@ -275,9 +276,10 @@ def _validate(placed: HostJob, rank: int, src: int, slot: int, codec: int, count
 
 class HostModeDataPath(KernelDataPath):
     """An aggregator core's data path: the burst kernel (options as KernelDataPath's) for switch-codec jobs, and a
-    HostDataPath (``host``) on the same job table, slot rows and counters for host-codec jobs. A burst without
-    host jobs goes to the kernel as it is; otherwise the kernel skips their DATA datagrams, which the host path
-    then handles in order. A job id runs in one mode at a time (the kernel would count another mode's DATA)."""
+    HostDataPath (``host``) on the same job table, slot rows and counters for host-codec jobs. The job a DATA
+    datagram names routes it (``HostDataPath.selects``): a burst without host-job DATA goes to the kernel as it is;
+    otherwise the kernel gets a burst of the other datagrams and the host path then handles its own, in order. A job
+    id runs in one mode at a time (the kernel would count another mode's DATA)."""
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
@@ -313,21 +315,24 @@ class HostModeDataPath(KernelDataPath):
         return self.host.last_seen(job) if job in self.host.jobs else super().last_seen(job)
 
     def process(self, rx: Burst, now: float) -> tuple[Burst, np.ndarray]:
-        if not self.host.jobs:
-            return super().process(rx, now)
-        rows = self.host.selects(rx)
+        rows = self.host.selects(rx) if self.host.jobs else np.zeros(0, np.int64)
         if rows.size == 0:
             return super().process(rx, now)
-        lengths = rx.length[rows].copy()
-        rx.length[rows] = -1  # the kernel counts them in the core's packets_in, and as truncated: undone below
-        try:
-            out, control = super().process(rx, now)
-        finally:
-            rx.length[rows] = lengths
-        self.counters.core_stats[DROP_TRUNCATED] -= rows.size
+        others = np.setdiff1d(np.arange(rx.count), rows)
+        out, control = super().process(rows_of_burst(rx, others), now)
         results = out.datagrams()
         for i in rows.tolist():
             results += self.host.handle(rx.data[i, :rx.length[i]].tobytes(), int(rx.addr[i]), now)
         merged = Burst.rows_of(len(results), max((len(d) for d, _ in results), default=HDR))
         merged.fill(results)
-        return merged, control
+        return merged, others[control]
+
+
+def rows_of_burst(rx: Burst, rows: np.ndarray) -> Burst:
+    """A receive burst of rows ``rows`` of ``rx``, in that order (their bytes copied, up to the longest's length)."""
+    lengths = rx.length[rows]
+    width = max(int(lengths.max(initial=0)), 1)
+    burst = Burst.rows_of(rows.size, width)
+    burst.data[:rows.size] = rx.data[rows, :width]
+    burst.length[:rows.size], burst.addr[:rows.size], burst.count = lengths, rx.addr[rows], rows.size
+    return burst
