@@ -59,13 +59,16 @@ def _depths(weights, symbols):
     return depth[:k]
 
 
-def canonical_codes(lengths: np.ndarray) -> np.ndarray:
-    """The canonical code of each entry of a codebook in canonical order."""
+@njit(cache=True)
+def canonical_codes(lengths):
+    """The canonical code of each entry of a codebook in canonical order (its int64 lengths)."""
     codes = np.zeros(lengths.size, np.int64)
-    code, previous = 0, int(lengths[0]) if lengths.size else 0
-    for i, length in enumerate(lengths):
-        code <<= int(length) - previous
-        codes[i], previous = code, int(length)
+    code = 0
+    previous = lengths[0] if lengths.size else 0
+    for i in range(lengths.size):
+        code <<= lengths[i] - previous
+        codes[i] = code
+        previous = lengths[i]
         code += 1
     return codes
 
