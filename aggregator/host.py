@@ -5,7 +5,7 @@ bitmaps and counts, the stored result re-sent to a retransmitting rank, membersh
 results multicast group, the counters), but where the kernel adds integer codes, a set here holds each rank's
 decoded contribution; when all n are in, the codec combines them in rank order and its result package goes out.
 So the result is a pure function of the contributions, bit-identical at every rank whatever the loss, duplication
-or order of the packets. Python and numpy per packet: host mode is for codecs whose decode costs more anyway.
+or order of the packets. Python per packet; a codec's decode and combine are its Numba kernels (protocol.codecs.host).
 
 ``HostModeDataPath`` is what an aggregator core runs by default: the burst kernel for switch-codec jobs and a
 ``HostDataPath`` for host-codec jobs, behind the one DataPath interface (aggregator.datapath).

@@ -127,8 +127,8 @@ def decode(data: bytes, symbols: np.ndarray, lengths: np.ndarray, count: int, co
         used = 0
     else:
         counts = np.bincount(lengths, minlength=MAX_LENGTH + 2)
-        used = _decode(np.frombuffer(data, np.uint8), counts, symbols, lengths, min(int(lengths.max(initial=0)), TABLE_BITS),
-                       out)
+        table_bits = min(int(lengths.max(initial=0)), TABLE_BITS)
+        used = _decode(np.frombuffer(data, np.uint8), counts, symbols, lengths, table_bits, out)
     if used < 0 or (used + 7) // 8 != len(data):
         raise MalformedPackage(f"a {codec} package's codes do not make {count} elements")
     check_padding(data, used, codec)
