@@ -158,9 +158,9 @@ class HostDataPath:
         core's packets_in as the kernel counts every datagram. Returns the RESULT datagrams to send, with their
         destinations."""
         self.counters.core_stats[PACKETS_IN] += 1
-        h = np.frombuffer(datagram, HEADER, count=1)[0]
-        rank, owners = int(h["rank"]) & RANK_MASK, int(h["rank"]) >> OWNERS_SHIFT
-        placed = self._find(int(h["job"]), rank, src)
+        h = dict(zip(HEADER.names, np.frombuffer(datagram, HEADER, count=1)[0].item()))  # Python ints, read once
+        rank, owners = h["rank"] & RANK_MASK, h["rank"] >> OWNERS_SHIFT
+        placed = self._find(h["job"], rank, src)
         st = self.counters.stats[placed.index]
         st[PACKETS_IN] += 1
         length = len(datagram)
@@ -170,16 +170,16 @@ class HostDataPath:
                 return []
             length -= TAG_SIZE
         params = placed.params
-        slot, count, chunk, x = int(h["slot"]), int(h["count"]), int(h["chunk"]), int(h["shadow"])
-        reason = _validate(placed, rank, src, slot, int(h["codec"]), count, chunk, x, int(h["exp"]),
-                           int(h["next_exp"]), owners)
+        slot, count, chunk, x = h["slot"], h["count"], h["chunk"], h["shadow"]
+        reason = _validate(placed, rank, src, slot, h["codec"], count, chunk, x, h["exp"],
+                           h["next_exp"], owners)
         if reason not in (DROP_RANK, DROP_UNREGISTERED):
             placed.last_seen[rank] = now  # any packet of a member, retransmissions too, keeps the job alive
         if reason:
             st[reason] += 1
             return []
         row, bit = placed.rows.start + slot // placed.slots.stride, 1 << rank
-        key, order = round_event(int(h["allreduce"]), chunk, int(self.round_key[row, x]))
+        key, order = round_event(h["allreduce"], chunk, int(self.round_key[row, x]))
         bitmap = int(self.bitmap[row, x])
         order = 1 if bitmap == 0 else int(order)  # an empty set takes any round
         if order < 0:
@@ -223,15 +223,15 @@ class HostDataPath:
         named = [placed for key, placed in self.jobs.items() if wire_job(key) == job_id]
         return next((p for p in named if rank < MAX_WORLD and p.members[rank] == src), named[0])
 
-    def _complete(self, placed: HostJob, row: int, x: int, h: np.void, count: int) -> list[tuple[bytes, int]]:
+    def _complete(self, placed: HostJob, row: int, x: int, h: dict[str, int], count: int) -> list[tuple[bytes, int]]:
         """The round of (row, set x) has every contribution: combine them in rank order, store the RESULT datagram
         (the same bytes for every rank and every re-send) and send it to every rank."""
         st = self.counters.stats[placed.index]
         contributions = self.decoded.pop((row, x))
         codec = placed.codec
         package = codec.encode_result(codec.combine([contributions[r] for r in range(placed.params.world_size)]))
-        header = {name: int(h[name]) for name in ("job", "allreduce", "chunk", "slot", "shadow")}
-        datagram = pack({**header, "type": MsgType.RESULT, "rank": 0, "count": count, "codec": int(h["codec"]),
+        header = {name: h[name] for name in ("job", "allreduce", "chunk", "slot", "shadow")}
+        datagram = pack({**header, "type": MsgType.RESULT, "rank": 0, "count": count, "codec": h["codec"],
                          "exp": NO_EXP, "next_exp": NO_EXP}, package + bytes(TAG_SIZE if placed.mac_key else 0))
         if len(datagram) > MAX_DATAGRAM:
             st[DROP_BAD_PACKAGE] += 1  # the codec made a result no datagram holds: the ranks time out on it

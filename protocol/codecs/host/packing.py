@@ -35,8 +35,13 @@ class Reader:
         return self.package[self.at:]
 
 
+WHOLE_BYTES = {8: np.dtype(np.uint8), 16: np.dtype(">u2"), 32: np.dtype(">u4")}  # widths numpy packs as they are
+
+
 def pack_codes(codes: np.ndarray, width: int) -> bytes:
     """``codes`` (each < 2**width) as ``width``-bit fields, most significant bit first, zero-padded to a byte."""
+    if width in WHOLE_BYTES:
+        return np.asarray(codes).astype(WHOLE_BYTES[width]).tobytes()
     out = np.zeros((codes.size * width + 7) // 8, np.uint8)
     write_fields(np.asarray(codes, np.int64), np.full(1, width, np.int64), out)
     return out.tobytes()
@@ -69,6 +74,8 @@ def unpack_codes(data: bytes, count: int, width: int, codec: str) -> np.ndarray:
         raise MalformedPackage(f"{count} {width}-bit {codec} codes take {(count * width + 7) // 8} bytes, "
                                f"got {len(data)}")
     check_padding(data, count * width, codec)
+    if width in WHOLE_BYTES:
+        return np.frombuffer(data, WHOLE_BYTES[width]).astype(np.uint32)
     out = np.empty(count, np.uint32)
     _read_fields(np.frombuffer(data, np.uint8), width, out)
     return out
