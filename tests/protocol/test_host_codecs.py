@@ -3,6 +3,7 @@ bit; the ones that claim it are unbiased; names and JOIN parameters round-trip; 
 float32 values or raise MalformedPackage; error feedback makes top-k and random-k converge; PowerSGD's two rounds
 recover a low-rank sum and agree across ranks."""
 
+import heapq
 import struct
 
 import numpy as np
@@ -201,6 +202,29 @@ def test_bit_packing_matches_reference(width, data):
     package = pack_codes(np.array(codes, np.uint32), width)
     assert package == reference.to_bytes("".join(reference.field(c, width) for c in codes))
     assert unpack_codes(package, len(codes), width, "test").tolist() == reference.fields(package, len(codes), width)
+
+
+def tree_depths(histogram: list[int]) -> dict[int, int]:
+    """Huffman's rule as the codec states it, with Python's heapq on (weight, smallest symbol, leaves) tuples: the
+    two lightest subtrees merge, ties to the one holding the smaller symbol. symbol -> depth."""
+    heap = [(w, s, [s]) for s, w in enumerate(histogram) if w]
+    depth = {s: 0 for _, s, _ in heap}
+    heapq.heapify(heap)
+    while len(heap) > 1:
+        (w1, s1, a), (w2, s2, b) = heapq.heappop(heap), heapq.heappop(heap)
+        for leaf in a + b:
+            depth[leaf] += 1
+        heapq.heappush(heap, (w1 + w2, min(s1, s2), a + b))
+    return depth
+
+
+@SETTINGS
+@given(histogram=st.lists(st.integers(0, 20), max_size=600))
+@example(histogram=[3] * 40)  # ties everywhere
+def test_huffman_tree_is_the_stated_rule(histogram):
+    """The compiled tree builder picks the tree the rule picks, ties included (every encoder builds one code)."""
+    symbols, lengths = huffman.code_lengths(np.array(histogram, np.int64))
+    assert dict(zip(symbols.tolist(), lengths.tolist())) == tree_depths(histogram)
 
 
 @SETTINGS

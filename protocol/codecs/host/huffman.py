@@ -32,27 +32,36 @@ def code_lengths(histogram: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     present = np.flatnonzero(histogram)
     if int(histogram.sum()) > MAX_SYMBOLS:
         raise ValueError(f"Huffman coding takes at most {MAX_SYMBOLS} symbols at once")
-    lengths = _depths(histogram[present].astype(np.int64), present.astype(np.int64))
+    shift = max(1, (histogram.size - 1).bit_length())  # a symbol's bits in a heap key
+    lengths = _depths(histogram[present].astype(np.int64), present.astype(np.int64), shift)
     order = np.lexsort((present, lengths))
     return present[order].astype(np.int64), lengths[order]
 
 
 @njit(cache=True)
-def _depths(weights, symbols):
+def _depths(weights, symbols, shift):
     """Each leaf's depth in Huffman's tree. Nodes 0..k-1 are the leaves; each merge makes the next node, the
-    parent of the two it takes; a parent comes after its children, so depths are filled from the root down."""
+    parent of the two it takes; a parent comes after its children, so depths are filled from the root down. A
+    subtree is on the heap as one integer, its weight above its smallest symbol (``shift`` bits), which names it:
+    the subtrees on the heap hold disjoint symbols."""
     k = weights.size
     if k == 0:
         return np.zeros(0, np.int64)
     parent = np.full(2 * k - 1, -1, np.int64)
-    heap = [(weights[i], symbols[i], i) for i in range(k)]
+    node_of = np.zeros(symbols[k - 1] + 1, np.int64)  # a subtree's node, by its smallest symbol
+    mask = (1 << shift) - 1
+    heap = [(weights[i] << shift) | symbols[i] for i in range(k)]
+    for i in range(k):
+        node_of[symbols[i]] = i
     heapq.heapify(heap)
     for node in range(k, 2 * k - 1):
-        w1, s1, a = heapq.heappop(heap)
-        w2, s2, b = heapq.heappop(heap)
-        parent[a] = node
-        parent[b] = node
-        heapq.heappush(heap, (w1 + w2, min(s1, s2), np.int64(node)))
+        first = heapq.heappop(heap)
+        second = heapq.heappop(heap)
+        parent[node_of[first & mask]] = node
+        parent[node_of[second & mask]] = node
+        smallest = min(first & mask, second & mask)
+        node_of[smallest] = node
+        heapq.heappush(heap, (((first >> shift) + (second >> shift)) << shift) | smallest)
     depth = np.zeros(2 * k - 1, np.int64)
     for node in range(2 * k - 3, -1, -1):
         depth[node] = depth[parent[node]] + 1
