@@ -51,6 +51,7 @@ import sys
 import tempfile
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +60,7 @@ from intml.protocol import lzw
 from intml.protocol.codecs.host import parse as host_codec
 from intml.protocol.job import CODEC_NAMES, MAX_WORLD, JobParams, host_aggregator_elements
 from intml.protocol.packet import HDR
+from intml.sim.compare import epochs_to
 from intml.worker.traffic import ring_bytes
 from intml.testbed.procs import free_port, rank_env
 
@@ -286,6 +288,7 @@ def rank_main(cfg: dict) -> None:
         "parameters": parameters,
         "test_accuracy": accuracy, "train_loss": loss_curve, "final_accuracy": accuracy[-1],
         "step_s_median": statistics.median(step_s[steps_per_epoch:] or step_s),
+        "epoch_s": [sum(step_s[e * steps_per_epoch:(e + 1) * steps_per_epoch]) for e in range(cfg["epochs"])],
         "hash_checked_steps": checked,
         "using_intml": bool(getattr(state if state is not None else pg, "using_intml", False)),
     }
@@ -345,11 +348,6 @@ def launch(run: str, seed: int, workers: int, args: dict, env: dict, out: Path, 
         text = "\n".join(errors[-40:] + ["..."] + lines[-12:])
         raise RuntimeError(f"run {run} seed {seed} failed (torchrun exit code {proc.returncode}):\n{text}")
     return json.loads(out.read_text())
-
-
-def epochs_to(accuracy: list[float], target: float) -> int | None:
-    """The first epoch (1-based) whose test accuracy is >= target, or None."""
-    return next((e + 1 for e, a in enumerate(accuracy) if a >= target), None)
 
 
 def summarise(reports: list[dict], target: float) -> list[dict]:
@@ -496,9 +494,11 @@ def plot(reports: list[dict], path: Path, target: float) -> None:
 def run(workers: int = 4, seeds: int = 5, epochs: int = 30, runs: tuple[str, ...] | None = None, batch: int = 16,
         lr: float = 0.2, lr_decay: float = 0.95, target: float = 0.95, packet_elements: int = JobParams.packet_elements,
         bucket_cap_mb: float | None = None, json_out: str | None = None, plot_out: str | None = None,
-        run_timeout: float = 600.0, quiet: bool = False, parallel: str = "ddp") -> dict:
-    """The whole experiment: one aggregator, then every run for every seed (seeds 0..seeds-1) in turn. `runs`
-    defaults to DEFAULT_RUNS with DDP and BACKEND_RUNS otherwise."""
+        run_timeout: float = 600.0, quiet: bool = False, parallel: str = "ddp",
+        on_report: Callable[[dict], None] | None = None) -> dict:
+    """The whole experiment: one aggregator, then every run for every seed (seeds 0..seeds-1) in turn, each
+    run's report passed to ``on_report`` as it comes. `runs` defaults to DEFAULT_RUNS with DDP and BACKEND_RUNS
+    otherwise."""
     from intml.testbed.bench_allreduce import aggregator
 
     if runs is None:
@@ -525,6 +525,8 @@ def run(workers: int = 4, seeds: int = 5, epochs: int = 30, runs: tuple[str, ...
                 if parse_run(spec)["codec"] is not None and not report["using_intml"]:
                     raise RuntimeError(f"run {spec} seed {seed} did not use intml")
                 reports.append(report)
+                if on_report:
+                    on_report(report)
                 if not quiet:
                     print(f"  {spec:>14} seed {seed}: final accuracy {100 * report['final_accuracy']:.2f}%, "
                           f"{1e3 * report['step_s_median']:.2f} ms/step ({time.monotonic() - started:.0f} s)",

@@ -1,0 +1,105 @@
+"""The codec comparison's simulated side: time per training step for each codec at scale, from the analytic
+models, and accuracy against wall time.
+
+A codec is a name: ``gloo`` (Gloo's ring, float32), a switch codec (``cnat8``, ``int32``: in-network, bounded by
+the workers' CPU as in ``sim.training``), or a host codec (``uniform8``, ``adaptive-huffman``...: the aggregator's
+host mode). Each codec's exchange of N elements:
+
+* gloo: ``sim.models.ring``;
+* cnat8, int32: ``sim.training.in_network_cpu``;
+* a host codec: dedicated host-mode aggregators (one per ``HOST_AGGREGATORS_PER_WORKERS`` workers, each on its own
+  link at the workers' rate) that each receive their share of every worker's packages and send every worker its
+  share of the result. Its wire bits per parameter each way are the testbed's measurement (packages and headers
+  up; the codec's RESULT down, float32 unless the codec sends less). The time is the slowest of the busiest link
+  (a worker's, or an aggregator's n/k times a worker's bytes), the worker's CPU (encode, decode the result, a
+  datagram each way per packet) and the aggregator's (decode n/k contributions per element on its cores), plus a
+  round trip (``sim.costs`` names every constant's source).
+
+A step: with DDP, ``sim.training.iteration`` (buckets overlapped with backward); with model averaging, the compute
+plus one exchange of all parameters every ``steps_per_epoch`` steps. Accuracy against wall time is the MEASURED
+accuracy after each epoch (the digits run) placed at the SIMULATED time that epoch ends: the simulated model's
+step time times the measured run's steps per epoch. It says when that curve would be reached if the larger model
+learned per epoch as the digits model did; it is not a simulation of learning.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from intml.protocol.job import CODEC_NAMES
+from intml.sim.costs import (HOST_AGGREGATOR_CORES, HOST_AGGREGATORS_PER_WORKERS, IO_PER_DATAGRAM, RESULT_FLOAT32,
+                             host_codec_costs)
+from intml.sim.models import Net, ring
+from intml.sim.training import PROFILES, iteration, in_network_cpu
+
+PARALLEL = ("average", "ddp")
+HOST_PACKET_ELEMENTS = 1024  # a host codec's elements per packet (JobParams' default): its datagrams' count
+
+
+def host_exchange(codec: str, net: Net, elements: int, up_bits: float, down_bits: float) -> float:
+    """One host-mode allreduce of ``elements`` (see the module's docstring)."""
+    n = net.workers
+    aggregators = max(1, n // HOST_AGGREGATORS_PER_WORKERS)
+    up, down = elements * up_bits / 8, elements * down_bits / 8
+    busiest = max(up, down, n / aggregators * max(up, down))
+    cost = host_codec_costs(codec)
+    packets = math.ceil(elements / HOST_PACKET_ELEMENTS)
+    worker = elements * (cost.encode + RESULT_FLOAT32) + 2 * packets * IO_PER_DATAGRAM
+    aggregator = n / aggregators * (elements * cost.decode + 2 * packets * IO_PER_DATAGRAM) / HOST_AGGREGATOR_CORES
+    return max(busiest * 8 / net.rate, worker, aggregator) + net.rtt
+
+
+def exchange_seconds(codec: str, net: Net, elements: int, up_bits: float, down_bits: float) -> float:
+    """One allreduce of ``elements`` float32 values under ``codec``."""
+    if codec == "gloo":
+        return ring(net, elements)
+    if codec in CODEC_NAMES:
+        return in_network_cpu(net, elements, codec)
+    return host_exchange(codec, net, elements, up_bits, down_bits)
+
+
+def step_seconds(codec: str, parallel: str, net: Net, parameters: int, compute: float, steps_per_epoch: int,
+                 up_bits: float, down_bits: float) -> float:
+    """One training step's time: DDP's overlapped iteration, or the compute plus an averaging's share."""
+    if parallel == "ddp":
+        return iteration(parameters, compute, lambda n: exchange_seconds(codec, net, n, up_bits, down_bits))
+    return compute + exchange_seconds(codec, net, parameters, up_bits, down_bits) / steps_per_epoch
+
+
+def profile(model: str, measured_parameters: int, measured_compute: float) -> tuple[int, float]:
+    """(parameters, compute seconds per step) of a model: ``digits`` is the measured run's own, the others
+    ``sim.training.PROFILES``."""
+    if model == "digits":
+        return measured_parameters, measured_compute
+    if model not in PROFILES:
+        raise ValueError(f"unknown model {model!r}: digits or one of {', '.join(PROFILES)}")
+    return PROFILES[model]
+
+
+def epochs_to(accuracy: Sequence[float], target: float) -> int | None:
+    """The first epoch (1-based) whose test accuracy is >= target, or None."""
+    return next((e + 1 for e, a in enumerate(accuracy) if a >= target), None)
+
+
+def wall_curve(epoch_seconds: Sequence[float]) -> list[float]:
+    """The wall time at which each epoch ends."""
+    total, out = 0.0, []
+    for seconds in epoch_seconds:
+        total += seconds
+        out.append(total)
+    return out
+
+
+def summary(codec: str, accuracy: Sequence[float], epoch_seconds: Sequence[float], step_s: float, target: float,
+            up_bits: float, down_bits: float) -> dict:
+    """One codec's row of a setting: bits each way, time per step, final accuracy, the epoch and the wall time
+    the accuracy first reaches ``target`` (None: never), and the curve (wall seconds, accuracy) for the plot."""
+    if len(accuracy) != len(epoch_seconds) or not accuracy:
+        raise ValueError(f"{codec}: {len(accuracy)} accuracies for {len(epoch_seconds)} epoch times")
+    wall = wall_curve(epoch_seconds)
+    reach = epochs_to(accuracy, target)
+    return {"codec": codec, "up_bits_per_parameter": up_bits, "down_bits_per_parameter": down_bits, "step_s": step_s,
+            "final_accuracy": accuracy[-1], "epochs_to_target": reach,
+            "time_to_target_s": None if reach is None else wall[reach - 1],
+            "curve": [[w, a] for w, a in zip(wall, accuracy)]}
