@@ -186,7 +186,9 @@ def plot(settings: list[dict], path: str, target: float, title: str) -> None:
             style = {"color": "black", "linewidth": 2.2} if r["codec"] == "gloo" else {"linewidth": 1.3}
             ax.plot([w for w, _ in r["curve"]], [100 * a for _, a in r["curve"]], label=r["codec"], **style)
         ax.axhline(100 * target, color="grey", linestyle=":", linewidth=1)
-        ax.set(title=setting["setting"], xlabel="wall time (s)", ylabel="test accuracy (%)", ylim=(80, 100))
+        lowest = min(100 * a for r in setting["rows"] for _, a in r["curve"])
+        ax.set(title=setting["setting"], xlabel="wall time (s)", ylabel="test accuracy (%)",
+               ylim=(max(0, min(80, lowest - 2)), 100))
         ax.set_xscale("log")
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(settings):]:
@@ -263,7 +265,7 @@ def _codecs_arg(text: str) -> tuple[str, ...]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `intml-testbed compare`; pass the parsed namespace to run_from_args."""
-    from intml.aggregator.cli import bit_rate, count, output_file, parsed_by, positive
+    from intml.aggregator.cli import count, output_file, parsed_by, positive, rate
     from intml.protocol.job import MAX_WORLD
     from intml.sim.scenario import parse_rate
     from intml.sim.training import PROFILES
@@ -281,7 +283,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=positive(), default=16, help="batch per rank (default 16)")
     parser.add_argument("--target", type=positive(float, 1.0, "an accuracy"), default=0.95,
                         help="the accuracy whose epoch and wall time are reported (default 0.95)")
-    parser.add_argument("--rate", type=bit_rate, nargs="+", default=[], metavar="RATE",
+    parser.add_argument("--rate", type=rate, nargs="+", default=[], metavar="RATE",
                         help="time the exchanges over shaped links at these rates, in network namespaces (root; "
                              "tc's syntax: 100mbit 1gbit; default: none)")
     parser.add_argument("--mtu", type=int, choices=MTUS, default=MTUS[0], help="the shaped links' MTU (1500)")

@@ -125,6 +125,7 @@ def test_run_prints_json_with_every_setting_and_plots(monkeypatch, tmp_path, cap
     (["--sim-model", "LeNet"], "invalid choice: 'LeNet'"),
     (["--sim-rate", "fast"], "rate must be like"),
     (["--workers", "1"], "--workers"),
+    (["--rate", "100xbit"], "a rate looks like 100mbit"),
 ])
 def test_misuse_is_one_line(argv: list[str], message: str, capsys) -> None:
     with pytest.raises(SystemExit) as exc:
@@ -132,3 +133,25 @@ def test_misuse_is_one_line(argv: list[str], message: str, capsys) -> None:
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_the_command_line_times_exchanges_at_each_rate(monkeypatch, capsys) -> None:
+    """--rate goes to bench cluster's run_point as tc's rate text, with every intml codec; its rows become a
+    netns setting."""
+    from intml.testbed import bench_cluster, netns
+
+    calls = []
+
+    def run_point(workers, rate, elements, *args, codecs, with_gloo, results, **kw):
+        calls.append((workers, netns.parse_rate(rate), elements, codecs, with_gloo, results))
+        return {"rows": [{"system": "intml uniform8", "median_s": 0.2}, {"system": "gloo ring", "median_s": 0.5}]}
+
+    monkeypatch.setattr(compare.train, "run", lambda **kw: {"reports": REPORTS, "rows": []})
+    monkeypatch.setattr(compare, "compute_step_seconds", lambda batch: 0.01)
+    monkeypatch.setattr(bench_cluster, "run_point", run_point)
+    monkeypatch.setattr(netns, "missing_requirements", lambda: None)
+    assert main(["compare", "--codecs", "gloo,uniform8", "--workers", "2", "--rate", "100mbit", "--json"]) == 0
+    assert calls == [(2, 100_000_000, PARAMETERS, ("uniform8",), True, "unicast")]
+    [loopback, shaped] = json.loads(capsys.readouterr().out)["settings"]
+    assert shaped["setting"] == "netns 100mbit" and shaped["exchange_s"] == {"uniform8": 0.2, "gloo": 0.5}
+    assert {r["codec"]: r["step_s"] for r in shaped["rows"]} == pytest.approx({"gloo": 0.11, "uniform8": 0.05})
