@@ -31,9 +31,14 @@ from intml.protocol.job import CODEC_NAMES
 from intml.sim.costs import (HOST_AGGREGATOR_CORES, HOST_AGGREGATORS_PER_WORKERS, IO_PER_DATAGRAM, RESULT_FLOAT32,
                              host_codec_costs)
 from intml.sim.models import Net, ring
+from intml.sim.output import pyplot
 from intml.sim.training import PROFILES, iteration, in_network_cpu
 
 PARALLEL = ("average", "ddp")
+COLUMNS = ("setting", "codec", "up_bits_per_parameter", "down_bits_per_parameter", "step_s", "final_accuracy",
+           "epochs_to_target", "time_to_target_s")
+HOW = ("simulated step times (sim.compare: the measured bits per parameter, sim.costs' host costs); the accuracy "
+       "is the measured digits run's per epoch, placed at the simulated epoch times")
 HOST_PACKET_ELEMENTS = 1024  # a host codec's elements per packet (JobParams' default): its datagrams' count
 
 
@@ -103,3 +108,46 @@ def summary(codec: str, accuracy: Sequence[float], epoch_seconds: Sequence[float
             "final_accuracy": accuracy[-1], "epochs_to_target": reach,
             "time_to_target_s": None if reach is None else wall[reach - 1],
             "curve": [[w, a] for w, a in zip(wall, accuracy)]}
+
+
+def setting(inputs: dict[str, dict], model: str, workers: int, rate: float, compute_s: float, parallel: str,
+            target: float, mtu: int = 9000) -> dict:
+    """A simulated setting: each codec's step at ``workers`` workers of ``rate`` bit/s, times the measured run's
+    steps per epoch, and the measured accuracy curve on that clock. ``inputs``: per codec, the measured
+    ``accuracy`` per epoch, ``up_bits`` and ``down_bits`` per parameter, ``parameters`` and ``steps_per_epoch``
+    (``intml-testbed compare --json``'s "inputs"); ``compute_s``: the measured model's compute per step."""
+    rows = []
+    net = Net(workers, rate, mtu=mtu)
+    for codec, m in inputs.items():
+        parameters, compute = profile(model, m["parameters"], compute_s)
+        step = step_seconds(codec, parallel, net, parameters, compute, m["steps_per_epoch"], m["up_bits"],
+                            m["down_bits"])
+        epochs = [step * m["steps_per_epoch"]] * len(m["accuracy"])
+        rows.append(summary(codec, m["accuracy"], epochs, step, target, m["up_bits"], m["down_bits"]))
+    return {"setting": f"sim {model} {rate / 1e9:g}gbit x{workers}",
+            "kind": "simulated step times; the measured accuracy per epoch on that clock", "rows": rows}
+
+
+def plot(settings: list[dict], path: str, target: float, title: str) -> None:
+    """Accuracy against wall time, one panel per setting, one line per codec (gloo black)."""
+    plt = pyplot()
+    columns = min(3, len(settings))
+    rows = -(-len(settings) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(4.6 * columns, 3.6 * rows), squeeze=False)
+    for ax, s in zip(axes.flat, settings):
+        for r in s["rows"]:
+            style = {"color": "black", "linewidth": 2.2} if r["codec"] == "gloo" else {"linewidth": 1.3}
+            ax.plot([w for w, _ in r["curve"]], [100 * a for _, a in r["curve"]], label=r["codec"], **style)
+        ax.axhline(100 * target, color="grey", linestyle=":", linewidth=1)
+        lowest = min(100 * a for r in s["rows"] for _, a in r["curve"])
+        ax.set(title=s["setting"], xlabel="wall time (s)", ylabel="test accuracy (%)",
+               ylim=(max(0, min(80, lowest - 2)), 100))
+        ax.set_xscale("log")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(settings):]:
+        ax.set_visible(False)
+    axes[0][0].legend(fontsize=7, loc="lower right")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

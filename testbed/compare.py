@@ -40,7 +40,6 @@ from intml.protocol.codecs.host import parse as host_codec
 from intml.protocol.job import CODEC_NAMES, JobParams
 from intml.protocol.packet import HDR
 from intml.sim import compare as sim_compare
-from intml.sim.models import Net
 from intml.sim.run import Progress
 from intml.testbed import train
 from intml.testbed.bench_cluster import host_result_bytes
@@ -140,22 +139,6 @@ def shaped_setting(inputs: dict[str, dict], rate: str, exchange_s: dict[str, flo
             "exchange_s": exchange_s, "rows": rows}
 
 
-def sim_setting(inputs: dict[str, dict], model: str, workers: int, rate: float, compute_s: float, parallel: str,
-                target: float, mtu: int = 9000) -> dict:
-    """A simulated setting: each codec's step at ``workers`` workers of ``rate`` bit/s from sim.compare, times the
-    measured run's steps per epoch; the measured accuracy curve on that clock."""
-    rows = []
-    net = Net(workers, rate, mtu=mtu)
-    for codec, m in inputs.items():
-        parameters, compute = sim_compare.profile(model, m["parameters"], compute_s)
-        step = sim_compare.step_seconds(codec, parallel, net, parameters, compute, m["steps_per_epoch"],
-                                        m["up_bits"], m["down_bits"])
-        epochs = [step * m["steps_per_epoch"]] * len(m["accuracy"])
-        rows.append(sim_compare.summary(codec, m["accuracy"], epochs, step, target, m["up_bits"], m["down_bits"]))
-    return {"setting": f"sim {model} {rate / 1e9:g}gbit x{workers}",
-            "kind": "simulated step times; the measured accuracy per epoch on that clock", "rows": rows}
-
-
 def table(setting: dict, target: float) -> str:
     """One setting as markdown."""
     lines = [f"{setting['setting']} ({setting['kind']})",
@@ -171,33 +154,6 @@ def table(setting: dict, target: float) -> str:
 
 def seconds_text(seconds: float) -> str:
     return f"{seconds * 1e3:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
-
-
-def plot(settings: list[dict], path: str, target: float, title: str) -> None:
-    """Accuracy against wall time, one panel per setting, one line per codec (gloo black)."""
-    from intml.sim.output import pyplot
-
-    plt = pyplot()
-    columns = min(3, len(settings))
-    rows = -(-len(settings) // columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(4.6 * columns, 3.6 * rows), squeeze=False)
-    for ax, setting in zip(axes.flat, settings):
-        for r in setting["rows"]:
-            style = {"color": "black", "linewidth": 2.2} if r["codec"] == "gloo" else {"linewidth": 1.3}
-            ax.plot([w for w, _ in r["curve"]], [100 * a for _, a in r["curve"]], label=r["codec"], **style)
-        ax.axhline(100 * target, color="grey", linestyle=":", linewidth=1)
-        lowest = min(100 * a for r in setting["rows"] for _, a in r["curve"])
-        ax.set(title=setting["setting"], xlabel="wall time (s)", ylabel="test accuracy (%)",
-               ylim=(max(0, min(80, lowest - 2)), 100))
-        ax.set_xscale("log")
-        ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(settings):]:
-        ax.set_visible(False)
-    axes[0][0].legend(fontsize=7, loc="lower right")
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def run(codecs: tuple[str, ...] = DEFAULT_CODECS, parallel: str = "average", workers: int = 4, seeds: int = 1,
@@ -238,14 +194,15 @@ def run(codecs: tuple[str, ...] = DEFAULT_CODECS, parallel: str = "average", wor
     for model in sim_models:
         for rate in sim_rates:
             for n in sim_workers:
-                settings.append(sim_setting(inputs, model, n, rate, compute_s, parallel, target))
+                settings.append(sim_compare.setting(inputs, model, n, rate, compute_s, parallel, target))
     out = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "load_average": list(os.getloadavg()),
            "parallel": parallel, "workers": workers, "seeds": seeds, "epochs": epochs, "batch_per_rank": batch,
            "target_accuracy": target, "packet_elements": packet_elements, "mtu": mtu,
-           "compute_step_s": compute_s, "codecs": list(codecs), "settings": settings, "training": result["rows"]}
+           "compute_step_s": compute_s, "codecs": list(codecs), "inputs": inputs, "settings": settings,
+           "training": result["rows"]}
     if plot_out:
-        plot(settings, plot_out, target, f"digits MLP, {parallel}, {workers} workers, {epochs} epochs, "
+        sim_compare.plot(settings, plot_out, target, f"digits MLP, {parallel}, {workers} workers, {epochs} epochs, "
                                          f"{seeds} seed{'s' if seeds > 1 else ''} (median)")
     if as_json:
         print(json.dumps(out, indent=1))

@@ -155,3 +155,25 @@ def test_the_command_line_times_exchanges_at_each_rate(monkeypatch, capsys) -> N
     [loopback, shaped] = json.loads(capsys.readouterr().out)["settings"]
     assert shaped["setting"] == "netns 100mbit" and shaped["exchange_s"] == {"uniform8": 0.2, "gloo": 0.5}
     assert {r["codec"]: r["step_s"] for r in shaped["rows"]} == pytest.approx({"gloo": 0.11, "uniform8": 0.05})
+
+
+def test_intml_sim_compare_replays_the_measured_json(monkeypatch, tmp_path, capsys) -> None:
+    """`intml-sim compare` on the testbed's --json gives the testbed's own simulated settings, and refuses another
+    file in one line."""
+    from intml.sim import output
+    from intml.sim.__main__ import main as sim_main
+
+    monkeypatch.setattr(output, "code_version", lambda: "test")  # not git's: no subprocess in process
+    monkeypatch.setattr(compare.train, "run", lambda **kw: {"reports": REPORTS, "rows": []})
+    monkeypatch.setattr(compare, "compute_step_seconds", lambda batch: 0.002)
+    out = compare.run(codecs=("gloo", "uniform8"), sim_rates=(10e9,), sim_models=("VGG-16",), as_json=True)
+    measured = tmp_path / "compare.json"
+    measured.write_text(capsys.readouterr().out)
+    assert sim_main(["compare", str(measured), "--rate", "10gbit", "--model", "VGG-16", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert rows == [{"setting": "sim VGG-16 10gbit x16", **{k: v for k, v in r.items() if k != "curve"}}
+                    for r in out["settings"][1]["rows"]]
+    (tmp_path / "other.json").write_text("{}")
+    assert sim_main(["compare", str(tmp_path / "other.json")]) == 2
+    err = capsys.readouterr().err
+    assert "is not the output of intml-testbed compare --json" in err and len(err.strip().splitlines()) == 1
