@@ -34,7 +34,9 @@ per step), writes all reports to ``--json-out`` and plots test accuracy against 
 
 Bytes per step and worker, each way: intml from the packet format (``worker.traffic.intml_bytes``: payload plus
 a 26-byte header per data packet and per slot-opening bootstrap packet, retransmissions counted apart);
-Gloo from the ring model 2(n-1)/n x 4 bytes per element, not measured.
+Gloo from the ring model 2(n-1)/n x 4 bytes per element, not measured. A host codec's are measured (its packages
+vary with the data): the packages sent plus a header per packet; what comes back is in the report's traffic
+(``host_result_bytes``).
 """
 
 from __future__ import annotations
@@ -75,21 +77,30 @@ SPLIT_SEED = 0
 
 
 # ---- run specs -------------------------------------------------------------------------------------------
-def parse_run(spec: str) -> dict:
-    """'cnat8-ef-w20' -> {'name', 'codec', 'error_feedback', 'warmup_steps', 'integration', 'threaded'}. A host
-    codec's name (protocol.codecs.host: 'uniform8', 'adaptive-huffman-c6') is a run of its own, without options:
-    integration 'worker'."""
-    try:
-        host_codec(spec)
-    except ValueError as exc:
-        not_host = str(exc)
+def parse_run(spec: str, parallel: str = "ddp") -> dict:
+    """'cnat8-ef-w20' -> {'name', 'codec', 'error_feedback', 'warmup_steps', 'integration', 'threaded'}. The codec
+    may be a host codec's name (protocol.codecs.host: 'uniform8-backend', 'topk0.01-ef'), through the hook or the
+    backend as cnat8 is; with --parallel average a bare one ('uniform8', 'adaptive-huffman-c6') averages through a
+    Worker of the aggregator's host mode: integration 'worker'."""
+    parts = spec.split("-")
+    not_host = ""
+    for cut in range(len(parts), 0, -1):  # the longest prefix that names a codec: host codecs' names hold '-'
+        base = "-".join(parts[:cut])
+        if base in BASES:
+            break
+        try:
+            host_codec(base)
+        except ValueError as exc:
+            not_host = not_host or str(exc)  # the whole spec's reason ('uniform99': N out of range)
+        else:
+            break
     else:
-        return {"name": spec, "codec": spec, "error_feedback": False, "warmup_steps": 0, "integration": "worker",
-                "threaded": False}
-    base, *flags = spec.split("-")
-    if base not in BASES:  # say why it is not a host codec either ('uniform99': N out of range)
         raise ValueError(f"run {spec!r}: must start with one of {', '.join(BASES)}, or be a host codec's name: "
                          f"{not_host}")
+    flags = parts[cut:]
+    if parallel == "average" and base not in BASES and not flags:
+        return {"name": spec, "codec": spec, "error_feedback": False, "warmup_steps": 0, "integration": "worker",
+                "threaded": False}
     run = {"name": spec, "codec": None if base == "gloo" else base, "error_feedback": False, "warmup_steps": 0,
            "integration": "gloo" if base == "gloo" else "hook", "threaded": False}
     for flag in flags:
@@ -114,11 +125,7 @@ def check_parallel(specs: tuple[str, ...], parallel: str) -> None:
     """FSDP2 and model averaging have no DDP communication hook: their intml runs go through the backend."""
     if parallel not in PARALLEL:
         raise ValueError(f"parallel must be one of {', '.join(PARALLEL)}, got {parallel!r}")
-    hosted = [s for s in specs if parse_run(s)["integration"] == "worker"]
-    if parallel != "average" and hosted:
-        raise ValueError(f"runs {', '.join(hosted)} name host codecs, which train only with --parallel average (the "
-                         f"torch backend and hook serve cnat8 and int32)")
-    hooked = [s for s in specs if parse_run(s)["integration"] == "hook"]
+    hooked = [s for s in specs if parse_run(s, parallel)["integration"] == "hook"]
     if parallel != "ddp" and hooked:
         raise ValueError(f"runs {', '.join(hooked)} use the DDP hook, which {parallel} cannot take; use the backend "
                          f"instead (for example {parse_run(hooked[0])['codec']}-backend)")
@@ -184,7 +191,7 @@ def rank_main(cfg: dict) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(1)
-    run = parse_run(cfg["run"])
+    run = parse_run(cfg["run"], cfg.get("parallel", "ddp"))
     if run["integration"] == "gloo":
         dist.init_process_group("gloo")
     elif run["integration"] == "backend":
@@ -511,7 +518,7 @@ def run(workers: int = 4, seeds: int = 5, epochs: int = 30, runs: tuple[str, ...
     args = {"epochs": epochs, "batch": batch, "lr": lr, "lr_decay": lr_decay, "bucket_cap_mb": bucket_cap_mb,
             "parallel": parallel}
     reports = []
-    hosted = any(parse_run(s)["integration"] == "worker" for s in specs)
+    hosted = any(parse_run(s)["codec"] not in (None, *CODEC_NAMES) for s in specs)  # host codecs' packages
     most = max(packet_elements, host_aggregator_elements(packet_elements)) if hosted else packet_elements
     with aggregator(cores=1, max_packet_elements=most) as port, \
             tempfile.TemporaryDirectory(prefix="intml-train-") as tmp:
@@ -576,8 +583,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="DDP; FSDP2 (fully_shard); or average: local SGD, parameters averaged after every "
                              "epoch (seed 001); the last two's intml runs take -backend (default ddp)")
     parser.add_argument("--runs", type=_runs_arg, default=None,
-                        help="comma-separated: gloo, int32, cnat8 with optional -ef, -wK, -backend, -thread; with "
-                             "--parallel average also host codecs (uniform8, adaptive-huffman: docs/codecs.md) "
+                        help="comma-separated: gloo, or a codec (int32, cnat8, or a host codec: uniform8, topk0.01, "
+                             "adaptive-huffman: docs/codecs.md) with optional -ef, -wK, -backend, -thread; with "
+                             "--parallel average a bare host codec averages through the aggregator's host mode "
                              f"(default {','.join(DEFAULT_RUNS)}; otherwise {','.join(BACKEND_RUNS)})")
     parser.add_argument("--batch", type=positive(), default=16, help="batch per rank (default 16)")
     parser.add_argument("--lr", type=positive(float), default=0.2)

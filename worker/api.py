@@ -111,6 +111,7 @@ class Worker:
         self.job, self.rank, self.world_size = job, rank, world_size
         self.codec = params.codec
         self.codec_name = codec
+        self.host_codec = params.host_codec  # None for a switch codec
         self.timeout = timeout
         self.session = WorkerSession(job=job, rank=rank, params=params, token=token,
                                      aggregator=[addr_key(h, p) for h, p in self.aggregators], timeout=timeout,
@@ -152,10 +153,9 @@ class Worker:
         engine = dict(job=job, rank=rank, world_size=world_size, packet_elements=packet_elements, pool_size=pool_size,
                       seed=seed, agg_addrs=joined.addrs, rto=timers.rto, min_rto=timers.min_rto, max_rto=timers.max_rto,
                       data_mac_keys=joined.data_keys if data_mac else None)
-        host_codec = params.host_codec
         self.engine: StreamEngine | HostStreamEngine = (
-            StreamEngine(codec=self.codec, nearest=params.nearest, **engine) if host_codec is None
-            else HostStreamEngine(codec=host_codec, **engine))  # the aggregator's host mode sums it
+            StreamEngine(codec=self.codec, nearest=params.nearest, **engine) if self.host_codec is None
+            else HostStreamEngine(codec=self.host_codec, **engine))  # the aggregator's host mode sums it
         # where the job's peers are: a fresh job's start, or the next allreduce of one this rank rejoins
         self.engine.resume(joined.allreduce, joined.shadow_sets)
 

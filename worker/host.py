@@ -98,6 +98,7 @@ class HostStreamEngine:
         """Arguments as StreamEngine's; ``codec``: the job's host codec (protocol.codecs.host)."""
         self.codec = codec
         self.package_bytes = 0  # of every DATA package built (first transmissions): what the codec put on the wire
+        self.result_bytes = 0  # of every RESULT package taken: what came back (topk's dense sum, signsgd's 1 bit)
         self.job, self.rank, self.world_size, self.seed = job, rank, world_size, seed
         self.packet_elements, self.pool_size = packet_elements, pool_size
         self.mac_keys = np.zeros((0, 2), np.uint64) if data_mac_keys is None else np.ascontiguousarray(
@@ -254,6 +255,7 @@ class HostStreamEngine:
             return s, DROP_MALFORMED
         if values.shape != (count,):
             return s, DROP_MALFORMED
+        self.result_bytes += length - HDR
         out = self._out[lo:lo + count]
         out[:] = values
         if self._mean:
@@ -289,8 +291,10 @@ class HostStreamEngine:
         return np.flatnonzero(self.cur_chunk != IDLE).tolist()
 
     def counters(self) -> dict[str, int]:
-        """StreamEngine's counters, and ``package_bytes``: the codec's bytes sent, headers and resends apart."""
-        return dict(zip(STAT_NAMES, self.stats.tolist())) | {"package_bytes": self.package_bytes}
+        """StreamEngine's counters, ``package_bytes``: the codec's bytes sent, and ``result_bytes``: the result
+        packages' bytes received; headers, MAC tags and resends apart."""
+        return dict(zip(STAT_NAMES, self.stats.tolist())) | {"package_bytes": self.package_bytes,
+                                                             "result_bytes": self.result_bytes}
 
     @property
     def rto(self) -> float:

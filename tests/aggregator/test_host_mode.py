@@ -80,12 +80,19 @@ def test_the_papers_codecs_take_the_same_path(name: str) -> None:
     net.allreduce(xs)
     codec = parse(name)
     want = reference(codec, xs, seed=net.seed, allreduce=0, packet_elements=P)
+    keys = [rank_key(net.seed, 0, rank) for rank in range(3)]
+    result_bytes = sum(len(codec.encode_result(codec.combine([codec.decode(codec.encode(x[lo:lo + P], k, lo),
+                                                                            x[lo:lo + P].size)
+                                                              for x, k in zip(xs, keys)])))
+                       for lo in range(0, SIZE, P))
     for rank, engine in enumerate(net.engines):
         np.testing.assert_array_equal(engine.result.view(np.uint32), want.view(np.uint32), err_msg=f"rank {rank}")
         # the bytes the codec put on the wire: each package once, however often it was resent
         key = rank_key(net.seed, 0, rank)
         assert engine.counters()["package_bytes"] == sum(len(codec.encode(xs[rank][lo:lo + P], key, lo))
                                                          for lo in range(0, SIZE, P)), rank
+        # and the result packages it received: each chunk's once, however often the aggregator resent it
+        assert engine.counters()["result_bytes"] == result_bytes, rank
     assert net.uplink.counts["dropped"] and net.job_counters()["drop_bad_package"] == 0
 
 

@@ -62,7 +62,9 @@ def test_workers_allreduce_with_a_host_codec() -> None:
             with Worker(f"{HOST}:{port}", job=11, rank=r, world_size=n, token=TOKEN, codec="hostq8",
                         packet_elements=PACKET, pool_size=8, seed=5, timeout=30) as w:
                 results[r] = [w.allreduce(xs[r]), w.allreduce(xs[r], op="mean")]
-                assert w.counters()["drop_malformed"] == 0
+                # each chunk's result taken once per allreduce; drop_malformed is not asserted: it also counts a late
+                # JOIN_ACK, the second answer to a JOIN resent while the aggregator was slow to start
+                assert w.counters()["results"] == 2 * -(-size // PACKET)
         except BaseException as exc:  # reported by the test's thread
             errors.append(exc)
 

@@ -38,7 +38,8 @@ are said when it is destroyed (``IntmlRoutingWarning``). Coalesced allreduces go
 A live rank keeps its job alive on the aggregator however long it pauses (``Worker.start_keepalive``).
 
 Environment (see ``IntmlConfig``): ``INTML_AGGREGATOR=host:port`` (required unless falling back),
-``INTML_TOKEN``, ``INTML_CODEC`` (cnat8 | int32), ``INTML_ROUNDING`` (stochastic | nearest, docs/rounding.md),
+``INTML_TOKEN``, ``INTML_CODEC`` (cnat8 | int32 | a host codec's name: uniform8, topk0.01, ...: docs/codecs.md),
+``INTML_ROUNDING`` (stochastic | nearest, docs/rounding.md),
 ``INTML_JOB``, ``INTML_SEED`` (default: from torch's seed, so a seeded run repeats bit for bit),
 ``INTML_PACKET_ELEMENTS``,
 ``INTML_POOL``, ``INTML_TIMEOUT``, ``INTML_CONNECT_TIMEOUT``, ``INTML_FALLBACK`` (error | gloo),
@@ -58,6 +59,11 @@ CUDA tensors: where ``intml.worker.gpu`` imports (the ``intml[cuda]`` extra, a d
 CUDA tensor is encoded and decoded on its device and only its 8-bit codes cross PCIe (``gpu``; docs/gpu.md);
 ``.traffic.intml_cuda_*`` count those allreduces. Results are bit for bit the CPU path's, so CPU and GPU ranks
 may share a job.
+
+Host codecs (``INTML_CODEC=uniform8``, ``adaptive-huffman``, ``topk0.01``...: protocol.codecs.host) are summed by
+the aggregator's host mode and encoded on the CPU: 16-bit and CUDA tensors go as an exact float32 CPU copy, their
+result rounded back once; a reduce-scatter is the whole allreduce with this rank's shard kept
+(``.traffic.host_reduce_scatters``); ``.traffic`` holds the measured package bytes (docs/torch.md, "Host codecs").
 
 Modules: ``config`` (``IntmlConfig``), ``link`` (joining the aggregator, the allreduce thread, the errors),
 ``feedback`` (error feedback's residuals), ``accounting`` (traffic counters), ``routing`` (intml or Gloo, and

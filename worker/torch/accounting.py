@@ -1,6 +1,6 @@
 """Traffic accounting of a hook state or process group: how many allreduces went where, and their bytes (from
-``worker.traffic``'s formulas, per worker and each way; retransmitted datagrams counted apart), and why each
-allreduce that went to Gloo did (``routing``'s reasons)."""
+``worker.traffic``'s formulas, per worker and each way; a host codec's measured, as its packages vary with the data;
+retransmitted datagrams counted apart), and why each allreduce that went to Gloo did (``routing``'s reasons)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ class Traffic:
     intml_allreduces: int = 0
     intml_reduce_scatters: int = 0  # their elements and bytes (the upload's) are in intml_elements and intml_bytes
     intml_elements: int = 0
-    intml_bytes: int = 0
+    intml_bytes: int = 0  # sent; a switch codec's results are as long, a host codec's are in host_result_bytes
     intml_cuda_allreduces: int = 0  # of intml_allreduces: CUDA tensors, encoded and decoded on their device
     intml_cuda_elements: int = 0  # their elements and wire bytes (also in intml_elements and intml_bytes)
     intml_cuda_bytes: int = 0
@@ -30,11 +30,20 @@ class Traffic:
     packets_out: int = 0
     retransmissions: int = 0
     gloo_reasons: dict[str, int] = dataclasses.field(default_factory=dict)  # routing reason: Gloo allreduces
+    # a host codec's result packages received (measured, with headers): they differ from what was sent (topk's sum
+    # is dense float32, signsgd's vote 1 bit)
+    host_result_bytes: int = 0
+    # of intml_reduce_scatters: run by a host codec as a whole allreduce, the shard kept (host mode has no
+    # reduce-scatter): the rank received the whole sum, in host_result_bytes
+    host_reduce_scatters: int = 0
 
     def add_intml(self, elements: int, wire_bytes: int, before: dict[str, int], after: dict[str, int],
-                  reduce_scatter: bool = False, cuda: bool = False) -> None:
+                  reduce_scatter: bool = False, cuda: bool = False, host_received: int | None = None) -> None:
         """One allreduce (or reduce-scatter) through the aggregator, of a CUDA tensor on the CUDA path if `cuda`;
-        `before` and `after` are the worker's counters around it."""
+        `before` and `after` are the worker's counters around it. `host_received`: a host codec's result bytes."""
+        if host_received is not None:
+            self.host_result_bytes += host_received
+            self.host_reduce_scatters += reduce_scatter
         if cuda:
             self.intml_cuda_allreduces += 1
             self.intml_cuda_elements += elements

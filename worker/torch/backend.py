@@ -4,7 +4,8 @@ with SUM or AVG through the aggregator (several at once, coalesced, as one of th
 every smaller allreduce (losses, metrics, counters: exact), every other collective, op and dtype to an inner Gloo
 group on the same store (SwitchML's PyTorch patch falls back to Gloo the same way). ``routing`` has the rule and its
 reasons. ``reduce_scatter_tensor`` (FSDP's and ZeRO's gradient reduction) follows the same rule through the aggregator,
-which sends each rank only the chunks of its shard.
+which sends each rank only the chunks of its shard; a host codec's reduce-scatter is its whole allreduce, the shard
+kept (host mode has no reduce-scatter; ``Traffic.host_reduce_scatters`` counts them).
 
 Every intml allreduce runs on the link's thread, so ``dist.all_reduce(t, async_op=True)`` returns a Work at once,
 as Gloo's does, and ``work.wait()`` / ``work.is_completed()`` / ``work.get_future()`` behave as Gloo's. The
@@ -26,10 +27,9 @@ from torch.futures import Future
 
 from intml.worker.torch import routing
 from intml.worker.torch.config import IntmlConfig
-from intml.worker.torch.link import AggregatorLinked, value
+from intml.worker.torch.link import CPU, AggregatorLinked, value
 
 BACKEND = "intml"
-CPU = torch.device("cpu")
 DEVICES = (CPU, torch.device("cuda"))  # Gloo takes CUDA tensors too (it stages them through the host)
 
 

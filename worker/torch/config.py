@@ -17,6 +17,9 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
+from intml.protocol.codecs import host
+from intml.protocol.codecs.host.powersgd import PowerSGD
+from intml.protocol.codecs.host.randomk import RandomK
 from intml.protocol.job import CODEC_NAMES, ROUNDINGS, JobParams, WorkerTimers, codec_name
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -39,7 +42,7 @@ class IntmlConfig:
 
     aggregator: str | None = None  # host:port of intml-aggregator, or several comma-separated (one job over all)
     token: str = ""  # INTML_TOKEN: the job's shared secret, one the aggregator knows (it never goes on the wire)
-    codec: str = codec_name(JobParams.codec)  # cnat8 (8-bit C_nat) or int32 (SwitchML's fixed point)
+    codec: str = codec_name(JobParams.codec)  # cnat8 or int32 (summed by a switch), or a host codec's name
     job: int | None = None  # job id on the aggregator; None: rank 0 draws one at random and shares it
     seed: int | None = None  # job seed of the stochastic rounding; None: rank 0's from torch's (link.rounding_seed)
     rounding: str = ROUNDINGS[0]  # C_nat's: "stochastic" (unbiased) or "nearest" (deterministic, biased)
@@ -82,10 +85,20 @@ class IntmlConfig:
         return cls(**values).validated()
 
     def validated(self) -> IntmlConfig:
-        if self.codec not in CODEC_NAMES:
-            raise ValueError(f"INTML_CODEC must be one of {sorted(CODEC_NAMES)}, got {self.codec!r}")
+        codec = self.host_codec()  # raises for a name that is neither a switch nor a host codec's
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"INTML_ROUNDING must be one of {', '.join(ROUNDINGS)}, got {self.rounding!r}")
+        if codec is not None and self.rounding != ROUNDINGS[0]:
+            raise ValueError(f"INTML_ROUNDING={self.rounding} is C_nat's; {codec.name} rounds as it defines "
+                             f"(docs/codecs.md): leave INTML_ROUNDING unset with a host codec")
+        if isinstance(codec, PowerSGD):
+            raise ValueError(f"INTML_CODEC={codec.name} cannot run through torch: low rank needs each gradient's "
+                             f"matrix shape and two allreduces per step (protocol.codecs.host.powersgd.LowRank over a "
+                             f"Worker), and a bucket through it alone would go as uncompressed float32")
+        if self.error_feedback and isinstance(codec, RandomK):
+            raise ValueError(f"INTML_ERROR_FEEDBACK=1 cannot go with {codec.name}: it is unbiased and scales what it "
+                             f"keeps by 1/ratio, so the residual would grow without bound; use topk with error "
+                             f"feedback, or randomk without")
         if self.fallback not in ("error", "gloo"):
             raise ValueError(f"INTML_FALLBACK must be 'error' or 'gloo', got {self.fallback!r}")
         if self.min_elements < 0:
@@ -96,3 +109,16 @@ class IntmlConfig:
             if not seconds > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {seconds}")
         return self
+
+    def host_codec(self) -> host.HostCodec | None:
+        """The host codec ``codec`` names (the aggregator's host mode sums it), or None for cnat8 and int32. A name
+        that is neither raises ValueError in one line naming the switch codecs and the host codecs' families."""
+        if self.codec in CODEC_NAMES:
+            return None
+        try:
+            return host.parse(self.codec)
+        except ValueError as exc:
+            families = ", ".join(sorted(host.FAMILIES))
+            why = "" if not self.codec.startswith(tuple(host.FAMILIES)) else f" ({exc})"
+            raise ValueError(f"INTML_CODEC must be {' or '.join(CODEC_NAMES)} (summed by a switch) or a host codec "
+                             f"of the families {families} (docs/codecs.md), got {self.codec!r}{why}") from None

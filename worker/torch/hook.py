@@ -4,7 +4,8 @@ bucket is encoded and decoded on its device (``gpu``; its residual stays there).
 encoded from its own 16-bit words and comes back in its dtype (with error feedback: as float32, its residual's
 dtype; docs/mixed-precision.md). A bucket intml cannot encode (not a float32 or
 16-bit float, on another device, on CUDA without a usable ``intml[cuda]``) goes exactly through Gloo, with a warning the
-first time for each reason."""
+first time for each reason. A host codec's buckets (``codec="topk0.01"``) go as float32 CPU copies where they are not
+(link.Link.submit); topk wants ``error_feedback=True``, randomk refuses it (config)."""
 
 from __future__ import annotations
 

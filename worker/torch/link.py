@@ -21,7 +21,10 @@ from intml.worker.api import AllreduceTimeout, JoinError, Worker
 from intml.worker.torch import gpu, routing
 from intml.worker.torch.accounting import Traffic
 from intml.worker.torch.config import IntmlConfig
-from intml.worker.traffic import intml_bytes
+from intml.worker.traffic import host_bytes, intml_bytes
+
+
+CPU = torch.device("cpu")
 
 
 class IntmlError(RuntimeError):
@@ -74,11 +77,16 @@ class Link:
         CUDA path's; the Future holds [tensor] (inplace) or a new tensor of its dtype. With `residual` (error
         feedback, float32 on the tensor's device), send tensor + residual and keep the new residual in it. A 16-bit
         tensor is encoded from its own words into its own dtype (docs/mixed-precision.md), except with a residual:
-        tensor + residual is float32, rounded back."""
-        if tensor.dtype != torch.float32 and residual is not None:
-            wide = tensor.float()  # here, in the caller: on the CUDA path, its stream produced the tensor
-            fut = self.submit(wide, op, inplace=True, residual=residual)
-            return fut.then(lambda f: narrow(f, wide, tensor, inplace))
+        tensor + residual is float32, rounded back. A host codec encodes float32 on the CPU: any other tensor is
+        converted (exactly) to a float32 CPU copy, and its float32 result rounded back once, into its dtype and
+        device."""
+        host = self.worker.host_codec is not None
+        if (tensor.dtype != torch.float32 and (residual is not None or host)) or (host and tensor.device != CPU):
+            # here, in the caller: on the CUDA path, its stream produced the tensor
+            wide = tensor.detach().to(CPU if host else tensor.device, torch.float32)
+            staged = residual if residual is None else residual.to(wide.device)  # a CUDA residual: a CPU copy
+            fut = self.submit(wide, op, inplace=True, residual=staged)
+            return fut.then(lambda f: narrow(f, wide, tensor, inplace, residual, staged))
         if self.cuda.owns(tensor) and self.cuda.problem() is None:
             marker = self.cuda.ready_marker(tensor)  # here, in the caller: its stream produced the tensor
             return self._submit(lambda: self._allreduce_cuda(tensor, op, inplace, residual, marker))
@@ -175,14 +183,27 @@ class Link:
 
     def _count(self, elements: int, before: dict[str, int], *, reduce_scatter: bool = False,
                cuda: bool = False) -> None:
-        c = self.config
-        self.traffic.add_intml(elements, intml_bytes(elements, c.codec, c.packet_elements, c.pool_size), before,
-                               self.worker.counters(), reduce_scatter, cuda)
+        c, after = self.config, self.worker.counters()
+        if self.worker.host_codec is None:
+            self.traffic.add_intml(elements, intml_bytes(elements, c.codec, c.packet_elements, c.pool_size), before,
+                                   after, reduce_scatter, cuda)
+            return
+        sent, received = (host_bytes(after[k] - before[k], elements, c.packet_elements)
+                          for k in ("package_bytes", "result_bytes"))
+        self.traffic.add_intml(elements, sent, before, after, reduce_scatter, cuda, host_received=received)
 
     def _reduce_scatter(self, input, output, op):  # noqa: A002
         w = self.worker
-        x, dtype = words(input)
         before = w.counters()
+        if w.host_codec is not None:
+            # host mode has no reduce-scatter: the whole allreduce of the float32 values, this rank's shard kept
+            # and rounded once into the output's dtype (Traffic.host_reduce_scatters counts it)
+            size = output.numel()
+            total = w.allreduce(input.detach().reshape(-1).to(torch.float32).numpy(), op)
+            output.view(-1).copy_(torch.from_numpy(total[w.rank * size:(w.rank + 1) * size]))
+            self._count(input.numel(), before, reduce_scatter=True)
+            return [output]
+        x, dtype = words(input)
         w.reduce_scatter(x, op, out=words(output)[0], dtype=dtype)
         self._count(x.size, before, reduce_scatter=True)
         return [output]
@@ -213,14 +234,18 @@ def words(tensor: torch.Tensor) -> tuple[np.ndarray, str | None]:
     return flat.view(torch.int16).numpy(), WORD_DTYPES[tensor.dtype]
 
 
-def narrow(fut: Future, wide: torch.Tensor, tensor: torch.Tensor, inplace: bool):
-    """A widened 16-bit allreduce's completion: its float32 result `wide` rounded to `tensor`'s dtype (to nearest,
-    ties to even, as torch converts; beyond float16's range, +-Inf): into `tensor` ([tensor], inplace) or new."""
+def narrow(fut: Future, wide: torch.Tensor, tensor: torch.Tensor, inplace: bool, residual: torch.Tensor | None,
+           staged: torch.Tensor | None):
+    """A widened (or host-staged) allreduce's completion: its float32 result `wide` rounded to `tensor`'s dtype (to
+    nearest, ties to even, as torch converts; beyond float16's range, +-Inf) on its device: into `tensor` ([tensor],
+    inplace) or new. The new residual `staged`, if it is a copy, goes back into `residual`."""
     fut.value()  # raises the collective's exception
+    if staged is not residual:
+        residual.copy_(staged)
     if inplace:
         tensor.copy_(wide.view_as(tensor))
         return [tensor]
-    return wide.to(tensor.dtype).view(tensor.shape)
+    return wide.to(tensor.device, tensor.dtype).view(tensor.shape)
 
 
 def connect(config: IntmlConfig, rank: int, world_size: int, control_allreduce: Callable[[torch.Tensor], None],
@@ -361,8 +386,9 @@ class AggregatorLinked:
                           stacklevel=routing.user_stacklevel())
 
     def _cuda_problem(self) -> str | None:
-        """Why CUDA tensors cannot take intml's CUDA path here (routing's question), or None."""
-        return self.link.cuda.problem()
+        """Why CUDA tensors cannot take intml's CUDA path here (routing's question), or None. A host codec needs no
+        CUDA path: its CUDA tensors are staged through host memory (Link.submit), as Gloo stages them."""
+        return None if self.link.worker.host_codec is not None else self.link.cuda.problem()
 
     def _control_allreduce(self, t: torch.Tensor) -> None:
         self.gloo.allreduce([t], sum_op()).wait()

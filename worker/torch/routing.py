@@ -11,6 +11,10 @@ user who swapped in intml should know that it moved nothing); the others warn on
 anything to Gloo says its totals when it is destroyed. The warnings point at the user's line.
 
 Every rank routes a collective the same way: the rule reads only what all ranks share (size, dtype, op, layout).
+
+A host codec (``INTML_CODEC=uniform8``...) routes by the same rule, with one difference: its CUDA tensors need no
+CUDA path (``link.AggregatorLinked._cuda_problem``), since it encodes on the CPU and they are staged through host
+memory, as Gloo stages them; a CUDA reduce-scatter still goes to Gloo (CUDA_SCATTER).
 """
 
 from __future__ import annotations
