@@ -56,7 +56,7 @@ def aggregator_elements(codec: str, mtu: int) -> int:
     return pe if codec in CODEC_NAMES else host_aggregator_elements(pe)
 
 
-def host_result_bytes(codec: str, elements: int, packet_elements: int) -> int:
+def result_package_bytes(codec: str, elements: int, packet_elements: int) -> int:
     """The RESULT package bytes a worker receives in one host-mode allreduce of ``elements`` (the codec's own
     encode_result of each packet's elements: float32, or less where the codec sends less)."""
     codec_of = host_codec(codec)
@@ -69,7 +69,7 @@ def wire_bytes_intml(codec: str, elements: int, mtu: int, pool: int) -> float:
     RESULT's direction, the busier one (host mode sends no bootstrap round)."""
     pe = packet_elements_for(codec, mtu)
     if codec not in CODEC_NAMES:
-        return host_result_bytes(codec, elements, pe) + -(-elements // pe) * (HDR + IP_UDP + ETHERNET)
+        return result_package_bytes(codec, elements, pe) + -(-elements // pe) * (HDR + IP_UDP + ETHERNET)
     return intml_bytes(elements, codec, pe, pool, per_packet=HDR + IP_UDP + ETHERNET)
 
 

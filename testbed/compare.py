@@ -5,7 +5,7 @@ accuracy first reaches ``--target``.
 A codec is a name: ``gloo`` (Gloo's float32 ring), a switch codec (``cnat8``, ``int32``) or a host codec
 (``uniform8``, ``adaptive-huffman``...: docs/codecs.md). Every codec trains the digits MLP of ``intml-testbed
 train`` (``--parallel average``: weights averaged after every epoch, seed 001's scheme, the default; or ``ddp``:
-gradients allreduced every step, switch codecs and gloo only), all in the same run. What is measured where:
+gradients allreduced every step, through the DDP hook), all in the same run. What is measured where:
 
 * **loopback** (measured end to end): the training runs, every rank under torchrun on 127.0.0.1 and one aggregator
   (``train.run``). Accuracy after every epoch, the bits each worker sends (``train``'s accounting: packages and
@@ -42,22 +42,23 @@ from intml.protocol.packet import HDR
 from intml.sim import compare as sim_compare
 from intml.sim.run import Progress
 from intml.testbed import train
-from intml.testbed.bench_cluster import host_result_bytes
+from intml.testbed.bench_cluster import result_package_bytes
 
 DEFAULT_CODECS = ("gloo", "cnat8", "int32", "uniform4", "uniform8", "adaptive-huffman", "bitmask", "qsgd127")
 DEFAULT_SIM_MODELS = ("digits", "VGG-16")
 
 
 def run_spec(codec: str, parallel: str) -> str:
-    """The ``train`` run that trains with ``codec``: gloo as is, a switch codec through the DDP hook (ddp) or the
-    backend (average), a host codec's name as is (its run averages through a Worker of host mode)."""
+    """The ``train`` run that trains with ``codec``: gloo as is; with ddp any codec through the DDP hook; with
+    average a switch codec through the backend, a host codec's name as is (a Worker of host mode averages)."""
     if codec in CODEC_NAMES and parallel != "ddp":
         return f"{codec}-backend"
     return codec
 
 
 def check_codecs(codecs: tuple[str, ...], parallel: str) -> None:
-    """ValueError, one line, unless every codec names a train run that ``parallel`` can take, each once."""
+    """ValueError, one line, unless ``parallel`` is one of PARALLEL and every codec is gloo, a switch codec or a
+    host codec, each given once."""
     if parallel not in sim_compare.PARALLEL:
         raise ValueError(f"parallel must be one of {', '.join(sim_compare.PARALLEL)}, got {parallel!r}")
     if len(set(codecs)) != len(codecs) or not codecs:
@@ -68,7 +69,6 @@ def check_codecs(codecs: tuple[str, ...], parallel: str) -> None:
                 host_codec(codec)
             except ValueError as exc:
                 raise ValueError(f"codec {codec!r} is not gloo, {' or '.join(CODEC_NAMES)}, and {exc}") from None
-    train.check_parallel(tuple(run_spec(c, parallel) for c in codecs), parallel)
 
 
 def compute_step_seconds(batch: int, steps: int = 200) -> float:
@@ -106,7 +106,7 @@ def measured(reports: list[dict], codecs: tuple[str, ...], parallel: str, packet
             down = up
         else:
             packets = -(-parameters // packet_elements)
-            down = 8 * (host_result_bytes(codec, parameters, packet_elements) + packets * HDR) / parameters
+            down = 8 * (result_package_bytes(codec, parameters, packet_elements) + packets * HDR) / parameters
         out[codec] = {"accuracy": np.median([r["test_accuracy"] for r in mine], axis=0).tolist(),
                       "epoch_s": np.median([r["epoch_s"] for r in mine], axis=0).tolist(),
                       "up_bits": up, "down_bits": down, "parameters": parameters,
@@ -231,8 +231,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--codecs", type=_codecs_arg, default=DEFAULT_CODECS, metavar="C1,C2,...",
                         help=f"gloo, cnat8, int32 and host codecs' names (default {','.join(DEFAULT_CODECS)})")
     parser.add_argument("--parallel", choices=sim_compare.PARALLEL, default="average",
-                        help="average: weights averaged after every epoch (every codec); ddp: gradients every step "
-                             "(gloo and the switch codecs) (default average)")
+                        help="average: weights averaged after every epoch; ddp: gradients every step, through "
+                             "the DDP hook (default average)")
     parser.add_argument("--workers", type=count(2, MAX_WORLD, "ranks per job: MAX_WORLD"), default=4,
                         help="ranks of the training and of the shaped links (default 4)")
     parser.add_argument("--seeds", type=positive(), default=1, help="seeds 0..N-1 per codec (default 1)")
