@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from intml.protocol.job import CODEC_NAMES
+from intml.protocol.job import CODEC_NAMES, JobParams
 from intml.sim.costs import (HOST_AGGREGATOR_CORES, HOST_AGGREGATORS_PER_WORKERS, IO_PER_DATAGRAM, RESULT_FLOAT32,
                              host_codec_costs)
 from intml.sim.models import Net, ring
@@ -39,7 +39,7 @@ COLUMNS = ("setting", "codec", "up_bits_per_parameter", "down_bits_per_parameter
            "epochs_to_target", "time_to_target_s")
 HOW = ("simulated step times (sim.compare: the measured bits per parameter, sim.costs' host costs); the accuracy "
        "is the measured digits run's per epoch, placed at the simulated epoch times")
-HOST_PACKET_ELEMENTS = 1024  # a host codec's elements per packet (JobParams' default): its datagrams' count
+HOST_PACKET_ELEMENTS = JobParams.packet_elements  # a host codec's elements per packet: its datagrams' count
 
 
 def host_exchange(codec: str, net: Net, elements: int, up_bits: float, down_bits: float) -> float:

@@ -263,6 +263,8 @@ def run_from_args(args: argparse.Namespace) -> dict:
         check_codecs(args.codecs, args.parallel)
     except ValueError as exc:
         args.parser.option_error("--codecs", str(exc))
+    if args.rate and args.codecs == ("gloo",):
+        args.parser.option_error("--rate", "the shaped links time intml codecs beside gloo: add one to --codecs")
     if args.rate:
         from intml.testbed import netns
 

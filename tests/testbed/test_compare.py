@@ -126,6 +126,7 @@ def test_run_prints_json_with_every_setting_and_plots(monkeypatch, tmp_path, cap
     (["--sim-rate", "fast"], "rate must be like"),
     (["--workers", "1"], "--workers"),
     (["--rate", "100xbit"], "a rate looks like 100mbit"),
+    (["--codecs", "gloo", "--rate", "1gbit"], "add one to --codecs"),
 ])
 def test_misuse_is_one_line(argv: list[str], message: str, capsys) -> None:
     with pytest.raises(SystemExit) as exc:
