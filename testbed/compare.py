@@ -153,7 +153,9 @@ def table(setting: dict, target: float) -> str:
 
 
 def seconds_text(seconds: float) -> str:
-    return f"{seconds * 1e3:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
+    if seconds < 1:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds:.3g} s" if seconds < 1000 else f"{seconds:,.0f} s"
 
 
 def run(codecs: tuple[str, ...] = DEFAULT_CODECS, parallel: str = "average", workers: int = 4, seeds: int = 1,

@@ -178,3 +178,7 @@ def test_intml_sim_compare_replays_the_measured_json(monkeypatch, tmp_path, caps
     assert sim_main(["compare", str(tmp_path / "other.json")]) == 2
     err = capsys.readouterr().err
     assert "is not the output of intml-testbed compare --json" in err and len(err.strip().splitlines()) == 1
+
+
+def test_seconds_text() -> None:
+    assert [compare.seconds_text(s) for s in (0.0123, 4.56, 1545.1)] == ["12.3 ms", "4.56 s", "1,545 s"]
