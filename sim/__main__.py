@@ -13,6 +13,7 @@ from intml.sim import output, scenario
 from intml.sim.costs import TESTBED_CPUS
 from intml.sim.run import COLUMNS, Progress, rows
 from intml.sim.training import PROFILES
+from intml.sim.tuning import BATCH, NOISE_SCALE
 
 
 def _meta(s: dict) -> dict:
@@ -67,6 +68,9 @@ def cmd_loss(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
+    if args.codec:
+        cmd_train_codec(args)
+        return
     from intml.sim import training
     got = training.table(args.workers, args.rate)
     _emit({"code_version": output.code_version(), "profiles": training.SOURCES}, got, args, training.COLUMNS)
@@ -92,6 +96,31 @@ def cmd_compare(args: argparse.Namespace) -> None:
            "target_accuracy": target, "how": compare.HOW}, got, args, compare.COLUMNS)
     if args.plot:
         compare.plot(settings, args.plot, target, f"simulated steps, measured accuracy per epoch ({parallel})")
+
+
+def cmd_train_codec(args: argparse.Namespace) -> None:
+    """``train --codec``: the tuner's choice (auto) or a fixed codec per model and rate, or step by step."""
+    from intml.sim import tuning
+    models = tuple(args.model or tuning.PROFILES)
+    options = {"switch": not args.no_switch, "gso": not args.no_gso, "noise_scale": args.noise_scale,
+               "batch": args.batch}
+    meta = {"code_version": output.code_version(), "profiles": tuning.SOURCES, **options}
+    if args.change:
+        changes = sorted([(0, args.rate[0])] + args.change)
+        got = [row for model in models for row in tuning.steps(model, args.workers, changes, args.steps, args.codec,
+                                                                   **options)]
+        _emit(meta, got, args, tuning.STEP_COLUMNS)
+    else:
+        _emit(meta, tuning.table(args.workers, args.rate, args.codec, models=models, **options), args,
+              tuning.COLUMNS)
+
+
+def step_rate(text: str) -> tuple[int, float]:
+    """``STEP:RATE`` (``20:100gbit``): the link rate from that step on."""
+    step, _, rate = text.partition(":")
+    if not step.isdigit() or not rate:
+        raise ValueError(f"a rate change is STEP:RATE, as in 20:100gbit; got {text!r}")
+    return int(step), scenario.parse_rate(rate)
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -150,6 +179,19 @@ def build_parser() -> OneLineParser:
     t.add_argument("--workers", type=count(2, None, "a ring needs two"), default=16)
     t.add_argument("--rate", type=rate, nargs="+", default=[10e9, 25e9, 100e9], help="link rates (default 10gbit "
                                                                                      "25gbit 100gbit)")
+    t.add_argument("--codec", help="auto: what the online tuner picks per bucket and why (docs/tuner.md); a codec "
+                   "name (cnat8, int32, uniform8...): that codec fixed; default: intml cnat8 against the ring")
+    t.add_argument("--model", nargs="+", choices=sorted(PROFILES), help="with --codec: these model profiles only")
+    t.add_argument("--no-switch", action="store_true", help="with --codec: no switch sums cnat8 and int32; "
+                   "every codec goes through the software aggregator")
+    t.add_argument("--no-gso", action="store_true", help="with --codec: ranks send and receive without GSO/GRO")
+    t.add_argument("--noise-scale", type=positive(float), default=NOISE_SCALE, help="with --codec: the "
+                   f"gradients' per-sample noise scale (default {NOISE_SCALE}; sim/tuning.py)")
+    t.add_argument("--batch", type=positive(), default=BATCH, help=f"with --codec: per rank (default {BATCH})")
+    t.add_argument("--change", type=parsed_by(step_rate), action="append", default=[], metavar="STEP:RATE",
+                   help="with --codec: the link rate changes at that step (the first --rate before); prints "
+                        "every step's choice")
+    t.add_argument("--steps", type=positive(), default=12, help="with --change: steps to run (default 12)")
     outputs(t)
     t.set_defaults(fn=cmd_train)
     c = sub.add_parser("compare", help="each codec's step time and time to a target at scale, from a measured "
@@ -159,7 +201,8 @@ def build_parser() -> OneLineParser:
     c.add_argument("--rate", type=rate, nargs="+", default=[10e9, 100e9], help="link rates (default 10gbit 100gbit)")
     c.add_argument("--model", nargs="+", default=["digits", "VGG-16"], choices=("digits", *PROFILES),
                    help="digits (the measured MLP) or sim.training's profiles (default digits VGG-16)")
-    c.add_argument("--target", type=positive(float, 1.0, "an accuracy"), default=None, help="accuracy to reach (default: the measured run's)")
+    c.add_argument("--target", type=positive(float, 1.0, "an accuracy"), default=None,
+                   help="accuracy to reach (default: the measured run's)")
     outputs(c)
     c.set_defaults(fn=cmd_compare)
     b = sub.add_parser("bench", help="packet events per second: the engine alone, and with the real cores")

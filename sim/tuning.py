@@ -1,0 +1,161 @@
+"""``intml-sim train --codec``: the online tuner (worker/tuner.py) run against simulated link rates and the model
+profiles of sim.training, so that a user can ask what it would choose on a cluster, and what a fixed codec costs.
+
+Gradients are not simulated element by element: each bucket's statistics are those of Gaussian gradients, each
+rank's gradient the true gradient (per element variance ``signal``) plus its minibatch noise (``noise``), with
+noise / signal = the gradient noise scale / the per-rank batch (McCandlish et al. 2018, "An Empirical Model of
+Large-Batch Training": B_noise = tr(Sigma) / |G|^2 per sample). The rest is the tuner's own cost model, fed the
+simulated rates, and sim.training's DDP overlap of the buckets' allreduces with the backward pass.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import replace
+
+import numpy as np
+
+from intml.protocol.codecs.host.adaptive import Adaptive, AdaptiveHuffman
+from intml.protocol.codecs.host.bitmask import Bitmask
+from intml.protocol.codecs.host.lloyd import Lloyd
+from intml.protocol.codecs.host.qsgd import QSGD
+from intml.protocol.codecs.host.randomk import RandomK
+from intml.protocol.codecs.host.terngrad import TernGrad
+from intml.protocol.codecs.host.topk import TopK
+from intml.protocol.codecs.host.uniform import Uniform
+from intml.protocol.job import AGGREGATOR_MAX_ELEMENTS
+from intml.sim.costs import HOST_COSTS, IO_PER_DATAGRAM, IO_PER_DATAGRAM_GSO, SOFTWARE_AGGREGATOR
+from intml.sim.models import Net, ring
+from intml.sim.network import IP_UDP, WIRE_OVERHEAD
+from intml.sim.training import PROFILES, SOURCES, buckets, iteration
+from intml.worker.tuner import Bucket, Costs, Measured, Network, Tuner, measure
+
+# Seconds per element at one core, (encode, decode) of a worker's package. PLACEHOLDER until sim/costs.py carries
+# per-codec host costs: 1 / the rates of docs/codecs.md's "Measured size and error" table (intml-testbed bench
+# host-codecs, 2**20 N(0, 1) values in 16384-element packages, 2026-11-27 03:50 UTC, shared 2-core build VM at
+# load 4-5: rough). A family's other parameters take the measured member's rates (uniform<N> uniform8's).
+PLACEHOLDER_HOST_CODEC_COSTS: dict[type, tuple[float, float]] = {
+    Uniform: (1 / 33.8e6, 1 / 19.8e6),
+    Adaptive: (1 / 16.6e6, 1 / 9.4e6),
+    AdaptiveHuffman: (1 / 7.7e6, 1 / 8.8e6),
+    Lloyd: (1 / 1.5e6, 1 / 10.0e6),
+    Bitmask: (1 / 11.8e6, 1 / 7.2e6),
+    QSGD: (1 / 4.0e6, 1 / 7.7e6),  # qsgd127's
+    TernGrad: (1 / 12.5e6, 1 / 11.4e6),
+    TopK: (1 / 4.1e6, 1 / 237.6e6),
+    RandomK: (1 / 331.5e6, 1 / 410.7e6),
+}
+
+
+def gloo_ring(world: int, rate: float, elements: int, network: Network) -> float:
+    """Gloo's ring (sim.models.ring) on the tuner's network: its round trip split over two links."""
+    return ring(Net(world, rate, delay=network.rtt / 2, mtu=network.mtu), elements)
+
+
+# The simulator's calibration (sim.costs) as the tuner's costs: GSO/GRO's datagram cost, as burstio uses where it can;
+# a host codec's RESULT is float32, decoded with a byte swap as int32's is.
+COSTS = Costs(switch_cpu={name: (cost.encode, cost.decode) for name, cost in HOST_COSTS.items()},
+              host_cpu=PLACEHOLDER_HOST_CODEC_COSTS, result_decode=HOST_COSTS["int32"].decode,
+              datagram_io=IO_PER_DATAGRAM_GSO, datagram_overhead=WIRE_OVERHEAD, ip_udp=IP_UDP, ring=gloo_ring)
+
+NOISE_SCALE = 1000  # per-sample gradient noise scale: of the order McCandlish et al. measure for ImageNet classifiers
+BATCH = 64  # per rank
+SIGNAL = 1e-6  # per element variance of the true gradient (the tuner's choices are scale-free)
+# the software aggregator, elements per second per core per contribution: sim.costs' calibration
+AGGREGATOR_RATE = 1 / (SOFTWARE_AGGREGATOR.per_element + SOFTWARE_AGGREGATOR.per_packet / AGGREGATOR_MAX_ELEMENTS)
+MEDIAN = 0.6744897501960817  # of |N(0, 1)|
+COLUMNS = ("model", "rate_gbit", "workers", "codec", "step_s", "ring_s", "less_time", "why")
+STEP_COLUMNS = ("model", "step", "rate_gbit", "codec", "step_s", "why")
+__all__ = ["SOURCES", "run", "steps", "table"]
+
+
+def gaussian_stats(elements: int, world: int, signal: float, noise: float, first: bool = False) -> np.ndarray:
+    """One rank's ``measure()`` of a bucket of Gaussian gradients (per element variance signal + noise) in closed
+    form: the largest of ``elements`` normals at about sqrt(2 ln elements) deviations, the median |x| at 0.674
+    deviations, the sample entropy of 16 equal bins over that range, and the last step's mean with variance
+    signal + noise / world (0 on the first)."""
+    v = signal + noise
+    a = math.sqrt(2 * math.log(max(elements, 2)))
+    edges = [math.erf(a * (2 * i / 16 - 1) / math.sqrt(2)) for i in range(17)]
+    p = [(hi - lo) / (edges[-1] - edges[0]) for lo, hi in zip(edges, edges[1:])]
+    entropy = -sum(q * math.log2(q) for q in p if q > 0)
+    largest = a * math.sqrt(v)
+    mean_sq = 0.0 if first else elements * (signal + noise / world)
+    return np.array([1.0, elements * v, mean_sq / world, entropy, (2 * largest) ** 2, largest, MEDIAN * math.sqrt(v),
+                     largest * elements * math.sqrt(v) * math.sqrt(2 / math.pi) - elements * v, 0.0, 0.0])
+
+
+def model_buckets(model: str) -> list[Bucket]:
+    """The model's DDP buckets (sim.training.buckets), named bucket0, bucket1, ... in the order they are ready."""
+    return [Bucket(f"bucket{i}", size) for i, size in enumerate(buckets(PROFILES[model][0]))]
+
+
+def tuner_for(model: str, workers: int, codec: str, network: Network, costs: Costs = COSTS) -> Tuner:
+    """The tuner of a model's DDP buckets: ``auto``, or every bucket pinned to the fixed ``codec``."""
+    named = model_buckets(model)
+    pins = {} if codec == "auto" else {b.name: codec for b in named}
+    return Tuner(named, workers, costs, network, pins=pins)
+
+
+def run(model: str, workers: int, rates: list[tuple[int, float]], steps: int, codec: str = "auto", *,
+        network: Network = Network(), costs: Costs = COSTS, noise_scale: float = NOISE_SCALE,
+        batch: int = BATCH) -> list[dict]:
+    """``steps`` steps of the model's DDP iteration with the tuner deciding; ``rates``: (first step, link rate)
+    in order. Every rank measures the same (the statistics are closed-form), so the shared vector is world x one
+    rank's. Each row: the step, the rate, the codec per bucket, the decision and the predicted seconds."""
+    parameters, compute = PROFILES[model]
+    tuner = tuner_for(model, workers, codec, network, costs)
+    noise = SIGNAL * noise_scale / batch
+    out = []
+    for step in range(steps):
+        rate = [r for first, r in rates if first <= step][-1]
+        stats = [gaussian_stats(b.elements, workers, SIGNAL, noise, first=step == 0) for b in tuner.buckets]
+        local = tuner.local_vector(stats, Measured(rate, AGGREGATOR_RATE, compute))
+        decision = tuner.decide(workers * local)
+        times = iter([c.seconds for c in decision.choices.values()])
+        out.append({"step": step, "rate": rate, "codecs": [c.codec for c in decision.choices.values()],
+                    "decision": decision, "step_s": iteration(parameters, compute, lambda n: next(times))})
+    return out
+
+
+def summary(codecs: list[str]) -> str:
+    """``cnat8 x6`` or ``cnat8 x5, int32 x1``: the buckets' codecs, most used first."""
+    return ", ".join(f"{name} x{count}" for name, count in Counter(codecs).most_common())
+
+
+def table(workers: int, rates: list[float], codec: str = "auto", *, switch: bool = True, gso: bool = True,
+          noise_scale: float = NOISE_SCALE, batch: int = BATCH,
+          models: tuple[str, ...] = tuple(PROFILES)) -> list[dict]:
+    """Per model and rate, what the tuner settles on after its hysteresis (or the fixed codec) and the predicted
+    seconds per iteration, beside Gloo's ring; ``why`` is the largest bucket's reason."""
+    options = setup(switch, gso)
+    got = []
+    for model in models:
+        parameters, compute = PROFILES[model]
+        for rate in rates:
+            last = run(model, workers, [(0, rate)], 6, codec, **options, noise_scale=noise_scale,
+                       batch=batch)[-1]
+            ring_s = iteration(parameters, compute, lambda n: gloo_ring(workers, rate, n, options["network"]))
+            choices = last["decision"].choices
+            largest = max(model_buckets(model), key=lambda b: b.elements).name
+            got.append({"model": model, "rate_gbit": rate / 1e9, "workers": workers, "codec": summary(last["codecs"]),
+                        "step_s": last["step_s"], "ring_s": ring_s, "less_time": 1 - last["step_s"] / ring_s,
+                        "why": choices[largest].reason})
+    return got
+
+
+def steps(model: str, workers: int, rates: list[tuple[int, float]], count: int, codec: str = "auto", *,
+          switch: bool = True, gso: bool = True, noise_scale: float = NOISE_SCALE, batch: int = BATCH) -> list[dict]:
+    """``run``'s steps as table rows: the rate, the buckets' codecs, the predicted seconds, the largest bucket's
+    reason."""
+    largest = max(model_buckets(model), key=lambda b: b.elements).name
+    return [{"model": model, "step": r["step"], "rate_gbit": r["rate"] / 1e9, "codec": summary(r["codecs"]),
+             "step_s": r["step_s"], "why": r["decision"].choices[largest].reason}
+            for r in run(model, workers, rates, count, codec, **setup(switch, gso), noise_scale=noise_scale,
+                         batch=batch)]
+
+
+def setup(switch: bool, gso: bool) -> dict:
+    """``run``'s network and costs: an ASIC switch or none; GSO/GRO's datagram cost or sendmmsg's."""
+    return {"network": Network(switch=switch), "costs": COSTS if gso else replace(COSTS, datagram_io=IO_PER_DATAGRAM)}
