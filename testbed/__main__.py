@@ -191,6 +191,10 @@ def build_parser() -> OneLineParser:
     from intml.testbed import train as train_cmd
 
     train_cmd.add_arguments(commands.add_parser("train", help="DDP convergence on load_digits: Gloo vs intml (torchrun)"))
+    from intml.testbed import compare as compare_cmd
+
+    compare_cmd.add_arguments(commands.add_parser("compare", help="the same training under each codec: bits, time "
+                                                                  "per step, accuracy, time to a target"))
     commands.add_parser("demo", help="what `make demo` runs")
     audit = commands.add_parser("audit", help="attack a live aggregator and workers on loopback; print what held")
     audit.add_argument("--fuzz", type=WARMUP, default=0, metavar="N",
@@ -330,6 +334,10 @@ def run(args: argparse.Namespace) -> int | None:
         from intml.testbed import train as train_cmd
 
         train_cmd.run_from_args(args)
+    elif args.command == "compare":
+        from intml.testbed import compare as compare_cmd
+
+        compare_cmd.run_from_args(args)
     elif args.command == "audit":
         from intml.testbed import audit
 
