@@ -5,7 +5,7 @@ bitmaps and counts, the stored result re-sent to a retransmitting rank, membersh
 results multicast group, the counters), but where the kernel adds integer codes, a set here holds each rank's
 decoded contribution; when all n are in, the codec combines them in rank order and its result package goes out.
 So the result is a pure function of the contributions, bit-identical at every rank whatever the loss, duplication
-or order of the packets. Python and numpy per packet: host mode is for codecs whose decode costs more anyway.
+or order of the packets. Python per packet; a codec's decode and combine are its Numba kernels (protocol.codecs.host).
 
 ``HostModeDataPath`` is what an aggregator core runs by default: the burst kernel for switch-codec jobs and a
 ``HostDataPath`` for host-codec jobs, behind the one DataPath interface (aggregator.datapath).
@@ -49,7 +49,6 @@ from intml.protocol.stats import (
     DROP_SHADOW,
     DROP_SLOT,
     DROP_STALE,
-    DROP_TRUNCATED,
     DROP_UNREGISTERED,
     PACKETS_IN,
     PACKETS_OUT,
@@ -155,11 +154,13 @@ class HostDataPath:
 
     def handle(self, datagram: bytes, src: int, now: float) -> list[tuple[bytes, int]]:
         """One DATA datagram of a host job (``selects``) from address key ``src`` at ``now``: through the slot's
-        set as the kernel's stages do (aggregator.slots.process_burst), counted by reason when dropped. Returns
-        the RESULT datagrams to send, with their destinations."""
-        h = np.frombuffer(datagram, HEADER, count=1)[0]
-        rank, owners = int(h["rank"]) & RANK_MASK, int(h["rank"]) >> OWNERS_SHIFT
-        placed = self._find(int(h["job"]), rank, src)
+        set as the kernel's stages do (aggregator.slots.process_burst), counted by reason when dropped, and in the
+        core's packets_in as the kernel counts every datagram. Returns the RESULT datagrams to send, with their
+        destinations."""
+        self.counters.core_stats[PACKETS_IN] += 1
+        h = dict(zip(HEADER.names, np.frombuffer(datagram, HEADER, count=1)[0].item()))  # Python ints, read once
+        rank, owners = h["rank"] & RANK_MASK, h["rank"] >> OWNERS_SHIFT
+        placed = self._find(h["job"], rank, src)
         st = self.counters.stats[placed.index]
         st[PACKETS_IN] += 1
         length = len(datagram)
@@ -169,16 +170,16 @@ class HostDataPath:
                 return []
             length -= TAG_SIZE
         params = placed.params
-        slot, count, chunk, x = int(h["slot"]), int(h["count"]), int(h["chunk"]), int(h["shadow"])
-        reason = _validate(placed, rank, src, slot, int(h["codec"]), count, chunk, x, int(h["exp"]),
-                           int(h["next_exp"]), owners)
+        slot, count, chunk, x = h["slot"], h["count"], h["chunk"], h["shadow"]
+        reason = _validate(placed, rank, src, slot, h["codec"], count, chunk, x, h["exp"],
+                           h["next_exp"], owners)
         if reason not in (DROP_RANK, DROP_UNREGISTERED):
             placed.last_seen[rank] = now  # any packet of a member, retransmissions too, keeps the job alive
         if reason:
             st[reason] += 1
             return []
         row, bit = placed.rows.start + slot // placed.slots.stride, 1 << rank
-        key, order = round_event(int(h["allreduce"]), chunk, int(self.round_key[row, x]))
+        key, order = round_event(h["allreduce"], chunk, int(self.round_key[row, x]))
         bitmap = int(self.bitmap[row, x])
         order = 1 if bitmap == 0 else int(order)  # an empty set takes any round
         if order < 0:
@@ -222,15 +223,15 @@ class HostDataPath:
         named = [placed for key, placed in self.jobs.items() if wire_job(key) == job_id]
         return next((p for p in named if rank < MAX_WORLD and p.members[rank] == src), named[0])
 
-    def _complete(self, placed: HostJob, row: int, x: int, h: np.void, count: int) -> list[tuple[bytes, int]]:
+    def _complete(self, placed: HostJob, row: int, x: int, h: dict[str, int], count: int) -> list[tuple[bytes, int]]:
         """The round of (row, set x) has every contribution: combine them in rank order, store the RESULT datagram
         (the same bytes for every rank and every re-send) and send it to every rank."""
         st = self.counters.stats[placed.index]
         contributions = self.decoded.pop((row, x))
         codec = placed.codec
         package = codec.encode_result(codec.combine([contributions[r] for r in range(placed.params.world_size)]))
-        header = {name: int(h[name]) for name in ("job", "allreduce", "chunk", "slot", "shadow")}
-        datagram = pack({**header, "type": MsgType.RESULT, "rank": 0, "count": count, "codec": int(h["codec"]),
+        header = {name: h[name] for name in ("job", "allreduce", "chunk", "slot", "shadow")}
+        datagram = pack({**header, "type": MsgType.RESULT, "rank": 0, "count": count, "codec": h["codec"],
                          "exp": NO_EXP, "next_exp": NO_EXP}, package + bytes(TAG_SIZE if placed.mac_key else 0))
         if len(datagram) > MAX_DATAGRAM:
             st[DROP_BAD_PACKAGE] += 1  # the codec made a result no datagram holds: the ranks time out on it
@@ -275,9 +276,10 @@ def _validate(placed: HostJob, rank: int, src: int, slot: int, codec: int, count
 
 class HostModeDataPath(KernelDataPath):
     """An aggregator core's data path: the burst kernel (options as KernelDataPath's) for switch-codec jobs, and a
-    HostDataPath (``host``) on the same job table, slot rows and counters for host-codec jobs. A burst without
-    host jobs goes to the kernel as it is; otherwise the kernel skips their DATA datagrams, which the host path
-    then handles in order. A job id runs in one mode at a time (the kernel would count another mode's DATA)."""
+    HostDataPath (``host``) on the same job table, slot rows and counters for host-codec jobs. The job a DATA
+    datagram names routes it (``HostDataPath.selects``): a burst without host-job DATA goes to the kernel as it is;
+    otherwise the kernel gets a burst of the other datagrams and the host path then handles its own, in order. A job
+    id runs in one mode at a time (the kernel would count another mode's DATA)."""
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
@@ -313,21 +315,24 @@ class HostModeDataPath(KernelDataPath):
         return self.host.last_seen(job) if job in self.host.jobs else super().last_seen(job)
 
     def process(self, rx: Burst, now: float) -> tuple[Burst, np.ndarray]:
-        if not self.host.jobs:
-            return super().process(rx, now)
-        rows = self.host.selects(rx)
+        rows = self.host.selects(rx) if self.host.jobs else np.zeros(0, np.int64)
         if rows.size == 0:
             return super().process(rx, now)
-        lengths = rx.length[rows].copy()
-        rx.length[rows] = -1  # the kernel counts them in the core's packets_in, and as truncated: undone below
-        try:
-            out, control = super().process(rx, now)
-        finally:
-            rx.length[rows] = lengths
-        self.counters.core_stats[DROP_TRUNCATED] -= rows.size
+        others = np.setdiff1d(np.arange(rx.count), rows)
+        out, control = super().process(rows_of_burst(rx, others), now)
         results = out.datagrams()
         for i in rows.tolist():
             results += self.host.handle(rx.data[i, :rx.length[i]].tobytes(), int(rx.addr[i]), now)
         merged = Burst.rows_of(len(results), max((len(d) for d, _ in results), default=HDR))
         merged.fill(results)
-        return merged, control
+        return merged, others[control]
+
+
+def rows_of_burst(rx: Burst, rows: np.ndarray) -> Burst:
+    """A receive burst of rows ``rows`` of ``rx``, in that order (their bytes copied, up to the longest's length)."""
+    lengths = rx.length[rows]
+    width = max(int(lengths.max(initial=0)), 1)
+    burst = Burst.rows_of(rows.size, width)
+    burst.data[:rows.size] = rx.data[rows, :width]
+    burst.length[:rows.size], burst.addr[:rows.size], burst.count = lengths, rx.addr[rows], rows.size
+    return burst

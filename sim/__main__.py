@@ -78,6 +78,26 @@ def cmd_train(args: argparse.Namespace) -> None:
         training.plot(got, args.plot)
 
 
+def cmd_compare(args: argparse.Namespace) -> None:
+    import json
+
+    from intml.sim import compare
+    try:
+        measured = json.loads(open(args.measured).read())
+        inputs, compute_s, parallel = measured["inputs"], measured["compute_step_s"], measured["parallel"]
+        target = args.target or measured["target_accuracy"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{args.measured} is not the output of intml-testbed compare --json ({exc!r})") from None
+    settings = [compare.setting(inputs, model, n, rate, compute_s, parallel, target)
+                for model in args.model for rate in args.rate for n in args.workers]
+    got = [{"setting": s["setting"], **{k: v for k, v in r.items() if k != "curve"}} for s in settings
+           for r in s["rows"]]
+    _emit({"code_version": output.code_version(), "measured": args.measured, "parallel": parallel,
+           "target_accuracy": target, "how": compare.HOW}, got, args, compare.COLUMNS)
+    if args.plot:
+        compare.plot(settings, args.plot, target, f"simulated steps, measured accuracy per epoch ({parallel})")
+
+
 def cmd_train_codec(args: argparse.Namespace) -> None:
     """``train --codec``: the tuner's choice (auto) or a fixed codec per model and rate, or step by step."""
     from intml.sim import tuning
@@ -174,6 +194,17 @@ def build_parser() -> OneLineParser:
     t.add_argument("--steps", type=positive(), default=12, help="with --change: steps to run (default 12)")
     outputs(t)
     t.set_defaults(fn=cmd_train)
+    c = sub.add_parser("compare", help="each codec's step time and time to a target at scale, from a measured "
+                                        "`intml-testbed compare --json`")
+    c.add_argument("measured", type=input_file, help="the JSON of intml-testbed compare --json")
+    c.add_argument("--workers", type=count(2, None, "a ring needs two"), nargs="+", default=[16])
+    c.add_argument("--rate", type=rate, nargs="+", default=[10e9, 100e9], help="link rates (default 10gbit 100gbit)")
+    c.add_argument("--model", nargs="+", default=["digits", "VGG-16"], choices=("digits", *PROFILES),
+                   help="digits (the measured MLP) or sim.training's profiles (default digits VGG-16)")
+    c.add_argument("--target", type=positive(float, 1.0, "an accuracy"), default=None,
+                   help="accuracy to reach (default: the measured run's)")
+    outputs(c)
+    c.set_defaults(fn=cmd_compare)
     b = sub.add_parser("bench", help="packet events per second: the engine alone, and with the real cores")
     b.add_argument("--workers", type=count(1, MAX_WORLD, "ranks of one job on the real cores: MAX_WORLD"), default=64)
     b.add_argument("--elements", type=positive(), default=25_000_000)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 
+from intml.protocol import codecs
 from intml.sim.costs import HOST_COSTS
 from intml.sim.models import Net, in_network, largest_packet, pool_for, ring
 from intml.sim.output import plot_lines
@@ -58,23 +59,26 @@ def iteration(parameters: int, compute: float, allreduce) -> float:
     return max(forward + backward, end)
 
 
+def in_network_cpu(net: Net, elements: int, codec: str = "cnat8") -> float:
+    """One in-network allreduce of a switch codec (cnat8, int32) in the largest packets the MTU allows, with the
+    pool covering the bandwidth-delay product (at least 64 slots), bounded by the worker's CPU as well: encode and
+    decode on one core (``sim.costs``) and a datagram out and one in per chunk."""
+    width = codecs.BY_NAME[codec].WIDTH
+    pe = largest_packet(width, net.mtu)
+    pool = max(64, pool_for(net, pe, width))
+    cost = HOST_COSTS[codec]
+    return max(in_network(net, elements, pe, pool, width),
+               elements * (cost.encode + cost.decode) + math.ceil(elements / pe) * 2 * cost.io)
+
+
 def predict(model: str, workers: int, rate: float, mtu: int = 9000) -> dict:
     parameters, compute = PROFILES[model]
     net = Net(workers, rate, mtu=mtu)
     pe = largest_packet(1, mtu)
     pool = max(64, pool_for(net, pe))
-    cost = HOST_COSTS["cnat8"]
-    chunk_io = 2 * cost.io  # a datagram out and one in per chunk
-
-    def intml_net(n: int) -> float:
-        return in_network(net, n, pe, pool)
-
-    def intml_cpu(n: int) -> float:
-        return max(intml_net(n), n * (cost.encode + cost.decode) + math.ceil(n / pe) * chunk_io)
-
     ring_t = iteration(parameters, compute, lambda n: ring(net, n))
-    t_net = iteration(parameters, compute, intml_net)
-    t_cpu = iteration(parameters, compute, intml_cpu)
+    t_net = iteration(parameters, compute, lambda n: in_network(net, n, pe, pool))
+    t_cpu = iteration(parameters, compute, lambda n: in_network_cpu(net, n))
     return {"model": model, "rate_gbit": rate / 1e9, "workers": workers, "ring_s": ring_t, "intml_net_s": t_net,
             "intml_cpu_s": t_cpu, "less_time_net": 1 - t_net / ring_t, "less_time_cpu": 1 - t_cpu / ring_t}
 

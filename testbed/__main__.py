@@ -76,6 +76,11 @@ def build_parser() -> OneLineParser:
     hc.add_argument("--package", type=positive(), default=16384, help="elements per package (default 16384)")
     hc.add_argument("--repeats", type=positive(), default=3, help="timed runs; the median is reported")
     hc.add_argument("--codec", nargs="+", type=host_codec, help="codec names (default: one of each family)")
+    hc.add_argument("--allreduce", action="store_true",
+                    help="also time a loopback allreduce of the vector per codec, beside cnat8's, through one "
+                         "aggregator core")
+    hc.add_argument("--workers", type=WORKERS, default=4, help="ranks of the --allreduce (default 4)")
+    hc.add_argument("--rounds", type=positive(), default=5, help="timed allreduces per codec; the median is reported")
     hc.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     bio = bench.add_parser("burstio", help="GSO/GRO and recvmmsg/sendmmsg bursts vs plain sendto/recvfrom on loopback")
     bio.add_argument("--packets", type=positive(), default=200_000, help="datagrams per variant (default 200000)")
@@ -186,6 +191,10 @@ def build_parser() -> OneLineParser:
     from intml.testbed import train as train_cmd
 
     train_cmd.add_arguments(commands.add_parser("train", help="DDP convergence on load_digits: Gloo vs intml (torchrun)"))
+    from intml.testbed import compare as compare_cmd
+
+    compare_cmd.add_arguments(commands.add_parser("compare", help="the same training under each codec: bits, time "
+                                                                  "per step, accuracy, time to a target"))
     commands.add_parser("demo", help="what `make demo` runs")
     audit = commands.add_parser("audit", help="attack a live aggregator and workers on loopback; print what held")
     audit.add_argument("--fuzz", type=WARMUP, default=0, metavar="N",
@@ -268,8 +277,10 @@ def run(args: argparse.Namespace) -> int | None:
     elif args.command == "bench" and args.bench == "host-codecs":
         from intml.testbed import bench_host_codecs
 
-        bench_host_codecs.run(args.elements, args.package, args.repeats, args.codec or bench_host_codecs.CODECS,
-                              args.json)
+        names = args.codec or bench_host_codecs.CODECS
+        bench_host_codecs.run(args.elements, args.package, args.repeats, names, args.json)
+        if args.allreduce:
+            bench_host_codecs.allreduce(args.workers, args.elements, args.rounds, names, args.json)
     elif args.command == "bench" and args.bench == "burstio":
         from intml.testbed import bench_burstio
 
@@ -323,6 +334,10 @@ def run(args: argparse.Namespace) -> int | None:
         from intml.testbed import train as train_cmd
 
         train_cmd.run_from_args(args)
+    elif args.command == "compare":
+        from intml.testbed import compare as compare_cmd
+
+        compare_cmd.run_from_args(args)
     elif args.command == "audit":
         from intml.testbed import audit
 

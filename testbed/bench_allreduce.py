@@ -110,7 +110,9 @@ def run_ranks_intml(aggregators: list[str], elements: int, codec: str, packet_el
     return {
         "median_s": statistics.median(per_round),
         "per_round_s": per_round,
-        "bytes_per_worker_each_way": intml_bytes(elements, codec, packet_elements, pool),
+        # a host codec's packages vary in size: its payload is counted as the float32 tensor it stands for
+        "bytes_per_worker_each_way": intml_bytes(elements, codec if codec in CODEC_NAMES else "int32",
+                                                 packet_elements, pool),
         "packets_per_worker_each_way": intml_packets(elements, packet_elements, pool),
         "retransmissions": sum(r["counters"]["retransmissions"] + r["counters"]["fast_retransmissions"]
                                for r in reports),

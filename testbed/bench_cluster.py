@@ -24,8 +24,11 @@ import contextlib
 import os
 from collections.abc import Iterator
 
+import numpy as np
+
 from intml.aggregator.cli import default_cores as aggregator_default_cores
-from intml.protocol.job import AGGREGATOR_MAX_JOBS, CODEC_NAMES
+from intml.protocol.codecs.host import parse as host_codec
+from intml.protocol.job import AGGREGATOR_MAX_JOBS, CODEC_NAMES, host_aggregator_elements
 from intml.protocol.packet import HDR
 from intml.testbed import gloo
 from intml.testbed.bench_allreduce import aggregator, run_ranks_intml
@@ -42,13 +45,32 @@ GLOO_PORT = 29500
 
 
 def packet_elements_for(codec: str, mtu: int) -> int:
-    """The most elements one datagram carries without IP fragmentation."""
-    return (mtu - IP_UDP - HDR) // CODEC_NAMES[codec].bytes_per_element
+    """The most elements one datagram carries without IP fragmentation (a host codec: int32's, so that its
+    float32 RESULT fits)."""
+    return (mtu - IP_UDP - HDR) // CODEC_NAMES[codec if codec in CODEC_NAMES else "int32"].bytes_per_element
+
+
+def aggregator_elements(codec: str, mtu: int) -> int:
+    """The --max-packet-elements an aggregator needs for ``codec``'s packets under ``mtu``."""
+    pe = packet_elements_for(codec, mtu)
+    return pe if codec in CODEC_NAMES else host_aggregator_elements(pe)
+
+
+def result_package_bytes(codec: str, elements: int, packet_elements: int) -> int:
+    """The RESULT package bytes a worker receives in one host-mode allreduce of ``elements`` (the codec's own
+    encode_result of each packet's elements: float32, or less where the codec sends less)."""
+    codec_of = host_codec(codec)
+    return sum(len(codec_of.encode_result(np.zeros(min(packet_elements, elements - start))))
+               for start in range(0, elements, packet_elements))
 
 
 def wire_bytes_intml(codec: str, elements: int, mtu: int, pool: int) -> float:
-    """Bytes one worker puts on its link each way, headers included (bootstrap packets too)."""
-    return intml_bytes(elements, codec, packet_elements_for(codec, mtu), pool, per_packet=HDR + IP_UDP + ETHERNET)
+    """Bytes one worker puts on its link each way, headers included (bootstrap packets too). A host codec: the
+    RESULT's direction, the busier one (host mode sends no bootstrap round)."""
+    pe = packet_elements_for(codec, mtu)
+    if codec not in CODEC_NAMES:
+        return result_package_bytes(codec, elements, pe) + -(-elements // pe) * (HDR + IP_UDP + ETHERNET)
+    return intml_bytes(elements, codec, pe, pool, per_packet=HDR + IP_UDP + ETHERNET)
 
 
 def wire_bytes_gloo(workers: int, elements: int, mtu: int, collective: str = "allreduce") -> float:
@@ -100,19 +122,20 @@ def results_mode(requested: str, workers: int, aggregators: int) -> str:
 
 def run_point(workers: int, rate: str, elements: int, mtu: int, loss: float, warmup: int, rounds: int,
               pool: int, with_gloo: bool = True, aggregators: int = 1, cores: int | None = None,
-              results: str = "multicast", collective: str = "allreduce") -> dict:
-    """Every system over one topology, with ``aggregators`` aggregators of ``cores`` cores each (default:
-    default_cores), results by ``results`` where the topology allows (results_mode); returns
-    {"rows": [...], "hashes": {codec: [...]}, "dropped": n}."""
+              results: str = "multicast", collective: str = "allreduce",
+              codecs: tuple[str, ...] = tuple(CODEC_NAMES)) -> dict:
+    """Every system (intml with each of ``codecs``, switch or host codecs; Gloo) over one topology, with
+    ``aggregators`` aggregators of ``cores`` cores each (default: default_cores), results by ``results`` where the
+    topology allows (results_mode); returns {"rows": [...], "hashes": {codec: [...]}, "dropped": n}."""
     rate_bit = parse_rate(rate)
     cores = cores or default_cores(workers, aggregators)
     rows, hashes = [], {}
     results = results_mode(results, workers, aggregators)
     with Topology(workers, rate_bit, mtu=mtu, loss=loss, aggregators=aggregators if aggregators > 1 else 0) as topo:
         prefixes = [topo.exec_prefix(topo.worker(r)) for r in range(workers)]
-        largest = max(packet_elements_for(codec, mtu) for codec in CODEC_NAMES)
+        largest = max(aggregator_elements(codec, mtu) for codec in codecs)
         with aggregators_in(topo, aggregators, cores, largest, results == "multicast") as addresses:
-            for job, codec in enumerate(CODEC_NAMES, start=1):
+            for job, codec in enumerate(codecs, start=1):
                 result = run_ranks_intml(addresses, elements, codec, packet_elements_for(codec, mtu), pool, warmup,
                                          rounds, prefixes, job=job, collective=collective)
                 if not result["identical_across_ranks"]:

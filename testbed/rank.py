@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 from intml.aggregator.cli import OneLineParser, positive
+from intml.protocol.codecs.host import parse as host_codec
 from intml.protocol.job import CODEC_NAMES, ROUNDINGS, JobParams, WorkerTimers, codec_name
 
 COLLECTIVES = ("allreduce", "reduce_scatter")
@@ -71,13 +72,24 @@ def command(aggregator: str, rank: int, world_size: int, elements: int, *, codec
             "--collective", collective, "--rounding", rounding, *(["--data-mac"] if data_mac else [])]
 
 
+def codec_arg(text: str) -> str:
+    """A switch codec's name, or a host codec's (run through the aggregator's host mode)."""
+    if text not in CODEC_NAMES:
+        try:
+            host_codec(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"not {' or '.join(CODEC_NAMES)}, and {exc}") from None
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(prog="python -m intml.testbed.rank", description=__doc__)
     p.add_argument("--aggregator", required=True, help="host:port of the aggregator")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=positive(), required=True)
     p.add_argument("--elements", type=positive(), required=True)
-    p.add_argument("--codec", choices=tuple(CODEC_NAMES), default=codec_name(JobParams.codec))
+    p.add_argument("--codec", type=codec_arg, default=codec_name(JobParams.codec),
+                   help="a switch codec (cnat8, int32) or a host codec's name (uniform8: docs/codecs.md)")
     p.add_argument("--packet-elements", type=positive(), default=JobParams.packet_elements)
     p.add_argument("--pool", type=positive(), default=JobParams.pool_size)
     p.add_argument("--warmup", type=int, default=1)

@@ -18,7 +18,8 @@ Runs (``--runs``; every run is repeated for each seed):
 alone (no gradient allreduce), and after every epoch the ranks average their parameters with torch's
 ``PeriodicModelAverager`` over the default group (Gloo for ``gloo``, intml for ``<codec>-backend``: any model gets
 it by passing an intml group). Its table adds bits per parameter on the wire per averaging, and what gzip
-(deflate, level 9) makes of the raw float32 parameters.
+(deflate, level 9; the median over epochs) and LZW (``protocol.lzw``, 16-bit codes; the final parameters) make of
+the raw float32 parameters.
 
 ``--parallel fsdp2`` trains the same model with FSDP2 instead of DDP: ``fully_shard`` on each Linear layer and on
 the root over a 1-D DeviceMesh of all ranks, so the gradients are reduce-scattered (each rank keeps its shard of
@@ -52,13 +53,16 @@ import sys
 import tempfile
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
+from intml.protocol import lzw
 from intml.protocol.codecs.host import parse as host_codec
 from intml.protocol.job import CODEC_NAMES, MAX_WORLD, JobParams, host_aggregator_elements
 from intml.protocol.packet import HDR
+from intml.sim.compare import epochs_to
 from intml.worker.traffic import ring_bytes
 from intml.testbed.procs import free_port, rank_env
 
@@ -246,7 +250,7 @@ def rank_main(cfg: dict) -> None:
     sched = torch.optim.lr_scheduler.ExponentialLR(opt, cfg["lr_decay"])
     generator = torch.Generator().manual_seed(cfg["seed"] * 1000 + rank)
 
-    step_s, accuracy, loss_curve, checked, gzip_bits = [], [], [], 0, []
+    step_s, accuracy, loss_curve, checked, gzip_bits, lzw_bits = [], [], [], 0, [], None
     hashes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     for epoch in range(cfg["epochs"]):
         perm = torch.randperm(len(mine), generator=generator)
@@ -258,15 +262,20 @@ def rank_main(cfg: dict) -> None:
             loss = torch.nn.functional.cross_entropy(ddp(x_mine[idx]), y_mine[idx])
             loss.backward()
             opt.step()
+            aside = 0.0  # seconds measuring what gzip and LZW would send: not the step's
             if average:
-                if i == steps_per_epoch - 1:  # what a gzip exchange of the weights would send instead
+                if i == steps_per_epoch - 1:  # what a gzip (LZW: the final weights, rank 0) exchange would send
+                    aside = time.perf_counter()
                     raw = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().tobytes()
                     gzip_bits.append(8 * len(zlib.compress(raw, 9)) / parameters)
+                    if rank == 0 and epoch == cfg["epochs"] - 1:  # pure Python: 0.4 s for this model
+                        lzw_bits = 8 * len(lzw.encode(raw)) / parameters
+                    aside = time.perf_counter() - aside
                     if worker is not None:
                         average_through(worker, model, world)
                 if averager is not None:
                     averager.average_parameters(model.parameters())
-            step_s.append(time.perf_counter() - start)
+            step_s.append(time.perf_counter() - start - aside)
             total += loss.item()
             if fsdp2 or (average and i != steps_per_epoch - 1):  # shards, or replicas that differ until averaged
                 continue
@@ -291,6 +300,7 @@ def rank_main(cfg: dict) -> None:
         "parameters": parameters,
         "test_accuracy": accuracy, "train_loss": loss_curve, "final_accuracy": accuracy[-1],
         "step_s_median": statistics.median(step_s[steps_per_epoch:] or step_s),
+        "epoch_s": [sum(step_s[e * steps_per_epoch:(e + 1) * steps_per_epoch]) for e in range(cfg["epochs"])],
         "hash_checked_steps": checked,
         "using_intml": bool(getattr(state if state is not None else pg, "using_intml", False)),
     }
@@ -317,6 +327,7 @@ def rank_main(cfg: dict) -> None:
     if average:  # per averaging: bytes each way per worker, as bits per parameter
         report["bits_per_parameter"] = 8 * report["bytes_per_step"] / parameters
         report["gzip_bits_per_parameter"] = statistics.median(gzip_bits)
+        report["lzw_bits_per_parameter"] = lzw_bits
     if rank == 0:
         Path(cfg["out"]).write_text(json.dumps(report))
     if state is not None:
@@ -353,11 +364,6 @@ def launch(run: str, seed: int, workers: int, args: dict, env: dict, out: Path, 
     return json.loads(out.read_text())
 
 
-def epochs_to(accuracy: list[float], target: float) -> int | None:
-    """The first epoch (1-based) whose test accuracy is >= target, or None."""
-    return next((e + 1 for e, a in enumerate(accuracy) if a >= target), None)
-
-
 def summarise(reports: list[dict], target: float) -> list[dict]:
     rows = []
     for name in dict.fromkeys(r["run"] for r in reports):
@@ -377,7 +383,8 @@ def summarise(reports: list[dict], target: float) -> list[dict]:
             "bytes_per_step": (None if mine[0]["bytes_per_step"] is None
                                else statistics.median(r["bytes_per_step"] for r in mine)),
             **({key: statistics.median(r[key] for r in mine) for key in ("bits_per_parameter",
-                                                                          "gzip_bits_per_parameter")}
+                                                                          "gzip_bits_per_parameter",
+                                                                          "lzw_bits_per_parameter")}
                if "bits_per_parameter" in mine[0] else {}),
             "collectives": collectives(mine[0]),
             "retransmissions": sum(r.get("traffic", {}).get("retransmissions", 0) for r in mine),
@@ -420,12 +427,14 @@ def table(rows: list[dict], target: float) -> str:
     per = "averaging" if average else "step"
     head = ("| run | final test accuracy, median (min–max) | epochs to " f"{target:.0%}" " (median) | "
             f"time per step, median | bytes per {per} per worker, each way | "
-            + ("bits per parameter on the wire | gzip of the raw weights, bits per parameter | " if average else "")
+            + ("bits per parameter on the wire | gzip of the raw weights, bits per parameter | LZW of the final raw "
+               "weights, bits per parameter | " if average else "")
             + "retransmissions | steps hash-checked |")
-    lines = [head, "|" + "---|" * (9 if average else 7)]
+    lines = [head, "|" + "---|" * (10 if average else 7)]
     for r in rows:
         reach = "—" if r["epochs_to_target_median"] is None else f"{r['epochs_to_target_median']:g}"
-        bits = f"{r['bits_per_parameter']:.2f} | {r['gzip_bits_per_parameter']:.2f} | " if average else ""
+        bits = (f"{r['bits_per_parameter']:.2f} | {r['gzip_bits_per_parameter']:.2f} | "
+                f"{r['lzw_bits_per_parameter']:.2f} | " if average else "")
         lines.append(f"| {r['run']} | {100 * r['final_acc_median']:.2f}% ({100 * r['final_acc_min']:.2f}–"
                      f"{100 * r['final_acc_max']:.2f}) | {reach} ({r['reached']} seeds) | "
                      f"{r['step_ms_median']:.2f} ms | {bytes_text(r['bytes_per_step'])} | {bits}"
@@ -499,9 +508,11 @@ def plot(reports: list[dict], path: Path, target: float) -> None:
 def run(workers: int = 4, seeds: int = 5, epochs: int = 30, runs: tuple[str, ...] | None = None, batch: int = 16,
         lr: float = 0.2, lr_decay: float = 0.95, target: float = 0.95, packet_elements: int = JobParams.packet_elements,
         bucket_cap_mb: float | None = None, json_out: str | None = None, plot_out: str | None = None,
-        run_timeout: float = 600.0, quiet: bool = False, parallel: str = "ddp") -> dict:
-    """The whole experiment: one aggregator, then every run for every seed (seeds 0..seeds-1) in turn. `runs`
-    defaults to DEFAULT_RUNS with DDP and BACKEND_RUNS otherwise."""
+        run_timeout: float = 600.0, quiet: bool = False, parallel: str = "ddp",
+        on_report: Callable[[dict], None] | None = None) -> dict:
+    """The whole experiment: one aggregator, then every run for every seed (seeds 0..seeds-1) in turn, each
+    run's report passed to ``on_report`` as it comes. `runs` defaults to DEFAULT_RUNS with DDP and BACKEND_RUNS
+    otherwise."""
     from intml.testbed.bench_allreduce import aggregator
 
     if runs is None:
@@ -528,6 +539,8 @@ def run(workers: int = 4, seeds: int = 5, epochs: int = 30, runs: tuple[str, ...
                 if parse_run(spec)["codec"] is not None and not report["using_intml"]:
                     raise RuntimeError(f"run {spec} seed {seed} did not use intml")
                 reports.append(report)
+                if on_report:
+                    on_report(report)
                 if not quiet:
                     print(f"  {spec:>14} seed {seed}: final accuracy {100 * report['final_accuracy']:.2f}%, "
                           f"{1e3 * report['step_s_median']:.2f} ms/step ({time.monotonic() - started:.0f} s)",

@@ -18,6 +18,7 @@ from intml.aggregator.kernel import KernelDataPath
 from intml.aggregator.leafspine import leaf_core
 from intml.p4.engine import p4model_core
 from intml.protocol import wire
+from intml.protocol.burst import Burst
 from intml.protocol.codec import Codec
 from intml.protocol.codecs.host import parse
 from intml.protocol.job import JobParams, host_aggregator_elements, host_package_limit
@@ -230,6 +231,24 @@ def test_a_host_job_beside_a_switch_job() -> None:
     assert totals["drop_truncated"] == 0 and totals["drop_unknown_job"] == 0
     jobs = [host_net.job_counters(job=j)["packets_in"] for j in (7, 8)]
     assert totals["packets_in"] >= sum(jobs) > 0
+
+
+def test_control_datagrams_beside_host_data_keep_their_burst_indices() -> None:
+    """A burst of host DATA, a truncated datagram and a STATS_REQUEST: the control index the data path returns is
+    the request's in that burst (the kernel saw a burst without the host rows), and only the truncated one counts
+    as truncated."""
+    net = Network(2, codec="hostq8", packet_elements=P, pool_size=2)
+    package = HostQ(8).encode(np.ones(P, np.float32), 1, 0)
+    datagrams = [(_data(net, 0, package), net.addr(0)), (bytes(5000), net.addr(1)),
+                 (_data(net, 1, package), net.addr(1)), (net.stats_request(0), net.addr(0))]
+    rx = Burst.rows_of(len(datagrams), 4096)
+    rx.fill(datagrams)
+    before = net.core_counters()
+    out, control = net.cores[0].datapath.process(rx, net.now)
+    assert control.tolist() == [3]
+    assert out.count == 2 and {msg_type(d) for d, _ in out.datagrams()} == {MsgType.RESULT}
+    diff = {k: v - before[k] for k, v in net.core_counters().items()}
+    assert diff["packets_in"] == 4 and diff["drop_truncated"] == 1
 
 
 def _join_error(core, params: dict) -> str:

@@ -40,7 +40,8 @@ from intml.protocol.wire import NO_EXP, MsgType
 
 PORT = 1  # the one switch port: every rank behind it (the multicast nodes are on it too)
 THRIFT = 9090
-QUIET_S = 3.0  # a frame's output is complete after this long without another (BMv2 under load)
+SETTLE_S = 0.5  # once a frame's expected output is in, how long to wait for an extra one (support/bmv2_port.py)
+WAIT_S = 30.0  # how long to wait for a frame's expected output (BMv2 under load)
 
 
 def missing() -> str | None:
@@ -97,11 +98,12 @@ class Switch:
                             "--json", str(self.json_path)],
                            input="\n".join(commands) + "\n", timeout=300)
 
-    def exchange(self, frames: list[bytes], tmp: Path) -> list[list[bytes]]:
-        """Each frame sent in turn; the frames the switch sent back after each."""
-        (tmp / "in.txt").write_text("\n".join(f.hex() for f in frames))
+    def exchange(self, frames: list[bytes], expected: list[int], tmp: Path) -> list[list[bytes]]:
+        """Each frame sent in turn; the frames the switch sent back after each (``expected``: how many the model
+        sends for each)."""
+        (tmp / "in.txt").write_text("\n".join(f"{f.hex()} {n}" for f, n in zip(frames, expected)))
         result = self.run_in([sys.executable, str(Path(__file__).parents[1] / "support" / "bmv2_port.py"), "h1",
-                              str(tmp / "in.txt"), str(tmp / "out.json"), str(QUIET_S)], timeout=600)
+                              str(tmp / "in.txt"), str(tmp / "out.json"), str(SETTLE_S), str(WAIT_S)], timeout=600)
         assert result.returncode == 0, result.stderr
         out: list[list[bytes]] = [[] for _ in frames]
         for i, frame in json.loads((tmp / "out.json").read_text()):
@@ -179,6 +181,11 @@ def load(switch: Switch, core: AggregatorCore) -> None:
     assert "Error" not in result.stdout, result.stdout[-3000:]
 
 
+def counts(expected: list[list[tuple[bytes, int]]]) -> list[int]:
+    """How many frames the switch should send back for each input: one per copy the model sends."""
+    return [len(e) for e in expected]
+
+
 def assert_sends(got: list[list[bytes]], expected: list[list[tuple[bytes, int]]]) -> None:
     """Each input frame's output equals the model's, byte for byte; each copy from the switch to its rank's
     Ethernet address, as a NIC accepts it."""
@@ -197,7 +204,8 @@ def test_bmv2_sends_what_the_model_sends(switch: Switch, tmp_path: Path, codec: 
     load(switch, core)
     items = stream(codec, elements, nonfinite=nonfinite)
     expected = [model.receive(datagram, source, 0.0) for datagram, source in items]
-    assert_sends(switch.exchange([frame(datagram, source) for datagram, source in items], tmp_path), expected)
+    assert_sends(switch.exchange([frame(datagram, source) for datagram, source in items], counts(expected),
+                                 tmp_path), expected)
     assert (model.counters(0)["nonfinite_elements"] > 0) == nonfinite
 
 
@@ -208,7 +216,8 @@ def test_bmv2_rounds_a_nearest_job_as_the_model(switch: Switch, tmp_path: Path) 
     load(switch, core)
     items = stream(Codec.CNAT8, 150, same_codes=False, nonfinite=True)
     expected = [model.receive(datagram, source, 0.0) for datagram, source in items]
-    assert_sends(switch.exchange([frame(datagram, source) for datagram, source in items], tmp_path), expected)
+    assert_sends(switch.exchange([frame(datagram, source) for datagram, source in items], counts(expected),
+                                 tmp_path), expected)
 
 
 @pytest.mark.parametrize("switch", [(TEST_RANDOM,)], indirect=True)
@@ -228,4 +237,4 @@ def test_bmv2_test_build_rounds_with_the_carried_words(switch: Switch, tmp_path:
     other = joined(2, 150, Codec.CNAT8, CarriedRandom())[2]  # every word 0: rounds down
     assert [other.receive(datagram, source, 0.0) for datagram, source in items] != expected
     assert_sends(switch.exchange([frame(datagram, source, carried) for (datagram, source), carried
-                                  in zip(items, words)], tmp_path), expected)
+                                  in zip(items, words)], counts(expected), tmp_path), expected)

@@ -3,6 +3,7 @@ bit; the ones that claim it are unbiased; names and JOIN parameters round-trip; 
 float32 values or raise MalformedPackage; error feedback makes top-k and random-k converge; PowerSGD's two rounds
 recover a low-rank sum and agree across ranks."""
 
+import heapq
 import struct
 
 import numpy as np
@@ -11,7 +12,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from intml.protocol.codecs.host import FAMILIES, MalformedPackage, Memory, from_wire, huffman, parse
-from intml.protocol.codecs.host.packing import Reader
+from intml.protocol.codecs.host import reference
+from intml.protocol.codecs.host.packing import Reader, pack_codes, unpack_codes
 from intml.protocol.codecs.host.powersgd import LowRank
 from intml.protocol.codecs.host.reference import REFERENCES
 
@@ -190,6 +192,68 @@ def test_huffman_round_trip(histogram):
     read_symbols, read_lengths = huffman.read_codebook(book, max(histogram.size, 1))
     assert (read_symbols.tolist(), read_lengths.tolist()) == (symbols.tolist(), lengths.tolist())
     assert huffman.decode(data, read_symbols, read_lengths, values.size, "test").tolist() == values.tolist()
+
+
+@SETTINGS
+@given(width=st.integers(1, 32), data=st.data())
+def test_bit_packing_matches_reference(width, data):
+    """The packing kernels against the reference's strings of bits, at every width a codec uses (1..32 bits)."""
+    codes = data.draw(st.lists(st.integers(0, 2 ** width - 1), max_size=80))
+    package = pack_codes(np.array(codes, np.uint32), width)
+    assert package == reference.to_bytes("".join(reference.field(c, width) for c in codes))
+    assert unpack_codes(package, len(codes), width, "test").tolist() == reference.fields(package, len(codes), width)
+
+
+def tree_depths(histogram: list[int]) -> dict[int, int]:
+    """Huffman's rule as the codec states it, with Python's heapq on (weight, smallest symbol, leaves) tuples: the
+    two lightest subtrees merge, ties to the one holding the smaller symbol. symbol -> depth."""
+    heap = [(w, s, [s]) for s, w in enumerate(histogram) if w]
+    depth = {s: 0 for _, s, _ in heap}
+    heapq.heapify(heap)
+    while len(heap) > 1:
+        (w1, s1, a), (w2, s2, b) = heapq.heappop(heap), heapq.heappop(heap)
+        for leaf in a + b:
+            depth[leaf] += 1
+        heapq.heappush(heap, (w1 + w2, min(s1, s2), a + b))
+    return depth
+
+
+@SETTINGS
+@given(histogram=st.lists(st.integers(0, 20), max_size=600))
+@example(histogram=[3] * 40)  # ties everywhere
+def test_huffman_tree_is_the_stated_rule(histogram):
+    """The compiled tree builder picks the tree the rule picks, ties included (every encoder builds one code)."""
+    symbols, lengths = huffman.code_lengths(np.array(histogram, np.int64))
+    assert dict(zip(symbols.tolist(), lengths.tolist())) == tree_depths(histogram)
+
+
+@SETTINGS
+@given(weights=st.lists(st.integers(1, 50_000), min_size=2, max_size=40), seed=st.integers(0, 2 ** 32 - 1))
+@example(weights=[round(1.618034 ** k / 2.236068) for k in range(1, 31)], seed=0)  # Fibonacci: codes of 1..29 bits
+def test_huffman_table_decoder_matches_reference(weights, seed):
+    """The table-driven decoder against the reference's prefix matching, on codebooks whose longest codes are
+    longer than the table (they continue bit by bit) and with the data cut short (it runs out)."""
+    histogram = np.array(weights, np.int64)
+    values = np.random.default_rng(seed).choice(histogram.size, 60, p=histogram / histogram.sum())
+    values[:histogram.size // 2] = np.argsort(histogram)[:histogram.size // 2]  # the longest codes, too
+    symbols, lengths = huffman.code_lengths(histogram)
+    book = reference.canonical(symbols.tolist(), lengths.tolist())
+    data = huffman.encode(values, symbols, lengths)
+    assert data == reference.to_bytes("".join(book[v] for v in values.tolist()))
+    assert huffman.decode(data, symbols, lengths, values.size, "test").tolist() == values.tolist()
+    with pytest.raises(MalformedPackage):
+        huffman.decode(data[:-1], symbols, lengths, values.size, "test")
+
+
+@SETTINGS
+@given(rows=st.integers(1, 8), data=st.data())
+def test_combine_sums_in_rank_order(rows, data):
+    """The combine kernel is Python's float64 sum, rank by rank, element by element (a list of rows or a 2-D
+    array alike)."""
+    decoded = [np.array(data.draw(st.lists(FLOATS, min_size=5, max_size=5)), np.float32) for _ in range(rows)]
+    want = [sum((float(d[i]) for d in decoded[1:]), float(decoded[0][i])) for i in range(5)]
+    codec = parse("uniform8")
+    assert codec.combine(decoded).tolist() == want == codec.combine(np.stack(decoded)).tolist()
 
 
 def huffman_package(first: int, fields: list[int], n_bits: int = 4, codes: bytes = b"") -> bytes:

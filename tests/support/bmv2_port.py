@@ -1,5 +1,9 @@
 """Runs inside the BMv2 test's network namespace: sends each frame of a file on one veth end and records what the
-switch sends back within a quiet period after each, as ``[[input index, frame hex], ...]`` (JSON). Not a test."""
+switch sends back after each, as ``[[input index, frame hex], ...]`` (JSON). Not a test.
+
+After each frame it waits for the number of frames the model expects back (up to ``wait_s``, BMv2 under load), then
+for ``settle_s`` without another: an extra frame, even a late one that lands after the next input, still fails the
+comparison, so the wait need not be long enough to attribute it correctly."""
 
 import json
 import socket
@@ -9,8 +13,9 @@ import time
 PACKET_OUTGOING = 4  # AF_PACKET's pkttype of a frame this socket itself sent
 
 
-def main(interface: str, frames_file: str, out_file: str, quiet_s: float) -> None:
-    frames = [bytes.fromhex(line) for line in open(frames_file).read().split()]
+def main(interface: str, frames_file: str, out_file: str, settle_s: float, wait_s: float) -> None:
+    lines = [line.split() for line in open(frames_file).read().splitlines() if line]
+    frames, expected = [bytes.fromhex(f) for f, _ in lines], [int(n) for _, n in lines]
     sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
     sock.bind((interface, 0))
     sock.settimeout(0.05)
@@ -18,16 +23,18 @@ def main(interface: str, frames_file: str, out_file: str, quiet_s: float) -> Non
     for i, frame in enumerate(frames):
         sock.send(frame)
         last = time.monotonic()
-        while time.monotonic() - last < quiet_s:
+        got = 0
+        while time.monotonic() - last < (settle_s if got >= expected[i] else wait_s):
             try:
                 data, addr = sock.recvfrom(65535)
             except socket.timeout:
                 continue
             if addr[2] != PACKET_OUTGOING and data[12:14] == b"\x08\x00":
                 received.append([i, data.hex()])
+                got += 1
                 last = time.monotonic()
     json.dump(received, open(out_file, "w"))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4]))
+    main(sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4]), float(sys.argv[5]))

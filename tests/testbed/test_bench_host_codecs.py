@@ -22,3 +22,16 @@ def test_command_line_prints_a_table_and_refuses_unknown_codecs(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "host-codecs", "--codec", "gzip"])
     assert "unknown codec 'gzip'" in capsys.readouterr().err
+
+
+@pytest.mark.process
+def test_allreduce_times_host_codecs_beside_cnat8(capsys):
+    """--allreduce: a loopback allreduce per codec, C_nat's first, each bit-identical across its ranks, the ratio
+    to C_nat's time in each row."""
+    main(["bench", "host-codecs", "--elements", "3000", "--package", "1000", "--repeats", "1", "--codec", "uniform8",
+          "--allreduce", "--workers", "2", "--rounds", "1", "--json"])
+    out = capsys.readouterr().out
+    rows = json.loads(out[out.index("}\n{") + 2:])["rows"]
+    assert [row["codec"] for row in rows] == ["cnat8", "uniform8"] and rows[0]["vs_cnat8"] == 1
+    assert all(row["identical_across_ranks"] and row["median_s"] > 0 for row in rows)
+    assert rows[1]["vs_cnat8"] == rows[1]["median_s"] / rows[0]["median_s"]

@@ -78,6 +78,7 @@ def test_model_averaging_over_an_intml_group() -> None:
     # 4-byte words plus a 26-byte header per packet of 256 or more: within 10% of 32 bits
     assert 32 < r["bits_per_parameter"] < 35.2, r["bits_per_parameter"]
     assert 0 < r["gzip_bits_per_parameter"] <= 33, r["gzip_bits_per_parameter"]
+    assert 30 < r["lzw_bits_per_parameter"] < 45, r["lzw_bits_per_parameter"]  # LZW of raw floats saves nothing
     with pytest.raises(ValueError, match="use the backend instead"):
         train.run(runs=("cnat8",), parallel="average")
 

@@ -13,8 +13,10 @@ element ``offset``, self-describing (its own header: a scale, a codebook, N), it
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 import numpy as np
+from numba import njit
 
 
 class MalformedPackage(ValueError):
@@ -50,12 +52,10 @@ class HostCodec(ABC):
     def decode(self, package: bytes, count: int) -> np.ndarray:
         """The ``count`` float32 values a contribution's package stands for."""
 
-    def combine(self, decoded: list[np.ndarray]) -> np.ndarray:
-        """The aggregate of the contributions, given in rank order: their sum, in float64 and in that order."""
-        total = np.zeros(decoded[0].size, np.float64)
-        for each in decoded:
-            total += each
-        return total
+    def combine(self, decoded: np.ndarray | Sequence[np.ndarray]) -> np.ndarray:
+        """The aggregate of the contributions, given in rank order (one float32 row each): their sum, in float64
+        and in that order."""
+        return sum_rows(np.asarray(decoded, np.float32))
 
     def encode_result(self, total: np.ndarray) -> bytes:
         """The aggregator's RESULT package of ``combine``'s output: by default its float32 values, big-endian (what
@@ -67,6 +67,16 @@ class HostCodec(ABC):
         if len(package) != 4 * count:
             raise MalformedPackage(f"a {self.name} result of {count} elements is {4 * count} bytes, got {len(package)}")
         return np.frombuffer(package, ">f4").astype(np.float32)
+
+
+@njit(cache=True)
+def sum_rows(rows):
+    """The float64 sum of a 2-D float32 array's rows, added in row order."""
+    total = np.zeros(rows.shape[1], np.float64)
+    for r in range(rows.shape[0]):
+        for i in range(rows.shape[1]):
+            total[i] += rows[r, i]
+    return total
 
 
 class Memory:

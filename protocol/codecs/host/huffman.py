@@ -18,7 +18,7 @@ import numpy as np
 from numba import njit
 
 from intml.protocol.codecs.host.base import MalformedPackage
-from intml.protocol.codecs.host.packing import Reader, pack_codes, unpack_codes
+from intml.protocol.codecs.host.packing import Reader, check_padding, pack_codes, unpack_codes, write_fields
 
 FIELD = 5  # bits of a codebook entry
 MAX_LENGTH = 30  # the longest code a 5-bit field can give
@@ -32,40 +32,52 @@ def code_lengths(histogram: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     present = np.flatnonzero(histogram)
     if int(histogram.sum()) > MAX_SYMBOLS:
         raise ValueError(f"Huffman coding takes at most {MAX_SYMBOLS} symbols at once")
-    lengths = _depths(histogram[present].astype(np.int64), present.astype(np.int64))
+    shift = max(1, (histogram.size - 1).bit_length())  # a symbol's bits in a heap key
+    lengths = _depths(histogram[present].astype(np.int64), present.astype(np.int64), shift)
     order = np.lexsort((present, lengths))
     return present[order].astype(np.int64), lengths[order]
 
 
 @njit(cache=True)
-def _depths(weights, symbols):
+def _depths(weights, symbols, shift):
     """Each leaf's depth in Huffman's tree. Nodes 0..k-1 are the leaves; each merge makes the next node, the
-    parent of the two it takes; a parent comes after its children, so depths are filled from the root down."""
+    parent of the two it takes; a parent comes after its children, so depths are filled from the root down. A
+    subtree is on the heap as one integer, its weight above its smallest symbol (``shift`` bits), which names it:
+    the subtrees on the heap hold disjoint symbols."""
     k = weights.size
     if k == 0:
         return np.zeros(0, np.int64)
     parent = np.full(2 * k - 1, -1, np.int64)
-    heap = [(weights[i], symbols[i], i) for i in range(k)]
+    node_of = np.zeros(symbols[k - 1] + 1, np.int64)  # a subtree's node, by its smallest symbol
+    mask = (1 << shift) - 1
+    heap = [(weights[i] << shift) | symbols[i] for i in range(k)]
+    for i in range(k):
+        node_of[symbols[i]] = i
     heapq.heapify(heap)
     for node in range(k, 2 * k - 1):
-        w1, s1, a = heapq.heappop(heap)
-        w2, s2, b = heapq.heappop(heap)
-        parent[a] = node
-        parent[b] = node
-        heapq.heappush(heap, (w1 + w2, min(s1, s2), np.int64(node)))
+        first = heapq.heappop(heap)
+        second = heapq.heappop(heap)
+        parent[node_of[first & mask]] = node
+        parent[node_of[second & mask]] = node
+        smallest = min(first & mask, second & mask)
+        node_of[smallest] = node
+        heapq.heappush(heap, (((first >> shift) + (second >> shift)) << shift) | smallest)
     depth = np.zeros(2 * k - 1, np.int64)
     for node in range(2 * k - 3, -1, -1):
         depth[node] = depth[parent[node]] + 1
     return depth[:k]
 
 
-def canonical_codes(lengths: np.ndarray) -> np.ndarray:
-    """The canonical code of each entry of a codebook in canonical order."""
+@njit(cache=True)
+def canonical_codes(lengths):
+    """The canonical code of each entry of a codebook in canonical order (its int64 lengths)."""
     codes = np.zeros(lengths.size, np.int64)
-    code, previous = 0, int(lengths[0]) if lengths.size else 0
-    for i, length in enumerate(lengths):
-        code <<= int(length) - previous
-        codes[i], previous = code, int(length)
+    code = 0
+    previous = lengths[0] if lengths.size else 0
+    for i in range(lengths.size):
+        code <<= lengths[i] - previous
+        codes[i] = code
+        previous = lengths[i]
         code += 1
     return codes
 
@@ -106,31 +118,16 @@ def encode(values: np.ndarray, symbols: np.ndarray, lengths: np.ndarray) -> byte
     table_code = np.zeros(int(symbols.max()) + 1, np.int64)
     table_length = np.zeros(int(symbols.max()) + 1, np.int64)
     table_code[symbols], table_length[symbols] = canonical_codes(lengths), lengths
-    out = np.zeros((int(table_length[values].sum()) + 7) // 8, np.uint8)
-    _encode(values.astype(np.int64), table_code, table_length, out)
+    widths = table_length[values]
+    out = np.zeros((int(widths.sum()) + 7) // 8, np.uint8)
+    write_fields(table_code[values], widths, out)
     return out.tobytes()
 
 
-@njit(cache=True)
-def _encode(values, table_code, table_length, out):
-    """Appends each value's code to ``out`` through a bit accumulator (codes are at most 30 bits)."""
-    acc = 0
-    held = 0
-    at = 0
-    for v in values:
-        acc = (acc << table_length[v]) | table_code[v]
-        held += table_length[v]
-        while held >= 8:
-            held -= 8
-            out[at] = (acc >> held) & 0xFF
-            at += 1
-        acc &= (1 << held) - 1
-    if held:
-        out[at] = (acc << (8 - held)) & 0xFF
-
-
 def decode(data: bytes, symbols: np.ndarray, lengths: np.ndarray, count: int, codec: str) -> np.ndarray:
-    """The ``count`` symbols ``data`` codes; MalformedPackage if it runs out, has bytes or bits left over."""
+    """The ``count`` symbols ``data`` codes with the complete prefix code ``symbols``, ``lengths`` (in canonical
+    order, as read_codebook and code_lengths give them); MalformedPackage if it runs out, has bytes or bits left
+    over."""
     out = np.zeros(count, np.int64)
     if lengths.size == 0 and count:
         raise MalformedPackage(f"a {codec} package with no codebook stands for no elements, not {count}")
@@ -139,18 +136,22 @@ def decode(data: bytes, symbols: np.ndarray, lengths: np.ndarray, count: int, co
         used = 0
     else:
         counts = np.bincount(lengths, minlength=MAX_LENGTH + 2)
-        used = _decode(np.frombuffer(data, np.uint8), counts, symbols, out)
+        table_bits = min(int(lengths.max(initial=0)), TABLE_BITS)
+        used = _decode(np.frombuffer(data, np.uint8), counts, symbols, lengths, table_bits, out)
     if used < 0 or (used + 7) // 8 != len(data):
         raise MalformedPackage(f"a {codec} package's codes do not make {count} elements")
-    if used % 8 and data[-1] & ((1 << (8 - used % 8)) - 1):
-        raise MalformedPackage(f"a {codec} package's padding bits are not zero")
+    check_padding(data, used, codec)
     return out
 
 
+TABLE_BITS = 11  # the longest code the decoder's table finds in one look-up; longer ones continue bit by bit
+
+
 @njit(cache=True)
-def _decode(data, counts, symbols, out):
-    """Canonical decoding bit by bit: at each length, the codes first_code.. first_code + counts - 1 are whole.
-    The bits used, or -1 if the data runs out."""
+def _decode(data, counts, symbols, lengths, table_bits, out):
+    """Canonical decoding through a table of every ``table_bits``-bit pattern's first code (its entry index and
+    length), a code longer than that bit by bit: at each length, the codes first_code.. first_code + counts - 1
+    are whole. The bits used, or -1 if the data runs out."""
     first_code = np.zeros(counts.size, np.int64)
     first_index = np.zeros(counts.size, np.int64)
     code = 0
@@ -160,9 +161,29 @@ def _decode(data, counts, symbols, out):
         first_index[length] = index
         code = (code + counts[length]) << 1
         index += counts[length]
+    entry = np.zeros(1 << table_bits, np.int64)
+    entry_length = np.zeros(1 << table_bits, np.int64)  # 0: the pattern's code is longer than table_bits
+    for k in range(lengths.size):
+        length = lengths[k]
+        if length <= table_bits:
+            start = (first_code[length] + k - first_index[length]) << (table_bits - length)
+            entry[start:start + (1 << (table_bits - length))] = k
+            entry_length[start:start + (1 << (table_bits - length))] = length
     available = data.size * 8
     pos = 0
     for i in range(out.size):
+        at = pos >> 3  # the table_bits (<= 11) bits from pos lie in three bytes, zeros past the end
+        window = 0
+        for b in range(at, at + 3):
+            window = (window << 8) | (data[b] if b < data.size else 0)
+        pattern = (window >> (24 - (pos & 7) - table_bits)) & ((1 << table_bits) - 1)
+        length = entry_length[pattern]
+        if length:
+            if pos + length > available:
+                return -1
+            out[i] = symbols[entry[pattern]]
+            pos += length
+            continue
         code = 0
         length = 0
         while True:

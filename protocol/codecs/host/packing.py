@@ -7,6 +7,7 @@ import struct
 from collections.abc import Callable
 
 import numpy as np
+from numba import njit
 
 from intml.protocol.codecs.host.base import HostCodec, MalformedPackage
 from intml.protocol.rng import fill_bits32
@@ -34,11 +35,37 @@ class Reader:
         return self.package[self.at:]
 
 
+WHOLE_BYTES = {8: np.dtype(np.uint8), 16: np.dtype(">u2"), 32: np.dtype(">u4")}  # widths numpy packs as they are
+
+
 def pack_codes(codes: np.ndarray, width: int) -> bytes:
     """``codes`` (each < 2**width) as ``width``-bit fields, most significant bit first, zero-padded to a byte."""
-    shifts = np.arange(width - 1, -1, -1, dtype=np.uint32)
-    bits = (codes.astype(np.uint32)[:, None] >> shifts) & 1
-    return np.packbits(bits.astype(np.uint8).ravel()).tobytes()
+    if width in WHOLE_BYTES:
+        return np.asarray(codes).astype(WHOLE_BYTES[width]).tobytes()
+    out = np.zeros((codes.size * width + 7) // 8, np.uint8)
+    write_fields(np.asarray(codes, np.int64), np.full(1, width, np.int64), out)
+    return out.tobytes()
+
+
+@njit(cache=True)
+def write_fields(codes, widths, out):
+    """Writes each code in its width (``widths``: one per code, or one for all; at most 32 bits) to ``out``, most
+    significant bit first, through a bit accumulator; the last byte's free bits stay zero."""
+    acc = 0
+    held = 0
+    at = 0
+    fixed = widths.size == 1
+    for i in range(codes.size):
+        width = widths[0] if fixed else widths[i]
+        acc = (acc << width) | codes[i]
+        held += width
+        while held >= 8:
+            held -= 8
+            out[at] = (acc >> held) & 0xFF
+            at += 1
+        acc &= (1 << held) - 1
+    if held:
+        out[at] = (acc << (8 - held)) & 0xFF
 
 
 def unpack_codes(data: bytes, count: int, width: int, codec: str) -> np.ndarray:
@@ -46,11 +73,35 @@ def unpack_codes(data: bytes, count: int, width: int, codec: str) -> np.ndarray:
     if len(data) != (count * width + 7) // 8:
         raise MalformedPackage(f"{count} {width}-bit {codec} codes take {(count * width + 7) // 8} bytes, "
                                f"got {len(data)}")
-    bits = np.unpackbits(np.frombuffer(data, np.uint8))
-    if bits[count * width:].any():
+    check_padding(data, count * width, codec)
+    if width in WHOLE_BYTES:
+        return np.frombuffer(data, WHOLE_BYTES[width]).astype(np.uint32)
+    out = np.empty(count, np.uint32)
+    _read_fields(np.frombuffer(data, np.uint8), width, out)
+    return out
+
+
+@njit(cache=True)
+def _read_fields(data, width, out):
+    """Fills ``out`` with the ``width``-bit fields of ``data``, most significant bit first."""
+    acc = 0
+    held = 0
+    at = 0
+    mask = (1 << width) - 1
+    for i in range(out.size):
+        while held < width:
+            acc = (acc << 8) | data[at]
+            at += 1
+            held += 8
+        held -= width
+        out[i] = (acc >> held) & mask
+        acc &= (1 << held) - 1
+
+
+def check_padding(data: bytes, used: int, codec: str) -> None:
+    """MalformedPackage unless the bits of ``data`` after its first ``used`` (in its last byte) are zero."""
+    if used % 8 and data[used // 8] & ((1 << (8 - used % 8)) - 1):
         raise MalformedPackage(f"a {codec} package's padding bits are not zero")
-    fields = bits[:count * width].reshape(count, width).astype(np.uint32)
-    return (fields << np.arange(width - 1, -1, -1, dtype=np.uint32)).sum(axis=1, dtype=np.uint32)
 
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)

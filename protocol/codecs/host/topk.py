@@ -44,6 +44,16 @@ def kept(ratio: float, count: int) -> int:
     return max(1, math.floor(ratio * count)) if count else 0
 
 
+def largest(magnitudes: np.ndarray, k: int) -> np.ndarray:
+    """The ascending indices of the ``k`` largest ``magnitudes``, ties to the lower index: those above the k-th
+    largest, then the first ones equal to it (a partition, linear, where a stable sort is n log n)."""
+    if k == 0:
+        return np.zeros(0, np.int64)
+    kth = np.partition(magnitudes, magnitudes.size - k)[magnitudes.size - k]
+    above = np.flatnonzero(magnitudes > kth)
+    return np.sort(np.concatenate((above, np.flatnonzero(magnitudes == kth)[:k - above.size])))
+
+
 class Sparse(HostCodec):
     """What top-k and random-k share: a ratio in the name and the JOIN's parameter, and the sparse package."""
 
@@ -71,8 +81,7 @@ class TopK(Sparse):
     family = "topk"
 
     def encode(self, x: np.ndarray, key: int, offset: int) -> bytes:
-        largest = np.argsort(-np.abs(x), kind="stable")[:kept(self.ratio, x.size)]
-        return sparse_package(x, np.sort(largest))
+        return sparse_package(x, largest(np.abs(x), kept(self.ratio, x.size)))
 
     def decode(self, package: bytes, count: int) -> np.ndarray:
         indices, values = sparse_pairs(package, count, self.name)

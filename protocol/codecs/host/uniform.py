@@ -9,6 +9,7 @@ w_min, and w_max falls in the last bin (the paper's floor would give it a bin 2*
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 from intml.protocol.codecs.host.base import MalformedPackage
 from intml.protocol.codecs.host.packing import IntegerCodec, Reader, pack_codes, unpack_codes
@@ -19,17 +20,31 @@ MAX_BITS = 16
 
 def quantize(x: np.ndarray, lo: float, hi: float, bits: int) -> np.ndarray:
     """The bin indices of ``x`` among 2**bits equal bins of [lo, hi], in float64."""
-    span = hi - lo
-    if span == 0:
-        return np.zeros(x.size, np.uint32)
-    levels = 2 ** bits
-    t = np.floor((x.astype(np.float64) - lo) / span * levels)
-    return np.minimum(t, levels - 1).astype(np.uint32)
+    out = np.zeros(x.size, np.uint32)
+    if hi != lo:
+        _quantize(np.asarray(x, np.float32), lo, hi - lo, float(2 ** bits), out)
+    return out
+
+
+@njit(cache=True)
+def _quantize(x, lo, span, levels, out):
+    """floor((x - lo) / span * levels), the last bin holding hi."""
+    for i in range(x.size):
+        out[i] = min(np.floor((np.float64(x[i]) - lo) / span * levels), levels - 1)
 
 
 def centres(codes: np.ndarray, lo: float, hi: float, bits: int) -> np.ndarray:
     """The bin centres the codes stand for, in float32."""
-    return (lo + (hi - lo) * ((codes + 0.5) / 2 ** bits)).astype(np.float32)
+    out = np.empty(codes.size, np.float32)
+    _centres(np.asarray(codes, np.int64), lo, hi, float(2 ** bits), out)
+    return out
+
+
+@njit(cache=True)
+def _centres(codes, lo, hi, levels, out):
+    """lo + (hi - lo) * ((code + 0.5) / levels) in float64, rounded to float32."""
+    for i in range(codes.size):
+        out[i] = lo + (hi - lo) * ((codes[i] + 0.5) / levels)
 
 
 def range_of(x: np.ndarray) -> tuple[float, float]:
