@@ -24,7 +24,7 @@ from intml.worker.tuner import GLOO, Measured, Network  # noqa: E402
 
 pytestmark = [pytest.mark.torch]
 
-FAST, SLOW = 1e13, 1e5  # bit/s injected as the measured link rate: Gloo's ring wins, then a compressing codec
+FAST, SLOW = 1e13, 1e5  # bit/s injected as the measured link rate: latency binds, then bytes
 STEPS_FAST, STEPS_SLOW = 5, 9
 PERTURBED_RANK, PERTURBED_STEP = 1, 3
 PIN = "1:int32"
@@ -98,9 +98,9 @@ def test_auto_decides_alike_keeps_pins_follows_the_link_and_falls_back_on_disagr
         assert r["applied"] == results[0]["applied"] and r["digests"] == results[0]["digests"]
     applied = results[0]["applied"]
     assert all(c == "int32" for c in results[0]["codec1"]), results[0]["codec1"]  # pinned, whatever the rate
-    # on the fast link Gloo's ring stays; once the link is slow, bucket 0 changes to a compressing codec
-    assert all(a.get(0, GLOO) == GLOO for a in applied[:STEPS_FAST]), applied
-    assert applied[-1][0] != GLOO, applied
+    # the tuner settles on one codec for bucket 0 on the fast link, and changes it once the link is slow
+    fast, slow = applied[STEPS_FAST - 1].get(0), applied[-1].get(0)
+    assert fast is not None and slow is not None and fast != slow, applied
     assert results[0]["traffic"]["intml_allreduces"] > 0
 
     # the perturbed rank decided differently: every rank falls back (pins kept) and names it

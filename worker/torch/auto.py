@@ -18,6 +18,12 @@ drawn by rank 0), joined when a bucket first uses it: every rank does so at the 
 the same everywhere. Error feedback's residual is the bucket's unsent mass whatever the codec, so it carries over a
 change of codec; a bucket on Gloo sends it (exactly) and the residual is zero afterwards.
 
+The minibatch variance is measured against the step's own averaged result, not the last step's (as
+``tuner.measure`` takes it): the hook shares the statistics once the step's allreduces are done, so it has that
+mean, and in training the last step's mean is a poor stand-in (SGD moves the gradient between steps: on the
+digits MLP, sum ||g_i||^2 - n ||last mean||^2 came out negative at about one step in five, and the tuner then
+refuses every codec that adds variance). The decision still lags: step s's statistics choose step s + 2's codecs.
+
 The rates the tuner needs come from the last step's allreduces: the link's rate is the goodput (bits this rank sent
 over the seconds its allreduces took, intml's counted bytes and Gloo's ring bytes), the aggregator's rate per core
 the elements x ranks it summed per second; both are lower bounds (the CPUs' time is in the seconds), and before the
@@ -47,6 +53,7 @@ from intml.protocol.codecs.host.uniform import Uniform
 from intml.worker.traffic import ring_bytes
 from intml.worker.tuner import (
     DEFAULT_CANDIDATES,
+    FIELDS,
     GLOO,
     NOT_AN_ESTIMATE,
     SWITCH_CODECS,
@@ -64,6 +71,7 @@ AUTO = "auto"
 LOG = logging.getLogger(__name__)
 DEFAULT_LINK_RATE = 10e9  # bit/s before the first measurement: a 10 Gbit/s link
 DEFAULT_AGGREGATOR_RATE = 1e9  # elements/s per contribution before the first measurement
+MEAN_NORM_SQ = FIELDS.index("mean_norm_sq")
 IP_UDP, WIRE_OVERHEAD = 28, 42  # bytes per datagram: IPv4 + UDP (what the MTU counts), and Ethernet's beside
 
 
@@ -152,7 +160,6 @@ class AutoCodec:
         self.pending: Decision | None = None  # made last step, applied once this step's vector confirms it
         self.layout: dict[int, Bucket] = {}  # this step's buckets
         self.stats: dict[int, np.ndarray] = {}
-        self.last_mean: dict[int, np.ndarray] = {}  # each bucket's averaged result of the last step
         self.timing, self.rates = Timing(), (DEFAULT_LINK_RATE, DEFAULT_AGGREGATOR_RATE)
         self.step_started: float | None = None
         self.decision: Decision | None = None  # the last one applied, for logs and metrics
@@ -164,20 +171,20 @@ class AutoCodec:
         return self.pins.get(index, self.applied.get(index, GLOO))
 
     def observe(self, index: int, buf: torch.Tensor, residual: torch.Tensor | None) -> None:
-        """Measure this rank's bucket ``index`` before it is sent (its gradient, its residual, the last mean)."""
+        """Measure this rank's bucket ``index`` before it is sent (its gradient, its residual)."""
         if self.step_started is None:
             self.step_started = time.perf_counter()
         x = buf.detach().reshape(-1).to("cpu", torch.float32).numpy()
         r = None if residual is None else residual.detach().to("cpu").numpy()
         self.layout[index] = Bucket(bucket_name(index), x.size, str(buf.dtype).removeprefix("torch."))
-        last = self.last_mean.get(index)
-        last = last if last is not None and last.size == x.size else None  # DDP rebuilt its buckets since
-        self.stats[index] = measure(x, self.world, residual=r, last_mean=last, key=self.key)
+        # the spread is measured against this step's mean, which done() fills in (module docstring)
+        self.stats[index] = measure(x, self.world, residual=r, key=self.key)
 
     def done(self, index: int, result: torch.Tensor, bits: float, seconds: float, aggregated: bool) -> None:
         """Bucket ``index``'s allreduce finished: its mean ``result``; it sent ``bits`` in ``seconds``, through
         the aggregator if ``aggregated``."""
-        self.last_mean[index] = result.detach().reshape(-1).to("cpu", torch.float32).numpy().copy()
+        mean = result.detach().reshape(-1).to("cpu", torch.float64)
+        self.stats[index][MEAN_NORM_SQ] = float(mean @ mean) / self.world
         t = self.timing
         t.bits, t.seconds = t.bits + bits, t.seconds + seconds
         if aggregated:
@@ -194,7 +201,8 @@ class AutoCodec:
         return Measured(link, aggregator, max(0.0, elapsed - t.seconds))
 
     def end_step(self) -> Decision | None:
-        """At the step's last bucket, at every rank: share the statistics, decide, apply the verified decision."""
+        """At the step's last bucket, once its allreduces are done, at every rank: share the statistics, decide,
+        apply the verified decision."""
         buckets = [self.layout[i] for i in sorted(self.layout)]
         self.steps += 1
         if self.steps == 1:  # DDP's first step has provisional buckets, rebuilt after it: the tuner starts after

@@ -48,6 +48,7 @@ class IntmlHookState(AggregatorLinked):
                      codec=SWITCH_CODECS[0] if config.codec == AUTO else None)
         self.auto: AutoCodec | None = None  # the tuner's side at this rank (INTML_CODEC=auto)
         self.links: dict[str, Link | None] = {}  # auto: a link per codec
+        self.tuned: list[Future] = []  # auto: this step's allreduces so far
         if config.codec == AUTO and self.link is not None:
             # the statistics' sample key: the start-up job's id, the same at every rank
             self.auto = AutoCodec(self.rank, self.world_size, self.link.worker.job, config.pins(),
@@ -78,7 +79,12 @@ class IntmlHookState(AggregatorLinked):
             fut = self._tuned(bucket.index(), buf, residual)
         else:
             fut = self.link.submit(buf, "mean", inplace=False, residual=residual).then(value)
+        if self.auto is not None and reason is None:
+            self.tuned.append(fut)
         if self.auto is not None and bucket.is_last() and self.auto.layout:
+            for pending in self.tuned:  # the step's means (DDP waits for them at the end of backward anyway)
+                pending.wait()
+            self.tuned = []
             self.auto.end_step()  # the statistics of the step's buckets, shared; the next codecs decided
         return fut
 
