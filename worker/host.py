@@ -7,8 +7,9 @@ shadow set flipped on each use, the stored datagram resent byte for byte by work
 DATA/RESULT MAC), with what a host codec changes: a chunk's payload is the codec's package, of any length, encoded
 from the float32 values with this rank's random words in the allreduce (keyed as C_nat's: protocol.rng,
 worker_stream), and the result package is decoded by the codec. No exponents are agreed (exp and next_exp are
-NO_EXP), so a slot starts with its first chunk, not a bootstrap round. Python per packet, as the aggregator's
-host mode is; float32 allreduces only (no reduce-scatter, no 16-bit or precoded inputs).
+NO_EXP), so a slot starts with its first chunk, not a bootstrap round. Per packet, a kernel checks a RESULT
+(check_kernel) and one builds and queues a DATA (send_kernel, take_kernel); the codec's encode and decode run
+between them, from Python. Float32 allreduces only (no reduce-scatter, no 16-bit or precoded inputs).
 """
 
 from __future__ import annotations
