@@ -191,7 +191,8 @@ class HostStreamEngine:
             data_mac_keys, np.uint64)
         self.agg_addr = np.array(agg_addrs, np.uint64)
         self.params = np.zeros(PARAMS, np.int64)
-        self.params[[P_JOB, P_RANK, P_CODEC, P_PKT, P_CORES]] = job, rank, codec.wire_id, packet_elements, len(agg_addrs)
+        self.params[[P_JOB, P_RANK, P_CODEC, P_PKT, P_CORES]] = (job, rank, codec.wire_id, packet_elements,
+                                                                  len(agg_addrs))
         self.package_limit = host_package_limit(packet_elements)
         self.timing = timing_state(rto, min_rto, max_rto)
         self.silence = silence_state(len(agg_addrs))
