@@ -7,8 +7,9 @@ shadow set flipped on each use, the stored datagram resent byte for byte by work
 DATA/RESULT MAC), with what a host codec changes: a chunk's payload is the codec's package, of any length, encoded
 from the float32 values with this rank's random words in the allreduce (keyed as C_nat's: protocol.rng,
 worker_stream), and the result package is decoded by the codec. No exponents are agreed (exp and next_exp are
-NO_EXP), so a slot starts with its first chunk, not a bootstrap round. Python per packet, as the aggregator's
-host mode is; float32 allreduces only (no reduce-scatter, no 16-bit or precoded inputs).
+NO_EXP), so a slot starts with its first chunk, not a bootstrap round. Per packet, a kernel checks a RESULT
+(check_kernel) and one builds and queues a DATA (send_kernel, take_kernel); the codec's encode and decode run
+between them, from Python. Float32 allreduces only (no reduce-scatter, no 16-bit or precoded inputs).
 """
 
 from __future__ import annotations
@@ -20,10 +21,30 @@ from intml.protocol.arith import worker_stream
 from intml.protocol.burst import Burst
 from intml.protocol.codecs.host import HostCodec, MalformedPackage
 from intml.protocol.job import WorkerTimers, host_package_limit
-from intml.protocol.packet import HDR, put_header
+from intml.protocol.packet import (
+    HDR,
+    O_ALLREDUCE,
+    O_CHUNK,
+    O_CODEC,
+    O_COUNT,
+    O_EXP,
+    O_JOB,
+    O_MAGIC,
+    O_NEXT_EXP,
+    O_RANK,
+    O_SHADOW,
+    O_SLOT,
+    O_TYPE,
+    O_VERSION,
+    get_i8,
+    get_i32,
+    get_u16,
+    get_u32,
+    put_header,
+)
 from intml.protocol.rng import derive_key
 from intml.protocol.siphash import put_tag, tag_ok
-from intml.protocol.wire import HEADER, MAGIC, NO_EXP, TAG_SIZE, VERSION, MsgType
+from intml.protocol.wire import MAGIC, NO_EXP, TAG_SIZE, VERSION, MsgType
 from intml.worker.engine import take_result
 from intml.worker.retransmit import (
     T_RTO,
@@ -43,8 +64,14 @@ from intml.worker.state import (
     DROP_UNSENT,
     IDLE,
     PACKETS_IN,
+    P_ALLREDUCE,
     P_CHUNKS,
+    P_CODEC,
     P_CORES,
+    P_ELEMENTS,
+    P_JOB,
+    P_PKT,
+    P_RANK,
     P_WINDOW,
     PARAMS,
     STAT_NAMES,
@@ -52,11 +79,7 @@ from intml.worker.state import (
     queue_slot,
 )
 
-
-@njit(cache=True, nogil=True, boundscheck=False)
-def header_kernel(p, job, allreduce, chunk, rank, slot, count, codec, shadow):
-    """A host DATA header in p: no exponents (put_header, compiled once, not per process)."""
-    put_header(p, MsgType.DATA, job, allreduce, chunk, rank, slot, count, codec, shadow, NO_EXP, NO_EXP)
+NO_PACKAGE = np.frombuffer(b"", np.uint8)  # take_kernel's package of a slot falling idle (typed as encode's)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -65,20 +88,83 @@ def restart_kernel(silence, now):
     restart_silences(silence, now)
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
-def send_kernel(state, s, now, tx_ptr, tx_len, tx_addr, n_tx):
-    """Slot s's new datagram (built in its buffer of its parity) goes out at now: arm its timer, queue it.
-    Returns the new tx count."""
-    st = State(*state)
+@njit(inline="always")
+def _count(st, c):
+    """The elements of chunk c."""
+    pkt = st.params[P_PKT]
+    return min(pkt, st.params[P_ELEMENTS] - c * pkt)
+
+
+@njit(inline="always")
+def _queue_data(st, s, c, now, package, tx_ptr, tx_len, tx_addr, n_tx):
+    """Build chunk c's DATA datagram (header, ``package``, the MAC tag with data_mac) in slot s's buffer of its
+    parity, arm its timer and queue it. Returns the new tx count."""
+    prm = st.params
+    p = st.packet[s, st.parity[s]]
+    put_header(p, MsgType.DATA, prm[P_JOB], prm[P_ALLREDUCE], c, prm[P_RANK], s, _count(st, c), prm[P_CODEC],
+               st.parity[s], NO_EXP, NO_EXP)
+    length = HDR + package.size
+    p[HDR:length] = package
+    if st.mac_keys.shape[0]:
+        k = st.mac_keys[s % prm[P_CORES]]
+        length = put_tag(p, length, k[0], k[1])
+    st.packet_len[s] = length
+    st.cur_chunk[s] = c
     arm(st, s, now)
     queue_slot(st, s, tx_ptr, tx_len, tx_addr, n_tx)
     return n_tx + 1
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def take_kernel(state, s, now):
-    """Slot s's result was taken at now (worker.engine.take_result)."""
-    take_result(State(*state), s, now)
+def send_kernel(state, s, c, now, package, tx_ptr, tx_len, tx_addr, n_tx):
+    """Slot s's first chunk of an allreduce, c, goes out at now with ``package`` (_queue_data). Returns the new tx
+    count."""
+    return _queue_data(State(*state), s, c, now, package, tx_ptr, tx_len, tx_addr, n_tx)
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def take_kernel(state, s, now, c, package, tx_ptr, tx_len, tx_addr, n_tx):
+    """Slot s's result was taken at now (worker.engine.take_result); its next chunk c goes out with ``package``
+    (_queue_data), or with c = IDLE the slot falls idle. Returns the new tx count."""
+    st = State(*state)
+    take_result(st, s, now)
+    if c == IDLE:
+        st.cur_chunk[s] = IDLE
+        return n_tx
+    return _queue_data(st, s, c, now, package, tx_ptr, tx_len, tx_addr, n_tx)
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def check_kernel(state, p, length, addr, taken):
+    """The checks of a RESULT datagram p[:length] from address key ``addr``, in StreamEngine's order:
+    (slot, -1, chunk, count, the package's end) for one to decode into the output, else (slot, the statistic of why
+    it is dropped, 0, 0, 0). ``taken``: the slots whose result this burst already took."""
+    if length < HDR:
+        return -1, DROP_MALFORMED, 0, 0, 0
+    s = get_u16(p, O_SLOT)
+    if get_u16(p, O_MAGIC) != MAGIC or p[O_VERSION] != VERSION or p[O_TYPE] != MsgType.RESULT:
+        return s, DROP_MALFORMED, 0, 0, 0
+    st = State(*state)
+    prm = st.params
+    if get_u32(p, O_JOB) != prm[P_JOB] or s >= st.cur_chunk.shape[0] or addr != st.agg_addr[s % prm[P_CORES]]:
+        return s, DROP_FOREIGN, 0, 0, 0
+    c = get_i32(p, O_CHUNK)
+    if (get_u32(p, O_ALLREDUCE) != prm[P_ALLREDUCE] or s >= prm[P_WINDOW] or c != st.cur_chunk[s]
+            or p[O_SHADOW] != st.parity[s]):
+        return s, DROP_STALE, 0, 0, 0
+    if taken[s]:  # its next chunk, queued by this call, has not been sent: a forged result
+        return s, DROP_UNSENT, 0, 0, 0
+    end = length
+    if st.mac_keys.shape[0]:
+        k = st.mac_keys[s % prm[P_CORES]]
+        if not tag_ok(p, length, k[0], k[1]):
+            return s, DROP_BAD_MAC, 0, 0, 0
+        end -= TAG_SIZE
+    count = _count(st, c)
+    if (p[O_CODEC] != prm[P_CODEC] or get_u16(p, O_COUNT) != count or get_u16(p, O_RANK) != 0
+            or get_i8(p, O_EXP) != NO_EXP or get_i8(p, O_NEXT_EXP) != NO_EXP):
+        return s, DROP_MALFORMED, 0, 0, 0
+    return s, -1, c, count, end
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -105,13 +191,15 @@ class HostStreamEngine:
             data_mac_keys, np.uint64)
         self.agg_addr = np.array(agg_addrs, np.uint64)
         self.params = np.zeros(PARAMS, np.int64)
-        self.params[P_CORES] = len(agg_addrs)
+        self.params[[P_JOB, P_RANK, P_CODEC, P_PKT, P_CORES]] = (job, rank, codec.wire_id, packet_elements,
+                                                                  len(agg_addrs))
+        self.package_limit = host_package_limit(packet_elements)
         self.timing = timing_state(rto, min_rto, max_rto)
         self.silence = silence_state(len(agg_addrs))
         self.parity = np.zeros(pool_size, np.int64)  # persists over the job's life
         self.cur_chunk = np.full(pool_size, IDLE, np.int64)
         # two datagram buffers per slot, by parity, as StreamEngine's, for the longest package
-        self.packet = np.zeros((pool_size, 2, HDR + host_package_limit(packet_elements) + TAG_SIZE), np.uint8)
+        self.packet = np.zeros((pool_size, 2, HDR + self.package_limit + TAG_SIZE), np.uint8)
         self.packet_len = np.zeros(pool_size, np.int64)
         self.tx = Burst(self.packet, pool_size)
         self.stats = np.zeros(len(STAT_NAMES), np.int64)
@@ -160,41 +248,30 @@ class HostStreamEngine:
         chunks = -(-size // self.packet_elements)
         window = min(self.pool_size, chunks)
         self.allreduce_seq += 1
-        self.params[[P_WINDOW, P_CHUNKS]] = window, chunks
+        self.params[[P_WINDOW, P_CHUNKS, P_ELEMENTS, P_ALLREDUCE]] = window, chunks, size, self.allreduce_seq
         self.done_chunks = 0
         self._key = int(derive_key(np.uint64(self.seed), worker_stream(self.allreduce_seq, self.rank)))
         self.cur_chunk[:] = IDLE
         restart_kernel(self.silence, now)
         n = 0
+        tx = self.tx
         for s in range(window):
-            n = self._send(s, s, now, n)
+            n = send_kernel(self._args, s, s, now, self._package(s), tx.ptr, tx.length, tx.addr, n)
         return self._burst(n)
 
-    def _send(self, s: int, c: int, now: float, n_tx: int) -> int:
-        """Build chunk c's DATA datagram in slot s's buffer and queue it; returns the new tx count."""
+    def _package(self, c: int) -> np.ndarray:
+        """Chunk c's DATA package, as bytes in a uint8 array."""
         lo = c * self.packet_elements
         values = self._x[lo:lo + self.packet_elements]
         package = self.codec.encode(values, self._key, lo)
         self.package_bytes += len(package)
         if self._sent is not None:
             self._sent[lo:lo + values.size] = self.codec.decode(package, values.size)
-        tag = TAG_SIZE if self.mac_keys.shape[0] else 0
-        if len(package) > host_package_limit(self.packet_elements):
+        if len(package) > self.package_limit:
             raise ValueError(f"a {self.codec.name} package of {values.size} elements is {len(package)} bytes, more "
-                             f"than the {host_package_limit(self.packet_elements)} an aggregator receives for "
-                             f"{self.packet_elements} packet elements (protocol.job.host_package_limit)")
-        p = self.packet[s, self.parity[s]]
-        header_kernel(p, self.job, self.allreduce_seq, c, self.rank, s, values.size, self.codec.wire_id,
-                      int(self.parity[s]))
-        p[HDR:HDR + len(package)] = np.frombuffer(package, np.uint8)
-        length = HDR + len(package)
-        if tag:
-            k = self.mac_keys[s % len(self.agg_addr)]
-            length = put_tag(p, length, k[0], k[1])
-        self.packet_len[s] = length
-        self.cur_chunk[s] = c
-        tx = self.tx
-        return send_kernel(self._args, s, now, tx.ptr, tx.length, tx.addr, n_tx)
+                             f"than the {self.package_limit} an aggregator receives for {self.packet_elements} "
+                             f"packet elements (protocol.job.host_package_limit)")
+        return np.frombuffer(package, np.uint8)
 
     def _burst(self, n: int) -> Burst:
         self.tx.count = n
@@ -206,62 +283,41 @@ class HostStreamEngine:
         (a package the codec cannot decode) are counted and dropped, as StreamEngine's are."""
         taken = np.zeros(self.pool_size, np.bool_)
         n_tx = 0
+        tx = self.tx
+        window, chunks = int(self.params[P_WINDOW]), int(self.params[P_CHUNKS])
         for i in range(rx.count):
             self.stats[PACKETS_IN] += 1
-            slot, drop = self._take(rx.data[i], int(rx.length[i]), int(rx.addr[i]), taken)
+            slot, drop, c, count, end = check_kernel(self._args, rx.data[i], rx.length[i], rx.addr[i], taken)
+            if drop < 0:
+                drop = self._take(rx.data[i], c, count, end)
             if drop >= 0:
                 self.stats[drop] += 1
                 continue
             taken[slot] = True
-            take_kernel(self._args, slot, now)
-            c = int(self.cur_chunk[slot]) + int(self.params[P_WINDOW])
-            if c < self.params[P_CHUNKS]:
-                n_tx = self._send(slot, c, now, n_tx)
+            c += window
+            if c < chunks:
+                n_tx = take_kernel(self._args, slot, now, c, self._package(c), tx.ptr, tx.length, tx.addr, n_tx)
             else:
-                self.cur_chunk[slot] = IDLE
-        tx = self.tx
+                n_tx = take_kernel(self._args, slot, now, IDLE, NO_PACKAGE, tx.ptr, tx.length, tx.addr, n_tx)
         return self._burst(fast_kernel(self._args, now, tx.ptr, tx.length, tx.addr, n_tx))
 
-    def _take(self, p: np.ndarray, length: int, addr: int, taken: np.ndarray) -> tuple[int, int]:
-        """(slot, -1) once the result in ``p[:length]`` from ``addr`` is decoded into the output, else (slot, the
-        statistic of why it is dropped)."""
-        if length < HDR:
-            return -1, DROP_MALFORMED
-        h = np.frombuffer(p[:HDR].tobytes(), HEADER, count=1)[0]
-        s = int(h["slot"])
-        if h["magic"] != MAGIC or h["version"] != VERSION or h["type"] != MsgType.RESULT:
-            return s, DROP_MALFORMED
-        if int(h["job"]) != self.job or s >= self.pool_size or addr != self.agg_addr[s % len(self.agg_addr)]:
-            return s, DROP_FOREIGN
-        c = int(h["chunk"])
-        if (int(h["allreduce"]) != self.allreduce_seq or s >= self.params[P_WINDOW] or c != self.cur_chunk[s]
-                or int(h["shadow"]) != self.parity[s]):
-            return s, DROP_STALE
-        if taken[s]:  # its next chunk, queued by this call, has not been sent: a forged result
-            return s, DROP_UNSENT
-        if self.mac_keys.shape[0]:
-            k = self.mac_keys[s % len(self.agg_addr)]
-            if not tag_ok(p, length, k[0], k[1]):
-                return s, DROP_BAD_MAC
-            length -= TAG_SIZE
-        lo = c * self.packet_elements
-        count = min(self.packet_elements, self._x.size - lo)
-        if (int(h["codec"]) != self.codec.wire_id or int(h["count"]) != count or int(h["rank"]) != 0
-                or int(h["exp"]) != NO_EXP or int(h["next_exp"]) != NO_EXP):
-            return s, DROP_MALFORMED
+    def _take(self, p: np.ndarray, c: int, count: int, end: int) -> int:
+        """-1 once chunk c's result package ``p[HDR:end]`` (checked by check_kernel) is decoded into the output,
+        else DROP_MALFORMED."""
         try:
-            values = self.codec.decode_result(p[HDR:length].tobytes(), count)
+            values = self.codec.decode_result(p[HDR:end].tobytes(), count)
         except MalformedPackage:
-            return s, DROP_MALFORMED
+            return DROP_MALFORMED
         if values.shape != (count,):
-            return s, DROP_MALFORMED
-        self.result_bytes += length - HDR
+            return DROP_MALFORMED
+        self.result_bytes += end - HDR
+        lo = c * self.packet_elements
         out = self._out[lo:lo + count]
         out[:] = values
         if self._mean:
             out /= np.float32(self.world_size)
         self.done_chunks += 1
-        return s, -1
+        return -1
 
     def handle_timer(self, now: float) -> Burst:
         """Retransmit as worker.retransmit's timer says; returns the datagrams to send."""

@@ -315,6 +315,53 @@ def test_worker_drops_a_result_package_it_cannot_decode() -> None:
     _check(net, xs, 0)
 
 
+# a RESULT's header field changed (or its source), and the statistic the worker drops it under
+RESULT_FAULTS = [({"magic": 0}, "drop_malformed"), ({"type": int(MsgType.DATA)}, "drop_malformed"),
+                 ({"job": 8}, "drop_foreign"), ({"slot": 5}, "drop_foreign"), ({"src": 1}, "drop_foreign"),
+                 ({"allreduce": 1}, "drop_stale"), ({"chunk": 2}, "drop_stale"), ({"shadow": 1}, "drop_stale"),
+                 ({"codec": WIRE_ID + 1}, "drop_malformed"), ({"count": P - 1}, "drop_malformed"),
+                 ({"rank": 1}, "drop_malformed"), ({"exp": 0}, "drop_malformed"), ({"next_exp": 0}, "drop_malformed")]
+
+
+@pytest.mark.parametrize(("fault", "reason"), RESULT_FAULTS, ids=[next(iter(f)) for f, _ in RESULT_FAULTS])
+def test_worker_header_checks_of_a_result(fault: dict, reason: str) -> None:
+    """A RESULT with one header field (or its source) not the awaited round's is dropped under StreamEngine's
+    reason and counted once; the slot takes the real result after it."""
+    net = Network(2, codec="hostq8", packet_elements=P, pool_size=2)
+    xs = _inputs(2, 7)
+    net.start(xs)
+    results = core_receive(net.cores[0], [(d, src) for d, src, _ in net.up], net.now)
+    net.up = []
+    real = next(d for d, dst in results if dst == net.addr(0))
+    fields = {k: v for k, v in fault.items() if k != "src"}
+    wrong = wire.pack(dict(zip(wire.HEADER.names, header(real).item())) | fields, real[wire.HEADER_SIZE:])
+    engine = net.engines[0]
+    assert engine_receive(engine, [(wrong, fault.get("src", net.core_addrs[0]))], net.now) == []
+    counters = engine.counters()
+    assert counters[reason] == 1 and counters["results"] == 0
+    assert sum(v for k, v in counters.items() if k.startswith("drop_")) == 1
+    net.down = [(d, net.core_addrs[0], dst) for d, dst in results]
+    net.run()
+    _check(net, xs, 0)
+
+
+def test_worker_drops_a_result_of_a_chunk_not_yet_sent() -> None:
+    """A second RESULT for a slot in one burst, naming the chunk that burst queued (the slot's next round), is
+    drop_unsent: the worker has not sent that chunk."""
+    net = Network(2, codec="hostq8", packet_elements=P, pool_size=2)
+    xs = _inputs(2, 8)
+    net.start(xs)
+    results = core_receive(net.cores[0], [(d, src) for d, src, _ in net.up], net.now)
+    net.up = []
+    real = next(d for d, dst in results if dst == net.addr(0))
+    fields = dict(zip(wire.HEADER.names, header(real).item())) | {"chunk": 2, "shadow": 1, "count": P}
+    ahead = wire.pack(fields, real[wire.HEADER_SIZE:])
+    engine = net.engines[0]
+    assert len(engine_receive(engine, [(real, net.core_addrs[0]), (ahead, net.core_addrs[0])], net.now)) == 1
+    counters = engine.counters()
+    assert counters["drop_unsent"] == 1 and counters["results"] == 1
+
+
 def test_worker_refuses_a_package_no_aggregator_receives() -> None:
     """A package longer than host_package_limit is refused at the worker with a clear error, not sent to be cut;
     and a JOIN whose packages an aggregator could not receive whole is refused."""
