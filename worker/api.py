@@ -233,12 +233,21 @@ class Worker:
                 pass  # best effort: a keepalive or LEAVE lost is sent again, or the job ends on its idle timeout
 
     def close(self) -> None:
-        """Leave the job (the aggregator frees its slots when every rank has left) and close the socket."""
+        """Leave the job (the aggregator frees its slots when every rank has left) and close the socket. The
+        keepalive thread has ended when it returns."""
         if self._closed:
             return
         self._stop_keepalive.set()
         with self._busy:
             self._close()
+        # Joined, not left to end on its own: the thread's end drops its reference to this worker (Thread.run deletes
+        # its target), and where that is the last one the worker's arrays, views of torch tensors, are freed on the
+        # thread. Freeing a tensor releases the GIL in C++; a daemon thread that retakes it while the interpreter
+        # finalizes exits by unwinding, which C++ answers with std::terminate: a rank that had finished training died
+        # with SIGABRT ("terminate called without an active exception").
+        keepalive = self._keepalive_thread
+        if keepalive is not None and keepalive is not threading.current_thread():
+            keepalive.join(timeout=self.timeout)  # woken by the stop event, it has at most a keepalive left to send
 
     def _close(self) -> None:
         self._closed = True

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -140,6 +142,22 @@ def test_live_job_survives_a_pause_of_three_idle_timeouts() -> None:
         for first, second in results:
             assert (first == 2.0).all() and (second == 2.0).all()
         assert agg.alive()
+
+
+@pytest.mark.process
+def test_close_ends_the_keepalive_thread_so_the_closer_frees_the_worker() -> None:
+    """The worker's last reference must not die on its keepalive thread: there, at interpreter exit, freeing the
+    torch tensors its arrays view aborted DDP ranks (Worker.close). close() returns once the thread has ended."""
+    with aggregator(idle_timeout=LIVE_IDLE, tokens=(TOKEN,)) as agg:
+        for job in range(4444, 4452):  # a thread left running may still end during close() now and then: try a few
+            w = Worker(agg.address, job=job, rank=0, world_size=1, token=TOKEN, timeout=20)
+            w.start_keepalive()
+            assert (w.allreduce(np.ones(1000, np.float32)) == 1.0).all()
+            freed = weakref.ref(w)
+            w.close()
+            assert not [t.name for t in threading.enumerate() if t.name.startswith("intml-keepalive")]
+            del w
+            assert freed() is None  # freed here, by the closer dropping the last reference
 
 
 def killed_rank(address: str, rank: int, n: int, ready: str) -> None:
