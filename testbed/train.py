@@ -116,8 +116,8 @@ def parse_run(spec: str, parallel: str = "ddp") -> dict:
             run["warmup_steps"] = int(flag[1:])
         else:
             raise ValueError(f"run {spec!r}: unknown option {flag!r} (use ef, wK, backend or thread)")
-    if run["integration"] == "backend" and base == "auto":
-        raise ValueError(f"run {spec!r}: auto runs in the DDP hook, not the backend")
+    if run["integration"] == "backend" and (base == "auto" or base.startswith("powersgd")):
+        raise ValueError(f"run {spec!r}: {base} runs in the DDP hook, not the backend")
     if run["integration"] == "backend" and (run["error_feedback"] or run["warmup_steps"]):
         raise ValueError(f"run {spec!r}: error feedback and warm-up are options of the hook, not the backend")
     return run

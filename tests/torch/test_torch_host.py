@@ -164,8 +164,13 @@ def test_config_takes_host_codecs_and_refuses_others_in_one_line() -> None:
     assert intml.IntmlConfig.from_env({"INTML_CODEC": "randomk0.01"}).host_codec().name == "randomk0.01"
     with pytest.raises(ValueError, match="INTML_ROUNDING=nearest is C_nat's; uniform8 rounds as it defines"):
         intml.IntmlConfig.from_env({"INTML_CODEC": "uniform8", "INTML_ROUNDING": "nearest"})
-    with pytest.raises(ValueError, match="powersgd2 cannot run through torch: low rank needs"):
-        intml.IntmlConfig.from_env({"INTML_CODEC": "powersgd2"})
+    assert intml.IntmlConfig.from_env({"INTML_CODEC": "powersgd2"}).host_codec().name == "powersgd2"
+    with pytest.raises(ValueError, match="powersgd2: PowerSGD keeps its own error feedback"):
+        intml.IntmlConfig.from_env({"INTML_CODEC": "powersgd2", "INTML_ERROR_FEEDBACK": "1"})
+    # the backend's allreduces have no matrix shape: refused in one line, before any rendezvous
+    with pytest.raises(ValueError, match="^INTML_CODEC=powersgd2 runs in the DDP hook [^\n]*$"):
+        intml.IntmlProcessGroup(dist.HashStore(), 0, 2, dist.default_pg_timeout,
+                                intml.IntmlConfig.from_env({"INTML_CODEC": "powersgd2"}))
 
 
 def test_a_host_codecs_cuda_tensors_need_no_cuda_path() -> None:
@@ -212,3 +217,83 @@ def test_cuda_tensors_are_staged_through_host_memory(ranks) -> None:
         np.testing.assert_array_equal(got32.view(np.uint32), want32.view(np.uint32))
         np.testing.assert_array_equal(got16, want16.to(torch.bfloat16).float().numpy())
         assert r["traffic"]["intml_allreduces"] == 2 and r["traffic"]["gloo_allreduces"] == 0, r["traffic"]
+
+
+def powersgd_rank(port: int, address: str, rank: int, n: int) -> dict:
+    """powersgd2 through the DDP hook, three steps on a two-layer model (two matrices, two biases): each step's
+    bucket as DDP hands it over (its parameters' names, this rank's own gradients) and as the hook returns it."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    init_rank(port, rank, n, "gloo", {"INTML_AGGREGATOR": address, "INTML_TOKEN": TOKEN,
+                                      "INTML_PACKET_ELEMENTS": str(PACKET), "INTML_POOL": str(POOL)})
+    out: dict = {}
+    state = intml.IntmlHookState(codec="powersgd2")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 10), torch.nn.Tanh(), torch.nn.Linear(10, 4))
+    names = {id(p): name for name, p in model.named_parameters()}
+    ddp = DDP(model)
+    out |= {"job": state.link.worker.job, "buckets": [],
+            "shapes": {name: tuple(p.shape) for name, p in model.named_parameters()}}
+
+    def hook(s, bucket):
+        out["buckets"].append({"index": bucket.index(), "names": [names[id(p)] for p in bucket.parameters()],
+                               "local": [g.detach().numpy().reshape(-1).copy() for g in bucket.gradients()]})
+        return intml.intml_hook(s, bucket).then(lambda f: out["buckets"][-1].update(
+            average=f.value().detach().numpy().copy()) or f.value())
+
+    ddp.register_comm_hook(state, hook)
+    for step in range(3):
+        gen = torch.Generator().manual_seed(10 * rank + step)
+        model.zero_grad()
+        ddp(torch.randn(16, 12, generator=gen)).square().sum().backward()
+    state.close()
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.process
+def test_the_hook_runs_powersgd_in_two_rounds_bit_for_bit(ranks) -> None:
+    """Every rank's averaged bucket is the same bits, and those of PowerSGD computed here from the ranks' own
+    gradients: each matrix's factors summed as the aggregator's host mode sums them (the codec's reference), the
+    biases summed exactly in the first round; error feedback and Q's warm start carried from step to step."""
+    from intml.protocol.codecs.host.powersgd import LowRank
+    from intml.worker.torch.lowrank import as_matrix
+
+    n = 2
+    results = ranks(powersgd_rank, n, timeout=180)
+    codec, job = parse("powersgd2"), results[0]["job"]
+    states: list[dict[str, LowRank]] = [{} for _ in range(n)]
+    allreduce = 0
+
+    def summed(parts: list[list[np.ndarray]]) -> list[np.ndarray]:
+        nonlocal allreduce
+        flat = reference(codec, [np.concatenate(p) for p in parts], seed=0, allreduce=allreduce,
+                         packet_elements=PACKET)
+        allreduce += 1
+        return np.split(flat, np.cumsum([x.size for x in parts[0]])[:-1])
+
+    assert len(results[0]["buckets"]) == 3
+    for step in range(3):
+        buckets = [r["buckets"][step] for r in results]
+        names = buckets[0]["names"]
+        assert all(b["names"] == names for b in buckets)
+        shaped = results[0]["shapes"]
+        matrices = [i for i, name in enumerate(names) if as_matrix(torch.Size(shaped[name]))]
+        vectors = [i for i in range(len(names)) if i not in matrices]
+        for rank in range(n):
+            for i in matrices:
+                if names[i] not in states[rank]:
+                    key = (job << 24) ^ (buckets[0]["index"] << 12) ^ i
+                    states[rank][names[i]] = LowRank(as_matrix(torch.Size(shaped[names[i]])), 2, key)
+        first = summed([[states[r][names[i]].first(buckets[r]["local"][i]) for i in matrices]
+                        + [buckets[r]["local"][i] for i in vectors] for r in range(n)])
+        second = summed([[states[r][names[i]].second(p) for i, p in zip(matrices, first)] for r in range(n)])
+        sums: dict[int, np.ndarray] = {}
+        for rank in range(n):
+            for i, q in zip(matrices, second):
+                sums[i] = states[rank][names[i]].finish(q)  # the same update at every rank
+        sums.update(zip(vectors, first[len(matrices):]))
+        want = np.concatenate([sums[i] for i in range(len(names))]) / np.float32(n)
+        for rank, b in enumerate(buckets):
+            np.testing.assert_array_equal(b["average"].view(np.uint32), want.view(np.uint32),
+                                          err_msg=f"step {step} rank {rank}")

@@ -119,5 +119,8 @@ def test_run_specs_name_host_codecs_with_options() -> None:
     assert (run["codec"], run["error_feedback"], run["warmup_steps"]) == ("topk0.01", True, 5)
     with pytest.raises(ValueError, match="uniform takes an integer in 2..16"):
         train.parse_run("uniform99-backend")
+    assert train.parse_run("powersgd2")["integration"] == "hook"
+    with pytest.raises(ValueError, match="powersgd2 runs in the DDP hook, not the backend"):
+        train.parse_run("powersgd2-backend")
     with pytest.raises(ValueError, match=r"use the backend instead \(for example uniform8-backend\)"):
         train.check_parallel(("uniform8",), "fsdp2")

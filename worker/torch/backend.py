@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from intml.worker.torch import routing
+from intml.protocol.codecs.host.powersgd import PowerSGD
 from intml.worker.torch.auto import AUTO
 from intml.worker.torch.config import IntmlConfig
 from intml.worker.torch.link import CPU, AggregatorLinked, value
@@ -83,6 +84,13 @@ class IntmlProcessGroup(AggregatorLinked, dist.ProcessGroup):
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta,
                  config: IntmlConfig | None = None) -> None:
         super().__init__(rank, size)
+        config = config if config is not None else IntmlConfig.from_env()  # refused before any rendezvous
+        if config.codec == AUTO:  # an allreduce here is no bucket that recurs step after step, as the tuner needs
+            raise ValueError("INTML_CODEC=auto runs in the DDP hook (IntmlHookState), not the intml backend: choose "
+                             "a codec for the backend")
+        if isinstance(config.host_codec(), PowerSGD):  # low rank needs a gradient's matrix shape: a DDP bucket's
+            raise ValueError(f"INTML_CODEC={config.codec} runs in the DDP hook (IntmlHookState), not the intml "
+                             f"backend: an allreduce here has no matrix shape to take a low rank of")
         self.gloo = _gloo_group(store, rank, size, timeout)
         # c10d keeps a group's name and description in its backends (ProcessGroup::setGroupName forwards to them,
         # getGroupName reads the first), so a group with none has no name ("ProcessGroup name not set"), and
@@ -92,10 +100,6 @@ class IntmlProcessGroup(AggregatorLinked, dist.ProcessGroup):
         for device in DEVICES:
             self._register_backend(device, dist.ProcessGroup.BackendType.GLOO, self.gloo._get_backend(CPU))
         self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-        config = config if config is not None else IntmlConfig.from_env()
-        if config.codec == AUTO:  # an allreduce here is no bucket that recurs step after step, as the tuner needs
-            raise ValueError("INTML_CODEC=auto runs in the DDP hook (IntmlHookState), not the intml backend: choose "
-                             "a codec for the backend")
         # always on a thread: async_op=True must return at once, and a call does not say whether it is async
         self._attach(config, rank, size, threaded=True)
 

@@ -100,10 +100,9 @@ class IntmlConfig:
         if codec is not None and self.rounding != ROUNDINGS[0]:
             raise ValueError(f"INTML_ROUNDING={self.rounding} is C_nat's; {codec.name} rounds as it defines "
                              f"(docs/codecs.md): leave INTML_ROUNDING unset with a host codec")
-        if isinstance(codec, PowerSGD):
-            raise ValueError(f"INTML_CODEC={codec.name} cannot run through torch: low rank needs each gradient's "
-                             f"matrix shape and two allreduces per step (protocol.codecs.host.powersgd.LowRank over a "
-                             f"Worker), and a bucket through it alone would go as uncompressed float32")
+        if self.error_feedback and isinstance(codec, PowerSGD):
+            raise ValueError(f"INTML_ERROR_FEEDBACK=1 cannot go with {codec.name}: PowerSGD keeps its own error "
+                             f"feedback (what its factors left out); leave INTML_ERROR_FEEDBACK unset")
         if self.error_feedback and isinstance(codec, RandomK):
             raise ValueError(f"INTML_ERROR_FEEDBACK=1 cannot go with {codec.name}: it is unbiased and scales what it "
                              f"keeps by 1/ratio, so the residual would grow without bound; use topk with error "

@@ -5,7 +5,8 @@ encoded from its own 16-bit words and comes back in its dtype (with error feedba
 dtype; docs/mixed-precision.md). A bucket intml cannot encode (not a float32 or
 16-bit float, on another device, on CUDA without a usable ``intml[cuda]``) goes exactly through Gloo, with a warning the
 first time for each reason. A host codec's buckets (``codec="topk0.01"``) go as float32 CPU copies where they are not
-(link.Link.submit); topk wants ``error_feedback=True``, randomk refuses it (config)."""
+(link.Link.submit); topk wants ``error_feedback=True``, randomk refuses it (config). ``codec="powersgd<r>"`` takes
+each bucket in two rounds of low-rank factors (worker.torch.lowrank)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,14 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
+from intml.protocol.codecs.host.powersgd import PowerSGD
 from intml.worker.torch import routing
 from intml.worker.torch.auto import AUTO, AutoCodec
 from intml.worker.torch.backend import IntmlProcessGroup
 from intml.worker.torch.config import IntmlConfig
 from intml.worker.torch.feedback import Residuals
 from intml.worker.torch.link import AggregatorLinked, Link, sum_op, value
+from intml.worker.torch.lowrank import LowRankBuckets
 from intml.worker.traffic import ring_bytes
 from intml.worker.tuner import GLOO, SWITCH_CODECS
 
@@ -54,6 +57,10 @@ class IntmlHookState(AggregatorLinked):
             self.auto = AutoCodec(self.rank, self.world_size, self.link.worker.job, config.pins(),
                                   config.error_feedback, self._shared_sum)
             self.links[SWITCH_CODECS[0]] = self.link
+        codec = config.host_codec() if config.codec != AUTO else None
+        # powersgd<r>: two allreduces of factors per bucket (worker.torch.lowrank), keyed by the job id
+        self.low_rank = (LowRankBuckets(codec.rank, self.link.worker.job)
+                         if isinstance(codec, PowerSGD) and self.link is not None else None)
 
     def close(self) -> None:
         """Leave the aggregator's jobs (also done at interpreter exit)."""
@@ -77,6 +84,8 @@ class IntmlHookState(AggregatorLinked):
             fut = self._gloo_mean(buf, reason)
         elif self.auto is not None:
             fut = self._tuned(bucket.index(), buf, residual)
+        elif self.low_rank is not None:
+            fut = self._low_rank(bucket)
         else:
             fut = self.link.submit(buf, "mean", inplace=False, residual=residual).then(value)
         if self.auto is not None and reason is None:
@@ -114,6 +123,19 @@ class IntmlHookState(AggregatorLinked):
             return result
 
         return fut.then(timed)
+
+    def _low_rank(self, bucket: dist.GradBucket) -> Future:
+        """The bucket's average through PowerSGD's two rounds (worker.torch.lowrank), in the caller."""
+        fut: Future = Future()
+        try:
+            fut.set_result(self.low_rank.average(bucket, self.world_size, self._intml_sum))
+        except Exception as exc:  # DDP raises it from the Future, as it does any allreduce's
+            fut.set_exception(exc)
+        return fut
+
+    def _intml_sum(self, t: torch.Tensor) -> None:
+        """``t`` (float32, CPU) summed over the group in place, through the aggregator."""
+        self.link.submit(t, "sum", inplace=True).wait()
 
     def _shared_sum(self, t: torch.Tensor) -> torch.Tensor:
         """The tuner's statistics summed over the group through Gloo (auto's module docstring says why)."""
