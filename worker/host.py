@@ -23,29 +23,22 @@ from intml.protocol.codecs.host import HostCodec, MalformedPackage
 from intml.protocol.job import WorkerTimers, host_package_limit
 from intml.protocol.packet import (
     HDR,
-    O_ALLREDUCE,
     O_CHUNK,
     O_CODEC,
     O_COUNT,
     O_EXP,
-    O_JOB,
-    O_MAGIC,
     O_NEXT_EXP,
     O_RANK,
-    O_SHADOW,
     O_SLOT,
-    O_TYPE,
-    O_VERSION,
     get_i8,
     get_i32,
     get_u16,
-    get_u32,
     put_header,
 )
 from intml.protocol.rng import derive_key
-from intml.protocol.siphash import put_tag, tag_ok
-from intml.protocol.wire import MAGIC, NO_EXP, TAG_SIZE, VERSION, MsgType
-from intml.worker.engine import take_result
+from intml.protocol.siphash import put_tag
+from intml.protocol.wire import NO_EXP, TAG_SIZE, MsgType
+from intml.worker.engine import authenticate, classify_result, take_result, validate_header
 from intml.worker.retransmit import (
     T_RTO,
     arm,
@@ -58,9 +51,7 @@ from intml.worker.retransmit import (
 )
 from intml.worker.state import (
     DROP_BAD_MAC,
-    DROP_FOREIGN,
     DROP_MALFORMED,
-    DROP_STALE,
     DROP_UNSENT,
     IDLE,
     PACKETS_IN,
@@ -139,27 +130,20 @@ def check_kernel(state, p, length, addr, taken):
     """The checks of a RESULT datagram p[:length] from address key ``addr``, in StreamEngine's order:
     (slot, -1, chunk, count, the package's end) for one to decode into the output, else (slot, the statistic of why
     it is dropped, 0, 0, 0). ``taken``: the slots whose result this burst already took."""
-    if length < HDR:
-        return -1, DROP_MALFORMED, 0, 0, 0
-    s = get_u16(p, O_SLOT)
-    if get_u16(p, O_MAGIC) != MAGIC or p[O_VERSION] != VERSION or p[O_TYPE] != MsgType.RESULT:
-        return s, DROP_MALFORMED, 0, 0, 0
+    if validate_header(p, length) >= 0:
+        return (-1 if length < HDR else get_u16(p, O_SLOT)), DROP_MALFORMED, 0, 0, 0
     st = State(*state)
     prm = st.params
-    if get_u32(p, O_JOB) != prm[P_JOB] or s >= st.cur_chunk.shape[0] or addr != st.agg_addr[s % prm[P_CORES]]:
-        return s, DROP_FOREIGN, 0, 0, 0
-    c = get_i32(p, O_CHUNK)
-    if (get_u32(p, O_ALLREDUCE) != prm[P_ALLREDUCE] or s >= prm[P_WINDOW] or c != st.cur_chunk[s]
-            or p[O_SHADOW] != st.parity[s]):
-        return s, DROP_STALE, 0, 0, 0
+    s = get_u16(p, O_SLOT)
+    drop = classify_result(prm, st.parity, st.cur_chunk, st.agg_addr, p, addr)
+    if drop >= 0:
+        return s, drop, 0, 0, 0
     if taken[s]:  # its next chunk, queued by this call, has not been sent: a forged result
         return s, DROP_UNSENT, 0, 0, 0
-    end = length
-    if st.mac_keys.shape[0]:
-        k = st.mac_keys[s % prm[P_CORES]]
-        if not tag_ok(p, length, k[0], k[1]):
-            return s, DROP_BAD_MAC, 0, 0, 0
-        end -= TAG_SIZE
+    end = authenticate(prm, st.mac_keys, p, length)
+    if end < 0:
+        return s, DROP_BAD_MAC, 0, 0, 0
+    c = get_i32(p, O_CHUNK)
     count = _count(st, c)
     if (p[O_CODEC] != prm[P_CODEC] or get_u16(p, O_COUNT) != count or get_u16(p, O_RANK) != 0
             or get_i8(p, O_EXP) != NO_EXP or get_i8(p, O_NEXT_EXP) != NO_EXP):

@@ -298,15 +298,21 @@ def test_job_params_of_a_host_codec() -> None:
         JobParams.of(world_size=2, codec="nosuch4")
 
 
-def test_worker_drops_a_result_package_it_cannot_decode() -> None:
-    """A RESULT of the awaited round whose package is malformed (or of the wrong count) is drop_malformed at the
-    worker, and the slot takes the real result after it."""
+def _first_results(seed: int) -> tuple[Network, list[np.ndarray], list[tuple[bytes, int]], bytes]:
+    """Two hostq8 ranks start an allreduce of _inputs(2, seed) and the core answers their first chunks: (the
+    network, the inputs, the core's results, undelivered, and rank 0's result)."""
     net = Network(2, codec="hostq8", packet_elements=P, pool_size=2)
-    xs = _inputs(2, 6)
+    xs = _inputs(2, seed)
     net.start(xs)
     results = core_receive(net.cores[0], [(d, src) for d, src, _ in net.up], net.now)
     net.up = []
-    real = next(d for d, dst in results if dst == net.addr(0))
+    return net, xs, results, next(d for d, dst in results if dst == net.addr(0))
+
+
+def test_worker_drops_a_result_package_it_cannot_decode() -> None:
+    """A RESULT of the awaited round whose package is malformed (or of the wrong count) is drop_malformed at the
+    worker, and the slot takes the real result after it."""
+    net, xs, results, real = _first_results(6)
     bad = [real[:-1], real + b"\x00" * 4, real[:wire.HEADER_SIZE]]
     assert engine_receive(net.engines[0], [(d, net.core_addrs[0]) for d in bad], net.now) == []
     assert net.engines[0].counters()["drop_malformed"] == len(bad)
@@ -327,12 +333,7 @@ RESULT_FAULTS = [({"magic": 0}, "drop_malformed"), ({"type": int(MsgType.DATA)},
 def test_worker_header_checks_of_a_result(fault: dict, reason: str) -> None:
     """A RESULT with one header field (or its source) not the awaited round's is dropped under StreamEngine's
     reason and counted once; the slot takes the real result after it."""
-    net = Network(2, codec="hostq8", packet_elements=P, pool_size=2)
-    xs = _inputs(2, 7)
-    net.start(xs)
-    results = core_receive(net.cores[0], [(d, src) for d, src, _ in net.up], net.now)
-    net.up = []
-    real = next(d for d, dst in results if dst == net.addr(0))
+    net, xs, results, real = _first_results(7)
     fields = {k: v for k, v in fault.items() if k != "src"}
     wrong = wire.pack(dict(zip(wire.HEADER.names, header(real).item())) | fields, real[wire.HEADER_SIZE:])
     engine = net.engines[0]
@@ -348,12 +349,7 @@ def test_worker_header_checks_of_a_result(fault: dict, reason: str) -> None:
 def test_worker_drops_a_result_of_a_chunk_not_yet_sent() -> None:
     """A second RESULT for a slot in one burst, naming the chunk that burst queued (the slot's next round), is
     drop_unsent: the worker has not sent that chunk."""
-    net = Network(2, codec="hostq8", packet_elements=P, pool_size=2)
-    xs = _inputs(2, 8)
-    net.start(xs)
-    results = core_receive(net.cores[0], [(d, src) for d, src, _ in net.up], net.now)
-    net.up = []
-    real = next(d for d, dst in results if dst == net.addr(0))
+    net, _, _, real = _first_results(8)
     fields = dict(zip(wire.HEADER.names, header(real).item())) | {"chunk": 2, "shadow": 1, "count": P}
     ahead = wire.pack(fields, real[wire.HEADER_SIZE:])
     engine = net.engines[0]
