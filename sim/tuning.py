@@ -25,27 +25,17 @@ from intml.protocol.codecs.host.terngrad import TernGrad
 from intml.protocol.codecs.host.topk import TopK
 from intml.protocol.codecs.host.uniform import Uniform
 from intml.protocol.job import AGGREGATOR_MAX_ELEMENTS
-from intml.sim.costs import HOST_COSTS, IO_PER_DATAGRAM, IO_PER_DATAGRAM_GSO, SOFTWARE_AGGREGATOR
+from intml.sim.costs import (HOST_CODEC_COSTS, HOST_COSTS, IO_PER_DATAGRAM, IO_PER_DATAGRAM_GSO, RESULT_FLOAT32,
+                             SOFTWARE_AGGREGATOR)
 from intml.sim.models import Net, ring
 from intml.sim.network import IP_UDP, WIRE_OVERHEAD
 from intml.sim.training import PROFILES, SOURCES, buckets, iteration
 from intml.worker.tuner import Bucket, Costs, Measured, Network, Tuner, measure
 
-# Seconds per element at one core, (encode, decode) of a worker's package. PLACEHOLDER until sim/costs.py carries
-# per-codec host costs: 1 / the rates of docs/codecs.md's "Measured size and error" table (intml-testbed bench
-# host-codecs, 2**20 N(0, 1) values in 16384-element packages, 2026-11-27 03:50 UTC, shared 2-core build VM at
-# load 4-5: rough). A family's other parameters take the measured member's rates (uniform<N> uniform8's).
-PLACEHOLDER_HOST_CODEC_COSTS: dict[type, tuple[float, float]] = {
-    Uniform: (1 / 33.8e6, 1 / 19.8e6),
-    Adaptive: (1 / 16.6e6, 1 / 9.4e6),
-    AdaptiveHuffman: (1 / 7.7e6, 1 / 8.8e6),
-    Lloyd: (1 / 1.5e6, 1 / 10.0e6),
-    Bitmask: (1 / 11.8e6, 1 / 7.2e6),
-    QSGD: (1 / 4.0e6, 1 / 7.7e6),  # qsgd127's
-    TernGrad: (1 / 12.5e6, 1 / 11.4e6),
-    TopK: (1 / 4.1e6, 1 / 237.6e6),
-    RandomK: (1 / 331.5e6, 1 / 410.7e6),
-}
+# The tuner's host-codec candidates by class, each costed by its family's row of sim.costs.HOST_CODEC_COSTS.
+TUNED_FAMILIES: dict[type, str] = {Uniform: "uniform", Adaptive: "adaptive", AdaptiveHuffman: "adaptive-huffman",
+                                   Lloyd: "lloyd", Bitmask: "bitmask", QSGD: "qsgd", TernGrad: "terngrad",
+                                   TopK: "topk", RandomK: "randomk"}
 
 
 def gloo_ring(world: int, rate: float, elements: int, network: Network) -> float:
@@ -56,7 +46,9 @@ def gloo_ring(world: int, rate: float, elements: int, network: Network) -> float
 # The simulator's calibration (sim.costs) as the tuner's costs: GSO/GRO's datagram cost, as burstio uses where it can;
 # a host codec's RESULT is float32, decoded with a byte swap as int32's is.
 COSTS = Costs(switch_cpu={name: (cost.encode, cost.decode) for name, cost in HOST_COSTS.items()},
-              host_cpu=PLACEHOLDER_HOST_CODEC_COSTS, result_decode=HOST_COSTS["int32"].decode,
+              host_cpu={codec: (HOST_CODEC_COSTS[family].encode, HOST_CODEC_COSTS[family].decode)
+                        for codec, family in TUNED_FAMILIES.items()},
+              result_decode=RESULT_FLOAT32,
               datagram_io=IO_PER_DATAGRAM_GSO, datagram_overhead=WIRE_OVERHEAD, ip_udp=IP_UDP, ring=gloo_ring)
 
 NOISE_SCALE = 1000  # per-sample gradient noise scale: of the order McCandlish et al. measure for ImageNet classifiers

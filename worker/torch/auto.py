@@ -81,15 +81,15 @@ def ring_seconds(world: int, rate: float, elements: int, network: Network) -> fl
     return ring_bytes(elements, world) * 8 / rate + 2 * (world - 1) * network.rtt / 2
 
 
-# The simulator's calibration (sim.tuning.COSTS: sim.costs.HOST_COSTS, GSO/GRO's 0.19 us per datagram, the host
-# codecs' placeholder rates measured with numpy kernels), restated because the worker layer does not import the
-# simulator; tests/torch/test_torch_auto.py holds them equal.
+# The simulator's calibration (sim.tuning.COSTS: sim.costs.HOST_COSTS and HOST_CODEC_COSTS, GSO/GRO's 0.19 us per
+# datagram; the host codecs' rates are bench host-codecs' M elements/s with numpy kernels), restated because the
+# worker layer does not import the simulator; tests/torch/test_torch_auto.py holds them equal.
 COSTS = Costs(switch_cpu={"cnat8": (0.52e-9, 0.29e-9), "int32": (0.35e-9, 0.25e-9)},
-              host_cpu={Uniform: (1 / 33.8e6, 1 / 19.8e6), Adaptive: (1 / 16.6e6, 1 / 9.4e6),
-                        AdaptiveHuffman: (1 / 7.7e6, 1 / 8.8e6), Lloyd: (1 / 1.5e6, 1 / 10.0e6),
-                        Bitmask: (1 / 11.8e6, 1 / 7.2e6), QSGD: (1 / 4.0e6, 1 / 7.7e6),
-                        TernGrad: (1 / 12.5e6, 1 / 11.4e6), TopK: (1 / 4.1e6, 1 / 237.6e6),
-                        RandomK: (1 / 331.5e6, 1 / 410.7e6)},
+              host_cpu={Uniform: (1e-6 / 33.8, 1e-6 / 19.8), Adaptive: (1e-6 / 16.6, 1e-6 / 9.4),
+                        AdaptiveHuffman: (1e-6 / 7.7, 1e-6 / 8.8), Lloyd: (1e-6 / 1.5, 1e-6 / 10.0),
+                        Bitmask: (1e-6 / 11.8, 1e-6 / 7.2), QSGD: (1e-6 / 4.0, 1e-6 / 7.7),
+                        TernGrad: (1e-6 / 12.5, 1e-6 / 11.4), TopK: (1e-6 / 4.1, 1e-6 / 237.6),
+                        RandomK: (1e-6 / 331.5, 1e-6 / 410.7)},
               result_decode=0.25e-9, datagram_io=0.19e-6, datagram_overhead=WIRE_OVERHEAD, ip_udp=IP_UDP,
               ring=ring_seconds)
 
