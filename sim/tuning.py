@@ -12,30 +12,15 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import replace
 
 import numpy as np
 
-from intml.protocol.codecs.host.adaptive import Adaptive, AdaptiveHuffman
-from intml.protocol.codecs.host.bitmask import Bitmask
-from intml.protocol.codecs.host.lloyd import Lloyd
-from intml.protocol.codecs.host.qsgd import QSGD
-from intml.protocol.codecs.host.randomk import RandomK
-from intml.protocol.codecs.host.terngrad import TernGrad
-from intml.protocol.codecs.host.topk import TopK
-from intml.protocol.codecs.host.uniform import Uniform
 from intml.protocol.job import AGGREGATOR_MAX_ELEMENTS
-from intml.sim.costs import (HOST_CODEC_COSTS, HOST_COSTS, IO_PER_DATAGRAM, IO_PER_DATAGRAM_GSO, RESULT_FLOAT32,
-                             SOFTWARE_AGGREGATOR)
+from intml.sim.costs import IO_PER_DATAGRAM, SOFTWARE_AGGREGATOR
 from intml.sim.models import Net, ring
-from intml.sim.network import IP_UDP, WIRE_OVERHEAD
 from intml.sim.training import PROFILES, SOURCES, buckets, iteration
+from intml.worker.costs import tuner_costs
 from intml.worker.tuner import Bucket, Costs, Measured, Network, Tuner, measure
-
-# The tuner's host-codec candidates by class, each costed by its family's row of sim.costs.HOST_CODEC_COSTS.
-TUNED_FAMILIES: dict[type, str] = {Uniform: "uniform", Adaptive: "adaptive", AdaptiveHuffman: "adaptive-huffman",
-                                   Lloyd: "lloyd", Bitmask: "bitmask", QSGD: "qsgd", TernGrad: "terngrad",
-                                   TopK: "topk", RandomK: "randomk"}
 
 
 def gloo_ring(world: int, rate: float, elements: int, network: Network) -> float:
@@ -43,13 +28,8 @@ def gloo_ring(world: int, rate: float, elements: int, network: Network) -> float
     return ring(Net(world, rate, delay=network.rtt / 2, mtu=network.mtu), elements)
 
 
-# The simulator's calibration (sim.costs) as the tuner's costs: GSO/GRO's datagram cost, as burstio uses where it can;
-# a host codec's RESULT is float32, decoded with a byte swap as int32's is.
-COSTS = Costs(switch_cpu={name: (cost.encode, cost.decode) for name, cost in HOST_COSTS.items()},
-              host_cpu={codec: (HOST_CODEC_COSTS[family].encode, HOST_CODEC_COSTS[family].decode)
-                        for codec, family in TUNED_FAMILIES.items()},
-              result_decode=RESULT_FLOAT32,
-              datagram_io=IO_PER_DATAGRAM_GSO, datagram_overhead=WIRE_OVERHEAD, ip_udp=IP_UDP, ring=gloo_ring)
+# The tuner's costs: worker.costs' table (sim.costs' too) with the simulator's ring.
+COSTS = tuner_costs(gloo_ring)
 
 NOISE_SCALE = 1000  # per-sample gradient noise scale: of the order McCandlish et al. measure for ImageNet classifiers
 BATCH = 64  # per rank
@@ -150,4 +130,4 @@ def steps(model: str, workers: int, rates: list[tuple[int, float]], count: int, 
 
 def setup(switch: bool, gso: bool) -> dict:
     """``run``'s network and costs: an ASIC switch or none; GSO/GRO's datagram cost or sendmmsg's."""
-    return {"network": Network(switch=switch), "costs": COSTS if gso else replace(COSTS, datagram_io=IO_PER_DATAGRAM)}
+    return {"network": Network(switch=switch), "costs": COSTS if gso else tuner_costs(gloo_ring, IO_PER_DATAGRAM)}

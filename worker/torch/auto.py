@@ -42,14 +42,7 @@ import numpy as np
 import torch
 
 from intml.protocol.codecs import host
-from intml.protocol.codecs.host.adaptive import Adaptive, AdaptiveHuffman
-from intml.protocol.codecs.host.bitmask import Bitmask
-from intml.protocol.codecs.host.lloyd import Lloyd
-from intml.protocol.codecs.host.qsgd import QSGD
-from intml.protocol.codecs.host.randomk import RandomK
-from intml.protocol.codecs.host.terngrad import TernGrad
-from intml.protocol.codecs.host.topk import TopK
-from intml.protocol.codecs.host.uniform import Uniform
+from intml.worker.costs import tuner_costs
 from intml.worker.traffic import ring_bytes
 from intml.worker.tuner import (
     DEFAULT_CANDIDATES,
@@ -58,7 +51,6 @@ from intml.worker.tuner import (
     NOT_AN_ESTIMATE,
     SWITCH_CODECS,
     Bucket,
-    Costs,
     Decision,
     Measured,
     Network,
@@ -72,7 +64,6 @@ LOG = logging.getLogger(__name__)
 DEFAULT_LINK_RATE = 10e9  # bit/s before the first measurement: a 10 Gbit/s link
 DEFAULT_AGGREGATOR_RATE = 1e9  # elements/s per contribution before the first measurement
 MEAN_NORM_SQ = FIELDS.index("mean_norm_sq")
-IP_UDP, WIRE_OVERHEAD = 28, 42  # bytes per datagram: IPv4 + UDP (what the MTU counts), and Ethernet's beside
 
 
 def ring_seconds(world: int, rate: float, elements: int, network: Network) -> float:
@@ -81,17 +72,8 @@ def ring_seconds(world: int, rate: float, elements: int, network: Network) -> fl
     return ring_bytes(elements, world) * 8 / rate + 2 * (world - 1) * network.rtt / 2
 
 
-# The simulator's calibration (sim.tuning.COSTS: sim.costs.HOST_COSTS and HOST_CODEC_COSTS, GSO/GRO's 0.19 us per
-# datagram; the host codecs' rates are bench host-codecs' M elements/s with numpy kernels), restated because the
-# worker layer does not import the simulator; tests/torch/test_torch_auto.py holds them equal.
-COSTS = Costs(switch_cpu={"cnat8": (0.52e-9, 0.29e-9), "int32": (0.35e-9, 0.25e-9)},
-              host_cpu={Uniform: (1e-6 / 33.8, 1e-6 / 19.8), Adaptive: (1e-6 / 16.6, 1e-6 / 9.4),
-                        AdaptiveHuffman: (1e-6 / 7.7, 1e-6 / 8.8), Lloyd: (1e-6 / 1.5, 1e-6 / 10.0),
-                        Bitmask: (1e-6 / 11.8, 1e-6 / 7.2), QSGD: (1e-6 / 4.0, 1e-6 / 7.7),
-                        TernGrad: (1e-6 / 12.5, 1e-6 / 11.4), TopK: (1e-6 / 4.1, 1e-6 / 237.6),
-                        RandomK: (1e-6 / 331.5, 1e-6 / 410.7)},
-              result_decode=0.25e-9, datagram_io=0.19e-6, datagram_overhead=WIRE_OVERHEAD, ip_udp=IP_UDP,
-              ring=ring_seconds)
+# worker.costs' table, the simulator's too (sim.tuning.COSTS), with this ring model
+COSTS = tuner_costs(ring_seconds)
 
 
 class IntmlTunerWarning(RuntimeWarning):
