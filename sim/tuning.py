@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -20,7 +21,7 @@ from intml.sim.costs import IO_PER_DATAGRAM, SOFTWARE_AGGREGATOR
 from intml.sim.models import Net, ring
 from intml.sim.training import PROFILES, SOURCES, buckets, iteration
 from intml.worker.costs import tuner_costs
-from intml.worker.tuner import Bucket, Costs, Measured, Network, Tuner, measure
+from intml.worker.tuner import DEFAULT_CANDIDATES, Bucket, Costs, Decision, Measured, Network, Tuner
 
 
 def gloo_ring(world: int, rate: float, elements: int, network: Network) -> float:
@@ -36,6 +37,7 @@ BATCH = 64  # per rank
 SIGNAL = 1e-6  # per element variance of the true gradient (the tuner's choices are scale-free)
 # the software aggregator, elements per second per core per contribution: sim.costs' calibration
 AGGREGATOR_RATE = 1 / (SOFTWARE_AGGREGATOR.per_element + SOFTWARE_AGGREGATOR.per_packet / AGGREGATOR_MAX_ELEMENTS)
+SETTLE_STEPS = 6  # the first decision has no variance estimate; then the hysteresis' 3 steps, and a margin
 MEDIAN = 0.6744897501960817  # of |N(0, 1)|
 COLUMNS = ("model", "rate_gbit", "workers", "codec", "step_s", "ring_s", "less_time", "why")
 STEP_COLUMNS = ("model", "step", "rate_gbit", "codec", "step_s", "why")
@@ -58,33 +60,48 @@ def gaussian_stats(elements: int, world: int, signal: float, noise: float, first
                      largest * elements * math.sqrt(v) * math.sqrt(2 / math.pi) - elements * v, 0.0, 0.0])
 
 
-def model_buckets(model: str) -> list[Bucket]:
-    """The model's DDP buckets (sim.training.buckets), named bucket0, bucket1, ... in the order they are ready."""
-    return [Bucket(f"bucket{i}", size) for i, size in enumerate(buckets(PROFILES[model][0]))]
+def named(sizes: list[int]) -> list[Bucket]:
+    """Buckets of these sizes, named bucket0, bucket1, ... in the order they are ready."""
+    return [Bucket(f"bucket{i}", size) for i, size in enumerate(sizes)]
 
 
-def tuner_for(model: str, workers: int, codec: str, network: Network, costs: Costs = COSTS) -> Tuner:
-    """The tuner of a model's DDP buckets: ``auto``, or every bucket pinned to the fixed ``codec``."""
-    named = model_buckets(model)
+def model_buckets(parameters: int) -> list[Bucket]:
+    """A model's DDP buckets (sim.training.buckets)."""
+    return named(buckets(parameters))
+
+
+def decisions(named: list[Bucket], compute: float, workers: int, rates: list[tuple[int, float]], steps: int,
+              codec: str = "auto", *, network: Network = Network(), costs: Costs = COSTS,
+              candidates: tuple[str, ...] = DEFAULT_CANDIDATES, noise_scale: float = NOISE_SCALE,
+              batch: int = BATCH) -> Iterator[tuple[int, float, Decision]]:
+    """(step, rate, decision) for ``steps`` steps of the tuner over the buckets ``named`` (``auto``, or every
+    bucket pinned to the fixed ``codec``); ``rates``: (first step, link rate) in order. Every rank measures the
+    same (the statistics are closed-form), so the shared vector is world x one rank's."""
     pins = {} if codec == "auto" else {b.name: codec for b in named}
-    return Tuner(named, workers, costs, network, pins=pins)
-
-
-def run(model: str, workers: int, rates: list[tuple[int, float]], steps: int, codec: str = "auto", *,
-        network: Network = Network(), costs: Costs = COSTS, noise_scale: float = NOISE_SCALE,
-        batch: int = BATCH) -> list[dict]:
-    """``steps`` steps of the model's DDP iteration with the tuner deciding; ``rates``: (first step, link rate)
-    in order. Every rank measures the same (the statistics are closed-form), so the shared vector is world x one
-    rank's. Each row: the step, the rate, the codec per bucket, the decision and the predicted seconds."""
-    parameters, compute = PROFILES[model]
-    tuner = tuner_for(model, workers, codec, network, costs)
+    tuner = Tuner(named, workers, costs, network, candidates=candidates, pins=pins)
     noise = SIGNAL * noise_scale / batch
-    out = []
     for step in range(steps):
         rate = [r for first, r in rates if first <= step][-1]
-        stats = [gaussian_stats(b.elements, workers, SIGNAL, noise, first=step == 0) for b in tuner.buckets]
+        stats = [gaussian_stats(b.elements, workers, SIGNAL, noise, first=step == 0) for b in named]
         local = tuner.local_vector(stats, Measured(rate, AGGREGATOR_RATE, compute))
-        decision = tuner.decide(workers * local)
+        yield step, rate, tuner.decide(workers * local)
+
+
+def settled(sizes: list[int], compute: float, workers: int, rate: float, **options) -> list[str]:
+    """The codec of each bucket of these ``sizes`` once the tuner has settled (past its hysteresis) at ``rate``;
+    ``options``: ``decisions``'."""
+    *_, (_, _, last) = decisions(named(sizes), compute, workers, [(0, rate)], SETTLE_STEPS, **options)
+    return [c.codec for c in last.choices.values()]
+
+
+def run(model: str, workers: int, rates: list[tuple[int, float]], steps: int, codec: str = "auto",
+        **options) -> list[dict]:
+    """``steps`` steps of the model's DDP iteration with the tuner deciding (``decisions``). Each row: the step,
+    the rate, the codec per bucket, the decision and the predicted seconds."""
+    parameters, compute = PROFILES[model]
+    out = []
+    for step, rate, decision in decisions(model_buckets(parameters), compute, workers, rates, steps, codec,
+                                          **options):
         times = iter([c.seconds for c in decision.choices.values()])
         out.append({"step": step, "rate": rate, "codecs": [c.codec for c in decision.choices.values()],
                     "decision": decision, "step_s": iteration(parameters, compute, lambda n: next(times))})
@@ -106,11 +123,11 @@ def table(workers: int, rates: list[float], codec: str = "auto", *, switch: bool
     for model in models:
         parameters, compute = PROFILES[model]
         for rate in rates:
-            last = run(model, workers, [(0, rate)], 6, codec, **options, noise_scale=noise_scale,
+            last = run(model, workers, [(0, rate)], SETTLE_STEPS, codec, **options, noise_scale=noise_scale,
                        batch=batch)[-1]
             ring_s = iteration(parameters, compute, lambda n: gloo_ring(workers, rate, n, options["network"]))
             choices = last["decision"].choices
-            largest = max(model_buckets(model), key=lambda b: b.elements).name
+            largest = max(model_buckets(parameters), key=lambda b: b.elements).name
             got.append({"model": model, "rate_gbit": rate / 1e9, "workers": workers, "codec": summary(last["codecs"]),
                         "step_s": last["step_s"], "ring_s": ring_s, "less_time": 1 - last["step_s"] / ring_s,
                         "why": choices[largest].reason})
@@ -121,7 +138,7 @@ def steps(model: str, workers: int, rates: list[tuple[int, float]], count: int, 
           switch: bool = True, gso: bool = True, noise_scale: float = NOISE_SCALE, batch: int = BATCH) -> list[dict]:
     """``run``'s steps as table rows: the rate, the buckets' codecs, the predicted seconds, the largest bucket's
     reason."""
-    largest = max(model_buckets(model), key=lambda b: b.elements).name
+    largest = max(model_buckets(PROFILES[model][0]), key=lambda b: b.elements).name
     return [{"model": model, "step": r["step"], "rate_gbit": r["rate"] / 1e9, "codec": summary(r["codecs"]),
              "step_s": r["step_s"], "why": r["decision"].choices[largest].reason}
             for r in run(model, workers, rates, count, codec, **setup(switch, gso), noise_scale=noise_scale,

@@ -15,6 +15,8 @@ Each constant with its source, all on the shared 2-core build VM:
   N(0, 1) elements in 16384-element packages, one thread, 2026-11-27 09:30 UTC, load average 3.4; the same run's
   ``bench codec --elements 8388608 --repeats 5`` ran its memory copy (anchor) at 1.42 G elements/s and the
   stochastic encode at 1.08 G/s (docs/tuner.md, "Costs").
+* the tuner's own measuring, 7.8 ns per element: ``worker.tuner.measure`` of 2**22 N(0, 1) float32 (no residual;
+  9.5 ns with one), median of 5, one thread, 2026-11-27 09:33 UTC, load average 2.4 (docs/tuner.md, "Costs").
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ IO_PER_DATAGRAM = 1.15e-6
 IO_PER_DATAGRAM_GSO = 0.19e-6
 WIRE_OVERHEAD = 42  # IPv4 20 + UDP 8 + Ethernet 14 bytes per datagram
 IP_UDP = 28  # the part of the overhead the MTU counts
+MEASURE = 7.8e-9  # seconds per element of measure(), at each measured step
 
 # family: encode and decode M elements/s of the codec named in the comment (bench host-codecs, 2026-11-27 09:30 UTC)
 HOST_CODEC_RATES = {

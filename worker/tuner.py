@@ -186,14 +186,16 @@ class Choice:
 
 @dataclass(frozen=True)
 class Decision:
-    """A step's choices per bucket, the predicted seconds per step, the digest ranks compare, and the warnings
-    (inconsistencies, fallbacks, unsafe pins) to log."""
+    """A step's choices per bucket, the predicted seconds per step, the digest ranks compare, the warnings
+    (inconsistencies, fallbacks, unsafe pins) to log, and whether every unpinned bucket fell back to the fixed
+    codec (an inconsistency, now or earlier in the run)."""
 
     step: int
     choices: dict[str, Choice]
     step_seconds: float
     digest: int
     warnings: list[str] = field(default_factory=list)
+    fallback: bool = False
 
     def line(self) -> str:
         """One log line: the step, each bucket's codec, the predicted step time and the digest."""
@@ -204,7 +206,7 @@ class Decision:
     def as_dict(self) -> dict:
         """The decision for a metrics endpoint or JSON: plain numbers and strings."""
         return {"step": self.step, "step_seconds": self.step_seconds, "digest": f"{self.digest:012x}",
-                "warnings": list(self.warnings),
+                "warnings": list(self.warnings), "fallback": self.fallback,
                 "buckets": {name: {"codec": c.codec, "reason": c.reason, "seconds": c.seconds, "ratio": c.ratio,
                                    "refused": dict(c.refused)} for name, c in self.choices.items()}}
 
@@ -446,7 +448,7 @@ class Tuner:
         digest = int.from_bytes(hashlib.sha256(repr(
             (self.step, self.config_digest, shared.astype(">f8").tobytes(),
              sorted((k, c.codec) for k, c in choices.items()))).encode()).digest()[:6], "big")
-        decision = Decision(self.step, choices, step_seconds, digest, warnings)
+        decision = Decision(self.step, choices, step_seconds, digest, warnings, problem is not None or self.diverged)
         self.step, self.last_digest = self.step + 1, digest
         return decision
 
