@@ -16,8 +16,8 @@ host mode). Each codec's exchange of N elements:
   share of the result. Its wire bits per parameter each way are the testbed's measurement (packages and headers
   up; the codec's RESULT down, float32 unless the codec sends less). The time is the slowest of the busiest link
   (a worker's, or an aggregator's n/k times a worker's bytes), the worker's CPU (encode, decode the result, a
-  datagram each way per packet) and the aggregator's (decode n/k contributions per element on its cores), plus a
-  round trip (``sim.costs`` names every constant's source).
+  datagram each way per packet) and the aggregator's (decode n/k contributions per element and handle each
+  package, on its cores), plus a round trip (``sim.costs`` and ``worker.costs`` name every constant's source).
 
 A step: with DDP, ``sim.training.iteration`` (buckets overlapped with backward); with model averaging, the compute
 plus one exchange of all parameters every ``steps_per_epoch`` steps. Accuracy against wall time is the MEASURED
@@ -38,7 +38,7 @@ from intml.sim.costs import (HOST_AGGREGATOR_CORES, HOST_AGGREGATORS_PER_WORKERS
 from intml.sim.models import Net, ring
 from intml.sim.output import pyplot
 from intml.sim.training import PROFILES, buckets, iteration, in_network_cpu
-from intml.worker.costs import MEASURE
+from intml.worker.costs import HOST_PACKAGE, MEASURE
 from intml.worker.tuner import Network
 
 PARALLEL = ("average", "ddp")
@@ -61,7 +61,8 @@ def host_exchange(codec: str, net: Net, elements: int, up_bits: float, down_bits
     cost = host_codec_costs(codec)
     packets = math.ceil(elements / HOST_PACKET_ELEMENTS)
     worker = elements * (cost.encode + RESULT_FLOAT32) + 2 * packets * IO_PER_DATAGRAM
-    aggregator = n / aggregators * (elements * cost.decode + 2 * packets * IO_PER_DATAGRAM) / HOST_AGGREGATOR_CORES
+    aggregator = (n / aggregators * (elements * cost.decode + packets * (2 * IO_PER_DATAGRAM + HOST_PACKAGE))
+                  / HOST_AGGREGATOR_CORES)
     return max(busiest * 8 / net.rate, worker, aggregator) + net.rtt
 
 

@@ -73,17 +73,18 @@ def model_buckets(parameters: int) -> list[Bucket]:
 def decisions(named: list[Bucket], compute: float, workers: int, rates: list[tuple[int, float]], steps: int,
               codec: str = "auto", *, network: Network = Network(), costs: Costs = COSTS,
               candidates: tuple[str, ...] = DEFAULT_CANDIDATES, noise_scale: float = NOISE_SCALE,
-              batch: int = BATCH) -> Iterator[tuple[int, float, Decision]]:
+              batch: int = BATCH, aggregator_rate: float = AGGREGATOR_RATE) -> Iterator[tuple[int, float, Decision]]:
     """(step, rate, decision) for ``steps`` steps of the tuner over the buckets ``named`` (``auto``, or every
-    bucket pinned to the fixed ``codec``); ``rates``: (first step, link rate) in order. Every rank measures the
-    same (the statistics are closed-form), so the shared vector is world x one rank's."""
+    bucket pinned to the fixed ``codec``); ``rates``: (first step, link rate) in order; ``aggregator_rate``: the
+    software aggregator's, as the ranks would measure it. Every rank measures the same (the statistics are
+    closed-form), so the shared vector is world x one rank's."""
     pins = {} if codec == "auto" else {b.name: codec for b in named}
     tuner = Tuner(named, workers, costs, network, candidates=candidates, pins=pins)
     noise = SIGNAL * noise_scale / batch
     for step in range(steps):
         rate = [r for first, r in rates if first <= step][-1]
         stats = [gaussian_stats(b.elements, workers, SIGNAL, noise, first=step == 0) for b in named]
-        local = tuner.local_vector(stats, Measured(rate, AGGREGATOR_RATE, compute))
+        local = tuner.local_vector(stats, Measured(rate, aggregator_rate, compute))
         yield step, rate, tuner.decide(workers * local)
 
 

@@ -19,8 +19,8 @@ gradients allreduced every step, through the DDP hook), all in the same run. Wha
   (forward, backward and SGD step of one rank's batch, one thread), plus the exchange: every step with DDP, the
   step's share of one averaging per epoch otherwise. Running torchrun's ranks in the namespaces as well would
   only add the same compute to the same exchanges. auto's exchange is that of the codec the tuner settles on at
-  the link's rate (``sim.tuning.settled``: the model as the one bucket timed, the software aggregator, the
-  compared codecs as candidates), and its accuracy the loopback run's.
+  the link's rate (``sim.tuning.settled``: the model as the one bucket timed, the software aggregator at the rate
+  its timed switch-codec exchange shows, the compared codecs as candidates), and its accuracy the loopback run's.
 * **sim MODEL RATE xW** (simulated): ``sim.compare``'s models of the exchange at W workers (the measured bits per
   parameter, the host CPU costs of ``sim.costs``), and the model's parameters and compute (``digits``: the
   measured ones). Its accuracy curve is the MEASURED curve, each epoch placed at the simulated time it ends:
@@ -136,12 +136,16 @@ def exchanges_per_epoch(parallel: str, steps_per_epoch: int) -> int:
     return steps_per_epoch if parallel == "ddp" else 1
 
 
-def shaped_auto(inputs: dict[str, dict], rate: str, compute_s: float, workers: int, mtu: int, batch: int) -> str:
-    """The codec the tuner settles on over the shaped links (the module's docstring)."""
+def shaped_auto(inputs: dict[str, dict], rate: str, exchange_s: dict[str, float], compute_s: float, workers: int,
+                mtu: int, batch: int) -> str:
+    """The codec the tuner settles on over the shaped links (the module's docstring), with the software
+    aggregator's rate as the hook measures it: elements x ranks per second of a switch codec's timed exchange."""
     parameters = inputs[AUTO]["parameters"]
     candidates = tuple(c for c in inputs if c != AUTO)
+    summed = [parameters * workers / exchange_s[c] for c in CODEC_NAMES if c in exchange_s]
     return tuning.settled([parameters], compute_s, workers, parse_rate(rate), candidates=candidates, batch=batch,
-                          network=Network(switch=False, mtu=mtu))[0]
+                          network=Network(switch=False, mtu=mtu),
+                          aggregator_rate=max(summed, default=tuning.AGGREGATOR_RATE))[0]
 
 
 def shaped_setting(inputs: dict[str, dict], rate: str, exchange_s: dict[str, float], compute_s: float,
@@ -218,7 +222,7 @@ def run(codecs: tuple[str, ...] = DEFAULT_CODECS, parallel: str = "average", wor
                                         with_gloo="gloo" in codecs, results="unicast", codecs=intml_codecs)
         exchange_s = {row["system"].removeprefix("intml ").replace("gloo ring", "gloo"): row["median_s"]
                       for row in point["rows"]}
-        auto = shaped_auto(inputs, rate, compute_s, workers, mtu, batch) if AUTO in codecs else None
+        auto = shaped_auto(inputs, rate, exchange_s, compute_s, workers, mtu, batch) if AUTO in codecs else None
         settings.append(shaped_setting(inputs, rate, exchange_s, compute_s, parallel, target, auto, tuner_every))
         step()
     for model in sim_models:

@@ -15,6 +15,11 @@ Each constant with its source, all on the shared 2-core build VM:
   N(0, 1) elements in 16384-element packages, one thread, 2026-11-27 09:30 UTC, load average 3.4; the same run's
   ``bench codec --elements 8388608 --repeats 5`` ran its memory copy (anchor) at 1.42 G elements/s and the
   stochastic encode at 1.08 G/s (docs/tuner.md, "Costs").
+* host mode at the software aggregator, 0.32 ms per package of one rank beyond the codec's decode (its Python
+  path: handle, combine, encode and send the result): ``intml-testbed bench host-codecs --codec uniform4 uniform8
+  --allreduce --workers 4 --elements 262144``, 2026-11-27 09:51 UTC, load average 4-6: uniform4's allreduce took
+  41.0 ms for 4 x 33 packages of 8056 elements (uniform8's 19.1 ms, cnat8's through the kernel 5.2 ms); the
+  slower codec's figure, so that host mode is never flattered.
 * the tuner's own measuring, 7.8 ns per element: ``worker.tuner.measure`` of 2**22 N(0, 1) float32 (no residual;
   9.5 ns with one), median of 5, one thread, 2026-11-27 09:33 UTC, load average 2.4 (docs/tuner.md, "Costs").
 """
@@ -40,6 +45,7 @@ IO_PER_DATAGRAM_GSO = 0.19e-6
 WIRE_OVERHEAD = 42  # IPv4 20 + UDP 8 + Ethernet 14 bytes per datagram
 IP_UDP = 28  # the part of the overhead the MTU counts
 MEASURE = 7.8e-9  # seconds per element of measure(), at each measured step
+HOST_PACKAGE = 0.32e-3  # seconds per package of one rank at the software aggregator in host mode
 
 # family: encode and decode M elements/s of the codec named in the comment (bench host-codecs, 2026-11-27 09:30 UTC)
 HOST_CODEC_RATES = {
@@ -73,4 +79,4 @@ def tuner_costs(ring: Callable[[int, float, int, Network], float], datagram_io: 
     return Costs(switch_cpu=dict(SWITCH_CPU),
                  host_cpu={codec: host_codec_seconds(family) for codec, family in TUNED_FAMILIES.items()},
                  result_decode=RESULT_FLOAT32, datagram_io=datagram_io, datagram_overhead=WIRE_OVERHEAD,
-                 ip_udp=IP_UDP, ring=ring)
+                 ip_udp=IP_UDP, ring=ring, host_package=HOST_PACKAGE)

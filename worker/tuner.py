@@ -100,10 +100,11 @@ class Network:
 
 @dataclass(frozen=True)
 class Costs:
-    """What the tuner predicts times from, calibrated or measured by its user (the simulator's: sim.tuning.COSTS):
-    a rank's CPU seconds per element (encode, decode) for the switch codecs by name and the host codecs by class,
-    to decode a float32 result, and per datagram each way; a datagram's wire bytes beyond its payload and the part
-    of them that the MTU counts; Gloo's ring allreduce seconds for (world, link rate, elements, network)."""
+    """What the tuner predicts times from, calibrated or measured by its user (worker.costs): a rank's CPU seconds
+    per element (encode, decode) for the switch codecs by name and the host codecs by class, to decode a float32
+    result, and per datagram each way; a datagram's wire bytes beyond its payload and the part of them that the MTU
+    counts; Gloo's ring allreduce seconds for (world, link rate, elements, network); and the software aggregator's
+    seconds per package of one rank in host mode, beyond the codec's decode."""
 
     switch_cpu: dict[str, tuple[float, float]]
     host_cpu: dict[type, tuple[float, float]]
@@ -112,6 +113,7 @@ class Costs:
     datagram_overhead: int
     ip_udp: int
     ring: Callable[[int, float, int, Network], float]
+    host_package: float = 0.0
 
 
 def measure(x: np.ndarray, world: int, *, residual: np.ndarray | None = None, last_mean: np.ndarray | None = None,
@@ -388,10 +390,10 @@ class Tuner:
             encode, decode = self.costs.switch_cpu[name]
             rank_cpu = e * (encode + decode + io)
             aggregator_per_element = 1 / m["aggregator_rate"]
-        else:
+        else:  # host mode: the aggregator also handles each rank's packages one by one
             encode, decode = self.costs.host_cpu[type(self.codecs[name])]
             rank_cpu = e * (encode + self.costs.result_decode + io)
-            aggregator_per_element = decode + 1 / m["aggregator_rate"]
+            aggregator_per_element = decode + 1 / m["aggregator_rate"] + self.costs.host_package * datagrams
         bounds = [rank_cpu, e * up / m["link_rate"], e * down / m["link_rate"]]
         if not (net.switch and name in SWITCH_CODECS):  # a software aggregator: n packages in, one result out
             agg_rate = net.aggregator_link_rate or m["link_rate"]
