@@ -234,8 +234,8 @@ def run(codecs: tuple[str, ...] = DEFAULT_CODECS, parallel: str = "average", wor
            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "load_average": list(os.getloadavg()),
            "parallel": parallel, "workers": workers, "seeds": seeds, "epochs": epochs, "batch_per_rank": batch,
            "target_accuracy": target, "packet_elements": packet_elements, "mtu": mtu,
-           "compute_step_s": compute_s, "tuner_every": tuner_every, "codecs": list(codecs), "inputs": inputs, "settings": settings,
-           "training": result["rows"]}
+           "compute_step_s": compute_s, "tuner_every": tuner_every, "codecs": list(codecs), "inputs": inputs,
+           "settings": settings, "training": result["rows"]}
     if plot_out:
         sim_compare.plot(settings, plot_out, target, f"digits MLP, {parallel}, {workers} workers, {epochs} epochs, "
                                          f"{seeds} seed{'s' if seeds > 1 else ''} (median)")

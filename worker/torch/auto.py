@@ -1,6 +1,7 @@
 """``INTML_CODEC=auto`` in the DDP hook: the online tuner (``worker.tuner``, docs/tuner.md) picks each bucket's codec.
 
-Each step every rank measures its buckets (``tuner.measure``) and, at the step's last bucket, sums its statistics
+Each measured step (every step, or one in ``INTML_TUNER_EVERY``: measuring costs CPU per element) every rank
+measures its buckets (``tuner.measure``) and, at the step's last bucket, sums its statistics
 vector with every other rank's through one small Gloo allreduce of float64. Gloo, not intml: the vector is a few
 dozen numbers (intml's fixed cost per allreduce would dominate), its integer fields (step, digests) must sum
 exactly and its float fields must come back the same bits at every rank, which Gloo's ring gives (every rank copies
@@ -197,7 +198,8 @@ class AutoCodec:
         buckets = [self.layout[i] for i in sorted(self.layout)]
         measured = self.measuring
         self.steps += 1
-        if self.steps == 1 or not measured:  # DDP's first step has provisional buckets, rebuilt after it: the tuner starts after
+        # DDP's first step has provisional buckets, rebuilt after it: the tuner starts after it
+        if self.steps == 1 or not measured:
             self._next_step()
             return None
         if self.tuner is None or self.tuner.buckets != buckets:  # the first step, or DDP rebuilt its buckets
