@@ -100,10 +100,11 @@ class Network:
 
 @dataclass(frozen=True)
 class Costs:
-    """What the tuner predicts times from, calibrated or measured by its user (the simulator's: sim.tuning.COSTS):
-    a rank's CPU seconds per element (encode, decode) for the switch codecs by name and the host codecs by class,
-    to decode a float32 result, and per datagram each way; a datagram's wire bytes beyond its payload and the part
-    of them that the MTU counts; Gloo's ring allreduce seconds for (world, link rate, elements, network)."""
+    """What the tuner predicts times from, calibrated or measured by its user (worker.costs): a rank's CPU seconds
+    per element (encode, decode) for the switch codecs by name and the host codecs by class, to decode a float32
+    result, and per datagram each way; a datagram's wire bytes beyond its payload and the part of them that the MTU
+    counts; Gloo's ring allreduce seconds for (world, link rate, elements, network); and the software aggregator's
+    seconds per package of one rank in host mode, beyond the codec's decode."""
 
     switch_cpu: dict[str, tuple[float, float]]
     host_cpu: dict[type, tuple[float, float]]
@@ -112,6 +113,7 @@ class Costs:
     datagram_overhead: int
     ip_udp: int
     ring: Callable[[int, float, int, Network], float]
+    host_package: float = 0.0
 
 
 def measure(x: np.ndarray, world: int, *, residual: np.ndarray | None = None, last_mean: np.ndarray | None = None,
@@ -186,14 +188,16 @@ class Choice:
 
 @dataclass(frozen=True)
 class Decision:
-    """A step's choices per bucket, the predicted seconds per step, the digest ranks compare, and the warnings
-    (inconsistencies, fallbacks, unsafe pins) to log."""
+    """A step's choices per bucket, the predicted seconds per step, the digest ranks compare, the warnings
+    (inconsistencies, fallbacks, unsafe pins) to log, and whether every unpinned bucket fell back to the fixed
+    codec (an inconsistency, now or earlier in the run)."""
 
     step: int
     choices: dict[str, Choice]
     step_seconds: float
     digest: int
     warnings: list[str] = field(default_factory=list)
+    fallback: bool = False
 
     def line(self) -> str:
         """One log line: the step, each bucket's codec, the predicted step time and the digest."""
@@ -204,7 +208,7 @@ class Decision:
     def as_dict(self) -> dict:
         """The decision for a metrics endpoint or JSON: plain numbers and strings."""
         return {"step": self.step, "step_seconds": self.step_seconds, "digest": f"{self.digest:012x}",
-                "warnings": list(self.warnings),
+                "warnings": list(self.warnings), "fallback": self.fallback,
                 "buckets": {name: {"codec": c.codec, "reason": c.reason, "seconds": c.seconds, "ratio": c.ratio,
                                    "refused": dict(c.refused)} for name, c in self.choices.items()}}
 
@@ -386,10 +390,10 @@ class Tuner:
             encode, decode = self.costs.switch_cpu[name]
             rank_cpu = e * (encode + decode + io)
             aggregator_per_element = 1 / m["aggregator_rate"]
-        else:
+        else:  # host mode: the aggregator also handles each rank's packages one by one
             encode, decode = self.costs.host_cpu[type(self.codecs[name])]
             rank_cpu = e * (encode + self.costs.result_decode + io)
-            aggregator_per_element = decode + 1 / m["aggregator_rate"]
+            aggregator_per_element = decode + 1 / m["aggregator_rate"] + self.costs.host_package * datagrams
         bounds = [rank_cpu, e * up / m["link_rate"], e * down / m["link_rate"]]
         if not (net.switch and name in SWITCH_CODECS):  # a software aggregator: n packages in, one result out
             agg_rate = net.aggregator_link_rate or m["link_rate"]
@@ -446,7 +450,7 @@ class Tuner:
         digest = int.from_bytes(hashlib.sha256(repr(
             (self.step, self.config_digest, shared.astype(">f8").tobytes(),
              sorted((k, c.codec) for k, c in choices.items()))).encode()).digest()[:6], "big")
-        decision = Decision(self.step, choices, step_seconds, digest, warnings)
+        decision = Decision(self.step, choices, step_seconds, digest, warnings, problem is not None or self.diverged)
         self.step, self.last_digest = self.step + 1, digest
         return decision
 
