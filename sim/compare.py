@@ -6,11 +6,11 @@ the workers' CPU as in ``sim.training``), or a host codec (``uniform8``, ``adapt
 host mode). Each codec's exchange of N elements:
 
 * gloo: ``sim.models.ring``;
-* cnat8, int32: ``sim.training.in_network_cpu``;
+* cnat8, int32: ``sim.training.in_network_cpu``, the tuner's own model of them;
 * auto: the online tuner (worker/tuner.py) replayed at the setting (``sim.tuning.settled``: Gaussian statistics
   of the run's batch per rank, a switch for cnat8 and int32, the compared codecs as its candidates, since a host
-  codec's bits are the measured ones); each DDP bucket costs what the codec it settles on costs, and each step
-  the tuner's measuring (``measuring_seconds``);
+  codec's bits are the measured ones, and ``COSTS``, which price the fixed rows); each DDP bucket costs what the
+  codec it settles on costs, and each step the tuner's measuring (``measuring_seconds``);
 * a host codec: dedicated host-mode aggregators (one per ``HOST_AGGREGATORS_PER_WORKERS`` workers, each on its own
   link at the workers' rate) that each receive their share of every worker's packages and send every worker its
   share of the result. Its wire bits per parameter each way are the testbed's measurement (packages and headers
@@ -33,13 +33,12 @@ from collections.abc import Sequence
 
 from intml.protocol.job import CODEC_NAMES, JobParams
 from intml.sim import tuning
-from intml.sim.costs import (HOST_AGGREGATOR_CORES, HOST_AGGREGATORS_PER_WORKERS, IO_PER_DATAGRAM, RESULT_FLOAT32,
-                             host_codec_costs)
+from intml.sim.costs import HOST_AGGREGATOR_CORES, HOST_AGGREGATORS_PER_WORKERS, RESULT_FLOAT32, host_codec_costs
 from intml.sim.models import Net, ring
 from intml.sim.output import pyplot
-from intml.sim.training import PROFILES, buckets, iteration, in_network_cpu
+from intml.sim.training import PROFILES, SENDMMSG_COSTS, buckets, in_network_cpu, iteration
 from intml.worker.costs import HOST_PACKAGE, MEASURE
-from intml.worker.tuner import Network
+from intml.worker.tuner import Decision, Network
 
 PARALLEL = ("average", "ddp")
 COLUMNS = ("setting", "codec", "up_bits_per_parameter", "down_bits_per_parameter", "step_s", "final_accuracy",
@@ -49,6 +48,7 @@ HOW = ("simulated step times (sim.compare: the measured bits per parameter, sim.
        "simulated epoch times")
 HOST_PACKET_ELEMENTS = JobParams.packet_elements  # a host codec's elements per packet: its datagrams' count
 AUTO = "auto"
+COSTS = SENDMMSG_COSTS  # every codec's and the tuner's: a datagram through sendmmsg (the testbed's calibration)
 STYLES = {"gloo": {"color": "black", "linewidth": 2.2}, AUTO: {"color": "red", "linewidth": 2.2, "linestyle": "--"}}
 
 
@@ -60,8 +60,8 @@ def host_exchange(codec: str, net: Net, elements: int, up_bits: float, down_bits
     busiest = max(up, down, n / aggregators * max(up, down))
     cost = host_codec_costs(codec)
     packets = math.ceil(elements / HOST_PACKET_ELEMENTS)
-    worker = elements * (cost.encode + RESULT_FLOAT32) + 2 * packets * IO_PER_DATAGRAM
-    aggregator = (n / aggregators * (elements * cost.decode + packets * (2 * IO_PER_DATAGRAM + HOST_PACKAGE))
+    worker = elements * (cost.encode + RESULT_FLOAT32) + 2 * packets * COSTS.datagram_io
+    aggregator = (n / aggregators * (elements * cost.decode + packets * (2 * COSTS.datagram_io + HOST_PACKAGE))
                   / HOST_AGGREGATOR_CORES)
     return max(busiest * 8 / net.rate, worker, aggregator) + net.rtt
 
@@ -71,7 +71,7 @@ def exchange_seconds(codec: str, net: Net, elements: int, up_bits: float, down_b
     if codec == "gloo":
         return ring(net, elements)
     if codec in CODEC_NAMES:
-        return in_network_cpu(net, elements, codec)
+        return in_network_cpu(net, elements, codec, COSTS)
     return host_exchange(codec, net, elements, up_bits, down_bits)
 
 
@@ -83,14 +83,14 @@ def step_seconds(codec: str, parallel: str, net: Net, parameters: int, compute: 
     return compute + exchange_seconds(codec, net, parameters, up_bits, down_bits) / steps_per_epoch
 
 
-def auto_codecs(inputs: dict[str, dict], net: Net, parameters: int, compute: float, batch: int) -> list[str]:
-    """The codec of each DDP bucket that the tuner settles on at this setting (the module's docstring)."""
+def auto_decision(inputs: dict[str, dict], net: Net, parameters: int, compute: float, batch: int) -> Decision:
+    """The tuner's settled decision over the DDP buckets at this setting (the module's docstring)."""
     candidates = tuple(c for c in inputs if c != AUTO)
     aggregators = max(1, net.workers // HOST_AGGREGATORS_PER_WORKERS)  # host mode's, as host_exchange has them
     network = Network(rtt=net.rtt, mtu=net.mtu, aggregator_cores=aggregators * HOST_AGGREGATOR_CORES,
                       aggregator_link_rate=aggregators * net.rate)
-    return tuning.settled(buckets(parameters), compute, net.workers, net.rate, network=network, candidates=candidates,
-                          batch=batch)
+    return tuning.settle(buckets(parameters), compute, net.workers, net.rate, network=network, candidates=candidates,
+                         batch=batch, costs=COSTS)
 
 
 def measuring_seconds(parameters: int, every: int) -> float:
@@ -163,7 +163,7 @@ def setting(inputs: dict[str, dict], model: str, workers: int, rate: float, comp
         if codec == AUTO:
             if parallel != "ddp":
                 raise ValueError("auto runs in the DDP hook: its comparison needs parallel ddp")
-            chosen = auto_codecs(inputs, net, parameters, compute, batch)
+            chosen = [c.codec for c in auto_decision(inputs, net, parameters, compute, batch).choices.values()]
             step, up, down = auto_step(chosen, inputs, net, parameters, compute, tuner_every)
         else:
             up, down = m["up_bits"], m["down_bits"]

@@ -17,20 +17,10 @@ from collections.abc import Iterator
 import numpy as np
 
 from intml.protocol.job import AGGREGATOR_MAX_ELEMENTS
-from intml.sim.costs import IO_PER_DATAGRAM, SOFTWARE_AGGREGATOR
-from intml.sim.models import Net, ring
-from intml.sim.training import PROFILES, SOURCES, buckets, iteration
-from intml.worker.costs import tuner_costs
+from intml.sim.costs import SOFTWARE_AGGREGATOR
+from intml.sim.training import COSTS, PROFILES, SENDMMSG_COSTS, SOURCES, buckets, gloo_ring, iteration
 from intml.worker.tuner import DEFAULT_CANDIDATES, Bucket, Costs, Decision, Measured, Network, Tuner
 
-
-def gloo_ring(world: int, rate: float, elements: int, network: Network) -> float:
-    """Gloo's ring (sim.models.ring) on the tuner's network: its round trip split over two links."""
-    return ring(Net(world, rate, delay=network.rtt / 2, mtu=network.mtu), elements)
-
-
-# The tuner's costs: worker.costs' table (sim.costs' too) with the simulator's ring.
-COSTS = tuner_costs(gloo_ring)
 
 NOISE_SCALE = 1000  # per-sample gradient noise scale: of the order McCandlish et al. measure for ImageNet classifiers
 BATCH = 64  # per rank
@@ -88,11 +78,16 @@ def decisions(named: list[Bucket], compute: float, workers: int, rates: list[tup
         yield step, rate, tuner.decide(workers * local)
 
 
-def settled(sizes: list[int], compute: float, workers: int, rate: float, **options) -> list[str]:
-    """The codec of each bucket of these ``sizes`` once the tuner has settled (past its hysteresis) at ``rate``;
+def settle(sizes: list[int], compute: float, workers: int, rate: float, **options) -> Decision:
+    """The tuner's decision over buckets of these ``sizes`` once it has settled (past its hysteresis) at ``rate``;
     ``options``: ``decisions``'."""
     *_, (_, _, last) = decisions(named(sizes), compute, workers, [(0, rate)], SETTLE_STEPS, **options)
-    return [c.codec for c in last.choices.values()]
+    return last
+
+
+def settled(sizes: list[int], compute: float, workers: int, rate: float, **options) -> list[str]:
+    """The codec of each bucket once the tuner has settled (``settle``)."""
+    return [c.codec for c in settle(sizes, compute, workers, rate, **options).choices.values()]
 
 
 def run(model: str, workers: int, rates: list[tuple[int, float]], steps: int, codec: str = "auto",
@@ -148,4 +143,4 @@ def steps(model: str, workers: int, rates: list[tuple[int, float]], count: int, 
 
 def setup(switch: bool, gso: bool) -> dict:
     """``run``'s network and costs: an ASIC switch or none; GSO/GRO's datagram cost or sendmmsg's."""
-    return {"network": Network(switch=switch), "costs": COSTS if gso else tuner_costs(gloo_ring, IO_PER_DATAGRAM)}
+    return {"network": Network(switch=switch), "costs": COSTS if gso else SENDMMSG_COSTS}

@@ -73,10 +73,13 @@ def host_codec_seconds(family: str) -> tuple[float, float]:
     return 1e-6 / encode, 1e-6 / decode
 
 
-def tuner_costs(ring: Callable[[int, float, int, Network], float], datagram_io: float = IO_PER_DATAGRAM_GSO) -> Costs:
-    """The tuner's Costs from this table, with its caller's model of Gloo's ring; a datagram costs GSO/GRO's
-    ``datagram_io`` (burstio uses them where it can) unless told otherwise."""
+def tuner_costs(ring: Callable[[int, float, int, Network], float],
+                in_network: Callable[[int, float, int, int, int, Network], float],
+                datagram_io: float = IO_PER_DATAGRAM_GSO) -> Costs:
+    """The tuner's Costs from this table, with its caller's models of Gloo's ring and of the in-network allreduce's
+    network (``Costs``); a datagram costs GSO/GRO's ``datagram_io`` (burstio uses them where it can) unless told
+    otherwise."""
     return Costs(switch_cpu=dict(SWITCH_CPU),
                  host_cpu={codec: host_codec_seconds(family) for codec, family in TUNED_FAMILIES.items()},
                  result_decode=RESULT_FLOAT32, datagram_io=datagram_io, datagram_overhead=WIRE_OVERHEAD,
-                 ip_udp=IP_UDP, ring=ring, host_package=HOST_PACKAGE)
+                 ip_udp=IP_UDP, ring=ring, in_network=in_network, host_package=HOST_PACKAGE)

@@ -20,7 +20,7 @@ from test_torch import PACKET, POOL  # noqa: E402
 
 import intml.worker.torch as intml  # noqa: E402
 from intml.sim.tuning import COSTS as SIM_COSTS  # noqa: E402
-from intml.worker.torch.auto import AutoCodec, IntmlTunerWarning, ring_seconds  # noqa: E402
+from intml.worker.torch.auto import AutoCodec, IntmlTunerWarning, in_network_seconds, ring_seconds  # noqa: E402
 from intml.worker.tuner import GLOO, Measured, Network  # noqa: E402
 
 pytestmark = [pytest.mark.torch]
@@ -216,6 +216,15 @@ def test_auto_ring_model_is_the_simulators() -> None:
     rate; the simulator's adds TCP's overhead and a per-step latency."""
     for world, elements in ((2, 1 << 20), (16, 1 << 24)):
         ours, theirs = ring_seconds(world, 10e9, elements, Network()), SIM_COSTS.ring(world, 10e9, elements, Network())
+        assert 0.9 < ours / theirs <= 1.0
+
+
+def test_auto_in_network_model_is_the_simulators() -> None:
+    """The hook's model of the in-network allreduce's network: the same packets at the rate and a round trip; the
+    simulator's also pads the last packet, starts each slot with an empty one and serialises a packet each way."""
+    for world, elements, packet, size in ((2, 1 << 20, 8192, 1), (16, 1 << 24, 2230, 4)):
+        ours = in_network_seconds(world, 10e9, elements, packet, size, Network())
+        theirs = SIM_COSTS.in_network(world, 10e9, elements, packet, size, Network())
         assert 0.9 < ours / theirs <= 1.0
 
 

@@ -18,7 +18,7 @@ from intml.worker.tuner import (CHECKED, FIELDS, MEASURED, Bucket, Measured, Net
                                 measure)
 
 WORLD = 4
-BUCKETS = [Bucket("head", 3_000), Bucket("body", 9_000)]
+BUCKETS = [Bucket("head", 20_000), Bucket("body", 60_000)]  # several jumbo packets each: the wire binds at 10 Gbit
 FAST, SLOW = Measured(100e9, 500e6, 0.05), Measured(10e9, 500e6, 0.05)
 
 

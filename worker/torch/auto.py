@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 import warnings
 from collections.abc import Callable
@@ -43,7 +44,8 @@ import numpy as np
 import torch
 
 from intml.protocol.codecs import host
-from intml.worker.costs import tuner_costs
+from intml.protocol.packet import HDR
+from intml.worker.costs import WIRE_OVERHEAD, tuner_costs
 from intml.worker.traffic import ring_bytes
 from intml.worker.tuner import (
     DEFAULT_CANDIDATES,
@@ -73,8 +75,16 @@ def ring_seconds(world: int, rate: float, elements: int, network: Network) -> fl
     return ring_bytes(elements, world) * 8 / rate + 2 * (world - 1) * network.rtt / 2
 
 
-# worker.costs' table, the simulator's too (sim.tuning.COSTS), with this ring model
-COSTS = tuner_costs(ring_seconds)
+def in_network_seconds(world: int, rate: float, elements: int, packet_elements: int, element_size: int,
+                       network: Network) -> float:
+    """The in-network allreduce's network: each rank's packets (payload and headers) at the link's rate each way
+    at once, and a round trip; the pool is taken to cover the bandwidth-delay product."""
+    datagrams = math.ceil(elements / packet_elements)
+    return (elements * element_size + datagrams * (HDR + WIRE_OVERHEAD)) * 8 / rate + network.rtt
+
+
+# worker.costs' table, the simulator's too (sim.training.COSTS), with these network models
+COSTS = tuner_costs(ring_seconds, in_network_seconds)
 
 
 class IntmlTunerWarning(RuntimeWarning):
