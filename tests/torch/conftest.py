@@ -16,7 +16,7 @@ def agg() -> Iterator[Aggregator]:
     """One aggregator shared by the room's tests: each process group joins and leaves its own job, and none reads
     the aggregator's counters, so a fresh one per module only added start-ups. Its idle timeout is 60 s: a rank's
     keepalive (every 6.7 s) can starve on a loaded 2-core machine while its group sits in Gloo (the tuner's Gloo
-    buckets, a statistics allreduce), and a job torn down mid-test failed with "no longer knows job"."""
+    buckets, a statistics allreduce), the suspect, not reproduced, in a run that failed with "no longer knows job"."""
     with aggregator(idle_timeout=60) as a:
         yield a
         assert a.alive(), f"the shared aggregator died:\n{a.stderr()}"
