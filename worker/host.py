@@ -38,7 +38,7 @@ from intml.protocol.packet import (
 from intml.protocol.rng import derive_key
 from intml.protocol.siphash import put_tag
 from intml.protocol.wire import NO_EXP, TAG_SIZE, MsgType
-from intml.worker.engine import authenticate, classify_result, take_result, validate_header
+from intml.worker.engine import authenticate, classify_result, congestion_mark, take_result, validate_header
 from intml.worker.retransmit import (
     T_RTO,
     arm,
@@ -132,6 +132,7 @@ def check_kernel(state, p, length, addr, taken):
     it is dropped, 0, 0, 0). ``taken``: the slots whose result this burst already took."""
     if validate_header(p, length) >= 0:
         return (-1 if length < HDR else get_u16(p, O_SLOT)), DROP_MALFORMED, 0, 0, 0
+    congestion_mark(p)  # (host mode keeps its whole pool in flight: the mark is only cleared)
     st = State(*state)
     prm = st.params
     s = get_u16(p, O_SLOT)
@@ -201,7 +202,7 @@ class HostStreamEngine:
             retries=np.zeros(pool_size, np.int64), overtaken=np.zeros(pool_size, np.int64), packet=self.packet,
             packet_len=self.packet_len, agg_addr=self.agg_addr, stats=self.stats, timing=self.timing,
             low=np.empty(0, np.uint32), sent=f32, mac_keys=self.mac_keys, codes=u8, parked=i64,
-            silence=self.silence, x16=u16, out16=u16, scratch=f32))
+            silence=self.silence, x16=u16, out16=u16, scratch=f32, window=np.empty(0)))
 
     def resume(self, allreduce: int, shadow_sets: np.ndarray) -> None:
         """As StreamEngine.resume: the next ``start`` is allreduce ``allreduce``, slot s uses ``shadow_sets[s]``."""
