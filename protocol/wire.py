@@ -104,7 +104,7 @@ NO_EXP = -128  # next_exp value meaning "no next chunk"
 SHADOW_SET = 0x01  # the shadow byte's shadow-set bit
 # A RESULT's shadow byte, bit 1: the aggregator's receive queue was deep when it read the burst this result answered
 # (docs/window.md). Set on the way out, after the result's MAC, which covers the byte with the bit clear: like IP's
-# ECN field, a mark any hop may set; a worker reads and clears it before checking the tag.
+# ECN field, a mark any hop may set; a worker checks the tag with the bit clear.
 CONGESTED = 0x02
 DEFAULT_PORT = 48879
 

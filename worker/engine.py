@@ -302,20 +302,30 @@ def hold(st, s, c):
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def release(st, now, tx_ptr, tx_len, tx_addr, n_tx):
-    """Build and queue every held slot's chunk the send window admits now (worker.window): those less than its limit
-    past the lowest chunk this worker waits for. Returns the new tx count."""
+    """Build and queue the held slots' chunks the send window admits now (worker.window), lowest chunk first:
+    while fewer slots than the window are in flight, and in any case the lowest chunk held if it is lower than
+    every chunk in flight. Returns the new tx count."""
     window = st.params[P_WINDOW]
     limit = window_limit(st.window, window)
-    base = np.iinfo(np.int64).max
+    in_flight, lowest = 0, np.iinfo(np.int64).max
     for s in range(window):
         c = st.cur_chunk[s]
-        if c != IDLE:
-            base = min(base, st.parked[s] if c == HELD or c == PARKED else c)
-    for s in range(window):
-        if st.cur_chunk[s] == HELD and st.parked[s] - base < limit and _build(st, s, st.parked[s], now):
-            queue_slot(st, s, tx_ptr, tx_len, tx_addr, n_tx)
+        if c != IDLE and c != HELD:
+            in_flight += 1
+            lowest = min(lowest, st.parked[s] if c == PARKED else c)
+    while True:
+        pick = -1
+        for s in range(window):
+            if st.cur_chunk[s] == HELD and (pick < 0 or st.parked[s] < st.parked[pick]):
+                pick = s
+        if pick < 0 or (in_flight >= limit and st.parked[pick] > lowest):
+            return n_tx
+        c = st.parked[pick]
+        in_flight += 1
+        lowest = min(lowest, c)
+        if _build(st, pick, c, now):
+            queue_slot(st, pick, tx_ptr, tx_len, tx_addr, n_tx)
             n_tx += 1
-    return n_tx
 
 
 # ---- the receive pipeline's stages, in datagram order: validate the header, take its congestion mark, classify the
@@ -333,11 +343,8 @@ def validate_header(p, length):
 
 @njit(inline="always")
 def congestion_mark(p):
-    """Whether a well-formed result carries the aggregator's congestion mark; the mark is cleared, as the result's
-    MAC (if any) was computed without it (protocol.wire.CONGESTED)."""
-    marked = (p[O_SHADOW] & CONGESTED) != 0
-    p[O_SHADOW] &= SHADOW_SET
-    return marked
+    """Whether a well-formed result carries the aggregator's congestion mark (protocol.wire.CONGESTED)."""
+    return (p[O_SHADOW] & CONGESTED) != 0
 
 
 @njit(inline="always")
@@ -350,7 +357,7 @@ def classify_result(prm, parity, cur_chunk, agg_addr, p, addr):
     if get_u32(p, O_JOB) != prm[P_JOB] or s >= parity.size or addr != agg_addr[s % prm[P_CORES]]:
         return DROP_FOREIGN
     if (get_u32(p, O_ALLREDUCE) != prm[P_ALLREDUCE] or s >= prm[P_WINDOW] or get_i32(p, O_CHUNK) != cur_chunk[s]
-            or np.int64(p[O_SHADOW]) != parity[s]):  # (its congestion mark taken: congestion_mark)
+            or np.int64(p[O_SHADOW] & SHADOW_SET) != parity[s]):
         return DROP_STALE
     return -1
 
@@ -363,7 +370,11 @@ def authenticate(prm, keys, p, length):
     if keys.shape[0] == 0:
         return length
     k = get_u16(p, O_SLOT) % prm[P_CORES]
-    return length - TAG_SIZE if tag_ok(p, length, keys[k, 0], keys[k, 1]) else -1
+    mark = p[O_SHADOW] & CONGESTED  # the tag covers the header without its congestion mark: checked without it
+    p[O_SHADOW] ^= mark  # (and the datagram left as it came: a simulator's ranks share a multicast result's copy)
+    ok = tag_ok(p, length, keys[k, 0], keys[k, 1])
+    p[O_SHADOW] |= mark
+    return length - TAG_SIZE if ok else -1
 
 
 @njit(inline="always")

@@ -38,7 +38,7 @@ from intml.protocol.packet import (
 from intml.protocol.rng import derive_key
 from intml.protocol.siphash import put_tag
 from intml.protocol.wire import NO_EXP, TAG_SIZE, MsgType
-from intml.worker.engine import authenticate, classify_result, congestion_mark, take_result, validate_header
+from intml.worker.engine import authenticate, classify_result, take_result, validate_header
 from intml.worker.retransmit import (
     T_RTO,
     arm,
@@ -132,7 +132,6 @@ def check_kernel(state, p, length, addr, taken):
     it is dropped, 0, 0, 0). ``taken``: the slots whose result this burst already took."""
     if validate_header(p, length) >= 0:
         return (-1 if length < HDR else get_u16(p, O_SLOT)), DROP_MALFORMED, 0, 0, 0
-    congestion_mark(p)  # (host mode keeps its whole pool in flight: the mark is only cleared)
     st = State(*state)
     prm = st.params
     s = get_u16(p, O_SLOT)

@@ -17,7 +17,13 @@ driver.
   timer did) multiplied a silence of k RTOs by the window, into the queue of the aggregator it waited on.
 * A core whose last answer was to a retransmission is alive and was not waiting for a peer (a late peer's slots
   complete together, so a probe's answer comes with the other slots' results, not retransmitted): the slots sent
-  before that answer are due SRTT after it, all at once, as losses at the end of a stream need.
+  before that answer are due SRTT after it, all at once, as losses at the end of a stream need; at most the send
+  window's worth of them (worker.window: all, unless the aggregator marked congestion), so that a congested
+  aggregator's drops are not resent in one burst that its full queue drops again.
+* While the send window limits the slots in flight (the aggregator marked congestion), a silent core's timer resends
+  every due slot, not one probe: they are at most a window's worth, and a probe of a slot whose own datagram
+  arrived (a peer's was dropped) is never answered, so at 64 workers one probe at a time, each doubling the
+  backoff, took seconds to find the slots whose datagrams were dropped.
 * A result of a retransmitted slot that comes sooner than the fastest round trip seen after the retransmission
   answers the original: counted as spurious_retransmissions.
 """
@@ -29,6 +35,7 @@ from numba import njit
 
 from intml.worker.state import (
     FAST_RETRANSMISSIONS,
+    FAST_RETRANSMIT,
     IDLE,
     P_CORES,
     P_WINDOW,
@@ -37,8 +44,8 @@ from intml.worker.state import (
     State,
     queue_slot,
 )
+from intml.worker.window import window_limit
 
-FAST_RETRANSMIT = 3  # results of later-sent slots that mark a slot as lost
 # timing (float64): smoothed RTT, RTT variance, current RTO, min RTO, max RTO, fastest round trip seen
 T_SRTT, T_RTTVAR, T_RTO, T_MIN, T_MAX, T_FLOOR = range(6)
 # silence (float64): (cores, 3), per aggregator core: since when it is silent (the allreduce's start, its last
@@ -173,9 +180,11 @@ def timer_kernel(state, now, tx_ptr, tx_len, tx_addr):
         if first > now or n_tx == tx_len.size:
             continue
         quiet = st.silence[k]
-        if quiet[S_ALIVE]:
+        budget = window_limit(st.window, st.params[P_WINDOW])
+        if quiet[S_ALIVE] or budget < st.params[P_WINDOW]:
             for s in range(k, st.params[P_WINDOW], cores):
-                if st.cur_chunk[s] != IDLE and _deadline(st, s) <= now:
+                if st.cur_chunk[s] != IDLE and _deadline(st, s) <= now and budget > 0:
+                    budget -= 1
                     n_tx = _resend(st, s, now, tx_ptr, tx_len, tx_addr, n_tx)
                     st.stats[RETRANSMISSIONS] += 1
         else:

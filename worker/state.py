@@ -27,6 +27,7 @@ STAT_NAMES = (
 )
 (PACKETS_OUT, PACKETS_IN, RETRANSMISSIONS, FAST_RETRANSMISSIONS, RESULTS, DROP_MALFORMED, DROP_FOREIGN, DROP_STALE,
  SATURATED, DROP_BAD_MAC, SPURIOUS, DROP_UNSENT, NONFINITE, CONGESTION_MARKS) = range(len(STAT_NAMES))
+FAST_RETRANSMIT = 3  # results of later-sent slots that mark a slot as lost (worker.retransmit)
 IDLE = np.iinfo(np.int64).min  # cur_chunk of a slot with nothing in flight
 PARKED = IDLE + 1  # cur_chunk of a precoded slot waiting for its chunk's codes (its chunk: State.parked)
 HELD = IDLE + 2  # cur_chunk of a slot whose next chunk (State.parked) the send window holds back (worker.window)

@@ -1,16 +1,23 @@
-"""The worker's send window (docs/window.md): how far past the lowest chunk it still waits for a worker may send, set
-by the aggregator's congestion marks (aggregator.congestion, protocol.wire.CONGESTED) and by nothing else: a loss,
-a timeout or a late round trip never shrinks it, so random loss costs only its retransmissions.
+"""The worker's send window (docs/window.md): how many of its slots a worker keeps in flight, set by the aggregator's
+congestion marks (aggregator.congestion, protocol.wire.CONGESTED) and by nothing else: a loss, a timeout or a late
+round trip never shrinks it, so random loss costs only its retransmissions.
 
 * The slots keep their chunks (chunk c in slot c mod W at every worker): the window holds a slot's next chunk back
-  (the slot HELD, no timer) while it lies ``limit`` or more chunks past the lowest chunk this worker waits for.
-  Counting from the lowest waiting chunk, rather than limiting the number of slots in flight, keeps every worker
-  able to send the chunk every peer waits for: the lowest chunk of all is always inside every worker's window, so
-  workers that hold different slots back can never wait for each other.
-* The law is DCTCP's: each result not marked grows the window by 1 / window (one slot per round trip); once per
-  window's worth of results, alpha, the moving average of the marked fraction (gain ALPHA_GAIN), is updated and,
-  if any was marked, the window is multiplied by 1 - alpha / 2, never below FLOOR. A window of the whole pool
-  limits nothing: a job that sees no marks runs exactly as it did without a window.
+  (the slot HELD, no timer) while as many slots as the window are in flight, and releases held chunks lowest first,
+  the order every worker uses. The lowest chunk held goes anyway if it is lower than every chunk in flight: workers
+  that hold different chunks back can so never wait for each other (the lowest chunk not yet summed is always
+  sendable by every worker), at the cost of one slot over the window for a moment. Limiting the slots in flight,
+  rather than how far past its lowest waiting chunk a worker may send, keeps a lost result from stalling its peers:
+  they go on with their other slots, whose results trigger its fast retransmit.
+* The law is TCP's on ECN (RFC 3168), in slots: a job starts with FLOOR slots in flight, and each result not marked
+  adds one (slow start: the window doubles every round trip) until the first mark; a marked result halves it
+  (DECREASE), at most once per window's worth of results (a round trip: the marks of one queue reach every worker
+  together), never below FLOOR (nor the pool); after a cut each result not marked adds 1 / window (one slot per round
+  trip). Starting with the whole pool, 64 workers' first bursts alone overflow a shallow queue many times over, and
+  the fast retransmits of those drops overflow it again; DCTCP's gentler cut (by half the marked fraction) let the
+  windows outgrow the queue, whose marks come seldom once it drops. A job that sees no marks reaches the whole pool
+  within log2(pool / FLOOR) round trips and from then on runs exactly as without a window; its retransmissions are
+  sent as before (the window only caps how many slots a silent core's timer resends at once, worker.retransmit).
 * The window persists over a job's allreduces, as the RTO does, so an allreduce starts with what the previous
   ones learned.
 """
@@ -20,37 +27,37 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-ALPHA_GAIN = 1.0 / 16.0  # DCTCP's g
-FLOOR = 1.0  # slots: the lowest chunk waiting can always go
-# window (float64): the window in slots, alpha, results and marked results counted since the last update
-W_CWND, W_ALPHA, W_RESULTS, W_MARKED = range(4)
+from intml.worker.state import FAST_RETRANSMIT
+
+DECREASE = 0.5  # the window's cut on a mark
+# the window's floor, in slots: enough for a lost datagram to be overtaken by FAST_RETRANSMIT results and so resent
+# within a round trip; below it every loss waits for a timeout, tens of round trips
+FLOOR = FAST_RETRANSMIT + 1.0
+# window (float64): the window in slots, results taken since its last cut, the slow start's threshold
+W_CWND, W_SINCE, W_THRESHOLD = range(3)
 UNLIMITED = np.iinfo(np.int64).max // 2  # a limit no chunk reaches (a window of the whole pool)
 
 
 def window_state(pool_size: int) -> np.ndarray:
-    """A job's window before any result: the whole pool, alpha 1 (the first marked window of results halves it)."""
-    return np.array([float(pool_size), 1.0, 0.0, 0.0])
+    """A job's window before any result: FLOOR slots in slow start, the first mark cuts it."""
+    return np.array([min(FLOOR, pool_size), np.inf, np.inf])
 
 
 @njit(inline="always")
 def on_mark(window, marked, pool):
     """A result was taken, ``marked`` congested or not: the window law above, the window at most ``pool``."""
-    window[W_RESULTS] += 1.0
-    if marked:
-        window[W_MARKED] += 1.0
-    else:
-        window[W_CWND] = min(pool, window[W_CWND] + 1.0 / window[W_CWND])
-    if window[W_RESULTS] >= window[W_CWND]:
-        window[W_ALPHA] += ALPHA_GAIN * (window[W_MARKED] / window[W_RESULTS] - window[W_ALPHA])
-        if window[W_MARKED] > 0.0:
-            window[W_CWND] = max(FLOOR, window[W_CWND] * (1.0 - window[W_ALPHA] / 2.0))
-        window[W_RESULTS] = 0.0
-        window[W_MARKED] = 0.0
+    window[W_SINCE] += 1.0
+    cwnd = window[W_CWND]
+    if not marked:
+        window[W_CWND] = min(pool, cwnd + (1.0 if cwnd < window[W_THRESHOLD] else 1.0 / cwnd))
+    elif window[W_SINCE] >= cwnd:
+        window[W_CWND] = window[W_THRESHOLD] = max(min(FLOOR, pool), cwnd * DECREASE)
+        window[W_SINCE] = 0.0
 
 
 @njit(inline="always")
 def window_limit(window, slots):
-    """How many chunks past the lowest waiting one may be in flight: the window's whole slots, or UNLIMITED if it
-    covers all ``slots`` of the allreduce."""
+    """How many slots may be in flight: the window's whole slots, or UNLIMITED if it covers all ``slots`` of the
+    allreduce."""
     limit = np.int64(window[W_CWND])
     return UNLIMITED if limit >= slots else limit
