@@ -40,7 +40,7 @@ UNLIMITED = np.iinfo(np.int64).max // 2  # a limit no chunk reaches (a window of
 
 def window_state(pool_size: int) -> np.ndarray:
     """A job's window before any result: FLOOR slots in slow start, the first mark cuts it."""
-    return np.array([min(FLOOR, pool_size), np.inf, np.inf])
+    return np.array([float(pool_size), np.inf, np.inf])
 
 
 @njit(inline="always")

@@ -1,47 +1,44 @@
 """The send window at scale, in the packet-level simulator (docs/window.md): 64 workers on a software aggregator
 (the testbed's process and its CPU costs) whose receive queue holds 1024 datagrams, a quarter of the workers' 64 x 64
 slots. Without marks every worker fills its pool and the queue drops the excess; with the aggregator marking the
-results of bursts read from 256 or more waiting datagrams, the windows keep the queue short: no drops, no
-retransmissions, the aggregator busy the whole time. Under 1% random loss on every link the window is not cut by the
-losses (only marks cut it), and the allreduces stay exact."""
+results of bursts read from 256 or more waiting datagrams, the windows, which start at the pool, learn the queue in
+the first allreduce (whose first bursts overflow it) and from then on keep it short: no drops, no retransmissions,
+the aggregator busy the whole time. Every result is exact. (With 1% random loss as well, 64 workers collapse with or
+without the window, into timeouts of seconds: docs/window.md, "Open".)"""
 
 from __future__ import annotations
 
 import pytest
 
-from intml.sim.packet_level import PacketRun, simulate
+from intml.sim.packet_level import PacketResult, PacketRun, simulate
 
 pytestmark = pytest.mark.slow
 
-N, POOL, PACKET, CHUNKS, ROUNDS = 64, 64, 256, 64, 2
+N, POOL, PACKET, CHUNKS, ROUNDS = 64, 64, 256, 64, 3
 QUEUE, DEPTH = 1024, 256
+DATA = N * (CHUNKS + POOL)  # datagrams of one allreduce at the aggregator: every chunk and bootstrap of every rank
 
 
-def run(mark_depth: int | None, loss: float = 0.0):
-    r = simulate(PacketRun(workers=N, elements=PACKET * CHUNKS, packet_elements=PACKET, pool=POOL, rounds=ROUNDS,
+def run(mark_depth: int | None, loss: float = 0.0, rounds: int = ROUNDS) -> PacketResult:
+    r = simulate(PacketRun(workers=N, elements=PACKET * CHUNKS, packet_elements=PACKET, pool=POOL, rounds=rounds,
                            switch="software", rx_queue=QUEUE, mark_depth=mark_depth, loss=loss, inputs="shared",
                            rto=0.002, min_rto=0.002, check=True))
-    data = ROUNDS * N * (CHUNKS + POOL)  # every chunk and every slot's bootstrap packet, every rank
     busy = r.cpu_seconds["aggregator"] / sum(r.times)
-    print(f"\nmark depth {mark_depth}, loss {loss:.0%}: allreduces {[f'{t * 1e3:.2f}' for t in r.times]} ms, "
-          f"retransmissions {r.retransmissions} ({r.retransmissions / data:.1%}), queue drops {r.rx_drops}, "
-          f"random losses {r.lost}, marks {r.counters['congestion_marks']}, aggregator busy {busy:.1%}")
-    return r, r.retransmissions / data, busy
+    print(f"\nmark depth {mark_depth}, loss {loss:.0%}, {rounds} allreduces: {[f'{t * 1e3:.2f}' for t in r.times]} ms, "
+          f"retransmissions {r.retransmissions} ({r.retransmissions / (rounds * DATA):.1%}), queue drops "
+          f"{r.rx_drops}, random losses {r.lost}, marks {r.counters['congestion_marks']}, aggregator busy {busy:.1%}")
+    assert r.exact
+    return r
 
 
 def test_marks_keep_a_shallow_queue_from_dropping():
-    unmarked, unmarked_retx, _ = run(None)
-    assert unmarked.exact and unmarked.rx_drops > 0.05 * ROUNDS * N * CHUNKS  # the scenario does overflow the queue
-    marked, retx, busy = run(DEPTH)
-    assert marked.exact
-    assert marked.rx_drops == 0 and retx < 0.02 <= unmarked_retx
-    assert busy > 0.9  # the aggregator, the bottleneck, never waits for the windows
+    unmarked = run(None)
+    assert unmarked.rx_drops > 0.1 * ROUNDS * DATA  # the scenario does overflow the queue, every allreduce
+    first, marked = run(DEPTH, rounds=1), run(DEPTH)
+    later = marked.retransmissions - first.retransmissions  # the allreduces after the first
+    assert marked.rx_drops == first.rx_drops and later < 0.02 * (ROUNDS - 1) * DATA
+    assert marked.retransmissions < unmarked.retransmissions / 2
+    # the aggregator, the bottleneck, never waits for the windows: its busy time fills the later allreduces
+    assert marked.cpu_seconds["aggregator"] - first.cpu_seconds["aggregator"] > 0.95 * sum(marked.times[1:])
     assert marked.counters["congestion_marks"] > 0
 
-
-def test_random_loss_does_not_close_the_window():
-    lossy, retx, _ = run(DEPTH, loss=0.01)
-    assert lossy.exact and lossy.lost > 0 and lossy.rx_drops == 0
-    unmarked_lossy, unmarked_retx, _ = run(None, loss=0.01)
-    assert retx < unmarked_retx  # the queue's drops come on top of the random losses without the window
-    assert sum(lossy.times) < sum(unmarked_lossy.times)
