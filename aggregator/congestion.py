@@ -1,14 +1,19 @@
 """The aggregator's congestion mark (docs/window.md): when a burst is read from a deep receive queue, every RESULT sent
 in answer carries the CONGESTED bit in its shadow byte, and the workers' windows shrink (worker.window).
 
-The queue's depth is what a receive call returns: a call that reads ``depth`` datagrams or more found at least that
-many waiting. A data path never sees it (the P4 model, BMv2 and the kernel stay byte-equal); the driver, which reads
+The queue's depth is the kernel's own account: after a receive that filled its burst, the bytes still queued on the
+socket (SO_MEMINFO's rmem_alloc, datagrams at their true size) against the buffer's size. From a quarter full on,
+the results of that burst are marked: room for a round trip's arrivals before the kernel drops. A receive that did
+not fill its burst emptied the queue: not marked. A data path never sees it (the P4 model, BMv2 and the kernel stay byte-equal); the driver, which reads
 the socket, marks the burst the data path hands back, after the results' MAC (protocol.wire.CONGESTED), as a
 queue marks ECN on a packet's way out. The mark is rewritten on every send, so a stored result that is sent again
 carries the queue's state at that time.
 """
 
 from __future__ import annotations
+
+import socket
+import struct
 
 import numpy as np
 from numba import njit
@@ -17,17 +22,15 @@ from intml.protocol.burst import Burst
 from intml.protocol.packet import HDR, O_MAGIC, O_SHADOW, O_TYPE, get_u16
 from intml.protocol.wire import CONGESTED, MAGIC, SHADOW_SET, MsgType
 
-# What one queued datagram costs a socket's receive buffer beyond its bytes (the sk_buff, its shared info, the
-# headers and the allocator's rounding), so that a buffer of R bytes holds about R / (width + SKB_OVERHEAD).
-SKB_OVERHEAD = 1024
-MARK_FRACTION = 4  # mark at a quarter of what the buffer holds: room for a round trip's arrivals before it drops
+MARK_FRACTION = 4  # mark from a quarter of the receive buffer on
+SO_MEMINFO = 55  # Linux: the socket's memory counters, u32 each, rmem_alloc first and rcvbuf second
+_MEMINFO = struct.Struct("=9I")
 
 
-def mark_depth(rcvbuf: int, max_packet: int, burst: int) -> int:
-    """The queue depth, in datagrams, from which results are marked: a quarter of what a receive buffer of
-    ``rcvbuf`` bytes (as the kernel granted it) holds of datagrams up to ``max_packet`` bytes, at most a full
-    ``burst``, at least 1."""
-    return max(1, min(burst, rcvbuf // (max_packet + SKB_OVERHEAD) // MARK_FRACTION))
+def deep_queue(sock: socket.socket) -> bool:
+    """Whether the datagrams queued on ``sock`` fill a quarter of its receive buffer or more."""
+    rmem_alloc, rcvbuf = _MEMINFO.unpack(sock.getsockopt(socket.SOL_SOCKET, SO_MEMINFO, _MEMINFO.size))[:2]
+    return rmem_alloc * MARK_FRACTION >= rcvbuf
 
 
 @njit(cache=True, nogil=True, boundscheck=False)

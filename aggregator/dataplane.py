@@ -16,7 +16,7 @@ import time
 import numpy as np
 import uvloop
 
-from intml.aggregator.congestion import mark_depth, mark_results
+from intml.aggregator.congestion import deep_queue, mark_results
 from intml.aggregator.core import AggregatorCore
 from intml.aggregator.datapath import job_name
 from intml.aggregator.slots import result_width
@@ -39,18 +39,17 @@ class DataPlane:
         self.io = BurstSocket(sock, burst=burst, max_packet=max_packet)
         self.stats_interval = stats_interval
         self._return_scheduled = False
-        self.mark_depth = burst  # set from the receive buffer the socket has when serving starts
 
     def on_readable(self) -> None:
         """The data plane first: every burst waiting (up to BURSTS_PER_WAKEUP) is received, aggregated and its
-        results sent, marked if the burst came from a deep queue (aggregator.congestion); only then does the control
-        plane answer the control datagrams the kernel admitted."""
+        results sent, marked if a full burst left a deep queue behind (aggregator.congestion); only then does the
+        control plane answer the control datagrams the kernel admitted."""
         for _ in range(BURSTS_PER_WAKEUP):
             n = self.io.recv_burst()
             if n == 0:
                 break
             tx = self.core.receive(self.io.rx, time.monotonic())
-            mark_results(tx, n >= self.mark_depth)
+            mark_results(tx, n == self.io.burst and deep_queue(self.io.sock))
             self.io.send(tx)
         if self.io.pending and not self._return_scheduled:  # datagrams already read (GRO) do not make the socket
             self._return_scheduled = True  # readable: come back for them, once (the reader's calls must not
@@ -81,8 +80,6 @@ class DataPlane:
             print(json.dumps(self.core.stats(time.monotonic())), flush=True)
 
     async def serve(self) -> None:
-        rcvbuf = self.io.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
-        self.mark_depth = mark_depth(rcvbuf, self.io.max_packet, self.io.burst)
         loop = asyncio.get_running_loop()
         loop.add_reader(self.io.fileno(), self.on_readable)
         tasks = [asyncio.ensure_future(self._idle_timer())]

@@ -1,11 +1,14 @@
 """aggregator.congestion: the mark is set (or cleared) in RESULTs only, in place, rows outside the burst's memory
-left alone; the marking depth follows the receive buffer the kernel granted."""
+left alone; a queue is deep from a quarter of the receive buffer the kernel granted, as the kernel counts it."""
 
 from __future__ import annotations
 
-import numpy as np
+import socket
 
-from intml.aggregator.congestion import SKB_OVERHEAD, mark_depth, mark_results
+import numpy as np
+import pytest
+
+from intml.aggregator.congestion import deep_queue, mark_results
 from intml.protocol.burst import Burst
 from intml.protocol.packet import HDR, O_SHADOW, put_header
 from intml.protocol.wire import CONGESTED, MsgType
@@ -41,8 +44,21 @@ def test_rows_outside_the_memory_and_short_rows_are_left_alone():
     assert tx.data[:, O_SHADOW].tolist() == [1, 1] and other.data[0, O_SHADOW] == 1
 
 
-def test_mark_depth_is_a_quarter_of_the_buffer_at_most_a_burst():
-    width = 1058
-    assert mark_depth(64 << 10, width, 16) == (64 << 10) // (width + SKB_OVERHEAD) // 4
-    assert mark_depth(64 << 20, width, 256) == 256
-    assert mark_depth(1024, width, 256) == 1
+@pytest.mark.process
+def test_a_queue_is_deep_from_a_quarter_of_the_receive_buffer():
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as rx, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as tx:
+        rx.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        rx.bind(("127.0.0.1", 0))
+        rx.setblocking(False)
+        assert not deep_queue(rx)
+        sent = 0
+        while not deep_queue(rx):
+            tx.sendto(bytes(1000), rx.getsockname())
+            sent += 1
+        assert sent > 3  # a few datagrams fill less than a quarter
+        while True:
+            try:
+                rx.recv(2048)
+            except BlockingIOError:
+                break
+        assert not deep_queue(rx)
