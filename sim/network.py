@@ -421,7 +421,8 @@ class Switch:
         cost = c.per_packet * len(datagrams) + (c.per_element * self.aggregator.elements(datagrams)
                                                 if c.per_element else 0.0)
         depth = self.mark_depth
-        out = self.aggregator.receive(datagrams, now, None if depth is None else len(datagrams) >= depth)
+        out = (self.aggregator.receive(datagrams, now) if depth is None
+               else self.aggregator.receive(datagrams, now, len(datagrams) >= depth))
         if c.forward:  # each copy a multicast group replicates crosses its own veth pair
             groups = self.groups
             cost += c.forward * sum(len(groups[d[2]]) if d[2] in groups else 1 for d in out)
