@@ -4,9 +4,11 @@ in answer carries the CONGESTED bit in its shadow byte, and the workers' windows
 The queue's depth is the kernel's own account: after a receive that filled its burst, the bytes still queued on the
 socket (SO_MEMINFO's rmem_alloc, datagrams at their true size) against the buffer's size. From a quarter full on,
 the results of that burst are marked: room for a round trip's arrivals before the kernel drops. A receive that did
-not fill its burst emptied the queue: not marked. A data path never sees it (the P4 model, BMv2 and the kernel stay byte-equal); the driver, which reads
-the socket, marks the burst the data path hands back, after the results' MAC (protocol.wire.CONGESTED), as a
-queue marks ECN on a packet's way out. The mark is rewritten on every send, so a stored result that is sent again
+not fill its burst emptied the queue: not marked.
+
+A data path never sees the mark (the P4 model, BMv2 and the kernel stay byte-equal): the driver, which reads the
+socket, marks the burst the data path hands back, after the results' MAC (protocol.wire.CONGESTED), as a queue marks
+ECN on a packet's way out. The mark is rewritten on every send, so a stored result that is sent again
 carries the queue's state at that time.
 """
 
