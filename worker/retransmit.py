@@ -20,10 +20,6 @@ driver.
   before that answer are due SRTT after it, all at once, as losses at the end of a stream need; at most the send
   window's worth of them (worker.window: all, unless the aggregator marked congestion), so that a congested
   aggregator's drops are not resent in one burst that its full queue drops again.
-* While the send window limits the slots in flight (the aggregator marked congestion), a silent core's timer resends
-  every due slot, not one probe: they are at most a window's worth, and a probe of a slot whose own datagram
-  arrived (a peer's was dropped) is never answered, so at 64 workers one probe at a time, each doubling the
-  backoff, took seconds to find the slots whose datagrams were dropped.
 * A result of a retransmitted slot that comes sooner than the fastest round trip seen after the retransmission
   answers the original: counted as spurious_retransmissions.
 """
@@ -181,7 +177,7 @@ def timer_kernel(state, now, tx_ptr, tx_len, tx_addr):
             continue
         quiet = st.silence[k]
         budget = window_limit(st.window, st.params[P_WINDOW])
-        if quiet[S_ALIVE] or budget < st.params[P_WINDOW]:
+        if quiet[S_ALIVE]:
             for s in range(k, st.params[P_WINDOW], cores):
                 if st.cur_chunk[s] != IDLE and _deadline(st, s) <= now and budget > 0:
                     budget -= 1

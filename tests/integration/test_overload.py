@@ -83,5 +83,7 @@ def test_slowed_aggregator_degrades_gracefully(rcvbuf: int, retx_share: float) -
           f"timed {timed:.3f} s, the slowed aggregator's bound {bound:.3f} s ({bound / timed:.2f} of it); send windows "
           f"{[rep['window'] for rep in reports]}")
     assert all(r < retx_share * data for r in retx), retx
+    if rcvbuf == SMALL_RCVBUF:  # the aggregator marked its deep queue, and the windows followed
+        assert all(rep["counters"]["congestion_marks"] > 0 and rep["window"] < POOL for rep in reports)
     assert core["retransmissions"] < 0.01 * N * data
     assert timed < GOODPUT_SLACK * bound
