@@ -161,8 +161,9 @@ def _deadline(st, s):
 @njit(cache=True, nogil=True, boundscheck=False)
 def timer_kernel(state, now, tx_ptr, tx_len, tx_addr):
     """On each silent aggregator core with slots due, retransmit the earliest due one (the probe; of slots due
-    at once, the least recently sent, so that they take turns), or every due one if the core's last answer was
-    to a retransmission; restart the core's silence and double its backoff. Returns datagrams written to tx."""
+    at once, the least recently sent, so that they take turns), or every due one (at most the send window's worth)
+    if the core's last answer was to a retransmission; restart the core's silence and double its backoff. Returns
+    datagrams written to tx."""
     st = State(*state)
     n_tx = 0
     cores = st.params[P_CORES]
