@@ -9,15 +9,15 @@ round trip never shrinks it, so random loss costs only its retransmissions.
   sendable by every worker), at the cost of one slot over the window for a moment. Limiting the slots in flight,
   rather than how far past its lowest waiting chunk a worker may send, keeps a lost result from stalling its peers:
   they go on with their other slots, whose results trigger its fast retransmit.
-* The law is TCP's on ECN (RFC 3168), in slots: a job starts with FLOOR slots in flight, and each result not marked
-  adds one (slow start: the window doubles every round trip) until the first mark; a marked result halves it
+* The law is TCP's on ECN (RFC 3168), in slots: a job starts with its whole pool, so that a job that sees no marks
+  runs exactly as without a window (slow start from FLOOR spared 64 workers their first allreduce's overflow, but
+  made a lossy 4-worker job's first allreduce four times slower: docs/window.md). A marked result halves the window
   (DECREASE), at most once per window's worth of results (a round trip: the marks of one queue reach every worker
-  together), never below FLOOR (nor the pool); after a cut each result not marked adds 1 / window (one slot per round
-  trip). Starting with the whole pool, 64 workers' first bursts alone overflow a shallow queue many times over, and
-  the fast retransmits of those drops overflow it again; DCTCP's gentler cut (by half the marked fraction) let the
-  windows outgrow the queue, whose marks come seldom once it drops. A job that sees no marks reaches the whole pool
-  within log2(pool / FLOOR) round trips and from then on runs exactly as without a window; its retransmissions are
-  sent as before (the window only caps how many slots a silent core's timer resends at once, worker.retransmit).
+  together), never below FLOOR (nor the pool); each result not marked adds 1 / window (one slot per round trip,
+  up to the pool). DCTCP's gentler cut (by half the
+  marked fraction) let 64 workers' windows outgrow a shallow queue, whose marks come seldom once it drops. A
+  retransmission is sent as before (the window only caps how many slots a core's timer resends at once,
+  worker.retransmit).
 * The window persists over a job's allreduces, as the RTO does, so an allreduce starts with what the previous
   ones learned.
 """
@@ -33,14 +33,14 @@ DECREASE = 0.5  # the window's cut on a mark
 # the window's floor, in slots: enough for a lost datagram to be overtaken by FAST_RETRANSMIT results and so resent
 # within a round trip; below it every loss waits for a timeout, tens of round trips
 FLOOR = FAST_RETRANSMIT + 1.0
-# window (float64): the window in slots, results taken since its last cut, the slow start's threshold
-W_CWND, W_SINCE, W_THRESHOLD = range(3)
-UNLIMITED = np.iinfo(np.int64).max // 2  # a limit no chunk reaches (a window of the whole pool)
+# window (float64): the window in slots, results taken since its last cut
+W_CWND, W_SINCE = range(2)
+UNLIMITED = np.iinfo(np.int64).max // 2  # the limit of a window of the whole pool: no count of slots reaches it
 
 
 def window_state(pool_size: int) -> np.ndarray:
-    """A job's window before any result: FLOOR slots in slow start, the first mark cuts it."""
-    return np.array([float(pool_size), np.inf, np.inf])
+    """A job's window before any result: the whole pool; the first mark cuts it."""
+    return np.array([float(pool_size), np.inf])
 
 
 @njit(inline="always")
@@ -49,9 +49,9 @@ def on_mark(window, marked, pool):
     window[W_SINCE] += 1.0
     cwnd = window[W_CWND]
     if not marked:
-        window[W_CWND] = min(pool, cwnd + (1.0 if cwnd < window[W_THRESHOLD] else 1.0 / cwnd))
+        window[W_CWND] = min(pool, cwnd + 1.0 / cwnd)
     elif window[W_SINCE] >= cwnd:
-        window[W_CWND] = window[W_THRESHOLD] = max(min(FLOOR, pool), cwnd * DECREASE)
+        window[W_CWND] = max(min(FLOOR, pool), cwnd * DECREASE)
         window[W_SINCE] = 0.0
 
 

@@ -99,7 +99,7 @@ def test_window_law():
     assert w[W_CWND] == pool * DECREASE
     on_mark(w, True, pool)  # a second mark within the same window's worth of results: no second cut
     assert w[W_CWND] == pool * DECREASE
-    for _ in range(40):  # slow start's threshold is now the cut window: one slot per window of results
+    for _ in range(40):  # one slot per window's worth of results
         on_mark(w, False, pool)
     assert pool * DECREASE + 1 < w[W_CWND] < pool * DECREASE + 2
     for _ in range(400):
