@@ -94,7 +94,8 @@ class DataPlane:
 def warm_up(max_elements: int, burst: int) -> None:
     """Compile (or load from Numba's cache) every kernel the data plane runs, so that the first packet is
     answered at once: a throwaway core takes a JOIN and a completing DATA packet of each codec (its results marked),
-    and a loopback BurstSocket sends and receives one burst (burstio's send and receive kernels)."""
+    and a loopback BurstSocket sends and receives one burst, with and without GRO (burstio's send and receive
+    kernels)."""
     core = AggregatorCore(rows=2 * len(CODEC_NAMES), max_elements=max_elements, burst=burst)  # open mode: token ""
     member = 0x7F000001 << 16 | 1  # 127.0.0.1:1, never sent to
 
@@ -112,15 +113,16 @@ def warm_up(max_elements: int, burst: int) -> None:
         receive(keys.seal(keys.token_key(""), proved, wire.JOIN_MAC))
         data = {"type": int(MsgType.DATA), "job": job, "count": 1, "codec": int(codec), "exp": 0, "next_exp": NO_EXP}
         receive(wire.pack(data, np.zeros(1, wire.payload_dtype(codec))))
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock, contextlib.suppress(OSError):
-        sock.bind(("127.0.0.1", 0))  # no loopback (a bare network namespace): the kernels compile on first use
-        io = BurstSocket(sock, burst=burst, max_packet=HDR)
-        out = Burst.rows_of(1, HDR)
-        out.fill([(bytes(HDR), addr_key_of(*sock.getsockname()))])
-        io.send(out)
-        deadline = time.monotonic() + 1.0
-        while io.recv_burst() == 0 and time.monotonic() < deadline:
-            time.sleep(0.001)
+    for gro in (False, True):  # both receive paths: GRO is on by default only for small datagrams (burstio)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock, contextlib.suppress(OSError):
+            sock.bind(("127.0.0.1", 0))  # no loopback (a bare network namespace): the kernels compile on first use
+            io = BurstSocket(sock, burst=burst, max_packet=HDR, gro=gro)
+            out = Burst.rows_of(1, HDR)
+            out.fill([(bytes(HDR), addr_key_of(*sock.getsockname()))])
+            io.send(out)
+            deadline = time.monotonic() + 1.0
+            while io.recv_burst() == 0 and time.monotonic() < deadline:
+                time.sleep(0.001)
 
 
 def run_core(core: AggregatorCore, sock: socket.socket, burst: int, stats_interval: float) -> None:

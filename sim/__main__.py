@@ -86,9 +86,12 @@ def cmd_compare(args: argparse.Namespace) -> None:
         measured = json.loads(open(args.measured).read())
         inputs, compute_s, parallel = measured["inputs"], measured["compute_step_s"], measured["parallel"]
         target = args.target or measured["target_accuracy"]
+        batch = measured.get("batch_per_rank", BATCH)
+        every = args.tuner_every or measured.get("tuner_every", 1)
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{args.measured} is not the output of intml-testbed compare --json ({exc!r})") from None
-    settings = [compare.setting(inputs, model, n, rate, compute_s, parallel, target)
+    settings = [compare.setting(inputs, model, n, rate, compute_s, parallel, target, batch=batch,
+                                tuner_every=every)
                 for model in args.model for rate in args.rate for n in args.workers]
     got = [{"setting": s["setting"], **{k: v for k, v in r.items() if k != "curve"}} for s in settings
            for r in s["rows"]]
@@ -203,6 +206,8 @@ def build_parser() -> OneLineParser:
                    help="digits (the measured MLP) or sim.training's profiles (default digits VGG-16)")
     c.add_argument("--target", type=positive(float, 1.0, "an accuracy"), default=None,
                    help="accuracy to reach (default: the measured run's)")
+    c.add_argument("--tuner-every", type=positive(), default=None, metavar="K",
+                   help="auto measures one step in K (INTML_TUNER_EVERY; default: the measured run's)")
     outputs(c)
     c.set_defaults(fn=cmd_compare)
     b = sub.add_parser("bench", help="packet events per second: the engine alone, and with the real cores")

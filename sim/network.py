@@ -31,9 +31,8 @@ from intml.aggregator.core import AggregatorCore
 from intml.protocol.burst import Burst
 from intml.protocol.packet import HDR
 from intml.sim.engine import Datagram, Node, Simulator
+from intml.worker.costs import IP_UDP, WIRE_OVERHEAD  # a datagram's bytes beyond its payload, and those the MTU counts
 
-WIRE_OVERHEAD = 42  # IPv4 20 + UDP 8 + Ethernet 14 bytes per datagram
-IP_UDP = 28  # the part of the overhead the MTU counts
 
 
 class Machine:

@@ -17,12 +17,11 @@ others scaled by their FLOPs per sample): they were not measured here, and the s
 
 from __future__ import annotations
 
-import math
-
-from intml.protocol import codecs
-from intml.sim.costs import HOST_COSTS
+from intml.sim.costs import IO_PER_DATAGRAM
 from intml.sim.models import Net, in_network, largest_packet, pool_for, ring
 from intml.sim.output import plot_lines
+from intml.worker.costs import tuner_costs
+from intml.worker.tuner import Costs, Network, switch_seconds
 
 PROFILES = {  # name: (parameters, compute seconds per iteration, forward + backward, assumed)
     "ResNet-50": (25_557_032, 0.064),
@@ -59,16 +58,35 @@ def iteration(parameters: int, compute: float, allreduce) -> float:
     return max(forward + backward, end)
 
 
-def in_network_cpu(net: Net, elements: int, codec: str = "cnat8") -> float:
-    """One in-network allreduce of a switch codec (cnat8, int32) in the largest packets the MTU allows, with the
-    pool covering the bandwidth-delay product (at least 64 slots), bounded by the worker's CPU as well: encode and
-    decode on one core (``sim.costs``) and a datagram out and one in per chunk."""
-    width = codecs.BY_NAME[codec].WIDTH
-    pe = largest_packet(width, net.mtu)
-    pool = max(64, pool_for(net, pe, width))
-    cost = HOST_COSTS[codec]
-    return max(in_network(net, elements, pe, pool, width),
-               elements * (cost.encode + cost.decode) + math.ceil(elements / pe) * 2 * cost.io)
+def tuner_net(world: int, rate: float, network: Network) -> Net:
+    """The tuner's network as the simulator's Net: the same round trip (the switch's pipeline counted in it)."""
+    return Net(world, rate, delay=network.rtt / 2, mtu=network.mtu, switch_latency=0.0)
+
+
+def gloo_ring(world: int, rate: float, elements: int, network: Network) -> float:
+    """Gloo's ring (sim.models.ring) on the tuner's network."""
+    return ring(tuner_net(world, rate, network), elements)
+
+
+def switch_network(world: int, rate: float, elements: int, packet_elements: int, element_size: int,
+                   network: Network) -> float:
+    """The in-network allreduce's network (sim.models.in_network) on the tuner's network, with the pool covering
+    the bandwidth-delay product (at least 64 slots)."""
+    net = tuner_net(world, rate, network)
+    return in_network(net, elements, packet_elements, max(64, pool_for(net, packet_elements, element_size)),
+                      element_size)
+
+
+# The tuner's costs (worker.costs' table) with the simulator's models: a datagram through GSO/GRO, or sendmmsg's
+COSTS = tuner_costs(gloo_ring, switch_network)
+SENDMMSG_COSTS = tuner_costs(gloo_ring, switch_network, IO_PER_DATAGRAM)
+
+
+def in_network_cpu(net: Net, elements: int, codec: str = "cnat8", costs: Costs = SENDMMSG_COSTS) -> float:
+    """One in-network allreduce of a switch codec (cnat8, int32): the tuner's model (worker.tuner.switch_seconds)
+    with the simulator's network, the largest packets the MTU and the aggregator allow, bounded by the worker's
+    CPU as well (encode and decode on one core, a datagram out and one in per packet)."""
+    return switch_seconds(costs, Network(rtt=net.rtt, mtu=net.mtu), codec, net.workers, net.rate, elements)
 
 
 def predict(model: str, workers: int, rate: float, mtu: int = 9000) -> dict:

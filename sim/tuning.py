@@ -12,50 +12,22 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import replace
+from collections.abc import Iterator
 
 import numpy as np
 
-from intml.protocol.codecs.host.adaptive import Adaptive, AdaptiveHuffman
-from intml.protocol.codecs.host.bitmask import Bitmask
-from intml.protocol.codecs.host.lloyd import Lloyd
-from intml.protocol.codecs.host.qsgd import QSGD
-from intml.protocol.codecs.host.randomk import RandomK
-from intml.protocol.codecs.host.terngrad import TernGrad
-from intml.protocol.codecs.host.topk import TopK
-from intml.protocol.codecs.host.uniform import Uniform
 from intml.protocol.job import AGGREGATOR_MAX_ELEMENTS
-from intml.sim.costs import (HOST_CODEC_COSTS, HOST_COSTS, IO_PER_DATAGRAM, IO_PER_DATAGRAM_GSO, RESULT_FLOAT32,
-                             SOFTWARE_AGGREGATOR)
-from intml.sim.models import Net, ring
-from intml.sim.network import IP_UDP, WIRE_OVERHEAD
-from intml.sim.training import PROFILES, SOURCES, buckets, iteration
-from intml.worker.tuner import Bucket, Costs, Measured, Network, Tuner, measure
+from intml.sim.costs import SOFTWARE_AGGREGATOR
+from intml.sim.training import COSTS, PROFILES, SENDMMSG_COSTS, SOURCES, buckets, gloo_ring, iteration
+from intml.worker.tuner import DEFAULT_CANDIDATES, Bucket, Costs, Decision, Measured, Network, Tuner
 
-# The tuner's host-codec candidates by class, each costed by its family's row of sim.costs.HOST_CODEC_COSTS.
-TUNED_FAMILIES: dict[type, str] = {Uniform: "uniform", Adaptive: "adaptive", AdaptiveHuffman: "adaptive-huffman",
-                                   Lloyd: "lloyd", Bitmask: "bitmask", QSGD: "qsgd", TernGrad: "terngrad",
-                                   TopK: "topk", RandomK: "randomk"}
-
-
-def gloo_ring(world: int, rate: float, elements: int, network: Network) -> float:
-    """Gloo's ring (sim.models.ring) on the tuner's network: its round trip split over two links."""
-    return ring(Net(world, rate, delay=network.rtt / 2, mtu=network.mtu), elements)
-
-
-# The simulator's calibration (sim.costs) as the tuner's costs: GSO/GRO's datagram cost, as burstio uses where it can;
-# a host codec's RESULT is float32, decoded with a byte swap as int32's is.
-COSTS = Costs(switch_cpu={name: (cost.encode, cost.decode) for name, cost in HOST_COSTS.items()},
-              host_cpu={codec: (HOST_CODEC_COSTS[family].encode, HOST_CODEC_COSTS[family].decode)
-                        for codec, family in TUNED_FAMILIES.items()},
-              result_decode=RESULT_FLOAT32,
-              datagram_io=IO_PER_DATAGRAM_GSO, datagram_overhead=WIRE_OVERHEAD, ip_udp=IP_UDP, ring=gloo_ring)
 
 NOISE_SCALE = 1000  # per-sample gradient noise scale: of the order McCandlish et al. measure for ImageNet classifiers
 BATCH = 64  # per rank
 SIGNAL = 1e-6  # per element variance of the true gradient (the tuner's choices are scale-free)
 # the software aggregator, elements per second per core per contribution: sim.costs' calibration
 AGGREGATOR_RATE = 1 / (SOFTWARE_AGGREGATOR.per_element + SOFTWARE_AGGREGATOR.per_packet / AGGREGATOR_MAX_ELEMENTS)
+SETTLE_STEPS = 6  # the first decision has no variance estimate; then the hysteresis' 3 steps, and a margin
 MEDIAN = 0.6744897501960817  # of |N(0, 1)|
 COLUMNS = ("model", "rate_gbit", "workers", "codec", "step_s", "ring_s", "less_time", "why")
 STEP_COLUMNS = ("model", "step", "rate_gbit", "codec", "step_s", "why")
@@ -78,33 +50,54 @@ def gaussian_stats(elements: int, world: int, signal: float, noise: float, first
                      largest * elements * math.sqrt(v) * math.sqrt(2 / math.pi) - elements * v, 0.0, 0.0])
 
 
-def model_buckets(model: str) -> list[Bucket]:
-    """The model's DDP buckets (sim.training.buckets), named bucket0, bucket1, ... in the order they are ready."""
-    return [Bucket(f"bucket{i}", size) for i, size in enumerate(buckets(PROFILES[model][0]))]
+def named(sizes: list[int]) -> list[Bucket]:
+    """Buckets of these sizes, named bucket0, bucket1, ... in the order they are ready."""
+    return [Bucket(f"bucket{i}", size) for i, size in enumerate(sizes)]
 
 
-def tuner_for(model: str, workers: int, codec: str, network: Network, costs: Costs = COSTS) -> Tuner:
-    """The tuner of a model's DDP buckets: ``auto``, or every bucket pinned to the fixed ``codec``."""
-    named = model_buckets(model)
+def model_buckets(parameters: int) -> list[Bucket]:
+    """A model's DDP buckets (sim.training.buckets)."""
+    return named(buckets(parameters))
+
+
+def decisions(named: list[Bucket], compute: float, workers: int, rates: list[tuple[int, float]], steps: int,
+              codec: str = "auto", *, network: Network = Network(), costs: Costs = COSTS,
+              candidates: tuple[str, ...] = DEFAULT_CANDIDATES, noise_scale: float = NOISE_SCALE,
+              batch: int = BATCH, aggregator_rate: float = AGGREGATOR_RATE) -> Iterator[tuple[int, float, Decision]]:
+    """(step, rate, decision) for ``steps`` steps of the tuner over the buckets ``named`` (``auto``, or every
+    bucket pinned to the fixed ``codec``); ``rates``: (first step, link rate) in order; ``aggregator_rate``: the
+    software aggregator's, as the ranks would measure it. Every rank measures the same (the statistics are
+    closed-form), so the shared vector is world x one rank's."""
     pins = {} if codec == "auto" else {b.name: codec for b in named}
-    return Tuner(named, workers, costs, network, pins=pins)
-
-
-def run(model: str, workers: int, rates: list[tuple[int, float]], steps: int, codec: str = "auto", *,
-        network: Network = Network(), costs: Costs = COSTS, noise_scale: float = NOISE_SCALE,
-        batch: int = BATCH) -> list[dict]:
-    """``steps`` steps of the model's DDP iteration with the tuner deciding; ``rates``: (first step, link rate)
-    in order. Every rank measures the same (the statistics are closed-form), so the shared vector is world x one
-    rank's. Each row: the step, the rate, the codec per bucket, the decision and the predicted seconds."""
-    parameters, compute = PROFILES[model]
-    tuner = tuner_for(model, workers, codec, network, costs)
+    tuner = Tuner(named, workers, costs, network, candidates=candidates, pins=pins)
     noise = SIGNAL * noise_scale / batch
-    out = []
     for step in range(steps):
         rate = [r for first, r in rates if first <= step][-1]
-        stats = [gaussian_stats(b.elements, workers, SIGNAL, noise, first=step == 0) for b in tuner.buckets]
-        local = tuner.local_vector(stats, Measured(rate, AGGREGATOR_RATE, compute))
-        decision = tuner.decide(workers * local)
+        stats = [gaussian_stats(b.elements, workers, SIGNAL, noise, first=step == 0) for b in named]
+        local = tuner.local_vector(stats, Measured(rate, aggregator_rate, compute))
+        yield step, rate, tuner.decide(workers * local)
+
+
+def settle(sizes: list[int], compute: float, workers: int, rate: float, **options) -> Decision:
+    """The tuner's decision over buckets of these ``sizes`` once it has settled (past its hysteresis) at ``rate``;
+    ``options``: ``decisions``'."""
+    *_, (_, _, last) = decisions(named(sizes), compute, workers, [(0, rate)], SETTLE_STEPS, **options)
+    return last
+
+
+def settled(sizes: list[int], compute: float, workers: int, rate: float, **options) -> list[str]:
+    """The codec of each bucket once the tuner has settled (``settle``)."""
+    return [c.codec for c in settle(sizes, compute, workers, rate, **options).choices.values()]
+
+
+def run(model: str, workers: int, rates: list[tuple[int, float]], steps: int, codec: str = "auto",
+        **options) -> list[dict]:
+    """``steps`` steps of the model's DDP iteration with the tuner deciding (``decisions``). Each row: the step,
+    the rate, the codec per bucket, the decision and the predicted seconds."""
+    parameters, compute = PROFILES[model]
+    out = []
+    for step, rate, decision in decisions(model_buckets(parameters), compute, workers, rates, steps, codec,
+                                          **options):
         times = iter([c.seconds for c in decision.choices.values()])
         out.append({"step": step, "rate": rate, "codecs": [c.codec for c in decision.choices.values()],
                     "decision": decision, "step_s": iteration(parameters, compute, lambda n: next(times))})
@@ -126,11 +119,11 @@ def table(workers: int, rates: list[float], codec: str = "auto", *, switch: bool
     for model in models:
         parameters, compute = PROFILES[model]
         for rate in rates:
-            last = run(model, workers, [(0, rate)], 6, codec, **options, noise_scale=noise_scale,
+            last = run(model, workers, [(0, rate)], SETTLE_STEPS, codec, **options, noise_scale=noise_scale,
                        batch=batch)[-1]
             ring_s = iteration(parameters, compute, lambda n: gloo_ring(workers, rate, n, options["network"]))
             choices = last["decision"].choices
-            largest = max(model_buckets(model), key=lambda b: b.elements).name
+            largest = max(model_buckets(parameters), key=lambda b: b.elements).name
             got.append({"model": model, "rate_gbit": rate / 1e9, "workers": workers, "codec": summary(last["codecs"]),
                         "step_s": last["step_s"], "ring_s": ring_s, "less_time": 1 - last["step_s"] / ring_s,
                         "why": choices[largest].reason})
@@ -141,7 +134,7 @@ def steps(model: str, workers: int, rates: list[tuple[int, float]], count: int, 
           switch: bool = True, gso: bool = True, noise_scale: float = NOISE_SCALE, batch: int = BATCH) -> list[dict]:
     """``run``'s steps as table rows: the rate, the buckets' codecs, the predicted seconds, the largest bucket's
     reason."""
-    largest = max(model_buckets(model), key=lambda b: b.elements).name
+    largest = max(model_buckets(PROFILES[model][0]), key=lambda b: b.elements).name
     return [{"model": model, "step": r["step"], "rate_gbit": r["rate"] / 1e9, "codec": summary(r["codecs"]),
              "step_s": r["step_s"], "why": r["decision"].choices[largest].reason}
             for r in run(model, workers, rates, count, codec, **setup(switch, gso), noise_scale=noise_scale,
@@ -150,4 +143,4 @@ def steps(model: str, workers: int, rates: list[tuple[int, float]], count: int, 
 
 def setup(switch: bool, gso: bool) -> dict:
     """``run``'s network and costs: an ASIC switch or none; GSO/GRO's datagram cost or sendmmsg's."""
-    return {"network": Network(switch=switch), "costs": COSTS if gso else replace(COSTS, datagram_io=IO_PER_DATAGRAM)}
+    return {"network": Network(switch=switch), "costs": COSTS if gso else SENDMMSG_COSTS}

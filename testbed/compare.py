@@ -2,8 +2,9 @@
 per parameter each way, time per step, final test accuracy, and the epoch and wall time at which the test
 accuracy first reaches ``--target``.
 
-A codec is a name: ``gloo`` (Gloo's float32 ring), a switch codec (``cnat8``, ``int32``) or a host codec
-(``uniform8``, ``adaptive-huffman``...: docs/codecs.md). Every codec trains the digits MLP of ``intml-testbed
+A codec is a name: ``gloo`` (Gloo's float32 ring), a switch codec (``cnat8``, ``int32``), a host codec
+(``uniform8``, ``adaptive-huffman``...: docs/codecs.md) or ``auto``, the online tuner (docs/tuner.md: with
+``--parallel ddp``, beside gloo, its fallback). Every codec trains the digits MLP of ``intml-testbed
 train`` (``--parallel average``: weights averaged after every epoch, seed 001's scheme, the default; or ``ddp``:
 gradients allreduced every step, through the DDP hook), all in the same run. What is measured where:
 
@@ -17,11 +18,14 @@ gradients allreduced every step, through the DDP hook), all in the same run. Wha
   parameters per codec, Gloo's ring over the same links. A step is the local compute, measured in this process
   (forward, backward and SGD step of one rank's batch, one thread), plus the exchange: every step with DDP, the
   step's share of one averaging per epoch otherwise. Running torchrun's ranks in the namespaces as well would
-  only add the same compute to the same exchanges.
+  only add the same compute to the same exchanges. auto's exchange is that of the codec the tuner settles on at
+  the link's rate (``sim.tuning.settled``: the model as the one bucket timed, the software aggregator at the rate
+  its timed switch-codec exchange shows, the compared codecs as candidates), and its accuracy the loopback run's.
 * **sim MODEL RATE xW** (simulated): ``sim.compare``'s models of the exchange at W workers (the measured bits per
   parameter, the host CPU costs of ``sim.costs``), and the model's parameters and compute (``digits``: the
   measured ones). Its accuracy curve is the MEASURED curve, each epoch placed at the simulated time it ends:
-  what the larger model would reach if it learned per epoch as the digits model does.
+  what the larger model would reach if it learned per epoch as the digits model does. auto: the tuner replayed
+  per bucket at the setting (``sim.compare``), with the loopback run's accuracy.
 """
 
 from __future__ import annotations
@@ -40,12 +44,16 @@ from intml.protocol.codecs.host import parse as host_codec
 from intml.protocol.job import CODEC_NAMES, JobParams
 from intml.protocol.packet import HDR
 from intml.sim import compare as sim_compare
+from intml.sim import tuning
 from intml.sim.run import Progress
+from intml.sim.scenario import parse_rate
 from intml.testbed import train
 from intml.testbed.bench_cluster import result_package_bytes
+from intml.worker.tuner import Network
 
 DEFAULT_CODECS = ("gloo", "cnat8", "int32", "uniform4", "uniform8", "adaptive-huffman", "bitmask", "qsgd127")
 DEFAULT_SIM_MODELS = ("digits", "VGG-16")
+AUTO = sim_compare.AUTO
 
 
 def run_spec(codec: str, parallel: str) -> str:
@@ -57,14 +65,17 @@ def run_spec(codec: str, parallel: str) -> str:
 
 
 def check_codecs(codecs: tuple[str, ...], parallel: str) -> None:
-    """ValueError, one line, unless ``parallel`` is one of PARALLEL and every codec is gloo, a switch codec or a
-    host codec, each given once."""
+    """ValueError, one line, unless ``parallel`` is one of PARALLEL and every codec is gloo, a switch codec, a
+    host codec or auto (with ddp, beside gloo), each given once."""
     if parallel not in sim_compare.PARALLEL:
         raise ValueError(f"parallel must be one of {', '.join(sim_compare.PARALLEL)}, got {parallel!r}")
     if len(set(codecs)) != len(codecs) or not codecs:
         raise ValueError(f"codecs must be given once each, got {','.join(codecs)}")
+    if AUTO in codecs and (parallel != "ddp" or "gloo" not in codecs):
+        raise ValueError("auto runs in the DDP hook and falls back to gloo: it needs --parallel ddp and gloo "
+                         "among the codecs")
     for codec in codecs:
-        if codec != "gloo" and codec not in CODEC_NAMES:
+        if codec not in ("gloo", AUTO) and codec not in CODEC_NAMES:
             try:
                 host_codec(codec)
             except ValueError as exc:
@@ -102,7 +113,7 @@ def measured(reports: list[dict], codecs: tuple[str, ...], parallel: str, packet
         mine = [r for r in reports if r["run"] == run_spec(codec, parallel)]
         parameters = mine[0]["parameters"]
         up = statistics.median(8 * r["bytes_per_step"] / parameters for r in mine)
-        if codec == "gloo" or codec in CODEC_NAMES:
+        if codec in ("gloo", AUTO) or codec in CODEC_NAMES:  # auto: a host codec's float32 result is not counted
             down = up
         else:
             packets = -(-parameters // packet_elements)
@@ -125,16 +136,34 @@ def exchanges_per_epoch(parallel: str, steps_per_epoch: int) -> int:
     return steps_per_epoch if parallel == "ddp" else 1
 
 
+def shaped_auto(inputs: dict[str, dict], rate: str, exchange_s: dict[str, float], compute_s: float, workers: int,
+                mtu: int, batch: int) -> str:
+    """The codec the tuner settles on over the shaped links (the module's docstring), with the software
+    aggregator's rate as the hook measures it: elements x ranks per second of a switch codec's timed exchange."""
+    parameters = inputs[AUTO]["parameters"]
+    candidates = tuple(c for c in inputs if c != AUTO)
+    summed = [parameters * workers / exchange_s[c] for c in CODEC_NAMES if c in exchange_s]
+    return tuning.settled([parameters], compute_s, workers, parse_rate(rate), candidates=candidates, batch=batch,
+                          network=Network(switch=False, mtu=mtu),
+                          aggregator_rate=max(summed, default=tuning.AGGREGATOR_RATE))[0]
+
+
 def shaped_setting(inputs: dict[str, dict], rate: str, exchange_s: dict[str, float], compute_s: float,
-                   parallel: str, target: float) -> dict:
+                   parallel: str, target: float, auto: str | None = None, tuner_every: int = 1) -> dict:
     """A netns setting: each epoch is the measured compute of its steps plus its exchanges as timed over the
-    shaped links."""
+    shaped links; auto's exchange is that of the codec ``auto`` that the tuner settles on, its bits that codec's,
+    plus the tuner's measuring at one step in ``tuner_every``."""
     rows = []
     for codec, m in inputs.items():
         steps = m["steps_per_epoch"]
-        epoch = steps * compute_s + exchanges_per_epoch(parallel, steps) * exchange_s[codec]
+        timed = auto if codec == AUTO else codec
+        epoch = steps * compute_s + exchanges_per_epoch(parallel, steps) * exchange_s[timed]
+        if codec == AUTO:
+            epoch += steps * sim_compare.measuring_seconds(m["parameters"], tuner_every)
         rows.append(sim_compare.summary(codec, m["accuracy"], [epoch] * len(m["accuracy"]), epoch / steps, target,
-                                        m["up_bits"], m["down_bits"]))
+                                        inputs[timed]["up_bits"], inputs[timed]["down_bits"]))
+        if codec == AUTO:
+            rows[-1]["choice"] = auto
     return {"setting": f"netns {rate}", "kind": "measured compute + exchanges measured over tc tbf links",
             "exchange_s": exchange_s, "rows": rows}
 
@@ -147,7 +176,8 @@ def table(setting: dict, target: float) -> str:
     for r in setting["rows"]:
         reach = ("never", "—") if r["epochs_to_target"] is None else (str(r["epochs_to_target"]),
                                                                         seconds_text(r["time_to_target_s"]))
-        lines.append(f"| {r['codec']} | {r['up_bits_per_parameter']:.2f} | {r['down_bits_per_parameter']:.2f} | "
+        codec = f"{r['codec']} ({r['choice']})" if "choice" in r else r["codec"]
+        lines.append(f"| {codec} | {r['up_bits_per_parameter']:.2f} | {r['down_bits_per_parameter']:.2f} | "
                      f"{seconds_text(r['step_s'])} | {100 * r['final_accuracy']:.2f}% | {reach[0]} | {reach[1]} |")
     return "\n".join(lines)
 
@@ -170,6 +200,7 @@ def run(codecs: tuple[str, ...] = DEFAULT_CODECS, parallel: str = "average", wor
     check_codecs(codecs, parallel)
     for model in sim_models:
         sim_compare.profile(model, 1, 1.0)  # a ValueError for an unknown model before anything starts
+    tuner_every = int(os.environ.get("INTML_TUNER_EVERY", "1"))  # the ranks' (train passes the environment on)
     progress = Progress()
     total, done = seeds * len(codecs) + len(rates), 0
 
@@ -185,24 +216,26 @@ def run(codecs: tuple[str, ...] = DEFAULT_CODECS, parallel: str = "average", wor
     compute_s = compute_step_seconds(batch)
     settings = [loopback_setting(inputs, target)]
     parameters = next(iter(inputs.values()))["parameters"]
-    intml_codecs = tuple(c for c in codecs if c != "gloo")
+    intml_codecs = tuple(c for c in codecs if c not in ("gloo", AUTO))
     for rate in rates:
         point = bench_cluster.run_point(workers, rate, parameters, mtu, 0.0, 1, rounds, JobParams.pool_size,
                                         with_gloo="gloo" in codecs, results="unicast", codecs=intml_codecs)
         exchange_s = {row["system"].removeprefix("intml ").replace("gloo ring", "gloo"): row["median_s"]
                       for row in point["rows"]}
-        settings.append(shaped_setting(inputs, rate, exchange_s, compute_s, parallel, target))
+        auto = shaped_auto(inputs, rate, exchange_s, compute_s, workers, mtu, batch) if AUTO in codecs else None
+        settings.append(shaped_setting(inputs, rate, exchange_s, compute_s, parallel, target, auto, tuner_every))
         step()
     for model in sim_models:
         for rate in sim_rates:
             for n in sim_workers:
-                settings.append(sim_compare.setting(inputs, model, n, rate, compute_s, parallel, target))
+                settings.append(sim_compare.setting(inputs, model, n, rate, compute_s, parallel, target,
+                                                    batch=batch, tuner_every=tuner_every))
     out = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "load_average": list(os.getloadavg()),
            "parallel": parallel, "workers": workers, "seeds": seeds, "epochs": epochs, "batch_per_rank": batch,
            "target_accuracy": target, "packet_elements": packet_elements, "mtu": mtu,
-           "compute_step_s": compute_s, "codecs": list(codecs), "inputs": inputs, "settings": settings,
-           "training": result["rows"]}
+           "compute_step_s": compute_s, "tuner_every": tuner_every, "codecs": list(codecs), "inputs": inputs,
+           "settings": settings, "training": result["rows"]}
     if plot_out:
         sim_compare.plot(settings, plot_out, target, f"digits MLP, {parallel}, {workers} workers, {epochs} epochs, "
                                          f"{seeds} seed{'s' if seeds > 1 else ''} (median)")
@@ -231,7 +264,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from intml.testbed.netns import MTUS
 
     parser.add_argument("--codecs", type=_codecs_arg, default=DEFAULT_CODECS, metavar="C1,C2,...",
-                        help=f"gloo, cnat8, int32 and host codecs' names (default {','.join(DEFAULT_CODECS)})")
+                        help=f"gloo, cnat8, int32, host codecs' names and auto (the tuner: with --parallel ddp, beside "
+                             f"gloo) (default {','.join(DEFAULT_CODECS)})")
     parser.add_argument("--parallel", choices=sim_compare.PARALLEL, default="average",
                         help="average: weights averaged after every epoch; ddp: gradients every step, through "
                              "the DDP hook (default average)")

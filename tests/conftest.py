@@ -40,6 +40,19 @@ def _audit(event: str, args: tuple) -> None:
         raise UnmarkedIO(f"{_guarded} triggered {event}: mark it pytest.mark.process (tests/conftest.py)")
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """In xdist's controller, before its workers start: compile the shared kernels once (support/warm.py)."""
+    config = session.config
+    if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
+        return
+    from support.warm import warm_cache
+
+    line = warm_cache()
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(line)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     for name, doc in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {doc}")

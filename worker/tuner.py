@@ -37,7 +37,8 @@ from intml.protocol.codecs.host.uniform import Uniform, quantize, range_of
 from intml.protocol.job import AGGREGATOR_MAX_ELEMENTS
 from intml.protocol.packet import HDR
 
-SWITCH_CODECS = ("cnat8", "int32")
+SWITCH_BITS = {"cnat8": 8, "int32": 32}  # each element's bits, up and down
+SWITCH_CODECS = tuple(SWITCH_BITS)
 GLOO = "gloo"  # Gloo's ring allreduce of float32, as the hook's fallback: exact, never beyond any range
 DEFAULT_CANDIDATES = (GLOO, "cnat8", "int32", "uniform4", "uniform6", "uniform8", "adaptive", "adaptive-huffman",
                       "qsgd127", "terngrad", "bitmask", "topk0.01", "randomk0.01")
@@ -100,10 +101,16 @@ class Network:
 
 @dataclass(frozen=True)
 class Costs:
-    """What the tuner predicts times from, calibrated or measured by its user (the simulator's: sim.tuning.COSTS):
-    a rank's CPU seconds per element (encode, decode) for the switch codecs by name and the host codecs by class,
-    to decode a float32 result, and per datagram each way; a datagram's wire bytes beyond its payload and the part
-    of them that the MTU counts; Gloo's ring allreduce seconds for (world, link rate, elements, network)."""
+    """What the tuner predicts times from, calibrated or measured by its user (worker.costs): a rank's CPU seconds
+    per element (encode, decode) for the switch codecs by name and the host codecs by class, to decode a float32
+    result, and per datagram each way; a datagram's wire bytes beyond its payload and the part of them that the MTU
+    counts; Gloo's ring allreduce seconds for (world, link rate, elements, network); and the software aggregator's
+    seconds per package of one rank in host mode, beyond the codec's decode; and the network's seconds for a switch
+    codec's in-network allreduce for (world, link rate, elements, elements per packet, bytes per element, network),
+    its round trips included (``switch_seconds`` adds the rank's CPU).
+
+    The simulator's costs (sim.training) carry its own models of the ring and of the in-network allreduce, so that
+    there the tuner predicts each codec's time with the model that the simulator then charges."""
 
     switch_cpu: dict[str, tuple[float, float]]
     host_cpu: dict[type, tuple[float, float]]
@@ -112,6 +119,25 @@ class Costs:
     datagram_overhead: int
     ip_udp: int
     ring: Callable[[int, float, int, Network], float]
+    in_network: Callable[[int, float, int, int, int, Network], float]
+    host_package: float = 0.0
+
+
+def packet_elements(costs: Costs, network: Network, bits: float, header_bits: float = 0.0) -> int:
+    """Elements of ``bits`` each in the largest packet the MTU holds beside ``header_bits`` of package header, at
+    most the network's ``packet_elements``."""
+    room = (network.mtu - costs.ip_udp - HDR) * 8 - header_bits
+    return max(1, min(network.packet_elements, int(room // bits)))
+
+
+def switch_seconds(costs: Costs, network: Network, codec: str, world: int, link_rate: float, elements: int) -> float:
+    """One allreduce of ``elements`` with switch codec ``codec`` through a switch: the slower of the rank's CPU
+    (encode, decode, a datagram out and one in per packet) and the network (``costs.in_network``)."""
+    bits = SWITCH_BITS[codec]
+    per_packet = packet_elements(costs, network, bits)
+    encode, decode = costs.switch_cpu[codec]
+    cpu = elements * (encode + decode) + 2 * costs.datagram_io * math.ceil(elements / per_packet)
+    return max(cpu, costs.in_network(world, link_rate, elements, per_packet, bits // 8, network))
 
 
 def measure(x: np.ndarray, world: int, *, residual: np.ndarray | None = None, last_mean: np.ndarray | None = None,
@@ -186,14 +212,16 @@ class Choice:
 
 @dataclass(frozen=True)
 class Decision:
-    """A step's choices per bucket, the predicted seconds per step, the digest ranks compare, and the warnings
-    (inconsistencies, fallbacks, unsafe pins) to log."""
+    """A step's choices per bucket, the predicted seconds per step, the digest ranks compare, the warnings
+    (inconsistencies, fallbacks, unsafe pins) to log, and whether every unpinned bucket fell back to the fixed
+    codec (an inconsistency, now or earlier in the run)."""
 
     step: int
     choices: dict[str, Choice]
     step_seconds: float
     digest: int
     warnings: list[str] = field(default_factory=list)
+    fallback: bool = False
 
     def line(self) -> str:
         """One log line: the step, each bucket's codec, the predicted step time and the digest."""
@@ -204,7 +232,7 @@ class Decision:
     def as_dict(self) -> dict:
         """The decision for a metrics endpoint or JSON: plain numbers and strings."""
         return {"step": self.step, "step_seconds": self.step_seconds, "digest": f"{self.digest:012x}",
-                "warnings": list(self.warnings),
+                "warnings": list(self.warnings), "fallback": self.fallback,
                 "buckets": {name: {"codec": c.codec, "reason": c.reason, "seconds": c.seconds, "ratio": c.ratio,
                                    "refused": dict(c.refused)} for name, c in self.choices.items()}}
 
@@ -318,8 +346,7 @@ class Tuner:
     def _bits(self, name: str, s: Shared) -> tuple[float, float]:
         """Bits per element of a rank's package, and its header's bits per package."""
         if name in SWITCH_CODECS:
-            width = 8 if name == "cnat8" else 32
-            return width, 0.0
+            return SWITCH_BITS[name], 0.0
         codec = self.codecs[name]
         if isinstance(codec, Adaptive):
             bits = _adaptive_bits(codec, s)
@@ -340,9 +367,8 @@ class Tuner:
         """Wire bits per element up (a rank's packages) and down (the result: float32 for a host codec), headers
         included, and datagrams per element (the largest packet the MTU holds, at most ``packet_elements``)."""
         bits, package_header = self._bits(name, s)
-        down_bits = 8 if name == "cnat8" else 32
-        room = (self.network.mtu - self.costs.ip_udp - HDR) * 8 - package_header
-        per_packet = max(1, min(self.network.packet_elements, int(room // max(bits, down_bits))))
+        down_bits = SWITCH_BITS.get(name, 32)
+        per_packet = packet_elements(self.costs, self.network, max(bits, down_bits), package_header)
         header = (HDR + self.costs.datagram_overhead) * 8 / per_packet
         return bits + package_header / per_packet + header, down_bits + header, 1 / per_packet
 
@@ -375,26 +401,27 @@ class Tuner:
         return added / (n * n)
 
     def _seconds(self, name: str, s: Shared, bucket: Bucket, m: dict[str, float]) -> float:
-        """Predicted seconds of the bucket's allreduce: the slowest of the rank's CPU, its link each way, the
-        aggregator's link and CPU (a software aggregator: host mode, or its kernel), plus a round trip."""
+        """Predicted seconds of the bucket's allreduce: Gloo's ring or the in-network one (the costs' models), or
+        through the software aggregator the slowest of the rank's CPU, its link each way, the aggregator's link and
+        CPU (host mode, or its kernel), plus a round trip."""
         net, e, n = self.network, bucket.elements, s.ranks
         if name == GLOO:
             return self.costs.ring(n, m["link_rate"], e, net)
+        if net.switch and name in SWITCH_CODECS:
+            return switch_seconds(self.costs, net, name, n, m["link_rate"], e)
         up, down, datagrams = self._wire(name, s)
         io = 2 * self.costs.datagram_io * datagrams  # a datagram out and one in per packet
         if name in SWITCH_CODECS:
             encode, decode = self.costs.switch_cpu[name]
             rank_cpu = e * (encode + decode + io)
             aggregator_per_element = 1 / m["aggregator_rate"]
-        else:
+        else:  # host mode: the aggregator also handles each rank's packages one by one
             encode, decode = self.costs.host_cpu[type(self.codecs[name])]
             rank_cpu = e * (encode + self.costs.result_decode + io)
-            aggregator_per_element = decode + 1 / m["aggregator_rate"]
-        bounds = [rank_cpu, e * up / m["link_rate"], e * down / m["link_rate"]]
-        if not (net.switch and name in SWITCH_CODECS):  # a software aggregator: n packages in, one result out
-            agg_rate = net.aggregator_link_rate or m["link_rate"]
-            bounds += [n * e * up / agg_rate, e * down / agg_rate,
-                       n * e * aggregator_per_element / net.aggregator_cores]
+            aggregator_per_element = decode + 1 / m["aggregator_rate"] + self.costs.host_package * datagrams
+        agg_rate = net.aggregator_link_rate or m["link_rate"]  # n packages in, one result out
+        bounds = [rank_cpu, e * up / m["link_rate"], e * down / m["link_rate"], n * e * up / agg_rate,
+                  e * down / agg_rate, n * e * aggregator_per_element / net.aggregator_cores]
         return max(bounds) + net.rtt
 
     def _unsafe(self, name: str, s: Shared, bucket: Bucket) -> str | None:
@@ -446,7 +473,7 @@ class Tuner:
         digest = int.from_bytes(hashlib.sha256(repr(
             (self.step, self.config_digest, shared.astype(">f8").tobytes(),
              sorted((k, c.codec) for k, c in choices.items()))).encode()).digest()[:6], "big")
-        decision = Decision(self.step, choices, step_seconds, digest, warnings)
+        decision = Decision(self.step, choices, step_seconds, digest, warnings, problem is not None or self.diverged)
         self.step, self.last_digest = self.step + 1, digest
         return decision
 

@@ -16,6 +16,7 @@ from intml.sim.models import Net, ring
 from intml.sim.training import in_network_cpu
 from intml.testbed import compare
 from intml.testbed.__main__ import main
+from intml.worker.costs import HOST_PACKAGE, MEASURE
 
 PARAMETERS = 2048
 STEPS = 5
@@ -77,7 +78,7 @@ def test_simulated_exchanges_follow_each_codec_model() -> None:
     assert host >= 4 * n * 4 * 8 / 10e9
     assert host == pytest.approx(max(4 * n * 4 * 8 / 10e9, n * (host_codec_costs("uniform8").encode + 0.25e-9)
                                      + 2 * -(-n // 1024) * 1.15e-6, 4 * n * host_codec_costs("uniform8").decode / 16
-                                     + 4 * 2 * -(-n // 1024) * 1.15e-6 / 16) + net.rtt, rel=1e-3)
+                                     + 4 * -(-n // 1024) * (2 * 1.15e-6 + HOST_PACKAGE) / 16) + net.rtt, rel=1e-3)
     # at 100 Gbit/s the host CPU binds: ten times the rate is far from ten times faster
     fast = sim_compare.exchange_seconds("uniform8", Net(16, 100e9, mtu=9000), n, 8, 32)
     assert fast > host / 10 * 2
@@ -122,6 +123,7 @@ def test_run_prints_json_with_every_setting_and_plots(monkeypatch, tmp_path, cap
     (["--codecs", "gloo,gzip"], "unknown codec 'gzip'"),
     (["--codecs", "cnat8-ef"], "'cnat8-ef' is not gloo, cnat8 or int32"),
     (["--codecs", "gloo,gloo"], "once each"),
+    (["--codecs", "gloo,auto"], "needs --parallel ddp"),
     (["--sim-model", "LeNet"], "invalid choice: 'LeNet'"),
     (["--sim-rate", "fast"], "rate must be like"),
     (["--workers", "1"], "--workers"),
@@ -178,6 +180,79 @@ def test_intml_sim_compare_replays_the_measured_json(monkeypatch, tmp_path, caps
     assert sim_main(["compare", str(tmp_path / "other.json")]) == 2
     err = capsys.readouterr().err
     assert "is not the output of intml-testbed compare --json" in err and len(err.strip().splitlines()) == 1
+
+
+DDP_CODECS = ("gloo", "cnat8", "int32", "uniform4", "auto")
+DDP_REPORTS = [report(codec, 0, [0.90, 0.96], bytes_per_step) for codec, bytes_per_step in (
+    ("gloo", 4 * PARAMETERS), ("cnat8", PARAMETERS), ("int32", 4 * PARAMETERS), ("uniform4", PARAMETERS // 2),
+    ("auto", 2 * PARAMETERS))]
+
+
+def test_auto_is_the_codec_the_tuner_settles_on_at_each_simulated_setting() -> None:
+    """VGG-16's buckets: cnat8 where the wire binds, the ring and cnat8 where the CPU does; auto's step is the
+    chosen codecs' iteration (no later than any fixed codec's) plus its measuring, one step in tuner_every."""
+    inputs = compare.measured(DDP_REPORTS, DDP_CODECS, "ddp", packet_elements=1024)
+    parameters = 138_357_544
+    for rate, choice in ((10e9, "cnat8 x23"), (100e9, "gloo x21, cnat8 x2")):
+        rows = {r["codec"]: r for r in sim_compare.setting(inputs, "VGG-16", 16, rate, 0.002, "ddp", 0.95,
+                                                            tuner_every=10**9)["rows"]}
+        assert rows["auto"]["choice"] == choice
+        fixed = min(r["step_s"] for codec, r in rows.items() if codec != "auto")
+        assert rows["auto"]["step_s"] <= fixed + parameters * MEASURE / 10**9
+        every = sim_compare.setting(inputs, "VGG-16", 16, rate, 0.002, "ddp", 0.95, tuner_every=100)["rows"][-1]
+        assert every["step_s"] == pytest.approx(rows["auto"]["step_s"] + parameters * MEASURE * (1 / 100 - 1e-9))
+    ten = {r["codec"]: r for r in sim_compare.setting(inputs, "VGG-16", 16, 10e9, 0.002, "ddp", 0.95)["rows"]}
+    assert ten["auto"]["up_bits_per_parameter"] == ten["cnat8"]["up_bits_per_parameter"]  # cnat8's bits, weighted
+    with pytest.raises(ValueError, match="needs parallel ddp"):
+        sim_compare.setting(inputs, "VGG-16", 16, 10e9, 0.002, "average", 0.95)
+
+
+@pytest.mark.parametrize("model, parameters", [("digits", 45_640), ("VGG-16", 138_357_544)])
+def test_auto_settles_on_the_least_simulated_time_of_the_codecs_it_admits(model: str, parameters: int) -> None:
+    """The tuner prices Gloo, cnat8 and int32 with the simulator's own models, so at each simulated setting its
+    prediction of a bucket's exchange is the simulated one, the codec it settles on per bucket has the least
+    simulated exchange of those it admits (no variance charge tips a choice here), and auto's step is no later than
+    any admitted fixed codec's but for its measuring."""
+    inputs = {codec: {**m, "parameters": parameters}
+              for codec, m in compare.measured(DDP_REPORTS, DDP_CODECS, "ddp", packet_elements=1024).items()}
+    compute = 0.0004 if model == "digits" else sim_compare.PROFILES[model][1]
+    for rate in (100e6, 1e9, 10e9, 100e9):
+        net = Net(16, rate, mtu=9000)
+        rows = {r["codec"]: r for r in sim_compare.setting(inputs, model, 16, rate, compute, "ddp", 0.95,
+                                                            batch=16)["rows"]}
+        decision = sim_compare.auto_decision(inputs, net, parameters, compute, 16)
+        admitted = [c for c in DDP_CODECS[:-1] if all(c not in choice.refused for choice in decision.choices.values())]
+        assert {"gloo", "cnat8", "int32"} <= set(admitted)
+        for size, choice in zip(sim_compare.buckets(parameters), decision.choices.values()):
+            simulated = {c: sim_compare.exchange_seconds(c, net, size, inputs[c]["up_bits"], inputs[c]["down_bits"])
+                         for c in admitted}
+            assert choice.seconds == pytest.approx(simulated[choice.codec], rel=1e-12)
+            assert simulated[choice.codec] == min(simulated.values())
+        measuring = sim_compare.measuring_seconds(parameters, 1)
+        assert rows["auto"]["step_s"] <= min(rows[c]["step_s"] for c in admitted) + measuring * (1 + 1e-9)
+
+
+def test_auto_over_shaped_links_is_the_chosen_codecs_exchange() -> None:
+    """netns: the tuner replayed at the link's rate through the software aggregator picks among the timed codecs;
+    auto's step is that codec's, its bits that codec's, plus its measuring."""
+    inputs = compare.measured(DDP_REPORTS, DDP_CODECS, "ddp", packet_elements=1024)
+    exchange = {"gloo": 0.5, "cnat8": 0.1, "int32": 0.3, "uniform4": 0.2}
+    assert compare.shaped_auto(inputs, "100mbit", {}, 0.01, 2, 1500, 16) == "cnat8"  # two ranks: 8 bits each way
+    assert compare.shaped_auto(inputs, "100gbit", {}, 0.01, 2, 1500, 16) == "int32"  # latency and the CPU bind
+    # the aggregator as slow as the timed cnat8 exchange shows (the hook measures it so): the ring's exact floats
+    assert compare.shaped_auto(inputs, "100gbit", {"cnat8": 0.1}, 0.01, 2, 1500, 16) == "gloo"
+    shaped = compare.shaped_setting(inputs, "100mbit", exchange, 0.01, "ddp", 0.95, "cnat8", 1)
+    rows = {r["codec"]: r for r in shaped["rows"]}
+    assert rows["auto"]["step_s"] == pytest.approx(0.01 + 0.1 + PARAMETERS * MEASURE)
+    assert (rows["auto"]["choice"], rows["auto"]["up_bits_per_parameter"]) == ("cnat8", 8)
+    assert "| auto (cnat8) | 8.00 | 8.00 |" in compare.table(shaped, 0.95)
+
+
+def test_auto_is_compared_in_ddp_beside_gloo_only() -> None:
+    compare.check_codecs(DDP_CODECS, "ddp")
+    for codecs, parallel in ((DDP_CODECS, "average"), (("cnat8", "auto"), "ddp")):
+        with pytest.raises(ValueError, match="needs --parallel ddp and gloo among the codecs"):
+            compare.check_codecs(codecs, parallel)
 
 
 def test_seconds_text() -> None:

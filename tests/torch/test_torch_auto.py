@@ -7,6 +7,7 @@ line. Ranks are forked processes (tests/support/cluster.py) against the room's a
 from __future__ import annotations
 
 import dataclasses
+import urllib.request
 import warnings
 
 import numpy as np
@@ -19,7 +20,7 @@ from test_torch import PACKET, POOL  # noqa: E402
 
 import intml.worker.torch as intml  # noqa: E402
 from intml.sim.tuning import COSTS as SIM_COSTS  # noqa: E402
-from intml.worker.torch.auto import COSTS, IntmlTunerWarning, ring_seconds  # noqa: E402
+from intml.worker.torch.auto import AutoCodec, IntmlTunerWarning, in_network_seconds, ring_seconds  # noqa: E402
 from intml.worker.tuner import GLOO, Measured, Network  # noqa: E402
 
 pytestmark = [pytest.mark.torch]
@@ -43,14 +44,22 @@ def _step(ddp, rank: int, step: int) -> None:
     (ddp(inputs) * weights).sum().backward()
 
 
+def scrape(port: int) -> dict[str, float]:
+    """The endpoint's samples, by name and labels as the text format writes them."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
 def auto_rank(port: int, address: str, rank: int, n: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     init_rank(port, rank, n, "gloo", {"INTML_AGGREGATOR": address, "INTML_TOKEN": TOKEN, "INTML_SEED": "5",
                                       "INTML_PACKET_ELEMENTS": str(PACKET), "INTML_POOL": str(POOL)})
     out: dict = {"applied": [], "digests": [], "codec1": []}
-    # a run whose measured link rate drops from FAST to SLOW (injected), bucket 1 pinned to int32
-    state = intml.IntmlHookState(codec="auto", codec_pin=PIN)
+    # a run whose measured link rate drops from FAST to SLOW (injected), bucket 1 pinned to int32, its metrics served
+    state = intml.IntmlHookState(codec="auto", codec_pin=PIN, metrics_port=0)
     model, ddp = _model(DDP)
     ddp.register_comm_hook(state, intml.intml_hook)
     rate = FAST
@@ -62,6 +71,7 @@ def auto_rank(port: int, address: str, rank: int, n: int) -> dict:
         out["digests"].append(state.auto.tuner and state.auto.tuner.last_digest)
         out["codec1"].append(state.auto.codec(1))
     out["traffic"] = dataclasses.asdict(state.traffic)
+    out["metrics"] = scrape(state.metrics.server_port)
     state.close()
 
     # a run where one rank's copy of the shared statistics differs at one step
@@ -102,11 +112,90 @@ def test_auto_decides_alike_keeps_pins_follows_the_link_and_falls_back_on_disagr
     fast, slow = applied[STEPS_FAST - 1].get(0), applied[-1].get(0)
     assert fast is not None and slow is not None and fast != slow, applied
     assert results[0]["traffic"]["intml_allreduces"] > 0
+    # each rank's endpoint: the codec per bucket now, its predicted seconds and variance ratio, the changes
+    for rank, r in enumerate(results):
+        metrics, labels = r["metrics"], f'bucket="0",rank="{rank}"'  # the text format sorts the labels
+        assert metrics[f'intml_tuner_codec{{bucket="0",codec="{slow}",rank="{rank}"}}'] == 1
+        assert metrics[f'intml_tuner_codec{{bucket="1",codec="int32",rank="{rank}"}}'] == 1
+        assert metrics[f"intml_tuner_predicted_seconds{{{labels}}}"] > 0
+        assert 0 <= metrics[f"intml_tuner_variance_ratio{{{labels}}}"] <= 0.5
+        assert metrics[f'intml_tuner_changes_total{{rank="{rank}"}}'] >= 1 + (fast != GLOO)  # to fast's, to slow's
+        assert metrics[f'intml_tuner_decisions_total{{rank="{rank}"}}'] == STEPS_FAST + STEPS_SLOW - 1
+        assert metrics[f'intml_tuner_fallbacks_total{{rank="{rank}"}}'] == 0
 
     # the perturbed rank decided differently: every rank falls back (pins kept) and names it
     for r in results:
         assert any(f"ranks [{PERTURBED_RANK}]" in w for w in r["warnings"]), r["warnings"]
         assert r["after"] == ({}, GLOO, "int32")
+
+
+LOSSY_STEPS = 10
+
+
+def lossy_rank(port: int, address: str, rank: int, n: int) -> dict:
+    """Auto with each rank's data-plane datagrams dropped, duplicated and reordered (its own seed), its measured
+    link rate clamped slow so that the buckets go through intml, its other measurements its own."""
+    from support.faults import faulty_sockets
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    with faulty_sockets(drop=0.03, duplicate=0.02, reorder=0.03, seed=1000 * rank):
+        init_rank(port, rank, n, "gloo", {"INTML_AGGREGATOR": address, "INTML_TOKEN": TOKEN, "INTML_SEED": "7",
+                                          "INTML_PACKET_ELEMENTS": str(PACKET), "INTML_POOL": str(POOL)})
+        state = intml.IntmlHookState(codec="auto", timeout=60)
+        model, ddp = _model(DDP)
+        ddp.register_comm_hook(state, intml.intml_hook)
+        measured = state.auto.measured
+        state.auto.measured = lambda: dataclasses.replace(measured(), link_rate=SLOW)
+        out: dict = {"applied": [], "digests": []}
+        for step in range(LOSSY_STEPS):
+            _step(ddp, rank, step)
+            out["applied"].append(dict(state.auto.applied))
+            out["digests"].append(state.auto.tuner and state.auto.tuner.last_digest)
+        out["retransmissions"] = state.traffic.retransmissions
+        out["rates"] = state.auto.rates
+        state.close()
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.process
+def test_every_rank_decides_the_same_under_loss(ranks) -> None:
+    """Datagrams lost, duplicated and reordered at every rank, each its own way: the ranks' own measurements
+    differ, their decisions and the codecs they apply do not, and the buckets went through intml."""
+    results = ranks(lossy_rank, 3, timeout=240)
+    for r in results[1:]:
+        assert r["applied"] == results[0]["applied"] and r["digests"] == results[0]["digests"]
+    assert any(codec != GLOO for codec in results[0]["applied"][-1].values()), results[0]["applied"]
+    assert sum(r["retransmissions"] for r in results) > 0  # the loss was real, and recovered from
+    assert len({r["rates"][1] for r in results}) == 3  # each rank measured its own aggregator rate
+
+
+def test_the_tuner_measures_and_decides_at_one_step_in_every() -> None:
+    """INTML_TUNER_EVERY=3: buckets are measured and the statistics shared at steps 3, 6, 9 only (step 0 is DDP's
+    provisional one); the codecs stay what they were in between."""
+    shared = []
+
+    def allreduce_sum(t: torch.Tensor) -> torch.Tensor:
+        shared.append(len(shared))
+        out = 2 * t  # two ranks with the same statistics, and each rank's slot its same last digest
+        out[-2:] = t[-2]
+        return out
+
+    auto = AutoCodec(0, 2, 1, {}, False, allreduce_sum, every=3)
+    grad = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    measured = []
+    for _ in range(10):
+        auto.observe(0, grad, None)
+        measured.append(0 in auto.stats)
+        auto.done(0, grad, 32e3, 1e-3, aggregated=False)
+        auto.end_step()
+    assert measured == [i % 3 == 0 for i in range(10)] and len(shared) == 3
+    with pytest.raises(ValueError, match="INTML_METRICS_PORT serves the tuner's metrics") as info:
+        intml.IntmlConfig.from_env({"INTML_CODEC": "cnat8", "INTML_METRICS_PORT": "9464"})
+    assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="INTML_TUNER_EVERY must be >= 1") as info:
+        intml.IntmlConfig.from_env({"INTML_CODEC": "auto", "INTML_TUNER_EVERY": "0"})
+    assert "\n" not in str(info.value)
 
 
 def test_auto_config_misuse_is_one_line() -> None:
@@ -122,12 +211,20 @@ def test_auto_config_misuse_is_one_line() -> None:
         {0: "int32", 3: "gloo"}
 
 
-def test_auto_costs_are_the_simulators() -> None:
-    """The hook's calibration restates sim.tuning.COSTS (the worker layer does not import the simulator)."""
-    assert dataclasses.replace(COSTS, ring=None) == dataclasses.replace(SIM_COSTS, ring=None)
-    # the ring: the same bytes at the rate; the simulator's adds TCP's overhead and a per-step latency
+def test_auto_ring_model_is_the_simulators() -> None:
+    """The hook's model of Gloo's ring (the worker layer does not import the simulator's): the same bytes at the
+    rate; the simulator's adds TCP's overhead and a per-step latency."""
     for world, elements in ((2, 1 << 20), (16, 1 << 24)):
         ours, theirs = ring_seconds(world, 10e9, elements, Network()), SIM_COSTS.ring(world, 10e9, elements, Network())
+        assert 0.9 < ours / theirs <= 1.0
+
+
+def test_auto_in_network_model_is_the_simulators() -> None:
+    """The hook's model of the in-network allreduce's network: the same packets at the rate and a round trip; the
+    simulator's also pads the last packet, starts each slot with an empty one and serialises a packet each way."""
+    for world, elements, packet, size in ((2, 1 << 20, 8192, 1), (16, 1 << 24, 2230, 4)):
+        ours = in_network_seconds(world, 10e9, elements, packet, size, Network())
+        theirs = SIM_COSTS.in_network(world, 10e9, elements, packet, size, Network())
         assert 0.9 < ours / theirs <= 1.0
 
 

@@ -18,7 +18,7 @@ from intml.worker.tuner import (CHECKED, FIELDS, MEASURED, Bucket, Measured, Net
                                 measure)
 
 WORLD = 4
-BUCKETS = [Bucket("head", 3_000), Bucket("body", 9_000)]
+BUCKETS = [Bucket("head", 20_000), Bucket("body", 60_000)]  # several jumbo packets each: the wire binds at 10 Gbit
 FAST, SLOW = Measured(100e9, 500e6, 0.05), Measured(10e9, 500e6, 0.05)
 
 
@@ -83,6 +83,7 @@ def test_every_rank_decides_the_same_and_settles_on_cnat8_at_10gbit() -> None:
     ratio = decision.choices["body"].ratio
     assert 0 < ratio < 0.5  # within the default budget
     metrics = json.loads(json.dumps(decision.as_dict()))
+    assert not metrics["fallback"]
     assert metrics["buckets"]["body"]["codec"] == "cnat8" and metrics["buckets"]["body"]["ratio"] == ratio
     assert metrics["digest"] == f"{decision.digest:012x}" and "topk0.01" in metrics["buckets"]["body"]["refused"]
 
@@ -161,10 +162,11 @@ def test_a_rank_that_decided_from_other_statistics_is_detected() -> None:
     _, shared = ranks.shared(SLOW)
     after = [t.decide(shared) for t in ranks.tuners]
     for d in after:  # every rank sees it at the next step and falls back, with a warning
-        assert codecs(d) == ["gloo", "gloo"]
+        assert codecs(d) == ["gloo", "gloo"] and d.fallback
         assert any("ranks disagree on decision_" in w for w in d.warnings)
     _, shared = ranks.shared(SLOW)
-    assert all(codecs(t.decide(shared)) == ["gloo", "gloo"] for t in ranks.tuners)  # and stays on it
+    assert all(codecs(d) == ["gloo", "gloo"] and d.fallback  # and stays on it
+               for d in (t.decide(shared) for t in ranks.tuners))
 
 
 def test_a_rank_with_another_configuration_is_detected() -> None:
@@ -188,7 +190,7 @@ def test_inf_or_nan_in_a_gradient_falls_back_for_that_step() -> None:
     head = slice(len(CHECKED) + len(MEASURED), len(CHECKED) + len(MEASURED) + len(FIELDS))
     shared[head] += stats - local[1][head]  # rank 1's head bucket overflowed
     decision = ranks.tuners[0].decide(shared)
-    assert codecs(decision) == ["gloo", "gloo"]
+    assert codecs(decision) == ["gloo", "gloo"] and decision.fallback
     assert any("inf or NaN" in w for w in decision.warnings)
 
 
@@ -296,8 +298,9 @@ def test_the_variance_model_bounds_the_real_codecs(name: str, exact: bool) -> No
 
 def test_without_a_switch_and_with_fast_host_kernels_a_few_bits_win_at_1_gbit() -> None:
     """Through the aggregator's host mode the n packages share its link: at 1 Gbit the bits per element bind, and
-    with host kernels as fast as C_nat's a 4- to 6-bit uniform code beats cnat8's 8 bits."""
-    fast = replace(COSTS, host_cpu={kind: COSTS.switch_cpu["cnat8"] for kind in COSTS.host_cpu})
+    with host kernels as fast as C_nat's (and no cost per package beyond them) a 4- to 6-bit uniform code beats
+    cnat8's 8 bits."""
+    fast = replace(COSTS, host_cpu={kind: COSTS.switch_cpu["cnat8"] for kind in COSTS.host_cpu}, host_package=0.0)
     ranks = Ranks(candidates=("cnat8", "uniform4", "uniform6", "uniform8"))
     ranks.tuners = [Tuner(BUCKETS, WORLD, fast, Network(switch=False), candidates=("cnat8", "uniform4", "uniform6",
                                                                                     "uniform8"))

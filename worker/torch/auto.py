@@ -1,6 +1,7 @@
 """``INTML_CODEC=auto`` in the DDP hook: the online tuner (``worker.tuner``, docs/tuner.md) picks each bucket's codec.
 
-Each step every rank measures its buckets (``tuner.measure``) and, at the step's last bucket, sums its statistics
+Each measured step (every step, or one in ``INTML_TUNER_EVERY``: measuring costs CPU per element) every rank
+measures its buckets (``tuner.measure``) and, at the step's last bucket, sums its statistics
 vector with every other rank's through one small Gloo allreduce of float64. Gloo, not intml: the vector is a few
 dozen numbers (intml's fixed cost per allreduce would dominate), its integer fields (step, digests) must sum
 exactly and its float fields must come back the same bits at every rank, which Gloo's ring gives (every rank copies
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 import warnings
 from collections.abc import Callable
@@ -42,14 +44,8 @@ import numpy as np
 import torch
 
 from intml.protocol.codecs import host
-from intml.protocol.codecs.host.adaptive import Adaptive, AdaptiveHuffman
-from intml.protocol.codecs.host.bitmask import Bitmask
-from intml.protocol.codecs.host.lloyd import Lloyd
-from intml.protocol.codecs.host.qsgd import QSGD
-from intml.protocol.codecs.host.randomk import RandomK
-from intml.protocol.codecs.host.terngrad import TernGrad
-from intml.protocol.codecs.host.topk import TopK
-from intml.protocol.codecs.host.uniform import Uniform
+from intml.protocol.packet import HDR
+from intml.worker.costs import WIRE_OVERHEAD, tuner_costs
 from intml.worker.traffic import ring_bytes
 from intml.worker.tuner import (
     DEFAULT_CANDIDATES,
@@ -58,7 +54,6 @@ from intml.worker.tuner import (
     NOT_AN_ESTIMATE,
     SWITCH_CODECS,
     Bucket,
-    Costs,
     Decision,
     Measured,
     Network,
@@ -72,7 +67,6 @@ LOG = logging.getLogger(__name__)
 DEFAULT_LINK_RATE = 10e9  # bit/s before the first measurement: a 10 Gbit/s link
 DEFAULT_AGGREGATOR_RATE = 1e9  # elements/s per contribution before the first measurement
 MEAN_NORM_SQ = FIELDS.index("mean_norm_sq")
-IP_UDP, WIRE_OVERHEAD = 28, 42  # bytes per datagram: IPv4 + UDP (what the MTU counts), and Ethernet's beside
 
 
 def ring_seconds(world: int, rate: float, elements: int, network: Network) -> float:
@@ -81,17 +75,16 @@ def ring_seconds(world: int, rate: float, elements: int, network: Network) -> fl
     return ring_bytes(elements, world) * 8 / rate + 2 * (world - 1) * network.rtt / 2
 
 
-# The simulator's calibration (sim.tuning.COSTS: sim.costs.HOST_COSTS and HOST_CODEC_COSTS, GSO/GRO's 0.19 us per
-# datagram; the host codecs' rates are bench host-codecs' M elements/s with numpy kernels), restated because the
-# worker layer does not import the simulator; tests/torch/test_torch_auto.py holds them equal.
-COSTS = Costs(switch_cpu={"cnat8": (0.52e-9, 0.29e-9), "int32": (0.35e-9, 0.25e-9)},
-              host_cpu={Uniform: (1e-6 / 33.8, 1e-6 / 19.8), Adaptive: (1e-6 / 16.6, 1e-6 / 9.4),
-                        AdaptiveHuffman: (1e-6 / 7.7, 1e-6 / 8.8), Lloyd: (1e-6 / 1.5, 1e-6 / 10.0),
-                        Bitmask: (1e-6 / 11.8, 1e-6 / 7.2), QSGD: (1e-6 / 4.0, 1e-6 / 7.7),
-                        TernGrad: (1e-6 / 12.5, 1e-6 / 11.4), TopK: (1e-6 / 4.1, 1e-6 / 237.6),
-                        RandomK: (1e-6 / 331.5, 1e-6 / 410.7)},
-              result_decode=0.25e-9, datagram_io=0.19e-6, datagram_overhead=WIRE_OVERHEAD, ip_udp=IP_UDP,
-              ring=ring_seconds)
+def in_network_seconds(world: int, rate: float, elements: int, packet_elements: int, element_size: int,
+                       network: Network) -> float:
+    """The in-network allreduce's network: each rank's packets (payload and headers) at the link's rate each way
+    at once, and a round trip; the pool is taken to cover the bandwidth-delay product."""
+    datagrams = math.ceil(elements / packet_elements)
+    return (elements * element_size + datagrams * (HDR + WIRE_OVERHEAD)) * 8 / rate + network.rtt
+
+
+# worker.costs' table, the simulator's too (sim.training.COSTS), with these network models
+COSTS = tuner_costs(ring_seconds, in_network_seconds)
 
 
 class IntmlTunerWarning(RuntimeWarning):
@@ -150,8 +143,9 @@ class AutoCodec:
     the rates measured, and the decisions (see the module's docstring)."""
 
     def __init__(self, rank: int, world: int, key: int, pins: dict[int, str], error_feedback: bool,
-                 allreduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> None:
+                 allreduce_sum: Callable[[torch.Tensor], torch.Tensor], every: int = 1) -> None:
         self.rank, self.world, self.key, self.pins, self.error_feedback = rank, world, key, dict(pins), error_feedback
+        self.every = every  # measure, share and decide at every k-th step only: measuring costs CPU per element
         self.allreduce_sum = allreduce_sum  # sums a float64 CPU tensor over the group, exactly the same at each rank
         # randomk scales what it keeps by 1/ratio: with error feedback its residual grows (config refuses it)
         self.candidates = tuple(c for c in DEFAULT_CANDIDATES if not (error_feedback and c.startswith("randomk")))
@@ -165,26 +159,34 @@ class AutoCodec:
         self.decision: Decision | None = None  # the last one applied, for logs and metrics
         self._warned: set[str] = set()
         self.steps = 0  # steps ended
+        self.decisions = self.changes = self.fallbacks = 0  # for the metrics endpoint (worker.torch.metrics)
+
+    @property
+    def measuring(self) -> bool:
+        """Whether this step is measured, shared and decided (every ``every``-th step, the same at every rank)."""
+        return self.steps % self.every == 0
 
     def codec(self, index: int) -> str:
         """The codec of bucket ``index`` this step: its pin, the applied decision's, or the fallback (Gloo)."""
         return self.pins.get(index, self.applied.get(index, GLOO))
 
     def observe(self, index: int, buf: torch.Tensor, residual: torch.Tensor | None) -> None:
-        """Measure this rank's bucket ``index`` before it is sent (its gradient, its residual)."""
-        if self.step_started is None:
-            self.step_started = time.perf_counter()
-        x = buf.detach().reshape(-1).to("cpu", torch.float32).numpy()
-        r = None if residual is None else residual.detach().to("cpu").numpy()
-        self.layout[index] = Bucket(bucket_name(index), x.size, str(buf.dtype).removeprefix("torch."))
-        # the spread is measured against this step's mean, which done() fills in (module docstring)
-        self.stats[index] = measure(x, self.world, residual=r, key=self.key)
+        """Measure this rank's bucket ``index`` before it is sent (its gradient, its residual), on a measured
+        step."""
+        if self.step_started is None:  # the step's first bucket: the last step's allreduces have all ended
+            self.step_started, self.timing = time.perf_counter(), Timing()
+        self.layout[index] = Bucket(bucket_name(index), buf.numel(), str(buf.dtype).removeprefix("torch."))
+        if self.measuring:  # the spread is measured against this step's mean, which done() fills in
+            x = buf.detach().reshape(-1).to("cpu", torch.float32).numpy()
+            r = None if residual is None else residual.detach().to("cpu").numpy()
+            self.stats[index] = measure(x, self.world, residual=r, key=self.key)
 
     def done(self, index: int, result: torch.Tensor, bits: float, seconds: float, aggregated: bool) -> None:
         """Bucket ``index``'s allreduce finished: its mean ``result``; it sent ``bits`` in ``seconds``, through
         the aggregator if ``aggregated``."""
-        mean = result.detach().reshape(-1).to("cpu", torch.float64)
-        self.stats[index][MEAN_NORM_SQ] = float(mean @ mean) / self.world
+        if index in self.stats:
+            mean = result.detach().reshape(-1).to("cpu", torch.float64)
+            self.stats[index][MEAN_NORM_SQ] = float(mean @ mean) / self.world
         t = self.timing
         t.bits, t.seconds = t.bits + bits, t.seconds + seconds
         if aggregated:
@@ -201,11 +203,13 @@ class AutoCodec:
         return Measured(link, aggregator, max(0.0, elapsed - t.seconds))
 
     def end_step(self) -> Decision | None:
-        """At the step's last bucket, once its allreduces are done, at every rank: share the statistics, decide,
-        apply the verified decision."""
+        """At the step's last bucket, at every rank: on a measured step, once its allreduces are done, share the
+        statistics, decide, apply the verified decision."""
         buckets = [self.layout[i] for i in sorted(self.layout)]
+        measured = self.measuring
         self.steps += 1
-        if self.steps == 1:  # DDP's first step has provisional buckets, rebuilt after it: the tuner starts after
+        # DDP's first step has provisional buckets, rebuilt after it: the tuner starts after it
+        if self.steps == 1 or not measured:
             self._next_step()
             return None
         if self.tuner is None or self.tuner.buckets != buckets:  # the first step, or DDP rebuilt its buckets
@@ -217,6 +221,7 @@ class AutoCodec:
         slots[self.rank] = tuner.last_digest  # 48 bits: exact in float64
         shared = self.allreduce_sum(torch.from_numpy(np.concatenate([local, slots]))).numpy()
         decision = tuner.decide(shared[:local.size])
+        self.decisions, self.fallbacks = self.decisions + 1, self.fallbacks + decision.fallback
         ranks = divergent_ranks([int(d) for d in shared[local.size:]])
         if ranks:
             decision.warnings.append(f"tuner: ranks {ranks} decided differently from the others' last decision")
@@ -228,21 +233,28 @@ class AutoCodec:
         verified = None if tuner.diverged else self.pending
         self.pending = None if tuner.diverged else decision
         if tuner.diverged:  # every rank sees the same sum, so every rank falls back here
-            self.applied = {}
+            self._use({})
         elif verified is not None:
             self._apply(verified)
         self._next_step()
         return verified
 
     def _next_step(self) -> None:
-        self.layout, self.stats, self.timing, self.step_started = {}, {}, Timing(), None
+        self.layout, self.stats, self.step_started = {}, {}, None
 
     def _apply(self, decision: Decision) -> None:
         applied = {int(name.removeprefix("bucket")): c.codec for name, c in decision.choices.items()}
         if applied != self.applied:  # once per change
             reasons = "; ".join(f"{name}: {c.reason}" for name, c in decision.choices.items())
             LOG.info("%s (%s)", decision.line(), reasons)
-        self.applied, self.decision = applied, decision
+        self._use(applied)
+        self.decision = decision
+
+    def _use(self, applied: dict[int, str]) -> None:
+        """Route the buckets by ``applied`` from now on; a change of any bucket's codec is counted."""
+        indices = {*applied, *self.applied}
+        self.changes += any(self.applied.get(i, GLOO) != applied.get(i, GLOO) for i in indices)
+        self.applied = applied
 
     def _tuner(self, buckets: list[Bucket]) -> Tuner:
         missing = sorted(set(self.pins) - {int(b.name.removeprefix("bucket")) for b in buckets})

@@ -45,6 +45,9 @@ class IntmlConfig:
     token: str = ""  # INTML_TOKEN: the job's shared secret, one the aggregator knows (it never goes on the wire)
     codec: str = codec_name(JobParams.codec)  # cnat8 or int32 (summed by a switch), a host codec's name, or auto
     codec_pin: str = ""  # hook, codec auto: "0:int32,3:gloo", DDP bucket index -> codec the tuner keeps (auto.py)
+    tuner_every: int = 1  # hook, codec auto: the tuner measures, shares and decides every K-th step (measuring costs)
+    metrics_port: int | None = None  # hook, codec auto: the tuner's Prometheus metrics on port + rank (0: any free)
+    metrics_address: str = "127.0.0.1"  # where the metrics port listens
     job: int | None = None  # job id on the aggregator; None: rank 0 draws one at random and shares it
     seed: int | None = None  # job seed of the stochastic rounding; None: rank 0's from torch's (link.rounding_seed)
     rounding: str = ROUNDINGS[0]  # C_nat's: "stochastic" (unbiased) or "nearest" (deterministic, biased)
@@ -91,6 +94,12 @@ class IntmlConfig:
             raise ValueError(f"INTML_CODEC_PIN pins buckets for the tuner: it needs INTML_CODEC=auto, got "
                              f"{self.codec!r}")
         self.pins()  # raises for a malformed pin
+        if self.metrics_port is not None and (self.codec != AUTO or not 0 <= self.metrics_port < 65536):
+            raise ValueError(f"INTML_METRICS_PORT serves the tuner's metrics: it needs INTML_CODEC=auto and a TCP "
+                             f"port (0: a free one), got {self.metrics_port} with {self.codec!r}")
+        if self.tuner_every < 1:
+            raise ValueError(f"INTML_TUNER_EVERY must be >= 1 (steps between the tuner's decisions), got "
+                             f"{self.tuner_every}")
         if self.codec == AUTO and self.rounding != ROUNDINGS[0]:
             raise ValueError(f"INTML_ROUNDING={self.rounding} cannot go with INTML_CODEC=auto: the tuner's variance "
                              f"model is stochastic rounding's (unbiased)")

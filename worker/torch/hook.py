@@ -55,15 +55,24 @@ class IntmlHookState(AggregatorLinked):
         if config.codec == AUTO and self.link is not None:
             # the statistics' sample key: the start-up job's id, the same at every rank
             self.auto = AutoCodec(self.rank, self.world_size, self.link.worker.job, config.pins(),
-                                  config.error_feedback, self._shared_sum)
+                                  config.error_feedback, self._shared_sum, config.tuner_every)
             self.links[SWITCH_CODECS[0]] = self.link
+        self.metrics = None  # auto with INTML_METRICS_PORT: the tuner's Prometheus endpoint (worker.torch.metrics)
+        if self.auto is not None and config.metrics_port is not None:
+            from intml.worker.torch import metrics
+
+            self.metrics = metrics.serve(self.auto, config.metrics_address,
+                                         config.metrics_port + self.rank if config.metrics_port else 0)
         codec = config.host_codec() if config.codec != AUTO else None
         # powersgd<r>: two allreduces of factors per bucket (worker.torch.lowrank), keyed by the job id
         self.low_rank = (LowRankBuckets(codec.rank, self.link.worker.job)
                          if isinstance(codec, PowerSGD) and self.link is not None else None)
 
     def close(self) -> None:
-        """Leave the aggregator's jobs (also done at interpreter exit)."""
+        """Leave the aggregator's jobs (also done at interpreter exit), and stop serving metrics."""
+        if self.metrics is not None:
+            self.metrics.shutdown()
+            self.metrics.server_close()
         for link in self.links.values():
             if link is not None and link is not self.link:
                 link.close()
@@ -91,8 +100,8 @@ class IntmlHookState(AggregatorLinked):
         if self.auto is not None and reason is None:
             self.tuned.append(fut)
         if self.auto is not None and bucket.is_last() and self.auto.layout:
-            for pending in self.tuned:  # the step's means (DDP waits for them at the end of backward anyway)
-                pending.wait()
+            for pending in self.tuned if self.auto.measuring else ():  # the step's means (DDP waits for them at
+                pending.wait()  # the end of backward anyway)
             self.tuned = []
             self.auto.end_step()  # the statistics of the step's buckets, shared; the next codecs decided
         return fut

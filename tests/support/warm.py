@@ -1,0 +1,70 @@
+"""Compile the kernels that most test files share, once, before the test workers start.
+
+On a cold Numba cache (a fresh clone) each xdist worker, and each aggregator that a test starts meanwhile, compiled
+the data plane's kernels for itself: ``process_burst`` alone costs about 35 s of CPU per process. Two children
+compile disjoint halves into Numba's cache (``cache=True`` kernels), one per core; every process after them loads
+the machine code from the cache. ``tests/conftest.py`` runs ``warm_cache`` in the xdist controller.
+
+``python -m support.warm aggregator|worker``, in tests/, runs one half.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HALVES = ("aggregator", "worker")
+
+
+def aggregator() -> None:
+    """The switch-side kernels: the data plane (process_burst, burstio), the leaf and spine kernels, host mode."""
+    from support.harness import Network, agg_addr
+
+    from intml.aggregator.dataplane import warm_up
+    from intml.aggregator.leafspine import SpineCore, leaf_core
+    from intml.protocol.burst import Burst
+    from intml.protocol.packet import HDR
+
+    warm_up(64, 64)
+    junk = Burst.rows_of(1, HDR)  # a datagram that no job owns: each kernel compiles, drops it and counts it
+    junk.fill([(bytes(HDR), agg_addr(1))])
+    leaf_core(rows=2, max_elements=8).datapath.process(junk, 0.0)
+    SpineCore(rows=2, max_elements=8).process(junk, 0.0)
+    Network(2, codec="uniform8", packet_elements=64, pool_size=2).allreduce([np.ones(100, np.float32)] * 2)
+
+
+def worker() -> None:
+    """The worker's engine kernels (start, receive, timer) for the switch codecs."""
+    from support.harness import agg_addr, engine_receive, engine_start, engine_timer
+
+    from intml.protocol.codec import Codec
+    from intml.protocol.packet import HDR
+    from intml.worker.engine import StreamEngine
+
+    for codec in (Codec.CNAT8, Codec.INT32):
+        engine = StreamEngine(job=1, rank=0, world_size=2, codec=codec, packet_elements=64, pool_size=2, seed=1,
+                              agg_addrs=[agg_addr()], rto=0.02, min_rto=0.005, max_rto=1.0)
+        engine_start(engine, np.ones(300, np.float32), 0.0)
+        engine_receive(engine, [(bytes(HDR), agg_addr())], 0.0)
+        engine_timer(engine, 1.0)
+
+
+def warm_cache() -> str:
+    """Run both halves, each in its own child, and wait for them. Returns a line for the session's header."""
+    start = time.monotonic()
+    tests = Path(__file__).resolve().parents[1]
+    children = [subprocess.Popen([sys.executable, "-m", "support.warm", half], cwd=tests, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE, text=True) for half in HALVES]
+    failed = [f"{half}: {child.communicate()[1].strip().splitlines()[-1:]}"
+              for half, child in zip(HALVES, children) if child.wait() != 0]
+    if failed:  # the tests then compile what they need themselves (slower, not wrong): say why
+        return f"Numba cache warm-up failed ({'; '.join(failed)})"
+    return f"Numba cache warmed in {time.monotonic() - start:.1f} s (tests/support/warm.py)"
+
+
+if __name__ == "__main__":
+    {"aggregator": aggregator, "worker": worker}[sys.argv[1]]()
