@@ -16,6 +16,7 @@ import time
 import numpy as np
 import uvloop
 
+from intml.aggregator.congestion import deep_queue, mark_results
 from intml.aggregator.core import AggregatorCore
 from intml.aggregator.datapath import job_name
 from intml.aggregator.slots import result_width
@@ -41,11 +42,15 @@ class DataPlane:
 
     def on_readable(self) -> None:
         """The data plane first: every burst waiting (up to BURSTS_PER_WAKEUP) is received, aggregated and its
-        results sent; only then does the control plane answer the control datagrams the kernel admitted."""
+        results sent, marked if a full burst left a deep queue behind (aggregator.congestion); only then does the
+        control plane answer the control datagrams the kernel admitted."""
         for _ in range(BURSTS_PER_WAKEUP):
-            if self.io.recv_burst() == 0:
+            n = self.io.recv_burst()
+            if n == 0:
                 break
-            self.io.send(self.core.receive(self.io.rx, time.monotonic()))
+            tx = self.core.receive(self.io.rx, time.monotonic())
+            mark_results(tx, n == self.io.burst and deep_queue(self.io.sock))
+            self.io.send(tx)
         if self.io.pending and not self._return_scheduled:  # datagrams already read (GRO) do not make the socket
             self._return_scheduled = True  # readable: come back for them, once (the reader's calls must not
             asyncio.get_running_loop().call_soon(self._come_back)  # each start another chain of returns)
@@ -88,15 +93,16 @@ class DataPlane:
 
 def warm_up(max_elements: int, burst: int) -> None:
     """Compile (or load from Numba's cache) every kernel the data plane runs, so that the first packet is
-    answered at once: a throwaway core takes a JOIN and a completing DATA packet of each codec, and a loopback
-    BurstSocket sends and receives one burst, with and without GRO (burstio's send and receive kernels)."""
+    answered at once: a throwaway core takes a JOIN and a completing DATA packet of each codec (its results marked),
+    and a loopback BurstSocket sends and receives one burst, with and without GRO (burstio's send and receive
+    kernels)."""
     core = AggregatorCore(rows=2 * len(CODEC_NAMES), max_elements=max_elements, burst=burst)  # open mode: token ""
     member = 0x7F000001 << 16 | 1  # 127.0.0.1:1, never sent to
 
     def receive(datagram: bytes) -> list[tuple[bytes, int]]:
         rx = Burst.rows_of(1, len(datagram))
         rx.fill([(datagram, member)])
-        core.receive(rx, 0.0)
+        mark_results(core.receive(rx, 0.0), False)
         return core.take_replies()
 
     for job, codec in enumerate(CODEC_NAMES.values(), start=1):

@@ -28,7 +28,7 @@ import numpy as np
 from intml.protocol.packet import HDR
 from intml.sim.models import Net, in_network
 from intml.sim.network import WIRE_OVERHEAD
-from intml.worker.retransmit import FAST_RETRANSMIT
+from intml.worker.state import FAST_RETRANSMIT
 
 COLUMNS = ("workers", "loss", "pool", "rto", "rounds_retried", "slot_p50_us", "slot_p99_us", "allreduce_p50_ms",
            "allreduce_p99_ms", "lossless_ms")

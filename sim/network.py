@@ -11,7 +11,10 @@ model it handles each arrival at once.
 
 The ``Switch`` forwards by destination address and hands the datagrams addressed to its aggregator to an
 ``Aggregator``: the real ``AggregatorCore``s (``CoreAggregator``) or, later, the P4 pipeline model; the switch
-needs only that small interface. Multicast groups replicate a datagram to every member port.
+needs only that small interface. Multicast groups replicate a datagram to every member port. A software
+aggregator's receive queue can be bounded (``rx_queue``: a socket's receive buffer, in datagrams; what does not fit
+is dropped, ``rx_drops``), and the results of a burst read from ``mark_depth`` or more waiting datagrams carry the
+congestion mark, as aggregator.dataplane marks them (aggregator.congestion; docs/window.md).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Protocol
 
 import numpy as np
 
+from intml.aggregator.congestion import mark_results
 from intml.aggregator.core import AggregatorCore
 from intml.protocol.burst import Burst
 from intml.protocol.packet import HDR
@@ -314,8 +318,9 @@ class Aggregator(Protocol):
 
     addrs: list[int]
 
-    def receive(self, datagrams: list[Datagram], now: float) -> list[Datagram]:
-        """Handle a burst of datagrams addressed to it; returns those it sends (payload, its address, dest)."""
+    def receive(self, datagrams: list[Datagram], now: float, congested: bool | None = None) -> list[Datagram]:
+        """Handle a burst of datagrams addressed to it; returns those it sends (payload, its address, dest), their
+        results' congestion mark set or cleared as ``congested`` says (None: left as the data path wrote them)."""
 
     def elements(self, datagrams: list[Datagram]) -> int:
         """The elements a burst carries (for the cost model)."""
@@ -339,7 +344,7 @@ class CoreAggregator:
         self._rx = [Receiver(width) for _ in cores]
         self._copy = [Copier() for _ in cores]
 
-    def receive(self, datagrams: Sequence[Datagram], now: float) -> list[Datagram]:
+    def receive(self, datagrams: Sequence[Datagram], now: float, congested: bool | None = None) -> list[Datagram]:
         if len(self.cores) == 1:
             by_core = {0: datagrams}
         else:
@@ -349,7 +354,10 @@ class CoreAggregator:
         out: list[Datagram] = []
         for i in sorted(by_core):
             core, addr = self.cores[i], self.addrs[i]
-            out += self._copy[i](core.receive(self._rx[i].fill(by_core[i]), now), addr)
+            tx = core.receive(self._rx[i].fill(by_core[i]), now)
+            if congested is not None:
+                mark_results(tx, congested)
+            out += self._copy[i](tx, addr)
             out += [(p, addr, dst) for p, dst in core.take_replies()]
         return out
 
@@ -373,10 +381,15 @@ class Switch:
     """Ports (a downlink per attached address), multicast groups, and an aggregator behind its pipeline."""
 
     def __init__(self, sim: Simulator, aggregator: Aggregator | None, costs: SwitchCosts = SwitchCosts(),
-                 machine: Machine | None = None) -> None:
+                 machine: Machine | None = None, *, rx_queue: int | None = None,
+                 mark_depth: int | None = None) -> None:
         """``aggregator``: None for a plain switch (TCP baselines); ``machine``: the aggregator's process shares
-        that machine's CPUs (a software aggregator)."""
+        that machine's CPUs (a software aggregator). ``rx_queue``: the datagrams that may wait for the aggregator
+        (None: any number); ``mark_depth``: the results of a burst of that many datagrams or more are marked
+        congested (None: never)."""
         self.sim, self.aggregator, self.costs = sim, aggregator, costs
+        self.rx_queue, self.mark_depth = rx_queue, mark_depth
+        self.rx_drops = 0
         self.ports: dict[int, Link] = {}
         self.groups: dict[int, list[int]] = {}
         self._fan: dict[int, tuple[list[int], list[Link]]] = {}
@@ -395,6 +408,10 @@ class Switch:
             for d in datagrams:
                 if d[2] not in agg:
                     self.forward(d, at)
+        if to_agg and self.rx_queue is not None:
+            room = self.rx_queue - sum(map(len, self.cpu.queue))
+            self.rx_drops += max(0, len(to_agg) - room)
+            to_agg = to_agg[:max(0, room)]
         if to_agg:
             self.cpu.submit(to_agg, now)
 
@@ -402,7 +419,9 @@ class Switch:
         c = self.costs
         cost = c.per_packet * len(datagrams) + (c.per_element * self.aggregator.elements(datagrams)
                                                 if c.per_element else 0.0)
-        out = self.aggregator.receive(datagrams, now)
+        depth = self.mark_depth
+        out = (self.aggregator.receive(datagrams, now) if depth is None
+               else self.aggregator.receive(datagrams, now, len(datagrams) >= depth))
         if c.forward:  # each copy a multicast group replicates crosses its own veth pair
             groups = self.groups
             cost += c.forward * sum(len(groups[d[2]]) if d[2] in groups else 1 for d in out)

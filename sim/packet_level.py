@@ -52,6 +52,9 @@ class PacketRun:
     queue_bytes: int = 1 << 20
     loss: float = 0.0  # per link direction
     ecn_bytes: int | None = None
+    rx_queue: int | None = None  # the datagrams that may wait for the aggregator (its socket's buffer); None: any
+    mark_depth: int | None = None  # results of a burst read from this many waiting datagrams are marked congested
+    # (aggregator.congestion; docs/window.md); None: never
     packet_elements: int | None = None  # default: the largest for the MTU
     pool: int = 64
     rounds: int = 1
@@ -109,6 +112,7 @@ class PacketResult:
     counters: dict = field(default_factory=dict)
     cpu_seconds: dict = field(default_factory=dict)  # CPU work charged: hosts (all), software aggregator
     loop_cpu: float = 0.0  # seconds of this process's CPU time in the event loop (the machine may be shared)
+    rx_drops: int = 0  # datagrams the aggregator's full receive queue dropped (``rx_queue``)
 
 
 def simulate(run: PacketRun) -> PacketResult:
@@ -130,7 +134,8 @@ def simulate(run: PacketRun) -> PacketResult:
                     results_group=GROUP if run.multicast else None, random_bytes=lambda k: secret.bytes(k))
         switch_costs = replace(SOFTWARE_AGGREGATOR, forward=forward) if software else asic(run.passes)
         switch = Switch(sim, CoreAggregator([core], [AGG_ADDR], _rx_width(params), codecs.BY_ID[params.codec].WIDTH),
-                        switch_costs, machine if software else None)
+                        switch_costs, machine if software else None, rx_queue=run.rx_queue,
+                        mark_depth=run.mark_depth)
         topology = Topology(edge=[switch] * n, aggregator=[AGG_ADDR] * n, switches=[switch])
     costs: HostCosts = replace(HOST_COSTS[run.codec] if run.host_costs else FREE_HOST, forward=forward)
     timers = WorkerTimers(rto=run.rto, min_rto=run.min_rto)
@@ -205,7 +210,7 @@ def simulate(run: PacketRun) -> PacketResult:
         loop=time.perf_counter() - loop, counters=counters,
         cpu_seconds={"hosts": sum(h.cpu.busy for h in hosts),
                      "aggregator": topology.switches[0].cpu.busy if software else 0.0},
-        loop_cpu=loop_cpu)
+        loop_cpu=loop_cpu, rx_drops=sum(sw.rx_drops for sw in topology.switches))
     if run.check:
         expected = reference.allreduce(xs, codec=run.codec, seed=run.seed, allreduce_seq=run.rounds - 1,
                                        packet_elements=run.packet_elements, rounding=run.rounding)

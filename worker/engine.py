@@ -86,7 +86,16 @@ from intml.protocol.packet import (
 from intml.protocol.job import WorkerTimers
 from intml.protocol.rng import derive_key
 from intml.protocol.siphash import put_tag, tag_ok
-from intml.protocol.wire import MAGIC, OWNERS_SHIFT, TAG_SIZE, VERSION, MsgType, element_datagram_size
+from intml.protocol.wire import (
+    CONGESTED,
+    MAGIC,
+    OWNERS_SHIFT,
+    SHADOW_SET,
+    TAG_SIZE,
+    VERSION,
+    MsgType,
+    element_datagram_size,
+)
 from intml.worker.retransmit import (
     T_RTO,
     arm,
@@ -100,11 +109,13 @@ from intml.worker.retransmit import (
     timing_state,
 )
 from intml.worker.state import (
+    CONGESTION_MARKS,
     DROP_BAD_MAC,
     DROP_FOREIGN,
     DROP_MALFORMED,
     DROP_STALE,
     DROP_UNSENT,
+    HELD,
     IDLE,
     NONFINITE,
     PACKETS_IN,
@@ -136,6 +147,7 @@ from intml.worker.state import (
     State,
     queue_slot,
 )
+from intml.worker.window import W_CWND, on_mark, window_limit, window_state
 
 EXACT = np.uint32(PRECODED | 0x7FFFFFFF)  # low word of codes encoded at their agreed floor (nothing underflows)
 
@@ -269,20 +281,56 @@ def _build(st, s, c, now):
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def start_kernel(state, now, tx_ptr, tx_len, tx_addr):
-    """Send every slot's bootstrap chunk. Returns the number of datagrams written (the window)."""
+    """Send every slot's bootstrap chunk the send window admits. Returns the number of datagrams written."""
     st = State(*state)
     window = st.params[P_WINDOW]
     restart_silences(st.silence, now)
     for d in range(window):  # the bootstrap packets carry chunks 0..window-1's exponents
         _precode(st, d)
     for s in range(window):
-        _build(st, s, s - window, now)
-        queue_slot(st, s, tx_ptr, tx_len, tx_addr, s)
-    return window
+        hold(st, s, s - window)
+    return release(st, now, tx_ptr, tx_len, tx_addr, 0)
 
 
-# ---- the receive pipeline's stages, in datagram order: validate the header, classify the result against its
-# slot, validate it against the chunk, decode the sum, take the result (RTT, shadow set), advance the slot.
+@njit(inline="always")
+def hold(st, s, c):
+    """Slot s's next chunk is c: held until the send window admits it (release), no timer meanwhile."""
+    st.cur_chunk[s] = HELD
+    st.parked[s] = c
+    disarm(st, s)
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def release(st, now, tx_ptr, tx_len, tx_addr, n_tx):
+    """Build and queue the held slots' chunks the send window admits now (worker.window), lowest chunk first:
+    while fewer slots than the window are in flight, and in any case the lowest chunk held if it is lower than
+    every chunk in flight. Returns the new tx count."""
+    window = st.params[P_WINDOW]
+    limit = window_limit(st.window, window)
+    in_flight, lowest = 0, np.iinfo(np.int64).max
+    for s in range(window):
+        c = st.cur_chunk[s]
+        if c != IDLE and c != HELD:
+            in_flight += 1
+            lowest = min(lowest, st.parked[s] if c == PARKED else c)
+    while True:
+        pick = -1
+        for s in range(window):
+            if st.cur_chunk[s] == HELD and (pick < 0 or st.parked[s] < st.parked[pick]):
+                pick = s
+        if pick < 0 or (in_flight >= limit and st.parked[pick] > lowest):
+            return n_tx
+        c = st.parked[pick]
+        in_flight += 1
+        lowest = min(lowest, c)
+        if _build(st, pick, c, now):
+            queue_slot(st, pick, tx_ptr, tx_len, tx_addr, n_tx)
+            n_tx += 1
+
+
+# ---- the receive pipeline's stages, in datagram order: validate the header, take its congestion mark, classify the
+# result against its slot, validate it against the chunk, decode the sum, take the result (RTT, shadow set, send
+# window), advance the slot.
 
 
 @njit(inline="always")
@@ -291,6 +339,12 @@ def validate_header(p, length):
     if length < HDR or get_u16(p, O_MAGIC) != MAGIC or p[O_VERSION] != VERSION or p[O_TYPE] != MsgType.RESULT:
         return DROP_MALFORMED
     return -1
+
+
+@njit(inline="always")
+def congestion_mark(p):
+    """Whether a well-formed result carries the aggregator's congestion mark (protocol.wire.CONGESTED)."""
+    return (p[O_SHADOW] & CONGESTED) != 0
 
 
 @njit(inline="always")
@@ -303,7 +357,7 @@ def classify_result(prm, parity, cur_chunk, agg_addr, p, addr):
     if get_u32(p, O_JOB) != prm[P_JOB] or s >= parity.size or addr != agg_addr[s % prm[P_CORES]]:
         return DROP_FOREIGN
     if (get_u32(p, O_ALLREDUCE) != prm[P_ALLREDUCE] or s >= prm[P_WINDOW] or get_i32(p, O_CHUNK) != cur_chunk[s]
-            or np.int64(p[O_SHADOW]) != parity[s]):
+            or np.int64(p[O_SHADOW] & SHADOW_SET) != parity[s]):
         return DROP_STALE
     return -1
 
@@ -316,7 +370,11 @@ def authenticate(prm, keys, p, length):
     if keys.shape[0] == 0:
         return length
     k = get_u16(p, O_SLOT) % prm[P_CORES]
-    return length - TAG_SIZE if tag_ok(p, length, keys[k, 0], keys[k, 1]) else -1
+    mark = p[O_SHADOW] & CONGESTED  # the tag covers the header without its congestion mark: checked without it
+    p[O_SHADOW] ^= mark  # (and the datagram left as it came: a simulator's ranks share a multicast result's copy)
+    ok = tag_ok(p, length, keys[k, 0], keys[k, 1])
+    p[O_SHADOW] |= mark
+    return length - TAG_SIZE if ok else -1
 
 
 @njit(inline="always")
@@ -393,13 +451,24 @@ def take_result(st, s, now):
 
 
 @njit(inline="always")
+def count_mark(st, marked):
+    """Tell the send window whether the result just taken was marked congested."""
+    st.stats[CONGESTION_MARKS] += marked
+    on_mark(st.window, marked, st.parity.size)
+
+
+@njit(inline="always")
 def advance(st, s, c, next_exp, now, tx_ptr, tx_len, tx_addr, n_tx):
     """Queue slot s's next chunk, c + window, to be encoded against next_exp (or leave the slot idle if there is
-    none); returns the new tx count."""
+    none; or hold it while the send window is smaller than the pool: release decides after the burst); returns the
+    new tx count."""
     prm = st.params
     nxt = c + prm[P_WINDOW]
     if nxt < prm[P_CHUNKS]:
         st.agreed_exp[nxt] = next_exp
+        if window_limit(st.window, prm[P_WINDOW]) < prm[P_WINDOW]:
+            hold(st, s, nxt)
+            return n_tx
         if not _build(st, s, nxt, now):
             return n_tx  # parked
         queue_slot(st, s, tx_ptr, tx_len, tx_addr, n_tx)
@@ -424,7 +493,9 @@ def receive_kernel(state, rx_data, rx_len, rx_addr, n_rx, now, tx_ptr, tx_len, t
         p = rx_data[i]
         length = rx_len[i]
         drop = validate_header(p, length)
+        marked = False
         if drop < 0:
+            marked = congestion_mark(p)
             drop = classify_result(prm, st.parity, st.cur_chunk, st.agg_addr, p, rx_addr[i])
             if drop < 0 and taken[get_u16(p, O_SLOT)]:
                 drop = DROP_UNSENT
@@ -444,7 +515,9 @@ def receive_kernel(state, rx_data, rx_len, rx_addr, n_rx, now, tx_ptr, tx_len, t
         s = get_u16(p, O_SLOT)
         taken[s] = True
         take_result(st, s, now)
+        count_mark(st, marked)
         n_tx = advance(st, s, c, get_i8(p, O_NEXT_EXP), now, tx_ptr, tx_len, tx_addr, n_tx)
+    n_tx = release(st, now, tx_ptr, tx_len, tx_addr, n_tx)
     return fast_retransmit(st, now, tx_ptr, tx_len, tx_addr, n_tx)
 
 
@@ -496,6 +569,7 @@ class StreamEngine:
         self.pool_size = pool_size
         self.timing = timing_state(rto, min_rto, max_rto)
         self.silence = silence_state(len(agg_addrs))
+        self.window = window_state(pool_size)
         self.params = np.zeros(PARAMS, np.int64)
         self.params[[P_JOB, P_RANK, P_WORLD, P_VBITS, P_CODEC, P_PKT, P_CORES]] = (
             job, rank, world_size, value_bits(world_size), int(self.codec), packet_elements, len(agg_addrs))
@@ -643,7 +717,7 @@ class StreamEngine:
             packet_len=np.zeros(self.pool_size, np.int64), agg_addr=self.agg_addr, stats=self.stats,
             timing=self.timing, low=low, sent=sent, mac_keys=self.mac_keys, codes=codes,
             parked=np.full(self.pool_size, IDLE, np.int64), silence=self.silence, x16=x16, out16=out16,
-            scratch=self.scratch)
+            scratch=self.scratch, window=self.window)
         self._args = tuple(self.state)
         tx = self.tx
         n = start_kernel(self._args, now, tx.ptr, tx.length, tx.addr) if window else 0
@@ -702,7 +776,8 @@ class StreamEngine:
         """Chunks 0 .. completed() - 1 have their results (the others may too): every slot sends its chunks in
         order, so all chunks below the lowest one a slot still waits for are done."""
         st = self.state
-        waiting = np.where(st.cur_chunk == PARKED, st.parked, st.cur_chunk)[st.cur_chunk != IDLE]
+        waiting = np.where((st.cur_chunk == PARKED) | (st.cur_chunk == HELD), st.parked, st.cur_chunk)[
+            st.cur_chunk != IDLE]
         return int(self.params[P_CHUNKS]) if waiting.size == 0 else max(0, int(waiting.min()))
 
     def receive(self, rx: Burst, now: float) -> Burst:
@@ -749,3 +824,8 @@ class StreamEngine:
     def rto(self) -> float:
         """The current adaptive retransmission timeout, seconds."""
         return float(self.timing[T_RTO])
+
+    @property
+    def send_window(self) -> float:
+        """The current send window, in slots (worker.window; the pool: no limit)."""
+        return float(self.window[W_CWND])

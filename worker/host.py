@@ -69,6 +69,7 @@ from intml.worker.state import (
     State,
     queue_slot,
 )
+from intml.worker.window import window_state
 
 NO_PACKAGE = np.frombuffer(b"", np.uint8)  # take_kernel's package of a slot falling idle (typed as encode's)
 
@@ -194,14 +195,15 @@ class HostStreamEngine:
         self._sent: np.ndarray | None = None
         self._mean = False
         f32, i64, u8, u16 = (np.empty(0, t) for t in (np.float32, np.int64, np.uint8, np.uint16))
-        # worker.state's State, the arrays worker.retransmit reads (the others empty, typed as StreamEngine's)
+        # worker.state's State, the arrays worker.retransmit reads (the others empty, typed as StreamEngine's; the send
+        # window the whole pool, never marked: host mode keeps its pool in flight)
         self._args = tuple(State(
             params=self.params, x=f32, out=f32, local_exp=i64, agreed_exp=i64, cur_chunk=self.cur_chunk,
             parity=self.parity, sent_at=np.zeros(pool_size), rto=np.zeros(pool_size),
             retries=np.zeros(pool_size, np.int64), overtaken=np.zeros(pool_size, np.int64), packet=self.packet,
             packet_len=self.packet_len, agg_addr=self.agg_addr, stats=self.stats, timing=self.timing,
             low=np.empty(0, np.uint32), sent=f32, mac_keys=self.mac_keys, codes=u8, parked=i64,
-            silence=self.silence, x16=u16, out16=u16, scratch=f32))
+            silence=self.silence, x16=u16, out16=u16, scratch=f32, window=window_state(pool_size)))
 
     def resume(self, allreduce: int, shadow_sets: np.ndarray) -> None:
         """As StreamEngine.resume: the next ``start`` is allreduce ``allreduce``, slot s uses ``shadow_sets[s]``."""

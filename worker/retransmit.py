@@ -17,7 +17,9 @@ driver.
   timer did) multiplied a silence of k RTOs by the window, into the queue of the aggregator it waited on.
 * A core whose last answer was to a retransmission is alive and was not waiting for a peer (a late peer's slots
   complete together, so a probe's answer comes with the other slots' results, not retransmitted): the slots sent
-  before that answer are due SRTT after it, all at once, as losses at the end of a stream need.
+  before that answer are due SRTT after it, all at once, as losses at the end of a stream need; at most the send
+  window's worth of them (worker.window: all, unless the aggregator marked congestion), so that a congested
+  aggregator's drops are not resent in one burst that its full queue drops again.
 * A result of a retransmitted slot that comes sooner than the fastest round trip seen after the retransmission
   answers the original: counted as spurious_retransmissions.
 """
@@ -29,6 +31,7 @@ from numba import njit
 
 from intml.worker.state import (
     FAST_RETRANSMISSIONS,
+    FAST_RETRANSMIT,
     IDLE,
     P_CORES,
     P_WINDOW,
@@ -37,8 +40,8 @@ from intml.worker.state import (
     State,
     queue_slot,
 )
+from intml.worker.window import window_limit
 
-FAST_RETRANSMIT = 3  # results of later-sent slots that mark a slot as lost
 # timing (float64): smoothed RTT, RTT variance, current RTO, min RTO, max RTO, fastest round trip seen
 T_SRTT, T_RTTVAR, T_RTO, T_MIN, T_MAX, T_FLOOR = range(6)
 # silence (float64): (cores, 3), per aggregator core: since when it is silent (the allreduce's start, its last
@@ -158,8 +161,9 @@ def _deadline(st, s):
 @njit(cache=True, nogil=True, boundscheck=False)
 def timer_kernel(state, now, tx_ptr, tx_len, tx_addr):
     """On each silent aggregator core with slots due, retransmit the earliest due one (the probe; of slots due
-    at once, the least recently sent, so that they take turns), or every due one if the core's last answer was
-    to a retransmission; restart the core's silence and double its backoff. Returns datagrams written to tx."""
+    at once, the least recently sent, so that they take turns), or every due one (at most the send window's worth)
+    if the core's last answer was to a retransmission; restart the core's silence and double its backoff. Returns
+    datagrams written to tx."""
     st = State(*state)
     n_tx = 0
     cores = st.params[P_CORES]
@@ -173,9 +177,11 @@ def timer_kernel(state, now, tx_ptr, tx_len, tx_addr):
         if first > now or n_tx == tx_len.size:
             continue
         quiet = st.silence[k]
+        budget = window_limit(st.window, st.params[P_WINDOW])
         if quiet[S_ALIVE]:
             for s in range(k, st.params[P_WINDOW], cores):
-                if st.cur_chunk[s] != IDLE and _deadline(st, s) <= now:
+                if st.cur_chunk[s] != IDLE and _deadline(st, s) <= now and budget > 0:
+                    budget -= 1
                     n_tx = _resend(st, s, now, tx_ptr, tx_len, tx_addr, n_tx)
                     st.stats[RETRANSMISSIONS] += 1
         else:

@@ -23,11 +23,14 @@ STAT_NAMES = (
     "spurious_retransmissions",
     "drop_unsent",
     "nonfinite_elements",
+    "congestion_marks",
 )
 (PACKETS_OUT, PACKETS_IN, RETRANSMISSIONS, FAST_RETRANSMISSIONS, RESULTS, DROP_MALFORMED, DROP_FOREIGN, DROP_STALE,
- SATURATED, DROP_BAD_MAC, SPURIOUS, DROP_UNSENT, NONFINITE) = range(len(STAT_NAMES))
+ SATURATED, DROP_BAD_MAC, SPURIOUS, DROP_UNSENT, NONFINITE, CONGESTION_MARKS) = range(len(STAT_NAMES))
+FAST_RETRANSMIT = 3  # results of later-sent slots that mark a slot as lost (worker.retransmit)
 IDLE = np.iinfo(np.int64).min  # cur_chunk of a slot with nothing in flight
 PARKED = IDLE + 1  # cur_chunk of a precoded slot waiting for its chunk's codes (its chunk: State.parked)
+HELD = IDLE + 2  # cur_chunk of a slot whose next chunk (State.parked) the send window holds back (worker.window)
 
 # All engine state the kernels touch, as arrays. Python passes it to the entry kernels as a plain tuple, which
 # Numba types in C (~1 us a call), and they rebuild the namedtuple: Numba types a namedtuple argument on a slow
@@ -35,7 +38,7 @@ PARKED = IDLE + 1  # cur_chunk of a precoded slot waiting for its chunk's codes 
 State = namedtuple(
     "State",
     "params x out local_exp agreed_exp cur_chunk parity sent_at rto retries overtaken packet packet_len agg_addr stats "
-    "timing low sent mac_keys codes parked silence x16 out16 scratch",
+    "timing low sent mac_keys codes parked silence x16 out16 scratch window",
 )
 # params (int64): job, rank, world, value_bits, codec, packet_elements, window, chunks, elements, allreduce, cores,
 #                 seed (as int64 bits), done_chunks, shard elements of a
@@ -50,9 +53,10 @@ PARAMS = 20
 # x16, out16 (uint16): a 16-bit allreduce's input and output bits; else empty
 # scratch (float32, packet_elements): a 16-bit allreduce's one chunk, widened to encode it or decoded to narrow it
 # codes (uint8): precoded, the codes in (each chunk at its own floor) and the result codes out; else empty
-# parked (int64): per slot, the chunk a PARKED slot waits to send
+# parked (int64): per slot, the chunk a PARKED or HELD slot waits to send
 # mac_keys (uint64): (cores, 2), the data key (k0, k1) of each aggregator core; (0, 2) without the DATA/RESULT MAC
 # sent_at, rto, retries, overtaken (per slot), timing and silence: the retransmission policy's (worker.retransmit)
+# window (float64): the send window's (worker.window)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)

@@ -8,7 +8,9 @@ core's silence, a silent core is probed one slot at a time; only the lossy scena
 throughout; and once more when the worker session gained its keepalive timer: an extra timer event reorders float
 additions at equal instants, moving two lossy scenarios' times by at most 5.4e-16 relative, every other field
 unchanged; and when the JOIN grew by its 4-byte codec parameter, which shifts every later instant by nanoseconds
-and so the rounding of the times' differences, by at most 5.6e-16 relative, every other field unchanged). A change to the engine that moves any virtual instant fails here."""
+and so the rounding of the times' differences, by at most 5.6e-16 relative, every other field unchanged; and the
+``congestion_marks`` counter, 0 throughout: no scenario marks). A change to the engine that moves any virtual instant
+fails here."""
 
 from __future__ import annotations
 

@@ -1,0 +1,52 @@
+"""The aggregator's congestion mark (docs/window.md): when a burst is read from a deep receive queue, every RESULT sent
+in answer carries the CONGESTED bit in its shadow byte, and the workers' windows shrink (worker.window).
+
+The queue's depth is the kernel's own account: after a receive that filled its burst, the bytes still queued on the
+socket (SO_MEMINFO's rmem_alloc, datagrams at their true size) against the buffer's size. From a quarter full on,
+the results of that burst are marked: room for a round trip's arrivals before the kernel drops. A receive that did
+not fill its burst emptied the queue: not marked.
+
+A data path never sees the mark (the P4 model, BMv2 and the kernel stay byte-equal): the driver, which reads the
+socket, marks the burst the data path hands back, after the results' MAC (protocol.wire.CONGESTED), as a queue marks
+ECN on a packet's way out. The mark is rewritten on every send, so a stored result that is sent again
+carries the queue's state at that time.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import numpy as np
+from numba import njit
+
+from intml.protocol.burst import Burst
+from intml.protocol.packet import HDR, O_MAGIC, O_SHADOW, O_TYPE, get_u16
+from intml.protocol.wire import CONGESTED, MAGIC, SHADOW_SET, MsgType
+
+MARK_FRACTION = 4  # mark from a quarter of the receive buffer on
+SO_MEMINFO = 55  # Linux: the socket's memory counters, u32 each, rmem_alloc first and rcvbuf second
+_MEMINFO = struct.Struct("=9I")
+
+
+def deep_queue(sock: socket.socket) -> bool:
+    """Whether the datagrams queued on ``sock`` fill a quarter of its receive buffer or more."""
+    rmem_alloc, rcvbuf = _MEMINFO.unpack(sock.getsockopt(socket.SOL_SOCKET, SO_MEMINFO, _MEMINFO.size))[:2]
+    return rmem_alloc * MARK_FRACTION >= rcvbuf
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _mark(flat, base, ptr, length, count, bit):
+    for i in range(count):
+        o = np.int64(ptr[i]) - base
+        if (0 <= o and o + HDR <= flat.size and length[i] >= HDR and flat[o + O_TYPE] == MsgType.RESULT
+                and get_u16(flat, o + O_MAGIC) == MAGIC):
+            flat[o + O_SHADOW] = (flat[o + O_SHADOW] & SHADOW_SET) | bit
+
+
+def mark_results(tx: Burst, congested: bool) -> None:
+    """Set (``congested``) or clear the congestion mark of every RESULT among ``tx``'s rows, in place (rows that
+    point outside its memory, such as the rows of another burst, are left alone)."""
+    if tx.count:
+        _mark(tx.memory.reshape(-1).view(np.uint8), np.int64(tx.memory.ctypes.data), tx.ptr, tx.length, tx.count,
+              np.uint8(CONGESTED if congested else 0))

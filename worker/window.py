@@ -1,0 +1,63 @@
+"""The worker's send window (docs/window.md): how many of its slots a worker keeps in flight, set by the aggregator's
+congestion marks (aggregator.congestion, protocol.wire.CONGESTED) and by nothing else: a loss, a timeout or a late
+round trip never shrinks it, so random loss costs only its retransmissions.
+
+* The slots keep their chunks (chunk c in slot c mod W at every worker): the window holds a slot's next chunk back
+  (the slot HELD, no timer) while as many slots as the window are in flight, and releases held chunks lowest first,
+  the order every worker uses. The lowest chunk held goes anyway if it is lower than every chunk in flight: workers
+  that hold different chunks back can so never wait for each other (the lowest chunk not yet summed is always
+  sendable by every worker), at the cost of one slot over the window for a moment. Limiting the slots in flight,
+  rather than how far past its lowest waiting chunk a worker may send, keeps a lost result from stalling its peers:
+  they go on with their other slots, whose results trigger its fast retransmit.
+* The law is TCP's on ECN (RFC 3168), in slots: a job starts with its whole pool, so that a job that sees no marks
+  runs exactly as without a window (slow start from FLOOR spared 64 workers their first allreduce's overflow, but
+  made a lossy 4-worker job's first allreduce four times slower: docs/window.md). A marked result halves the window
+  (DECREASE), at most once per window's worth of results (a round trip: the marks of one queue reach every worker
+  together), never below FLOOR (nor the pool); each result not marked adds 1 / window (one slot per round trip,
+  up to the pool). DCTCP's gentler cut (by half the
+  marked fraction) let 64 workers' windows outgrow a shallow queue, whose marks come seldom once it drops. A
+  retransmission is sent as before (the window only caps how many slots a core's timer resends at once,
+  worker.retransmit).
+* The window persists over a job's allreduces, as the RTO does, so an allreduce starts with what the previous
+  ones learned.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from intml.worker.state import FAST_RETRANSMIT
+
+DECREASE = 0.5  # the window's cut on a mark
+# the window's floor, in slots: enough for a lost datagram to be overtaken by FAST_RETRANSMIT results and so resent
+# within a round trip; below it every loss waits for a timeout, tens of round trips
+FLOOR = FAST_RETRANSMIT + 1.0
+# window (float64): the window in slots, results taken since its last cut
+W_CWND, W_SINCE = range(2)
+UNLIMITED = np.iinfo(np.int64).max // 2  # the limit of a window of the whole pool: no count of slots reaches it
+
+
+def window_state(pool_size: int) -> np.ndarray:
+    """A job's window before any result: the whole pool; the first mark cuts it."""
+    return np.array([float(pool_size), np.inf])
+
+
+@njit(inline="always")
+def on_mark(window, marked, pool):
+    """A result was taken, ``marked`` congested or not: the window law above, the window at most ``pool``."""
+    window[W_SINCE] += 1.0
+    cwnd = window[W_CWND]
+    if not marked:
+        window[W_CWND] = min(pool, cwnd + 1.0 / cwnd)
+    elif window[W_SINCE] >= cwnd:
+        window[W_CWND] = max(min(FLOOR, pool), cwnd * DECREASE)
+        window[W_SINCE] = 0.0
+
+
+@njit(inline="always")
+def window_limit(window, slots):
+    """How many slots may be in flight: the window's whole slots, or UNLIMITED if it covers all ``slots`` of the
+    allreduce."""
+    limit = np.int64(window[W_CWND])
+    return UNLIMITED if limit >= slots else limit
