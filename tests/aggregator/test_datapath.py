@@ -15,8 +15,8 @@ from intml.aggregator.core import AggregatorCore
 from intml.aggregator.counters import CoreCounters
 from intml.aggregator.datapath import DataPath, Placed, RoundState, Slots, allocate, first_fit
 from intml.aggregator.kernel import KernelDataPath
-from intml.aggregator.slots import process_burst
 from intml.aggregator.leafspine import LeafDataPath, SpineCore
+from intml.aggregator.slots import process_burst
 from intml.p4.controller import controller_entries
 from intml.p4.engine import P4DataPath, p4model_core
 from intml.protocol import keys, wire
