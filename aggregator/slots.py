@@ -402,8 +402,8 @@ def open_round(table, row, x, key, exp, count, next_exp, owners):
 @njit(inline="always")
 def payload_verdict(p, codec, count, exp, vbits):
     """0 if the payload passes the codec's check, 1 if it passes only with non-finite lanes (take_nonfinite, once
-    its set is known), else DROP_INVALID_CODE. The slow check of a payload with non-finite lanes works on a copy:
-    nothing changes before the packet is accepted."""
+    its set is known), else DROP_INVALID_CODE. Nothing changes before the packet is accepted, and nothing is
+    allocated (process_burst runs without Numba's runtime)."""
     if payload_ok(p, codec, count, exp, vbits):
         return 0
     return 1 if nonfinite_ok(p, codec, count, exp, vbits) else DROP_INVALID_CODE
@@ -411,8 +411,7 @@ def payload_verdict(p, codec, count, exp, vbits):
 
 @njit(inline="always")
 def nonfinite_ok(p, codec, count, exp, vbits):
-    scratch = np.zeros(count, np.uint8)
-    return codecs.take_nonfinite(codec, p[HDR:HDR + codecs.width(codec) * count].copy(), exp, vbits, scratch)
+    return codecs.check_nonfinite(codec, p[HDR:HDR + codecs.width(codec) * count], exp, vbits)
 
 
 @njit(inline="always")
@@ -534,7 +533,7 @@ def emit(src, size, dest, out_ptr, out_len, out_addr, n_out):
     return n_out + 1
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
+@njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
 def process_burst(rx_data, rx_len, rx_addr, n_rx, now, job_arrays, table_arrays, batch_arrays,
                   spill, spill_len, out_ptr, out_len, out_addr, control, limiter):
     """Handle received datagrams 0..n_rx-1. Returns (datagrams written to out, control datagrams listed in
@@ -555,7 +554,11 @@ def process_burst(rx_data, rx_len, rx_addr, n_rx, now, job_arrays, table_arrays,
     output must stay valid until the core's next call.
 
     The tables come in as plain tuples, which Numba types in C, and are rebuilt as namedtuples here: a
-    namedtuple argument costs ~40 us of typing per call on Numba's Python path."""
+    namedtuple argument costs ~40 us of typing per call on Numba's Python path.
+
+    It runs without Numba's runtime (``_nrt=False``): it allocates nothing, and the runtime's atomic reference
+    counts on every array view and table field it takes were a third of its time (docs/benchmarks.md, "Where an
+    aggregator core's time goes"). Its copies are therefore loops: a slice assignment may allocate a temporary."""
     jobs = Jobs(*job_arrays)
     table = Table(*table_arrays)
     b = Batch(*batch_arrays)
@@ -631,8 +634,10 @@ def process_burst(rx_data, rx_len, rx_addr, n_rx, now, job_arrays, table_arrays,
             _finish(jobs, table, b, g, rx_data)
             if b.emits[g]:
                 size, cut = table.result_len[row, x], spill.shape[1] - COMPLETION_SIZE
-                spill[n_spill, :size] = table.result[row, x, :size]
-                spill[n_spill, cut:] = table.result[row, x, cut:]  # the header-only completion
+                for c in range(size):  # loops, not slices: see the docstring
+                    spill[n_spill, c] = table.result[row, x, c]
+                for c in range(cut, spill.shape[1]):  # the header-only completion
+                    spill[n_spill, c] = table.result[row, x, c]
                 spill_len[n_spill] = size
                 b.spilled[g] = n_spill
                 n_spill += 1

@@ -54,6 +54,10 @@ medians): with 1024-element packets (1050-byte datagrams) intml takes 0.78 s wit
 1.18 s without; with 8192-element packets 0.226 s and 0.243 s; with the default 64 KiB datagrams, where no run
 fits one GSO entry, the two differ only by this machine's noise.
 
+The kernels allocate nothing and compile without Numba's runtime (``_nrt=False``): the runtime's atomic reference
+counts on each row view they take cost more than their copies (docs/benchmarks.md, "Where an aggregator core's
+time goes"), so no slice assignment here (it may allocate a temporary).
+
 Addresses are plain integers, ``key = (ipv4_host_order_u32 << 16) | port`` (see :func:`addr_key`),
 so they fit in a uint64 array and in numba code.
 
@@ -186,7 +190,7 @@ _NAME_SIZE = _SOCKADDR_IN.itemsize
 _CTL_GSO = _CMSG_HDR // 2  # the UDP_SEGMENT size (u16) in a tx control message, in u16 words
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
+@njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
 def _source(name, i):
     """The address key in sockaddr_in ``i``."""
     ip = np.uint64(0)
@@ -196,7 +200,7 @@ def _source(name, i):
     return (ip << np.uint64(16)) | port
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
+@njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
 def _after_recv(r, msg, iov, name, rx_len, rx_addr, max_packet):
     """Lengths (-1 if truncated) and source keys of r datagrams received into rx rows; re-arm namelen and iov_len."""
     for i in range(r):
@@ -206,7 +210,7 @@ def _after_recv(r, msg, iov, name, rx_len, rx_addr, max_packet):
         iov[i, _IOV_LEN] = max_packet
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
+@njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
 def _gro_size(ctl, e, controllen):
     """The segment size in entry e's UDP_GRO control message (``ctl`` in u32 words), 0 if it has none."""
     p = 0  # in bytes; control messages are 8-byte aligned
@@ -221,7 +225,7 @@ def _gro_size(ctl, e, controllen):
     return 0
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
+@njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
 def _split_gro(r, e, off, row, rows, msg, msg64, name, ctl, buf, rx_data, rx_len, rx_addr, max_packet):
     """Hand out the datagrams of GRO reads e..r-1 (from byte ``off`` of read e) as rx rows ``row..rows-1``: a
     coalesced read is cut at its UDP_GRO segment size; a datagram longer than ``max_packet`` gets length -1, as
@@ -257,7 +261,7 @@ def _split_gro(r, e, off, row, rows, msg, msg64, name, ctl, buf, rx_data, rx_len
     return row, e, off
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
+@njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
 def _plan_send(count, pos, m, gso, order, tx_ptr, tx_len, tx_addr, msg64, iov, name, ctl, first, iov_at, ctl_at):
     """sendmmsg entries m.. for the datagrams at positions ``pos..count-1`` of ``order``; returns the entries' end.
 
@@ -303,7 +307,7 @@ def _plan_send(count, pos, m, gso, order, tx_ptr, tx_len, tx_addr, msg64, iov, n
     return m
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
+@njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
 def _group(count, tx_addr, order, group_key, group_at, group_of):
     """``order``: the datagrams < count grouped by destination, each destination's in their order (a counting sort;
     past ``GROUPS - 1`` distinct destinations, the others share the last group, still in their order)."""
@@ -327,7 +331,7 @@ def _group(count, tx_addr, order, group_key, group_at, group_of):
         group_at[g] += 1
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
+@njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
 def _before_send(count, gso, order, groups, tx_ptr, tx_len, tx_addr, max_packet, msg64, iov, name, ctl, first,
                  iov_at, ctl_at):
     """Plan the sendmmsg entries of datagrams < count (grouped by destination, stably, when ``gso``); returns how

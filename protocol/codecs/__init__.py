@@ -16,6 +16,7 @@ agreed exponent; vbits: s(n) of the job):
                    payload; low and local_exp: precode_chunk's word and exponent proposal for a precoded payload,
                    or 0 and any exponent to encode
     check_payload(payload, exp, vbits) -> bool               the switch's check of a contribution (finite)
+    check_nonfinite(payload, exp, vbits) -> bool             take_nonfinite's check alone, nothing changed
     take_nonfinite(payload, exp, vbits, flags) -> bool       the check of one that failed check_payload: valid
                    with non-finite lanes, whose flags it ORs into the uint8 flags and then zeroes in the payload
     put_nonfinite(payload, flags) -> lanes                   the result's lanes with flags made non-finite
@@ -75,6 +76,13 @@ def check_payload(codec, payload, exp, vbits):
     if codec == cnat8.ID:
         return cnat8.check_payload(payload, exp, vbits)
     return int32.check_payload(payload, exp, vbits)
+
+
+@njit(inline="always")
+def check_nonfinite(codec, payload, exp, vbits):
+    if codec == cnat8.ID:
+        return cnat8.check_nonfinite(payload, exp, vbits)
+    return int32.check_nonfinite(payload, exp, vbits)
 
 
 @njit(inline="always")

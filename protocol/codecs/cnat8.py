@@ -73,11 +73,17 @@ def check_payload(payload, exp, vbits):
 
 
 @njit(inline="always")
+def check_nonfinite(payload, exp, vbits):
+    """take_nonfinite's check alone: whether it would take the payload (nothing changes)."""
+    return codes_in_range_or_nonfinite(payload, data_k_max(exp, vbits))
+
+
+@njit(inline="always")
 def take_nonfinite(payload, exp, vbits, flags):
     """The switch's check of a contribution that failed check_payload: if every code passes it or is a non-finite
     code, flags |= each lane's flags, the non-finite codes become 0 (added as nothing) and True; else False,
     nothing changed."""
-    if not codes_in_range_or_nonfinite(payload, data_k_max(exp, vbits)):
+    if not check_nonfinite(payload, exp, vbits):
         return False
     take_nonfinite_codes(payload, flags)
     return True

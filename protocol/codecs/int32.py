@@ -49,12 +49,26 @@ def check_payload(payload, exp, vbits):
 
 
 @njit(inline="always")
-def take_words(payload, limit, flags):
-    """take_nonfinite with the bound +-limit: a leaf's partial sums (protocol.partial) carry flags the same way."""
+def words_ok(payload, limit):
+    """Every word lies in [-limit, limit] or is reserved (INT32_NONFINITE + flags)."""
     for i in range(payload.size // WIDTH):
         v = load_be32(payload, WIDTH * i)
         if (v < -limit or v > limit) and not (INT32_NONFINITE < v <= INT32_NONFINITE + NAN_FLAGS):
             return False
+    return True
+
+
+@njit(inline="always")
+def check_nonfinite(payload, exp, vbits):
+    """take_nonfinite's check alone: whether it would take the payload (nothing changes)."""
+    return words_ok(payload, np.int64(1) << vbits)
+
+
+@njit(inline="always")
+def take_words(payload, limit, flags):
+    """take_nonfinite with the bound +-limit: a leaf's partial sums (protocol.partial) carry flags the same way."""
+    if not words_ok(payload, limit):
+        return False
     for i in range(payload.size // WIDTH):
         v = load_be32(payload, WIDTH * i)
         if v < -limit:

@@ -10,7 +10,9 @@ import time
 
 import numpy as np
 import pytest
+from numba.core.registry import CPUDispatcher
 
+from intml.burstio import mmsg
 from intml.burstio.mmsg import BurstSocket, addr_key, addr_of
 from intml.protocol.burst import Burst
 
@@ -609,3 +611,9 @@ def test_grouping_by_destination_is_a_stable_sort(distinct: int) -> None:
         rank = {k: r for r, k in enumerate(sorted(first_seen, key=first_seen.get))}
         group = [min(rank[k], GROUPS - 1) for k in addr[:count].tolist()]
         assert order[:count].tolist() == sorted(range(count), key=lambda i: group[i])
+
+
+def test_the_kernels_run_without_numbas_runtime() -> None:
+    """Every burst kernel allocates nothing, so none needs Numba's runtime and its atomic reference counts."""
+    kernels = [f for f in vars(mmsg).values() if isinstance(f, CPUDispatcher)]
+    assert len(kernels) >= 7 and all(f.targetoptions["_nrt"] is False for f in kernels)

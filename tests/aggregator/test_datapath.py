@@ -16,6 +16,7 @@ from intml.aggregator.counters import CoreCounters
 from intml.aggregator.datapath import DataPath, Placed, RoundState, Slots, allocate, first_fit
 from intml.aggregator.kernel import KernelDataPath
 from intml.aggregator.leafspine import LeafDataPath, SpineCore
+from intml.aggregator.slots import process_burst
 from intml.p4.controller import controller_entries
 from intml.p4.engine import P4DataPath, p4model_core
 from intml.protocol import keys, wire
@@ -238,3 +239,9 @@ def test_no_data_path_reaches_into_the_core():
     fits = [p.relative_to(ROOT) for p in sorted(ROOT.glob("*/*.py")) if p.parts[-2] not in (".venv", "tests")
             and any(isinstance(n, ast.FunctionDef) and "first_fit" in n.name for n in _definitions(p))]
     assert fits == [pathlib.Path("aggregator/datapath.py")]
+
+
+def test_the_burst_kernel_runs_without_numbas_runtime() -> None:
+    """process_burst allocates nothing, so it compiles without Numba's runtime: its atomic reference counts cost a
+    third of the kernel's time (docs/benchmarks.md)."""
+    assert process_burst.targetoptions["_nrt"] is False

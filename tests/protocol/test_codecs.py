@@ -31,6 +31,7 @@ from intml.protocol.wire import NO_EXP
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FUNCTIONS = {  # name: parameters, the same in every codec
     "encode_chunk": ("x", "payload", "key", "offset", "exp", "vbits", "low", "local_exp", "stochastic"),
+    "check_nonfinite": ("payload", "exp", "vbits"),
     "take_nonfinite": ("payload", "exp", "vbits", "flags"),
     "put_nonfinite": ("payload", "flags"),
     "check_payload": ("payload", "exp", "vbits"),
@@ -185,6 +186,9 @@ def dispatched_allreduce(codec, xs: list[np.ndarray], *, seed: int, allreduce_se
             finite = np.isfinite(x[lo:lo + count]).all()
             assert bool(codecs.check_payload(cid, data[r], exp, vbits)) == finite
             if not finite:  # the switch's slow check, which ORs the lanes' flags and zeroes them
+                held = data[r].copy()
+                assert codecs.check_nonfinite(cid, data[r], exp, vbits)  # the same check, nothing changed
+                assert data[r].tobytes() == held.tobytes()
                 assert codecs.take_nonfinite(cid, data[r], exp, vbits, flags)
                 assert codecs.check_payload(cid, data[r], exp, vbits)
         acc = np.empty(count, np.int32)
@@ -223,6 +227,8 @@ def test_cnat8_checks_against_the_window() -> None:
                 c in (0, 1, 2, 3) or (bool(c & 0x40) and k <= 31)), hex(c)  # with the non-finite codes
             flags = np.zeros(2, np.uint8)
             payload = np.array([0, c], np.uint8)
+            assert bool(cnat8.check_nonfinite(payload, exp, vbits)) == (ok or c in (1, 2, 3))
+            assert payload.tolist() == [0, c] and not flags.any()
             assert bool(cnat8.take_nonfinite(payload, exp, vbits, flags)) == (ok or c in (1, 2, 3))
             if ok or c in (1, 2, 3):
                 assert flags.tolist() == [0, c if c in (1, 2, 3) else 0] and payload[1] == (0 if c < 4 else c)
@@ -334,3 +340,16 @@ def test_nearest_rounding_is_deterministic_and_the_references(n) -> None:
     low = 2.0 ** np.floor(np.log2(a))
     nearest = np.where(a - low >= low / 2, 2 * low, low)  # the tie 1.5 * 2**b goes up, away from zero
     assert np.array_equal(np.abs(values[sums != 0]), nearest) and values[sums == 0].tolist() == [0.0]
+
+
+def test_int32_check_nonfinite_is_take_nonfinite_without_changes() -> None:
+    """Words within +-2**s or reserved (non-finite) pass, any other word fails; the check changes nothing."""
+    int32, vbits = codecs.int32, 20
+    reserved = int32.INT32_NONFINITE + 1
+    for words, ok in (([5, -(1 << vbits), reserved], True), ([5, (1 << vbits) + 1], False),
+                      ([reserved, -(1 << vbits) - 1], False)):
+        payload = np.array(words, ">i4").view(np.uint8)
+        held = payload.copy()
+        assert bool(int32.check_nonfinite(payload, 0, vbits)) == ok
+        assert payload.tobytes() == held.tobytes()
+        assert bool(int32.take_nonfinite(payload, 0, vbits, np.zeros(len(words), np.uint8))) == ok
