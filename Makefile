@@ -16,10 +16,8 @@ $(STAMP): pyproject.toml Makefile
 		(apt-get update -qq && apt-get install -y -qq nftables iproute2 >/dev/null) \
 		|| echo "could not install nftables: the namespace cluster tests will be skipped"; fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@# --no-compile: Python writes the bytecode of what is imported, when it is first imported; compiling all of
-	@# torch's files at install took 37 of the install's 70 s here
-	$(PY) -m pip install -q --disable-pip-version-check --no-compile torch==2.13.0
-	$(PY) -m pip install -q --disable-pip-version-check --no-compile -e '.[test,torch,plot,train]'
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,torch,plot,train]'
 	@if [ -n "$(P4TOOLS)" ] && [ "$$(id -u)" = 0 ]; then \
 		(apt-get update -qq && apt-get install -y -qq $$(grep -v '^#' $(P4TOOLS)/runtime-packages.txt) >/dev/null \
 		 && $(PY) -m pip install -q --disable-pip-version-check thrift) \
