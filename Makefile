@@ -30,12 +30,9 @@ demo: $(STAMP)
 # -n 2 --dist loadfile: two pytest workers, each taking whole files (a file's module fixtures, such as a shared
 # aggregator, are made once). Most of the suite waits on sockets, timers and child processes, not on the CPU, so
 # two share two cores well; four were faster still but starved the torch ranks' timeouts on a loaded machine.
-# --no-loadscope-reorder: files go out in tests/conftest.py's order (the long, process-starting files first), not
-# xdist's default of the files with the most tests first, which left the torchrun trainings to the end.
 # --durations: where the suite's time goes, printed at its end
 test: $(STAMP)
-	PATH="$(if $(P4TOOLS),$(abspath $(P4TOOLS))/bin:)$$PATH" $(PY) -m pytest -q -n 2 --dist loadfile \
-		--no-loadscope-reorder --durations=25
+	PATH="$(if $(P4TOOLS),$(abspath $(P4TOOLS))/bin:)$$PATH" $(PY) -m pytest -q -n 2 --dist loadfile --durations=25
 
 # The fast inner loop: the in-process tests only (docs/testing.md), on two xdist workers. Every test under
 # tests/torch and tests/gpu is torch or gpu: not collecting them saves importing torch and numba's CUDA target.

@@ -61,19 +61,6 @@ def pytest_configure(config: pytest.Config) -> None:
         sys._intml_test_audit = True
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The torch files first, then the other files that start processes, then the in-process files. xdist's
-    loadfile hands out whole files in this order as workers come free: the longest files (torchrun trainings,
-    namespaces, BMv2) start early and the many short in-process files fill the gaps at the end, instead of one long
-    file running alone at the end while the other worker idles. The sort is stable: the collection order within
-    each group."""
-    def marked(*names: str) -> set:
-        return {item.path for item in items if any(item.get_closest_marker(m) for m in names)}
-
-    torch, out_of_process = marked("torch"), marked(*OUT_OF_PROCESS)
-    items.sort(key=lambda item: (item.path not in torch, item.path not in out_of_process))
-
-
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     global _guarded
