@@ -15,9 +15,12 @@ import sys
 import time
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-HALVES = ("aggregator", "worker")
+if TYPE_CHECKING:
+    from intml.protocol.burst import Burst
 
 
 def aggregator() -> None:
@@ -50,7 +53,7 @@ def worker() -> None:
     Network(2, codec="uniform8", packet_elements=64, pool_size=2).allreduce([np.ones(100, np.float32)] * 2)
 
 
-def _junk() -> object:
+def _junk() -> Burst:
     """A burst of one datagram that no job owns: a kernel compiles, drops it and counts it."""
     from support.harness import agg_addr
 
@@ -62,18 +65,23 @@ def _junk() -> object:
     return junk
 
 
+HALVES = {"aggregator": aggregator, "worker": worker}
+
+
 def warm_cache() -> str:
     """Run both halves, each in its own child, and wait for them. Returns a line for the session's header."""
     start = time.monotonic()
     tests = Path(__file__).resolve().parents[1]
-    children = [subprocess.Popen([sys.executable, "-m", "support.warm", half], cwd=tests, stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.PIPE, text=True) for half in HALVES]
-    failed = [f"{half}: {child.communicate()[1].strip().splitlines()[-1:]}"
-              for half, child in zip(HALVES, children) if child.wait() != 0]
+    children = {half: subprocess.Popen([sys.executable, "-m", "support.warm", half], cwd=tests,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                for half in HALVES}
+    errors = {half: child.communicate()[1] for half, child in children.items()}  # drains stderr: never blocks
+    failed = [f"{half}: {errors[half].strip().splitlines()[-1:]}" for half, child in children.items()
+              if child.returncode != 0]
     if failed:  # the tests then compile what they need themselves (slower, not wrong): say why
         return f"Numba cache warm-up failed ({'; '.join(failed)})"
     return f"Numba cache warmed in {time.monotonic() - start:.1f} s (tests/support/warm.py)"
 
 
 if __name__ == "__main__":
-    {"aggregator": aggregator, "worker": worker}[sys.argv[1]]()
+    HALVES[sys.argv[1]]()
