@@ -16,12 +16,17 @@ $(STAMP): pyproject.toml Makefile
 		(apt-get update -qq && apt-get install -y -qq nftables iproute2 >/dev/null) \
 		|| echo "could not install nftables: the namespace cluster tests will be skipped"; fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,torch,plot,train]'
-	@if [ -n "$(P4TOOLS)" ] && [ "$$(id -u)" = 0 ]; then \
+	$(PY) -m pip install -q --disable-pip-version-check -e .
+	@# Numba compiles the kernels into its cache (tests/support/warm.py, 2-3 min of CPU on a fresh clone) while pip
+	@# installs the extras: pip keeps one core busy at most, and waits on the disk besides
+	cd tests && ../$(PY) -m support.warm & warm=$$!; \
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0 \
+	&& $(PY) -m pip install -q --disable-pip-version-check -e '.[test,torch,plot,train]' \
+	&& if [ -n "$(P4TOOLS)" ] && [ "$$(id -u)" = 0 ]; then \
 		(apt-get update -qq && apt-get install -y -qq $$(grep -v '^#' $(P4TOOLS)/runtime-packages.txt) >/dev/null \
 		 && $(PY) -m pip install -q --disable-pip-version-check thrift) \
-		|| echo "could not install p4tools' runtime packages: the P4 compile and BMv2 tests will be skipped"; fi
+		|| echo "could not install p4tools' runtime packages: the P4 compile and BMv2 tests will be skipped"; fi; \
+	installed=$$?; wait $$warm; exit $$installed
 	touch $@
 
 demo: $(STAMP)
