@@ -78,6 +78,18 @@ def _junk() -> Burst:
     return junk
 
 
+TIMEOUT = 900.0  # s: four times a cold compile on a loaded machine; a child still busy then is killed
+
+
+def _finish(child: subprocess.Popen, deadline: float) -> str:
+    """The child's stderr once it exits (read while waiting: a full pipe never blocks it), killed at deadline."""
+    try:
+        return child.communicate(timeout=max(0.0, deadline - time.monotonic()))[1]
+    except subprocess.TimeoutExpired:
+        child.kill()
+        return child.communicate()[1] + f"\nstill compiling after {TIMEOUT:.0f} s: killed"
+
+
 PARTS = {"aggregator": aggregator, "worker": worker, "checked": checked}
 
 
@@ -91,7 +103,7 @@ def warm_cache() -> str:
                                        env=boundscheck_env() if part == "checked" else None,
                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                 for part in PARTS}
-    errors = {part: child.communicate()[1] for part, child in children.items()}  # drains stderr: never blocks
+    errors = {part: _finish(child, start + TIMEOUT) for part, child in children.items()}
     failed = [f"{part}: {errors[part].strip().splitlines()[-1:]}" for part, child in children.items()
               if child.returncode != 0]
     if failed:  # the tests then compile what they need themselves (slower, not wrong): say why
