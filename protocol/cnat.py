@@ -145,7 +145,8 @@ def encode_word(stochastic, lo, k):
 def fast_code(b, r, kfl, bias):
     """The code of float32 bits b with random word r, for the vectorised pass: 0 if the biased exponent is below
     kfl (zero, or a value small_code must encode), else k = exponent field - bias (= floor + 127, mod 2**32)
-    plus the round-up, capped at K_MAX. Shared by the CPU block loop and the device kernels (worker.gpu).
+    plus the round-up, capped at K_MAX. Shared by the CPU block loop and the device kernels (worker.gpu);
+    fast_code_lanes states the same steps lanes-wide.
 
     The round-up ((r >> 9) < mantissa) is the carry out of the mantissa field when (~r) >> 9 = 2**23 - 1 - (r >> 9)
     is added to the magnitude, so exponent plus round-up is one add and one shift, without a compare."""
@@ -173,6 +174,11 @@ def _widen(top, low, ab):
     return max(top, ab), min(low, _U32(ab - _U32(1)))  # a zero wraps to the maximum and drops out
 
 
+def _widen_lanes(lanes: Lanes, top: ir.Value, low: ir.Value, ab: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """_widen of each lane, in LLVM IR."""
+    return lanes.umax(top, ab), lanes.umin(low, lanes.builder.sub(ab, lanes.const(1)))
+
+
 @njit(cache=True, nogil=True, boundscheck=False)
 def _encode_block(bits, out, lo0, k, kfl, bias, stochastic):
     """The branch-free loop that vectorises; kept in its own function because LLVM will not vectorise it inside
@@ -194,7 +200,7 @@ def _encode_block(bits, out, lo0, k, kfl, bias, stochastic):
 _HEADS_FROM = 4 * BLOCK
 
 
-_WIDTH = Lanes.WIDTH
+_WIDTH = Lanes.WIDTH  # a global int, which Numba freezes into _stochastic_block
 
 
 @intrinsic
@@ -206,7 +212,8 @@ def _stochastic_lanes(typingctx, bits, out, heads, head_offset, kfl, bias):
     sig = types.UniTuple(types.uint32, 2)(bits, out, heads, types.uint32, types.uint32, types.uint32)
 
     def codegen(context, builder, signature, args):
-        bits_a, out_a, heads_a = (context.make_array(t)(context, builder, a) for t, a in zip(signature.args[:3], args[:3]))
+        bits_a, out_a, heads_a = (context.make_array(t)(context, builder, a)
+                                  for t, a in zip(signature.args[:3], args[:3]))
         lanes = Lanes(builder)
         n = bits_a.nitems
         offset, bias_v = lanes.splat(args[3]), lanes.splat(args[5])
@@ -218,9 +225,10 @@ def _stochastic_lanes(typingctx, bits, out, heads, head_offset, kfl, bias):
             b = lanes.load(bits_a.data, j)
             r = lowbias32_tail_lanes(lanes, builder.add(lanes.load(heads_a.data, j), offset))
             lanes.store_bytes(fast_code_lanes(lanes, b, r, kfl_bits, bias_v), out_a.data, j)
-            ab = builder.and_(b, lanes.const(0x7FFFFFFF))  # _widen's two reductions
-            builder.store(lanes.umax(builder.load(top_p), ab), top_p)
-            builder.store(lanes.umin(builder.load(low_p), builder.sub(ab, lanes.const(1))), low_p)
+            top, low = _widen_lanes(lanes, builder.load(top_p), builder.load(low_p),
+                                    builder.and_(b, lanes.const(0x7FFFFFFF)))
+            builder.store(top, top_p)
+            builder.store(low, low_p)
         top = lanes.reduce(builder.load(top_p), lanes.umax)
         low = lanes.reduce(builder.load(low_p), lanes.umin)
         return context.make_tuple(builder, signature.return_type, (top, low))
