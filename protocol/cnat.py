@@ -159,11 +159,12 @@ def fast_code(b, r, kfl, bias):
 
 def fast_code_lanes(lanes: Lanes, b: ir.Value, r: ir.Value, kfl_bits: ir.Value, bias: ir.Value) -> ir.Value:
     """fast_code of each lane (as uint32), in LLVM IR (protocol.lanes.Lanes): the same steps, kfl_bits = kfl << 23
-    in every lane."""
+    in every lane, but without the cap at K_MAX. A lane past it holds a saturating or non-finite value, whose block
+    takes encode_kernel's scalar pass, and that pass writes its code (one instruction fewer per 8 lanes)."""
     bld = lanes.builder
     ab = bld.and_(b, lanes.const(0x7FFFFFFF))
     carried = bld.add(ab, bld.lshr(bld.xor(r, lanes.const(0xFFFFFFFF)), lanes.const(9)))
-    kk = lanes.umin(bld.sub(bld.lshr(carried, lanes.const(23)), bias), lanes.const(K_MAX))
+    kk = bld.sub(bld.lshr(carried, lanes.const(23)), bias)
     code = bld.or_(bld.or_(bld.shl(bld.lshr(b, lanes.const(31)), lanes.const(7)), lanes.const(NONZERO)), kk)
     return bld.select(bld.icmp_unsigned("<", ab, kfl_bits), lanes.const(0), code)
 
@@ -300,8 +301,9 @@ def encode_kernel(x, out, key, offset, floor, stochastic):
                 if flags:
                     out[j] = np.uint8(flags)
                     nonfinite += 1
-                else:
-                    saturated += _U32(bits[j] & _U32(0x7FFFFFFF)) > sat_bits
+                elif _U32(bits[j] & _U32(0x7FFFFFFF)) > sat_bits:
+                    out[j] = make_code(bits[j] >> _U32(31), K_MAX)  # the cap fast_code_lanes leaves out
+                    saturated += 1
         if has_underflow(low, fast_floor):
             for j in range(start, end):
                 b = bits[j]
