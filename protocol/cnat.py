@@ -51,10 +51,21 @@ import math
 from typing import NamedTuple
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
-from intml.protocol.lanes import byte_outside, clz32, or8, shl32
-from intml.protocol.rng import BLOCK, block_heads, block_key, lowbias32, lowbias32_tail, stream_key
+from intml.protocol.lanes import Lanes, byte_outside, clz32, or8, shl32
+from intml.protocol.rng import (
+    BLOCK,
+    block_heads,
+    block_key,
+    lowbias32,
+    lowbias32_tail,
+    lowbias32_tail_lanes,
+    stream_key,
+)
 
 F_MIN = -149  # the lowest floor: 2**-149 is float32's smallest denormal
 F_MAX = 127  # the highest floor: 2**127 is float32's largest power of two
@@ -134,18 +145,39 @@ def encode_word(stochastic, lo, k):
 def fast_code(b, r, kfl, bias):
     """The code of float32 bits b with random word r, for the vectorised pass: 0 if the biased exponent is below
     kfl (zero, or a value small_code must encode), else k = exponent field - bias (= floor + 127, mod 2**32)
-    plus the round-up, capped at K_MAX. Shared by the CPU block loop and the device kernels (worker.gpu)."""
-    e = _U32(_U32(b & _U32(0x7FFFFFFF)) >> 23)
-    kk = _U32(_U32(e - bias) + _U32(_U32(r >> 9) < _U32(b & _U32(0x7FFFFF))))
+    plus the round-up, capped at K_MAX. Shared by the CPU block loop and the device kernels (worker.gpu);
+    fast_code_lanes states the same steps lanes-wide.
+
+    The round-up ((r >> 9) < mantissa) is the carry out of the mantissa field when (~r) >> 9 = 2**23 - 1 - (r >> 9)
+    is added to the magnitude, so exponent plus round-up is one add and one shift, without a compare."""
+    ab = _U32(b & _U32(0x7FFFFFFF))
+    kk = _U32(_U32(_U32(ab + _U32(_U32(~r) >> _U32(9))) >> _U32(23)) - bias)
     kk = _U32(K_MAX) if kk > _U32(K_MAX) else kk
     code = _U32(_U32(_U32(b >> 31) << 7) | _U32(NONZERO) | kk)
-    return np.uint8(0) if e < kfl else np.uint8(code)
+    return np.uint8(0) if ab < _U32(kfl << _U32(23)) else np.uint8(code)
+
+
+def fast_code_lanes(lanes: Lanes, b: ir.Value, r: ir.Value, kfl_bits: ir.Value, bias: ir.Value) -> ir.Value:
+    """fast_code of each lane (as uint32), in LLVM IR (protocol.lanes.Lanes): the same steps, kfl_bits = kfl << 23
+    in every lane, but without the cap at K_MAX. A lane past it holds a saturating or non-finite value, whose block
+    takes encode_kernel's scalar pass, and that pass writes its code (one instruction fewer per 8 lanes)."""
+    bld = lanes.builder
+    ab = bld.and_(b, lanes.const(0x7FFFFFFF))
+    carried = bld.add(ab, bld.lshr(bld.xor(r, lanes.const(0xFFFFFFFF)), lanes.const(9)))
+    kk = bld.sub(bld.lshr(carried, lanes.const(23)), bias)
+    code = bld.or_(bld.or_(bld.shl(bld.lshr(b, lanes.const(31)), lanes.const(7)), lanes.const(NONZERO)), kk)
+    return bld.select(bld.icmp_unsigned("<", ab, kfl_bits), lanes.const(0), code)
 
 
 @njit(inline="always")
 def _widen(top, low, ab):
     """The extremes (largest magnitude, smallest nonzero magnitude minus one) with one more magnitude ab."""
     return max(top, ab), min(low, _U32(ab - _U32(1)))  # a zero wraps to the maximum and drops out
+
+
+def _widen_lanes(lanes: Lanes, top: ir.Value, low: ir.Value, ab: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """_widen of each lane, in LLVM IR."""
+    return lanes.umax(top, ab), lanes.umin(low, lanes.builder.sub(ab, lanes.const(1)))
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -169,22 +201,51 @@ def _encode_block(bits, out, lo0, k, kfl, bias, stochastic):
 _HEADS_FROM = 4 * BLOCK
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
-def _stochastic_codes(bits, out, heads, head_offset, kfl, bias):
-    """fast_code of each value with its random word, lowbias32_tail of its head (protocol.rng.block_heads). Apart
-    from _extremes: with the reductions in the same loop LLVM picks 512-bit shuffles on AVX-512 machines, which
-    leave Intel cores fewer vector ports for the hash (this loop ran a quarter slower)."""
-    for j in range(bits.size):
-        out[j] = fast_code(bits[j], lowbias32_tail(_U32(heads[j] + head_offset)), kfl, bias)
+_WIDTH = Lanes.WIDTH  # a global int, which Numba freezes into _stochastic_block
+
+
+@intrinsic
+def _stochastic_lanes(typingctx, bits, out, heads, head_offset, kfl, bias):
+    """_stochastic_block's loop over its first n - n % Lanes.WIDTH elements, written lanes-wide in IR; returns
+    (top, low) of those elements. LLVM's vectoriser unrolls the scalar loop 4× for the reductions and packs the
+    codes with 512-bit shuffles on AVX-512 machines, which leave Intel cores fewer vector ports for the hash (a
+    third slower), so the extremes took a second pass; here the loop stays 256 bits wide in one pass."""
+    sig = types.UniTuple(types.uint32, 2)(bits, out, heads, types.uint32, types.uint32, types.uint32)
+
+    def codegen(context, builder, signature, args):
+        bits_a, out_a, heads_a = (context.make_array(t)(context, builder, a)
+                                  for t, a in zip(signature.args[:3], args[:3]))
+        lanes = Lanes(builder)
+        n = bits_a.nitems
+        offset, bias_v = lanes.splat(args[3]), lanes.splat(args[5])
+        kfl_bits = lanes.splat(builder.shl(args[4], ir.Constant(args[4].type, 23)))
+        top_p = cgutils.alloca_once_value(builder, lanes.const(0))
+        low_p = cgutils.alloca_once_value(builder, lanes.const(0xFFFFFFFF))
+        stop = builder.and_(n, ir.Constant(n.type, -lanes.WIDTH))
+        with cgutils.for_range_slice(builder, n.type(0), stop, n.type(lanes.WIDTH)) as (j, _):
+            b = lanes.load(bits_a.data, j)
+            r = lowbias32_tail_lanes(lanes, builder.add(lanes.load(heads_a.data, j), offset))
+            lanes.store_bytes(fast_code_lanes(lanes, b, r, kfl_bits, bias_v), out_a.data, j)
+            top, low = _widen_lanes(lanes, builder.load(top_p), builder.load(low_p),
+                                    builder.and_(b, lanes.const(0x7FFFFFFF)))
+            builder.store(top, top_p)
+            builder.store(low, low_p)
+        top = lanes.reduce(builder.load(top_p), lanes.umax)
+        low = lanes.reduce(builder.load(low_p), lanes.umin)
+        return context.make_tuple(builder, signature.return_type, (top, low))
+
+    return sig, codegen
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def _extremes(bits):
-    """The largest magnitude and the smallest nonzero magnitude minus one, as float bits."""
-    top = _U32(0)
-    low = _U32(0xFFFFFFFF)
-    for j in range(bits.size):
-        top, low = _widen(top, low, _U32(bits[j] & _U32(0x7FFFFFFF)))
+def _stochastic_block(bits, out, heads, head_offset, kfl, bias):
+    """fast_code of each value with its random word, lowbias32_tail of its head (protocol.rng.block_heads), and the
+    extremes as _encode_block returns them: _stochastic_lanes, then the last n % Lanes.WIDTH elements here."""
+    top, low = _stochastic_lanes(bits, out, heads, head_offset, kfl, bias)
+    for j in range(bits.size - bits.size % _WIDTH, bits.size):
+        b = bits[j]
+        out[j] = fast_code(b, lowbias32_tail(_U32(heads[j] + head_offset)), kfl, bias)
+        top, low = _widen(top, low, _U32(b & _U32(0x7FFFFFFF)))
     return top, low
 
 
@@ -242,8 +303,8 @@ def encode_into(x, out, key, offset, floor, stochastic, heads):
         k = block_key(key, idx >> _U64(32))
         if table:
             head_offset, filled = block_heads(heads, k, lo0, end - start, filled)
-            _stochastic_codes(bits[start:end], out[start:end], heads[s0:s0 + end - start], head_offset, kfl, bias)
-            top, low = _extremes(bits[start:end])
+            top, low = _stochastic_block(bits[start:end], out[start:end], heads[s0:s0 + end - start], head_offset,
+                                         kfl, bias)
         else:
             top, low = _encode_block(bits[start:end], out[start:end], lo0, k, kfl, bias, stochastic)
         top_all = max(top_all, top)
@@ -254,8 +315,9 @@ def encode_into(x, out, key, offset, floor, stochastic, heads):
                 if flags:
                     out[j] = np.uint8(flags)
                     nonfinite += 1
-                else:
-                    saturated += _U32(bits[j] & _U32(0x7FFFFFFF)) > sat_bits
+                elif _U32(bits[j] & _U32(0x7FFFFFFF)) > sat_bits:
+                    out[j] = make_code(bits[j] >> _U32(31), K_MAX)  # the cap fast_code_lanes leaves out
+                    saturated += 1
         if has_underflow(low, fast_floor):
             for j in range(start, end):
                 b = bits[j]

@@ -96,3 +96,48 @@ def store_be32(typingctx, array, offset, value):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+class Lanes:
+    """LLVM IR on vectors of WIDTH uint32 lanes, for a loop whose codegen LLVM's own vectoriser gets wrong (see
+    protocol.cnat's stochastic encode): each step states the scalar kernel's step on all lanes at once."""
+
+    WIDTH = 8  # one AVX2 register of 32-bit lanes
+
+    def __init__(self, builder: ir.IRBuilder):
+        self.builder = builder
+        self.vector = ir.VectorType(_I32, self.WIDTH)
+
+    def const(self, value: int) -> ir.Constant:
+        return ir.Constant(self.vector, [value & 0xFFFFFFFF] * self.WIDTH)
+
+    def splat(self, value: ir.Value) -> ir.Value:
+        """Every lane = the uint32 value."""
+        b = self.builder
+        one = b.insert_element(ir.Constant(self.vector, ir.Undefined), value, ir.Constant(_I32, 0))
+        return b.shuffle_vector(one, ir.Constant(self.vector, ir.Undefined), ir.Constant(self.vector, [0] * self.WIDTH))
+
+    def umin(self, a: ir.Value, c: ir.Value) -> ir.Value:
+        return self.builder.select(self.builder.icmp_unsigned("<", a, c), a, c)
+
+    def umax(self, a: ir.Value, c: ir.Value) -> ir.Value:
+        return self.builder.select(self.builder.icmp_unsigned(">", a, c), a, c)
+
+    def load(self, data: ir.Value, index: ir.Value) -> ir.Value:
+        """The WIDTH uint32 from data[index] (data: a uint32 array's data pointer)."""
+        return self.builder.load(self.builder.bitcast(self.builder.gep(data, [index]), self.vector.as_pointer()),
+                                 align=4)
+
+    def store_bytes(self, value: ir.Value, data: ir.Value, index: ir.Value) -> None:
+        """data[index:index + WIDTH] = each lane's low byte (data: a uint8 array's data pointer)."""
+        narrow = ir.VectorType(_I8, self.WIDTH)
+        self.builder.store(self.builder.trunc(value, narrow),
+                           self.builder.bitcast(self.builder.gep(data, [index]), narrow.as_pointer()), align=1)
+
+    def reduce(self, value: ir.Value, pick) -> ir.Value:
+        """The lanes folded with pick (self.umin or self.umax) into one uint32."""
+        lanes = [self.builder.extract_element(value, ir.Constant(_I32, j)) for j in range(self.WIDTH)]
+        out = lanes[0]
+        for lane in lanes[1:]:
+            out = pick(out, lane)
+        return out

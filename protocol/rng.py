@@ -22,9 +22,10 @@ the same words, one multiply per element fewer.
 from __future__ import annotations
 
 import numpy as np
+from llvmlite import ir
 from numba import njit
 
-from intml.protocol.lanes import mul32
+from intml.protocol.lanes import Lanes, mul32
 
 MASK64 = (1 << 64) - 1
 _U32 = np.uint32
@@ -40,14 +41,23 @@ def splitmix64_int(x: int) -> int:
 
 
 _HEAD_MULTIPLIER = 0x7FEB352D
+_TAIL_MULTIPLIER = 0x846CA68B
 
 
 @njit(inline="always")
 def lowbias32_tail(y):
     """lowbias32 after its first multiply (lowbias32_head's result)."""
     y = _U32(y ^ (y >> 15))
-    y = mul32(y, _U32(0x846CA68B))
+    y = mul32(y, _U32(_TAIL_MULTIPLIER))
     return _U32(y ^ (y >> 16))
+
+
+def lowbias32_tail_lanes(lanes: Lanes, y: ir.Value) -> ir.Value:
+    """lowbias32_tail of each lane of y, in LLVM IR (protocol.lanes.Lanes)."""
+    b = lanes.builder
+    y = b.xor(y, b.lshr(y, lanes.const(15)))
+    y = b.mul(y, lanes.const(_TAIL_MULTIPLIER))
+    return b.xor(y, b.lshr(y, lanes.const(16)))
 
 
 @njit(inline="always")

@@ -20,16 +20,23 @@ def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> f
     return statistics.median(times)
 
 
-def interleaved_times(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, list[float]]:
+def interleaved_times(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1,
+                      alternate: tuple[str, str] | None = None) -> dict[str, list[float]]:
     """Wall times of each fn over `repeats` rounds, each round running every fn once in turn (after `warmup`
     untimed rounds): a burst of load from other jobs then slows neighbours in a round alike, so a ratio taken
-    within each round holds where one fn's repeats back to back would catch the burst alone."""
+    within each round holds where one fn's repeats back to back would catch the burst alone. The two fns named in
+    `alternate` swap places in every second round, so that neither always finds the caches as the other left them."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    swapped = list(fns)
+    if alternate:
+        i, j = swapped.index(alternate[0]), swapped.index(alternate[1])
+        swapped[i], swapped[j] = swapped[j], swapped[i]
+    for round_ in range(repeats):
+        for name in swapped if round_ % 2 else fns:
+            fn = fns[name]
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)

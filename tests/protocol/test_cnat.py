@@ -145,6 +145,29 @@ def test_long_encode_matches_reference_as_head_tables_change(offset):
     np.testing.assert_array_equal(got.codes, reference.encode(x, seed=9, stream=10, offset=offset, floor=-40)[0])
 
 
+@pytest.mark.parametrize("n", [4 * 4096, 4 * 4096 + 13, 70_007])
+@pytest.mark.parametrize("floor", [-40, -149, 98])
+def test_long_encode_of_every_kind_of_value(n, floor):
+    """A long stochastic encode (codes and extremes in one lanes-wide pass per block, the last n % 8 elements
+    scalar) of finite values of every exponent, zeros, values below the floor, saturating and non-finite values
+    at every lane position: the codes and the saturated count are the oracle's, and the extremes encode_kernel
+    returns are the largest magnitude and the smallest nonzero magnitude minus one."""
+    rng = np.random.default_rng(n + floor)
+    x = bulk_f32(rng, n)
+    at = rng.choice(n - 16, 64, replace=False)
+    x[at] = rng.choice(np.array([np.inf, -np.inf, np.nan, 3e38, -1e-42, 1e-30, 0.0], np.float32), at.size)
+    x[-16:] = np.array([np.inf, 1e-30, 0.0, -np.nan, -3e38, 2.0**-130, 1.0, -0.0] * 2, np.float32)
+    codes, saturated = reference.encode(x, seed=5, stream=6, offset=3, floor=floor)
+    got = encode(x, seed=5, stream=6, offset=3, floor=floor)
+    np.testing.assert_array_equal(got.codes, codes)
+    assert got.saturated == saturated
+    out = np.empty(n, np.uint8)
+    _, nonfinite, top, low = cnat.encode_kernel(x, out, np.uint64(cnat.stream_key(5, 6)), np.uint64(3), floor, True)
+    magnitudes = x.view(np.uint32) & np.uint32(0x7FFFFFFF)
+    assert nonfinite == np.count_nonzero(~np.isfinite(x))
+    assert top == magnitudes.max() and low == magnitudes[magnitudes != 0].min() - 1
+
+
 @pytest.mark.parametrize("n", [1000, 20_000])
 def test_encode_into_a_used_scratch_matches_reference(n):
     """encode_into, the encode with its heads table passed in (the worker's engine allocates nothing), gives the
