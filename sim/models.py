@@ -3,17 +3,13 @@ B bit/s to one switch (one-way latency ``delay`` per link, so a host-switch-host
 serialisation of a packet each way). All sizes count the bytes on the wire (headers included), so the models
 and the packet-level engine agree on the same links.
 
-* Gloo's ring: 2(n-1) steps, each sending a 1/n segment: 2(n-1)·alpha + 2(n-1)/n · S·(1 + h_tcp)/B, with S = 4N
-  and h_tcp the TCP/IP/Ethernet header share of an MSS. A flow-level model (TCP at line rate once its window
-  opens: the testbed's segments are 64 KB), validated against the testbed (``sim.validate``).
+* Gloo's ring and the in-network allreduce (intml cnat8, SwitchML int32): ``worker.costs``' models, the ones the
+  DDP hook's tuner predicts with, on a Net (``ring``, ``in_network``).
 * A sharded parameter server (seed 004): k servers, each holding 1/k of the parameters; every worker pushes its
-  gradient (S) and pulls the new parameters (S); each server receives n·S/k and sends n·S/k. Pushes and pulls
-  overlap on full-duplex links, so the time is the busier end: max(S, n·S/k)·(1 + h_tcp)/B + 2·alpha.
-  Colocated servers (k = n, one on each worker) move 2(n-1)/n·S each way instead, the ring's bytes.
-* In-network (intml cnat8, SwitchML int32): each worker sends and receives S_c = N·w bytes (w = 1 or 4) in
-  packets of P payload bytes and H header bytes: S_c·(P+H)/P / B + RTT, as long as the pool covers the
-  bandwidth-delay product (pool·(P+H) >= B·RTT); with a smaller pool, the rate is pool·(P+H)/RTT instead.
-  The first round of each slot carries no elements (the exponent bootstrap): one more RTT.
+  gradient (S = 4N) and pulls the new parameters (S); each server receives n·S/k and sends n·S/k. Pushes and pulls
+  overlap on full-duplex links, so the time is the busier end: max(S, n·S/k)·(1 + h_tcp)/B + 2·alpha, with h_tcp
+  the TCP/IP/Ethernet header share of an MSS. Colocated servers (k = n, one on each worker) move 2(n-1)/n·S each
+  way instead, the ring's bytes.
 """
 
 from __future__ import annotations
@@ -25,9 +21,7 @@ from intml.protocol.packet import HDR
 from intml.protocol.partial import SUM_WIDTH as PARTIAL_SUM_WIDTH
 from intml.protocol.partial import TRAILER as PARTIAL_TRAILER
 from intml.sim.network import IP_UDP, WIRE_OVERHEAD
-
-TCP_IP = 52  # IPv4 20 + TCP 20 + timestamps 12
-ETHERNET = 14
+from intml.worker.costs import RING_STEP_LATENCY, covering_pool, in_network_seconds, ring_seconds, segment_overhead
 
 
 @dataclass(frozen=True)
@@ -39,7 +33,7 @@ class Net:
     rate: float
     delay: float = 1e-6
     mtu: int = 1500
-    alpha: float = 20e-6
+    alpha: float = RING_STEP_LATENCY
     switch_latency: float = 1e-6  # the switch's pipeline (sim.costs.ASIC)
 
     @property
@@ -50,17 +44,13 @@ class Net:
     @property
     def tcp_overhead(self) -> float:
         """Wire bytes per payload byte of a full TCP segment."""
-        mss = self.mtu - TCP_IP
-        return (mss + TCP_IP + ETHERNET) / mss
+        return segment_overhead(self.mtu)
 
 
 def ring(net: Net, elements: int, element_size: int = 4) -> float:
-    """Gloo's ring allreduce (reduce-scatter, then allgather)."""
-    n = net.workers
-    if n == 1:
-        return 0.0
-    s = element_size * elements * net.tcp_overhead
-    return 2 * (n - 1) * (net.alpha + net.rtt / 2) + 2 * (n - 1) / n * s * 8 / net.rate
+    """Gloo's ring allreduce (reduce-scatter, then allgather): ``worker.costs.ring_seconds``."""
+    return ring_seconds(net.workers, net.rate, elements, net.rtt, net.mtu, element_size=element_size,
+                        alpha=net.alpha)
 
 
 def parameter_server(net: Net, elements: int, servers: int | None = None, element_size: int = 4) -> float:
@@ -75,22 +65,14 @@ def parameter_server(net: Net, elements: int, servers: int | None = None, elemen
 
 
 def in_network(net: Net, elements: int, packet_elements: int, pool: int, element_size: int = 1) -> float:
-    """intml (element_size 1: cnat8) or SwitchML (4: int32): S·(P+H)/P/B + RTT, capped by the pool."""
-    chunks = math.ceil(elements / packet_elements)
-    wire_packet = packet_elements * element_size + HDR + WIRE_OVERHEAD
-    window = min(pool, chunks)
-    bootstrap = HDR + WIRE_OVERHEAD  # an empty packet per slot first
-    serial = wire_packet * 8 / net.rate
-    rtt = net.rtt + 2 * serial  # a round trip includes sending the packet and receiving its result
-    rate = min(net.rate, window * wire_packet * 8 / rtt)
-    return chunks * wire_packet * 8 / rate + window * bootstrap * 8 / net.rate + net.rtt + 2 * serial
+    """intml (element_size 1: cnat8) or SwitchML (4: int32): ``worker.costs.in_network_seconds``, capped by the
+    pool."""
+    return in_network_seconds(net.rate, net.rtt, elements, packet_elements, pool, element_size)
 
 
 def pool_for(net: Net, packet_elements: int, element_size: int = 1) -> int:
     """The smallest pool that covers the bandwidth-delay product (SwitchML's rule)."""
-    wire_packet = packet_elements * element_size + HDR + WIRE_OVERHEAD
-    rtt = net.rtt + 2 * wire_packet * 8 / net.rate
-    return math.ceil(net.rate * rtt / 8 / wire_packet)
+    return covering_pool(net.rate, net.rtt, packet_elements, element_size)
 
 
 def largest_packet(element_size: int, mtu: int) -> int:
@@ -128,7 +110,7 @@ class LeafSpine:
     uplink_rate: float
     delay: float = 1e-6
     mtu: int = 9000
-    alpha: float = 20e-6
+    alpha: float = RING_STEP_LATENCY
     switch_latency: float = 1e-6
     uplink_mtu: int | None = None
 

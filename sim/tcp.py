@@ -58,8 +58,8 @@ from collections import deque
 from collections.abc import Callable
 
 from intml.sim.engine import Datagram, Simulator
-from intml.sim.models import TCP_IP
 from intml.sim.network import IP_UDP, Link
+from intml.worker.costs import TCP_IP
 
 INITIAL_WINDOW = 10  # segments
 MIN_RTO = 0.2  # s

@@ -20,7 +20,7 @@ from __future__ import annotations
 from intml.sim.costs import IO_PER_DATAGRAM
 from intml.sim.models import Net, in_network, largest_packet, pool_for, ring
 from intml.sim.output import plot_lines
-from intml.worker.costs import tuner_costs
+from intml.worker.costs import MIN_POOL, tuner_costs
 from intml.worker.tuner import Costs, Network, switch_seconds
 
 PROFILES = {  # name: (parameters, compute seconds per iteration, forward + backward, assumed)
@@ -58,28 +58,10 @@ def iteration(parameters: int, compute: float, allreduce) -> float:
     return max(forward + backward, end)
 
 
-def tuner_net(world: int, rate: float, network: Network) -> Net:
-    """The tuner's network as the simulator's Net: the same round trip (the switch's pipeline counted in it)."""
-    return Net(world, rate, delay=network.rtt / 2, mtu=network.mtu, switch_latency=0.0)
-
-
-def gloo_ring(world: int, rate: float, elements: int, network: Network) -> float:
-    """Gloo's ring (sim.models.ring) on the tuner's network."""
-    return ring(tuner_net(world, rate, network), elements)
-
-
-def switch_network(world: int, rate: float, elements: int, packet_elements: int, element_size: int,
-                   network: Network) -> float:
-    """The in-network allreduce's network (sim.models.in_network) on the tuner's network, with the pool covering
-    the bandwidth-delay product (at least 64 slots)."""
-    net = tuner_net(world, rate, network)
-    return in_network(net, elements, packet_elements, max(64, pool_for(net, packet_elements, element_size)),
-                      element_size)
-
-
-# The tuner's costs (worker.costs' table) with the simulator's models: a datagram through GSO/GRO, or sendmmsg's
-COSTS = tuner_costs(gloo_ring, switch_network)
-SENDMMSG_COSTS = tuner_costs(gloo_ring, switch_network, IO_PER_DATAGRAM)
+# The tuner's costs (worker.costs' table and network models, the DDP hook's too): a datagram through GSO/GRO, or
+# sendmmsg's
+COSTS = tuner_costs()
+SENDMMSG_COSTS = tuner_costs(IO_PER_DATAGRAM)
 
 
 def in_network_cpu(net: Net, elements: int, codec: str = "cnat8", costs: Costs = SENDMMSG_COSTS) -> float:
@@ -93,7 +75,7 @@ def predict(model: str, workers: int, rate: float, mtu: int = 9000) -> dict:
     parameters, compute = PROFILES[model]
     net = Net(workers, rate, mtu=mtu)
     pe = largest_packet(1, mtu)
-    pool = max(64, pool_for(net, pe))
+    pool = max(MIN_POOL, pool_for(net, pe))
     ring_t = iteration(parameters, compute, lambda n: ring(net, n))
     t_net = iteration(parameters, compute, lambda n: in_network(net, n, pe, pool))
     t_cpu = iteration(parameters, compute, lambda n: in_network_cpu(net, n))

@@ -18,7 +18,8 @@ import numpy as np
 
 from intml.protocol.job import AGGREGATOR_MAX_ELEMENTS
 from intml.sim.costs import SOFTWARE_AGGREGATOR
-from intml.sim.training import COSTS, PROFILES, SENDMMSG_COSTS, SOURCES, buckets, gloo_ring, iteration
+from intml.sim.training import COSTS, PROFILES, SENDMMSG_COSTS, SOURCES, buckets, iteration
+from intml.worker.costs import tuner_ring
 from intml.worker.tuner import DEFAULT_CANDIDATES, Bucket, Costs, Decision, Measured, Network, Tuner
 
 
@@ -121,7 +122,7 @@ def table(workers: int, rates: list[float], codec: str = "auto", *, switch: bool
         for rate in rates:
             last = run(model, workers, [(0, rate)], SETTLE_STEPS, codec, **options, noise_scale=noise_scale,
                        batch=batch)[-1]
-            ring_s = iteration(parameters, compute, lambda n: gloo_ring(workers, rate, n, options["network"]))
+            ring_s = iteration(parameters, compute, lambda n: tuner_ring(workers, rate, n, options["network"]))
             choices = last["decision"].choices
             largest = max(model_buckets(parameters), key=lambda b: b.elements).name
             got.append({"model": model, "rate_gbit": rate / 1e9, "workers": workers, "codec": summary(last["codecs"]),

@@ -89,7 +89,8 @@ class Measured:
 class Network:
     """What the ranks share and do not measure: whether a switch sums cnat8 and int32 at line rate (else they go
     through the software aggregator as the host codecs do), the aggregator's cores and its link's rate (None: the
-    ranks'), the round trip, the MTU and the most elements per packet."""
+    ranks'), the round trip, the MTU, the most elements per packet and the pool of slots each rank keeps in flight
+    (None: one that covers the bandwidth-delay product)."""
 
     switch: bool = True
     aggregator_cores: int = 1
@@ -97,6 +98,7 @@ class Network:
     rtt: float = 10e-6
     mtu: int = 9000
     packet_elements: int = AGGREGATOR_MAX_ELEMENTS
+    pool: int | None = None
 
 
 @dataclass(frozen=True)
@@ -109,8 +111,9 @@ class Costs:
     codec's in-network allreduce for (world, link rate, elements, elements per packet, bytes per element, network),
     its round trips included (``switch_seconds`` adds the rank's CPU).
 
-    The simulator's costs (sim.training) carry its own models of the ring and of the in-network allreduce, so that
-    there the tuner predicts each codec's time with the model that the simulator then charges."""
+    The DDP hook (worker.torch.auto) and the simulator (sim.training) both carry worker.costs' models of the ring
+    and of the in-network allreduce, so that the tuner predicts each codec's time with the model that the simulator
+    then charges."""
 
     switch_cpu: dict[str, tuple[float, float]]
     host_cpu: dict[type, tuple[float, float]]

@@ -12,6 +12,8 @@ from intml.protocol.packet import HDR
 from intml.sim import models
 from intml.sim.models import Net
 from intml.sim.packet_level import PacketRun, simulate
+from intml.worker.costs import MIN_POOL, tuner_in_network, tuner_ring
+from intml.worker.tuner import Network
 
 
 def test_ring_hand_computed():
@@ -43,6 +45,30 @@ def test_in_network_hand_computed():
     assert models.in_network(net, 14460, 1446, pool=1) == pytest.approx(
         10 * rtt + (HDR + 42) * 8 / 1e9 + rtt)
     assert models.pool_for(net, 1446) == int(np.ceil(1e9 * rtt / 8 / wire))
+
+
+def test_tuner_prices_the_in_network_allreduce_as_the_simulator_does():
+    """The tuner's in-network model (worker.costs, the DDP hook's) is sim.models' on a Net of the same round trip:
+    with the network's pool as the window, or where it names none the pool covering the bandwidth-delay product,
+    at least MIN_POOL slots."""
+    net = Net(4, 1e9, delay=5e-6, switch_latency=0.0)
+    covered = models.pool_for(net, 1446)
+    assert covered < MIN_POOL < models.pool_for(Net(4, 100e9, delay=50e-6), 1446)
+    for rate, delay, pool in ((1e9, 5e-6, None), (1e9, 5e-6, 1), (100e9, 50e-6, None), (100e9, 50e-6, 16)):
+        net = Net(4, rate, delay=delay, switch_latency=0.0)
+        window = pool or max(MIN_POOL, models.pool_for(net, 1446))
+        assert tuner_in_network(4, rate, 144600, 1446, 1, Network(rtt=2 * delay, pool=pool)) \
+            == models.in_network(net, 144600, 1446, window)
+    assert tuner_in_network(4, 1e9, 144600, 1446, 1, Network(rtt=10e-6, pool=1)) \
+        > tuner_in_network(4, 1e9, 144600, 1446, 1, Network(rtt=10e-6))  # the pool caps the window
+
+
+def test_tuner_prices_the_ring_as_the_simulator_does():
+    """The tuner's ring (worker.costs, the DDP hook's) is sim.models' on a Net of the same round trip and MTU, with
+    its step latency and TCP's headers."""
+    for world, mtu in ((2, 9000), (16, 1500)):
+        net = Net(world, 10e9, delay=15e-6, mtu=mtu, switch_latency=0.0)
+        assert tuner_ring(world, 10e9, 1 << 20, Network(rtt=30e-6, mtu=mtu)) == models.ring(net, 1 << 20)
 
 
 @pytest.mark.parametrize("codec, workers, rate, pool, delay", [

@@ -16,6 +16,7 @@ from intml.sim.costs import ASIC
 from intml.sim.engine import Simulator
 from intml.sim.network import WIRE_OVERHEAD, Link, Switch
 from intml.sim.tcp import JIFFY, MIN_RTO, TLP_SLACK, Network, TcpHost, mss
+from intml.worker.costs import ETHERNET, TCP_IP
 
 DATA = pathlib.Path(__file__).resolve().parents[2] / "sim" / "data"
 
@@ -64,7 +65,7 @@ def test_initial_window_hand_computed():
     seg = mss(1500)
     flow, t = _one_flow(10 * seg)
     wire = (seg + 66) * 8 / 1e9
-    assert seg + 66 == 1500 + 14 and 66 == models.TCP_IP + models.ETHERNET
+    assert seg + 66 == 1500 + 14 and 66 == TCP_IP + ETHERNET
     assert t == pytest.approx(10 * wire + 10e-6 + ASIC.latency + wire + 10e-6)
     assert flow.retransmits == 0 and flow.una == 10 * seg  # every segment acknowledged
 

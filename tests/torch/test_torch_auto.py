@@ -19,8 +19,10 @@ from support.torch_ranks import TOKEN, init_rank  # noqa: E402
 from test_torch import PACKET, POOL  # noqa: E402
 
 import intml.worker.torch as intml  # noqa: E402
+from intml.sim import models  # noqa: E402
+from intml.sim.models import Net  # noqa: E402
 from intml.sim.tuning import COSTS as SIM_COSTS  # noqa: E402
-from intml.worker.torch.auto import AutoCodec, IntmlTunerWarning, in_network_seconds, ring_seconds  # noqa: E402
+from intml.worker.torch.auto import COSTS, AutoCodec, IntmlTunerWarning  # noqa: E402
 from intml.worker.tuner import GLOO, Measured, Network  # noqa: E402
 
 pytestmark = [pytest.mark.torch]
@@ -72,6 +74,7 @@ def auto_rank(port: int, address: str, rank: int, n: int) -> dict:
         out["codec1"].append(state.auto.codec(1))
     out["traffic"] = dataclasses.asdict(state.traffic)
     out["metrics"] = scrape(state.metrics.server_port)
+    out["pool"] = state.auto.network.pool
     state.close()
 
     # a run where one rank's copy of the shared statistics differs at one step
@@ -112,6 +115,7 @@ def test_auto_decides_alike_keeps_pins_follows_the_link_and_falls_back_on_disagr
     fast, slow = applied[STEPS_FAST - 1].get(0), applied[-1].get(0)
     assert fast is not None and slow is not None and fast != slow, applied
     assert results[0]["traffic"]["intml_allreduces"] > 0
+    assert results[0]["pool"] == POOL  # the tuner's in-network model has the links' window
     # each rank's endpoint: the codec per bucket now, its predicted seconds and variance ratio, the changes
     for rank, r in enumerate(results):
         metrics, labels = r["metrics"], f'bucket="0",rank="{rank}"'  # the text format sorts the labels
@@ -211,21 +215,20 @@ def test_auto_config_misuse_is_one_line() -> None:
         {0: "int32", 3: "gloo"}
 
 
-def test_auto_ring_model_is_the_simulators() -> None:
-    """The hook's model of Gloo's ring (the worker layer does not import the simulator's): the same bytes at the
-    rate; the simulator's adds TCP's overhead and a per-step latency."""
-    for world, elements in ((2, 1 << 20), (16, 1 << 24)):
-        ours, theirs = ring_seconds(world, 10e9, elements, Network()), SIM_COSTS.ring(world, 10e9, elements, Network())
-        assert 0.9 < ours / theirs <= 1.0
-
-
-def test_auto_in_network_model_is_the_simulators() -> None:
-    """The hook's model of the in-network allreduce's network: the same packets at the rate and a round trip; the
-    simulator's also pads the last packet, starts each slot with an empty one and serialises a packet each way."""
-    for world, elements, packet, size in ((2, 1 << 20, 8192, 1), (16, 1 << 24, 2230, 4)):
-        ours = in_network_seconds(world, 10e9, elements, packet, size, Network())
-        theirs = SIM_COSTS.in_network(world, 10e9, elements, packet, size, Network())
-        assert 0.9 < ours / theirs <= 1.0
+def test_auto_prices_the_network_as_the_simulator_does() -> None:
+    """The hook's tuner and the simulator's have one model of each network (worker.costs'): the same seconds for
+    the same network, that of sim.models on a Net with its round trip and MTU, the hook's pool as the window."""
+    auto = AutoCodec(0, 2, 1, {}, False, lambda t: t, pool=4)
+    assert auto.network.pool == 4 and not auto.network.switch
+    for world, rate, elements, packet, size in ((2, 10e9, 1 << 20, 8192, 1), (16, 1e9, 1 << 24, 2230, 4)):
+        network, net = Network(rtt=30e-6, mtu=1500), Net(world, rate, delay=15e-6, mtu=1500, switch_latency=0.0)
+        assert COSTS.ring(world, rate, elements, network) == SIM_COSTS.ring(world, rate, elements, network) \
+            == models.ring(net, elements)
+        assert COSTS.in_network(world, rate, elements, packet, size, network) \
+            == SIM_COSTS.in_network(world, rate, elements, packet, size, network)
+        net = Net(world, rate, delay=auto.network.rtt / 2, mtu=auto.network.mtu, switch_latency=0.0)
+        assert COSTS.in_network(world, rate, elements, packet, size, auto.network) \
+            == models.in_network(net, elements, packet, 4, size)
 
 
 def test_train_takes_auto_as_a_hook_run() -> None:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 import warnings
 from collections.abc import Callable
@@ -44,9 +43,7 @@ import numpy as np
 import torch
 
 from intml.protocol.codecs import host
-from intml.protocol.packet import HDR
-from intml.worker.costs import WIRE_OVERHEAD, tuner_costs
-from intml.worker.traffic import ring_bytes
+from intml.worker.costs import tuner_costs
 from intml.worker.tuner import (
     DEFAULT_CANDIDATES,
     FIELDS,
@@ -69,22 +66,8 @@ DEFAULT_AGGREGATOR_RATE = 1e9  # elements/s per contribution before the first me
 MEAN_NORM_SQ = FIELDS.index("mean_norm_sq")
 
 
-def ring_seconds(world: int, rate: float, elements: int, network: Network) -> float:
-    """Gloo's ring allreduce of float32: each rank's ring bytes at the link's rate, and a hop's round trip per
-    each of its 2 (n - 1) steps."""
-    return ring_bytes(elements, world) * 8 / rate + 2 * (world - 1) * network.rtt / 2
-
-
-def in_network_seconds(world: int, rate: float, elements: int, packet_elements: int, element_size: int,
-                       network: Network) -> float:
-    """The in-network allreduce's network: each rank's packets (payload and headers) at the link's rate each way
-    at once, and a round trip; the pool is taken to cover the bandwidth-delay product."""
-    datagrams = math.ceil(elements / packet_elements)
-    return (elements * element_size + datagrams * (HDR + WIRE_OVERHEAD)) * 8 / rate + network.rtt
-
-
-# worker.costs' table, the simulator's too (sim.training.COSTS), with these network models
-COSTS = tuner_costs(ring_seconds, in_network_seconds)
+# worker.costs' table and network models, the simulator's too (sim.training.COSTS)
+COSTS = tuner_costs()
 
 
 class IntmlTunerWarning(RuntimeWarning):
@@ -143,9 +126,13 @@ class AutoCodec:
     the rates measured, and the decisions (see the module's docstring)."""
 
     def __init__(self, rank: int, world: int, key: int, pins: dict[int, str], error_feedback: bool,
-                 allreduce_sum: Callable[[torch.Tensor], torch.Tensor], every: int = 1) -> None:
+                 allreduce_sum: Callable[[torch.Tensor], torch.Tensor], every: int = 1,
+                 pool: int | None = None) -> None:
         self.rank, self.world, self.key, self.pins, self.error_feedback = rank, world, key, dict(pins), error_feedback
         self.every = every  # measure, share and decide at every k-th step only: measuring costs CPU per element
+        # the aggregator is the software one (intml-aggregator): cnat8 and int32 go through its kernel; the pool is
+        # the slots in flight of the links (the in-network model's window)
+        self.network = Network(switch=False, pool=pool)
         self.allreduce_sum = allreduce_sum  # sums a float64 CPU tensor over the group, exactly the same at each rank
         # randomk scales what it keeps by 1/ratio: with error feedback its residual grows (config refuses it)
         self.candidates = tuple(c for c in DEFAULT_CANDIDATES if not (error_feedback and c.startswith("randomk")))
@@ -262,6 +249,5 @@ class AutoCodec:
             raise ValueError(f"INTML_CODEC_PIN names bucket(s) {missing}, but DDP has {len(buckets)} bucket(s) "
                              f"(0 to {len(buckets) - 1})")
         pins = {bucket_name(i): codec for i, codec in self.pins.items()}
-        # the aggregator is the software one (intml-aggregator): cnat8 and int32 go through its kernel
-        return Tuner(buckets, self.world, COSTS, Network(switch=False), candidates=self.candidates, pins=pins,
+        return Tuner(buckets, self.world, COSTS, self.network, candidates=self.candidates, pins=pins,
                      error_feedback=self.error_feedback)

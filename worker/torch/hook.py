@@ -55,7 +55,7 @@ class IntmlHookState(AggregatorLinked):
         if config.codec == AUTO and self.link is not None:
             # the statistics' sample key: the start-up job's id, the same at every rank
             self.auto = AutoCodec(self.rank, self.world_size, self.link.worker.job, config.pins(),
-                                  config.error_feedback, self._shared_sum, config.tuner_every)
+                                  config.error_feedback, self._shared_sum, config.tuner_every, config.pool_size)
             self.links[SWITCH_CODECS[0]] = self.link
         self.metrics = None  # auto with INTML_METRICS_PORT: the tuner's Prometheus endpoint (worker.torch.metrics)
         if self.auto is not None and config.metrics_port is not None:
