@@ -47,7 +47,7 @@ T_SRTT, T_RTTVAR, T_RTO, T_MIN, T_MAX, T_FLOOR = range(6)
 # silence (float64): (cores, 3), per aggregator core: since when it is silent (the allreduce's start, its last
 # result taken, or its last probe), the backoff its slots' RTOs are multiplied by (1, doubled by each probe),
 # and 1 if its last result answered a retransmission (its next timeout resends every due slot), else 0
-S_SINCE, S_BACKOFF, S_ALIVE = range(3)
+S_SINCE, S_BACKOFF, S_ALIVE, S_PROBES = range(4)
 
 
 def timing_state(rto: float, min_rto: float, max_rto: float) -> np.ndarray:
@@ -57,7 +57,7 @@ def timing_state(rto: float, min_rto: float, max_rto: float) -> np.ndarray:
 
 def silence_state(cores: int) -> np.ndarray:
     """A job's silence array (set by each allreduce's start, restart_silences)."""
-    return np.zeros((cores, 3))
+    return np.zeros((cores, 4))
 
 
 @njit(inline="always")
@@ -66,6 +66,7 @@ def restart_silences(silence, now):
     silence[:, S_SINCE] = now
     silence[:, S_BACKOFF] = 1.0
     silence[:, S_ALIVE] = 0.0
+    silence[:, S_PROBES] = 0.0
 
 
 @njit(inline="always")
@@ -122,7 +123,8 @@ def on_result(st, s, now):
     """Slot s's result was taken at now: sample the round trip, mark the slots it overtook, restart its core's
     silence."""
     if st.retries[s] == 0:
-        _rtt_sample(st.timing, now - st.sent_at[s])
+        if st.overtaken[s] == 0:
+            _rtt_sample(st.timing, now - st.sent_at[s])
         _count_overtaking(st, s)
     elif now - st.sent_at[s] < st.timing[T_FLOOR]:  # faster than any round trip: the original's result
         st.stats[SPURIOUS] += 1
@@ -132,6 +134,7 @@ def on_result(st, s, now):
     quiet[S_SINCE] = now
     quiet[S_BACKOFF] = 1.0
     quiet[S_ALIVE] = st.retries[s] > 0
+    quiet[S_PROBES] = 0.0
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -168,12 +171,13 @@ def timer_kernel(state, now, tx_ptr, tx_len, tx_addr):
     n_tx = 0
     cores = st.params[P_CORES]
     for k in range(cores):
-        probe, first = -1, np.inf
+        probe, first, waiting = -1, np.inf, 0
         for s in range(k, st.params[P_WINDOW], cores):
-            if st.cur_chunk[s] != IDLE:
-                due = _deadline(st, s)
-                if due < first or (probe >= 0 and due == first and st.sent_at[s] < st.sent_at[probe]):
-                    probe, first = s, due
+            if st.cur_chunk[s] != IDLE and st.sent_at[s] < np.inf:  # (a held or parked slot has nothing sent)
+                waiting += 1
+                first = min(first, _deadline(st, s))
+                if probe < 0 or st.sent_at[s] < st.sent_at[probe]:
+                    probe = s
         if first > now or n_tx == tx_len.size:
             continue
         quiet = st.silence[k]
@@ -184,11 +188,15 @@ def timer_kernel(state, now, tx_ptr, tx_len, tx_addr):
                     budget -= 1
                     n_tx = _resend(st, s, now, tx_ptr, tx_len, tx_addr, n_tx)
                     st.stats[RETRANSMISSIONS] += 1
+            quiet[S_BACKOFF] *= 2.0
         else:
             n_tx = _resend(st, probe, now, tx_ptr, tx_len, tx_addr, n_tx)
             st.stats[RETRANSMISSIONS] += 1
+            quiet[S_PROBES] += 1.0
+            if quiet[S_PROBES] >= waiting:
+                quiet[S_BACKOFF] *= 2.0
+                quiet[S_PROBES] = 0.0
         quiet[S_SINCE] = now
-        quiet[S_BACKOFF] *= 2.0
         quiet[S_ALIVE] = 0.0
     return n_tx
 
