@@ -3,7 +3,10 @@ datagram, byte for byte), as Numba kernels over the engine's state (worker.state
 driver.
 
 * Adaptive RTO, as TCP's (RFC 6298): SRTT + 4 RTTVAR from round-trip samples of slots that were not retransmitted
-  (Karn's rule), bounded by [min_rto, max_rto]. A fixed RTO either fires spuriously when the aggregator's CPU is
+  (Karn's rule) nor overtaken by a later-sent slot's result, bounded by [min_rto, max_rto]. A slot's round ends
+  when its last rank's datagram arrives, so an overtaken slot's round trip includes a peer's recovery (a fast
+  retransmission or a timeout): sampled, such round trips drove the RTO of 64 ranks under 1% loss to its 1 s
+  maximum (docs/window.md). A fixed RTO either fires spuriously when the aggregator's CPU is
   busy, which adds load exactly when it hurts, or waits too long after a real loss.
 * Fast retransmit (TCP's duplicate-ACK rule, per slot): a slot overtaken by FAST_RETRANSMIT results of slots sent
   after it to the same aggregator core is presumed lost and retransmitted at once, so a loss costs about one round
@@ -12,9 +15,13 @@ driver.
   every result): a slot is due once its RTO passed since the later of its own sending and its core's last result
   or probe. A busy, queueing core keeps answering, so its queue's delay fires nothing however far it exceeds the
   RTO. When a core does fall silent (a peer that has not sent yet, a process off the CPU), every slot in flight
-  there is due at once: the timer retransmits only the earliest due one, a probe, and backs the core off,
-  doubling its slots' RTOs (up to ``max_rto``) until it answers. Retransmitting every due slot (as each slot's own
-  timer did) multiplied a silence of k RTOs by the window, into the queue of the aggregator it waited on.
+  there is due at once: the timer retransmits one, a probe. The probes take turns over the core's slots in
+  flight, least recently sent first; once each has had its turn, the core is backed off, its slots' RTOs doubled
+  (up to ``max_rto``) until it answers. Retransmitting every due slot (as each slot's own timer did) multiplied a
+  silence of k RTOs by the window, into the queue of the aggregator it waited on. Taking turns matters when a
+  core is silent because a peer's datagram was lost: a probe of a slot whose own datagram arrived is never
+  answered, and probing the slot due first (the one armed with the shortest RTO) again and again, the backoff
+  doubling each time, left the slot this rank had lost waiting for seconds.
 * A core whose last answer was to a retransmission is alive and was not waiting for a peer (a late peer's slots
   complete together, so a probe's answer comes with the other slots' results, not retransmitted): the slots sent
   before that answer are due SRTT after it, all at once, as losses at the end of a stream need; at most the send
@@ -44,9 +51,10 @@ from intml.worker.window import window_limit
 
 # timing (float64): smoothed RTT, RTT variance, current RTO, min RTO, max RTO, fastest round trip seen
 T_SRTT, T_RTTVAR, T_RTO, T_MIN, T_MAX, T_FLOOR = range(6)
-# silence (float64): (cores, 3), per aggregator core: since when it is silent (the allreduce's start, its last
-# result taken, or its last probe), the backoff its slots' RTOs are multiplied by (1, doubled by each probe),
-# and 1 if its last result answered a retransmission (its next timeout resends every due slot), else 0
+# silence (float64): (cores, 4), per aggregator core: since when it is silent (the allreduce's start, its last
+# result taken, or its last probe), the backoff its slots' RTOs are multiplied by (1, doubled by each round of
+# probes), 1 if its last result answered a retransmission (its next timeout resends every due slot), else 0, and
+# the probes of the current round (one per slot in flight there)
 S_SINCE, S_BACKOFF, S_ALIVE, S_PROBES = range(4)
 
 
@@ -163,10 +171,10 @@ def _deadline(st, s):
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def timer_kernel(state, now, tx_ptr, tx_len, tx_addr):
-    """On each silent aggregator core with slots due, retransmit the earliest due one (the probe; of slots due
-    at once, the least recently sent, so that they take turns), or every due one (at most the send window's worth)
-    if the core's last answer was to a retransmission; restart the core's silence and double its backoff. Returns
-    datagrams written to tx."""
+    """On each silent aggregator core with slots due, retransmit its least recently sent slot in flight (the
+    probe: its slots take turns, and the core's backoff doubles once each has had one), or every due one (at most
+    the send window's worth) if the core's last answer was to a retransmission, and then double its backoff;
+    restart the core's silence. Returns datagrams written to tx."""
     st = State(*state)
     n_tx = 0
     cores = st.params[P_CORES]
