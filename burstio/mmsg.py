@@ -48,7 +48,8 @@ datagram is copied once more (from the 64 KiB read into its row, ~0.08 ns/byte),
 per-datagram kernel work somewhere between 4130 and 8218 bytes (GSO alone beats GSO+GRO at 8218), and a read that
 is not coalesced only pays the copy (GRO alone: 0.78-0.89). It is therefore on by default only for sockets whose
 ``max_packet`` is at most ``GRO_MAX_PACKET`` (an aggregator of MTU-1500 packets, 1024 elements: 4130-byte results
-at most), and off for the loopback benchmark's 64 KiB datagrams and for workers, whose sockets take any datagram.
+at most), and off for the loopback benchmark's 64 KiB datagrams. A worker's unicast socket takes any datagram (a
+statistics reply can be long) and has GRO where its job's datagrams are that short (worker.api.rank_socket).
 End to end (``intml-testbed bench allreduce --workers 4 --elements 25000000``, loopback, alternating trials,
 medians): with 1024-element packets (1050-byte datagrams) intml takes 0.78 s with GSO/GRO (INTML_GSO=1) and
 1.18 s without; with 8192-element packets 0.226 s and 0.243 s; with the default 64 KiB datagrams, where no run

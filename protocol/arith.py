@@ -52,7 +52,7 @@ from intml.protocol.cnat import (
     check_floor,
     code_in_range,
     codes_in_range,
-    encode_kernel,
+    encode_into,
     encode_word,
     nonfinite_flags,
 )
@@ -157,20 +157,20 @@ def chunk_exponents(x: np.ndarray, chunk_elements: int, codec_range: tuple[int, 
     return out
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
-def precode_chunk(x, codes, key, offset, value_bits, stochastic):
+@njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
+def precode_chunk(x, codes, key, offset, value_bits, stochastic, heads):
     """The worker's read of a chunk x (elements offset, offset + 1, ... of its tensor) in cnat8 mode, a window
     ahead: find its exponent proposal E_r, then encode it into codes at its own floor f_r = cnat_floor(E_r, s(n))
     (the chunk is in cache for the second pass). Returns (saturated (0: the window holds every value), the count
     of non-finite values, E_r, low | PRECODED), low being the smallest nonzero magnitude minus one
-    (encode_kernel's). Not stochastic: encode_nearest's codes.
+    (encode_kernel's). Not stochastic: encode_nearest's codes. heads: the encode's scratch (encode_into).
 
     Once the agreed exponent E >= E_r is known (floor f >= f_r), which power of two a value rounds to changes only
     for values below 2**f, ``has_underflow(low, f)``; otherwise the wire codes are these with k lowered by
     f - f_r (codecs.cnat8.encode_chunk)."""
     exponent = chunk_exponent(_largest(x.view(np.uint32), 0, x.size)[0], EXP_MIN, EXP_MAX)
-    saturated, nonfinite, _, low = encode_kernel(x, codes, key, _U64(offset), cnat_floor(exponent, value_bits),
-                                                 stochastic)
+    saturated, nonfinite, _, low = encode_into(x, codes, key, _U64(offset), cnat_floor(exponent, value_bits),
+                                               stochastic, heads)
     return saturated, nonfinite, exponent, _U32(low | _U32(PRECODED))
 
 

@@ -200,6 +200,12 @@ def encode_params(floor):
     return fast_floor, _U32(fast_floor + _F32_EXP_BIAS), power_bits(fast_floor), bias, sat_bits
 
 
+@njit(inline="always")
+def heads_size(n, stochastic):
+    """The words of the heads table an encode of n elements uses: BLOCK, or 0 (each word hashed whole)."""
+    return BLOCK if stochastic and n >= _HEADS_FROM else 0
+
+
 @njit(cache=True, nogil=True, boundscheck=False)
 def encode_kernel(x, out, key, offset, floor, stochastic):
     """Encode float32 ``x`` into ``out`` at ``floor``; return (saturated, nonfinite, top, low): nonfinite counts
@@ -210,6 +216,14 @@ def encode_kernel(x, out, key, offset, floor, stochastic):
     holding a saturated, non-finite, below-floor or (floor < -126) denormal element takes the scalar pass that
     counts or fixes it.
     """
+    heads = np.empty(heads_size(x.size, stochastic), np.uint32)
+    return encode_into(x, out, key, offset, floor, stochastic, heads)
+
+
+@njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
+def encode_into(x, out, key, offset, floor, stochastic, heads):
+    """encode_kernel with its heads table passed in (uint32, at least heads_size(x.size, stochastic) words; its
+    contents are overwritten), so that it allocates nothing: the worker's engine runs without Numba's runtime."""
     bits = x.view(np.uint32)
     n = bits.size
     fast_floor, kfl, small_bits, bias, sat_bits = encode_params(floor)
@@ -217,7 +231,7 @@ def encode_kernel(x, out, key, offset, floor, stochastic):
     nonfinite = 0
     top_all = _U32(0)
     low_all = _U32(0xFFFFFFFF)
-    heads = np.empty(BLOCK if stochastic and n >= _HEADS_FROM else 0, np.uint32)
+    table = heads_size(n, stochastic) > 0
     filled = np.int64(-1)
     start = 0
     while start < n:
@@ -226,7 +240,7 @@ def encode_kernel(x, out, key, offset, floor, stochastic):
         end = min(n, start + BLOCK - s0)
         lo0 = _U32(idx & _U64(0xFFFFFFFF))
         k = block_key(key, idx >> _U64(32))
-        if heads.size:
+        if table:
             head_offset, filled = block_heads(heads, k, lo0, end - start, filled)
             _stochastic_codes(bits[start:end], out[start:end], heads[s0:s0 + end - start], head_offset, kfl, bias)
             top, low = _extremes(bits[start:end])

@@ -6,6 +6,8 @@ derivation (``stream_key``), which is itself checked against a hand-computed val
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from intml.protocol.rng import MASK64, splitmix64_int, stream_key
@@ -32,9 +34,9 @@ def flags_value(flags: int) -> np.float32:
 def bits32(key: int, index: np.ndarray) -> np.ndarray:
     """The 32-bit random word of each element index, per protocol.rng."""
     index = np.asarray(index, dtype=np.uint64)
-    hi = (index >> np.uint64(32)).astype(object)
-    block = np.array([splitmix64_int((key + int(h)) & MASK64) >> 32 for h in hi], dtype=np.uint64)
-    x = ((index & np.uint64(0xFFFFFFFF)) ^ block).astype(np.uint32)
+    hi, which = np.unique(index >> np.uint64(32), return_inverse=True)  # one splitmix64 per 2**32 indices
+    block = np.array([splitmix64_int((key + int(h)) & MASK64) >> 32 for h in hi], dtype=np.uint64)[which]
+    x = ((index & np.uint64(0xFFFFFFFF)) ^ block.reshape(index.shape)).astype(np.uint32)
     with np.errstate(over="ignore"):
         x ^= x >> np.uint32(16)
         x *= np.uint32(0x7FEB352D)
@@ -57,36 +59,35 @@ def encode(x: np.ndarray, *, seed: int | None, floor: int, stream: int = 0, offs
         r = np.full(x.size, 2**31 - 1, dtype=np.float64)
     else:
         r = bits32(stream_key(seed, stream), np.arange(offset, offset + x.size, dtype=np.uint64)).astype(np.float64)
-    codes = np.zeros(x.size, np.uint8)
+    codes = [0] * x.size
     saturated = 0
-    flags = flags_of(x)
     with np.errstate(invalid="ignore"):  # a signalling NaN's cast; its code is its flags
         wide = x.astype(np.float64)
-    for i, v in enumerate(wide):
+    # Python floats and ints (float64 arithmetic, as numpy's): indexing numpy scalars would cost 5x the time
+    for i, (v, flags, ri) in enumerate(zip(wide.tolist(), flags_of(x).tolist(), r.tolist())):
         ax = abs(v)
-        if flags[i]:
-            codes[i] = flags[i]
+        if flags:
+            codes[i] = flags
             continue
         if ax == 0:
             continue
         if ax < 2.0**floor:
-            if r[i] < ax * 2.0 ** (32 - floor):
+            if ri < ax * 2.0 ** (32 - floor):
                 codes[i] = code_of(v < 0, 0)
             continue
-        mantissa, exponent = np.frexp(ax)  # ax = mantissa * 2**exponent, mantissa in [0.5, 1); float32 denormals
-        a = int(exponent) - 1  # are normal float64 numbers
+        mantissa, exponent = math.frexp(ax)  # ax = mantissa * 2**exponent, mantissa in [0.5, 1); float32
+        a = exponent - 1  # denormals are normal float64 numbers
         fraction = ax / 2.0**a - 1.0  # in [0, 1), exact
-        k = a + int(r[i] < fraction * 2.0**32) - floor
+        k = a + int(ri < fraction * 2.0**32) - floor
         saturated += ax > 2.0 ** (floor + K_MAX)  # beyond the window's top: clamped, so counted
         codes[i] = code_of(v < 0, min(k, K_MAX))
-    return codes, saturated
+    return np.array(codes, np.uint8), saturated
 
 
 def decode(codes: np.ndarray, floor: int) -> np.ndarray:
     """float32 value of each code at floor: +-2**(floor + k), +-Inf from 2**128 up, NaN for an invalid code."""
     out = np.empty(np.size(codes), np.float32)
-    for i, c in enumerate(np.asarray(codes, dtype=np.uint8).reshape(-1)):
-        c = int(c)
+    for i, c in enumerate(np.asarray(codes, dtype=np.uint8).reshape(-1).tolist()):
         if c == 0:
             out[i] = 0.0
         elif c in (POS_INF, NEG_INF):
@@ -109,8 +110,8 @@ def k_of(code: int) -> int:
 
 def to_fixed(codes: np.ndarray) -> np.ndarray:
     """Integer value of each (valid) code in units of the slot's floor: +-2**k, and 0 for a non-finite code."""
-    return np.array([0 if c < 0x40 else (-1 if c & 0x80 else 1) * 2 ** k_of(int(c)) for c in
-                     np.asarray(codes, dtype=np.uint8).reshape(-1)], dtype=np.int64)
+    return np.array([0 if c < 0x40 else (-1 if c & 0x80 else 1) * 2 ** k_of(c) for c in
+                     np.asarray(codes, dtype=np.uint8).reshape(-1).tolist()], dtype=np.int64)
 
 
 def sum_to_codes(sums: np.ndarray, floor: int, *, seed: int | None, stream: int = 0,
@@ -123,18 +124,18 @@ def sum_to_codes(sums: np.ndarray, floor: int, *, seed: int | None, stream: int 
         r = np.full(sums.size, 2**31 - 1, dtype=np.uint32)
     else:
         r = bits32(stream_key(seed, stream), np.arange(offset, offset + sums.size, dtype=np.uint64))
-    codes = np.zeros(sums.size, np.uint8)
+    codes = [0] * sums.size
     overflowed = 0
-    for i, s in enumerate(sums):
-        a = abs(int(s))
+    for i, (s, ri) in enumerate(zip(sums.tolist(), r.tolist())):
+        a = abs(s)
         if a == 0:
             continue
         b = a.bit_length() - 1
         remainder = a - (1 << b)
-        k = b + int((int(r[i]) >> (32 - b)) < remainder)
+        k = b + int((ri >> (32 - b)) < remainder)
         overflowed += floor + k > 127
         codes[i] = code_of(s < 0, k)
-    return codes, overflowed
+    return np.array(codes, np.uint8), overflowed
 
 
 def chunk_exponent(x: np.ndarray, lo: int, hi: int) -> int:

@@ -56,7 +56,7 @@ from intml.protocol.burst import Burst
 from intml.protocol.job import BURST, CODEC_NAMES
 from intml.testbed.bench_mac import POOL, WORLD, _addr, _bursts, _core, record
 from intml.testbed.timing import emit
-from intml.worker.api import Worker
+from intml.worker.api import Worker, rank_socket
 from intml.worker.engine import StreamEngine
 
 JOB = 1  # the job bench_mac.record runs (seed 1)
@@ -85,9 +85,9 @@ def _key(sock: socket.socket) -> int:
     return addr_key(*sock.getsockname())
 
 
-def _rank_socket() -> BurstSocket:
+def _rank_socket(rec: Recording) -> BurstSocket:
     """A rank's socket as Worker sets it up (its receive side matters: results and echoes land there)."""
-    return BurstSocket(_bound(), burst=max(BURST, 2 * POOL), max_packet=wire.MAX_DATAGRAM)
+    return rank_socket(_bound(), max(BURST, 2 * POOL), rec.datagram_size)
 
 
 # ---- the recorded allreduce ---------------------------------------------------------------------------------
@@ -330,7 +330,7 @@ def _absorb(rec: Recording, variant: str, seconds: float, cpus: list[int], blast
                                 packet_elements=p, pool_size=POOL, seed=SEED, timeout=10.0)
                 sock, close = worker.io.sock, worker.close
             else:
-                sock = _rank_socket().sock
+                sock = _rank_socket(rec).sock
                 close = sock.close
             socks.append(sock)
             closers.append(close)
@@ -452,7 +452,7 @@ def _worker_sockets(rec: Recording, with_engine: bool) -> dict:
     """Rank 0 over sockets: its results wait in its socket; it takes them POOL at a time and sends what the
     engine returns (or, without the engine, each burst straight back). Wall and CPU seconds, and CPU seconds per
     phase (the thread's: time the scheduler gives other processes on a shared machine does not count)."""
-    io, agg_sock = _rank_socket(), _bound()
+    io, agg_sock = _rank_socket(rec), _bound()
     agg = BurstSocket(agg_sock, burst=BURST, max_packet=rec.results.data.shape[1])
     results = rec.results
     results.addr[:] = _key(io.sock)

@@ -45,9 +45,10 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     config = session.config
     if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
         return
-    from support.warm import warm_cache
+    from support.warm import PARTS, PROCESS_ONLY, warm_cache
 
-    line = warm_cache()
+    deselected = PROCESS_ONLY if "not process" in config.option.markexpr else ()  # make check
+    line = warm_cache(tuple(p for p in PARTS if p not in deselected))
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_line(line)

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from intml.burstio.mmsg import BurstSocket, addr_key
+from intml.burstio.mmsg import BurstSocket, addr_key, offload_default
 from intml.protocol import wire
 from intml.protocol.address import addr_of, format_addr
 from intml.protocol.burst import Burst
@@ -60,6 +60,13 @@ def parse_address(text: str) -> tuple[str, int]:
 def parse_aggregators(text: str) -> list[tuple[str, int]]:
     """A job's aggregators, ``host:port[,host:port...]`` (each port that of the aggregator's core 0)."""
     return [parse_address(part.strip()) for part in text.split(",")]
+
+
+def rank_socket(sock: socket.socket, burst: int, datagram: int) -> BurstSocket:
+    """A rank's unicast socket: it takes any datagram (a statistics reply can be longer than a data packet), with
+    GRO where the job's datagrams (``datagram`` bytes) are short enough for it to pay (burstio.mmsg.offload_default):
+    a GRO read lands in a 64 KiB buffer, so the longest datagram still fits."""
+    return BurstSocket(sock, burst=burst, max_packet=wire.MAX_DATAGRAM, gro=offload_default(datagram)[1])
 
 
 def _group_socket(group: int, host: str, port: int) -> socket.socket:
@@ -118,9 +125,10 @@ class Worker:
                                      connect_timeout=timers.connect_timeout)
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         sock.bind(("0.0.0.0", 0))
-        # room for any datagram: a statistics reply can be longer than a data packet
         rx_burst = max(burst, 2 * pool_size)
-        self.io = BurstSocket(sock, burst=rx_burst, max_packet=wire.MAX_DATAGRAM)
+        datagram = (wire.MAX_DATAGRAM if params.host_codec else
+                    wire.element_datagram_size(params.codec, params.packet_elements, params.data_mac))
+        self.io = rank_socket(sock, rx_burst, datagram)
         self._poll = select.poll()  # every socket results arrive on
         self._poll.register(self.io.fileno(), select.POLLIN)
         self._control_poll = select.poll()  # control replies come to this socket only
@@ -140,10 +148,7 @@ class Worker:
                            == group)  # a core that named the group: the interface that reaches it
                 # only the job's results come to its group: rows of one result each, which lets GRO coalesce
                 # them (a switch's, or a kernel's, replicated GSO batch arrives in one read)
-                results = BurstSocket(_group_socket(group, *addr_of(via)), burst=rx_burst,
-                                      max_packet=wire.MAX_DATAGRAM if params.host_codec else
-                                      wire.element_datagram_size(params.codec, params.packet_elements,
-                                                                 params.data_mac))
+                results = BurstSocket(_group_socket(group, *addr_of(via)), burst=rx_burst, max_packet=datagram)
             except OSError as exc:
                 self.close()  # leave the job: a retry must not find this rank still bound
                 raise JoinError(f"{self._who()}: cannot receive the job's results on multicast group {name}: "

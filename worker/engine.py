@@ -84,7 +84,7 @@ from intml.protocol.packet import (
     put_header,
 )
 from intml.protocol.job import WorkerTimers
-from intml.protocol.rng import derive_key
+from intml.protocol.rng import BLOCK, derive_key
 from intml.protocol.siphash import put_tag, tag_ok
 from intml.protocol.wire import (
     CONGESTED,
@@ -152,13 +152,13 @@ from intml.worker.window import W_CWND, on_mark, window_limit, window_state
 EXACT = np.uint32(PRECODED | 0x7FFFFFFF)  # low word of codes encoded at their agreed floor (nothing underflows)
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
+@njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
 def _chunk_count(st, c):
     pkt = st.params[P_PKT]
     return 0 if c < 0 else min(pkt, st.params[P_ELEMENTS] - c * pkt)
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
+@njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
 def _owners(prm, c):
     """The owners code of chunk c: in a reduce-scatter, the ranks whose shards its elements overlap; else (and for
     a bootstrap chunk) ALL_OWNERS."""
@@ -176,7 +176,7 @@ def _worker_key(prm):
     return _worker_key_of(prm[P_SEED], prm[P_ALLREDUCE], prm[P_RANK])
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _worker_key_of(seed, allreduce, rank):
     return derive_key(np.uint64(seed), worker_stream(allreduce, rank))
 
@@ -193,7 +193,7 @@ def _values(st, lo, hi):
     return block
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
+@njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
 def chunk_exponents16_kernel(x16, chunk_elements, lo, hi, out, fmt, scratch):
     """chunk_exponents_kernel of 16-bit x16, a chunk (scratch's size) widened at a time."""
     nonfinite = 0
@@ -205,7 +205,7 @@ def chunk_exponents16_kernel(x16, chunk_elements, lo, hi, out, fmt, scratch):
     return nonfinite
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
+@njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
 def _precode(st, d):
     """cnat8: encode chunk d at its own floor (protocol.arith.precode_chunk) into the payload of the datagram
     buffer its slot will send it from, the one the slot's in-flight chunk does not use, and note its exponent
@@ -218,7 +218,7 @@ def _precode(st, d):
     hi = min(prm[P_ELEMENTS], lo + prm[P_PKT])
     payload = st.packet[s, 1 - st.parity[s], HDR:HDR + hi - lo]
     sat, nonfinite, st.local_exp[d], st.low[d] = precode_chunk(_values(st, lo, hi), payload, _worker_key(prm), lo,
-                                                               prm[P_VBITS], prm[P_STOCHASTIC] != 0)
+                                                               prm[P_VBITS], prm[P_STOCHASTIC] != 0, st.heads)
     st.stats[SATURATED] += sat
     st.stats[NONFINITE] += nonfinite
 
@@ -233,11 +233,12 @@ def _take_codes(st, c, exp, payload):
     if (lo + payload.size > prm[P_READY]
             or encodes_again(st.low[c], cnat_floor(exp, vbits), cnat_floor(st.local_exp[c], vbits))):
         return False
-    payload[:] = st.codes[lo:lo + payload.size]
+    for j in range(payload.size):  # a loop: a slice assignment may allocate a temporary (see State)
+        payload[j] = st.codes[lo + j]
     return True
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
+@njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
 def _build(st, s, c, now):
     """Write chunk c (or the bootstrap chunk c < 0) of slot s into the slot's datagram buffer for its parity;
     chunk c's codes are there already (precoded), unless the agreed floor changes some. Then precode the chunk
@@ -259,7 +260,7 @@ def _build(st, s, c, now):
             disarm(st, s)
             return False
         codecs.encode_chunk(codec, _values(st, lo, lo + count), payload, _worker_key(prm), lo, exp, prm[P_VBITS],
-                            st.low[c], st.local_exp[c], prm[P_STOCHASTIC] != 0)
+                            st.low[c], st.local_exp[c], prm[P_STOCHASTIC] != 0, st.heads)
         if st.sent.size:  # asked for (error feedback): what this rank sends, decoded from the datagram itself
             codecs.decode_result(codec, payload, exp, prm[P_VBITS], st.sent[lo:lo + count])
     nxt = c + window
@@ -279,7 +280,7 @@ def _build(st, s, c, now):
     return True
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
+@njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
 def start_kernel(state, now, tx_ptr, tx_len, tx_addr):
     """Send every slot's bootstrap chunk the send window admits. Returns the number of datagrams written."""
     st = State(*state)
@@ -300,7 +301,7 @@ def hold(st, s, c):
     disarm(st, s)
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
+@njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
 def release(st, now, tx_ptr, tx_len, tx_addr, n_tx):
     """Build and queue the held slots' chunks the send window admits now (worker.window), lowest chunk first:
     while fewer slots than the window are in flight, and in any case the lowest chunk held if it is lower than
@@ -429,7 +430,8 @@ def decode_sum(prm, agreed_exp, out, out16, scratch, codes, p, c, count):
         if not codecs.check_result(codec, payload, exp, prm[P_VBITS]):
             return DROP_MALFORMED
         if prm[P_PRECODED]:
-            codes[lo:lo + count] = payload
+            for j in range(count):  # a loop: a slice assignment may allocate a temporary (see State)
+                codes[lo + j] = payload[j]
             prm[P_DONE] += 1
             return -1
         size = out.size if prm[P_FORMAT] == FLOAT32 else out16.size
@@ -477,7 +479,7 @@ def advance(st, s, c, next_exp, now, tx_ptr, tx_len, tx_addr, n_tx):
     return n_tx
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
+@njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
 def receive_kernel(state, rx_data, rx_len, rx_addr, n_rx, now, tx_ptr, tx_len, tx_addr):
     """Accept results, decode them, and queue each slot's next chunk. Returns datagrams written to tx.
 
@@ -485,8 +487,8 @@ def receive_kernel(state, rx_data, rx_len, rx_addr, n_rx, now, tx_ptr, tx_len, t
     result for it is forged (drop_unsent). That keeps every slot queued at most once, within tx's pool_size
     rows, whatever arrives, and keeps a queued datagram's buffer unchanged until it is sent."""
     st = State(*state)
-    prm, agreed_exp, out, keys = st.params, st.agreed_exp, st.out, st.mac_keys
-    taken = np.zeros(st.parity.size, np.bool_)
+    prm, agreed_exp, out, keys, taken = st.params, st.agreed_exp, st.out, st.mac_keys, st.taken
+    taken[:] = False
     n_tx = 0
     for i in range(n_rx):
         st.stats[PACKETS_IN] += 1
@@ -521,7 +523,7 @@ def receive_kernel(state, rx_data, rx_len, rx_addr, n_rx, now, tx_ptr, tx_len, t
     return fast_retransmit(st, now, tx_ptr, tx_len, tx_addr, n_tx)
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
+@njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
 def unpark_kernel(state, now, tx_ptr, tx_len, tx_addr):
     """Precoded: send every parked slot's chunk whose codes the engine now has. Returns datagrams written to tx."""
     st = State(*state)
@@ -591,6 +593,8 @@ class StreamEngine:
         self._no_codes = np.empty(0, np.uint8)
         self._no_bits = np.empty(0, np.uint16)
         self.scratch = np.empty(packet_elements, np.float32)  # a 16-bit allreduce's chunk as float32
+        self.taken = np.zeros(pool_size, np.bool_)
+        self.heads = np.empty(BLOCK, np.uint32)
         self._result: np.ndarray | None = None
 
     def resume(self, allreduce: int, shadow_sets: np.ndarray) -> None:
@@ -717,7 +721,7 @@ class StreamEngine:
             packet_len=np.zeros(self.pool_size, np.int64), agg_addr=self.agg_addr, stats=self.stats,
             timing=self.timing, low=low, sent=sent, mac_keys=self.mac_keys, codes=codes,
             parked=np.full(self.pool_size, IDLE, np.int64), silence=self.silence, x16=x16, out16=out16,
-            scratch=self.scratch, window=self.window)
+            scratch=self.scratch, window=self.window, taken=self.taken, heads=self.heads)
         self._args = tuple(self.state)
         tx = self.tx
         n = start_kernel(self._args, now, tx.ptr, tx.length, tx.addr) if window else 0

@@ -93,7 +93,7 @@ def disarm(st, s):
     st.overtaken[s] = 0
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
+@njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
 def _rtt_sample(timing, sample):
     """RFC 6298 smoothing of one round-trip sample."""
     if timing[T_SRTT] == 0.0:
@@ -106,7 +106,7 @@ def _rtt_sample(timing, sample):
     timing[T_RTO] = min(timing[T_MAX], max(timing[T_MIN], timing[T_SRTT] + 4.0 * timing[T_RTTVAR]))
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
+@njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
 def _resend(st, s, now, tx_ptr, tx_len, tx_addr, n_tx):
     queue_slot(st, s, tx_ptr, tx_len, tx_addr, n_tx)
     st.sent_at[s] = now
@@ -114,7 +114,7 @@ def _resend(st, s, now, tx_ptr, tx_len, tx_addr, n_tx):
     return n_tx + 1
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
+@njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
 def _count_overtaking(st, s):
     """The result of slot s overtook every slot still in flight that was sent before it to the same aggregator
     core. Cores are separate processes that run at their own pace, so results from different cores overtake
@@ -145,7 +145,7 @@ def on_result(st, s, now):
     quiet[S_PROBES] = 0.0
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
+@njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
 def fast_retransmit(st, now, tx_ptr, tx_len, tx_addr, n_tx):
     """After a burst of results: resend the slots still in flight that FAST_RETRANSMIT results overtook (a slot
     whose own result came later in the burst is not resent). Returns the new tx count."""
@@ -169,7 +169,7 @@ def _deadline(st, s):
     return max(st.sent_at[s], quiet[S_SINCE]) + wait
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
+@njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
 def timer_kernel(state, now, tx_ptr, tx_len, tx_addr):
     """On each silent aggregator core with slots due, retransmit its least recently sent slot in flight (the
     probe: its slots take turns, and the core's backoff doubles once each has had one), or every due one (at most
@@ -209,7 +209,7 @@ def timer_kernel(state, now, tx_ptr, tx_len, tx_addr):
     return n_tx
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
+@njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
 def next_deadline(state):
     """The earliest retransmission time, or +inf with nothing in flight."""
     st = State(*state)

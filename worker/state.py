@@ -38,7 +38,7 @@ HELD = IDLE + 2  # cur_chunk of a slot whose next chunk (State.parked) the send 
 State = namedtuple(
     "State",
     "params x out local_exp agreed_exp cur_chunk parity sent_at rto retries overtaken packet packet_len agg_addr stats "
-    "timing low sent mac_keys codes parked silence x16 out16 scratch window",
+    "timing low sent mac_keys codes parked silence x16 out16 scratch window taken heads",
 )
 # params (int64): job, rank, world, value_bits, codec, packet_elements, window, chunks, elements, allreduce, cores,
 #                 seed (as int64 bits), done_chunks, shard elements of a
@@ -57,9 +57,14 @@ PARAMS = 20
 # mac_keys (uint64): (cores, 2), the data key (k0, k1) of each aggregator core; (0, 2) without the DATA/RESULT MAC
 # sent_at, rto, retries, overtaken (per slot), timing and silence: the retransmission policy's (worker.retransmit)
 # window (float64): the send window's (worker.window)
+# taken (bool, per slot): receive_kernel's marks of the slots that took a result in the current call
+# heads (uint32, protocol.rng.BLOCK): the cnat8 encode's scratch (protocol.cnat.encode_into)
+# The kernels get every buffer they use from here, sized once: they allocate nothing, so they compile without
+# Numba's runtime (_nrt=False), whose atomic reference counts on each array and view they take were about 40% of
+# the engine's time (docs/benchmarks.md, "The worker's engine without Numba's runtime").
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
+@njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
 def queue_slot(st, s, tx_ptr, tx_len, tx_addr, n_tx):
     """Queue slot s's current datagram: the transmit entry points at the slot's buffer, nothing is copied (the
     buffer stays unchanged until the driver has sent the burst: see engine._build and

@@ -11,10 +11,11 @@ A codec module has
                    read (protocol.arith.precode_chunk), or finds all exponents up front and encodes on sending
 and Numba functions with these signatures (payload: the uint8 bytes of a datagram's elements; exp: the chunk's
 agreed exponent; vbits: s(n) of the job):
-    encode_chunk(x, payload, key, offset, exp, vbits, low, local_exp, stochastic)   a worker's float32 chunk x
-                   (tensor elements offset.., random words keyed by key; not stochastic: rounded to nearest) into
-                   payload; low and local_exp: precode_chunk's word and exponent proposal for a precoded payload,
-                   or 0 and any exponent to encode
+    encode_chunk(x, payload, key, offset, exp, vbits, low, local_exp, stochastic, heads)   a worker's float32
+                   chunk x (tensor elements offset.., random words keyed by key; not stochastic: rounded to nearest)
+                   into payload; low and local_exp: precode_chunk's word and exponent proposal for a precoded
+                   payload, or 0 and any exponent to encode; heads: a uint32 scratch of at least
+                   protocol.cnat.heads_size(x.size, stochastic) words, so that the encode allocates nothing
     check_payload(payload, exp, vbits) -> bool               the switch's check of a contribution (finite)
     check_nonfinite(payload, exp, vbits) -> bool             take_nonfinite's check alone, nothing changed
     take_nonfinite(payload, exp, vbits, flags) -> bool       the check of one that failed check_payload: valid
@@ -64,11 +65,11 @@ def precodes(codec):
 
 
 @njit(inline="always")
-def encode_chunk(codec, x, payload, key, offset, exp, vbits, low, local_exp, stochastic):
+def encode_chunk(codec, x, payload, key, offset, exp, vbits, low, local_exp, stochastic, heads):
     if codec == cnat8.ID:
-        cnat8.encode_chunk(x, payload, key, offset, exp, vbits, low, local_exp, stochastic)
+        cnat8.encode_chunk(x, payload, key, offset, exp, vbits, low, local_exp, stochastic, heads)
     else:
-        int32.encode_chunk(x, payload, key, offset, exp, vbits, low, local_exp, stochastic)
+        int32.encode_chunk(x, payload, key, offset, exp, vbits, low, local_exp, stochastic, heads)
 
 
 @njit(inline="always")

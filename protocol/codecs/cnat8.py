@@ -24,7 +24,7 @@ from intml.protocol.cnat import (
     codes_in_range,
     codes_in_range_or_nonfinite,
     decode_kernel,
-    encode_kernel,
+    encode_into,
     has_underflow,
     put_nonfinite_codes,
     take_nonfinite_codes,
@@ -42,17 +42,18 @@ PRECODES = True
 
 
 @njit(inline="always")
-def encode_chunk(x, payload, key, offset, exp, vbits, low, local_exp, stochastic):
+def encode_chunk(x, payload, key, offset, exp, vbits, low, local_exp, stochastic, heads):
     """Codes of float32 x (elements offset.. of the tensor, random words keyed by key) at the floor of agreed
     exponent exp, into payload. low and local_exp are precode_chunk's low word and exponent proposal for a
     payload that already holds x's codes at the proposal's floor; low without the PRECODED bit (0) asks for an
     encode. A precoded payload needs a new encode only if a value lies below the agreed floor (or the agreed
     exponent is below the proposal, which an honest switch never returns); else its k are lowered by the floors'
-    difference. Not stochastic: encode_nearest's codes (a precoded payload must be too)."""
+    difference. Not stochastic: encode_nearest's codes (a precoded payload must be too). heads: the encode's
+    scratch (protocol.cnat.encode_into)."""
     floor = cnat_floor(exp, vbits)
     own = cnat_floor(local_exp, vbits)
     if encodes_again(low, floor, own):
-        encode_kernel(x, payload, key, np.uint64(offset), floor, stochastic)
+        encode_into(x, payload, key, np.uint64(offset), floor, stochastic, heads)
     elif floor > own:
         lower_codes(payload, floor - own)
 

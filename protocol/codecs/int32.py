@@ -25,9 +25,9 @@ PRECODES = False
 
 
 @njit(inline="always")
-def encode_chunk(x, payload, key, offset, exp, vbits, low, local_exp, stochastic):
+def encode_chunk(x, payload, key, offset, exp, vbits, low, local_exp, stochastic, heads):
     """payload = rint(x * 2**(s - exp)) clamped to +-2**s, big-endian, and INT32_NONFINITE + flags for a NaN or
-    an infinity (key, offset, low, local_exp and stochastic are unused: int32 rounds to nearest always)."""
+    an infinity (key, offset, low, local_exp, stochastic and heads are unused: int32 rounds to nearest always)."""
     scale = 2.0 ** int32_scale_exponent(exp, vbits)
     limit = np.int64(1) << vbits
     bits = x.view(np.uint32)

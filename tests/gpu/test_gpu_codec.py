@@ -166,7 +166,7 @@ def test_chunk_stats_equal_cpu(data, floor, chunk):
     for c in range(stats.exponents.size):
         part = x[c * chunk : (c + 1) * chunk]
         _, _, exponent, low = arith.precode_chunk(part, np.empty(part.size, np.uint8), np.uint64(5),
-                                                  c * chunk, 24, True)
+                                                  c * chunk, 24, True, np.empty(BLOCK, np.uint32))
         assert (int(stats.exponents[c]), int(stats.lows[c]) | arith.PRECODED) == (exponent, int(low))
 
 

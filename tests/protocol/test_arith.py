@@ -28,6 +28,7 @@ from intml.protocol.arith import (
     window_top,
     worker_stream,
 )
+from intml.protocol.rng import BLOCK
 
 M64 = (1 << 64) - 1
 I32_MIN, I32_MAX = -(2**31), 2**31 - 1
@@ -256,7 +257,7 @@ def test_precode_gives_the_wire_codes_unless_a_value_is_below_the_floor(x, chunk
     exponents, low, saturated = [], [], 0
     for lo in range(0, x.size, chunk):
         sat, bad, exponent, smallest = arith.precode_chunk(x[lo:lo + chunk], codes[lo:lo + chunk], key, lo, vbits,
-                                                           True)
+                                                           True, np.empty(BLOCK, np.uint32))
         assert bad == np.count_nonzero(~np.isfinite(x[lo:lo + chunk]))
         exponents.append(exponent)
         low.append(smallest)

@@ -145,6 +145,20 @@ def test_long_encode_matches_reference_as_head_tables_change(offset):
     np.testing.assert_array_equal(got.codes, reference.encode(x, seed=9, stream=10, offset=offset, floor=-40)[0])
 
 
+@pytest.mark.parametrize("n", [1000, 20_000])
+def test_encode_into_a_used_scratch_matches_reference(n):
+    """encode_into, the encode with its heads table passed in (the worker's engine allocates nothing), gives the
+    oracle's codes whatever the scratch held, whether the call uses the table (n >= 4 BLOCK) or not."""
+    x = bulk_f32(np.random.default_rng(n), n)
+    heads = np.random.default_rng(1).integers(0, 2**32, cnat.BLOCK, dtype=np.uint32)
+    codes = np.empty(n, np.uint8)
+    key = np.uint64(cnat.stream_key(9, 10))
+    saturated, nonfinite, _, _ = cnat.encode_into(x, codes, key, np.uint64(70_000), -40, True, heads)
+    want, want_saturated = reference.encode(x, seed=9, stream=10, offset=70_000, floor=-40)
+    np.testing.assert_array_equal(codes, want)
+    assert (saturated, nonfinite) == (want_saturated, 0)
+
+
 @SETTINGS
 @given(x=f32_arrays(), floor=FLOORS)
 @example(x=np.array([1.5, -1.5, 1.49, 1.5 - 2**-23, 768.0, 2.0**-51, 0.49 * 2.0**-50], np.float32), floor=-50)

@@ -25,12 +25,12 @@ from intml.protocol.arith import (
 from intml.protocol.cnat import decode
 from intml.protocol.codec import Codec
 from intml.protocol.job import CODEC_NAMES
-from intml.protocol.rng import stream_key
+from intml.protocol.rng import BLOCK, stream_key
 from intml.protocol.wire import NO_EXP
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FUNCTIONS = {  # name: parameters, the same in every codec
-    "encode_chunk": ("x", "payload", "key", "offset", "exp", "vbits", "low", "local_exp", "stochastic"),
+    "encode_chunk": ("x", "payload", "key", "offset", "exp", "vbits", "low", "local_exp", "stochastic", "heads"),
     "check_nonfinite": ("payload", "exp", "vbits"),
     "take_nonfinite": ("payload", "exp", "vbits", "flags"),
     "put_nonfinite": ("payload", "flags"),
@@ -40,6 +40,7 @@ FUNCTIONS = {  # name: parameters, the same in every codec
     "check_result": ("payload", "exp", "vbits"),
     "decode_result": ("payload", "exp", "vbits", "out"),
 }
+HEADS = np.empty(BLOCK, np.uint32)  # the encode's scratch, enough for any chunk
 CODEC_MODULES = pytest.mark.parametrize("codec", codecs.CODECS, ids=lambda c: c.NAME)
 M64 = (1 << 64) - 1
 
@@ -101,8 +102,8 @@ def test_encode_chunk_dispatch(case, key, offset, precoded, local, stochastic) -
     x = chunk_values(seed, n)
     low = np.uint32(0xFFFFFFFF if precoded else 0)  # "already encoded" (nothing below any floor) or "encode"
     got, want = (random_bytes(seed, n * codec.WIDTH) for _ in range(2))
-    codecs.encode_chunk(int(codec.ID), x, got, np.uint64(key), offset, exp, vbits, low, local, stochastic)
-    codec.encode_chunk(x, want, np.uint64(key), offset, exp, vbits, low, local, stochastic)
+    codecs.encode_chunk(int(codec.ID), x, got, np.uint64(key), offset, exp, vbits, low, local, stochastic, HEADS)
+    codec.encode_chunk(x, want, np.uint64(key), offset, exp, vbits, low, local, stochastic, HEADS)
     assert got.tobytes() == want.tobytes()
 
 
@@ -116,7 +117,7 @@ def test_check_dispatch(case, kind) -> None:
         x = chunk_values(seed, n)
         if kind == "in range":
             x = np.ldexp(x.astype(np.float64), exp - 20).astype(np.float32)
-        codec.encode_chunk(x, payload, np.uint64(seed), 0, exp, vbits, np.uint32(0), exp, True)
+        codec.encode_chunk(x, payload, np.uint64(seed), 0, exp, vbits, np.uint32(0), exp, True, HEADS)
     assert codecs.check_payload(int(codec.ID), payload, exp, vbits) == codec.check_payload(payload, exp, vbits)
     assert codecs.check_result(int(codec.ID), payload, exp, vbits) == codec.check_result(payload, exp, vbits)
 
@@ -179,10 +180,11 @@ def dispatched_allreduce(codec, xs: list[np.ndarray], *, seed: int, allreduce_se
         for r, x in enumerate(xs):
             low, local = np.uint32(0), int(exps[r][c])
             if codecs.precodes(cid):  # as the worker does: encoded at its own floor first
-                _, _, local, low = precode_chunk(x[lo:lo + count], data[r], worker_keys[r], lo, vbits, stochastic)
+                _, _, local, low = precode_chunk(x[lo:lo + count], data[r], worker_keys[r], lo, vbits, stochastic,
+                                                 HEADS)
                 assert low & PRECODED and local == exps[r][c]
             codecs.encode_chunk(cid, x[lo:lo + count], data[r], worker_keys[r], lo, exp, vbits, low, local,
-                                stochastic)
+                                stochastic, HEADS)
             finite = np.isfinite(x[lo:lo + count]).all()
             assert bool(codecs.check_payload(cid, data[r], exp, vbits)) == finite
             if not finite:  # the switch's slow check, which ORs the lanes' flags and zeroes them

@@ -22,12 +22,12 @@ from intml.protocol.burst import Burst, Datagram
 class FaultySocket(BurstSocket):
     """A BurstSocket whose ``recv_burst`` and ``send`` (the data plane) pass through seeded faults."""
 
-    def __init__(self, sock, burst: int = 256, max_packet: int = 9000, *, drop: float = 0.0,
-                 duplicate: float = 0.0, reorder: float = 0.0, seed: int = 0) -> None:
+    def __init__(self, sock, burst: int = 256, max_packet: int = 9000, *, gro: bool | None = None,
+                 drop: float = 0.0, duplicate: float = 0.0, reorder: float = 0.0, seed: int = 0) -> None:
         for name, p in (("drop", drop), ("duplicate", duplicate), ("reorder", reorder)):
             if not 0.0 <= p < 1.0:
                 raise ValueError(f"{name} probability must be in [0, 1), got {p}")
-        super().__init__(sock, burst=burst, max_packet=max_packet)
+        super().__init__(sock, burst=burst, max_packet=max_packet, gro=gro)
         self.drop, self.duplicate, self.reorder = drop, duplicate, reorder
         self.random = random.Random(seed)
         self._inbox: deque[Datagram] = deque()
@@ -74,8 +74,8 @@ def faulty_sockets(*, drop: float, duplicate: float, reorder: float, seed: int) 
 
     seeds = itertools.count(seed)
 
-    def make(sock, burst: int = 256, max_packet: int = 9000) -> FaultySocket:
-        return FaultySocket(sock, burst, max_packet, drop=drop, duplicate=duplicate, reorder=reorder,
+    def make(sock, burst: int = 256, max_packet: int = 9000, gro: bool | None = None) -> FaultySocket:
+        return FaultySocket(sock, burst, max_packet, gro=gro, drop=drop, duplicate=duplicate, reorder=reorder,
                             seed=next(seeds))
 
     real, api.BurstSocket = api.BurstSocket, make

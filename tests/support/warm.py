@@ -3,9 +3,12 @@
 On a cold Numba cache (a fresh clone) each xdist worker, and each aggregator that a test starts meanwhile, compiled
 the data plane's kernels for itself: ``process_burst`` alone costs about 35 s of CPU per process. Two children
 compile disjoint halves into Numba's cache (``cache=True`` kernels), one per core; every process after them loads
-the machine code from the cache. ``tests/conftest.py`` runs ``warm_cache`` in the xdist controller.
+the machine code from the cache. A third child compiles the fuzz tests' bounds-checked kernels into their own cache.
+Two more compile the P4 program for BMv2 (p4c, not Numba), shipped and test builds. ``tests/conftest.py`` runs ``warm_cache`` in the xdist
+controller, and the Makefile's install runs it while pip installs the optional extras (pip leaves the second core
+idle then).
 
-``python -m support.warm aggregator|worker``, in tests/, runs one half.
+``python -m support.warm [PART ...]``, in tests/, runs ``warm_cache`` on those parts of ``PARTS`` (default: all).
 """
 
 from __future__ import annotations
@@ -24,19 +27,21 @@ if TYPE_CHECKING:
 
 
 def aggregator() -> None:
-    """The data plane (process_burst, burstio's receive and send kernels), then the leaf's kernel: about 40 s of
-    CPU on a cold cache."""
+    """The data plane (process_burst, burstio's receive and send kernels), the leaf's kernel, then host mode at
+    both ends (its JOINs pass through process_burst: in this process, it is in the cache by then)."""
+    from support.harness import Network
+
     from intml.aggregator.dataplane import warm_up
     from intml.aggregator.leafspine import leaf_core
 
     warm_up(64, 64)
     leaf_core(rows=2, max_elements=8).datapath.process(_junk(), 0.0)
+    Network(2, codec="uniform8", packet_elements=64, pool_size=2).allreduce([np.ones(100, np.float32)] * 2)
 
 
 def worker() -> None:
-    """The worker's engine kernels (start, receive, timer) for the switch codecs, the spine's kernel, then host mode
-    at both ends (by then process_burst, which its JOINs pass through, is in the cache): about 40 s of CPU."""
-    from support.harness import Network, agg_addr, engine_receive, engine_start, engine_timer
+    """The worker's engine kernels (start, receive, timer) for the switch codecs, then the spine's kernel."""
+    from support.harness import agg_addr, engine_receive, engine_start, engine_timer
 
     from intml.aggregator.leafspine import SpineCore
     from intml.protocol.codec import Codec
@@ -50,7 +55,35 @@ def worker() -> None:
         engine_receive(engine, [(bytes(HDR), agg_addr())], 0.0)
         engine_timer(engine, 1.0)
     SpineCore(rows=2, max_elements=8).process(_junk(), 0.0)
-    Network(2, codec="uniform8", packet_elements=64, pool_size=2).allreduce([np.ones(100, np.float32)] * 2)
+
+
+def checked() -> None:
+    """The bounds-checked kernels that the fuzz tests run (testbed/audit.py's ``boundscheck_env``, a cache of their
+    own): a short fuzz campaign compiles the worker's and the aggregator's receive paths, about 80 s of CPU on a
+    cold cache. Run with that environment only (``warm_cache`` gives it)."""
+    from intml.testbed.audit import fuzz_receive_paths
+
+    fuzz_receive_paths(600, seed=1)
+
+
+def p4() -> None:
+    """The BMv2 JSON of the shipped P4 program (support.p4build's cache, keyed by the sources): p4c-bm2-ss takes
+    about 60 s of CPU."""
+    _bmv2()
+
+
+def p4_test_build() -> None:
+    """The same for the test build, which reads its random words from the packet."""
+    from intml.p4.generate import TEST_RANDOM
+
+    _bmv2(TEST_RANDOM)
+
+
+def _bmv2(*defines: str) -> None:
+    from support.p4build import compiled, tool
+
+    if tool("p4c-bm2-ss") is not None:  # else the P4 tests skip
+        compiled(*defines)
 
 
 def _junk() -> Burst:
@@ -65,18 +98,34 @@ def _junk() -> Burst:
     return junk
 
 
-HALVES = {"aggregator": aggregator, "worker": worker}
+TIMEOUT = 900.0  # s: four times a cold compile on a loaded machine; a child still busy then is killed
 
 
-def warm_cache() -> str:
-    """Run both halves, each in its own child, and wait for them. Returns a line for the session's header."""
+def _finish(child: subprocess.Popen, deadline: float) -> str:
+    """The child's stderr once it exits (read while waiting: a full pipe never blocks it), killed at deadline."""
+    try:
+        return child.communicate(timeout=max(0.0, deadline - time.monotonic()))[1]
+    except subprocess.TimeoutExpired:
+        child.kill()
+        return child.communicate()[1] + f"\nstill compiling after {TIMEOUT:.0f} s: killed"
+
+
+PARTS = {"aggregator": aggregator, "worker": worker, "checked": checked, "p4": p4, "p4-test-build": p4_test_build}
+PROCESS_ONLY = ("checked", "p4", "p4-test-build")  # only tests that start processes use these
+
+
+def warm_cache(parts: tuple[str, ...] = tuple(PARTS)) -> str:
+    """Run ``parts``, each in its own child, and wait for them. Returns a line for the session's header."""
+    from intml.testbed.audit import boundscheck_env
+
     start = time.monotonic()
     tests = Path(__file__).resolve().parents[1]
-    children = {half: subprocess.Popen([sys.executable, "-m", "support.warm", half], cwd=tests,
+    children = {part: subprocess.Popen([sys.executable, "-m", "support.warm", "--child", part], cwd=tests,
+                                       env=boundscheck_env() if part == "checked" else None,
                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-                for half in HALVES}
-    errors = {half: child.communicate()[1] for half, child in children.items()}  # drains stderr: never blocks
-    failed = [f"{half}: {errors[half].strip().splitlines()[-1:]}" for half, child in children.items()
+                for part in parts}
+    errors = {part: _finish(child, start + TIMEOUT) for part, child in children.items()}
+    failed = [f"{part}: {errors[part].strip().splitlines()[-1:]}" for part, child in children.items()
               if child.returncode != 0]
     if failed:  # the tests then compile what they need themselves (slower, not wrong): say why
         return f"Numba cache warm-up failed ({'; '.join(failed)})"
@@ -84,4 +133,7 @@ def warm_cache() -> str:
 
 
 if __name__ == "__main__":
-    HALVES[sys.argv[1]]()
+    if sys.argv[1:2] == ["--child"]:
+        PARTS[sys.argv[2]]()
+    else:
+        print(warm_cache(tuple(sys.argv[1:]) or tuple(PARTS)))

@@ -31,14 +31,17 @@ from support.harness import (
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from numba.core.registry import CPUDispatcher
 
-from intml.protocol import reference, wire
+from intml.protocol import arith, cnat, reference, wire
 from intml.protocol.arith import data_k_max, value_bits
 from intml.protocol.codec import Codec
 from intml.protocol.packet import HDR
 from intml.protocol.wire import NO_EXP, MsgType
 from intml.protocol.burst import Burst
 from intml.protocol.job import WorkerTimers
+from intml.worker import engine as engine_module
+from intml.worker import retransmit, state
 from intml.worker.engine import IDLE, STAT_NAMES, StreamEngine
 
 CODECS = ["cnat8", "int32"]
@@ -790,3 +793,14 @@ def test_engine_hands_out_bursts_over_its_own_datagram_buffers():
     assert int(out.ptr[0]) == engine.packet[0, engine.parity[0]].ctypes.data  # slot 0's next chunk, in place
     assert engine.handle_timer(0.002).count == 0
     assert engine.get_timer() == 0.001 + WorkerTimers.rto  # the other slots: the default RTO from the result
+
+
+def test_the_engine_kernels_run_without_numbas_runtime() -> None:
+    """Every kernel of the engine and its retransmission policy, and the encode it calls, allocates nothing, so none
+    needs Numba's runtime and its atomic reference counts (about 40% of the engine's time: docs/benchmarks.md);
+    the inline ones compile into them."""
+    kernels = [f for m in (engine_module, state, retransmit) for f in vars(m).values()
+               if isinstance(f, CPUDispatcher) and f.py_func.__module__ == m.__name__
+               and f.targetoptions.get("inline") != "always"] + [arith.precode_chunk, cnat.encode_into]
+    assert len(kernels) >= 19 and all(f.targetoptions["_nrt"] is False for f in kernels), \
+        [f.__name__ for f in kernels if f.targetoptions.get("_nrt") is not False]

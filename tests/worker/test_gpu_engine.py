@@ -37,7 +37,7 @@ class HostCodes:
         for c in range(chunks):
             lo, hi = self._range(c)
             _, bad, self.local[c], self.low[c] = precode_chunk(x[lo:hi], self.codes[lo:hi], self.key, lo,
-                                                               int(engine.params[P_VBITS]), True)
+                                                               int(engine.params[P_VBITS]), True, engine.heads)
             assert bad == np.count_nonzero(~np.isfinite(x[lo:hi]))  # counted, coded as their flags
         self.reencodes = 0
 
