@@ -3,7 +3,10 @@ datagram, byte for byte), as Numba kernels over the engine's state (worker.state
 driver.
 
 * Adaptive RTO, as TCP's (RFC 6298): SRTT + 4 RTTVAR from round-trip samples of slots that were not retransmitted
-  (Karn's rule), bounded by [min_rto, max_rto]. A fixed RTO either fires spuriously when the aggregator's CPU is
+  (Karn's rule) nor overtaken by a later-sent slot's result, bounded by [min_rto, max_rto]. A slot's round ends
+  when its last rank's datagram arrives, so an overtaken slot's round trip includes a peer's recovery (a fast
+  retransmission or a timeout): sampled, such round trips drove the RTO of 64 ranks under 1% loss to its 1 s
+  maximum (docs/window.md). A fixed RTO either fires spuriously when the aggregator's CPU is
   busy, which adds load exactly when it hurts, or waits too long after a real loss.
 * Fast retransmit (TCP's duplicate-ACK rule, per slot): a slot overtaken by FAST_RETRANSMIT results of slots sent
   after it to the same aggregator core is presumed lost and retransmitted at once, so a loss costs about one round
@@ -12,9 +15,13 @@ driver.
   every result): a slot is due once its RTO passed since the later of its own sending and its core's last result
   or probe. A busy, queueing core keeps answering, so its queue's delay fires nothing however far it exceeds the
   RTO. When a core does fall silent (a peer that has not sent yet, a process off the CPU), every slot in flight
-  there is due at once: the timer retransmits only the earliest due one, a probe, and backs the core off,
-  doubling its slots' RTOs (up to ``max_rto``) until it answers. Retransmitting every due slot (as each slot's own
-  timer did) multiplied a silence of k RTOs by the window, into the queue of the aggregator it waited on.
+  there is due at once: the timer retransmits one, a probe. The probes take turns over the core's slots in
+  flight, least recently sent first; once each has had its turn, the core is backed off, its slots' RTOs doubled
+  (up to ``max_rto``) until it answers. Retransmitting every due slot (as each slot's own timer did) multiplied a
+  silence of k RTOs by the window, into the queue of the aggregator it waited on. Taking turns matters when a
+  core is silent because a peer's datagram was lost: a probe of a slot whose own datagram arrived is never
+  answered, and probing the slot due first (the one armed with the shortest RTO) again and again, the backoff
+  doubling each time, left the slot this rank had lost waiting for seconds.
 * A core whose last answer was to a retransmission is alive and was not waiting for a peer (a late peer's slots
   complete together, so a probe's answer comes with the other slots' results, not retransmitted): the slots sent
   before that answer are due SRTT after it, all at once, as losses at the end of a stream need; at most the send
@@ -44,10 +51,11 @@ from intml.worker.window import window_limit
 
 # timing (float64): smoothed RTT, RTT variance, current RTO, min RTO, max RTO, fastest round trip seen
 T_SRTT, T_RTTVAR, T_RTO, T_MIN, T_MAX, T_FLOOR = range(6)
-# silence (float64): (cores, 3), per aggregator core: since when it is silent (the allreduce's start, its last
-# result taken, or its last probe), the backoff its slots' RTOs are multiplied by (1, doubled by each probe),
-# and 1 if its last result answered a retransmission (its next timeout resends every due slot), else 0
-S_SINCE, S_BACKOFF, S_ALIVE = range(3)
+# silence (float64): (cores, 4), per aggregator core: since when it is silent (the allreduce's start, its last
+# result taken, or its last probe), the backoff its slots' RTOs are multiplied by (1, doubled by each round of
+# probes), 1 if its last result answered a retransmission (its next timeout resends every due slot), else 0, and
+# the probes of the current round (one per slot in flight there)
+S_SINCE, S_BACKOFF, S_ALIVE, S_PROBES = range(4)
 
 
 def timing_state(rto: float, min_rto: float, max_rto: float) -> np.ndarray:
@@ -57,7 +65,7 @@ def timing_state(rto: float, min_rto: float, max_rto: float) -> np.ndarray:
 
 def silence_state(cores: int) -> np.ndarray:
     """A job's silence array (set by each allreduce's start, restart_silences)."""
-    return np.zeros((cores, 3))
+    return np.zeros((cores, 4))
 
 
 @njit(inline="always")
@@ -66,6 +74,7 @@ def restart_silences(silence, now):
     silence[:, S_SINCE] = now
     silence[:, S_BACKOFF] = 1.0
     silence[:, S_ALIVE] = 0.0
+    silence[:, S_PROBES] = 0.0
 
 
 @njit(inline="always")
@@ -122,7 +131,8 @@ def on_result(st, s, now):
     """Slot s's result was taken at now: sample the round trip, mark the slots it overtook, restart its core's
     silence."""
     if st.retries[s] == 0:
-        _rtt_sample(st.timing, now - st.sent_at[s])
+        if st.overtaken[s] == 0:
+            _rtt_sample(st.timing, now - st.sent_at[s])
         _count_overtaking(st, s)
     elif now - st.sent_at[s] < st.timing[T_FLOOR]:  # faster than any round trip: the original's result
         st.stats[SPURIOUS] += 1
@@ -132,6 +142,7 @@ def on_result(st, s, now):
     quiet[S_SINCE] = now
     quiet[S_BACKOFF] = 1.0
     quiet[S_ALIVE] = st.retries[s] > 0
+    quiet[S_PROBES] = 0.0
 
 
 @njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
@@ -160,20 +171,21 @@ def _deadline(st, s):
 
 @njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
 def timer_kernel(state, now, tx_ptr, tx_len, tx_addr):
-    """On each silent aggregator core with slots due, retransmit the earliest due one (the probe; of slots due
-    at once, the least recently sent, so that they take turns), or every due one (at most the send window's worth)
-    if the core's last answer was to a retransmission; restart the core's silence and double its backoff. Returns
-    datagrams written to tx."""
+    """On each silent aggregator core with slots due, retransmit its least recently sent slot in flight (the
+    probe: its slots take turns, and the core's backoff doubles once each has had one), or every due one (at most
+    the send window's worth) if the core's last answer was to a retransmission, and then double its backoff;
+    restart the core's silence. Returns datagrams written to tx."""
     st = State(*state)
     n_tx = 0
     cores = st.params[P_CORES]
     for k in range(cores):
-        probe, first = -1, np.inf
+        probe, first, waiting = -1, np.inf, 0
         for s in range(k, st.params[P_WINDOW], cores):
-            if st.cur_chunk[s] != IDLE:
-                due = _deadline(st, s)
-                if due < first or (probe >= 0 and due == first and st.sent_at[s] < st.sent_at[probe]):
-                    probe, first = s, due
+            if st.cur_chunk[s] != IDLE and st.sent_at[s] < np.inf:  # (a held or parked slot has nothing sent)
+                waiting += 1
+                first = min(first, _deadline(st, s))
+                if probe < 0 or st.sent_at[s] < st.sent_at[probe]:
+                    probe = s
         if first > now or n_tx == tx_len.size:
             continue
         quiet = st.silence[k]
@@ -184,11 +196,15 @@ def timer_kernel(state, now, tx_ptr, tx_len, tx_addr):
                     budget -= 1
                     n_tx = _resend(st, s, now, tx_ptr, tx_len, tx_addr, n_tx)
                     st.stats[RETRANSMISSIONS] += 1
+            quiet[S_BACKOFF] *= 2.0
         else:
             n_tx = _resend(st, probe, now, tx_ptr, tx_len, tx_addr, n_tx)
             st.stats[RETRANSMISSIONS] += 1
+            quiet[S_PROBES] += 1.0
+            if quiet[S_PROBES] >= waiting:
+                quiet[S_BACKOFF] *= 2.0
+                quiet[S_PROBES] = 0.0
         quiet[S_SINCE] = now
-        quiet[S_BACKOFF] *= 2.0
         quiet[S_ALIVE] = 0.0
     return n_tx
 

@@ -603,20 +603,47 @@ def test_engine_late_result_of_earlier_allreduce_is_stale_not_foreign():
 
 
 def test_engine_timer_probes_a_silent_core_one_slot_at_a_time_with_backoff():
-    """Both slots wait on a silent core: each timeout retransmits only the earliest due slot (byte for byte),
-    restarts the core's silence and doubles the core's backoff, up to max_rto."""
+    """Both slots wait on a silent core: each timeout retransmits only the least recently sent slot (byte for
+    byte) and restarts the core's silence; the core's backoff doubles, up to max_rto, once every slot in flight
+    there was probed."""
     engine, _, sent = lone_engine(rto=1.0, min_rto=0.25, max_rto=5.0)
     assert engine.get_timer() == 1.0
     assert engine_timer(engine, 0.999) == []
-    # due at max(sent at, the core's last probe) + min(max_rto, RTO x backoff); of slots due at once the least
-    # recently sent first, so that they take turns
-    probes = [(1.0, 0), (3.0, 1), (7.0, 0), (12.0, 1), (17.0, 0), (22.0, 1)]
+    # due at max(sent at, the core's last probe) + min(max_rto, RTO x backoff): the slots take turns, and a round
+    # of probes doubles the backoff
+    probes = [(1.0, 0), (2.0, 1), (4.0, 0), (6.0, 1), (10.0, 0), (14.0, 1), (19.0, 0), (24.0, 1)]
     for t, slot in probes:
         assert engine.get_timer() == t
         assert engine_timer(engine, t) == [sent[slot]]  # the stored datagram, to the same address
     assert engine.counters()["retransmissions"] == len(probes)
     assert engine.counters()["packets_out"] == POOL + len(probes)
     assert engine.rto == 1.0  # no round-trip sample yet: the initial RTO
+
+
+def test_engine_timer_probes_take_turns_whatever_rto_each_slot_was_armed_with():
+    """Slot 1 was armed with the initial RTO (1.0), slot 0 after a fast round trip with a shorter one (0.3): when
+    the core falls silent, slot 1 is probed first (least recently sent), and then they alternate. Probing the slot
+    due first instead would probe slot 0 again and again, never slot 1, whose datagram may be the lost one."""
+    engine, _, sent = lone_engine(rto=1.0, min_rto=0.25, max_rto=8.0)
+    (data0, _), = engine_receive(engine, [(result_for(sent[0][0], next_exp=3), AGG)], 0.1)
+    assert engine.rto == pytest.approx(0.3)
+    for t, probe in [(0.4, sent[1][0]), (0.7, data0), (1.3, sent[1][0])]:  # a round of two probes, then backoff 2
+        assert engine.get_timer() == pytest.approx(t)
+        assert engine_timer(engine, engine.get_timer()) == [(probe, AGG)]
+
+
+def test_engine_round_trip_of_an_overtaken_slot_is_not_sampled():
+    """Slot 1's result comes after the result of slot 0's chunk 0, sent later: slot 1's round waited for something
+    else (a peer's recovery), and its round trip is not an RTT sample."""
+    model = Rfc6298(1.0, 0.25, 8.0)
+    engine, _, sent = lone_engine(rto=1.0, min_rto=0.25, max_rto=8.0)
+    (data0, _), = engine_receive(engine, [(result_for(sent[0][0], next_exp=3), AGG)], 0.1)
+    engine_receive(engine, [(result_for(data0, next_exp=3), AGG)], 0.2)
+    model.sample(0.1)
+    model.sample(0.1)
+    engine_receive(engine, [(result_for(sent[1][0], next_exp=3), AGG)], 3.0)
+    assert engine.counters()["results"] == 3
+    assert engine.rto == pytest.approx(model.rto)
 
 
 def test_engine_timer_probes_each_silent_core_and_a_result_restarts_its_core():
@@ -629,8 +656,9 @@ def test_engine_timer_probes_each_silent_core_and_a_result_restarts_its_core():
     assert engine_timer(engine, 1.0) == [sent[0]]
     assert engine.get_timer() == 1.5  # slot 3: core 1 was heard at 0.5, and is not backed off
     assert engine_timer(engine, 1.5) == [sent[3]]
-    assert engine.get_timer() == 3.0  # slot 2: core 0's probe at 1.0, then its RTO doubled
-    assert engine_timer(engine, 3.0) == [sent[2]]
+    assert engine.get_timer() == 2.0  # slot 2: an RTO after core 0's probe at 1.0 (not backed off: slot 2's turn)
+    assert engine_timer(engine, 2.0) == [sent[2]]
+    assert engine.get_timer() == 2.5  # slot 1: core 1's probe at 1.5, its other slot already answered
     assert engine.counters()["retransmissions"] == 3
 
 
@@ -695,7 +723,7 @@ def test_engine_timer_earliest_deadline_and_adaptive_rto():
     assert engine.rto == model.rto == 1.5
     assert engine.get_timer() == 1.5  # slot 1's RTO counts from the core's result at 0.5; slot 0 is due at 2.0
     assert engine_timer(engine, 1.5) == [sent[1]]  # only the expired slot
-    assert engine.get_timer() == 3.5  # backed off: slot 1 at 1.5 + 2 * 1.0, slot 0 at 1.5 + 2 * 1.5
+    assert engine.get_timer() == 2.5  # not backed off before slot 0's turn: slot 1 at 1.5 + 1.0, slot 0 at 1.5 + 1.5
     # slot 1's result 0.25 after its retransmission, sooner than SRTT (0.5): the original's, a spurious one; no
     # sample (Karn); its next chunk gets the current RTO
     (data1, _), = engine_receive(engine, [(result_for(sent[1][0], next_exp=3), AGG)], 1.75)
@@ -711,7 +739,7 @@ def test_engine_timer_earliest_deadline_and_adaptive_rto():
     assert engine.get_timer() == 2.0 + 1.5  # slot 1 (RTO 1.5) before slot 0 (2.0 + 2.375)
     assert engine.counters()["retransmissions"] == 1
     assert engine_timer(engine, 3.5) == [(data1, AGG)]
-    assert engine.get_timer() == 3.5 + 2 * 1.5  # slot 1 backed off, before slot 0 (3.5 + 2 * 2.375)
+    assert engine.get_timer() == 3.5 + 1.5  # slot 1 again, before slot 0 (3.5 + 2.375): slot 0 had no turn yet
     # slot 1's result a round trip after its retransmission (0.7 > SRTT 0.625): not counted as spurious
     engine_receive(engine, [(result_for(data1, next_exp=3), AGG)], 4.2)
     assert engine.counters()["spurious_retransmissions"] == 1
