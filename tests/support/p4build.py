@@ -47,20 +47,16 @@ def _cap() -> None:
 def compile_(name: str, *args: str, cwd: Path, warnings: bool = False) -> str:
     """Runs compiler ``name`` under the cap; fails the test on a non-zero exit or (unless ``warnings``) an
     unjustified warning, and returns its output."""
-    # pytest is imported where it skips or fails: the install's warm-up compiles through compiled() before pytest
-    # is installed
+    import pytest  # here, not at the top: the install's warm-up compiles through compiled() before pytest is there
+
     program = tool(name)
     if program is None:
-        import pytest
-
         pytest.skip(f"{name} is neither in {TOOLS}/bin nor on PATH: the program is checked by p4/syntax.py only")
     env = dict(os.environ, P4C_16_INCLUDE_PATH=str(include_dir(program) / "p4include"))
     try:
         result = subprocess.run([str(program), *args], capture_output=True, text=True, timeout=TIMEOUT_S,
                                 cwd=cwd, env=env, preexec_fn=_cap)
     except subprocess.TimeoutExpired:
-        import pytest
-
         pytest.fail(f"{name} took more than {TIMEOUT_S} s")
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"{name} failed (exit {result.returncode}):\n{output[-4000:]}"
