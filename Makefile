@@ -7,9 +7,6 @@ P4TOOLS := $(wildcard ../shared/p4tools)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# What the install's warm-up compiles (tests/support/warm.py's PARTS): the data plane and the engine; make test, all
-WARM_PARTS := aggregator worker
-test: WARM_PARTS :=
 
 .PHONY: demo test check clean
 
@@ -18,19 +15,17 @@ $(STAMP): pyproject.toml Makefile
 	@if [ "$$(id -u)" = 0 ] && ! command -v nft >/dev/null; then \
 		(apt-get update -qq && apt-get install -y -qq nftables iproute2 >/dev/null) \
 		|| echo "could not install nftables: the namespace cluster tests will be skipped"; fi
-	@# p4c and BMv2's libraries, before the warm-up below compiles the P4 program
-	@if [ -n "$(P4TOOLS)" ] && [ "$$(id -u)" = 0 ]; then \
-		(apt-get update -qq && apt-get install -y -qq $$(grep -v '^#' $(P4TOOLS)/runtime-packages.txt) >/dev/null) \
-		|| echo "could not install p4tools' runtime packages: the P4 compile and BMv2 tests will be skipped"; fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -e .
-	@# The kernels (and for make test the P4 program) compile while pip installs the extras (tests/support/warm.py;
-	@# on a fresh clone about 1.5 min of CPU, 5 for make test): pip keeps one core busy at most, and waits on the disk
-	cd tests && ../$(PY) -m support.warm $(WARM_PARTS) & warm=$$!; \
+	@# Numba compiles the kernels into its cache (tests/support/warm.py, 2-3 min of CPU on a fresh clone) while pip
+	@# installs the extras: pip keeps one core busy at most, and waits on the disk besides
+	cd tests && ../$(PY) -m support.warm & warm=$$!; \
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0 \
 	&& $(PY) -m pip install -q --disable-pip-version-check -e '.[test,torch,plot,train]' \
-	&& if [ -n "$(P4TOOLS)" ]; then $(PY) -m pip install -q --disable-pip-version-check thrift \
-		|| echo "could not install thrift: the BMv2 tests will be skipped"; fi; \
+	&& if [ -n "$(P4TOOLS)" ] && [ "$$(id -u)" = 0 ]; then \
+		(apt-get update -qq && apt-get install -y -qq $$(grep -v '^#' $(P4TOOLS)/runtime-packages.txt) >/dev/null \
+		 && $(PY) -m pip install -q --disable-pip-version-check thrift) \
+		|| echo "could not install p4tools' runtime packages: the P4 compile and BMv2 tests will be skipped"; fi; \
 	installed=$$?; wait $$warm; exit $$installed
 	touch $@
 

@@ -16,6 +16,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import pytest
+
 from intml.p4 import generate
 
 P4 = generate.HERE
@@ -47,8 +49,6 @@ def _cap() -> None:
 def compile_(name: str, *args: str, cwd: Path, warnings: bool = False) -> str:
     """Runs compiler ``name`` under the cap; fails the test on a non-zero exit or (unless ``warnings``) an
     unjustified warning, and returns its output."""
-    import pytest  # here, not at the top: the install's warm-up compiles through compiled() before pytest is there
-
     program = tool(name)
     if program is None:
         pytest.skip(f"{name} is neither in {TOOLS}/bin nor on PATH: the program is checked by p4/syntax.py only")

@@ -4,11 +4,11 @@ On a cold Numba cache (a fresh clone) each xdist worker, and each aggregator tha
 the data plane's kernels for itself: ``process_burst`` alone costs about 35 s of CPU per process. Two children
 compile disjoint halves into Numba's cache (``cache=True`` kernels), one per core; every process after them loads
 the machine code from the cache. A third child compiles the fuzz tests' bounds-checked kernels into their own cache.
-Two more compile the P4 program for BMv2 (p4c, not Numba), shipped and test builds. ``tests/conftest.py`` runs ``warm_cache`` in the xdist
-controller, and the Makefile's install runs it while pip installs the optional extras (pip leaves the second core
-idle then).
+``tests/conftest.py`` runs ``warm_cache`` in the xdist controller, and the Makefile's install runs it while pip
+installs the optional extras (pip leaves the second core idle then).
 
-``python -m support.warm [PART ...]``, in tests/, runs ``warm_cache`` on those parts of ``PARTS`` (default: all).
+``python -m support.warm``, in tests/, runs ``warm_cache``; ``python -m support.warm aggregator|worker|checked``
+runs one part in this process.
 """
 
 from __future__ import annotations
@@ -66,26 +66,6 @@ def checked() -> None:
     fuzz_receive_paths(600, seed=1)
 
 
-def p4() -> None:
-    """The BMv2 JSON of the shipped P4 program (support.p4build's cache, keyed by the sources): p4c-bm2-ss takes
-    about 60 s of CPU."""
-    _bmv2()
-
-
-def p4_test_build() -> None:
-    """The same for the test build, which reads its random words from the packet."""
-    from intml.p4.generate import TEST_RANDOM
-
-    _bmv2(TEST_RANDOM)
-
-
-def _bmv2(*defines: str) -> None:
-    from support.p4build import compiled, tool
-
-    if tool("p4c-bm2-ss") is not None:  # else the P4 tests skip
-        compiled(*defines)
-
-
 def _junk() -> Burst:
     """A burst of one datagram that no job owns: a kernel compiles, drops it and counts it."""
     from support.harness import agg_addr
@@ -110,8 +90,7 @@ def _finish(child: subprocess.Popen, deadline: float) -> str:
         return child.communicate()[1] + f"\nstill compiling after {TIMEOUT:.0f} s: killed"
 
 
-PARTS = {"aggregator": aggregator, "worker": worker, "checked": checked, "p4": p4, "p4-test-build": p4_test_build}
-PROCESS_ONLY = ("checked", "p4", "p4-test-build")  # only tests that start processes use these
+PARTS = {"aggregator": aggregator, "worker": worker, "checked": checked}
 
 
 def warm_cache(parts: tuple[str, ...] = tuple(PARTS)) -> str:
@@ -120,7 +99,7 @@ def warm_cache(parts: tuple[str, ...] = tuple(PARTS)) -> str:
 
     start = time.monotonic()
     tests = Path(__file__).resolve().parents[1]
-    children = {part: subprocess.Popen([sys.executable, "-m", "support.warm", "--child", part], cwd=tests,
+    children = {part: subprocess.Popen([sys.executable, "-m", "support.warm", part], cwd=tests,
                                        env=boundscheck_env() if part == "checked" else None,
                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                 for part in parts}
@@ -133,7 +112,7 @@ def warm_cache(parts: tuple[str, ...] = tuple(PARTS)) -> str:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--child"]:
-        PARTS[sys.argv[2]]()
+    if len(sys.argv) > 1:
+        PARTS[sys.argv[1]]()
     else:
-        print(warm_cache(tuple(sys.argv[1:]) or tuple(PARTS)))
+        print(warm_cache())
