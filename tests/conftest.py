@@ -45,10 +45,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     config = session.config
     if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
         return
-    from support.warm import PARTS, warm_cache
+    from support.warm import warm_cache
 
-    # the checked kernels serve the fuzz tests, which start processes: make check deselects them
-    line = warm_cache(tuple(p for p in PARTS if p != "checked" or "not process" not in config.option.markexpr))
+    line = warm_cache()
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_line(line)

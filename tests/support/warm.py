@@ -93,8 +93,8 @@ def _finish(child: subprocess.Popen, deadline: float) -> str:
 PARTS = {"aggregator": aggregator, "worker": worker, "checked": checked}
 
 
-def warm_cache(parts: tuple[str, ...] = tuple(PARTS)) -> str:
-    """Run ``parts``, each in its own child, and wait for them. Returns a line for the session's header."""
+def warm_cache() -> str:
+    """Run every part, each in its own child, and wait for them. Returns a line for the session's header."""
     from intml.testbed.audit import boundscheck_env
 
     start = time.monotonic()
@@ -102,7 +102,7 @@ def warm_cache(parts: tuple[str, ...] = tuple(PARTS)) -> str:
     children = {part: subprocess.Popen([sys.executable, "-m", "support.warm", part], cwd=tests,
                                        env=boundscheck_env() if part == "checked" else None,
                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-                for part in parts}
+                for part in PARTS}
     errors = {part: _finish(child, start + TIMEOUT) for part, child in children.items()}
     failed = [f"{part}: {errors[part].strip().splitlines()[-1:]}" for part, child in children.items()
               if child.returncode != 0]
