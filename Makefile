@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 		|| echo "could not install nftables: the namespace cluster tests will be skipped"; fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -e .
-	@# Numba compiles the kernels into its cache (tests/support/warm.py, 2-3 min of CPU on a fresh clone) while pip
+	@# Numba compiles the kernels into its cache (tests/support/warm.py, about 80 s of CPU on a fresh clone) while pip
 	@# installs the extras: pip keeps one core busy at most, and waits on the disk besides
 	cd tests && ../$(PY) -m support.warm & warm=$$!; \
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0 \

@@ -3,11 +3,10 @@
 On a cold Numba cache (a fresh clone) each xdist worker, and each aggregator that a test starts meanwhile, compiled
 the data plane's kernels for itself: ``process_burst`` alone costs about 35 s of CPU per process. Two children
 compile disjoint halves into Numba's cache (``cache=True`` kernels), one per core; every process after them loads
-the machine code from the cache. A third child compiles the fuzz tests' bounds-checked kernels into their own cache.
-``tests/conftest.py`` runs ``warm_cache`` in the xdist controller, and the Makefile's install runs it while pip
+the machine code from the cache. ``tests/conftest.py`` runs ``warm_cache`` in the xdist controller, and the Makefile's install runs it while pip
 installs the optional extras (pip leaves the second core idle then).
 
-``python -m support.warm``, in tests/, runs ``warm_cache``; ``python -m support.warm aggregator|worker|checked``
+``python -m support.warm``, in tests/, runs ``warm_cache``; ``python -m support.warm aggregator|worker``
 runs one part in this process.
 """
 
@@ -57,15 +56,6 @@ def worker() -> None:
     SpineCore(rows=2, max_elements=8).process(_junk(), 0.0)
 
 
-def checked() -> None:
-    """The bounds-checked kernels that the fuzz tests run (testbed/audit.py's ``boundscheck_env``, a cache of their
-    own): a short fuzz campaign compiles the worker's and the aggregator's receive paths, about 80 s of CPU on a
-    cold cache. Run with that environment only (``warm_cache`` gives it)."""
-    from intml.testbed.audit import fuzz_receive_paths
-
-    fuzz_receive_paths(600, seed=1)
-
-
 def _junk() -> Burst:
     """A burst of one datagram that no job owns: a kernel compiles, drops it and counts it."""
     from support.harness import agg_addr
@@ -90,17 +80,14 @@ def _finish(child: subprocess.Popen, deadline: float) -> str:
         return child.communicate()[1] + f"\nstill compiling after {TIMEOUT:.0f} s: killed"
 
 
-PARTS = {"aggregator": aggregator, "worker": worker, "checked": checked}
+PARTS = {"aggregator": aggregator, "worker": worker}
 
 
 def warm_cache() -> str:
     """Run every part, each in its own child, and wait for them. Returns a line for the session's header."""
-    from intml.testbed.audit import boundscheck_env
-
     start = time.monotonic()
     tests = Path(__file__).resolve().parents[1]
     children = {part: subprocess.Popen([sys.executable, "-m", "support.warm", part], cwd=tests,
-                                       env=boundscheck_env() if part == "checked" else None,
                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                 for part in PARTS}
     errors = {part: _finish(child, start + TIMEOUT) for part, child in children.items()}
