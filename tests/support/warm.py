@@ -3,8 +3,8 @@
 On a cold Numba cache (a fresh clone) each xdist worker, and each aggregator that a test starts meanwhile, compiled
 the data plane's kernels for itself: ``process_burst`` alone costs about 35 s of CPU per process. Two children
 compile disjoint halves into Numba's cache (``cache=True`` kernels), one per core; every process after them loads
-the machine code from the cache. ``tests/conftest.py`` runs ``warm_cache`` in the xdist controller, and the Makefile's install runs it while pip
-installs the optional extras (pip leaves the second core idle then).
+the machine code from the cache. ``tests/conftest.py`` runs ``warm_cache`` in the xdist controller, and the
+Makefile's install runs it while pip installs the optional extras (pip leaves the second core idle then).
 
 ``python -m support.warm``, in tests/, runs ``warm_cache``; ``python -m support.warm aggregator|worker``
 runs one part in this process.
@@ -16,7 +16,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 import numpy as np
