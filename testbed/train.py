@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import hashlib
 import json
 import os
@@ -366,8 +367,10 @@ def launch(run: str, seed: int, workers: int, args: dict, env: dict, out: Path, 
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     if proc.returncode != 0 or not out.exists():
         lines = (proc.stdout + proc.stderr).strip().splitlines()
-        # the ranks' own errors (torchrun prefixes them with [rankN]), then torchrun's summary
-        errors = [line for line in lines if line.startswith("[rank") or "terminate" in line or "Error" in line]
+        # the ranks' own errors (torchrun prefixes them with [rankN]) and the stacks of a rank that aborted, then
+        # torchrun's summary
+        errors = [line for line in lines if line.startswith(("[rank", "Fatal Python", "Current thread", "Thread 0x",
+                                                             '  File "')) or "terminate" in line or "Error" in line]
         text = "\n".join(errors[-40:] + ["..."] + lines[-12:])
         raise RuntimeError(f"run {run} seed {seed} failed (torchrun exit code {proc.returncode}):\n{text}")
     return json.loads(out.read_text())
@@ -635,8 +638,14 @@ def run_from_args(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--rank"]:  # a rank started by torchrun
+        faulthandler.enable()  # a rank that aborts in C++ prints every thread's Python stack, for launch's error
         rank_main(json.loads(argv[1]))
-        return 0
+        # Its report written and its group destroyed, the rank ends without the interpreter's finalization: there,
+        # under load, a host-codec rank (torch, Gloo and Numba loaded) now and then died with SIGABRT ("terminate
+        # called without an active exception"), the mark of a thread unwound through C++ while Python shuts down
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     from intml.aggregator.cli import OneLineParser
 
     parser = OneLineParser(prog="python -m intml.testbed.train", description=__doc__.split("\n\n")[0])
