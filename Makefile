@@ -11,22 +11,22 @@ STAMP := $(VENV)/.installed
 .PHONY: demo test check clean
 
 $(STAMP): pyproject.toml Makefile
-	@# The namespace cluster (tests, bench cluster) needs iproute2 and nftables; as root, install them.
-	@if [ "$$(id -u)" = 0 ] && ! command -v nft >/dev/null; then \
-		(apt-get update -qq && apt-get install -y -qq nftables iproute2 >/dev/null) \
-		|| echo "could not install nftables: the namespace cluster tests will be skipped"; fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -e .
-	@# Numba compiles the kernels into its cache (tests/support/warm.py, about 80 s of CPU on a fresh clone) while pip
-	@# installs the extras: pip keeps one core busy at most, and waits on the disk besides
-	cd tests && ../$(PY) -m support.warm & warm=$$!; \
+	@# Three jobs side by side, each mostly waiting on the disk or on one core: as root, apt-get installs what the
+	@# namespace cluster (iproute2, nftables) and p4tools' binaries need; Numba compiles the kernels into its cache
+	@# (tests/support/warm.py, about 80 s of CPU on a fresh clone); pip installs the extras.
+	if [ "$$(id -u)" = 0 ]; then \
+		packages="$$(command -v nft >/dev/null || echo nftables iproute2) \
+			$$([ -n "$(P4TOOLS)" ] && grep -v '^#' $(P4TOOLS)/runtime-packages.txt)"; \
+		if [ -n "$$(echo $$packages)" ]; then (apt-get update -qq && apt-get install -y -qq $$packages >/dev/null) \
+			|| echo "could not install $$(echo $$packages): the namespace cluster or P4 tests will be skipped"; fi & \
+	fi; \
+	cd tests && ../$(PY) -m support.warm & \
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0 \
 	&& $(PY) -m pip install -q --disable-pip-version-check -e '.[test,torch,plot,train]' \
-	&& if [ -n "$(P4TOOLS)" ] && [ "$$(id -u)" = 0 ]; then \
-		(apt-get update -qq && apt-get install -y -qq $$(grep -v '^#' $(P4TOOLS)/runtime-packages.txt) >/dev/null \
-		 && $(PY) -m pip install -q --disable-pip-version-check thrift) \
-		|| echo "could not install p4tools' runtime packages: the P4 compile and BMv2 tests will be skipped"; fi; \
-	installed=$$?; wait $$warm; exit $$installed
+	&& if [ -n "$(P4TOOLS)" ]; then $(PY) -m pip install -q --disable-pip-version-check thrift; fi; \
+	installed=$$?; wait; exit $$installed
 	touch $@
 
 demo: $(STAMP)
