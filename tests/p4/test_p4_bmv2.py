@@ -6,8 +6,9 @@ frame. Streams of several passes (recirculation), completions (multicast), re-se
 an invalid code, both codecs, non-finite lanes; each copy carries the switch's and its rank's Ethernet addresses.
 On the shipped program (v1model's random()) C_nat streams give every rank the same codes, so each sum is exact and
 its encoding needs no random bits, or join with nearest rounding; sums that need random bits run on the test build
-(``-DINTML_TEST_RANDOM``), whose frames carry the words the model is given. Skipped, saying why, without root,
-``ip``, the tools or the ``thrift`` package."""
+(``-DINTML_TEST_RANDOM``), whose frames carry the words the model is given. A burst into a slowed port builds its
+egress queue, and the copies behind it leave with the congestion mark, as the model marks them at that depth.
+Skipped, saying why, without root, ``ip``, the tools or the ``thrift`` package."""
 
 from __future__ import annotations
 
