@@ -49,7 +49,7 @@ from intml.aggregator.slots import (
 )
 from intml.protocol import codecs
 from intml.protocol.codecs import int32
-from intml.protocol.packet import HDR, O_TYPE, element_fields, round_order
+from intml.protocol.packet import HDR, O_SHADOW, O_TYPE, element_fields, round_order
 from intml.protocol.partial import SUM_WIDTH, contributors, partial_size, put_partial, sums_in_bounds
 from intml.protocol.job import MAX_WORLD
 from intml.protocol.stats import (
@@ -78,7 +78,7 @@ from intml.protocol.stats import (
     SAME_KNOWN_RANK,
     SAME_NEW_RANK,
 )
-from intml.protocol.wire import NO_EXP, MsgType
+from intml.protocol.wire import CONGESTED, NO_EXP, MsgType
 
 # A leaf's view of each job (per job index): how many ranks its rack holds, which (bitmap), the spine's address
 # key, and the leaf's index at the spine.
@@ -177,6 +177,8 @@ def leaf_burst(rx_data, rx_len, rx_addr, n_rx, now, job_arrays, table_arrays, ro
         rank, owners, slot, count, codec, x, exp, next_exp, key = element_fields(p)
         vbits = jobs.value_bits[j]
         if from_spine:  # the spine's RESULT of a round this rack completed: keep it and replicate it
+            mark = x & CONGESTED  # a queue on the way from the spine marked it (docs/window.md): on to the ranks
+            x ^= mark
             if rx_addr[i] != route.spine[j]:
                 reason = DROP_UNREGISTERED
             elif slot >= jobs.pool[j] or slot % jobs.stride[j] != jobs.offset[j]:
@@ -209,6 +211,7 @@ def leaf_burst(rx_data, rx_len, rx_addr, n_rx, now, job_arrays, table_arrays, ro
             st[COMPLETIONS] += 1
             src = stage_copy(stage, n_stage, held, length)
             n_stage += 1
+            held[O_SHADOW] = x  # the copies carry the mark; the stored result not: a re-send meets queues of its own
             first = n_out
             if jobs.group[j]:  # one datagram to the rack's multicast group
                 n_out = emit(src, length, jobs.group[j], out_ptr, out_len, out_addr, n_out)

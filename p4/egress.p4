@@ -7,6 +7,9 @@
 // A reduce-scatter round (owners code != 0): the copy for a rank that is not among the owners becomes the
 // header-only completion: count 0, the lengths of the headers alone, and truncate() cuts the payload off the
 // deparsed packet (a replica is a copy: the owners' copies keep theirs).
+// A copy that found its egress queue MARK_DEPTH packets deep or more (enq_qdepth: the packets ahead of it) leaves
+// with the congestion mark in its shadow byte (docs/window.md), as a queue marks ECN; the results' MAC covers the
+// byte with the bit clear, so marking here, last, leaves it valid.
 control IntmlEgress(inout headers_t hdr, inout metadata_t meta, inout standard_metadata_t sm) {
     @name(".egress_job_counter") counter<bit<32>>(MAX_JOBS * N_STATS, CounterType.packets) job_counter;
 
@@ -67,6 +70,9 @@ control IntmlEgress(inout headers_t hdr, inout metadata_t meta, inout standard_m
                 if (meta.owners != 0
                     && (meta.rid[7:0] < first || meta.rid[7:0] > first + (6w0 ++ owner_code[7:6]))) {
                     completion_only();
+                }
+                if (sm.enq_qdepth >= MARK_DEPTH) {
+                    hdr.intml.shadow = hdr.intml.shadow | CONGESTED;
                 }
             }
         }

@@ -31,6 +31,9 @@ WORDS = LANES // CHECK_GROUP  # 32-bit words of codes in a pass
 SLOT_BITS, PASS_BITS = log2(L.SLOT_ENTRIES), log2(L.MAX_PASSES)
 CELL = f"ig_md.bridge.slot_index[{SLOT_BITS - 1}:0] ++ ig_md.bridge.pass_no[{PASS_BITS - 1}:0]"
 K_LIMIT_MAX = 255
+CELL_BYTES = 80  # Tofino-1's buffer cell: the unit of its queue depths
+RESULT_FRAME = 14 + 20 + 8 + L.HEADER_BYTES + L.MAX_PAYLOAD_BYTES  # the largest result copy, Ethernet to payload
+MARK_CELLS = L.MARK_DEPTH * -(-RESULT_FRAME // CELL_BYTES)  # layout.MARK_DEPTH packets of the largest results
 TNA_BRIDGED = (  # the sketch's own bridge fields, after layout.BRIDGED
     ("phase", 2),  # PHASE_JUDGE, PHASE_CONSUME or PHASE_HARVEST
     ("order", 2),  # the judge pass's ORDER_OLDER / ORDER_SAME / ORDER_NEWER
@@ -67,6 +70,7 @@ const int ORDER_SAME = 1;
 const int ORDER_NEWER = 2;
 const int DISAGREES = 0xffffffff;  // round_exp's output when the round's word is not the packet's
 const int CONFORMS = 1;  // a GCRA bucket's output: the datagram takes a token
+const int MARK_CELLS = {MARK_CELLS};  // the congestion mark's depth in cells: layout.MARK_DEPTH of the largest results
 
 // the bridge header: layout.BRIDGED and the sketch's own fields, carried from pass to pass
 header bridge_h {{
@@ -623,7 +627,7 @@ def top() -> str:
 // and encoding (and prepending) the sums the pass before it read; the last pass multicasts the result. Every
 // other pass recirculates through one port, so a slot's passes keep their order. The judging tables (job,
 // membership, slot, data_bound), the statistics and the egress rewrite are the v1model program's and appear
-// in p4/README.md's account only.
+// in p4/README.md's account only; the egress marks congestion as the v1model program's does (docs/window.md).
 #include <core.p4>
 #include <tna.p4>
 #include "../headers.p4"
@@ -767,6 +771,14 @@ parser TnaEgressParser(packet_in pkt, out tna_headers_t hdr, out tna_metadata_t 
                        out egress_intrinsic_metadata_t eg_intr_md) {{
     state start {{
         pkt.extract(eg_intr_md);
+        // a pass on its way round starts with the bridge; a copy that leaves, with its headers
+        transition select(eg_intr_md.egress_port) {{ RECIRCULATION_PORT: accept; default: parse_headers; }}
+    }}
+    state parse_headers {{
+        pkt.extract(hdr.ethernet);
+        pkt.extract(hdr.ipv4);
+        pkt.extract(hdr.udp);
+        pkt.extract(hdr.intml);
         transition accept;
     }}
 }}
@@ -775,7 +787,13 @@ control TnaEgress(inout tna_headers_t hdr, inout tna_metadata_t eg_md, in egress
                   in egress_intrinsic_metadata_from_parser_t eg_prsr_md,
                   inout egress_intrinsic_metadata_for_deparser_t eg_dprsr_md,
                   inout egress_intrinsic_metadata_for_output_port_t eg_oport_md) {{
-    apply {{ }}
+    apply {{
+        // the congestion mark (docs/window.md), as the v1model egress sets it: a result copy that leaves its queue
+        // MARK_CELLS deep or more (deq_qdepth, in cells); after the results' MAC, which covers the bit clear
+        if (hdr.intml.isValid() && hdr.intml.type == TYPE_RESULT && eg_intr_md.deq_qdepth >= MARK_CELLS) {{
+            hdr.intml.shadow = hdr.intml.shadow | CONGESTED;
+        }}
+    }}
 }}
 
 control TnaEgressDeparser(packet_out pkt, inout tna_headers_t hdr, in tna_metadata_t eg_md,

@@ -76,6 +76,7 @@ import math
 
 import numpy as np
 
+from intml.aggregator.congestion import MARK_FRACTION
 from intml.protocol import reference
 from intml.protocol.cnat import K_MAX, K_MASK, NONZERO, SIGN
 from intml.protocol.codec import Codec
@@ -87,7 +88,7 @@ from intml.protocol.job import (
 )
 from intml.protocol.slot_reference import COMPLETE, EMPTY, FILLING, TRANSITIONS
 from intml.protocol.stats import N_STATS, NEWER, OLDER, SAME_KNOWN_RANK, SAME_NEW_RANK, STAT_NAMES
-from intml.protocol.wire import HEADER_FIELDS, HEADER_SIZE, MAGIC, NO_EXP, VERSION, MsgType
+from intml.protocol.wire import CONGESTED, HEADER_FIELDS, HEADER_SIZE, MAGIC, NO_EXP, VERSION, MsgType
 
 # ---- sizes ---------------------------------------------------------------------------------------------------
 LANES_PER_PASS = 64  # elements one pass aggregates: SwitchML's 32 processors x 2 values
@@ -113,6 +114,11 @@ FLAG_BITS = 2  # a lane's non-finite flags (docs/arithmetic.md, "Non-finite valu
 FLAG_CODES = range(1, 1 << FLAG_BITS)  # C_nat: the codes 0x01-0x03 carry a lane's flags (the NONZERO bit clear)
 NONFINITE_WORD = 1 << 31  # int32 mode: the word INT32_MIN + flags carries a lane's flags (its top 30 bits are these)
 NEAREST_WORD = 2**31 - 1  # the fixed random word of nearest rounding (protocol.arith.sum_to_codes_kernel)
+# The congestion mark (docs/window.md): a RESULT copy that finds its egress queue at MARK_DEPTH packets or more leaves
+# with CONGESTED set in its shadow byte. The software aggregator's rule, a quarter of the buffer, in packets of
+# BMv2's egress queue (simple_switch: 64 packets per port): room for a round trip's results before it drops.
+EGRESS_QUEUE_PACKETS = 64
+MARK_DEPTH = EGRESS_QUEUE_PACKETS // MARK_FRACTION
 
 # ---- the next-step table's codes -----------------------------------------------------------------------------
 STATE_CODES = {EMPTY: 0, FILLING: 1, COMPLETE: 2}
@@ -266,6 +272,7 @@ CONSTANTS = {  # what every .p4 file may name (``#define`` / ``const``), with it
     "ROWS": ROWS, "SLOT_ENTRIES": SLOT_ENTRIES, "LANE_ENTRIES": LANE_ENTRIES, "MAX_JOBS": MAX_JOBS,
     "MAX_WORLD": MAX_WORLD, "N_STATS": N_STATS, "GROUP_RID": GROUP_RID, "RANK_GROUP_BASE": RANK_GROUP_BASE, "SIGN": SIGN, "NONZERO": NONZERO,
     "K_MASK": K_MASK, "K_MAX": K_MAX, "NONFINITE_WORD": NONFINITE_WORD, "NEAREST_WORD": NEAREST_WORD,
+    "MARK_DEPTH": MARK_DEPTH, "CONGESTED": CONGESTED,
     "CONTROL_SOURCE_BUCKETS": CONTROL_SOURCE_BUCKETS, "BUCKET_SHIFT": BUCKET_SHIFT,
     "STEP_NONE": STEP_NONE, "STEP_OPEN": STEP_OPEN, "STEP_ADD": STEP_ADD, "STEP_RESEND": STEP_RESEND,
     **{f"STATE_{s}": c for s, c in STATE_CODES.items()}, **{f"EVENT_{e}": c for e, c in EVENT_CODES.items()},

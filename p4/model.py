@@ -42,6 +42,7 @@ from intml.p4.layout import (
     HASH_MULTIPLIER,
     JOB_PARAMS,
     LANES_PER_PASS,
+    MARK_DEPTH,
     MAX_JOBS,
     MAX_WORLD,
     N_STATS,
@@ -66,7 +67,7 @@ from intml.protocol.packet import owner_range
 from intml.protocol.reference import EXP_MAX, EXP_MIN, INT32_NONFINITE
 from intml.protocol.slot_reference import ADD, COMPLETE, DROP_DUPLICATE, DROP_STALE, EMPTY, FILLING, OPEN, RESEND
 from intml.protocol.stats import STAT_NAMES
-from intml.protocol.wire import HEADER, HEADER_SIZE, MAGIC, NO_EXP, OWNERS_SHIFT, RANK_MASK, VERSION, MsgType
+from intml.protocol.wire import CONGESTED, HEADER, HEADER_SIZE, MAGIC, NO_EXP, OWNERS_SHIFT, RANK_MASK, VERSION, MsgType
 
 JOB_TABLES = ("job_table", "membership", "slot_table", "multicast_group", "egress_dest")
 ENCODE_B = {f"encode_b{b}": b for b in range(32)}
@@ -170,14 +171,15 @@ class PipelineModel:
         self.in_burst = 0
 
     # ---- the packet path -----------------------------------------------------------------------------------
-    def receive(self, datagram: bytes | None, addr: int, now: float) -> Sent:
+    def receive(self, datagram: bytes | None, addr: int, now: float, queue_depth: int = 0) -> Sent:
         """The packet's passes back to back: the datagrams it sends."""
-        return next(sent for sent in self.enter(datagram, addr, now) if sent is not None)
+        return next(sent for sent in self.enter(datagram, addr, now, queue_depth) if sent is not None)
 
-    def enter(self, datagram: bytes | None, addr: int, now: float) -> Iterator[Sent | None]:
+    def enter(self, datagram: bytes | None, addr: int, now: float, queue_depth: int = 0) -> Iterator[Sent | None]:
         """The packet's passes, one per ``next``: None after a pass that recirculates, then the datagrams it sends
         (possibly none) after its last. Interleave several packets' iterators to run their passes as a switch's
-        threads may; drop one between passes by no longer advancing it."""
+        threads may; drop one between passes by no longer advancing it. ``queue_depth``: the packets ahead of its
+        result copies in their egress queue (v1model's ``enq_qdepth``); from MARK_DEPTH on, they are marked."""
         self.last_passes = 1
         core = self.core_counter
         core[STAT["packets_in"]] += 1
@@ -206,7 +208,7 @@ class PipelineModel:
             counter[STAT[reason]] += 1
             yield []
             return
-        yield from self._slot(h, datagram, job, 2 * row + h["shadow"])
+        yield from self._slot(h, datagram, job, 2 * row + h["shadow"], queue_depth)
 
     @staticmethod
     def _parse(datagram: bytes | None) -> tuple[str, dict]:
@@ -275,7 +277,7 @@ class PipelineModel:
         codes = np.frombuffer(chunk, np.uint8)
         return action == "set_bound" and bool((lane_ok(codes, k_limit) | (_flags_of(codes) > 0)).all())
 
-    def _slot(self, h: dict, datagram: bytes, job: JobHit, slot_index: int) -> Iterator[Sent | None]:
+    def _slot(self, h: dict, datagram: bytes, job: JobHit, slot_index: int, queue_depth: int) -> Iterator[Sent | None]:
         """The packet's passes: each decides against its own (row, set, pass) state, then runs its lanes; None
         after a pass that recirculates, the datagrams sent (or []) after the last one."""
         bridged = Bridged(pass_no=0, step=STEP_NONE, completes=False, job_index=job.job_index, rank=h["rank"],
@@ -293,7 +295,7 @@ class PipelineModel:
                 yield None  # egress recirculates it
                 bridged = bridged._replace(pass_no=bridged.pass_no + 1)
                 continue
-            yield self._forward(bridged, action, h, job, out)
+            yield self._forward(bridged, action, h, job, out, queue_depth)
             return
 
     def _state(self, h: dict, payload: bytes, job: JobHit, bridged: Bridged) -> tuple[Bridged, str, str]:
@@ -342,7 +344,7 @@ class PipelineModel:
             next_exp=_int8(regs.read("round_next_exp", cell)), k_finite=k_finite,
             all_in=bridged.all_in and (completes or step == STEP_RESEND)), action, ""
 
-    def _forward(self, bridged: Bridged, action: str, h: dict, job: JobHit, out: bytearray) -> Sent:
+    def _forward(self, bridged: Bridged, action: str, h: dict, job: JobHit, out: bytearray, queue_depth: int) -> Sent:
         """The last pass's end: the packet's statistics by its last decision, then the result (a completion or a
         re-send whose every pass put the round's result into the packet), or nothing."""
         counter = self.job_counter[job.job_index]
@@ -358,7 +360,7 @@ class PipelineModel:
             return []  # consumed; or the result is complete in every pass, and retransmissions read it
         if action == RESEND:
             counter[STAT["results_resent"]] += 1
-        return self._egress(bridged, h, job, out)
+        return self._egress(bridged, h, job, out, queue_depth)
 
     def _pass(self, bridged: Bridged, h: dict, job: JobHit, payload: bytes, out: bytearray) -> bytearray:
         """One pass over lanes [pass_no * LANES_PER_PASS, ...): add (or write) them into lane_sum and, on the
@@ -420,14 +422,16 @@ class PipelineModel:
             out[lane] = negative[lane] * SIGN | NONZERO | k
         return out
 
-    def _egress(self, bridged: Bridged, h: dict, job: JobHit, out: bytearray) -> list[tuple[bytes, int]]:
+    def _egress(self, bridged: Bridged, h: dict, job: JobHit, out: bytearray, queue_depth: int) -> Sent:
         """The RESULT header, then the copies: every replica of the job's multicast group (a completion; a round
         with owners: the job's rank group) or the one rank (a re-send), each destination from egress_dest; a
-        replica whose rank is not among the round's owners is truncated to the header with count 0."""
+        replica whose rank is not among the round's owners is truncated to the header with count 0. Every copy
+        carries the congestion mark if ``queue_depth`` >= MARK_DEPTH."""
         rec = np.zeros(1, HEADER)
         fields = {"magic": MAGIC, "version": VERSION, "type": int(MsgType.RESULT), "job": h["job"],
                   "allreduce": h["allreduce"], "chunk": h["chunk"], "rank": bridged.owners << OWNERS_SHIFT,
-                  "slot": h["slot"], "count": bridged.elements, "codec": int(job.codec), "shadow": h["shadow"],
+                  "slot": h["slot"], "count": bridged.elements, "codec": int(job.codec),
+                  "shadow": h["shadow"] | (CONGESTED if queue_depth >= MARK_DEPTH else 0),
                   "exp": bridged.exp, "next_exp": bridged.next_exp}
         for name, value in fields.items():
             rec[name] = value

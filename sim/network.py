@@ -2,6 +2,8 @@
 
 A ``Link`` is one direction of a cable: rate, propagation delay, MTU, a drop-tail queue in bytes, random loss
 from its own seeded generator and optional ECN marking (counted: intml's UDP traffic does not react to it). A
+switch ASIC's egress port marks instead (``mark_bytes``): a RESULT that finds that many bytes queued ahead of it
+leaves with the congestion mark, as the P4 program's egress sets it from its queue depth (docs/window.md). A
 datagram occupies the wire for (payload + ``overhead``) bytes at the link's rate; the overhead is the IPv4, UDP
 and Ethernet headers, which the netns testbed's ``tc tbf`` also counts.
 
@@ -29,7 +31,8 @@ import numpy as np
 from intml.aggregator.congestion import mark_results
 from intml.aggregator.core import AggregatorCore
 from intml.protocol.burst import Burst
-from intml.protocol.packet import HDR
+from intml.protocol.packet import HDR, O_MAGIC, O_SHADOW, O_TYPE
+from intml.protocol.wire import CONGESTED, MAGIC, MsgType
 from intml.sim.engine import Datagram, Node, Simulator
 from intml.worker.costs import IP_UDP, WIRE_OVERHEAD  # a datagram's bytes beyond its payload, and those the MTU counts
 
@@ -67,6 +70,7 @@ class LinkStats:
     queue_drops: int = 0
     too_big: int = 0
     ecn_marked: int = 0
+    results_marked: int = 0  # RESULTs given the congestion mark (``mark_bytes``)
 
 
 _SHAPES: dict[tuple, tuple] = {}  # Link.shape: one tuple per distinct link model
@@ -78,16 +82,16 @@ class Link:
 
     def __init__(self, sim: Simulator, node: Node, *, rate: float, delay: float, mtu: int = 1500,
                  queue_bytes: int = 1 << 20, loss: float = 0.0, seed: int = 0, ecn_bytes: int | None = None,
-                 overhead: int = WIRE_OVERHEAD) -> None:
+                 overhead: int = WIRE_OVERHEAD, mark_bytes: int | None = None) -> None:
         if rate <= 0 or delay < 0 or not 0 <= loss < 1 or queue_bytes <= 0:
             raise ValueError(f"bad link: rate {rate}, delay {delay}, loss {loss}, queue {queue_bytes}")
         self.sim, self.node = sim, node
         self.byte_time = 8.0 / rate
         self.delay, self.mtu, self.queue_bytes, self.loss = delay, mtu, queue_bytes, loss
-        self.ecn_bytes, self.overhead = ecn_bytes, overhead
+        self.ecn_bytes, self.overhead, self.mark_bytes = ecn_bytes, overhead, mark_bytes
         # what decides a send's outcome besides the queue (fan_out's test that links behave alike), one tuple for
         # all links alike, so that the test is mostly by identity
-        shape = (self.byte_time, delay, mtu, queue_bytes, ecn_bytes, overhead, loss)
+        shape = (self.byte_time, delay, mtu, queue_bytes, ecn_bytes, overhead, loss, mark_bytes)
         self.shape = _SHAPES.setdefault(shape, shape)
         self.random = random.Random(seed)
         self.busy_until = 0.0
@@ -102,8 +106,9 @@ class Link:
 
     def send_many(self, datagrams: Sequence[Datagram], now: float) -> None:
         """``send`` each of ``datagrams`` at ``now``, in order (a host's burst), in one call."""
-        longest, overhead, byte_time, queue_bytes, ecn_bytes, delay = (
-            self.mtu - IP_UDP, self.overhead, self.byte_time, self.queue_bytes, self.ecn_bytes, self.delay)
+        longest, overhead, byte_time, queue_bytes, ecn_bytes, delay, mark_bytes = (
+            self.mtu - IP_UDP, self.overhead, self.byte_time, self.queue_bytes, self.ecn_bytes, self.delay,
+            self.mark_bytes)
         loss, draw, stats = self.loss, self.random.random, self.stats
         busy, sent, wire_bytes = self.busy_until, 0, 0
         times, passed = [], []
@@ -121,6 +126,8 @@ class Link:
                     continue
                 if ecn_bytes is not None and backlog > ecn_bytes:
                     stats.ecn_marked += 1
+                if mark_bytes is not None and backlog >= mark_bytes:
+                    datagram = marked(datagram, stats)
                 busy += wire * byte_time
             else:
                 busy = now + wire * byte_time
@@ -165,6 +172,9 @@ def fan_out(sim: Simulator, links: list[Link], datagram: Datagram, now: float) -
         if first.ecn_bytes is not None and backlog > first.ecn_bytes:
             for link in links:
                 link.stats.ecn_marked += 1
+        if first.mark_bytes is not None and backlog >= first.mark_bytes:
+            for link in links:
+                datagram = marked(datagram, link.stats)
         now = busy
     busy = now + wire * first.byte_time
     loss = first.loss
@@ -182,6 +192,21 @@ def fan_out(sim: Simulator, links: list[Link], datagram: Datagram, now: float) -
     else:
         nodes = [link.node for link in links]
     sim.deliver_all(busy + first.delay, nodes, datagram)
+
+
+def marked(datagram: Datagram, stats: LinkStats) -> Datagram:
+    """``datagram`` with the congestion mark (protocol.wire.CONGESTED) if it is an intml RESULT (counted in
+    ``stats``), else ``datagram`` itself."""
+    payload = datagram[0]
+    if (len(payload) < HDR or payload[O_TYPE] != MsgType.RESULT
+            or int.from_bytes(payload[O_MAGIC:O_MAGIC + 2], "big") != MAGIC):
+        return datagram
+    stats.results_marked += 1
+    if payload[O_SHADOW] & CONGESTED:
+        return datagram
+    copy = bytearray(payload)
+    copy[O_SHADOW] |= CONGESTED
+    return bytes(copy), datagram[1], datagram[2]
 
 
 class Copier:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from intml.aggregator.congestion import MARK_FRACTION
 from intml.aggregator.core import AggregatorCore
 from intml.aggregator.leafspine import SpineCore, leaf_core
 from intml.p4 import layout
@@ -55,6 +56,9 @@ class PacketRun:
     rx_queue: int | None = None  # the datagrams that may wait for the aggregator (its socket's buffer); None: any
     mark_depth: int | None = None  # results of a burst read from this many waiting datagrams are marked congested
     # (aggregator.congestion; docs/window.md); None: never
+    asic_marks: bool = True  # an ASIC's egress ports mark the results that find a quarter of their queue full
+    downlink_rate: float | None = None  # bit/s of the switch's links to the hosts (None: ``rate``)
+    downlink_queue: int | None = None  # bytes of the switch's egress queue to each host (None: ``queue_bytes``)
     packet_elements: int | None = None  # default: the largest for the MTU
     pool: int = 64
     rounds: int = 1
@@ -113,6 +117,8 @@ class PacketResult:
     cpu_seconds: dict = field(default_factory=dict)  # CPU work charged: hosts (all), software aggregator
     loop_cpu: float = 0.0  # seconds of this process's CPU time in the event loop (the machine may be shared)
     rx_drops: int = 0  # datagrams the aggregator's full receive queue dropped (``rx_queue``)
+    windows: list[float] = field(default_factory=list)  # each rank's send window at the end, in slots
+    results_marked: int = 0  # results the switches' egress ports marked (``asic_marks``)
 
 
 def simulate(run: PacketRun) -> PacketResult:
@@ -189,7 +195,9 @@ def simulate(run: PacketRun) -> PacketResult:
         link = dict(rate=run.rate, delay=run.delay, mtu=run.mtu, queue_bytes=run.queue_bytes, loss=run.loss,
                     ecn_bytes=run.ecn_bytes)
         h.uplink = Link(sim, topology.edge[r], seed=link_seed(run.seed, r, 0), **link)
-        topology.edge[r].attach(addr, Link(sim, h, seed=link_seed(run.seed, r, 1), **link))
+        down = run.downlink_queue or run.queue_bytes
+        topology.edge[r].attach(addr, Link(sim, h, seed=link_seed(run.seed, r, 1), **dict(
+            link, rate=run.downlink_rate or run.rate, queue_bytes=down, mark_bytes=mark_bytes(run, down))))
         hosts.append(h)
     for h in hosts:
         h.connect(0.0)
@@ -210,7 +218,8 @@ def simulate(run: PacketRun) -> PacketResult:
         loop=time.perf_counter() - loop, counters=counters,
         cpu_seconds={"hosts": sum(h.cpu.busy for h in hosts),
                      "aggregator": topology.switches[0].cpu.busy if software else 0.0},
-        loop_cpu=loop_cpu, rx_drops=sum(sw.rx_drops for sw in topology.switches))
+        loop_cpu=loop_cpu, rx_drops=sum(sw.rx_drops for sw in topology.switches),
+        windows=[h.engine.send_window for h in hosts], results_marked=sum(link.stats.results_marked for link in links))
     if run.check:
         expected = reference.allreduce(xs, codec=run.codec, seed=run.seed, allreduce_seq=run.rounds - 1,
                                        packet_elements=run.packet_elements, rounding=run.rounding)
@@ -256,14 +265,22 @@ def leaf_spine(sim: Simulator, run: PacketRun, params: JobParams) -> Topology:
         core.datapath.add_route(JOB, leaf=k, ranks=ranks, spine=SPINE_ADDR)
         leaf = Switch(sim, CoreAggregator([core], [addr], _rx_width(params), codecs.BY_ID[params.codec].WIDTH),
                       asic(run.passes))
+        marks = mark_bytes(run, uplink["queue_bytes"])  # the leaf's port up carries PARTIALs: nothing to mark
         leaf.attach(SPINE_ADDR, Link(sim, spine, seed=link_seed(run.seed, MAX_WORLD + k, 0), **uplink))
-        spine.attach(addr, Link(sim, leaf, seed=link_seed(run.seed, MAX_WORLD + k, 1), **uplink))
+        spine.attach(addr, Link(sim, leaf, seed=link_seed(run.seed, MAX_WORLD + k, 1), mark_bytes=marks, **uplink))
         edge += [leaf] * len(ranks)
         aggregator += [addr] * len(ranks)
         switches.append(leaf)
         leaves.append((addr, ranks))
     spine_core.install(JOB, params, leaves)
     return Topology(edge, aggregator, switches)
+
+
+def mark_bytes(run: PacketRun, queue_bytes: int) -> int | None:
+    """An ASIC switch's egress port of ``queue_bytes`` marks the results that find a quarter of it full, the
+    software aggregator's rule (aggregator.congestion) on the port's queue, as the P4 program's egress does; a
+    software aggregator's are the kernel's, which do not mark."""
+    return queue_bytes // MARK_FRACTION if run.switch == "asic" and run.asic_marks else None
 
 
 def link_seed(seed: int, rank: int, direction: int) -> int:

@@ -5,7 +5,7 @@
 // and encoding (and prepending) the sums the pass before it read; the last pass multicasts the result. Every
 // other pass recirculates through one port, so a slot's passes keep their order. The judging tables (job,
 // membership, slot, data_bound), the statistics and the egress rewrite are the v1model program's and appear
-// in p4/README.md's account only.
+// in p4/README.md's account only; the egress marks congestion as the v1model program's does (docs/window.md).
 #include <core.p4>
 #include <tna.p4>
 #include "../headers.p4"
@@ -766,6 +766,14 @@ parser TnaEgressParser(packet_in pkt, out tna_headers_t hdr, out tna_metadata_t 
                        out egress_intrinsic_metadata_t eg_intr_md) {
     state start {
         pkt.extract(eg_intr_md);
+        // a pass on its way round starts with the bridge; a copy that leaves, with its headers
+        transition select(eg_intr_md.egress_port) { RECIRCULATION_PORT: accept; default: parse_headers; }
+    }
+    state parse_headers {
+        pkt.extract(hdr.ethernet);
+        pkt.extract(hdr.ipv4);
+        pkt.extract(hdr.udp);
+        pkt.extract(hdr.intml);
         transition accept;
     }
 }
@@ -774,7 +782,13 @@ control TnaEgress(inout tna_headers_t hdr, inout tna_metadata_t eg_md, in egress
                   in egress_intrinsic_metadata_from_parser_t eg_prsr_md,
                   inout egress_intrinsic_metadata_for_deparser_t eg_dprsr_md,
                   inout egress_intrinsic_metadata_for_output_port_t eg_oport_md) {
-    apply { }
+    apply {
+        // the congestion mark (docs/window.md), as the v1model egress sets it: a result copy that leaves its queue
+        // MARK_CELLS deep or more (deq_qdepth, in cells); after the results' MAC, which covers the bit clear
+        if (hdr.intml.isValid() && hdr.intml.type == TYPE_RESULT && eg_intr_md.deq_qdepth >= MARK_CELLS) {
+            hdr.intml.shadow = hdr.intml.shadow | CONGESTED;
+        }
+    }
 }
 
 control TnaEgressDeparser(packet_out pkt, inout tna_headers_t hdr, in tna_metadata_t eg_md,

@@ -12,6 +12,7 @@ const int ORDER_SAME = 1;
 const int ORDER_NEWER = 2;
 const int DISAGREES = 0xffffffff;  // round_exp's output when the round's word is not the packet's
 const int CONFORMS = 1;  // a GCRA bucket's output: the datagram takes a token
+const int MARK_CELLS = 224;  // the congestion mark's depth in cells: layout.MARK_DEPTH of the largest results
 
 // the bridge header: layout.BRIDGED and the sketch's own fields, carried from pass to pass
 header bridge_h {

@@ -15,8 +15,8 @@ from intml.aggregator.core import AggregatorCore
 from intml.aggregator.leafspine import SpineCore, leaf_core
 from intml.protocol.codec import Codec
 from intml.protocol.job import JobParams
-from intml.protocol.packet import HDR
-from intml.protocol.wire import NO_EXP, MsgType, pack
+from intml.protocol.packet import HDR, O_SHADOW
+from intml.protocol.wire import CONGESTED, NO_EXP, MsgType, pack
 from intml.sim import models
 from intml.sim.__main__ import main
 from intml.sim.packet_level import PacketRun, simulate
@@ -98,6 +98,24 @@ def test_partial_result_and_recovery_at_both_levels():
     joined(one, range(4))
     out = core_receive(one, [(data(r, X[r]), worker_addr(r)) for r in range(4)], 1.0)
     assert [d for _, d in out] == [worker_addr(r) for r in range(4)] and {p for p, _ in out} == {result}
+
+
+def test_the_spines_congestion_mark_reaches_the_rack():
+    """A RESULT that a queue between the spine and the leaf marked (docs/window.md) goes on to the rack marked; the
+    leaf stores it unmarked, so a re-send carries only the marks of the queues it meets itself. Any other bit
+    beyond the shadow set is still malformed."""
+    (a, b), spine = fabric()
+    core_receive(a, [(data(0, X[0]), worker_addr(0))], 1.0)
+    [(partial_a, _)] = core_receive(a, [(data(1, X[1]), worker_addr(1))], 1.0)
+    [(partial_b, _)] = core_receive(b, [(data(2, X[2]), worker_addr(2)), (data(3, X[3]), worker_addr(3))], 1.0)
+    assert core_receive(spine, [(partial_a, LEAVES[0])], 2.0) == []
+    result = core_receive(spine, [(partial_b, LEAVES[1])], 2.0)[0][0]
+    marked, bad = bytearray(result), bytearray(result)
+    marked[O_SHADOW] |= CONGESTED
+    bad[O_SHADOW] |= 4
+    assert core_receive(b, [(bytes(bad), SPINE)], 3.0) == [] and counters(b)["drop_bad_shadow"] == 1
+    assert core_receive(a, [(bytes(marked), SPINE)], 3.0) == [(bytes(marked), worker_addr(r)) for r in (0, 1)]
+    assert core_receive(a, [(data(1, X[1]), worker_addr(1))], 4.0) == [(result, worker_addr(1))]
 
 
 def _replace_sum(partial: bytes, value: int) -> bytes:

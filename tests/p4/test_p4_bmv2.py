@@ -6,8 +6,9 @@ frame. Streams of several passes (recirculation), completions (multicast), re-se
 an invalid code, both codecs, non-finite lanes; each copy carries the switch's and its rank's Ethernet addresses.
 On the shipped program (v1model's random()) C_nat streams give every rank the same codes, so each sum is exact and
 its encoding needs no random bits, or join with nearest rounding; sums that need random bits run on the test build
-(``-DINTML_TEST_RANDOM``), whose frames carry the words the model is given. Skipped, saying why, without root,
-``ip``, the tools or the ``thrift`` package."""
+(``-DINTML_TEST_RANDOM``), whose frames carry the words the model is given. A burst into a slowed port builds its
+egress queue, and the copies behind it leave with the congestion mark, as the model marks them at that depth.
+Skipped, saying why, without root, ``ip``, the tools or the ``thrift`` package."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from intml.p4.controller import controller_entries
 from intml.p4.entries import cli_commands
 from intml.p4.extern import CarriedRandom
 from intml.p4.generate import TEST_RANDOM, TEST_RANDOM_ETHERTYPE
-from intml.p4.layout import LANES_PER_PASS
+from intml.p4.layout import LANES_PER_PASS, MARK_DEPTH
 from intml.protocol.reference import INT32_NONFINITE
 from intml.protocol import wire
 from intml.protocol.codec import Codec
@@ -98,12 +99,15 @@ class Switch:
                             "--json", str(self.json_path)],
                            input="\n".join(commands) + "\n", timeout=300)
 
-    def exchange(self, frames: list[bytes], expected: list[int], tmp: Path) -> list[list[bytes]]:
+    def exchange(self, frames: list[bytes], expected: list[int], tmp: Path, burst: bool = False
+                 ) -> list[list[bytes]]:
         """Each frame sent in turn; the frames the switch sent back after each (``expected``: how many the model
-        sends for each)."""
+        sends for each). ``burst``: the frames in a burst (support/bmv2_port.py), every frame back under the
+        first."""
         (tmp / "in.txt").write_text("\n".join(f"{f.hex()} {n}" for f, n in zip(frames, expected)))
         result = self.run_in([sys.executable, str(Path(__file__).parents[1] / "support" / "bmv2_port.py"), "h1",
-                              str(tmp / "in.txt"), str(tmp / "out.json"), str(SETTLE_S), str(WAIT_S)], timeout=600)
+                              str(tmp / "in.txt"), str(tmp / "out.json"), str(SETTLE_S), str(WAIT_S),
+                              *(["burst"] if burst else [])], timeout=600)
         assert result.returncode == 0, result.stderr
         out: list[list[bytes]] = [[] for _ in frames]
         for i, frame in json.loads((tmp / "out.json").read_text()):
@@ -238,3 +242,36 @@ def test_bmv2_test_build_rounds_with_the_carried_words(switch: Switch, tmp_path:
     assert [other.receive(datagram, source, 0.0) for datagram, source in items] != expected
     assert_sends(switch.exchange([frame(datagram, source, carried) for (datagram, source), carried
                                   in zip(items, words)], counts(expected), tmp_path), expected)
+
+
+BURST = 40  # re-sends in a burst: under the egress queue's 64 packets, and past MARK_DEPTH
+SLOW_PPS = 20  # the port's rate while the burst queues: 2 s to drain it, 10 times slower than the burst comes in
+
+
+def test_bmv2_marks_the_results_a_deep_egress_queue_holds(switch: Switch, tmp_path: Path) -> None:
+    """With the queue empty (one frame at a time) results leave unmarked, as the model sends them at depth 0; a
+    burst of re-sends into a port slowed to SLOW_PPS builds its egress queue, and each copy that found MARK_DEPTH
+    or more ahead of it leaves marked: byte for byte the model's copy at that depth. The first MARK_DEPTH copies
+    cannot have found that many ahead of them; the later ones did. Once the queue has drained, unmarked again."""
+    core, _, model = joined(2, 40, Codec.CNAT8)
+    load(switch, core)
+    items = stream(Codec.CNAT8, 40)[:2]  # a round: rank 0, then rank 1's completion
+    resend = items[0]
+
+    def sends(depth: int) -> list[tuple[bytes, int]]:
+        return model.receive(*resend, 0.0, depth)
+
+    expected = [model.receive(datagram, source, 0.0) for datagram, source in items]
+    unmarked, marked = sends(0), sends(MARK_DEPTH)
+    assert len(unmarked) == 1 and unmarked != marked
+    got = switch.exchange([frame(d, s) for d, s in items], counts(expected), tmp_path)
+    assert [sorted(unframe(f) for f in have) for have in got] == [sorted(e) for e in expected] and expected[1]
+    assert "Error" not in switch.cli([f"set_queue_rate {SLOW_PPS} {PORT}"]).stdout
+    got = switch.exchange([frame(*resend)] * BURST, [1] * BURST, tmp_path, burst=True)[0]
+    assert switch.cli([f"set_queue_rate 1000000 {PORT}"]).returncode == 0
+    copies = [unframe(f) for f in got]
+    assert len(copies) == BURST and all(c in (unmarked[0], marked[0]) for c in copies)
+    assert copies[:MARK_DEPTH] == unmarked * MARK_DEPTH and marked[0] in copies[MARK_DEPTH:]
+    print(f"\n{copies.count(marked[0])} of {BURST} re-sends marked behind a {SLOW_PPS} packet/s port")
+    after = switch.exchange([frame(*resend)], [1], tmp_path)
+    assert [unframe(f) for f in after[0]] == unmarked

@@ -504,3 +504,35 @@ def test_control_meter_admits_as_the_core() -> None:
     assert model.control == ref.control
     assert model.counters()["drop_control_rate"] == ref.core_stats["drop_control_rate"] > 0
     assert len(ref.control) > 50
+
+
+@pytest.mark.parametrize("codec", [Codec.CNAT8, Codec.INT32])
+def test_results_behind_a_deep_egress_queue_carry_the_congestion_mark(codec: Codec) -> None:
+    """Each result copy that finds MARK_DEPTH or more packets ahead of it in its egress queue leaves with the
+    CONGESTED bit in its shadow byte and is otherwise the unmarked copy byte for byte (a completion's multicast, a
+    re-send); shallower, or by default, nothing is marked; DATA with that bit is still malformed."""
+    rng = np.random.default_rng(5)
+    payload = ((0x40 | rng.integers(0, 5, 150)).astype(np.uint8) if codec == Codec.CNAT8  # equal codes: exact sums
+               else rng.integers(-99, 99, 150).astype(">i4"))
+    packets_ = [wire.pack({"type": int(MsgType.DATA), "job": 7, "allreduce": 1, "rank": rank, "count": 150,
+                           "codec": int(codec), "shadow": 1, "exp": 0, "next_exp": NO_EXP}, payload)
+                for rank in (0, 1, 0)]  # a completion (both copies), then rank 0's re-send
+    outputs = {}
+    for depth in (None, 0, layout.MARK_DEPTH - 1, layout.MARK_DEPTH, 10 * layout.MARK_DEPTH):
+        model = joined(2, 150, codec)[2]
+        outputs[depth] = [model.receive(p, worker_addr(r), 0.0, *(() if depth is None else (depth,)))
+                          for p, r in zip(packets_, (0, 1, 0))]
+    plain = outputs[None]
+    assert [len(sent) for sent in plain] == [0, 2, 1]
+    assert outputs[0] == outputs[layout.MARK_DEPTH - 1] == plain
+    shadow = wire.HEADER.fields["shadow"][1]
+    for depth in (layout.MARK_DEPTH, 10 * layout.MARK_DEPTH):
+        for marked, unmarked in zip(outputs[depth], plain):
+            for (m, m_dest), (u, u_dest) in zip(marked, unmarked):
+                assert m_dest == u_dest and m[shadow] == u[shadow] | wire.CONGESTED == 1 | wire.CONGESTED
+                assert m[:shadow] + m[shadow + 1:] == u[:shadow] + u[shadow + 1:]
+    model = joined(2, 150, codec)[2]
+    bad = bytearray(packets_[0])
+    bad[shadow] |= wire.CONGESTED
+    assert model.receive(bytes(bad), worker_addr(0), 0.0, layout.MARK_DEPTH) == []
+    assert model.counters(0)["drop_bad_shadow"] == 1

@@ -5,13 +5,18 @@ results of bursts read from 256 or more waiting datagrams, the windows, which st
 the first allreduce (whose first bursts overflow it) and from then on keep it short: no drops, no retransmissions,
 the aggregator busy the whole time. With 1% random loss on every link as well, an allreduce after the first takes a
 few times the loss-free one, not the seconds of timeouts it took before a silent core's probes took turns over its
-slots (docs/window.md, "Random loss at scale"). Every result is exact."""
+slots (docs/window.md, "Random loss at scale"). On a switch ASIC the egress ports mark instead, from their own queues
+(the P4 program's rule): behind a shallow, slow port to each host the windows halve and the drops stop; on a run
+whose queues stay short nothing is marked and nothing changes. Every result is exact."""
 
 from __future__ import annotations
 
 import pytest
 
+from intml.protocol.codec import Codec
+from intml.protocol.wire import element_datagram_size
 from intml.sim.packet_level import PacketResult, PacketRun, simulate
+from intml.worker.costs import WIRE_OVERHEAD
 
 pytestmark = pytest.mark.slow
 
@@ -58,3 +63,33 @@ def test_random_loss_costs_round_trips_not_seconds(marked: PacketResult):
     lossy = run(DEPTH, loss=0.01, rounds=2)
     assert lossy.lost > 0.005 * 2 * DATA
     assert lossy.times[1] < 6 * marked.times[1]
+
+
+# An ASIC whose ports to the hosts run at half the hosts' rate with room for 16 results each: a pool of 64 overflows
+ASIC_N, DOWN_RATE = 8, 5e9
+DOWN_QUEUE = 16 * (element_datagram_size(Codec.CNAT8, PACKET, False) + WIRE_OVERHEAD)
+
+
+def asic_run(marks: bool, **options) -> PacketResult:
+    r = simulate(PacketRun(workers=ASIC_N, elements=PACKET * CHUNKS, packet_elements=PACKET, pool=POOL,
+                           rounds=ROUNDS, asic_marks=marks, inputs="shared", host_costs=False, check=True, **options))
+    print(f"\nASIC marks {marks}, {options}: {[f'{t * 1e6:.1f}' for t in r.times]} us, retransmissions "
+          f"{r.retransmissions}, queue drops {r.queue_drops}, results marked {r.results_marked}, windows "
+          f"{min(r.windows):.1f}-{max(r.windows):.1f}")
+    assert r.exact
+    return r
+
+
+def test_an_asic_port_marks_its_queue_and_the_windows_follow():
+    shallow = dict(downlink_rate=DOWN_RATE, downlink_queue=DOWN_QUEUE)
+    unmarked, marked_ = asic_run(False, **shallow), asic_run(True, **shallow)
+    assert unmarked.queue_drops > 0 and unmarked.results_marked == 0 and min(unmarked.windows) == POOL
+    assert marked_.results_marked > 0 and max(marked_.windows) <= POOL / 2
+    assert marked_.queue_drops < unmarked.queue_drops / 2 and marked_.retransmissions < unmarked.retransmissions
+    assert max(marked_.times) < min(unmarked.times)  # the drops' recovery cost more than the smaller windows
+    # a leaf-spine's leaves mark their ports to the hosts alike
+    racks = asic_run(True, racks=2, **shallow)
+    assert racks.results_marked > 0 and max(racks.windows) < POOL  # cut, and growing back once the queue is short
+    # the default queues stay short: no mark, and the run is the run without marks, instant for instant
+    plain, quiet = asic_run(False), asic_run(True)
+    assert quiet.results_marked == 0 and quiet.times == plain.times and quiet.counters == plain.counters
