@@ -459,8 +459,7 @@ class BurstSocket:
         ctl_words[:, 0] = _CMSG_HDR + 2  # cmsg_len = CMSG_LEN(sizeof(uint16_t)), exactly, or the kernel refuses
         ctl_words[:, _CMsgHdr.cmsg_level.offset // 4] = SOL_UDP
         ctl_words[:, _CMsgHdr.cmsg_type.offset // 4] = UDP_SEGMENT
-        self._tx_rows = self._tx_iov["base"].copy()  # row i of tx_data
-        self.tx_ptr = self._tx_rows.copy()
+        self.tx_ptr = self._tx_iov["base"].copy()  # row i of tx_data
         self._tx_name["family"] = socket.AF_INET
         self._tx_msg["namelen"] = _SOCKADDR_IN.itemsize
         self._order = np.zeros(burst, np.int64)  # datagram of each position, grouped by destination under GSO
@@ -564,11 +563,12 @@ class BurstSocket:
         for at most ``send_timeout`` seconds in total, then returns what was sent. Other errors raise
         OSError (``tx_sent`` still tells how many went out).
         """
-        return self._transmit(count, skip_refused=False)
+        return self._transmit(count, self.tx_ptr, self.tx_len, self.tx_addr, skip_refused=False)
 
-    def _transmit(self, count: int, skip_refused: bool) -> int:
-        """send_burst's body; ``skip_refused``: an entry whose destination the kernel refuses is skipped and its
-        datagrams counted in ``send_failed`` instead of raising."""
+    def _transmit(self, count: int, ptr: np.ndarray, length: np.ndarray, addr: np.ndarray, skip_refused: bool) -> int:
+        """send_burst's body over the descriptors ``ptr``, ``length`` and ``addr`` (the tx arrays, or a core's
+        burst's, planned from where they lie); ``skip_refused``: an entry whose destination the kernel refuses is
+        skipped and its datagrams counted in ``send_failed`` instead of raising."""
         count = int(count)
         if not 0 <= count <= self.burst:
             raise ValueError(f"count must be in [0, {self.burst}], got {count}")
@@ -576,8 +576,7 @@ class BurstSocket:
         if count == 0:
             return 0
         words = self._tx_words
-        entries = _before_send(count, self.gso, self._order, self._groups, self.tx_ptr, self.tx_len, self.tx_addr,
-                               self.max_packet, *words)
+        entries = _before_send(count, self.gso, self._order, self._groups, ptr, length, addr, self.max_packet, *words)
         if entries < 0:
             raise ValueError(f"tx_len must be in [0, {self.max_packet}]")
 
@@ -604,8 +603,7 @@ class BurstSocket:
             if err not in _RETRY_SEND:
                 datagrams = int(first[m + 1] - first[m])
                 if datagrams > 1 and err in _GSO_REFUSED:  # the rest one datagram per entry; entry m probes
-                    entries = _plan_send(count, int(first[m]), m, False, self._order, self.tx_ptr, self.tx_len,
-                                         self.tx_addr, *words)
+                    entries = _plan_send(count, int(first[m]), m, False, self._order, ptr, length, addr, *words)
                     probe = m
                     continue
                 if not skip_refused:
@@ -639,14 +637,8 @@ class BurstSocket:
         sent = 0
         for done in range(0, burst.count, self.burst):
             n = min(self.burst, burst.count - done)
-            self.tx_ptr[:n] = burst.ptr[done:done + n]
-            self.tx_len[:n] = burst.length[done:done + n]
-            self.tx_addr[:n] = burst.addr[done:done + n]
             refused = self.send_failed
-            try:
-                went = self._transmit(n, skip_refused=True)
-            finally:
-                self.tx_ptr[:n] = self._tx_rows[:n]  # rows point at tx_data again for send_burst users
+            went = self._transmit(n, burst.ptr[done:], burst.length[done:], burst.addr[done:], skip_refused=True)
             sent += went
             if went + self.send_failed - refused < n:  # the socket stayed full
                 break
