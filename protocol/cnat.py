@@ -267,6 +267,17 @@ def heads_size(n, stochastic):
     return BLOCK if stochastic and n >= _HEADS_FROM else 0
 
 
+_NO_TABLE = 0xFFFFFFFF  # the mask word of a kept table that holds no mask yet (masks lie below BLOCK)
+
+
+def kept_heads() -> np.ndarray:
+    """A heads table that an encoder keeps between encode_into calls (BLOCK words and the mask they were filled
+    for): every stochastic encode then forms its words from it, however short. A mask serves 2**16 consecutive
+    elements (protocol.rng.block_heads), so a worker encoding a packet's chunk at a time fills it once per 64
+    chunks of 1024 instead of hashing every word whole."""
+    return np.full(BLOCK + 1, _NO_TABLE, np.uint32)
+
+
 @njit(cache=True, nogil=True, boundscheck=False)
 def encode_kernel(x, out, key, offset, floor, stochastic):
     """Encode float32 ``x`` into ``out`` at ``floor``; return (saturated, nonfinite, top, low): nonfinite counts
@@ -284,7 +295,9 @@ def encode_kernel(x, out, key, offset, floor, stochastic):
 @njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
 def encode_into(x, out, key, offset, floor, stochastic, heads):
     """encode_kernel with its heads table passed in (uint32, at least heads_size(x.size, stochastic) words; its
-    contents are overwritten), so that it allocates nothing: the worker's engine runs without Numba's runtime."""
+    contents are overwritten), so that it allocates nothing: the worker's engine runs without Numba's runtime.
+    A kept table (kept_heads: BLOCK + 1 words) is used by every stochastic encode, and refilled only for a new
+    mask. The words, and so the codes, are the same either way."""
     bits = x.view(np.uint32)
     n = bits.size
     fast_floor, kfl, small_bits, bias, sat_bits = encode_params(floor)
@@ -292,8 +305,9 @@ def encode_into(x, out, key, offset, floor, stochastic, heads):
     nonfinite = 0
     top_all = _U32(0)
     low_all = _U32(0xFFFFFFFF)
-    table = heads_size(n, stochastic) > 0
-    filled = np.int64(-1)
+    kept = heads.size > BLOCK
+    table = heads_size(n, stochastic) > 0 or (kept and stochastic)
+    filled = np.int64(heads[BLOCK]) if kept else np.int64(-1)
     start = 0
     while start < n:
         idx = _U64(offset + start)
@@ -302,7 +316,11 @@ def encode_into(x, out, key, offset, floor, stochastic, heads):
         lo0 = _U32(idx & _U64(0xFFFFFFFF))
         k = block_key(key, idx >> _U64(32))
         if table:
-            head_offset, filled = block_heads(heads, k, lo0, end - start, filled)
+            if kept:  # the whole table, which the next calls reuse
+                head_offset, filled = block_heads(heads, k, _U32(lo0 - _U32(s0)), BLOCK, filled)
+                heads[BLOCK] = _U32(filled)
+            else:
+                head_offset, filled = block_heads(heads, k, lo0, end - start, filled)
             top, low = _stochastic_block(bits[start:end], out[start:end], heads[s0:s0 + end - start], head_offset,
                                          kfl, bias)
         else:

@@ -48,6 +48,7 @@ from numba import njit
 
 from intml.protocol import codecs
 from intml.protocol.codec import Codec
+from intml.protocol.cnat import kept_heads
 from intml.protocol.codecs.cnat8 import encodes_again
 from intml.protocol.arith import (
     NO_EXP,
@@ -84,7 +85,7 @@ from intml.protocol.packet import (
     put_header,
 )
 from intml.protocol.job import WorkerTimers
-from intml.protocol.rng import BLOCK, derive_key
+from intml.protocol.rng import derive_key
 from intml.protocol.siphash import put_tag, tag_ok
 from intml.protocol.wire import (
     CONGESTED,
@@ -594,7 +595,7 @@ class StreamEngine:
         self._no_bits = np.empty(0, np.uint16)
         self.scratch = np.empty(packet_elements, np.float32)  # a 16-bit allreduce's chunk as float32
         self.taken = np.zeros(pool_size, np.bool_)
-        self.heads = np.empty(BLOCK, np.uint32)
+        self.heads = kept_heads()
         self._result: np.ndarray | None = None
 
     def resume(self, allreduce: int, shadow_sets: np.ndarray) -> None:

@@ -58,7 +58,7 @@ PARAMS = 20
 # sent_at, rto, retries, overtaken (per slot), timing and silence: the retransmission policy's (worker.retransmit)
 # window (float64): the send window's (worker.window)
 # taken (bool, per slot): receive_kernel's marks of the slots that took a result in the current call
-# heads (uint32, protocol.rng.BLOCK): the cnat8 encode's scratch (protocol.cnat.encode_into)
+# heads (uint32, protocol.rng.BLOCK + 1): the cnat8 encode's table, kept between calls (protocol.cnat.kept_heads)
 # The kernels get every buffer they use from here, sized once: they allocate nothing, so they compile without
 # Numba's runtime (_nrt=False), whose atomic reference counts on each array and view they take were about 40% of
 # the engine's time (docs/benchmarks.md, "The worker's engine without Numba's runtime").

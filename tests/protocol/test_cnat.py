@@ -182,6 +182,23 @@ def test_encode_into_a_used_scratch_matches_reference(n):
     assert (saturated, nonfinite) == (want_saturated, 0)
 
 
+def test_encode_into_a_kept_table_matches_reference():
+    """encode_into with a kept table (kept_heads: the worker's engine, a chunk at a time) gives the oracle's codes
+    call after call: chunks of 1000 across the 2**16-element spans a mask serves, a chunk that straddles a BLOCK, a
+    second key (the next allreduce), a nearest encode between, and a table refilled for an earlier span."""
+    x = bulk_f32(np.random.default_rng(3), 140_000)
+    heads = cnat.kept_heads()
+    for seed, stream, starts in ((9, 10, range(0, 139_000, 1000)), (9, 11, (4090, 70_000, 500, 131_000))):
+        key = np.uint64(cnat.stream_key(seed, stream))
+        for lo in starts:
+            part, codes = x[lo:lo + 1000], np.empty(1000, np.uint8)
+            cnat.encode_into(part, codes, key, np.uint64(lo), -40, True, heads)
+            np.testing.assert_array_equal(codes, reference.encode(part, seed=seed, stream=stream, offset=lo,
+                                                                  floor=-40)[0], err_msg=f"chunk at {lo}")
+            cnat.encode_into(part, codes, key, np.uint64(lo), -40, False, heads)
+            np.testing.assert_array_equal(codes, reference.encode(part, seed=None, floor=-40)[0])
+
+
 @SETTINGS
 @given(x=f32_arrays(), floor=FLOORS)
 @example(x=np.array([1.5, -1.5, 1.49, 1.5 - 2**-23, 768.0, 2.0**-51, 0.49 * 2.0**-50], np.float32), floor=-50)
