@@ -22,9 +22,8 @@ from numba import njit
 
 from intml.protocol.burst import Burst
 from intml.protocol.packet import HDR, O_MAGIC, O_SHADOW, O_TYPE, get_u16
-from intml.protocol.wire import CONGESTED, MAGIC, SHADOW_SET, MsgType
+from intml.protocol.wire import CONGESTED, MAGIC, MARK_FRACTION, SHADOW_SET, MsgType
 
-MARK_FRACTION = 4  # mark from a quarter of the receive buffer on
 SO_MEMINFO = 55  # Linux: the socket's memory counters, u32 each, rmem_alloc first and rcvbuf second
 _MEMINFO = struct.Struct("=9I")
 

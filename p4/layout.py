@@ -76,7 +76,6 @@ import math
 
 import numpy as np
 
-from intml.aggregator.congestion import MARK_FRACTION
 from intml.protocol import reference
 from intml.protocol.cnat import K_MAX, K_MASK, NONZERO, SIGN
 from intml.protocol.codec import Codec
@@ -88,7 +87,16 @@ from intml.protocol.job import (
 )
 from intml.protocol.slot_reference import COMPLETE, EMPTY, FILLING, TRANSITIONS
 from intml.protocol.stats import N_STATS, NEWER, OLDER, SAME_KNOWN_RANK, SAME_NEW_RANK, STAT_NAMES
-from intml.protocol.wire import CONGESTED, HEADER_FIELDS, HEADER_SIZE, MAGIC, NO_EXP, VERSION, MsgType
+from intml.protocol.wire import (
+    CONGESTED,
+    HEADER_FIELDS,
+    HEADER_SIZE,
+    MAGIC,
+    MARK_FRACTION,
+    NO_EXP,
+    VERSION,
+    MsgType,
+)
 
 # ---- sizes ---------------------------------------------------------------------------------------------------
 LANES_PER_PASS = 64  # elements one pass aggregates: SwitchML's 32 processors x 2 values

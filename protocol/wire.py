@@ -106,6 +106,8 @@ SHADOW_SET = 0x01  # the shadow byte's shadow-set bit
 # (docs/window.md). Set on the way out, after the result's MAC, which covers the byte with the bit clear: like IP's
 # ECN field, a mark any hop may set; a worker checks the tag with the bit clear.
 CONGESTED = 0x02
+# A queue marks from a quarter full on (its kernel socket's, a switch port's): room for a round trip's arrivals
+MARK_FRACTION = 4
 DEFAULT_PORT = 48879
 
 

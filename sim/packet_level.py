@@ -13,7 +13,6 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from intml.aggregator.congestion import MARK_FRACTION
 from intml.aggregator.core import AggregatorCore
 from intml.aggregator.leafspine import SpineCore, leaf_core
 from intml.p4 import layout
@@ -22,7 +21,7 @@ from intml.protocol import codecs, reference
 from intml.protocol.job import AGGREGATOR_SLOTS, CODEC_NAMES, MAX_WORLD, JobParams, WorkerTimers
 from intml.protocol.packet import HDR
 from intml.protocol.partial import partial_size
-from intml.protocol.wire import element_datagram_size
+from intml.protocol.wire import MARK_FRACTION, element_datagram_size
 from intml.sim.costs import FREE_HOST, HOST_COSTS, KERNEL_FORWARD, SOFTWARE_AGGREGATOR, HostCosts, asic
 from intml.sim.engine import Simulator
 from intml.sim.host import WorkerHost
