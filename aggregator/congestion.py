@@ -6,10 +6,11 @@ socket (SO_MEMINFO's rmem_alloc, datagrams at their true size) against the buffe
 the results of that burst are marked: room for a round trip's arrivals before the kernel drops. A receive that did
 not fill its burst emptied the queue: not marked.
 
-A data path never sees the mark (the P4 model, BMv2 and the kernel stay byte-equal): the driver, which reads the
-socket, marks the burst the data path hands back, after the results' MAC (protocol.wire.CONGESTED), as a queue marks
-ECN on a packet's way out. The mark is rewritten on every send, so a stored result that is sent again
-carries the queue's state at that time.
+The driver, which reads the socket, marks the burst the data path hands back, after the results' MAC
+(protocol.wire.CONGESTED), as a queue marks ECN on a packet's way out; the kernel and the P4 model never set the
+bit, so their outputs stay byte-equal. The mark is rewritten on every send, so a stored result that is sent again
+carries the queue's state at that time; a data path whose results a queue of its own has marked (BMv2 running the
+P4 program: DataPath.marks) keeps that mark, and the socket's is added.
 """
 
 from __future__ import annotations
@@ -35,18 +36,20 @@ def deep_queue(sock: socket.socket) -> bool:
 
 
 @njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
-def _mark(memory, ptr, length, count, bit):
+def _mark(memory, ptr, length, count, bit, kept):
     flat = memory.reshape(memory.size).view(np.uint8)  # the views here, not per call in Python: microseconds a burst
     base = np.int64(memory.ctypes.data)
     for i in range(count):
         o = np.int64(ptr[i]) - base
         if (0 <= o and o + HDR <= flat.size and length[i] >= HDR and flat[o + O_TYPE] == MsgType.RESULT
                 and get_u16(flat, o + O_MAGIC) == MAGIC):
-            flat[o + O_SHADOW] = (flat[o + O_SHADOW] & SHADOW_SET) | bit
+            flat[o + O_SHADOW] = (flat[o + O_SHADOW] & kept) | bit
 
 
-def mark_results(tx: Burst, congested: bool) -> None:
+def mark_results(tx: Burst, congested: bool, keep: bool = False) -> None:
     """Set (``congested``) or clear the congestion mark of every RESULT among ``tx``'s rows, in place (rows that
-    point outside its memory, such as the rows of another burst, are left alone)."""
+    point outside its memory, such as the rows of another burst, are left alone). ``keep``: a mark a row already
+    carries (a switch's, DataPath.marks) stays; only the socket's is added."""
     if tx.count:
-        _mark(tx.memory, tx.ptr, tx.length, tx.count, np.uint8(CONGESTED if congested else 0))
+        _mark(tx.memory, tx.ptr, tx.length, tx.count, np.uint8(CONGESTED if congested else 0),
+              np.uint8(SHADOW_SET | (CONGESTED if keep else 0)))

@@ -141,6 +141,7 @@ class AggregatorCore:
         self.datapath = HostModeDataPath(name=f"aggregator core {core}", **kernel) if datapath is None else datapath
         self.counters = self.datapath.counters
         self.max_elements = self.datapath.max_elements
+        self.marks = self.datapath.marks  # the driver keeps the data path's own congestion marks (DataPath.marks)
         # an address holds at most one rank of a job, so that one holder of the token cannot stand in for a whole
         # job; tests that run several ranks from one address clear it
         self.one_rank_per_address = True

@@ -49,7 +49,7 @@ class DataPlane:
             if n == 0:
                 break
             tx = self.core.receive(self.io.rx, time.monotonic())
-            mark_results(tx, n == self.io.burst and deep_queue(self.io.sock))
+            mark_results(tx, n == self.io.burst and deep_queue(self.io.sock), self.core.marks)
             self.io.send(tx)
         if self.io.pending and not self._return_scheduled:  # datagrams already read (GRO) do not make the socket
             self._return_scheduled = True  # readable: come back for them, once (the reader's calls must not

@@ -88,6 +88,8 @@ class HostDataPath:
     Per slot row and shadow set: its round key, contributors bitmap and count (RoundState), its round's element
     count, and either each contributor's decoded values (filling) or the RESULT datagram (complete)."""
 
+    marks = False  # a complete slot's RESULT is stored and sent again
+
     def __init__(self, counters: CoreCounters, *, results_group: tuple[int, int] | None = None,
                  name: str = "this aggregator core") -> None:
         self.counters = counters

@@ -57,6 +57,8 @@ class KernelDataPath:
     datagrams the kernel lets through to the control plane (its control admission). ``name``: the core as a
     refusal names it."""
 
+    marks = False  # its output rows are its stored results: the driver's mark is rewritten on each send
+
     def __init__(self, *, rows: int = AGGREGATOR_SLOTS, max_elements: int = AGGREGATOR_MAX_ELEMENTS,
                  max_jobs: int = AGGREGATOR_MAX_JOBS, burst: int = BURST,
                  results_group: tuple[int, int] | None = None, control_limits: ControlLimits = ControlLimits(),

@@ -103,6 +103,8 @@ class Bmv2DataPath:
     """``switch`` (running the compiled program, its tables and registers as it started: empty) as a data path.
     Options as aggregator.kernel.KernelDataPath's; ``quiet_s``: see the module docstring."""
 
+    marks = True  # the program marks a result that leaves a deep egress queue (p4/egress.p4); each copy is new
+
     def __init__(self, switch: Switch, *, rows: int = AGGREGATOR_SLOTS,
                  max_elements: int = AGGREGATOR_MAX_ELEMENTS, max_jobs: int = AGGREGATOR_MAX_JOBS,
                  results_group: tuple[int, int] | None = None, control_limits: ControlLimits = ControlLimits(),

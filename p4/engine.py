@@ -63,6 +63,8 @@ class P4DataPath:
     """A PipelineModel and its controller as an aggregator core's data path (``random``: the model's random
     extern, KeyedRandom by default: bit-equal to the kernel). Options as aggregator.kernel.KernelDataPath's."""
 
+    marks = False  # the model runs with an empty egress queue (queue_depth 0): it never marks
+
     def __init__(self, *, random: RandomSource | None = None, rows: int = AGGREGATOR_SLOTS,
                  max_elements: int = AGGREGATOR_MAX_ELEMENTS, max_jobs: int = AGGREGATOR_MAX_JOBS,
                  results_group: tuple[int, int] | None = None, control_limits: ControlLimits = ControlLimits(),

@@ -160,6 +160,7 @@ class Sink:
 
     def __init__(self, max_elements: int, echo: bool) -> None:
         self.core, self.max_elements, self.echo = 0, max_elements, echo
+        self.marks = False  # as the kernel's core: the driver sets or clears each RESULT's mark
         self.packets_in = self.packets_out = 0
         self._nothing = Burst.rows_of(1, 1)
 

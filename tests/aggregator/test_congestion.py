@@ -35,6 +35,19 @@ def test_marks_results_only_and_clears_them():
     np.testing.assert_array_equal(tx.data, before)
 
 
+def test_a_data_paths_own_mark_is_kept_and_the_sockets_added():
+    """keep (DataPath.marks, BMv2's program): a RESULT the switch marked leaves marked from a shallow socket queue; one
+    it did not mark is marked from a deep one; without keep the driver's rewrite clears the switch's mark."""
+    tx = burst_of([MsgType.RESULT, MsgType.RESULT])
+    tx.data[0, O_SHADOW] |= CONGESTED  # the switch's egress queue marked this copy
+    mark_results(tx, False, keep=True)
+    assert tx.data[:, O_SHADOW].tolist() == [1 | CONGESTED, 1]
+    mark_results(tx, True, keep=True)
+    assert tx.data[:, O_SHADOW].tolist() == [1 | CONGESTED, 1 | CONGESTED]
+    mark_results(tx, False)
+    assert tx.data[:, O_SHADOW].tolist() == [1, 1]
+
+
 def test_rows_outside_the_memory_and_short_rows_are_left_alone():
     tx = burst_of([MsgType.RESULT, MsgType.RESULT])
     other = burst_of([MsgType.RESULT])

@@ -12,11 +12,13 @@ import pytest
 from support.harness import TOKEN, core_receive, handshake, msg_type, new_core, worker_addr
 
 from intml.aggregator.core import AggregatorCore
+from intml.aggregator.host import HostDataPath
 from intml.aggregator.counters import CoreCounters
 from intml.aggregator.datapath import DataPath, Placed, RoundState, Slots, allocate, first_fit
 from intml.aggregator.kernel import KernelDataPath
 from intml.aggregator.leafspine import LeafDataPath, SpineCore
 from intml.aggregator.slots import process_burst
+from intml.p4.bmv2 import Bmv2DataPath
 from intml.p4.controller import controller_entries
 from intml.p4.engine import P4DataPath, p4model_core
 from intml.protocol import keys, wire
@@ -33,6 +35,8 @@ CONTROL_TYPES = (MsgType.JOIN, MsgType.LEAVE, MsgType.STATS_REQUEST)
 class FakeDataPath:
     """A data path in plain Python: it echoes every datagram that is not a control datagram to its sender, lists
     every control datagram, and reports the round state and last-seen times the test sets."""
+
+    marks = False
 
     def __init__(self, rows: int = 4, max_jobs: int = 2, refusal: str | None = None) -> None:
         self.counters = CoreCounters(max_jobs, rows)
@@ -100,6 +104,16 @@ def test_every_implementation_has_the_interface():
     for kind in (KernelDataPath, LeafDataPath, SpineCore, P4DataPath, type(fake)):
         for name in ("refuse", "place", "seat", "remove", "process", "round_state", "last_seen"):
             assert callable(getattr(kind, name)), (kind, name)
+
+
+def test_only_a_switch_with_its_own_queue_marks_and_the_core_tells_the_driver():
+    """DataPath.marks: BMv2 running the P4 program marks results from its egress queue, and the driver keeps that
+    mark; every path that sends stored results again, or never queues, leaves the mark to the driver."""
+    assert [k.marks for k in (KernelDataPath, LeafDataPath, SpineCore, HostDataPath, P4DataPath)] == [False] * 5
+    assert Bmv2DataPath.marks is True
+    fake = FakeDataPath()
+    fake.marks = True
+    assert AggregatorCore(fake, tokens=[TOKEN]).marks and not AggregatorCore(FakeDataPath(), tokens=[TOKEN]).marks
 
 
 def test_the_core_places_seats_and_acks_through_the_data_path():

@@ -20,6 +20,7 @@ class CountingCore:
     """Just enough of an AggregatorCore for DataPlane: counts the datagrams it is handed, answers nothing."""
 
     max_elements = 64
+    marks = False
 
     def __init__(self) -> None:
         self.received = 0
