@@ -23,6 +23,7 @@ from __future__ import annotations
 from intml.p4 import layout as L
 from intml.p4.entries import Entry
 from intml.p4.p4text import HEADER_NOTE, entry_text, guard, literal, log2
+from intml.worker.costs import WIRE_OVERHEAD
 
 LANES = L.LANES_PER_PASS
 HALF = LANES // 2  # lanes per register pair half: the sums a harvest pass reads
@@ -32,7 +33,7 @@ SLOT_BITS, PASS_BITS = log2(L.SLOT_ENTRIES), log2(L.MAX_PASSES)
 CELL = f"ig_md.bridge.slot_index[{SLOT_BITS - 1}:0] ++ ig_md.bridge.pass_no[{PASS_BITS - 1}:0]"
 K_LIMIT_MAX = 255
 CELL_BYTES = 80  # Tofino-1's buffer cell: the unit of its queue depths
-RESULT_FRAME = 14 + 20 + 8 + L.HEADER_BYTES + L.MAX_PAYLOAD_BYTES  # the largest result copy, Ethernet to payload
+RESULT_FRAME = WIRE_OVERHEAD + L.HEADER_BYTES + L.MAX_PAYLOAD_BYTES  # the largest result copy, Ethernet to payload
 MARK_CELLS = L.MARK_DEPTH * -(-RESULT_FRAME // CELL_BYTES)  # layout.MARK_DEPTH packets of the largest results
 TNA_BRIDGED = (  # the sketch's own bridge fields, after layout.BRIDGED
     ("phase", 2),  # PHASE_JUDGE, PHASE_CONSUME or PHASE_HARVEST
