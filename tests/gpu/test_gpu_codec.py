@@ -241,6 +241,25 @@ def _run(code: str, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.process
+def test_kernels_restore_numpy_row_stack():
+    """numba-cuda 0.30 overloads np.row_stack when it compiles its first kernel, and numpy 2.5 removed that alias:
+    on an H200 with numpy 2.5.2 and numba-cuda 0.30.4 every launch raised AttributeError. Loading the kernels
+    puts the alias back (numpy < 2.5 keeps its own)."""
+    result = _run("""
+        import os
+        import numpy as np
+        os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+        had = hasattr(np, "row_stack")
+        if had:
+            del np.row_stack
+        from intml.worker.gpu import cnat_cuda
+        print(had, np.row_stack is np.vstack)
+        """)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[1] == "True"
+
+
+@pytest.mark.process
 def test_import_needs_cuda_and_worker_does_not_import_it():
     """Without a GPU (and without the simulator) importing intml.worker.gpu is one clear ImportError;
     importing intml.worker never imports it."""

@@ -3,7 +3,9 @@ memory, the engine, result codes back, decode on the device) equals ``Worker.all
 host, bit for bit: the result at every rank and the value this rank sent (error feedback), in a job mixing device
 and CPU ranks, for cnat8 (a chunk forced to be encoded again included) and int32.
 
-Without a GPU the kernels run on numba's CUDA simulator (as in test_gpu_codec.py); ranks are forked processes.
+Without a GPU the kernels run on numba's CUDA simulator (as in test_gpu_codec.py); ranks are forked processes. On a
+device (INTML_TEST_CUDA_DEVICE=1) they are spawned: this process has initialised CUDA, and a forked child cannot
+use it ("CUDA initialized before forking").
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from intml.worker.gpu.driver import DeviceAllreducer  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.process, pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")]
 PKT, POOL, N, SEED, TOKEN = 256, 4, 3, 77, "t"
+START = "fork" if config.ENABLE_CUDASIM else "spawn"
 OPS = ("sum", "mean")  # of the two allreduces: a mean over 3 ranks is a division no multiplication equals
 
 
@@ -86,7 +89,8 @@ def agg():
 def test_device_allreduce_equals_host(agg, codec):
     jobs = (100 + 2 * len(codec), 101 + 2 * len(codec))
     device_ranks = (0, 1)
-    got = run_ok(rank_main, [(agg.address, r, codec, jobs, device_ranks) for r in range(N)], timeout=240)
+    got = run_ok(rank_main, [(agg.address, r, codec, jobs, device_ranks) for r in range(N)], timeout=240,
+                 start_method=START)
     for r in range(N):
         for i, ((want, want_sent), (result, sent)) in enumerate(zip(got[r]["host"], got[r]["mixed"], strict=True)):
             assert result.view(np.uint32).tolist() == want.view(np.uint32).tolist(), (r, i)
@@ -158,7 +162,8 @@ def test_16bit_device_allreduce_equals_host(agg, codec):
     """bfloat16 and float16 device arrays (their words, encoded on the device with no float32 copy) give the host's
     16-bit allreduce, bit for bit, at every rank."""
     jobs = (200 + 2 * len(codec), 201 + 2 * len(codec))
-    got = run_ok(half_rank, [(agg.address, r, codec, jobs) for r in range(N)], timeout=240)
+    got = run_ok(half_rank, [(agg.address, r, codec, jobs) for r in range(N)], timeout=240,
+                 start_method=START)
     for r in range(N):
         for i, (host, device) in enumerate(got[r]):
             assert device == host, (r, i)

@@ -318,15 +318,17 @@ class Procs:
         self.close()
 
 
-def run_procs(fn: Callable, arg_list: list[tuple], timeout: float = 60.0, **kwargs: Any) -> list[Outcome]:
+def run_procs(fn: Callable, arg_list: list[tuple], timeout: float = 60.0, start_method: str = START_METHOD,
+              **kwargs: Any) -> list[Outcome]:
     """Run fn(*args, **kwargs) for each args in a process of its own (all at once); outcomes in order."""
-    with Procs() as procs:
+    with Procs(start_method) as procs:
         for i, args in enumerate(arg_list):
             procs.start(i, fn, *args, **kwargs)
         outcomes = procs.collect(range(len(arg_list)), timeout)
     return [outcomes[i] for i in range(len(arg_list))]
 
 
-def run_ok(fn: Callable, arg_list: list[tuple], timeout: float = 60.0, **kwargs: Any) -> list[Any]:
+def run_ok(fn: Callable, arg_list: list[tuple], timeout: float = 60.0, start_method: str = START_METHOD,
+           **kwargs: Any) -> list[Any]:
     """run_procs, asserting that every process returned; their values in order."""
-    return [o.unwrap() for o in run_procs(fn, arg_list, timeout, **kwargs)]
+    return [o.unwrap() for o in run_procs(fn, arg_list, timeout, start_method, **kwargs)]

@@ -1,6 +1,8 @@
 """The hook's and the backend's CUDA path (worker.torch.gpu, worker.gpu.driver), without a GPU: in ranks that call
 ``intml.worker.torch.gpu.simulate()``, float32 CPU tensors take the CUDA path (the same Link code, DeviceAllreducer
-and kernels, on numba's CUDA simulator). Each training or allreduce sequence runs twice on the same seed, on the
+and kernels, on numba's CUDA simulator). With INTML_TEST_CUDA_DEVICE=1 the CUDA path's ranks put their tensors on
+a real device instead (rank r on GPU r mod the device count); run this file in its own pytest process then, so that
+the forking process has not initialised CUDA. Each training or allreduce sequence runs twice on the same seed, on the
 CPU path and on the CUDA path, and must give the same bits: DDP gradients with error feedback (the residuals
 too), cnat8 and int32; backend SUM and AVG allreduces. The counters say which path each allreduce took.
 
@@ -56,44 +58,60 @@ def _grads(seed: int, rank: int, it: int) -> list:
             for s in SHAPES]
 
 
-def _init(port: int, rank: int, n: int, simulated: bool, backend: str = "gloo", **env: str) -> None:
-    if simulated:
-        gpu.simulate()
+DEVICE = os.environ.get("INTML_TEST_CUDA_DEVICE") == "1"
+
+
+def _init(port: int, rank: int, n: int, cuda_path: bool, backend: str = "gloo", **env: str) -> torch.device:
+    """The rank's process group, and the device its tensors live on: a real GPU for the CUDA path under DEVICE,
+    else the CPU (where simulate() gives float CPU tensors the CUDA path)."""
+    if cuda_path and DEVICE:
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        if cuda_path:
+            gpu.simulate()
     init_rank(port, rank, n, backend, env)
+    return device
 
 
-def hook_rank(port: int, address: str, rank: int, n: int, codec: str, seed: int, simulated: bool) -> dict:
+def _host(t) -> np.ndarray:
+    return t.detach().cpu().numpy()
+
+
+def hook_rank(port: int, address: str, rank: int, n: int, codec: str, seed: int, cuda_path: bool) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    _init(port, rank, n, simulated)
-    model = Weights()
-    ddp = DDP(model, bucket_cap_mb=BUCKET_MB)
+    device = _init(port, rank, n, cuda_path)
+    model = Weights().to(device)
+    ddp = DDP(model, bucket_cap_mb=BUCKET_MB, device_ids=[device.index] if device.type == "cuda" else None)
     state = intml.IntmlHookState(aggregator=address, codec=codec, seed=seed, token=TOKEN, packet_elements=PACKET,
                                  pool_size=POOL, error_feedback=True)
     ddp.register_comm_hook(state, intml.intml_hook)
     steps = []
     for it in range(STEPS):
         ddp.zero_grad()
-        ddp(_grads(seed, rank, it)).backward()
-        steps.append({"grads": np.concatenate([p.grad.numpy().reshape(-1) for p in model.ps]),
-                      "residuals": np.concatenate([state.residuals.of_param[id(p)].numpy() for p in model.ps])})
+        ddp([g.to(device) for g in _grads(seed, rank, it)]).backward()
+        steps.append({"grads": np.concatenate([_host(p.grad).reshape(-1) for p in model.ps]),
+                      "residuals": np.concatenate([_host(state.residuals.of_param[id(p)]) for p in model.ps])})
     out = {"steps": steps, "traffic": dataclasses.asdict(state.traffic)}
     state.close()
     dist.destroy_process_group()
     return out
 
 
-def backend_rank(port: int, address: str, rank: int, n: int, seed: int, simulated: bool) -> dict:
-    _init(port, rank, n, simulated, "intml", INTML_AGGREGATOR=address, INTML_SEED=str(seed), INTML_TOKEN=TOKEN,
-          INTML_PACKET_ELEMENTS=str(PACKET), INTML_POOL=str(POOL), INTML_MIN_ELEMENTS="1000", INTML_CODEC="int32")
+def backend_rank(port: int, address: str, rank: int, n: int, seed: int, cuda_path: bool) -> dict:
+    device = _init(port, rank, n, cuda_path, "intml", INTML_AGGREGATOR=address, INTML_SEED=str(seed),
+                   INTML_TOKEN=TOKEN, INTML_PACKET_ELEMENTS=str(PACKET), INTML_POOL=str(POOL),
+                   INTML_MIN_ELEMENTS="1000", INTML_CODEC="int32")
     pg = dist.distributed_c10d._get_default_group()
     rng = np.random.default_rng([seed, rank])
     results = []
     for op, size in ((dist.ReduceOp.SUM, 1500), (dist.ReduceOp.AVG, 1100), (dist.ReduceOp.AVG, 20)):
-        t = torch.from_numpy((rng.standard_normal(size) * 1e-3).astype(np.float32))
+        t = torch.from_numpy((rng.standard_normal(size) * 1e-3).astype(np.float32)).to(device)
         work = dist.all_reduce(t, op=op, async_op=True)
         work.wait()
-        results.append(t.numpy().copy())
+        results.append(_host(t).copy())
     out = {"results": results, "traffic": dataclasses.asdict(pg.traffic)}
     dist.destroy_process_group()
     return out
@@ -107,7 +125,7 @@ def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
 def test_hook_cuda_path_equals_cpu_path(ranks):
     """DDP with error feedback (cnat8): gradients and residuals after every step, bit for bit the CPU path's."""
     n, seed = 2, 11
-    runs = {simulated: ranks(hook_rank, n, "cnat8", seed, simulated, timeout=240) for simulated in (False, True)}
+    runs = {cuda_path: ranks(hook_rank, n, "cnat8", seed, cuda_path, timeout=240) for cuda_path in (False, True)}
     for r in range(n):
         cpu, cuda = runs[False][r], runs[True][r]
         for i, (a, b) in enumerate(zip(cpu["steps"], cuda["steps"], strict=True)):
@@ -127,7 +145,7 @@ def test_backend_cuda_path_equals_cpu_path(ranks):
     one stays exact through Gloo. An int32 job (its floats staged through pinned host memory: nothing to encode on
     the device)."""
     n, seed = 2, 12
-    runs = {simulated: ranks(backend_rank, n, seed, simulated, timeout=240) for simulated in (False, True)}
+    runs = {cuda_path: ranks(backend_rank, n, seed, cuda_path, timeout=240) for cuda_path in (False, True)}
     for r in range(n):
         cpu, cuda = runs[False][r], runs[True][r]
         for a, b in zip(cpu["results"], cuda["results"], strict=True):
@@ -137,16 +155,17 @@ def test_backend_cuda_path_equals_cpu_path(ranks):
         assert cpu["traffic"]["intml_cuda_allreduces"] == 0
 
 
-def half_rank(port: int, address: str, rank: int, n: int, seed: int, simulated: bool) -> dict:
-    _init(port, rank, n, simulated, "intml", INTML_AGGREGATOR=address, INTML_SEED=str(seed), INTML_TOKEN=TOKEN,
-          INTML_PACKET_ELEMENTS=str(PACKET), INTML_POOL=str(POOL), INTML_MIN_ELEMENTS="1000")
+def half_rank(port: int, address: str, rank: int, n: int, seed: int, cuda_path: bool) -> dict:
+    device = _init(port, rank, n, cuda_path, "intml", INTML_AGGREGATOR=address, INTML_SEED=str(seed),
+                   INTML_TOKEN=TOKEN, INTML_PACKET_ELEMENTS=str(PACKET), INTML_POOL=str(POOL),
+                   INTML_MIN_ELEMENTS="1000")
     pg = dist.distributed_c10d._get_default_group()
     rng = np.random.default_rng([seed, rank])
     results = []
     for dtype, op in ((torch.bfloat16, dist.ReduceOp.SUM), (torch.float16, dist.ReduceOp.AVG)):
-        t = torch.from_numpy(rng.standard_normal(1100).astype(np.float32)).to(dtype)
+        t = torch.from_numpy(rng.standard_normal(1100).astype(np.float32)).to(dtype).to(device)
         dist.all_reduce(t, op=op)
-        results.append((str(t.dtype), t.view(torch.int16).numpy().copy()))
+        results.append((str(t.dtype), _host(t.view(torch.int16)).copy()))
     out = {"results": results, "traffic": dataclasses.asdict(pg.traffic)}
     dist.destroy_process_group()
     return out
@@ -157,7 +176,7 @@ def test_backend_cuda_path_takes_bf16_and_fp16(ranks):
     """bfloat16 and float16 tensors (their 16-bit words, encoded on their device) take the CUDA path, bit for bit
     the CPU path's, and come back in their dtype."""
     n, seed = 2, 13
-    runs = {simulated: ranks(half_rank, n, seed, simulated, timeout=240) for simulated in (False, True)}
+    runs = {cuda_path: ranks(half_rank, n, seed, cuda_path, timeout=240) for cuda_path in (False, True)}
     for r in range(n):
         cpu, cuda = runs[False][r], runs[True][r]
         assert [d for d, _ in cuda["results"]] == ["torch.bfloat16", "torch.float16"]

@@ -32,6 +32,12 @@ from typing import Any, NamedTuple
 import numpy as np
 from numba import config, cuda
 
+# numba-cuda 0.30 registers an overload of np.row_stack when its first kernel compiles, and numpy 2.5 removed that
+# alias of np.vstack: every launch raised AttributeError (NVIDIA/numba-cuda#907, closed unfixed: numba-cuda is in
+# maintenance). Restoring the alias is all it needs; nothing in intml calls it.
+if not hasattr(np, "row_stack"):
+    np.row_stack = np.vstack
+
 from intml.protocol.arith import EXP_MAX, EXP_MIN, chunk_exponent
 from intml.protocol.cnat import (
     F32_LARGEST,
