@@ -9,8 +9,8 @@
    a round takes as long as its slowest rank. Each rank checks that the hook's counters saw every bucket take
    the CUDA path.
 
-Written without a GPU to run it on (none was available): it is correct by construction, not by measurement,
-until someone runs it. Without a usable CUDA device it stops with one line saying so.
+First run on an NVIDIA H200 (docs/gpu.md, "On a GPU"). Without a usable CUDA device it stops with one line saying
+so.
 """
 
 from __future__ import annotations
