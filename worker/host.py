@@ -8,8 +8,10 @@ DATA/RESULT MAC), with what a host codec changes: a chunk's payload is the codec
 from the float32 values with this rank's random words in the allreduce (keyed as C_nat's: protocol.rng,
 worker_stream), and the result package is decoded by the codec. No exponents are agreed (exp and next_exp are
 NO_EXP), so a slot starts with its first chunk, not a bootstrap round. Per packet, a kernel checks a RESULT
-(check_kernel) and one builds and queues a DATA (send_kernel, take_kernel); the codec's encode and decode run
-between them, from Python. Float32 allreduces only (no reduce-scatter, no 16-bit or precoded inputs).
+(check_kernel), one takes it (take_kernel) and one builds and queues a DATA (send_kernel); the codec's encode and
+decode run between them, from Python. The send window is StreamEngine's (worker.window): a marked result cuts it,
+and a slot's next chunk is held while it is below the pool, then encoded and sent when the window admits it
+(admit_kernel), lowest chunk first. Float32 allreduces only (no reduce-scatter, no 16-bit or precoded inputs).
 """
 
 from __future__ import annotations
@@ -38,7 +40,16 @@ from intml.protocol.packet import (
 from intml.protocol.rng import derive_key
 from intml.protocol.siphash import put_tag
 from intml.protocol.wire import NO_EXP, TAG_SIZE, MsgType
-from intml.worker.engine import authenticate, classify_result, take_result, validate_header
+from intml.worker.engine import (
+    authenticate,
+    classify_result,
+    congestion_mark,
+    count_mark,
+    goes_now,
+    hold,
+    take_result,
+    validate_header,
+)
 from intml.worker.retransmit import (
     T_RTO,
     arm,
@@ -69,10 +80,7 @@ from intml.worker.state import (
     State,
     queue_slot,
 )
-from intml.worker.window import window_state
-
-NO_PACKAGE = np.frombuffer(b"", np.uint8)  # take_kernel's package of a slot falling idle (typed as encode's)
-
+from intml.worker.window import W_CWND, admitted, window_state
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def restart_kernel(silence, now):
@@ -109,47 +117,59 @@ def _queue_data(st, s, c, now, package, tx_ptr, tx_len, tx_addr, n_tx):
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def send_kernel(state, s, c, now, package, tx_ptr, tx_len, tx_addr, n_tx):
-    """Slot s's first chunk of an allreduce, c, goes out at now with ``package`` (_queue_data). Returns the new tx
-    count."""
+    """Slot s's chunk c goes out at now with ``package`` (_queue_data). Returns the new tx count."""
     return _queue_data(State(*state), s, c, now, package, tx_ptr, tx_len, tx_addr, n_tx)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def take_kernel(state, s, now, c, package, tx_ptr, tx_len, tx_addr, n_tx):
-    """Slot s's result was taken at now (worker.engine.take_result); its next chunk c goes out with ``package``
-    (_queue_data), or with c = IDLE the slot falls idle. Returns the new tx count."""
+def take_kernel(state, s, now, c, marked):
+    """Slot s's result was taken at now (worker.engine.take_result), ``marked`` congested or not (the send window
+    follows it, worker.engine.count_mark); its next chunk is c. Returns whether c goes now (send_kernel); else the
+    slot falls idle or holds c (worker.engine.goes_now)."""
     st = State(*state)
     take_result(st, s, now)
-    if c == IDLE:
-        st.cur_chunk[s] = IDLE
-        return n_tx
-    return _queue_data(st, s, c, now, package, tx_ptr, tx_len, tx_addr, n_tx)
+    count_mark(st, marked)
+    return goes_now(st, s, c)
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def hold_kernel(state, s, c):
+    """Slot s's first chunk of an allreduce, c, waits for the send window (admit_kernel)."""
+    hold(State(*state), s, c)
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def admit_kernel(state):
+    """The held slot whose chunk the send window admits next, or -1 (worker.window.admitted)."""
+    st = State(*state)
+    return admitted(st.window, st.cur_chunk, st.parked, st.params[P_WINDOW])
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def check_kernel(state, p, length, addr, taken):
     """The checks of a RESULT datagram p[:length] from address key ``addr``, in StreamEngine's order:
-    (slot, -1, chunk, count, the package's end) for one to decode into the output, else (slot, the statistic of why
-    it is dropped, 0, 0, 0). ``taken``: the slots whose result this burst already took."""
+    (slot, -1, chunk, count, the package's end, its congestion mark) for one to decode into the output, else
+    (slot, the statistic of why it is dropped, 0, 0, 0, False). ``taken``: the slots whose result this burst already
+    took."""
     if validate_header(p, length) >= 0:
-        return (-1 if length < HDR else get_u16(p, O_SLOT)), DROP_MALFORMED, 0, 0, 0
+        return (-1 if length < HDR else get_u16(p, O_SLOT)), DROP_MALFORMED, 0, 0, 0, False
     st = State(*state)
     prm = st.params
     s = get_u16(p, O_SLOT)
     drop = classify_result(prm, st.parity, st.cur_chunk, st.agg_addr, p, addr)
     if drop >= 0:
-        return s, drop, 0, 0, 0
+        return s, drop, 0, 0, 0, False
     if taken[s]:  # its next chunk, queued by this call, has not been sent: a forged result
-        return s, DROP_UNSENT, 0, 0, 0
+        return s, DROP_UNSENT, 0, 0, 0, False
     end = authenticate(prm, st.mac_keys, p, length)
     if end < 0:
-        return s, DROP_BAD_MAC, 0, 0, 0
+        return s, DROP_BAD_MAC, 0, 0, 0, False
     c = get_i32(p, O_CHUNK)
     count = _count(st, c)
     if (p[O_CODEC] != prm[P_CODEC] or get_u16(p, O_COUNT) != count or get_u16(p, O_RANK) != 0
             or get_i8(p, O_EXP) != NO_EXP or get_i8(p, O_NEXT_EXP) != NO_EXP):
-        return s, DROP_MALFORMED, 0, 0, 0
-    return s, -1, c, count, end
+        return s, DROP_MALFORMED, 0, 0, 0, False
+    return s, -1, c, count, end, congestion_mark(p)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -183,6 +203,8 @@ class HostStreamEngine:
         self.silence = silence_state(len(agg_addrs))
         self.parity = np.zeros(pool_size, np.int64)  # persists over the job's life
         self.cur_chunk = np.full(pool_size, IDLE, np.int64)
+        self.parked = np.full(pool_size, IDLE, np.int64)  # the chunk a HELD slot waits to send
+        self.window = window_state(pool_size)  # the send window, StreamEngine's (worker.window): over the job's life
         # two datagram buffers per slot, by parity, as StreamEngine's, for the longest package
         self.packet = np.zeros((pool_size, 2, HDR + self.package_limit + TAG_SIZE), np.uint8)
         self.packet_len = np.zeros(pool_size, np.int64)
@@ -195,15 +217,15 @@ class HostStreamEngine:
         self._sent: np.ndarray | None = None
         self._mean = False
         f32, i64, u8, u16 = (np.empty(0, t) for t in (np.float32, np.int64, np.uint8, np.uint16))
-        # worker.state's State, the arrays worker.retransmit reads (the others empty, typed as StreamEngine's; the send
-        # window the whole pool, never marked: host mode keeps its pool in flight)
+        # worker.state's State, the arrays worker.retransmit and worker.window read (the others empty, typed as
+        # StreamEngine's)
         self._args = tuple(State(
             params=self.params, x=f32, out=f32, local_exp=i64, agreed_exp=i64, cur_chunk=self.cur_chunk,
             parity=self.parity, sent_at=np.zeros(pool_size), rto=np.zeros(pool_size),
             retries=np.zeros(pool_size, np.int64), overtaken=np.zeros(pool_size, np.int64), packet=self.packet,
             packet_len=self.packet_len, agg_addr=self.agg_addr, stats=self.stats, timing=self.timing,
-            low=np.empty(0, np.uint32), sent=f32, mac_keys=self.mac_keys, codes=u8, parked=i64,
-            silence=self.silence, x16=u16, out16=u16, scratch=f32, window=window_state(pool_size),
+            low=np.empty(0, np.uint32), sent=f32, mac_keys=self.mac_keys, codes=u8, parked=self.parked,
+            silence=self.silence, x16=u16, out16=u16, scratch=f32, window=self.window,
             taken=np.empty(0, np.bool_), heads=np.empty(0, np.uint32)))
 
     def resume(self, allreduce: int, shadow_sets: np.ndarray) -> None:
@@ -217,7 +239,8 @@ class HostStreamEngine:
 
     def start(self, x: np.ndarray, now: float, out: np.ndarray | None = None, *, sent: np.ndarray | None = None,
               scatter: bool = False, dtype: str | None = None, mean: bool = False) -> Burst:
-        """Begin the next allreduce of float32 ``x`` (any shape); returns its first datagrams (one per slot).
+        """Begin the next allreduce of float32 ``x`` (any shape); returns its first datagrams (one per slot the
+        send window admits).
         ``out``, ``sent``, ``mean``: as StreamEngine.start's (``sent``: the values of this rank's packages, decoded
         by the codec: error feedback's compressed gradient)."""
         if scatter or dtype not in (None, "float32") or np.asarray(x).dtype == np.float16:
@@ -240,11 +263,18 @@ class HostStreamEngine:
         self._key = int(derive_key(np.uint64(self.seed), worker_stream(self.allreduce_seq, self.rank)))
         self.cur_chunk[:] = IDLE
         restart_kernel(self.silence, now)
-        n = 0
-        tx = self.tx
         for s in range(window):
-            n = send_kernel(self._args, s, s, now, self._package(s), tx.ptr, tx.length, tx.addr, n)
-        return self._burst(n)
+            hold_kernel(self._args, s, s)
+        return self._burst(self._release(now, 0))
+
+    def _release(self, now: float, n_tx: int) -> int:
+        """Encode and queue the held chunks the send window admits now, lowest first (as StreamEngine's release);
+        returns the new tx count."""
+        tx = self.tx
+        while (s := admit_kernel(self._args)) >= 0:
+            c = int(self.parked[s])
+            n_tx = send_kernel(self._args, s, c, now, self._package(c), tx.ptr, tx.length, tx.addr, n_tx)
+        return n_tx
 
     def _package(self, c: int) -> np.ndarray:
         """Chunk c's DATA package, as bytes in a uint8 array."""
@@ -271,10 +301,10 @@ class HostStreamEngine:
         taken = np.zeros(self.pool_size, np.bool_)
         n_tx = 0
         tx = self.tx
-        window, chunks = int(self.params[P_WINDOW]), int(self.params[P_CHUNKS])
+        window = int(self.params[P_WINDOW])
         for i in range(rx.count):
             self.stats[PACKETS_IN] += 1
-            slot, drop, c, count, end = check_kernel(self._args, rx.data[i], rx.length[i], rx.addr[i], taken)
+            slot, drop, c, count, end, marked = check_kernel(self._args, rx.data[i], rx.length[i], rx.addr[i], taken)
             if drop < 0:
                 drop = self._take(rx.data[i], c, count, end)
             if drop >= 0:
@@ -282,10 +312,9 @@ class HostStreamEngine:
                 continue
             taken[slot] = True
             c += window
-            if c < chunks:
-                n_tx = take_kernel(self._args, slot, now, c, self._package(c), tx.ptr, tx.length, tx.addr, n_tx)
-            else:
-                n_tx = take_kernel(self._args, slot, now, IDLE, NO_PACKAGE, tx.ptr, tx.length, tx.addr, n_tx)
+            if take_kernel(self._args, slot, now, c, marked):
+                n_tx = send_kernel(self._args, slot, c, now, self._package(c), tx.ptr, tx.length, tx.addr, n_tx)
+        n_tx = self._release(now, n_tx)
         return self._burst(fast_kernel(self._args, now, tx.ptr, tx.length, tx.addr, n_tx))
 
     def _take(self, p: np.ndarray, c: int, count: int, end: int) -> int:
@@ -343,3 +372,8 @@ class HostStreamEngine:
     def rto(self) -> float:
         """The current adaptive retransmission timeout, seconds."""
         return float(self.timing[T_RTO])
+
+    @property
+    def send_window(self) -> float:
+        """The current send window, in slots (worker.window; the pool: no limit)."""
+        return float(self.window[W_CWND])
