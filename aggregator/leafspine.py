@@ -13,6 +13,8 @@ spine's address (``LeafDataPath.add_route``), and the spine the job's parameters
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from functools import reduce
+from operator import or_
 from typing import Any
 
 import numpy as np
@@ -165,7 +167,7 @@ class SpineCore(KernelDataPath):
         racks, n = self.racks.get(job_id, []), params.world_size
         if not 1 <= len(racks) <= MAX_WORLD:
             return f"a job needs 1 to {MAX_WORLD} leaves, got {len(racks)}"
-        if sum(bin(b).count("1") for b in racks) != n or np.bitwise_or.reduce(racks) != (1 << n) - 1:
+        if sum(bin(b).count("1") for b in racks) != n or reduce(or_, racks) != (1 << n) - 1:  # (Python ints: 64 bits)
             return f"the racks must split ranks 0..{n - 1} exactly, each rank in one rack"
         if params.data_mac:
             return "a spine does not carry the DATA/RESULT MAC"

@@ -177,6 +177,8 @@ def test_leaf_refuses_what_it_cannot_route():
     spine = SpineCore(rows=16, max_elements=8)
     with pytest.raises(ValueError, match="split ranks 0..3 exactly"):
         spine.install(JOB, JobParams(world_size=4, packet_elements=8), [(LEAVES[0], [0, 1]), (LEAVES[1], [1, 2])])
+    # a job of MAX_WORLD ranks: its racks' bitmaps use the 64th bit
+    spine.install(JOB, JobParams(world_size=64, packet_elements=8, pool_size=4), [(LEAVES[0], range(63)), (LEAVES[1], [63])])
 
 
 @pytest.mark.slow
