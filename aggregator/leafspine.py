@@ -52,6 +52,8 @@ class LeafDataPath(KernelDataPath):
     contributed, and its int32 partial sum goes up to the spine; the spine's result comes back through it.
     Options as KernelDataPath's; it holds every slot of its jobs (its core is its aggregator's only one)."""
 
+    marks = True  # the spine's results go on to the ranks with the marks they came with (aggregator.tiers)
+
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
         self.routes: dict[int, tuple[int, int, int]] = {}  # job id -> (leaf index, rack bitmap, spine address key)
@@ -121,11 +123,13 @@ class SpineCore(KernelDataPath):
     ``rows``: its slot memory; ``max_elements``: the largest packet; ``burst``: the most datagrams a receive
     burst is expected to hold."""
 
+    marks = True  # its results echo the marks of the leaves' partials (aggregator.tiers)
+
     def __init__(self, *, rows: int = AGGREGATOR_SLOTS, max_elements: int = AGGREGATOR_MAX_ELEMENTS,
                  max_jobs: int = AGGREGATOR_MAX_JOBS, burst: int = BURST) -> None:
         super().__init__(rows=rows, max_elements=max_elements, max_jobs=max_jobs, burst=burst, name="the spine")
         self.racks: dict[int, list[int]] = {}  # job id -> each leaf's rack bitmap
-        self.fabric = new_fabric(max_jobs)
+        self.fabric = new_fabric(max_jobs, rows)
         self._fabric_arrays = tuple(self.fabric)
         self._scratch = np.zeros(1, np.int64)
 
