@@ -8,10 +8,10 @@ DATA/RESULT MAC), with what a host codec changes: a chunk's payload is the codec
 from the float32 values with this rank's random words in the allreduce (keyed as C_nat's: protocol.rng,
 worker_stream), and the result package is decoded by the codec. No exponents are agreed (exp and next_exp are
 NO_EXP), so a slot starts with its first chunk, not a bootstrap round. Per packet, a kernel checks a RESULT
-(check_kernel), one takes it (take_kernel) and one builds and queues a DATA (send_kernel); the codec's encode and
+(check_kernel) and one takes it and builds and queues the slot's next DATA (take_kernel); the codec's encode and
 decode run between them, from Python. The send window is StreamEngine's (worker.window): a marked result cuts it,
-and a slot's next chunk is held while it is below the pool, then encoded and sent when the window admits it
-(admit_kernel), lowest chunk first. Float32 allreduces only (no reduce-scatter, no 16-bit or precoded inputs).
+and while it is below the pool a slot's next chunk is built and held, then sent after the burst when the window
+admits it (release_kernel), lowest chunk first. Float32 allreduces only (no reduce-scatter, no 16-bit or precoded inputs).
 """
 
 from __future__ import annotations
@@ -82,6 +82,8 @@ from intml.worker.state import (
 )
 from intml.worker.window import W_CWND, admitted, window_state
 
+NO_PACKAGE = np.frombuffer(b"", np.uint8)  # take_kernel's package of a slot falling idle (typed as encode's)
+
 @njit(cache=True, nogil=True, boundscheck=False)
 def restart_kernel(silence, now):
     """An allreduce starts (worker.retransmit.restart_silences)."""
@@ -96,9 +98,9 @@ def _count(st, c):
 
 
 @njit(inline="always")
-def _queue_data(st, s, c, now, package, tx_ptr, tx_len, tx_addr, n_tx):
-    """Build chunk c's DATA datagram (header, ``package``, the MAC tag with data_mac) in slot s's buffer of its
-    parity, arm its timer and queue it. Returns the new tx count."""
+def _write_data(st, s, c, package):
+    """Write chunk c's DATA datagram (header, ``package``, the MAC tag with data_mac) into slot s's buffer of its
+    parity."""
     prm = st.params
     p = st.packet[s, st.parity[s]]
     put_header(p, MsgType.DATA, prm[P_JOB], prm[P_ALLREDUCE], c, prm[P_RANK], s, _count(st, c), prm[P_CODEC],
@@ -109,6 +111,11 @@ def _queue_data(st, s, c, now, package, tx_ptr, tx_len, tx_addr, n_tx):
         k = st.mac_keys[s % prm[P_CORES]]
         length = put_tag(p, length, k[0], k[1])
     st.packet_len[s] = length
+
+
+@njit(inline="always")
+def _send(st, s, c, now, tx_ptr, tx_len, tx_addr, n_tx):
+    """Slot s's written datagram of chunk c goes at now: its timer armed, queued. Returns the new tx count."""
     st.cur_chunk[s] = c
     arm(st, s, now)
     queue_slot(st, s, tx_ptr, tx_len, tx_addr, n_tx)
@@ -116,33 +123,41 @@ def _queue_data(st, s, c, now, package, tx_ptr, tx_len, tx_addr, n_tx):
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def send_kernel(state, s, c, now, package, tx_ptr, tx_len, tx_addr, n_tx):
-    """Slot s's chunk c goes out at now with ``package`` (_queue_data). Returns the new tx count."""
-    return _queue_data(State(*state), s, c, now, package, tx_ptr, tx_len, tx_addr, n_tx)
+def hold_kernel(state, s, c, package):
+    """Slot s's first chunk of an allreduce, c, written with ``package`` and held until the send window admits it
+    (release_kernel)."""
+    st = State(*state)
+    _write_data(st, s, c, package)
+    hold(st, s, c)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def take_kernel(state, s, now, c, marked):
+def take_kernel(state, s, now, c, marked, package, tx_ptr, tx_len, tx_addr, n_tx):
     """Slot s's result was taken at now (worker.engine.take_result), ``marked`` congested or not (the send window
-    follows it, worker.engine.count_mark); its next chunk is c. Returns whether c goes now (send_kernel); else the
-    slot falls idle or holds c (worker.engine.goes_now)."""
+    follows it, worker.engine.count_mark); its next chunk c, with ``package`` (empty if c is past the allreduce),
+    goes now, or is written and held until the window admits it; or the slot falls idle (worker.engine.goes_now).
+    Returns the new tx count."""
     st = State(*state)
     take_result(st, s, now)
     count_mark(st, marked)
-    return goes_now(st, s, c)
+    go = goes_now(st, s, c)
+    if st.cur_chunk[s] == IDLE:
+        return n_tx
+    _write_data(st, s, c, package)
+    return _send(st, s, c, now, tx_ptr, tx_len, tx_addr, n_tx) if go else n_tx
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def hold_kernel(state, s, c):
-    """Slot s's first chunk of an allreduce, c, waits for the send window (admit_kernel)."""
-    hold(State(*state), s, c)
-
-
-@njit(cache=True, nogil=True, boundscheck=False)
-def admit_kernel(state):
-    """The held slot whose chunk the send window admits next, or -1 (worker.window.admitted)."""
+def release_kernel(state, now, tx_ptr, tx_len, tx_addr, n_tx):
+    """After a start or a burst of results: send the held slots' chunks the send window admits, lowest chunk first
+    (worker.window.admitted, as StreamEngine's release), then worker.retransmit.fast_retransmit (after a start,
+    nothing was overtaken). Returns the new tx count."""
     st = State(*state)
-    return admitted(st.window, st.cur_chunk, st.parked, st.params[P_WINDOW])
+    while True:
+        s = admitted(st.window, st.cur_chunk, st.parked, st.params[P_WINDOW])
+        if s < 0:
+            return fast_retransmit(st, now, tx_ptr, tx_len, tx_addr, n_tx)
+        n_tx = _send(st, s, st.parked[s], now, tx_ptr, tx_len, tx_addr, n_tx)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -170,12 +185,6 @@ def check_kernel(state, p, length, addr, taken):
             or get_i8(p, O_EXP) != NO_EXP or get_i8(p, O_NEXT_EXP) != NO_EXP):
         return s, DROP_MALFORMED, 0, 0, 0, False
     return s, -1, c, count, end, congestion_mark(p)
-
-
-@njit(cache=True, nogil=True, boundscheck=False)
-def fast_kernel(state, now, tx_ptr, tx_len, tx_addr, n_tx):
-    """After a burst of results: worker.retransmit.fast_retransmit. Returns the new tx count."""
-    return fast_retransmit(State(*state), now, tx_ptr, tx_len, tx_addr, n_tx)
 
 
 class HostStreamEngine:
@@ -264,17 +273,9 @@ class HostStreamEngine:
         self.cur_chunk[:] = IDLE
         restart_kernel(self.silence, now)
         for s in range(window):
-            hold_kernel(self._args, s, s)
-        return self._burst(self._release(now, 0))
-
-    def _release(self, now: float, n_tx: int) -> int:
-        """Encode and queue the held chunks the send window admits now, lowest first (as StreamEngine's release);
-        returns the new tx count."""
+            hold_kernel(self._args, s, s, self._package(s))
         tx = self.tx
-        while (s := admit_kernel(self._args)) >= 0:
-            c = int(self.parked[s])
-            n_tx = send_kernel(self._args, s, c, now, self._package(c), tx.ptr, tx.length, tx.addr, n_tx)
-        return n_tx
+        return self._burst(release_kernel(self._args, now, tx.ptr, tx.length, tx.addr, 0))
 
     def _package(self, c: int) -> np.ndarray:
         """Chunk c's DATA package, as bytes in a uint8 array."""
@@ -301,7 +302,7 @@ class HostStreamEngine:
         taken = np.zeros(self.pool_size, np.bool_)
         n_tx = 0
         tx = self.tx
-        window = int(self.params[P_WINDOW])
+        window, chunks = int(self.params[P_WINDOW]), int(self.params[P_CHUNKS])
         for i in range(rx.count):
             self.stats[PACKETS_IN] += 1
             slot, drop, c, count, end, marked = check_kernel(self._args, rx.data[i], rx.length[i], rx.addr[i], taken)
@@ -312,10 +313,9 @@ class HostStreamEngine:
                 continue
             taken[slot] = True
             c += window
-            if take_kernel(self._args, slot, now, c, marked):
-                n_tx = send_kernel(self._args, slot, c, now, self._package(c), tx.ptr, tx.length, tx.addr, n_tx)
-        n_tx = self._release(now, n_tx)
-        return self._burst(fast_kernel(self._args, now, tx.ptr, tx.length, tx.addr, n_tx))
+            n_tx = take_kernel(self._args, slot, now, c, marked, self._package(c) if c < chunks else NO_PACKAGE,
+                               tx.ptr, tx.length, tx.addr, n_tx)
+        return self._burst(release_kernel(self._args, now, tx.ptr, tx.length, tx.addr, n_tx))
 
     def _take(self, p: np.ndarray, c: int, count: int, end: int) -> int:
         """-1 once chunk c's result package ``p[HDR:end]`` (checked by check_kernel) is decoded into the output,
