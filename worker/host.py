@@ -11,7 +11,8 @@ NO_EXP), so a slot starts with its first chunk, not a bootstrap round. Per packe
 (check_kernel) and one takes it and builds and queues the slot's next DATA (take_kernel); the codec's encode and
 decode run between them, from Python. The send window is StreamEngine's (worker.window): a marked result cuts it,
 and while it is below the pool a slot's next chunk is built and held, then sent after the burst when the window
-admits it (release_kernel), lowest chunk first. Float32 allreduces only (no reduce-scatter, no 16-bit or precoded inputs).
+admits it (release_kernel), lowest chunk first. Float32 allreduces only (no reduce-scatter, no 16-bit or precoded
+inputs).
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ from intml.worker.state import (
 from intml.worker.window import W_CWND, admitted, window_state
 
 NO_PACKAGE = np.frombuffer(b"", np.uint8)  # take_kernel's package of a slot falling idle (typed as encode's)
+
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def restart_kernel(silence, now):
