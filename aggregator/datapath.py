@@ -16,7 +16,7 @@ What an implementation must do (a new one, a software switch for example, implem
 
 * ``marks``: whether the results it hands back carry a congestion mark of their own (a switch's egress queue,
   protocol.wire.CONGESTED): the driver then adds its socket's mark and keeps theirs (aggregator.congestion).
-  False for a data path that sends stored results again, whose mark the driver rewrites on every send.
+  False for a data path whose output rows are its stored results, whose mark the driver rewrites on every send.
 * ``counters``: the CoreCounters block it counts into (per job entry, and per core for datagrams that name no
   job); the core counts its control-plane events there too, and marks a placed job live in it.
 * ``refuse(job, params, slots, rank)`` (``job``: the job key, here and below): one line on why it cannot serve rank

@@ -13,6 +13,8 @@ spine's address (``LeafDataPath.add_route``), and the spine the job's parameters
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from functools import reduce
+from operator import or_
 from typing import Any
 
 import numpy as np
@@ -49,6 +51,8 @@ class LeafDataPath(KernelDataPath):
     """The data path of an aggregator core at a rack's switch: a job's round completes when the rack's ranks have
     contributed, and its int32 partial sum goes up to the spine; the spine's result comes back through it.
     Options as KernelDataPath's; it holds every slot of its jobs (its core is its aggregator's only one)."""
+
+    marks = True  # the spine's results go on to the ranks with the marks they came with (aggregator.tiers)
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
@@ -119,11 +123,13 @@ class SpineCore(KernelDataPath):
     ``rows``: its slot memory; ``max_elements``: the largest packet; ``burst``: the most datagrams a receive
     burst is expected to hold."""
 
+    marks = True  # its results echo the marks of the leaves' partials (aggregator.tiers)
+
     def __init__(self, *, rows: int = AGGREGATOR_SLOTS, max_elements: int = AGGREGATOR_MAX_ELEMENTS,
                  max_jobs: int = AGGREGATOR_MAX_JOBS, burst: int = BURST) -> None:
         super().__init__(rows=rows, max_elements=max_elements, max_jobs=max_jobs, burst=burst, name="the spine")
         self.racks: dict[int, list[int]] = {}  # job id -> each leaf's rack bitmap
-        self.fabric = new_fabric(max_jobs)
+        self.fabric = new_fabric(max_jobs, rows)
         self._fabric_arrays = tuple(self.fabric)
         self._scratch = np.zeros(1, np.int64)
 
@@ -165,7 +171,7 @@ class SpineCore(KernelDataPath):
         racks, n = self.racks.get(job_id, []), params.world_size
         if not 1 <= len(racks) <= MAX_WORLD:
             return f"a job needs 1 to {MAX_WORLD} leaves, got {len(racks)}"
-        if sum(bin(b).count("1") for b in racks) != n or np.bitwise_or.reduce(racks) != (1 << n) - 1:
+        if sum(bin(b).count("1") for b in racks) != n or reduce(or_, racks) != (1 << n) - 1:  # (Python ints: 64 bits)
             return f"the racks must split ranks 0..{n - 1} exactly, each rank in one rack"
         if params.data_mac:
             return "a spine does not carry the DATA/RESULT MAC"

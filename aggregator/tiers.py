@@ -11,6 +11,11 @@ for the switch above the leaves. Sans-I/O, as process_burst: bursts of numpy arr
   as int32 (exact: each contribution is bounded by 2**s(n), n the job's whole world), and the total is re-encoded
   by slots.complete, as one switch does, so the result is the one-switch result bit for bit. It goes to every
   leaf and is kept for re-sends.
+* Congestion (docs/window.md): a PARTIAL may carry the CONGESTED mark in its shadow byte, set by a deep queue on
+  the leaf's port up. The spine echoes it, as a TCP receiver echoes ECN: a round's result leaves for the leaves
+  marked if any of the round's partials came marked, and a stored result re-sent in answer to a marked partial
+  leaves marked. A leaf passes a marked RESULT on to its ranks, whose send windows shrink. Stored partials and
+  results stay unmarked: a re-send carries only the marks of the queues it meets.
 * Losses (SwitchML's shadow sets, one level up): a rank's retransmission into a leaf set whose rack is complete
   gets the stored RESULT if the spine's came, else makes the leaf send its stored PARTIAL again; the spine
   answers a PARTIAL it already holds with its stored RESULT if the set is complete (a lost result), else drops it.
@@ -84,8 +89,9 @@ from intml.protocol.wire import CONGESTED, NO_EXP, MsgType
 # key, and the leaf's index at the spine.
 Routes = namedtuple("Routes", "quorum rack spine leaf")
 # The spine's view (per job index and leaf index): the leaf's rack bitmap and its size. The leaves' addresses are
-# the job's members, and its world the number of leaves.
-Fabric = namedtuple("Fabric", "racks sizes")
+# the job's members, and its world the number of leaves. Per slot row and shadow set, ``echo``: CONGESTED if a
+# partial of the set's current round came marked, else 0.
+Fabric = namedtuple("Fabric", "racks sizes echo")
 
 
 def new_routes(capacity: int) -> Routes:
@@ -93,8 +99,9 @@ def new_routes(capacity: int) -> Routes:
                   spine=np.zeros(capacity, np.uint64), leaf=np.zeros(capacity, np.int64))
 
 
-def new_fabric(capacity: int) -> Fabric:
-    return Fabric(racks=np.zeros((capacity, MAX_WORLD), np.uint64), sizes=np.zeros((capacity, MAX_WORLD), np.int64))
+def new_fabric(capacity: int, rows: int) -> Fabric:
+    return Fabric(racks=np.zeros((capacity, MAX_WORLD), np.uint64), sizes=np.zeros((capacity, MAX_WORLD), np.int64),
+                  echo=np.zeros((rows, 2), np.uint8))
 
 
 @njit(inline="always")
@@ -106,15 +113,19 @@ def stage_copy(stage, n_stage, src, size):
 
 
 @njit(inline="always")
-def answer_retransmission(table, row, x, complete_at, dest, st, stage, n_stage, out_ptr, out_len, out_addr, n_out):
+def answer_retransmission(table, row, x, complete_at, dest, mark, st, stage, n_stage, out_ptr, out_len, out_addr,
+                          n_out):
     """A contribution already in (row, x)'s round: if the round is complete at this level (``complete_at``
-    contributions), the set's stored datagram again, to ``dest`` alone; else dropped. Returns (n_stage, n_out)."""
+    contributions), the set's stored datagram again, to ``dest`` alone, with ``mark`` added to its shadow byte (a
+    congestion mark to echo, or 0); else dropped. Returns (n_stage, n_out)."""
     st[RETRANSMISSIONS] += 1
     if table.count[row, x] != complete_at:
         st[DROP_DUPLICATE_INCOMPLETE] += 1
         return n_stage, n_out
     size = table.result_len[row, x]
-    n_out = emit(stage_copy(stage, n_stage, table.result[row, x], size), size, dest, out_ptr, out_len, out_addr, n_out)
+    src = stage_copy(stage, n_stage, table.result[row, x], size)
+    stage[n_stage, O_SHADOW] |= mark
+    n_out = emit(src, size, dest, out_ptr, out_len, out_addr, n_out)
     st[RESULTS_RESENT] += 1
     st[PACKETS_OUT] += 1
     return n_stage + 1, n_out
@@ -240,7 +251,7 @@ def leaf_burst(rx_data, rx_len, rx_addr, n_rx, now, job_arrays, table_arrays, ro
         held = table.result[row, x]
         if event == SAME_KNOWN_RANK:  # a complete rack: the spine's result if it came, else the partial again
             dest = jobs.members[j, rank] if held[O_TYPE] == MsgType.RESULT else route.spine[j]
-            n_stage, n_out = answer_retransmission(table, row, x, route.quorum[j], dest, st, stage, n_stage,
+            n_stage, n_out = answer_retransmission(table, row, x, route.quorum[j], dest, 0, st, stage, n_stage,
                                                    out_ptr, out_len, out_addr, n_out)
             continue
         if event == SAME_NEW_RANK:
@@ -298,6 +309,8 @@ def spine_burst(rx_data, rx_len, rx_addr, n_rx, now, job_arrays, table_arrays, f
         st[PACKETS_IN] += 1
         reason = 0
         leaf, owners, slot, count, codec, x, exp, next_exp, key = element_fields(p)
+        mark = x & CONGESTED  # a deep queue on the leaf's port up (docs/window.md): echoed in the result
+        x ^= mark
         lo, hi = codecs.exp_range(jobs.codec[j])
         if leaf >= jobs.world[j]:
             reason = DROP_RANK
@@ -329,8 +342,8 @@ def spine_burst(rx_data, rx_len, rx_addr, n_rx, now, job_arrays, table_arrays, f
             st[DROP_STALE] += 1
             continue
         if event == SAME_KNOWN_RANK:  # if complete, the leaf lost the result: the stored one, to it alone
-            n_stage, n_out = answer_retransmission(table, row, x, leaves, jobs.members[j, leaf], st, stage, n_stage,
-                                                   out_ptr, out_len, out_addr, n_out)
+            n_stage, n_out = answer_retransmission(table, row, x, leaves, jobs.members[j, leaf], mark, st, stage,
+                                                   n_stage, out_ptr, out_len, out_addr, n_out)
             continue
         vbits = jobs.value_bits[j]
         if event == SAME_NEW_RANK:
@@ -345,6 +358,7 @@ def spine_burst(rx_data, rx_len, rx_addr, n_rx, now, job_arrays, table_arrays, f
             st[reason] += 1
             continue
         first = take_contribution(table, row, x, event, key, exp, count, next_exp, bit)
+        fabric.echo[row, x] = mark if first else fabric.echo[row, x] | mark
         if nonfinite:
             int32.take_words(sums, limit, set_flags(table, row, x, count))
         st[CONTRIBUTIONS] += 1
@@ -357,6 +371,7 @@ def spine_burst(rx_data, rx_len, rx_addr, n_rx, now, job_arrays, table_arrays, f
             st[COMPLETIONS] += 1
             size = table.result_len[row, x]
             src = stage_copy(stage, n_stage, table.result[row, x], size)
+            stage[n_stage, O_SHADOW] |= fabric.echo[row, x]  # the copies echo the round's marks; the stored result not
             n_stage += 1
             for leaf_ in range(leaves):
                 n_out = emit(src, size, jobs.members[j, leaf_], out_ptr, out_len, out_addr, n_out)

@@ -22,7 +22,7 @@ Data header (26 bytes):
 | slot      |     18 |    2 | u16  | slot index within the job's pool |
 | count     |     20 |    2 | u16  | number of payload elements (DATA / RESULT) |
 | codec     |     22 |    1 | u8   | Codec of the payload elements |
-| shadow    |     23 |    1 | u8   | shadow-set bit (bit 0); RESULT: bit 1 = congestion experienced (``CONGESTED``) |
+| shadow    |     23 |    1 | u8   | shadow-set bit (bit 0); RESULT, PARTIAL: bit 1 = congestion experienced (``CONGESTED``) |
 | exp       |     24 |    1 | i8   | agreed exponent of this chunk |
 | next_exp  |     25 |    1 | i8   | DATA: sender's max exponent for its next chunk in this slot; RESULT: agreed (max) exponent of that chunk; -128 = none |
 
@@ -104,7 +104,8 @@ NO_EXP = -128  # next_exp value meaning "no next chunk"
 SHADOW_SET = 0x01  # the shadow byte's shadow-set bit
 # A RESULT's shadow byte, bit 1: the aggregator's receive queue was deep when it read the burst this result answered
 # (docs/window.md). Set on the way out, after the result's MAC, which covers the byte with the bit clear: like IP's
-# ECN field, a mark any hop may set; a worker checks the tag with the bit clear.
+# ECN field, a mark any hop may set; a worker checks the tag with the bit clear. A PARTIAL's: a queue on the leaf's
+# way up to the spine was deep; the spine echoes it in the round's RESULT (aggregator.tiers).
 CONGESTED = 0x02
 # A queue marks from a quarter full on (its kernel socket's, a switch port's): room for a round trip's arrivals
 MARK_FRACTION = 4
@@ -138,7 +139,7 @@ HEADER_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("slot", ">u2", "slot index within the job's pool"),
     ("count", ">u2", "number of payload elements"),
     ("codec", "u1", "Codec"),
-    ("shadow", "u1", "shadow-set bit (bit 0); RESULT: bit 1 = congestion experienced"),
+    ("shadow", "u1", "shadow-set bit (bit 0); RESULT, PARTIAL: bit 1 = congestion experienced"),
     ("exp", "i1", "agreed exponent of this chunk"),
     ("next_exp", "i1", "exponent of the next chunk in this slot, NO_EXP = none"),
 )

@@ -3,7 +3,8 @@
 A ``Link`` is one direction of a cable: rate, propagation delay, MTU, a drop-tail queue in bytes, random loss
 from its own seeded generator and optional ECN marking (counted: intml's UDP traffic does not react to it). A
 switch ASIC's egress port marks instead (``mark_bytes``): a RESULT that finds that many bytes queued ahead of it
-leaves with the congestion mark, as the P4 program's egress sets it from its queue depth (docs/window.md). A
+leaves with the congestion mark, as the P4 program's egress sets it from its queue depth, and so does a leaf's
+PARTIAL on its way up to the spine, which echoes the mark in its result (aggregator.tiers; docs/window.md). A
 datagram occupies the wire for (payload + ``overhead``) bytes at the link's rate; the overhead is the IPv4, UDP
 and Ethernet headers, which the netns testbed's ``tc tbf`` also counts.
 
@@ -71,6 +72,7 @@ class LinkStats:
     too_big: int = 0
     ecn_marked: int = 0
     results_marked: int = 0  # RESULTs given the congestion mark (``mark_bytes``)
+    partials_marked: int = 0  # PARTIALs given it (a leaf's port up to the spine)
 
 
 _SHAPES: dict[tuple, tuple] = {}  # Link.shape: one tuple per distinct link model
@@ -194,14 +196,21 @@ def fan_out(sim: Simulator, links: list[Link], datagram: Datagram, now: float) -
     sim.deliver_all(busy + first.delay, nodes, datagram)
 
 
+# the intml datagrams a switch's egress queue marks: results on their way to the ranks, partials on a leaf's way up
+MARKED = frozenset((MsgType.RESULT, MsgType.PARTIAL))
+
+
 def marked(datagram: Datagram, stats: LinkStats) -> Datagram:
-    """``datagram`` with the congestion mark (protocol.wire.CONGESTED) if it is an intml RESULT (counted in
-    ``stats``), else ``datagram`` itself."""
+    """``datagram`` with the congestion mark (protocol.wire.CONGESTED) if it is an intml RESULT or PARTIAL (counted
+    in ``stats``), else ``datagram`` itself."""
     payload = datagram[0]
-    if (len(payload) < HDR or payload[O_TYPE] != MsgType.RESULT
+    if (len(payload) < HDR or payload[O_TYPE] not in MARKED
             or int.from_bytes(payload[O_MAGIC:O_MAGIC + 2], "big") != MAGIC):
         return datagram
-    stats.results_marked += 1
+    if payload[O_TYPE] == MsgType.RESULT:
+        stats.results_marked += 1
+    else:
+        stats.partials_marked += 1
     if payload[O_SHADOW] & CONGESTED:
         return datagram
     copy = bytearray(payload)

@@ -82,6 +82,7 @@ class PacketRun:
     uplink_rate: float | None = None  # bit/s of each leaf's link to the spine (None: ``rate``)
     uplink_mtu: int | None = None  # (None: ``mtu``)
     uplink_loss: float | None = None  # per direction (None: ``loss``)
+    uplink_queue: int | None = None  # bytes of each leaf-spine link's queue, either direction (None: ``queue_bytes``)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -118,6 +119,7 @@ class PacketResult:
     rx_drops: int = 0  # datagrams the aggregator's full receive queue dropped (``rx_queue``)
     windows: list[float] = field(default_factory=list)  # each rank's send window at the end, in slots
     results_marked: int = 0  # results the switches' egress ports marked (``asic_marks``)
+    partials_marked: int = 0  # partials the leaves' ports up to the spine marked (``asic_marks``)
 
 
 def simulate(run: PacketRun) -> PacketResult:
@@ -218,7 +220,8 @@ def simulate(run: PacketRun) -> PacketResult:
         cpu_seconds={"hosts": sum(h.cpu.busy for h in hosts),
                      "aggregator": topology.switches[0].cpu.busy if software else 0.0},
         loop_cpu=loop_cpu, rx_drops=sum(sw.rx_drops for sw in topology.switches),
-        windows=[h.engine.send_window for h in hosts], results_marked=sum(link.stats.results_marked for link in links))
+        windows=[h.engine.send_window for h in hosts], results_marked=sum(link.stats.results_marked for link in links),
+        partials_marked=sum(link.stats.partials_marked for link in links))
     if run.check:
         expected = reference.allreduce(xs, codec=run.codec, seed=run.seed, allreduce_seq=run.rounds - 1,
                                        packet_elements=run.packet_elements, rounding=run.rounding)
@@ -252,9 +255,10 @@ def leaf_spine(sim: Simulator, run: PacketRun, params: JobParams) -> Topology:
     spine_core = SpineCore(rows=run.slots, max_elements=run.packet_elements)
     spine = Switch(sim, CoreAggregator([spine_core], [SPINE_ADDR], partial_size(run.packet_elements) + 256, 4),
                    asic(run.passes))
+    queue = run.uplink_queue or run.queue_bytes
     uplink = dict(rate=run.uplink_rate or run.rate, delay=run.delay, mtu=run.uplink_mtu or run.mtu,
-                  queue_bytes=run.queue_bytes, loss=run.loss if run.uplink_loss is None else run.uplink_loss,
-                  ecn_bytes=run.ecn_bytes)
+                  queue_bytes=queue, loss=run.loss if run.uplink_loss is None else run.uplink_loss,
+                  ecn_bytes=run.ecn_bytes, mark_bytes=mark_bytes(run, queue))
     edge, aggregator, switches, leaves = [], [], [spine], []
     for k, ranks in enumerate(rack_ranks(run.workers, run.racks)):
         secret = np.random.default_rng([run.seed, 7, k])
@@ -264,9 +268,9 @@ def leaf_spine(sim: Simulator, run: PacketRun, params: JobParams) -> Topology:
         core.datapath.add_route(JOB, leaf=k, ranks=ranks, spine=SPINE_ADDR)
         leaf = Switch(sim, CoreAggregator([core], [addr], _rx_width(params), codecs.BY_ID[params.codec].WIDTH),
                       asic(run.passes))
-        marks = mark_bytes(run, uplink["queue_bytes"])  # the leaf's port up carries PARTIALs: nothing to mark
+        # the leaf's port up marks its partials, which the spine echoes; the spine's port down marks its results
         leaf.attach(SPINE_ADDR, Link(sim, spine, seed=link_seed(run.seed, MAX_WORLD + k, 0), **uplink))
-        spine.attach(addr, Link(sim, leaf, seed=link_seed(run.seed, MAX_WORLD + k, 1), mark_bytes=marks, **uplink))
+        spine.attach(addr, Link(sim, leaf, seed=link_seed(run.seed, MAX_WORLD + k, 1), **uplink))
         edge += [leaf] * len(ranks)
         aggregator += [addr] * len(ranks)
         switches.append(leaf)
@@ -276,9 +280,9 @@ def leaf_spine(sim: Simulator, run: PacketRun, params: JobParams) -> Topology:
 
 
 def mark_bytes(run: PacketRun, queue_bytes: int) -> int | None:
-    """An ASIC switch's egress port of ``queue_bytes`` marks the results that find a quarter of it full, the
-    software aggregator's rule (aggregator.congestion) on the port's queue, as the P4 program's egress does; a
-    software aggregator's are the kernel's, which do not mark."""
+    """An ASIC switch's egress port of ``queue_bytes`` marks the results (a leaf's port up, the partials) that find
+    a quarter of it full, the software aggregator's rule (aggregator.congestion) on the port's queue, as the P4
+    program's egress does; a software aggregator's are the kernel's, which do not mark."""
     return queue_bytes // MARK_FRACTION if run.switch == "asic" and run.asic_marks else None
 
 

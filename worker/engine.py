@@ -148,7 +148,7 @@ from intml.worker.state import (
     State,
     queue_slot,
 )
-from intml.worker.window import W_CWND, on_mark, window_limit, window_state
+from intml.worker.window import W_CWND, admitted, holds, on_mark, window_state
 
 EXACT = np.uint32(PRECODED | 0x7FFFFFFF)  # low word of codes encoded at their agreed floor (nothing underflows)
 
@@ -304,29 +304,14 @@ def hold(st, s, c):
 
 @njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
 def release(st, now, tx_ptr, tx_len, tx_addr, n_tx):
-    """Build and queue the held slots' chunks the send window admits now (worker.window), lowest chunk first:
-    while fewer slots than the window are in flight, and in any case the lowest chunk held if it is lower than
-    every chunk in flight. Returns the new tx count."""
-    window = st.params[P_WINDOW]
-    limit = window_limit(st.window, window)
-    in_flight, lowest = 0, np.iinfo(np.int64).max
-    for s in range(window):
-        c = st.cur_chunk[s]
-        if c != IDLE and c != HELD:
-            in_flight += 1
-            lowest = min(lowest, st.parked[s] if c == PARKED else c)
+    """Build and queue the held slots' chunks the send window admits now (worker.window.admitted), lowest chunk
+    first. Returns the new tx count."""
     while True:
-        pick = -1
-        for s in range(window):
-            if st.cur_chunk[s] == HELD and (pick < 0 or st.parked[s] < st.parked[pick]):
-                pick = s
-        if pick < 0 or (in_flight >= limit and st.parked[pick] > lowest):
+        s = admitted(st.window, st.cur_chunk, st.parked, st.params[P_WINDOW])
+        if s < 0:
             return n_tx
-        c = st.parked[pick]
-        in_flight += 1
-        lowest = min(lowest, c)
-        if _build(st, pick, c, now):
-            queue_slot(st, pick, tx_ptr, tx_len, tx_addr, n_tx)
+        if _build(st, s, st.parked[s], now):  # (else parked: in flight all the same)
+            queue_slot(st, s, tx_ptr, tx_len, tx_addr, n_tx)
             n_tx += 1
 
 
@@ -461,23 +446,31 @@ def count_mark(st, marked):
 
 
 @njit(inline="always")
-def advance(st, s, c, next_exp, now, tx_ptr, tx_len, tx_addr, n_tx):
-    """Queue slot s's next chunk, c + window, to be encoded against next_exp (or leave the slot idle if there is
-    none; or hold it while the send window is smaller than the pool: release decides after the burst); returns the
-    new tx count."""
+def goes_now(st, s, c):
+    """Slot s's result was taken and its next chunk is c: whether c goes at once. Else the slot falls idle (c is
+    past the allreduce's chunks), or holds c while the send window is smaller than the pool (release decides after
+    the burst)."""
     prm = st.params
-    nxt = c + prm[P_WINDOW]
-    if nxt < prm[P_CHUNKS]:
+    if c >= prm[P_CHUNKS]:
+        st.cur_chunk[s] = IDLE
+        return False
+    if holds(st.window, prm[P_WINDOW]):
+        hold(st, s, c)
+        return False
+    return True
+
+
+@njit(inline="always")
+def advance(st, s, c, next_exp, now, tx_ptr, tx_len, tx_addr, n_tx):
+    """Queue slot s's next chunk, c + window, to be encoded against next_exp, if it goes now (goes_now); returns
+    the new tx count."""
+    nxt = c + st.params[P_WINDOW]
+    if nxt < st.params[P_CHUNKS]:
         st.agreed_exp[nxt] = next_exp
-        if window_limit(st.window, prm[P_WINDOW]) < prm[P_WINDOW]:
-            hold(st, s, nxt)
-            return n_tx
-        if not _build(st, s, nxt, now):
-            return n_tx  # parked
-        queue_slot(st, s, tx_ptr, tx_len, tx_addr, n_tx)
-        return n_tx + 1
-    st.cur_chunk[s] = IDLE
-    return n_tx
+    if not goes_now(st, s, nxt) or not _build(st, s, nxt, now):
+        return n_tx  # idle, held or parked
+    queue_slot(st, s, tx_ptr, tx_len, tx_addr, n_tx)
+    return n_tx + 1
 
 
 @njit(cache=True, nogil=True, boundscheck=False, _nrt=False)

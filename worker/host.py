@@ -8,8 +8,11 @@ DATA/RESULT MAC), with what a host codec changes: a chunk's payload is the codec
 from the float32 values with this rank's random words in the allreduce (keyed as C_nat's: protocol.rng,
 worker_stream), and the result package is decoded by the codec. No exponents are agreed (exp and next_exp are
 NO_EXP), so a slot starts with its first chunk, not a bootstrap round. Per packet, a kernel checks a RESULT
-(check_kernel) and one builds and queues a DATA (send_kernel, take_kernel); the codec's encode and decode run
-between them, from Python. Float32 allreduces only (no reduce-scatter, no 16-bit or precoded inputs).
+(check_kernel) and one takes it and builds and queues the slot's next DATA (take_kernel); the codec's encode and
+decode run between them, from Python. The send window is StreamEngine's (worker.window): a marked result cuts it,
+and while it is below the pool a slot's next chunk is built and held, then sent after the burst when the window
+admits it (release_kernel), lowest chunk first. Float32 allreduces only (no reduce-scatter, no 16-bit or precoded
+inputs).
 """
 
 from __future__ import annotations
@@ -38,7 +41,16 @@ from intml.protocol.packet import (
 from intml.protocol.rng import derive_key
 from intml.protocol.siphash import put_tag
 from intml.protocol.wire import NO_EXP, TAG_SIZE, MsgType
-from intml.worker.engine import authenticate, classify_result, take_result, validate_header
+from intml.worker.engine import (
+    authenticate,
+    classify_result,
+    congestion_mark,
+    count_mark,
+    goes_now,
+    hold,
+    take_result,
+    validate_header,
+)
 from intml.worker.retransmit import (
     T_RTO,
     arm,
@@ -69,7 +81,7 @@ from intml.worker.state import (
     State,
     queue_slot,
 )
-from intml.worker.window import window_state
+from intml.worker.window import W_CWND, admitted, window_state
 
 NO_PACKAGE = np.frombuffer(b"", np.uint8)  # take_kernel's package of a slot falling idle (typed as encode's)
 
@@ -88,9 +100,9 @@ def _count(st, c):
 
 
 @njit(inline="always")
-def _queue_data(st, s, c, now, package, tx_ptr, tx_len, tx_addr, n_tx):
-    """Build chunk c's DATA datagram (header, ``package``, the MAC tag with data_mac) in slot s's buffer of its
-    parity, arm its timer and queue it. Returns the new tx count."""
+def _write_data(st, s, c, package):
+    """Write chunk c's DATA datagram (header, ``package``, the MAC tag with data_mac) into slot s's buffer of its
+    parity."""
     prm = st.params
     p = st.packet[s, st.parity[s]]
     put_header(p, MsgType.DATA, prm[P_JOB], prm[P_ALLREDUCE], c, prm[P_RANK], s, _count(st, c), prm[P_CODEC],
@@ -101,6 +113,11 @@ def _queue_data(st, s, c, now, package, tx_ptr, tx_len, tx_addr, n_tx):
         k = st.mac_keys[s % prm[P_CORES]]
         length = put_tag(p, length, k[0], k[1])
     st.packet_len[s] = length
+
+
+@njit(inline="always")
+def _send(st, s, c, now, tx_ptr, tx_len, tx_addr, n_tx):
+    """Slot s's written datagram of chunk c goes at now: its timer armed, queued. Returns the new tx count."""
     st.cur_chunk[s] = c
     arm(st, s, now)
     queue_slot(st, s, tx_ptr, tx_len, tx_addr, n_tx)
@@ -108,54 +125,68 @@ def _queue_data(st, s, c, now, package, tx_ptr, tx_len, tx_addr, n_tx):
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def send_kernel(state, s, c, now, package, tx_ptr, tx_len, tx_addr, n_tx):
-    """Slot s's first chunk of an allreduce, c, goes out at now with ``package`` (_queue_data). Returns the new tx
-    count."""
-    return _queue_data(State(*state), s, c, now, package, tx_ptr, tx_len, tx_addr, n_tx)
+def hold_kernel(state, s, c, package):
+    """Slot s's first chunk of an allreduce, c, written with ``package`` and held until the send window admits it
+    (release_kernel)."""
+    st = State(*state)
+    _write_data(st, s, c, package)
+    hold(st, s, c)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def take_kernel(state, s, now, c, package, tx_ptr, tx_len, tx_addr, n_tx):
-    """Slot s's result was taken at now (worker.engine.take_result); its next chunk c goes out with ``package``
-    (_queue_data), or with c = IDLE the slot falls idle. Returns the new tx count."""
+def take_kernel(state, s, now, c, marked, package, tx_ptr, tx_len, tx_addr, n_tx):
+    """Slot s's result was taken at now (worker.engine.take_result), ``marked`` congested or not (the send window
+    follows it, worker.engine.count_mark); its next chunk c, with ``package`` (empty if c is past the allreduce),
+    goes now, or is written and held until the window admits it; or the slot falls idle (worker.engine.goes_now).
+    Returns the new tx count."""
     st = State(*state)
     take_result(st, s, now)
-    if c == IDLE:
-        st.cur_chunk[s] = IDLE
+    count_mark(st, marked)
+    go = goes_now(st, s, c)
+    if st.cur_chunk[s] == IDLE:
         return n_tx
-    return _queue_data(st, s, c, now, package, tx_ptr, tx_len, tx_addr, n_tx)
+    _write_data(st, s, c, package)
+    return _send(st, s, c, now, tx_ptr, tx_len, tx_addr, n_tx) if go else n_tx
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def release_kernel(state, now, tx_ptr, tx_len, tx_addr, n_tx):
+    """After a start or a burst of results: send the held slots' chunks the send window admits, lowest chunk first
+    (worker.window.admitted, as StreamEngine's release), then worker.retransmit.fast_retransmit (after a start,
+    nothing was overtaken). Returns the new tx count."""
+    st = State(*state)
+    while True:
+        s = admitted(st.window, st.cur_chunk, st.parked, st.params[P_WINDOW])
+        if s < 0:
+            return fast_retransmit(st, now, tx_ptr, tx_len, tx_addr, n_tx)
+        n_tx = _send(st, s, st.parked[s], now, tx_ptr, tx_len, tx_addr, n_tx)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def check_kernel(state, p, length, addr, taken):
     """The checks of a RESULT datagram p[:length] from address key ``addr``, in StreamEngine's order:
-    (slot, -1, chunk, count, the package's end) for one to decode into the output, else (slot, the statistic of why
-    it is dropped, 0, 0, 0). ``taken``: the slots whose result this burst already took."""
+    (slot, -1, chunk, count, the package's end, its congestion mark) for one to decode into the output, else
+    (slot, the statistic of why it is dropped, 0, 0, 0, False). ``taken``: the slots whose result this burst already
+    took."""
     if validate_header(p, length) >= 0:
-        return (-1 if length < HDR else get_u16(p, O_SLOT)), DROP_MALFORMED, 0, 0, 0
+        return (-1 if length < HDR else get_u16(p, O_SLOT)), DROP_MALFORMED, 0, 0, 0, False
     st = State(*state)
     prm = st.params
     s = get_u16(p, O_SLOT)
     drop = classify_result(prm, st.parity, st.cur_chunk, st.agg_addr, p, addr)
     if drop >= 0:
-        return s, drop, 0, 0, 0
+        return s, drop, 0, 0, 0, False
     if taken[s]:  # its next chunk, queued by this call, has not been sent: a forged result
-        return s, DROP_UNSENT, 0, 0, 0
+        return s, DROP_UNSENT, 0, 0, 0, False
     end = authenticate(prm, st.mac_keys, p, length)
     if end < 0:
-        return s, DROP_BAD_MAC, 0, 0, 0
+        return s, DROP_BAD_MAC, 0, 0, 0, False
     c = get_i32(p, O_CHUNK)
     count = _count(st, c)
     if (p[O_CODEC] != prm[P_CODEC] or get_u16(p, O_COUNT) != count or get_u16(p, O_RANK) != 0
             or get_i8(p, O_EXP) != NO_EXP or get_i8(p, O_NEXT_EXP) != NO_EXP):
-        return s, DROP_MALFORMED, 0, 0, 0
-    return s, -1, c, count, end
-
-
-@njit(cache=True, nogil=True, boundscheck=False)
-def fast_kernel(state, now, tx_ptr, tx_len, tx_addr, n_tx):
-    """After a burst of results: worker.retransmit.fast_retransmit. Returns the new tx count."""
-    return fast_retransmit(State(*state), now, tx_ptr, tx_len, tx_addr, n_tx)
+        return s, DROP_MALFORMED, 0, 0, 0, False
+    return s, -1, c, count, end, congestion_mark(p)
 
 
 class HostStreamEngine:
@@ -183,6 +214,8 @@ class HostStreamEngine:
         self.silence = silence_state(len(agg_addrs))
         self.parity = np.zeros(pool_size, np.int64)  # persists over the job's life
         self.cur_chunk = np.full(pool_size, IDLE, np.int64)
+        self.parked = np.full(pool_size, IDLE, np.int64)  # the chunk a HELD slot waits to send
+        self.window = window_state(pool_size)  # the send window, StreamEngine's (worker.window): over the job's life
         # two datagram buffers per slot, by parity, as StreamEngine's, for the longest package
         self.packet = np.zeros((pool_size, 2, HDR + self.package_limit + TAG_SIZE), np.uint8)
         self.packet_len = np.zeros(pool_size, np.int64)
@@ -195,15 +228,15 @@ class HostStreamEngine:
         self._sent: np.ndarray | None = None
         self._mean = False
         f32, i64, u8, u16 = (np.empty(0, t) for t in (np.float32, np.int64, np.uint8, np.uint16))
-        # worker.state's State, the arrays worker.retransmit reads (the others empty, typed as StreamEngine's; the send
-        # window the whole pool, never marked: host mode keeps its pool in flight)
+        # worker.state's State, the arrays worker.retransmit and worker.window read (the others empty, typed as
+        # StreamEngine's)
         self._args = tuple(State(
             params=self.params, x=f32, out=f32, local_exp=i64, agreed_exp=i64, cur_chunk=self.cur_chunk,
             parity=self.parity, sent_at=np.zeros(pool_size), rto=np.zeros(pool_size),
             retries=np.zeros(pool_size, np.int64), overtaken=np.zeros(pool_size, np.int64), packet=self.packet,
             packet_len=self.packet_len, agg_addr=self.agg_addr, stats=self.stats, timing=self.timing,
-            low=np.empty(0, np.uint32), sent=f32, mac_keys=self.mac_keys, codes=u8, parked=i64,
-            silence=self.silence, x16=u16, out16=u16, scratch=f32, window=window_state(pool_size),
+            low=np.empty(0, np.uint32), sent=f32, mac_keys=self.mac_keys, codes=u8, parked=self.parked,
+            silence=self.silence, x16=u16, out16=u16, scratch=f32, window=self.window,
             taken=np.empty(0, np.bool_), heads=np.empty(0, np.uint32)))
 
     def resume(self, allreduce: int, shadow_sets: np.ndarray) -> None:
@@ -217,7 +250,8 @@ class HostStreamEngine:
 
     def start(self, x: np.ndarray, now: float, out: np.ndarray | None = None, *, sent: np.ndarray | None = None,
               scatter: bool = False, dtype: str | None = None, mean: bool = False) -> Burst:
-        """Begin the next allreduce of float32 ``x`` (any shape); returns its first datagrams (one per slot).
+        """Begin the next allreduce of float32 ``x`` (any shape); returns its first datagrams (one per slot the
+        send window admits).
         ``out``, ``sent``, ``mean``: as StreamEngine.start's (``sent``: the values of this rank's packages, decoded
         by the codec: error feedback's compressed gradient)."""
         if scatter or dtype not in (None, "float32") or np.asarray(x).dtype == np.float16:
@@ -240,11 +274,10 @@ class HostStreamEngine:
         self._key = int(derive_key(np.uint64(self.seed), worker_stream(self.allreduce_seq, self.rank)))
         self.cur_chunk[:] = IDLE
         restart_kernel(self.silence, now)
-        n = 0
-        tx = self.tx
         for s in range(window):
-            n = send_kernel(self._args, s, s, now, self._package(s), tx.ptr, tx.length, tx.addr, n)
-        return self._burst(n)
+            hold_kernel(self._args, s, s, self._package(s))
+        tx = self.tx
+        return self._burst(release_kernel(self._args, now, tx.ptr, tx.length, tx.addr, 0))
 
     def _package(self, c: int) -> np.ndarray:
         """Chunk c's DATA package, as bytes in a uint8 array."""
@@ -274,7 +307,7 @@ class HostStreamEngine:
         window, chunks = int(self.params[P_WINDOW]), int(self.params[P_CHUNKS])
         for i in range(rx.count):
             self.stats[PACKETS_IN] += 1
-            slot, drop, c, count, end = check_kernel(self._args, rx.data[i], rx.length[i], rx.addr[i], taken)
+            slot, drop, c, count, end, marked = check_kernel(self._args, rx.data[i], rx.length[i], rx.addr[i], taken)
             if drop < 0:
                 drop = self._take(rx.data[i], c, count, end)
             if drop >= 0:
@@ -282,11 +315,9 @@ class HostStreamEngine:
                 continue
             taken[slot] = True
             c += window
-            if c < chunks:
-                n_tx = take_kernel(self._args, slot, now, c, self._package(c), tx.ptr, tx.length, tx.addr, n_tx)
-            else:
-                n_tx = take_kernel(self._args, slot, now, IDLE, NO_PACKAGE, tx.ptr, tx.length, tx.addr, n_tx)
-        return self._burst(fast_kernel(self._args, now, tx.ptr, tx.length, tx.addr, n_tx))
+            n_tx = take_kernel(self._args, slot, now, c, marked, self._package(c) if c < chunks else NO_PACKAGE,
+                               tx.ptr, tx.length, tx.addr, n_tx)
+        return self._burst(release_kernel(self._args, now, tx.ptr, tx.length, tx.addr, n_tx))
 
     def _take(self, p: np.ndarray, c: int, count: int, end: int) -> int:
         """-1 once chunk c's result package ``p[HDR:end]`` (checked by check_kernel) is decoded into the output,
@@ -343,3 +374,8 @@ class HostStreamEngine:
     def rto(self) -> float:
         """The current adaptive retransmission timeout, seconds."""
         return float(self.timing[T_RTO])
+
+    @property
+    def send_window(self) -> float:
+        """The current send window, in slots (worker.window; the pool: no limit)."""
+        return float(self.window[W_CWND])

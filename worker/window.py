@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from intml.worker.state import FAST_RETRANSMIT
+from intml.worker.state import FAST_RETRANSMIT, HELD, IDLE, PARKED
 
 DECREASE = 0.5  # the window's cut on a mark
 # the window's floor, in slots: enough for a lost datagram to be overtaken by FAST_RETRANSMIT results and so resent
@@ -61,3 +61,31 @@ def window_limit(window, slots):
     allreduce."""
     limit = np.int64(window[W_CWND])
     return UNLIMITED if limit >= slots else limit
+
+
+@njit(inline="always")
+def holds(window, slots):
+    """Whether a slot's next chunk waits to be admitted (``admitted``) rather than going at once: the window is
+    below the allreduce's ``slots``."""
+    return window_limit(window, slots) < slots
+
+
+@njit(inline="always")
+def admitted(window, cur_chunk, parked, slots):
+    """The held slot whose chunk the window admits next, or -1: of slots 0..slots-1 (``cur_chunk`` HELD, its
+    chunk in ``parked``; a PARKED slot is in flight with its chunk there), the lowest chunk held, while fewer
+    slots than the window are in flight, and in any case if it is lower than every chunk in flight. The caller
+    sends it (its slot leaves HELD) and asks again, until -1."""
+    limit = window_limit(window, slots)
+    in_flight, lowest, pick = 0, np.iinfo(np.int64).max, -1
+    for s in range(slots):
+        c = cur_chunk[s]
+        if c == HELD:
+            if pick < 0 or parked[s] < parked[pick]:
+                pick = s
+        elif c != IDLE:
+            in_flight += 1
+            lowest = min(lowest, parked[s] if c == PARKED else c)
+    if pick < 0 or (in_flight >= limit and parked[pick] > lowest):
+        return -1
+    return pick

@@ -107,10 +107,11 @@ def test_every_implementation_has_the_interface():
 
 
 def test_only_a_switch_with_its_own_queue_marks_and_the_core_tells_the_driver():
-    """DataPath.marks: BMv2 running the P4 program marks results from its egress queue, and the driver keeps that
-    mark; every path that sends stored results again, or never queues, leaves the mark to the driver."""
-    assert [k.marks for k in (KernelDataPath, LeafDataPath, SpineCore, HostDataPath, P4DataPath)] == [False] * 5
-    assert Bmv2DataPath.marks is True
+    """DataPath.marks: BMv2 running the P4 program marks results from its egress queue, a leaf passes the spine's
+    mark on and the spine echoes the leaves' (aggregator.tiers), and the driver keeps those marks; every path that
+    sends stored results again, or never queues, leaves the mark to the driver."""
+    assert [k.marks for k in (KernelDataPath, HostDataPath, P4DataPath)] == [False] * 3
+    assert Bmv2DataPath.marks is LeafDataPath.marks is SpineCore.marks is True
     fake = FakeDataPath()
     fake.marks = True
     assert AggregatorCore(fake, tokens=[TOKEN]).marks and not AggregatorCore(FakeDataPath(), tokens=[TOKEN]).marks

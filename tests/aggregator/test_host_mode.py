@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support import harness
 from support.harness import Network, core_receive, engine_receive, handshake, header, msg_type, new_core, worker_addr
 from support.host_codec import WIRE_ID, HostQ, rank_key, reference, registered
 
@@ -24,6 +25,8 @@ from intml.protocol.codecs.host import parse
 from intml.protocol.job import JobParams, host_aggregator_elements, host_package_limit
 from intml.protocol.wire import NO_EXP, MsgType
 from intml.worker.host import HostStreamEngine
+from intml.worker.state import HELD
+from intml.worker.window import FLOOR
 
 P = 32  # elements per packet: a few chunks per slot
 SIZE = 300  # a partial last chunk
@@ -129,6 +132,32 @@ def test_forged_result_is_counted_and_dropped() -> None:
     net.run()
     _check(net, xs, 0)
     assert net.engines[0].counters()["drop_bad_mac"] == 1
+
+
+def test_the_send_window_follows_marks(monkeypatch) -> None:
+    """Host mode's send window is StreamEngine's (worker.window): results the aggregator marks congested cut it to
+    the floor over the first allreduce, and in the second it holds slots back (at most the window in flight, and
+    the lowest chunk held when it is lower than every chunk in flight); every rank gets the reference's bits, under
+    loss."""
+    monkeypatch.setattr(harness, "core_receive", harness.marking(True))
+    n, pool = 3, 16
+    net = Network(n, codec="hostq8", packet_elements=P, pool_size=pool, drop=0.05, fault_seed=9)
+    held = 0
+    for allreduce in range(2):
+        rng = np.random.default_rng(allreduce)
+        xs = [rng.standard_normal(40 * P - 7).astype(np.float32) for _ in range(n)]
+        net.start(xs)
+        while not net.done:
+            if allreduce:
+                for e in net.engines:
+                    harness.check_window(e.cur_chunk, e.parked, int(FLOOR))
+                    held += int((e.cur_chunk == HELD).sum())
+            net.step()
+        _check(net, xs, allreduce)
+        assert all(e.send_window == FLOOR for e in net.engines)
+    assert held > 0
+    for e in net.engines:
+        assert e.counters()["congestion_marks"] == e.counters()["results"] > 0
 
 
 def _data(net: Network, rank: int, package: bytes, *, count: int = P, slot: int = 0, chunk: int = 0,

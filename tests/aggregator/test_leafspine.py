@@ -118,6 +118,41 @@ def test_the_spines_congestion_mark_reaches_the_rack():
     assert core_receive(a, [(data(1, X[1]), worker_addr(1))], 4.0) == [(result, worker_addr(1))]
 
 
+def marked(datagram: bytes) -> bytes:
+    """``datagram`` with the congestion mark, as a deep egress queue sets it."""
+    copy = bytearray(datagram)
+    copy[O_SHADOW] |= CONGESTED
+    return bytes(copy)
+
+
+def test_the_spine_echoes_a_marked_partial():
+    """A PARTIAL that a deep queue on the leaf's port up marked (docs/window.md) counts as the unmarked one, and
+    the spine echoes the mark: the round's result leaves for every leaf marked, and so does a stored result
+    re-sent in answer to a marked partial; the stored result stays unmarked, and the set's next round starts
+    without the mark."""
+    (a, b), spine = fabric()
+    [(partial_a, _)] = core_receive(a, [(data(r, X[r]), worker_addr(r)) for r in RACKS[0]], 1.0)
+    [(partial_b, _)] = core_receive(b, [(data(r, X[r]), worker_addr(r)) for r in RACKS[1]], 1.0)
+    assert core_receive(spine, [(marked(partial_a), LEAVES[0])], 2.0) == []
+    out = core_receive(spine, [(partial_b, LEAVES[1])], 2.0)
+    result = out[0][0]
+    assert result[O_SHADOW] == CONGESTED and out == [(result, leaf) for leaf in LEAVES]
+    # bit for bit the result of unmarked partials, but for the mark
+    _, plain = fabric()
+    [(unmarked, _)] = core_receive(plain, [(partial_a, LEAVES[0]), (partial_b, LEAVES[1])], 2.0)[:1]
+    assert result == marked(unmarked) and unmarked[O_SHADOW] == 0
+    # a re-send carries the mark of the partial it answers
+    assert core_receive(spine, [(partial_a, LEAVES[0])], 3.0) == [(unmarked, LEAVES[0])]
+    assert core_receive(spine, [(marked(partial_b), LEAVES[1])], 3.0) == [(result, LEAVES[1])]
+    # the set's next round (slot 0, set 0 again, two allreduces on), its partials unmarked: its result is unmarked
+    nxt = [data(r, X[r], allreduce=2) for r in range(4)]
+    [(next_a, _)] = core_receive(a, [(nxt[r], worker_addr(r)) for r in RACKS[0]], 4.0)
+    [(next_b, _)] = core_receive(b, [(nxt[r], worker_addr(r)) for r in RACKS[1]], 4.0)
+    out = core_receive(spine, [(next_a, LEAVES[0]), (next_b, LEAVES[1])], 5.0)
+    assert len(out) == 2 and out[0][0][O_SHADOW] == 0
+    assert counters(spine)["contributions"] == 4 and "drop_bad_shadow" not in counters(spine)
+
+
 def _replace_sum(partial: bytes, value: int) -> bytes:
     return partial[:HDR] + value.to_bytes(4, "big", signed=True) + partial[HDR + 4:]
 
@@ -136,7 +171,8 @@ LIMIT = 2 * (1 << 28)  # a rack of 2 ranks, each value within 2**s(4) = 2**28
     (lambda p: _replace_sum(p, LIMIT + 1), LEAVES[0], "drop_invalid_code"),  # more than 2 ranks could sum
     (lambda p: _replace_sum(p, -LIMIT - 1), LEAVES[0], "drop_invalid_code"),
     (lambda p: with_header(p, codec=Codec.CNAT8), LEAVES[0], "drop_wrong_codec"),
-    (lambda p: with_header(p, shadow=2), LEAVES[0], "drop_bad_shadow"),
+    (lambda p: with_header(p, shadow=4), LEAVES[0], "drop_bad_shadow"),  # bit 1 (CONGESTED) is the only other
+    (lambda p: with_header(p, shadow=CONGESTED | 4), LEAVES[0], "drop_bad_shadow"),
     (lambda p: with_header(p, slot=4), LEAVES[0], "drop_slot_out_of_range"),
     (lambda p: with_header(p, exp=127, next_exp=-127), LEAVES[0], "drop_bad_exponent"),
     (lambda p: with_header(p, rank=1 << 8), LEAVES[0], "drop_bad_owner"),
@@ -177,6 +213,9 @@ def test_leaf_refuses_what_it_cannot_route():
     spine = SpineCore(rows=16, max_elements=8)
     with pytest.raises(ValueError, match="split ranks 0..3 exactly"):
         spine.install(JOB, JobParams(world_size=4, packet_elements=8), [(LEAVES[0], [0, 1]), (LEAVES[1], [1, 2])])
+    # a job of MAX_WORLD ranks: its racks' bitmaps use the 64th bit
+    spine.install(JOB, JobParams(world_size=64, packet_elements=8, pool_size=4),
+                  [(LEAVES[0], range(63)), (LEAVES[1], [63])])
 
 
 @pytest.mark.slow

@@ -7,14 +7,18 @@ the aggregator busy the whole time. With 1% random loss on every link as well, a
 few times the loss-free one, not the seconds of timeouts it took before a silent core's probes took turns over its
 slots (docs/window.md, "Random loss at scale"). On a switch ASIC the egress ports mark instead, from their own queues
 (the P4 program's rule): behind a shallow, slow port to each host the windows halve and the drops stop; on a run
-whose queues stay short nothing is marked and nothing changes. Every result is exact."""
+whose queues stay short nothing is marked and nothing changes. In a leaf-spine whose leaves' ports up to the spine
+are shallow, the leaves' partials are marked there and the spine echoes the marks in its results: the windows
+follow that queue too. Every result is exact."""
 
 from __future__ import annotations
 
 import pytest
 
 from intml.protocol.codec import Codec
-from intml.protocol.wire import element_datagram_size
+from intml.protocol.partial import partial_size
+from intml.protocol.wire import MsgType, element_datagram_size
+from intml.sim import network
 from intml.sim.packet_level import PacketResult, PacketRun, simulate
 from intml.worker.costs import WIRE_OVERHEAD
 
@@ -71,11 +75,12 @@ DOWN_QUEUE = 16 * (element_datagram_size(Codec.CNAT8, PACKET, False) + WIRE_OVER
 
 
 def asic_run(marks: bool, **options) -> PacketResult:
+    options = {"rounds": ROUNDS, **options}
     r = simulate(PacketRun(workers=ASIC_N, elements=PACKET * CHUNKS, packet_elements=PACKET, pool=POOL,
-                           rounds=ROUNDS, asic_marks=marks, inputs="shared", host_costs=False, check=True, **options))
+                           asic_marks=marks, inputs="shared", host_costs=False, check=True, **options))
     print(f"\nASIC marks {marks}, {options}: {[f'{t * 1e6:.1f}' for t in r.times]} us, retransmissions "
-          f"{r.retransmissions}, queue drops {r.queue_drops}, results marked {r.results_marked}, windows "
-          f"{min(r.windows):.1f}-{max(r.windows):.1f}")
+          f"{r.retransmissions}, queue drops {r.queue_drops}, results marked {r.results_marked}, partials marked "
+          f"{r.partials_marked}, windows {min(r.windows):.1f}-{max(r.windows):.1f}")
     assert r.exact
     return r
 
@@ -93,3 +98,22 @@ def test_an_asic_port_marks_its_queue_and_the_windows_follow():
     # the default queues stay short: no mark, and the run is the run without marks, instant for instant
     plain, quiet = asic_run(False), asic_run(True)
     assert quiet.results_marked == 0 and quiet.times == plain.times and quiet.counters == plain.counters
+
+
+# A leaf-spine of 2 racks whose links between leaf and spine hold 16 partials each way: a leaf sends a 4-byte sum per
+# element up for each round its 4 ranks send 1-byte codes in, so its port up is the first queue to fill
+UPLINK_QUEUE = 16 * (partial_size(PACKET) + WIRE_OVERHEAD)
+
+
+def test_a_leafs_port_up_marks_partials_and_the_spine_echoes_them(monkeypatch):
+    uplink = dict(racks=2, uplink_queue=UPLINK_QUEUE)
+    marked_, first = asic_run(True, **uplink), asic_run(True, rounds=1, **uplink)
+    with monkeypatch.context() as m:  # as before: the port up marks nothing (results only)
+        m.setattr(network, "MARKED", frozenset((MsgType.RESULT,)))
+        unmarked = asic_run(True, **uplink)
+    assert unmarked.partials_marked == 0 and unmarked.queue_drops > 0 and min(unmarked.windows) == POOL
+    assert marked_.partials_marked > 0 and max(marked_.windows) < POOL / 2
+    # the windows learn the queue in the first allreduce (which starts at the pool, as before); none drops after it
+    assert marked_.times[0] == unmarked.times[0] and marked_.retransmissions == first.retransmissions
+    assert marked_.queue_drops == first.queue_drops < unmarked.queue_drops / 2
+    assert max(marked_.times[1:]) < 0.7 * min(unmarked.times[1:])  # the drops' recovery cost more than the windows

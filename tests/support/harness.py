@@ -24,6 +24,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from intml.aggregator.congestion import mark_results
 from intml.aggregator.core import AggregatorCore
 from intml.protocol import keys, reference, wire
 from intml.protocol.burst import Burst
@@ -35,6 +36,7 @@ from intml.protocol.wire import MsgType
 from intml.worker.engine import StreamEngine
 from intml.worker.host import HostStreamEngine
 from intml.worker.session import STATS_REQUEST_SIZE, JobJoined, WorkerSession
+from intml.worker.state import HELD, IDLE, PARKED
 
 AGG_PORT = 48879
 ENDPOINT_PORTS = 100  # ports between the aggregators of a Network with several
@@ -66,6 +68,31 @@ def core_receive(core: AggregatorCore, datagrams: Sequence[Datagram], now: float
     if lengths is not None:
         rx.length[: len(lengths)] = lengths
     return core.receive(rx, now).datagrams() + core.take_replies()
+
+
+def marking(congested: bool):
+    """core_receive with every result the core sends marked congested (or cleared) by aggregator.congestion, as a
+    driver whose socket queue is deep (or not) marks them: ``monkeypatch.setattr(harness, "core_receive", ...)``."""
+
+    def receive(core: AggregatorCore, datagrams: Sequence[Datagram], now: float,
+                lengths: Sequence[int] | None = None) -> list[Datagram]:
+        rx = Burst.rows_of(len(datagrams), max([HDR] + [len(d) for d, _ in datagrams]))
+        rx.fill(datagrams)
+        tx = core.receive(rx, now)
+        mark_results(tx, congested)
+        return tx.datagrams() + core.take_replies()
+    return receive
+
+
+def check_window(cur_chunk: np.ndarray, parked: np.ndarray, window: int) -> None:
+    """An engine's slots obey its send window (worker.window): at most the window in flight, or one more: the
+    lowest chunk held, lower than every chunk in flight; a chunk is held only while the window is full, and never
+    below every chunk in flight."""
+    flying = [int(c) if c != PARKED else int(parked[s]) for s, c in enumerate(cur_chunk) if c not in (IDLE, HELD)]
+    held = [int(parked[s]) for s, c in enumerate(cur_chunk) if c == HELD]
+    assert len(flying) <= window + 1
+    if held:
+        assert len(flying) >= window and min(held) > min(flying)
 
 
 def engine_start(engine: StreamEngine, x: np.ndarray, now: float, out: np.ndarray | None = None, *,

@@ -10,27 +10,11 @@ import pytest
 from support import harness
 from support.harness import Network
 
-from intml.aggregator.congestion import mark_results
 from intml.protocol import reference
-from intml.protocol.burst import Burst
-from intml.protocol.packet import HDR
-from intml.worker.state import HELD, IDLE, PARKED
 from intml.worker.window import DECREASE, FLOOR, W_CWND, on_mark, window_state
 
 SEED = 123
 P = 64
-
-
-def marking(congested: bool):
-    """harness.core_receive with every result the core sends marked (or cleared) by aggregator.congestion."""
-
-    def receive(core, datagrams, now, lengths=None):
-        rx = Burst.rows_of(len(datagrams), max([HDR] + [len(d) for d, _ in datagrams]))
-        rx.fill(datagrams)
-        tx = core.receive(rx, now)
-        mark_results(tx, congested)
-        return tx.datagrams() + core.take_replies()
-    return receive
 
 
 def inputs(n: int, chunks: int, k: int) -> list[np.ndarray]:
@@ -40,7 +24,7 @@ def inputs(n: int, chunks: int, k: int) -> list[np.ndarray]:
 @pytest.mark.parametrize("mac", [None, (0x0123456789ABCDEF, 0x0FEDCBA987654321)])
 @pytest.mark.parametrize("drop", [0.0, 0.05])
 def test_marks_cut_the_window_and_results_stay_exact(monkeypatch, mac, drop):
-    monkeypatch.setattr(harness, "core_receive", marking(True))
+    monkeypatch.setattr(harness, "core_receive", harness.marking(True))
     n, pool = 3, 16
     net = Network(n, packet_elements=P, pool_size=pool, seed=SEED, data_mac_key=mac, drop=drop, fault_seed=5)
     for k in range(2):
@@ -64,7 +48,7 @@ def test_random_loss_never_cuts_the_window():
 
 
 def test_a_cut_window_holds_slots_back_lowest_chunk_first(monkeypatch):
-    monkeypatch.setattr(harness, "core_receive", marking(True))  # every result marked: the window stays at the floor
+    monkeypatch.setattr(harness, "core_receive", harness.marking(True))  # every result marked: the window stays at the floor
     n, pool, window = 3, 16, int(FLOOR)
     net = Network(n, packet_elements=P, pool_size=pool, seed=SEED, drop=0.05, fault_seed=9)
     for e in net.engines:
@@ -74,15 +58,7 @@ def test_a_cut_window_holds_slots_back_lowest_chunk_first(monkeypatch):
     completed = []
     while not net.done:
         for e in net.engines:
-            cur = e.state.cur_chunk
-            flying = [int(c) if c != PARKED else int(e.state.parked[s]) for s, c in enumerate(cur)
-                      if c != IDLE and c != HELD]
-            held = [int(e.state.parked[s]) for s, c in enumerate(cur) if c == HELD]
-            # at most the window in flight, or one more: the lowest chunk held, lower than every chunk in flight; a
-            # chunk is held only while the window is full, and never below every chunk in flight
-            assert len(flying) <= window + 1
-            if held:
-                assert len(flying) >= window and min(held) > min(flying)
+            harness.check_window(e.state.cur_chunk, e.state.parked, window)
         completed.append(net.engines[0].completed())
         net.step()
     want = reference.allreduce(xs, codec="cnat8", seed=SEED, allreduce_seq=0, packet_elements=P)
