@@ -33,7 +33,7 @@ def evaluate(point: dict, system: str, mode: str) -> dict:
                                packet_elements=p["packet_elements"] or None, pool=p["pool"], rounds=p["rounds"],
                                seed=p["seed"], switch=p["switch"], engine=p["engine"], passes=p["passes"],
                                host_costs=p["host_costs"], cpus=p["cpus"], racks=p["racks"],
-                               uplink_rate=p["uplink_rate"],
+                               uplink_rate=p["uplink_rate"], uplink_queue=p["uplink_queue"] or None,
                                inputs="shared" if p["elements"] * p["workers"] > 50_000_000 else "distinct"))
         t = sorted(r.times)[len(r.times) // 2]
         row.update(method="packet", time_s=t, retransmissions=r.retransmissions, packet_events=r.packet_events,

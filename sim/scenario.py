@@ -13,7 +13,8 @@ one machine of that many CPUs, each sender paying the kernel's forwarding, as th
 own CPU), ``baselines`` ("flow": the ring and the parameter server as flow models; "packet": in packet mode, over
 the engine's TCP, ``sim.collectives``), ``racks`` (> 1: a two-level leaf-spine, the ranks split over that many
 leaves in order; intml-cnat8, switchml-int32 and gloo-ring only, packet-level for the in-network systems with the
-kernel engine on ASICs) and ``uplink_rate`` (each leaf's link to the spine; 0: ``rate``).
+kernel engine on ASICs), ``uplink_rate`` (each leaf's link to the spine; 0: ``rate``) and ``uplink_queue`` (bytes of
+that link's queue each way, whose depth marks the partials going up; 0: ``queue_bytes``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ DEFAULTS: dict[str, object] = {
     "workers": 4, "elements": 25_000_000, "rate": "10gbit", "delay": "1us", "mtu": 1500, "loss": 0.0, "pool": 64,
     "packet_elements": 0, "rounds": 1, "switch": "asic", "host_costs": True, "alpha": "20us",
     "queue_bytes": 1 << 20, "passes": 0, "engine": "kernel", "cpus": 0, "baselines": "flow", "racks": 1,
-    "uplink_rate": 0,
+    "uplink_rate": 0, "uplink_queue": 0,
 }
 LEAF_SPINE_SYSTEMS = ("intml-cnat8", "switchml-int32", "gloo-ring")
 SWEEPABLE = set(DEFAULTS) - {"name", "mode", "systems"}
@@ -145,7 +146,7 @@ def point_params(p: dict) -> dict:
     out["uplink_rate"] = parse_rate(p["uplink_rate"]) if p["uplink_rate"] else out["rate"]
     for key, low in (("workers", 1), ("elements", 1), ("mtu", 68), ("pool", 1), ("rounds", 1),
                      ("queue_bytes", 1), ("packet_elements", 0), ("seed", 0), ("passes", 0), ("cpus", 0),
-                     ("racks", 1)):
+                     ("racks", 1), ("uplink_queue", 0)):
         if not isinstance(p[key], int) or isinstance(p[key], bool) or p[key] < low:
             raise ScenarioError(f"{key} must be an integer >= {low}, got {p[key]!r}")
     if p["mtu"] > 65535:

@@ -71,6 +71,21 @@ def test_cli_run_sweep_json_and_errors(tmp_path, capsys):
 
 
 @pytest.mark.process
+def test_scenario_sizes_the_uplink_queue(tmp_path, capsys):
+    """``uplink_queue`` reaches the leaf-spine's links up: 16 partials' worth each way (tests/sim/test_sim_window.py's
+    shallow uplinks) drops and marks where the default megabyte does not."""
+    scenario = tmp_path / "s.toml"
+    scenario.write_text('mode = "packet"\nsystems = ["intml-cnat8"]\nworkers = 8\nracks = 2\nelements = 16384\n'
+                        'packet_elements = 256\npool = 64\nrounds = 2\nhost_costs = false\n')
+    assert main(["sweep", str(scenario), "--set", "uplink_queue=0,17600", "--json"]) == 0
+    deep, shallow = json.loads(capsys.readouterr().out)["rows"]
+    assert deep["retransmissions"] == 0 and shallow["retransmissions"] > 0 and shallow["time_s"] > deep["time_s"]
+    scenario.write_text('uplink_queue = -1\n')
+    assert main(["run", str(scenario)]) == 2
+    assert "uplink_queue must be an integer >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.process
 def test_plot_without_matplotlib_is_one_line(monkeypatch, tmp_path, capsys):
     import sys
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
