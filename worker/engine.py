@@ -638,10 +638,7 @@ class StreamEngine:
                                 f"float16), got {arr.dtype}")
             flat, bits = self._no_sent, np.ascontiguousarray(arr).reshape(-1).view(np.uint16)
         elements = max(flat.size, bits.size)
-        world = int(self.params[P_WORLD])
-        if scatter and elements % world:
-            raise ValueError(f"a reduce-scatter needs a multiple of the world size {world} elements, got {elements}")
-        shard = elements // world if scatter else 0
+        shard = self._shard(elements, scatter)
         size = shard if scatter else elements
         if out is None:
             out = np.empty(size, np.float32 if fmt == FLOAT32 else arr.dtype)
@@ -666,10 +663,11 @@ class StreamEngine:
                            shard=shard, precoded=False, x16=bits, out16=out16)
 
     def start_precoded(self, codes: np.ndarray, local_exp: np.ndarray, low: np.ndarray, now: float, *,
-                       ready: int | None = None) -> Burst:
+                       ready: int | None = None, scatter: bool = False) -> Burst:
         """Begin the next cnat8 allreduce of a tensor this engine gets as codes (worker.gpu: encoded on a GPU);
         returns the bootstrap datagrams. Bit for bit ``start`` on the tensor the codes came from: the same
-        datagrams, and the same result as codes.
+        datagrams, and the same result as codes. ``scatter``: a reduce-scatter, as ``start``'s: only the chunks
+        that overlap this rank's shard get their result codes (the driver decodes the shard's part of them).
 
         ``codes`` (uint8, C-contiguous, one per element; the result codes replace them, chunk by chunk, so the
         driver decodes chunk c at ``cnat_floor(agreed_exp[c], s(n))``): chunk c (elements c * packet_elements..)
@@ -693,8 +691,16 @@ class StreamEngine:
         self.params[[P_READY, P_FORMAT, P_MEAN]] = codes.size if ready is None else ready, FLOAT32, False
         self._result = None
         return self._start(now, codes.size, x=self._no_sent, out=self._no_sent, local=local, low=low,
-                           sent=self._no_sent, codes=codes, shard=0, precoded=True, x16=self._no_bits,
-                           out16=self._no_bits)
+                           sent=self._no_sent, codes=codes, shard=self._shard(codes.size, scatter), precoded=True,
+                           x16=self._no_bits, out16=self._no_bits)
+
+    def _shard(self, elements: int, scatter: bool) -> int:
+        """The elements of each rank's shard in a reduce-scatter of `elements` (a multiple of the world size), else
+        0 (an allreduce)."""
+        world = int(self.params[P_WORLD])
+        if scatter and elements % world:
+            raise ValueError(f"a reduce-scatter needs a multiple of the world size {world} elements, got {elements}")
+        return elements // world if scatter else 0
 
     def _start(self, now: float, elements: int, *, x: np.ndarray, out: np.ndarray, local: np.ndarray,
                low: np.ndarray, sent: np.ndarray, codes: np.ndarray, shard: int, precoded: bool, x16: np.ndarray,

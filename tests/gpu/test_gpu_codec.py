@@ -112,12 +112,23 @@ def test_per_chunk_floors_equal_cpu(data, chunk, offset, seed):
     want = np.concatenate([cnat.decode(codes[c * chunk : (c + 1) * chunk], floor=f)
                            for c, f in enumerate(chunk_floors)])
     assert _bits(values).tolist() == _bits(want).tolist()
+    # a window a..b that need not start or end on a chunk (a reduce-scatter's shard): the same values
+    a = data.draw(st.integers(0, x.size))
+    b = data.draw(st.integers(a, x.size))
+    if a < b:
+        window = cnat_cuda.decode_chunks(got.codes[a:b], floors=chunk_floors[a // chunk:-(-b // chunk)],
+                                         chunk_elements=chunk, lead=a % chunk).copy_to_host()
+        assert _bits(window).tolist() == _bits(want[a:b]).tolist()
 
 
 def test_per_chunk_floors_are_checked():
     x = cuda.to_device(np.zeros(10, np.float32))
     with pytest.raises(ValueError, match="3 floors for 10 elements"):
         cnat_cuda.encode_chunks(x, key=1, floors=[0, 0, 0], chunk_elements=2)
+    with pytest.raises(ValueError, match="1 floors for 4 elements from 3 into chunks of 5"):
+        cnat_cuda.decode_chunks(cuda.to_device(np.zeros(4, np.uint8)), floors=[0], chunk_elements=5, lead=3)
+    with pytest.raises(ValueError, match="lead must be in"):
+        cnat_cuda.decode_chunks(cuda.to_device(np.zeros(4, np.uint8)), floors=[0], chunk_elements=5, lead=5)
     with pytest.raises(ValueError, match="floors must be in"):
         cnat_cuda.decode_chunks(cuda.to_device(np.zeros(10, np.uint8)), floors=[0, -150], chunk_elements=5)
 

@@ -1,7 +1,8 @@
 """worker.gpu.driver: a device array's allreduce through a real aggregator (encode, pieces of codes to pinned host
 memory, the engine, result codes back, decode on the device) equals ``Worker.allreduce`` of the same values on the
 host, bit for bit: the result at every rank and the value this rank sent (error feedback), in a job mixing device
-and CPU ranks, for cnat8 (a chunk forced to be encoded again included) and int32.
+and CPU ranks, for cnat8 (a chunk forced to be encoded again included) and int32. A device reduce-scatter likewise
+equals ``Worker.reduce_scatter`` (shards that do not start on a chunk).
 
 Without a GPU the kernels run on numba's CUDA simulator (as in test_gpu_codec.py); ranks are forked processes. On a
 device (INTML_TEST_CUDA_DEVICE=1) they are spawned: this process has initialised CUDA, and a forked child cannot
@@ -168,3 +169,55 @@ def test_16bit_device_allreduce_equals_host(agg, codec):
         for i, (host, device) in enumerate(got[r]):
             assert device == host, (r, i)
             assert device == got[0][i][1]
+
+
+def scatter_rank(address: str, rank: int, codec: str, jobs: tuple[int, int],
+                 device_ranks: tuple[int, ...]) -> tuple[list[tuple[bytes, bytes]], int]:
+    """Reduce-scatters of inputs() cut to a multiple of N (shards of 601 and 510 elements: none starts on a chunk of
+    PKT), float32 sum and mean, bfloat16 sum, float16 mean: job jobs[0] on the host at every rank, job jobs[1] with
+    device_ranks through DeviceAllreducer. Each call's (host, mixed) result bytes, and the chunks encoded again."""
+    options = dict(rank=rank, world_size=N, token=TOKEN, codec=codec, packet_elements=PKT, pool_size=POOL,
+                   seed=SEED, timeout=30)
+    mixed, forced = (x[:x.size - x.size % N] for x in inputs(rank))
+    calls = [(mixed, None, "sum"), (forced, None, "mean"),
+             (half.from_float32(mixed, half.BFLOAT16).view(np.int16), "bfloat16", "sum"),
+             (forced.astype(np.float16), "float16", "mean")]
+    with Worker(address, job=jobs[0], **options) as w:
+        host = [w.reduce_scatter(x, op, dtype=dtype).tobytes() for x, dtype, op in calls]
+    with Worker(address, job=jobs[1], **options) as w:
+        device = DeviceAllreducer(w, piece_elements=PKT)  # pieces of a chunk: a shard decodes in several
+        got = []
+        for x, dtype, op in calls:
+            if rank in device_ranks:
+                out = cuda.device_array(x.size // N, x.dtype)
+                device.reduce_scatter(cuda.to_device(x), out, op, dtype=dtype)
+                got.append(out.copy_to_host().tobytes())
+            else:
+                got.append(w.reduce_scatter(x, op, dtype=dtype).tobytes())
+    return list(zip(host, got, strict=True)), device.reencoded_chunks
+
+
+@pytest.mark.parametrize("codec", ["cnat8", "int32"])
+def test_device_reduce_scatter_equals_host(agg, codec):
+    """Device reduce-scatters (ranks 0 and 1) beside a CPU rank give every rank the host's shard, bit for bit:
+    float32 sum and mean (rank 0's chunks all encoded again in the mean), bfloat16 and float16."""
+    jobs = (300 + 2 * len(codec), 301 + 2 * len(codec))
+    got = run_ok(scatter_rank, [(agg.address, r, codec, jobs, (0, 1)) for r in range(N)], timeout=240,
+                 start_method=START)
+    for r in range(N):
+        results, _ = got[r]
+        for i, (host, device) in enumerate(results):
+            assert device == host, (r, i)
+    shards = [[np.frombuffer(got[r][0][i][0], np.uint8) for r in range(N)] for i in range(4)]
+    assert all(not np.array_equal(s[0], s[1]) for s in shards)  # each rank got its own shard
+    if codec == "cnat8":
+        assert got[0][1] >= 6  # every chunk of rank 0's float32 forced input (and whichever others must be)
+
+
+def test_reduce_scatter_sizes_are_checked(agg):
+    with Worker(agg.address, job=9, rank=0, world_size=2, token=TOKEN, packet_elements=PKT, pool_size=POOL) as w:
+        device = DeviceAllreducer(w)
+        with pytest.raises(ValueError, match="multiple of the world size 2"):
+            device.reduce_scatter(cuda.device_array(5, np.float32), cuda.device_array(2, np.float32))
+        with pytest.raises(ValueError, match="out must have 3 elements"):
+            device.reduce_scatter(cuda.device_array(6, np.float32), cuda.device_array(6, np.float32))

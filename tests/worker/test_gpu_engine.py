@@ -64,20 +64,22 @@ class HostCodes:
         return out
 
 
-def run(xs, precoded: set[int], *, n: int, pool: int, piece: int | None = None, seed: int = 5,
+def run(xs, precoded: set[int], *, n: int, pool: int, piece: int | None = None, seed: int = 5, scatter: bool = False,
         **net_options) -> tuple[Network, list[np.ndarray], dict[int, HostCodes]]:
-    """One allreduce over the harness, ranks in ``precoded`` through start_precoded (their codes made ready
-    ``piece`` elements per step if given), the others through start. Returns the network (its record), every
-    rank's result and the precoded ranks' code sources."""
+    """One allreduce (a reduce-scatter with ``scatter``) over the harness, ranks in ``precoded`` through
+    start_precoded (their codes made ready ``piece`` elements per step if given), the others through start. Returns
+    the network (its record), every rank's result (its shard with ``scatter``) and the precoded ranks' code
+    sources."""
     net = Network(n, packet_elements=PKT, pool_size=pool, seed=seed, record=True, **net_options)
     sources: dict[int, HostCodes] = {}
     for r, engine in enumerate(net.engines):
         if r in precoded:
             src = sources[r] = HostCodes(engine, xs[r])
             ready = None if piece is None else 0
-            net._from_worker(r, engine.start_precoded(src.codes, src.local, src.low, net.now, ready=ready).datagrams())
+            net._from_worker(r, engine.start_precoded(src.codes, src.local, src.low, net.now, ready=ready,
+                                                      scatter=scatter).datagrams())
         else:
-            net._from_worker(r, engine_start(engine, xs[r], net.now))
+            net._from_worker(r, engine_start(engine, xs[r], net.now, scatter=scatter))
     size = xs[0].size
     for _ in range(50_000):
         if net.done:
@@ -90,7 +92,9 @@ def run(xs, precoded: set[int], *, n: int, pool: int, piece: int | None = None, 
                 net._from_worker(r, engine.codes_ready(ready, net.now).datagrams())
             src.serve(lambda datagrams, r=r: net._from_worker(r, datagrams))
     assert net.done, [e.progress for e in net.engines]
-    results = [sources[r].decoded() if r in sources else e.result.copy() for r, e in enumerate(net.engines)]
+    shard = size // n if scatter else size
+    results = [sources[r].decoded()[r * shard:(r + 1) * shard] if scatter and r in sources
+               else sources[r].decoded() if r in sources else e.result.copy() for r, e in enumerate(net.engines)]
     return net, results, sources
 
 
@@ -155,6 +159,23 @@ def test_forced_reencode_gives_the_cpu_codes(piece):
         assert_same_bits(got[r], want[r])
 
 
+@pytest.mark.parametrize("n, pool", [(3, 4), (5, 2)])
+def test_precoded_reduce_scatter_equals_start(n, pool):
+    """scatter=True: each precoded rank sends its float self's datagrams (each chunk's owners in them), and the
+    result codes of the chunks its shard overlaps decode to its float self's shard, bit for bit (shards not on chunk
+    boundaries; rank 0's chunks all encoded again)."""
+    xs = forced_reencode_inputs(n, 7)
+    xs = [x[:x.size - x.size % n] for x in xs]
+    assert (xs[0].size // n) % PKT
+    floats, want, _ = run(xs, set(), n=n, pool=pool, scatter=True)
+    coded, got, sources = run(xs, set(range(n)), n=n, pool=pool, scatter=True)
+    assert sources[0].reencodes == 7
+    for r in range(n):
+        assert set(sent_by(coded, r)) == set(sent_by(floats, r))
+        assert got[r].size == xs[0].size // n
+        assert_same_bits(got[r], want[r])
+
+
 FEW = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -216,3 +237,6 @@ def test_precoded_rejects_what_it_cannot_take():
         engine.start_precoded(np.zeros(PKT + 1, np.uint8), np.zeros(1), np.zeros(1, np.uint32), 0.0)
     with pytest.raises(ValueError, match="uint8"):
         engine.start_precoded(np.zeros(PKT, np.float32), np.zeros(1), np.zeros(1, np.uint32), 0.0)
+    engine = Network(2, packet_elements=PKT, pool_size=2).engines[0]
+    with pytest.raises(ValueError, match="multiple of the world size 2"):
+        engine.start_precoded(np.zeros(PKT + 1, np.uint8), np.zeros(2), np.zeros(2, np.uint32), 0.0, scatter=True)

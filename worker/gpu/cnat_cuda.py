@@ -125,10 +125,11 @@ def _chunk_stats_kernel(words, chunk_elements, lo, hi, exponents, lows, fmt):
 
 
 @cuda.jit
-def _decode_kernel(codes, out, floors, chunk_elements):
-    """out (uint32 view of float32) = the values of codes, code j at floors[j // chunk_elements]."""
+def _decode_kernel(codes, out, floors, chunk_elements, lead):
+    """out (uint32 view of float32) = the values of codes, code j at floors[(lead + j) // chunk_elements] (the codes
+    begin lead elements into their first chunk)."""
     for j in range(cuda.grid(1), codes.size, cuda.gridsize(1)):
-        out[j] = decode_bits(codes[j], decode_origin(floors[j // chunk_elements]))
+        out[j] = decode_bits(codes[j], decode_origin(floors[(lead + j) // chunk_elements]))
 
 
 @cuda.jit
@@ -189,14 +190,16 @@ def _out(out: Any, n: int, dtype: type, stream: Any) -> Any:
     return flat
 
 
-def _floors(floors: Any, n: int, chunk_elements: int, stream: Any) -> Any:
+def _floors(floors: Any, n: int, chunk_elements: int, stream: Any, lead: int = 0) -> Any:
     """The per-chunk floors as an int64 device array, checked: one per chunk of chunk_elements (the last may be
-    short) covering n elements."""
+    short) covering n elements that begin lead elements into the first."""
     if chunk_elements < 1:
         raise ValueError(f"chunk_elements must be >= 1, got {chunk_elements}")
+    if not 0 <= lead < chunk_elements:
+        raise ValueError(f"lead must be in [0, {chunk_elements}), got {lead}")
     host = np.asarray(floors, np.int64).reshape(-1)
-    if host.size != max(1, -(-n // chunk_elements)):
-        raise ValueError(f"{host.size} floors for {n} elements in chunks of {chunk_elements}")
+    if host.size != max(1, -(-(lead + n) // chunk_elements)):
+        raise ValueError(f"{host.size} floors for {n} elements from {lead} into chunks of {chunk_elements}")
     if host.size and not (F_MIN <= host.min() and host.max() <= F_MAX):
         raise ValueError(f"floors must be in [{F_MIN}, {F_MAX}], got [{host.min()}, {host.max()}]")
     return cuda.to_device(host, stream=stream)
@@ -262,13 +265,16 @@ def chunk_stats(x: Any, chunk_elements: int, codec_range: tuple[int, int] = (EXP
     return ChunkStats(exponents.copy_to_host(stream=cuda_stream), lows.copy_to_host(stream=cuda_stream))
 
 
-def decode_chunks(codes: Any, *, floors: Any, chunk_elements: int, out: Any = None, cuda_stream: Any = 0) -> Any:
+def decode_chunks(codes: Any, *, floors: Any, chunk_elements: int, out: Any = None, cuda_stream: Any = 0,
+                  lead: int = 0) -> Any:
     """float32 values of uint8 codes, chunk c at floors[c] (protocol.cnat.decode of each chunk; invalid codes give
-    NaN): a result's chunks decode straight into the bucket at their agreed floors."""
+    NaN): a result's chunks decode straight into the bucket at their agreed floors. ``lead``: the codes begin that
+    many elements into their first chunk (a reduce-scatter's shard, which need not start on a chunk)."""
     flat = _device(codes, np.uint8, "codes")
     values = _out(out, flat.size, np.float32, cuda_stream)
     _decode_kernel[_blocks(flat.size), THREADS, cuda_stream](
-        flat, values.view(np.uint32), _floors(floors, flat.size, chunk_elements, cuda_stream), chunk_elements)
+        flat, values.view(np.uint32), _floors(floors, flat.size, chunk_elements, cuda_stream, lead), chunk_elements,
+        lead)
     return values
 
 

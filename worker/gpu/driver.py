@@ -18,6 +18,10 @@ For a cnat8 job, on one CUDA stream:
 6. ``sent`` (error feedback): the value of what this rank sent, decoded from the device codes at the floors they
    went out at (lowering a chunk's codes to its agreed floor keeps their values).
 
+A reduce-scatter (``reduce_scatter``) runs the same steps with the engine's scatter flag: the aggregator sends each
+chunk's result only to the ranks whose shards it overlaps, and step 5 copies and decodes only the rank's shard of
+the result codes (``decode_chunks`` with a lead: a shard need not start on a chunk) into an output of its size.
+
 A 16-bit tensor's words are read by the kernels as they are (steps 1, 2 and 4 widen each value in the thread that
 reads it): no float32 copy of the tensor. An int32 job has nothing to precode (its encode needs the agreed
 exponents): its values are staged through pinned host memory to the CPU engine and back, in their own format (4
@@ -77,10 +81,12 @@ class _Buffers:
         else:
             self.floats_host = cuda.pinned_array(n, dtype)
             self.sent_host = cuda.pinned_array(n, np.float32)
+            self.shard_host: Any = None  # a reduce-scatter's output, made on the first one
 
 
 class DeviceAllreducer:
-    """Allreduces of device arrays through one Worker (its engine and sockets); see the module docstring."""
+    """Allreduces and reduce-scatters of device arrays through one Worker (its engine and sockets); see the module
+    docstring."""
 
     def __init__(self, worker: Worker, *, piece_elements: int = PIECE_ELEMENTS) -> None:
         pkt = worker.engine.packet_elements
@@ -101,28 +107,47 @@ class DeviceAllreducer:
         and out hold 16-bit words of that format instead (uint16, int16 or float16), as Worker.allreduce takes
         them. ``sent`` (a float32 device array of x's size): receives the value of what this rank put on the wire
         (error feedback). Returns once out (and sent) are complete on the device."""
+        self._run(x, out, op, sent, stream, dtype, scatter=False)
+
+    def reduce_scatter(self, x: Any, out: Any, op: str = "sum", *, stream: Any = 0, dtype: str | None = None) -> None:
+        """out = this rank's shard of the sum (or mean) over the ranks of the flat device array x (x.size a multiple
+        of the world size; the shard is its x.size / world elements from rank * that), on `stream`; bit for bit
+        ``Worker.reduce_scatter`` of x's values on the host. ``dtype`` as allreduce's. Returns once out is complete
+        on the device."""
+        self._run(x, out, op, None, stream, dtype, scatter=True)
+
+    def _run(self, x: Any, out: Any, op: str, sent: Any, stream: Any, dtype: str | None, *, scatter: bool) -> None:
         if op not in ("sum", "mean"):
             raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
         fmt = FLOAT32 if dtype is None else format_of(dtype)
         x, out = _flat(x, fmt, "x"), _flat(out, fmt, "out")
-        if out.size != x.size or (sent is not None and sent.size != x.size):
-            raise ValueError(f"out and sent must have x's {x.size} elements")
+        world = self.worker.world_size
+        if scatter and x.size % world:
+            raise ValueError(f"a reduce-scatter needs a multiple of the world size {world} elements, got {x.size}")
+        size = x.size // world if scatter else x.size
+        if out.size != size or (sent is not None and sent.size != x.size):
+            raise ValueError(f"out must have {size} elements and sent x's {x.size}")
         if x.size == 0:
             return
         if self.worker.codec != Codec.CNAT8:
-            self._staged(x, out, op, sent, stream, dtype)
+            self._staged(x, out, op, sent, stream, dtype, scatter)
             return
-        _CnatRound(self, x, out, sent, stream, fmt, op == "mean").run()
+        _CnatRound(self, x, out, sent, stream, fmt, op == "mean", scatter).run()
         stream_sync(stream)
 
-    def _staged(self, x: Any, out: Any, op: str, sent: Any, stream: Any, dtype: str | None) -> None:
+    def _staged(self, x: Any, out: Any, op: str, sent: Any, stream: Any, dtype: str | None, scatter: bool) -> None:
         """An int32 job: the values (float32 bits or 16-bit words) through pinned host memory and the CPU engine."""
         buf = self._buffers_for(x.size, x.dtype)
         x.copy_to_host(buf.floats_host, stream=stream)
         stream_sync(stream)
-        self.worker.allreduce(buf.floats_host, op, out=buf.floats_host, sent=None if sent is None else buf.sent_host,
-                              dtype=dtype)
-        out.copy_to_device(buf.floats_host, stream=stream)
+        if scatter:
+            if buf.shard_host is None:
+                buf.shard_host = cuda.pinned_array(out.size, x.dtype)
+            result = self.worker.reduce_scatter(buf.floats_host, op, out=buf.shard_host, dtype=dtype)
+        else:
+            result = self.worker.allreduce(buf.floats_host, op, out=buf.floats_host,
+                                           sent=None if sent is None else buf.sent_host, dtype=dtype)
+        out.copy_to_device(result, stream=stream)
         if sent is not None:
             sent.copy_to_device(buf.sent_host, stream=stream)
         stream_sync(stream)
@@ -152,10 +177,13 @@ class _CnatRound:
     ``tend``."""
 
     def __init__(self, owner: DeviceAllreducer, x: Any, out: Any, sent: Any, stream: Any, fmt: int,
-                 mean: bool) -> None:
+                 mean: bool, scatter: bool) -> None:
         self.owner, self.x, self.out, self.sent, self.stream = owner, x, out, sent, stream
-        self.fmt, self.mean = fmt, mean
+        self.fmt, self.mean, self.scatter = fmt, mean, scatter
         worker = owner.worker
+        # the elements of x whose results go into out: all of them, or the rank's shard
+        self.lo = worker.rank * out.size if scatter else 0
+        self.hi = self.lo + out.size
         self.engine = engine = worker.engine
         self.pkt = engine.packet_elements
         self.vbits = int(engine.params[P_VBITS])
@@ -181,7 +209,8 @@ class _CnatRound:
     def run(self) -> None:
         codes = self.buf.codes_host[: self.x.size]
         self.owner.worker.run_engine(
-            lambda now: self.engine.start_precoded(codes, self.local, self.low, now, ready=self.ready), self.tend)
+            lambda now: self.engine.start_precoded(codes, self.local, self.low, now, ready=self.ready,
+                                                   scatter=self.scatter), self.tend)
         self._decode_results(self.x.size)
         if self.sent is not None:
             cnat_cuda.decode_chunks(self.buf.codes_dev, floors=self.sent_floors, chunk_elements=self.pkt,
@@ -220,21 +249,21 @@ class _CnatRound:
         self.owner.reencoded_chunks += len(requests)
 
     def _decode_results(self, end: int) -> None:
-        """Copy the result codes of elements decoded..end (whole chunks) to the device and decode them into out at
-        their chunks' agreed floors, a piece at a time."""
-        buf, pkt, piece = self.buf, self.pkt, self.owner.piece
-        for a in range(self.decoded, end, piece):
-            b = min(end, a + piece)
+        """Copy the result codes of elements decoded..end (whole chunks) that go into out (all, or the rank's
+        shard) to the device and decode them into out at their chunks' agreed floors, a piece at a time."""
+        buf, pkt, piece, lo = self.buf, self.pkt, self.owner.piece, self.lo
+        for a in range(max(self.decoded, lo), min(end, self.hi), piece):
+            b = min(end, self.hi, a + piece)
             buf.result_dev[a:b].copy_to_device(buf.codes_host[a:b], stream=self.stream)
             chunks = slice(a // pkt, -(-b // pkt))
             floors = cnat_floors(self.engine.agreed_exp[chunks], self.vbits,
                                  np.empty(chunks.stop - chunks.start, np.int64))
-            values = self.out[a:b] if self.fmt == FLOAT32 else buf.scratch_dev[:b - a]
+            values = self.out[a - lo:b - lo] if self.fmt == FLOAT32 else buf.scratch_dev[:b - a]
             cnat_cuda.decode_chunks(buf.result_dev[a:b], floors=floors, chunk_elements=pkt, out=values,
-                                    cuda_stream=self.stream)
+                                    cuda_stream=self.stream, lead=a % pkt)
             if self.mean:  # Worker.allreduce's float32 division of the sum, which no product by 1/n always equals
                 _divide_kernel[cnat_cuda._blocks(b - a), cnat_cuda.THREADS, self.stream](
                     values, np.float32(self.owner.worker.world_size))
             if self.fmt != FLOAT32:
-                cnat_cuda.narrow(values, self.out[a:b], self.fmt, self.stream)
+                cnat_cuda.narrow(values, self.out[a - lo:b - lo], self.fmt, self.stream)
         self.decoded = max(self.decoded, end)
