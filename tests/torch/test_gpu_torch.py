@@ -4,7 +4,8 @@ and kernels, on numba's CUDA simulator). With INTML_TEST_CUDA_DEVICE=1 the CUDA 
 a real device instead (rank r on GPU r mod the device count); run this file in its own pytest process then, so that
 the forking process has not initialised CUDA. Each training or allreduce sequence runs twice on the same seed, on the
 CPU path and on the CUDA path, and must give the same bits: DDP gradients with error feedback (the residuals
-too), cnat8 and int32; backend SUM and AVG allreduces. The counters say which path each allreduce took.
+too), cnat8 and int32; backend SUM and AVG allreduces; backend reduce-scatters (``reduce_scatter_tensor``) and FSDP2
+training on them. The counters say which path each collective took.
 
 Also: CUDA tensors where the CUDA path cannot run go to Gloo under their own reason, with one warning.
 Ranks are forked processes against a real aggregator, as in test_torch.py.
@@ -29,7 +30,7 @@ from numba.core import config as numba_config  # noqa: E402
 import intml.worker.torch as intml  # noqa: E402
 from intml.worker.torch import gpu, routing  # noqa: E402
 from intml.worker.torch.link import AggregatorLinked  # noqa: E402
-from support.torch_ranks import TOKEN, init_rank  # noqa: E402
+from support.torch_ranks import TOKEN, init_rank, train_fsdp2  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.gpu, pytest.mark.process, pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")]
 # gpu.simulate() in a forked rank needs numba.cuda not loaded for a real device in this process (as
@@ -75,6 +76,14 @@ def _init(port: int, rank: int, n: int, cuda_path: bool, backend: str = "gloo", 
     return device
 
 
+def _init_backend(port: int, address: str, rank: int, n: int, seed: int, cuda_path: bool,
+                  min_elements: int = 1000, **env: str) -> torch.device:
+    """_init with the intml backend on this test's aggregator, seed and packets."""
+    return _init(port, rank, n, cuda_path, "intml", INTML_AGGREGATOR=address, INTML_SEED=str(seed),
+                 INTML_TOKEN=TOKEN, INTML_PACKET_ELEMENTS=str(PACKET), INTML_POOL=str(POOL),
+                 INTML_MIN_ELEMENTS=str(min_elements), **env)
+
+
 def _host(t) -> np.ndarray:
     return t.detach().cpu().numpy()
 
@@ -101,9 +110,7 @@ def hook_rank(port: int, address: str, rank: int, n: int, codec: str, seed: int,
 
 
 def backend_rank(port: int, address: str, rank: int, n: int, seed: int, cuda_path: bool) -> dict:
-    device = _init(port, rank, n, cuda_path, "intml", INTML_AGGREGATOR=address, INTML_SEED=str(seed),
-                   INTML_TOKEN=TOKEN, INTML_PACKET_ELEMENTS=str(PACKET), INTML_POOL=str(POOL),
-                   INTML_MIN_ELEMENTS="1000", INTML_CODEC="int32")
+    device = _init_backend(port, address, rank, n, seed, cuda_path, INTML_CODEC="int32")
     pg = dist.distributed_c10d._get_default_group()
     rng = np.random.default_rng([seed, rank])
     results = []
@@ -156,9 +163,7 @@ def test_backend_cuda_path_equals_cpu_path(ranks):
 
 
 def half_rank(port: int, address: str, rank: int, n: int, seed: int, cuda_path: bool) -> dict:
-    device = _init(port, rank, n, cuda_path, "intml", INTML_AGGREGATOR=address, INTML_SEED=str(seed),
-                   INTML_TOKEN=TOKEN, INTML_PACKET_ELEMENTS=str(PACKET), INTML_POOL=str(POOL),
-                   INTML_MIN_ELEMENTS="1000")
+    device = _init_backend(port, address, rank, n, seed, cuda_path)
     pg = dist.distributed_c10d._get_default_group()
     rng = np.random.default_rng([seed, rank])
     results = []
@@ -186,15 +191,80 @@ def test_backend_cuda_path_takes_bf16_and_fp16(ranks):
         assert cpu["traffic"]["intml_cuda_allreduces"] == 0 and cpu["traffic"]["intml_allreduces"] == 2
 
 
-def _fake(device: str, dtype=torch.float32, contiguous: bool = True):
+def scatter_rank(port: int, address: str, rank: int, n: int, seed: int, cuda_path: bool) -> dict:
+    device = _init_backend(port, address, rank, n, seed, cuda_path)
+    pg = dist.distributed_c10d._get_default_group()
+    rng = np.random.default_rng([seed, rank])
+    results = []
+    # shards of 777 and 600 elements: none but rank 0's starts on a chunk of PACKET
+    for dtype, op, shard in ((torch.float32, dist.ReduceOp.SUM, 777), (torch.float32, dist.ReduceOp.AVG, 600),
+                             (torch.bfloat16, dist.ReduceOp.SUM, 600), (torch.float16, dist.ReduceOp.AVG, 777),
+                             (torch.float32, dist.ReduceOp.SUM, 4)):
+        x = torch.from_numpy((rng.standard_normal(n * shard) * 2.0 ** int(rng.integers(-8, 4))).astype(np.float32))
+        x = x.to(dtype).to(device)
+        out = torch.empty(shard, dtype=dtype, device=device)
+        work = dist.reduce_scatter_tensor(out, x, op=op, async_op=True)
+        work.wait()
+        results.append(_host(out.view(torch.int16) if dtype != torch.float32 else out).copy())
+    out = {"results": results, "traffic": dataclasses.asdict(pg.traffic)}
+    dist.destroy_process_group()
+    return out
+
+
+@simulable
+def test_backend_cuda_path_reduce_scatters(ranks):
+    """reduce_scatter_tensor (cnat8; float32 SUM and AVG, bfloat16, float16) takes the CUDA path, each rank's shard
+    decoded on its device, bit for bit the CPU path's; a small one stays exact through Gloo."""
+    n, seed = 2, 14
+    runs = {cuda_path: ranks(scatter_rank, n, seed, cuda_path, timeout=240) for cuda_path in (False, True)}
+    for r in range(n):
+        cpu, cuda = runs[False][r], runs[True][r]
+        for i, (a, b) in enumerate(zip(cpu["results"], cuda["results"], strict=True)):
+            assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), (r, i)
+        assert not np.array_equal(cpu["results"][0], runs[False][1 - r]["results"][0])  # each rank its own shard
+        t = cuda["traffic"]
+        assert t["intml_cuda_allreduces"] == t["intml_reduce_scatters"] == 4 and t["intml_allreduces"] == 0
+        assert t["intml_cuda_elements"] == t["intml_elements"] == n * (777 + 600 + 600 + 777)
+        assert t["gloo_reasons"] == {routing.SMALL: 1} and t["gloo_reduce_scatters"] == 1
+        assert cpu["traffic"]["intml_cuda_allreduces"] == 0 and cpu["traffic"]["intml_reduce_scatters"] == 4
+
+
+def fsdp2_rank(port: int, address: str, rank: int, n: int, seed: int, cuda_path: bool) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = _init_backend(port, address, rank, n, seed, cuda_path, min_elements=0)
+    params, losses = train_fsdp2(init_device_mesh(device.type, (n,)), rank, STEPS)
+    out = {"params": params, "losses": losses, "traffic": dataclasses.asdict(dist.group.WORLD.traffic)}
+    dist.destroy_process_group()
+    return out
+
+
+@simulable
+def test_fsdp2_cuda_path_equals_cpu_path(ranks):
+    """FSDP2 (fully_shard) with every gradient reduce-scatter through intml (cnat8): on the CUDA path the gathered
+    parameters and the losses are bit for bit the CPU path's, and every reduce-scatter took the CUDA path."""
+    n, seed = 2, 15
+    runs = {cuda_path: ranks(fsdp2_rank, n, seed, cuda_path, timeout=240) for cuda_path in (False, True)}
+    for r in range(n):
+        cpu, cuda = runs[False][r], runs[True][r]
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(cpu["params"], cuda["params"], strict=True)), r
+        assert cpu["losses"] == cuda["losses"]
+        t = cuda["traffic"]
+        assert t["intml_reduce_scatters"] == cpu["traffic"]["intml_reduce_scatters"] >= STEPS
+        assert t["intml_cuda_allreduces"] == t["intml_reduce_scatters"] + t["intml_allreduces"]
+        assert t["gloo_reduce_scatters"] == 0 and cpu["traffic"]["intml_cuda_allreduces"] == 0
+
+
+def _fake(device: str, dtype=torch.float32, contiguous: bool = True, numel: int = 100_000):
     """What routing reads of a tensor, for devices this CPU-only torch cannot make."""
     return types.SimpleNamespace(dtype=dtype, device=torch.device(device), is_contiguous=lambda: contiguous,
-                                 numel=lambda: 100_000)
+                                 numel=lambda: numel)
 
 
 def test_routing_of_cuda_tensors():
     """CUDA float32 tensors go to intml when the CUDA path can run, else to Gloo under CUDA; the path is not even
-    asked about CPU tensors; reduce-scatters of CUDA tensors go to Gloo under CUDA_SCATTER."""
+    asked about CPU tensors; reduce-scatters of CUDA tensors likewise, their output of the input's dtype and
+    device."""
     asked = []
 
     def problem(why):
@@ -209,12 +279,21 @@ def test_routing_of_cuda_tensors():
     asked.clear()
     assert routing.unsupported(torch.zeros(3), problem("x")) is None and asked == []
     assert routing.backend_route([_fake("cuda")], "sum", 10, problem(None)) is None
-    assert routing.scatter_route(_fake("cuda"), _fake("cuda"), "sum", 10, 2) == routing.CUDA_SCATTER
+    half = _fake("cuda:0", numel=50_000)
+    assert routing.scatter_route(half, _fake("cuda:0"), "sum", 10, 2, problem(None)) is None
+    assert routing.scatter_route(half, _fake("cuda:0"), "sum", 10, 2, problem("no driver")) == routing.CUDA
+    assert routing.scatter_route(half, _fake("cuda:0"), "sum", 10, 4, problem(None)) == routing.SHAPE
+    assert routing.scatter_route(_fake("cuda:1", numel=50_000), _fake("cuda:0"), "sum", 10, 2,
+                                 problem(None)) == routing.SHAPE
+    assert routing.scatter_route(_fake("cuda:0", torch.float16, numel=50_000), _fake("cuda:0"), "sum", 10, 2,
+                                 problem(None)) == routing.SHAPE
+    assert routing.scatter_route(_fake("cpu", numel=50_000), _fake("cuda:0"), "sum", 10, 2,
+                                 problem(None)) == routing.SHAPE
 
 
 def test_cuda_fallback_warns_once_naming_the_reason():
-    """Two CUDA buckets to Gloo because the CUDA path cannot run: one IntmlUncompressedWarning naming the extra,
-    both counted under routing.CUDA."""
+    """Two CUDA buckets and a CUDA reduce-scatter to Gloo because the CUDA path cannot run: one
+    IntmlUncompressedWarning naming the extra, all counted under routing.CUDA."""
     linked = AggregatorLinked()
     linked.gloo = types.SimpleNamespace(size=lambda: 2)
     linked.traffic, linked._warned = intml.Traffic(), set()
@@ -223,12 +302,11 @@ def test_cuda_fallback_warns_once_naming_the_reason():
         warnings.simplefilter("always")
         linked._to_gloo([t], routing.CUDA)
         linked._to_gloo([t], routing.CUDA)
-        linked._to_gloo([t], routing.CUDA_SCATTER, reduce_scatter=True)
+        linked._to_gloo([t], routing.CUDA, reduce_scatter=True)
     texts = [str(w.message) for w in caught if issubclass(w.category, intml.IntmlUncompressedWarning)]
-    assert len(texts) == 2
+    assert len(texts) == 1
     assert "CUDA device" in texts[0] and "intml[cuda]" in texts[0] and "gloo_reasons['cuda']" in texts[0]
-    assert "reduce-scatters CPU tensors only" in texts[1]
-    assert linked.traffic.gloo_reasons == {routing.CUDA: 2, routing.CUDA_SCATTER: 1}
+    assert linked.traffic.gloo_reasons == {routing.CUDA: 3} and linked.traffic.gloo_reduce_scatters == 1
 
 
 def _python(code: str) -> list[str]:

@@ -21,7 +21,7 @@ from support.cluster import run_ok  # noqa: E402
 
 import intml.worker.torch as intml  # noqa: E402
 from intml.worker.torch import link  # noqa: E402
-from support.torch_ranks import TOKEN, init_rank  # noqa: E402
+from support.torch_ranks import TOKEN, init_rank, train_fsdp2  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.process]
 
@@ -91,47 +91,18 @@ def meshes_rank(port: int, address: str, rank: int, n: int) -> dict:
     return out
 
 
-def _mlp(seed: int):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(),
-                               torch.nn.Linear(64, 4))
-
-
-def _train_fsdp2(mesh, rank: int, steps: int) -> tuple[list[np.ndarray], list[float]]:
-    """Shard each Linear and the root over `mesh`, take `steps` SGD steps on this rank's batches; the full
-    parameters (gathered) and the losses."""
-    from torch.distributed.fsdp import fully_shard
-
-    model = _mlp(7)
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    gen = torch.Generator().manual_seed(100 + rank)
-    losses = []
-    for _ in range(steps):
-        x, y = torch.randn(32, 16, generator=gen), torch.randint(0, 4, (32,), generator=gen)
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
-    return [p.full_tensor().detach().numpy().copy() for p in model.parameters()], losses
-
-
 def fsdp2_rank(port: int, address: str, rank: int, n: int, steps: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     _init(_store(port, rank, n), address, rank, n)
     pg = dist.group.WORLD
     out = {}
-    out["gloo"] = _train_fsdp2(init_device_mesh("cpu", (n,), backend_override={0: "gloo"}), rank, steps)
-    out["intml"] = _train_fsdp2(init_device_mesh("cpu", (n,)), rank, steps)
+    out["gloo"] = train_fsdp2(init_device_mesh("cpu", (n,), backend_override={0: "gloo"}), rank, steps)
+    out["intml"] = train_fsdp2(init_device_mesh("cpu", (n,)), rank, steps)
     out["intml traffic"] = dict(vars(pg.traffic))
     # HSDP: gradients reduce-scattered within a shard group, then allreduced across replicas through intml
     mesh = init_device_mesh("cpu", (2, n // 2), mesh_dim_names=("replicate", "shard"))
-    out["hsdp"] = _train_fsdp2(mesh, rank, steps)
+    out["hsdp"] = train_fsdp2(mesh, rank, steps)
     out["hsdp replicate traffic"] = dict(vars(mesh.get_group("replicate").traffic))
     dist.destroy_process_group()
     return out

@@ -186,7 +186,8 @@ def test_a_host_codecs_cuda_tensors_need_no_cuda_path() -> None:
 
 
 def cuda_rank(port: int, address: str, rank: int, n: int) -> dict:
-    """uniform8 through the backend on CUDA tensors, float32 and bfloat16, and the same values on the CPU."""
+    """uniform8 through the backend on CUDA tensors, float32 and bfloat16 allreduces and a float32 reduce-scatter,
+    and the same values on the CPU."""
     init_rank(port, rank, n, "intml", {"INTML_AGGREGATOR": address, "INTML_TOKEN": TOKEN, "INTML_SEED": str(SEED),
                                        "INTML_CODEC": "uniform8", "INTML_PACKET_ELEMENTS": str(PACKET),
                                        "INTML_POOL": str(POOL), "INTML_MIN_ELEMENTS": str(MIN)})
@@ -195,6 +196,9 @@ def cuda_rank(port: int, address: str, rank: int, n: int) -> dict:
     for t in (x.cuda(), x.to("cuda", torch.bfloat16)):
         dist.all_reduce(t)
         out["results"].append((str(t.device.type), str(t.dtype), t.cpu().float().numpy()))
+    shard = torch.empty(N // n, device="cuda")
+    dist.reduce_scatter_tensor(shard, x.cuda())
+    out["shard"] = shard.cpu().numpy()
     out["traffic"] = dataclasses.asdict(dist.distributed_c10d._get_default_group().traffic)
     dist.destroy_process_group()
     return out
@@ -205,18 +209,22 @@ def cuda_rank(port: int, address: str, rank: int, n: int) -> dict:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_tensors_are_staged_through_host_memory(ranks) -> None:
     """CUDA tensors with a host codec: through intml, staged as float32 CPU copies, the result back on the device in
-    the tensor's dtype, bit for bit the codec's reference (bfloat16: rounded once)."""
+    the tensor's dtype, bit for bit the codec's reference (bfloat16: rounded once); a reduce-scatter's shard too."""
     results = ranks(cuda_rank, 2, timeout=180)
     xs = [r["input"] for r in results]
     wide = [torch.from_numpy(x).to(torch.bfloat16).float().numpy() for x in xs]
     want32 = reference(parse("uniform8"), xs, seed=SEED, allreduce=0, packet_elements=PACKET)
     want16 = torch.from_numpy(reference(parse("uniform8"), wide, seed=SEED, allreduce=1, packet_elements=PACKET))
-    for r in results:
+    scattered = reference(parse("uniform8"), xs, seed=SEED, allreduce=2, packet_elements=PACKET)
+    for rank, r in enumerate(results):
         (dev32, dtype32, got32), (dev16, dtype16, got16) = r["results"]
         assert (dev32, dtype32, dev16, dtype16) == ("cuda", "torch.float32", "cuda", "torch.bfloat16")
         np.testing.assert_array_equal(got32.view(np.uint32), want32.view(np.uint32))
         np.testing.assert_array_equal(got16, want16.to(torch.bfloat16).float().numpy())
         assert r["traffic"]["intml_allreduces"] == 2 and r["traffic"]["gloo_allreduces"] == 0, r["traffic"]
+        np.testing.assert_array_equal(r["shard"].view(np.uint32),
+                                      scattered[rank * N // 2:(rank + 1) * N // 2].view(np.uint32))
+        assert r["traffic"]["host_reduce_scatters"] == 1 and r["traffic"]["gloo_reduce_scatters"] == 0, r["traffic"]
 
 
 def powersgd_rank(port: int, address: str, rank: int, n: int) -> dict:

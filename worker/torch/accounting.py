@@ -20,7 +20,8 @@ class Traffic:
     intml_reduce_scatters: int = 0  # their elements and bytes (the upload's) are in intml_elements and intml_bytes
     intml_elements: int = 0
     intml_bytes: int = 0  # sent; a switch codec's results are as long, a host codec's are in host_result_bytes
-    intml_cuda_allreduces: int = 0  # of intml_allreduces: CUDA tensors, encoded and decoded on their device
+    # of intml_allreduces and intml_reduce_scatters: CUDA tensors, encoded and decoded on their device
+    intml_cuda_allreduces: int = 0
     intml_cuda_elements: int = 0  # their elements and wire bytes (also in intml_elements and intml_bytes)
     intml_cuda_bytes: int = 0
     gloo_allreduces: int = 0

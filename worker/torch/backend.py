@@ -4,8 +4,9 @@ with SUM or AVG through the aggregator (several at once, coalesced, as one of th
 every smaller allreduce (losses, metrics, counters: exact), every other collective, op and dtype to an inner Gloo
 group on the same store (SwitchML's PyTorch patch falls back to Gloo the same way). ``routing`` has the rule and its
 reasons. ``reduce_scatter_tensor`` (FSDP's and ZeRO's gradient reduction) follows the same rule through the aggregator,
-which sends each rank only the chunks of its shard; a host codec's reduce-scatter is its whole allreduce, the shard
-kept (host mode has no reduce-scatter; ``Traffic.host_reduce_scatters`` counts them).
+which sends each rank only the chunks of its shard (a CUDA tensor's shard decoded on its device); a host codec's
+reduce-scatter is its whole allreduce, the shard kept (host mode has no reduce-scatter;
+``Traffic.host_reduce_scatters`` counts them).
 
 Every intml allreduce runs on the link's thread, so ``dist.all_reduce(t, async_op=True)`` returns a Work at once,
 as Gloo's does, and ``work.wait()`` / ``work.is_completed()`` / ``work.get_future()`` behave as Gloo's. The
@@ -153,18 +154,19 @@ class IntmlProcessGroup(AggregatorLinked, dist.ProcessGroup):
         return self.link.submit(flat, kind, inplace=True).then(scatter_back)
 
     def reduce_scatter_single(self, output, input, opts=None):  # noqa: A002 -- c10d's names
-        """``reduce_scatter_tensor`` (and FSDP's gradient reduce-scatter): a float32 or 16-bit CPU input of at least
-        ``config.min_elements`` elements, SUM or AVG, through the aggregator, which sends each rank only the chunks
-        of its shard (bit for bit the allreduce restricted to it); anything else through Gloo (AVG as its sum over
-        the world size, waited for in the call: Gloo's reduce-scatter Work has no Future), counted under its routing
-        reason."""
+        """``reduce_scatter_tensor`` (and FSDP's gradient reduce-scatter): a float32 or 16-bit input (CPU, or CUDA
+        through ``gpu``'s device path) of at least ``config.min_elements`` elements, SUM or AVG, through the
+        aggregator, which sends each rank only the chunks of its shard (bit for bit the allreduce restricted to
+        it); anything else through Gloo (AVG as its sum over the world size, waited for in the call: Gloo's
+        reduce-scatter Work has no Future), counted under its routing reason."""
         if opts is None or isinstance(opts, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
             reduce_op = opts if opts is not None else dist.ReduceOp.SUM
             opts = dist.ReduceScatterOptions()
             opts.reduceOp = reduce_op
         kind = _intml_op(opts.reduceOp)
         reason = (routing.FALLBACK if self.link is None
-                  else routing.scatter_route(output, input, kind, self.config.min_elements, self.size()))
+                  else routing.scatter_route(output, input, kind, self.config.min_elements, self.size(),
+                                             self._cuda_problem))
         if reason is None:
             return _Work(self.link.submit_reduce_scatter(input, output, kind))
         self._to_gloo([input], reason, reduce_scatter=True)

@@ -94,10 +94,17 @@ class Link:
         return self._submit(lambda: self._allreduce(tensor, op, inplace, residual))
 
     def submit_reduce_scatter(self, input: torch.Tensor, output: torch.Tensor, op: str) -> Future:  # noqa: A002
-        """Reduce-scatter the flat float32, bfloat16 or float16 CPU `input` (sum or mean) into `output` (of its
-        dtype), this rank's shard (its input.numel() / world size elements from rank * that); the Future holds
-        [output]."""
-        return self._submit(lambda: self._reduce_scatter(input, output, op))
+        """Reduce-scatter the contiguous float32, bfloat16 or float16 `input` (sum or mean), a CPU tensor or one of
+        the CUDA path's, into `output` (of its dtype and device), this rank's shard (its input.numel() / world size
+        elements from rank * that); the Future holds [output]. A host codec's CUDA input is staged through a
+        float32 CPU copy."""
+        host = self.worker.host_codec is not None
+        if not host and self.cuda.owns(input) and self.cuda.problem() is None:
+            marker = self.cuda.ready_marker(input)  # here, in the caller: its stream produced the tensor
+            return self._submit(lambda: self._reduce_scatter_cuda(input, output, op, marker))
+        # a host codec's CUDA input: staged here, in the caller, as submit stages it
+        staged = input if input.device == CPU else input.detach().to(CPU, torch.float32)
+        return self._submit(lambda: self._reduce_scatter(staged, output, op))
 
     def _submit(self, collective: Callable[[], object]) -> Future:
         """Run `collective` (in the caller, or queued for the thread); its value or exception goes to the Future."""
@@ -159,21 +166,24 @@ class Link:
             return [tensor]
         return torch.from_numpy(out).view(tensor.dtype).view(tensor.shape)
 
+    def _allreducer(self):
+        """The DeviceAllreducer on this link's worker, made on the first CUDA collective."""
+        if self._device is None:
+            self._device = self.cuda.allreducer(self.worker)
+        return self._device
+
     def _allreduce_cuda(self, tensor, op, inplace, residual, marker):
         """_allreduce of a CUDA path tensor: the same steps on its device (intml.worker.gpu), bit for bit."""
         w, path = self.worker, self.cuda
-        if self._device is None:
-            self._device = path.allreducer(w)
+        device = self._allreducer()
         before = w.counters()
         with path.stream(tensor, marker) as stream:
             flat = tensor.detach().reshape(-1)
             x = flat if residual is None else flat + residual
             out = flat if inplace else torch.empty_like(flat)
             sent = None if residual is None else path.view(residual)
-            dtype = WORD_DTYPES.get(x.dtype)  # a 16-bit tensor goes as its int16 words, which numba can view
-            words = (lambda t: t) if dtype is None else (lambda t: t.view(torch.int16))
-            self._device.allreduce(path.view(words(x)), path.view(words(out)), op, sent=sent, stream=stream,
-                                   dtype=dtype)
+            device.allreduce(path.view(device_words(x)), path.view(device_words(out)), op, sent=sent, stream=stream,
+                             dtype=WORD_DTYPES.get(x.dtype))
             if residual is not None:
                 torch.sub(x, residual, out=residual)  # the new residual: input - what was sent
                 residual.nan_to_num_(0.0, 0.0, 0.0)  # a non-finite element's is reset: it went on as itself
@@ -209,6 +219,18 @@ class Link:
         self._count(x.size, before, reduce_scatter=True)
         return [output]
 
+    def _reduce_scatter_cuda(self, input, output, op, marker):  # noqa: A002
+        """_reduce_scatter of CUDA path tensors: the shard decoded on their device (intml.worker.gpu), bit for
+        bit."""
+        w, path = self.worker, self.cuda
+        device = self._allreducer()
+        before = w.counters()
+        with path.stream(input, marker) as stream:
+            device.reduce_scatter(path.view(device_words(input)), path.view(device_words(output)), op, stream=stream,
+                                  dtype=WORD_DTYPES.get(input.dtype))
+        self._count(input.numel(), before, reduce_scatter=True, cuda=True)
+        return [output]
+
     def close(self, wait: float | None = None) -> None:
         """Stop the thread once the queued allreduces are done (waiting at most `wait` seconds, default the
         allreduce timeout) and leave the job. A thread still busy after that keeps its Worker open."""
@@ -224,6 +246,12 @@ class Link:
 
 
 WORD_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def device_words(tensor: torch.Tensor) -> torch.Tensor:
+    """What the CUDA path's kernels take of a tensor: a float32 one itself, a 16-bit one as its int16 words (which
+    numba can view)."""
+    return tensor if tensor.dtype == torch.float32 else tensor.view(torch.int16)
 
 
 def words(tensor: torch.Tensor) -> tuple[np.ndarray, str | None]:

@@ -12,9 +12,12 @@ anything to Gloo says its totals when it is destroyed. The warnings point at the
 
 Every rank routes a collective the same way: the rule reads only what all ranks share (size, dtype, op, layout).
 
+A reduce-scatter (``reduce_scatter_tensor``: FSDP's and ZeRO's gradient reduction) routes by the same rule, its CUDA
+tensors through the CUDA path as an allreduce's (``scatter_route``).
+
 A host codec (``INTML_CODEC=uniform8``...) routes by the same rule, with one difference: its CUDA tensors need no
 CUDA path (``link.AggregatorLinked._cuda_problem``), since it encodes on the CPU and they are staged through host
-memory, as Gloo stages them; a CUDA reduce-scatter still goes to Gloo (CUDA_SCATTER).
+memory, as Gloo stages them.
 """
 
 from __future__ import annotations
@@ -34,10 +37,9 @@ OP = "op"  # a reduce op other than SUM and AVG
 DTYPE = "dtype"  # not float32, bfloat16 or float16
 DEVICE = "device"  # neither on the CPU nor on a CUDA device
 CUDA = "cuda"  # on a CUDA device, and intml's CUDA path (intml.worker.gpu) cannot run here
-CUDA_SCATTER = "cuda_scatter"  # a reduce-scatter of CUDA tensors
 LAYOUT = "layout"  # not contiguous
 COALESCED = "coalesced"  # several tensors in one call that differ in dtype or device
-SHAPE = "shape"  # reduce-scatter: the input is not world size times the output
+SHAPE = "shape"  # reduce-scatter: the input is not world size times the output, or of another dtype or device
 
 # float32, and the 16-bit floats of mixed-precision training (bfloat16 has float32's exponent range; float16
 # sums beyond its range come back +-Inf, as torch's own conversion gives)
@@ -51,10 +53,9 @@ WHY = {
     DEVICE: "intml takes CPU and CUDA tensors only",
     CUDA: "it is on a CUDA device and intml's CUDA path cannot run here (install intml[cuda] where numba sees "
           "the GPU and its driver)",
-    CUDA_SCATTER: "intml reduce-scatters CPU tensors only",
     LAYOUT: "the tensor is not contiguous",
     COALESCED: "the coalesced tensors differ in dtype or device, so they cannot go as one concatenation",
-    SHAPE: "a reduce-scatter's input must hold world size times its output's elements",
+    SHAPE: "a reduce-scatter's input must hold world size times its output's elements, of its dtype and device",
 }
 
 
@@ -91,18 +92,13 @@ def backend_route(tensors: Sequence[torch.Tensor], op: str | None, min_elements:
     return next((reason for t in tensors if (reason := unsupported(t, cuda_problem)) is not None), None)
 
 
-def _no_cuda() -> str:
-    return WHY[CUDA_SCATTER]
-
-
 def scatter_route(output: torch.Tensor, input: torch.Tensor, op: str | None, min_elements: int,  # noqa: A002
-                  world_size: int) -> str | None:
+                  world_size: int, cuda_problem: Callable[[], str | None]) -> str | None:
     """As backend_route, for a reduce-scatter of `input` into `output` (``reduce_scatter_tensor``): both tensors
-    must be CPU tensors intml can take, the input world_size times the output."""
-    reason = backend_route([input], op, min_elements, _no_cuda) or unsupported(output, _no_cuda)
-    if reason == CUDA:
-        return CUDA_SCATTER
-    if reason is None and input.numel() != world_size * output.numel():
+    must be tensors intml can take, of one dtype and device, the input world_size times the output."""
+    reason = backend_route([input], op, min_elements, cuda_problem) or unsupported(output, cuda_problem)
+    if reason is None and ((output.dtype, output.device) != (input.dtype, input.device)
+                           or input.numel() != world_size * output.numel()):
         return SHAPE
     return reason
 
