@@ -204,7 +204,8 @@ class HostStreamEngine:
             packet_len=self.packet_len, agg_addr=self.agg_addr, stats=self.stats, timing=self.timing,
             low=np.empty(0, np.uint32), sent=f32, mac_keys=self.mac_keys, codes=u8, parked=i64,
             silence=self.silence, x16=u16, out16=u16, scratch=f32, window=window_state(pool_size),
-            taken=np.empty(0, np.bool_), heads=np.empty(0, np.uint32)))
+            taken=np.empty(0, np.bool_), heads=np.empty(0, np.uint32), answered=np.full(pool_size, -np.inf),
+            pendings=np.zeros(pool_size, np.int64)))
 
     def resume(self, allreduce: int, shadow_sets: np.ndarray) -> None:
         """As StreamEngine.resume: the next ``start`` is allreduce ``allreduce``, slot s uses ``shadow_sets[s]``."""
