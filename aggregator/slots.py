@@ -22,7 +22,7 @@ Slot semantics (SwitchML; docs/protocol.md, "Slots" and "Slot state table")
 * The first contribution writes the accumulators (no zeroing); later ones add. Every contribution must agree on
   the chunk's exponent and element count.
 * A packet whose rank bit is already set is a retransmission: never added twice; if the round is complete the
-  result goes back to that worker alone, else it is dropped.
+  result goes back to that worker alone, else a PENDING does (the ranks the round has: protocol.wire).
 * When the count reaches n the result goes to all n workers (one datagram per worker, or one to the job's
   multicast group) and is kept for retransmissions.
 * Reduce-scatter (docs/protocol.md, "Reduce-scatter"): a round opened with an owners code (the high byte of the
@@ -57,6 +57,7 @@ from intml.protocol.packet import (
     get_u32,
     owner_range,
     put_header,
+    put_pending,
     round_order,
 )
 from intml.protocol.job import CONTROL_SOURCE_BUCKETS, MAX_WORLD, ControlLimits
@@ -514,6 +515,14 @@ def _finish(jobs, table, b, g, rx_data):
 
 
 @njit(inline="always")
+def pending(q, p, have, data_mac, k0, k1):
+    """Write into q the PENDING answering DATA p, whose round has the ranks ``have`` (protocol.packet.put_pending),
+    with the job's tag; returns its length."""
+    length = put_pending(q, p, have)
+    return put_tag(q, length, k0, k1) if data_mac else length
+
+
+@njit(inline="always")
 def emit_to(res, size, data_mac, rank, world, dest, out_ptr, out_len, out_addr, n_out):
     """Queue the stored result row `res` (its first `size` bytes are the result) for rank `rank` at `dest`: the
     result if the round has no owners or the rank is one, else the row's header-only completion."""
@@ -539,7 +548,8 @@ def process_burst(rx_data, rx_len, rx_addr, n_rx, now, job_arrays, table_arrays,
     """Handle received datagrams 0..n_rx-1. Returns (datagrams written to out, control datagrams listed in
     `control`: those the control admission let through, at most `limiter`'s per_burst; the others are counted
     as drop_control_rate and cost nothing more). `out` needs room for n_rx * MAX_WORLD entries (each packet
-    completes at most one round), spill for n_rx results.
+    completes at most one round), spill for n_rx rows (each packet takes at most one: a result spilled, or the
+    PENDING that answers it, with its output's event naming the row as -1 - row).
 
     Two phases. Phase 1 walks the packets in order through validate, classify and bitmap_and_count: it makes
     every decision, and a packet's data is only checked, not added. Phase 2 then adds each set's contributions
@@ -618,8 +628,15 @@ def process_burst(rx_data, rx_len, rx_addr, n_rx, now, job_arrays, table_arrays,
                 b.event_rank[n_events] = rank
                 n_events += 1
                 st[RESULTS_RESENT] += 1
-            else:
+            else:  # answered with a PENDING, written in a spill row as it stands now
                 st[DROP_DUPLICATE_INCOMPLETE] += 1
+                q = spill[n_spill]
+                spill_len[n_spill] = pending(q, p, table.bitmap[row, x], jobs.data_mac[j], jobs.mac_key[j, 0],
+                                             jobs.mac_key[j, 1])
+                b.event_group[n_events] = -1 - n_spill
+                b.event_rank[n_events] = j * MAX_WORLD + rank
+                n_events += 1
+                n_spill += 1
             continue
         if event == SAME_NEW_RANK and (exp != table.exp[row, x] or count != table.elements[row, x]
                                        or owners != table.owners[row, x]):
@@ -670,6 +687,12 @@ def process_burst(rx_data, rx_len, rx_addr, n_rx, now, job_arrays, table_arrays,
     n_out = 0
     for e in range(n_events):
         g = b.event_group[e]
+        if g < 0:  # a PENDING in spill row -1 - g, to one rank of one job
+            j, rank = divmod(b.event_rank[e], MAX_WORLD)
+            n_out = emit(spill[-1 - g].ctypes.data, spill_len[-1 - g], jobs.members[j, rank], out_ptr, out_len,
+                         out_addr, n_out)
+            jobs.stats[j, PACKETS_OUT] += 1
+            continue
         j = b.job[g]
         k = b.spilled[g]
         if k >= 0:

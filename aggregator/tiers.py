@@ -17,7 +17,8 @@ for the switch above the leaves. Sans-I/O, as process_burst: bursts of numpy arr
   leaves marked. A leaf passes a marked RESULT on to its ranks, whose send windows shrink. Stored partials and
   results stay unmarked: a re-send carries only the marks of the queues it meets.
 * Losses (SwitchML's shadow sets, one level up): a rank's retransmission into a leaf set whose rack is complete
-  gets the stored RESULT if the spine's came, else makes the leaf send its stored PARTIAL again; the spine
+  gets the stored RESULT if the spine's came, else makes the leaf send its stored PARTIAL again; into one whose
+  rack is incomplete, the PENDING with the rack's ranks the set has (protocol.wire), as one switch answers; the spine
   answers a PARTIAL it already holds with its stored RESULT if the set is complete (a lost result), else drops it.
   A set is reused only after every rank had its previous round's result, so a stored PARTIAL is never needed
   once its set opens a new round.
@@ -54,7 +55,7 @@ from intml.aggregator.slots import (
 )
 from intml.protocol import codecs
 from intml.protocol.codecs import int32
-from intml.protocol.packet import HDR, O_SHADOW, O_TYPE, element_fields, round_order
+from intml.protocol.packet import HDR, O_SHADOW, O_TYPE, element_fields, put_pending, round_order
 from intml.protocol.partial import SUM_WIDTH, contributors, partial_size, put_partial, sums_in_bounds
 from intml.protocol.job import MAX_WORLD
 from intml.protocol.stats import (
@@ -114,14 +115,20 @@ def stage_copy(stage, n_stage, src, size):
 
 @njit(inline="always")
 def answer_retransmission(table, row, x, complete_at, dest, mark, st, stage, n_stage, out_ptr, out_len, out_addr,
-                          n_out):
-    """A contribution already in (row, x)'s round: if the round is complete at this level (``complete_at``
+                          n_out, p, pending):
+    """A contribution ``p`` already in (row, x)'s round: if the round is complete at this level (``complete_at``
     contributions), the set's stored datagram again, to ``dest`` alone, with ``mark`` added to its shadow byte (a
-    congestion mark to echo, or 0); else dropped. Returns (n_stage, n_out)."""
+    congestion mark to echo, or 0); else, if ``pending`` (a rank's DATA at a leaf), its PENDING with the ranks the
+    round has, to ``dest``, or dropped (a leaf's PARTIAL at the spine). Returns (n_stage, n_out)."""
     st[RETRANSMISSIONS] += 1
     if table.count[row, x] != complete_at:
         st[DROP_DUPLICATE_INCOMPLETE] += 1
-        return n_stage, n_out
+        if not pending:
+            return n_stage, n_out
+        q = stage[n_stage]
+        n_out = emit(q.ctypes.data, put_pending(q, p, table.bitmap[row, x]), dest, out_ptr, out_len, out_addr, n_out)
+        st[PACKETS_OUT] += 1
+        return n_stage + 1, n_out
     size = table.result_len[row, x]
     src = stage_copy(stage, n_stage, table.result[row, x], size)
     stage[n_stage, O_SHADOW] |= mark
@@ -249,10 +256,12 @@ def leaf_burst(rx_data, rx_len, rx_addr, n_rx, now, job_arrays, table_arrays, ro
             st[DROP_STALE] += 1
             continue
         held = table.result[row, x]
-        if event == SAME_KNOWN_RANK:  # a complete rack: the spine's result if it came, else the partial again
-            dest = jobs.members[j, rank] if held[O_TYPE] == MsgType.RESULT else route.spine[j]
+        if event == SAME_KNOWN_RANK:  # a complete rack: the spine's result if it came, else the partial again;
+            # an incomplete one: its PENDING to the rank
+            complete = table.count[row, x] == route.quorum[j]
+            dest = route.spine[j] if complete and held[O_TYPE] != MsgType.RESULT else jobs.members[j, rank]
             n_stage, n_out = answer_retransmission(table, row, x, route.quorum[j], dest, 0, st, stage, n_stage,
-                                                   out_ptr, out_len, out_addr, n_out)
+                                                   out_ptr, out_len, out_addr, n_out, p, True)
             continue
         if event == SAME_NEW_RANK:
             reason = agreement(exp, count, table.exp[row, x], table.elements[row, x])
@@ -343,7 +352,7 @@ def spine_burst(rx_data, rx_len, rx_addr, n_rx, now, job_arrays, table_arrays, f
             continue
         if event == SAME_KNOWN_RANK:  # if complete, the leaf lost the result: the stored one, to it alone
             n_stage, n_out = answer_retransmission(table, row, x, leaves, jobs.members[j, leaf], mark, st, stage,
-                                                   n_stage, out_ptr, out_len, out_addr, n_out)
+                                                   n_stage, out_ptr, out_len, out_addr, n_out, p, False)
             continue
         vbits = jobs.value_bits[j]
         if event == SAME_NEW_RANK:

@@ -1,6 +1,7 @@
 #ifndef _INTML_EGRESS_
 #define _INTML_EGRESS_
 
+// A duplicate's PENDING (Forward) goes back to its rank as a re-send does, cut after its bitmap (pending_only).
 // Each copy of a result gets its destination (job index, rank) from egress_dest, with the switch's address as
 // its source; a pass that is not the last recirculates with the bridged metadata. packets_out is counted here,
 // where the replicas exist (a v1model counter belongs to one control: this is the egress's).
@@ -40,6 +41,12 @@ control IntmlEgress(inout headers_t hdr, inout metadata_t meta, inout standard_m
         truncate(ETHERNET_BYTES + IPV4_BYTES + UDP_BYTES + HEADER_BYTES);
     }
 
+    action pending_only() {
+        hdr.udp.length = UDP_BYTES + HEADER_BYTES + HAVE_BYTES;
+        hdr.ipv4.total_len = IPV4_BYTES + UDP_BYTES + HEADER_BYTES + HAVE_BYTES;
+        truncate(ETHERNET_BYTES + IPV4_BYTES + UDP_BYTES + HEADER_BYTES + HAVE_BYTES);
+    }
+
     apply {
 #ifdef INTML_TEST_RANDOM
         if (!meta.recirculate && hdr.test_random.isValid()) {  // the words are for the passes only
@@ -49,8 +56,8 @@ control IntmlEgress(inout headers_t hdr, inout metadata_t meta, inout standard_m
 #endif
         if (meta.recirculate) {
             recirculate_preserving_field_list(1);
-        } else if (meta.step != STEP_NONE) {
-            if (meta.step == STEP_RESEND) {
+        } else if (meta.step != STEP_NONE || hdr.have.isValid()) {
+            if (meta.step == STEP_RESEND || hdr.have.isValid()) {
                 meta.rid = (bit<16>) meta.rank;
             } else {
                 meta.rid = sm.egress_rid;
@@ -67,12 +74,16 @@ control IntmlEgress(inout headers_t hdr, inout metadata_t meta, inout standard_m
                 job_counter.count((bit<32>) meta.job_index * N_STATS + STAT_PACKETS_OUT);
                 bit<8> owner_code = meta.owners - 1;
                 bit<8> first = 2w0 ++ owner_code[5:0];
-                if (meta.owners != 0
-                    && (meta.rid[7:0] < first || meta.rid[7:0] > first + (6w0 ++ owner_code[7:6]))) {
-                    completion_only();
-                }
-                if (sm.enq_qdepth >= MARK_DEPTH) {
-                    hdr.intml.shadow = hdr.intml.shadow | CONGESTED;
+                if (hdr.have.isValid()) {
+                    pending_only();  // a PENDING: never marked (the mark is a RESULT's)
+                } else {
+                    if (meta.owners != 0
+                        && (meta.rid[7:0] < first || meta.rid[7:0] > first + (6w0 ++ owner_code[7:6]))) {
+                        completion_only();
+                    }
+                    if (sm.enq_qdepth >= MARK_DEPTH) {
+                        hdr.intml.shadow = hdr.intml.shadow | CONGESTED;
+                    }
                 }
             }
         }

@@ -103,6 +103,7 @@ header intml_h {{
 {chr(10).join(f"    bit<{bits}> {name};{'  // signed' if signed else ''}" for name, bits, signed in L.INTML_HEADER)}
 }}
 
+header have_h {{ bit<{L.MAX_WORLD}> have; }}  // a PENDING's ranks its round has (protocol.wire), after its header
 header block_h {{ bit<{8 * BLOCK_BYTES}> bytes; }}  // payload an earlier pass took, carried through unread
 header code_h {{ bit<8> code; }}  // one C_nat code of this pass
 header word_h {{ bit<32> value; }}  // one int32 of this pass
@@ -116,6 +117,7 @@ struct headers_t {{
     ipv4_h ipv4;
     udp_h udp;
     intml_h intml;
+    have_h have;  // never parsed: Forward makes a duplicate's PENDING
     block_h[{SKIP_BLOCKS}] done;
     code_h[LANES_PER_PASS] codes;
     word_h[LANES_PER_PASS] words;
@@ -151,6 +153,7 @@ struct metadata_t {{
 {chr(10).join(f"    bit<{width}> {name};" for name, width in L.JOB_PARAMS if name != "job_index")}
     bit<8> codec;  // the job's codec
     bit<{L.MAX_WORLD}> worker_bit;
+    bit<{L.MAX_WORLD}> have;  // the set's bitmap as this pass read it (a duplicate's PENDING carries it)
     bit<16> row;
     bit<8> k_limit;
     bool bound_hit;  // data_bound has an entry for (value bits, exp)

@@ -7,6 +7,7 @@ const int MAGIC = 18766;
 const int VERSION = 1;
 const int TYPE_DATA = 1;
 const int TYPE_RESULT = 2;
+const int TYPE_PENDING = 11;
 const int TYPE_JOIN = 3;
 const int TYPE_LEAVE = 5;
 const int TYPE_STATS_REQUEST = 6;
@@ -16,6 +17,7 @@ const int NO_EXP = -128;
 const int EXP_MIN = -126;
 const int EXP_MAX = 127;
 const int HEADER_BYTES = 26;
+const int HAVE_BYTES = 8;
 const int LANES_PER_PASS = 64;
 const int LANE_ENTRIES = 16384;
 const int MAX_JOBS = 64;
@@ -117,6 +119,7 @@ header intml_h {
     bit<8> next_exp;  // signed
 }
 
+header have_h { bit<64> have; }  // a PENDING's ranks its round has (protocol.wire), after its header
 header block_h { bit<512> bytes; }  // payload an earlier pass took, carried through unread
 header code_h { bit<8> code; }  // one C_nat code of this pass
 header word_h { bit<32> value; }  // one int32 of this pass
@@ -130,6 +133,7 @@ struct headers_t {
     ipv4_h ipv4;
     udp_h udp;
     intml_h intml;
+    have_h have;  // never parsed: Forward makes a duplicate's PENDING
     block_h[15] done;
     code_h[LANES_PER_PASS] codes;
     word_h[LANES_PER_PASS] words;
@@ -247,6 +251,7 @@ struct metadata_t {
     bit<1> nearest;
     bit<8> codec;  // the job's codec
     bit<64> worker_bit;
+    bit<64> have;  // the set's bitmap as this pass read it (a duplicate's PENDING carries it)
     bit<16> row;
     bit<8> k_limit;
     bool bound_hit;  // data_bound has an entry for (value bits, exp)

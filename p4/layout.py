@@ -88,6 +88,7 @@ from intml.protocol.job import (
 from intml.protocol.slot_reference import COMPLETE, EMPTY, FILLING, TRANSITIONS
 from intml.protocol.stats import N_STATS, NEWER, OLDER, SAME_KNOWN_RANK, SAME_NEW_RANK, STAT_NAMES
 from intml.protocol.wire import (
+    HAVE_SIZE,
     CONGESTED,
     HEADER_FIELDS,
     HEADER_SIZE,
@@ -271,11 +272,12 @@ INTML_HEADER = tuple(field for name, code, _ in HEADER_FIELDS for field in
 HEADER_BYTES = HEADER_SIZE
 CONTROL_TYPES = (int(MsgType.JOIN), int(MsgType.LEAVE), int(MsgType.STATS_REQUEST))
 CONSTANTS = {  # what every .p4 file may name (``#define`` / ``const``), with its value
-    "MAGIC": MAGIC, "VERSION": VERSION, "TYPE_DATA": int(MsgType.DATA), "TYPE_RESULT": int(MsgType.RESULT),
+    "MAGIC": MAGIC, "VERSION": VERSION, "TYPE_DATA": int(MsgType.DATA), "TYPE_RESULT": int(MsgType.RESULT), "TYPE_PENDING": int(MsgType.PENDING),
     "TYPE_JOIN": int(MsgType.JOIN), "TYPE_LEAVE": int(MsgType.LEAVE), "TYPE_STATS_REQUEST": int(MsgType.STATS_REQUEST),
     "CODEC_CNAT8": int(Codec.CNAT8), "CODEC_INT32": int(Codec.INT32), "NO_EXP": NO_EXP,
     "EXP_MIN": reference.EXP_MIN, "EXP_MAX": reference.EXP_MAX, "HEADER_BYTES": HEADER_SIZE,
-    "LANES_PER_PASS": LANES_PER_PASS, "MAX_PASSES": MAX_PASSES, "MAX_PAYLOAD_BYTES": MAX_PAYLOAD_BYTES,
+    "HAVE_BYTES": HAVE_SIZE, "LANES_PER_PASS": LANES_PER_PASS, "MAX_PASSES": MAX_PASSES,
+    "MAX_PAYLOAD_BYTES": MAX_PAYLOAD_BYTES,
     "MAX_LANES_CNAT8": MAX_LANES[Codec.CNAT8], "MAX_LANES_INT32": MAX_LANES[Codec.INT32],
     "ROWS": ROWS, "SLOT_ENTRIES": SLOT_ENTRIES, "LANE_ENTRIES": LANE_ENTRIES, "MAX_JOBS": MAX_JOBS,
     "MAX_WORLD": MAX_WORLD, "N_STATS": N_STATS, "GROUP_RID": GROUP_RID, "RANK_GROUP_BASE": RANK_GROUP_BASE, "SIGN": SIGN, "NONZERO": NONZERO,

@@ -67,7 +67,18 @@ from intml.protocol.packet import owner_range
 from intml.protocol.reference import EXP_MAX, EXP_MIN, INT32_NONFINITE
 from intml.protocol.slot_reference import ADD, COMPLETE, DROP_DUPLICATE, DROP_STALE, EMPTY, FILLING, OPEN, RESEND
 from intml.protocol.stats import STAT_NAMES
-from intml.protocol.wire import CONGESTED, HEADER, HEADER_SIZE, MAGIC, NO_EXP, OWNERS_SHIFT, RANK_MASK, VERSION, MsgType
+from intml.protocol.wire import (
+    CONGESTED,
+    HAVE_SIZE,
+    HEADER,
+    HEADER_SIZE,
+    MAGIC,
+    NO_EXP,
+    OWNERS_SHIFT,
+    RANK_MASK,
+    VERSION,
+    MsgType,
+)
 
 JOB_TABLES = ("job_table", "membership", "slot_table", "multicast_group", "egress_dest")
 ENCODE_B = {f"encode_b{b}": b for b in range(32)}
@@ -284,7 +295,7 @@ class PipelineModel:
                           owners=0, slot_index=slot_index, elements=0, exp=0, next_exp=0, k_finite=0, all_in=True)
         out = bytearray(HEADER_SIZE + job.width * h["count"])
         while True:
-            bridged, action, reason = self._state(h, datagram[HEADER_SIZE:], job, bridged)
+            bridged, action, reason, have = self._state(h, datagram[HEADER_SIZE:], job, bridged)
             if reason:
                 self.job_counter[job.job_index][STAT[reason]] += 1
                 yield []
@@ -295,12 +306,12 @@ class PipelineModel:
                 yield None  # egress recirculates it
                 bridged = bridged._replace(pass_no=bridged.pass_no + 1)
                 continue
-            yield self._forward(bridged, action, h, job, out, queue_depth)
+            yield self._forward(bridged, action, h, job, out, queue_depth, datagram, have)
             return
 
-    def _state(self, h: dict, payload: bytes, job: JobHit, bridged: Bridged) -> tuple[Bridged, str, str]:
+    def _state(self, h: dict, payload: bytes, job: JobHit, bridged: Bridged) -> tuple[Bridged, str, str, int]:
         """WorkerBitmap, WorkerCounter, NextStep, Exponent and LaneCheck for this pass: (bridged, the next_step
-        action, a drop reason or ""). A duplicate of this pass goes on to the next one without touching it (its
+        action, a drop reason or "", the pass's bitmap as read: a PENDING's ``have``). A duplicate of this pass goes on to the next one without touching it (its
         rank may be missing from a later pass: a packet lost between passes)."""
         regs, world, cell = self.registers, job.world, lane_index(bridged.slot_index, bridged.pass_no)
         key = h["allreduce"] << 32 | ((h["chunk"] + (1 << 31)) & _U32)
@@ -311,16 +322,16 @@ class PipelineModel:
         event = order if order != "SAME" else "SAME_KNOWN_RANK" if bitmap & bit else "SAME_NEW_RANK"
         action, _ = self.tables.lookup("next_step", (STATE_CODES[state], EVENT_CODES[event]))
         if action == DROP_STALE:
-            return bridged, action, "drop_stale"
+            return bridged, action, "drop_stale", bitmap
         exp = h["exp"]
         if action == ADD:
             mismatch = ("drop_exponent_mismatch" if exp != _int8(regs.read("round_exp", cell))
                         else "drop_wrong_count" if h["count"] != regs.read("round_elements", cell)
                         else "drop_bad_owner" if h["owners"] != regs.read("round_owners", cell) else "")
             if mismatch:
-                return bridged, action, mismatch
+                return bridged, action, mismatch, bitmap
         if action in (OPEN, ADD) and not self._lanes_ok(payload, job, exp, bridged.pass_no):
-            return bridged, action, "drop_invalid_code"
+            return bridged, action, "drop_invalid_code", bitmap
         completes = False
         if action == OPEN:
             regs.write("round_key", cell, key)
@@ -342,17 +353,19 @@ class PipelineModel:
             step=step, completes=completes, owners=regs.read("round_owners", cell),
             elements=regs.read("round_elements", cell), exp=_int8(round_exp),
             next_exp=_int8(regs.read("round_next_exp", cell)), k_finite=k_finite,
-            all_in=bridged.all_in and (completes or step == STEP_RESEND)), action, ""
+            all_in=bridged.all_in and (completes or step == STEP_RESEND)), action, "", bitmap
 
-    def _forward(self, bridged: Bridged, action: str, h: dict, job: JobHit, out: bytearray, queue_depth: int) -> Sent:
+    def _forward(self, bridged: Bridged, action: str, h: dict, job: JobHit, out: bytearray, queue_depth: int,
+                 datagram: bytes, have: int) -> Sent:
         """The last pass's end: the packet's statistics by its last decision, then the result (a completion or a
-        re-send whose every pass put the round's result into the packet), or nothing."""
+        re-send whose every pass put the round's result into the packet), a duplicate's PENDING (the last pass's
+        bitmap: Forward's), or nothing."""
         counter = self.job_counter[job.job_index]
         if action in (DROP_DUPLICATE, RESEND):
             counter[STAT["retransmissions"]] += 1
             if action == DROP_DUPLICATE:
                 counter[STAT["drop_duplicate_incomplete"]] += 1
-                return []
+                return self._pending(bridged, job, datagram, have)
         else:
             counter[STAT["contributions"]] += 1
             counter[STAT["completions"]] += bridged.completes
@@ -421,6 +434,17 @@ class PipelineModel:
             counter[STAT["saturated_elements"]] += k > k_finite
             out[lane] = negative[lane] * SIGN | NONZERO | k
         return out
+
+    def _pending(self, bridged: Bridged, job: JobHit, datagram: bytes, have: int) -> Sent:
+        """Forward's and the egress's PENDING: the DATA's header with type PENDING and count 0, then ``have``, cut
+        there (truncate), back to the one rank; never marked (the mark is a RESULT's)."""
+        rec = np.frombuffer(datagram[:HEADER_SIZE], HEADER).copy()
+        rec["type"], rec["count"] = int(MsgType.PENDING), 0
+        action, dest = self.tables.lookup("egress_dest", (bridged.job_index, bridged.rank))
+        if action != "set_dest":
+            return []
+        self.job_counter[bridged.job_index][STAT["packets_out"]] += 1
+        return [(rec.tobytes() + have.to_bytes(HAVE_SIZE, "big"), dest[0])]
 
     def _egress(self, bridged: Bridged, h: dict, job: JobHit, out: bytearray, queue_depth: int) -> Sent:
         """The RESULT header, then the copies: every replica of the job's multicast group (a completion; a round

@@ -95,6 +95,7 @@ control IntmlDeparser(packet_out pkt, in headers_t hdr) {
         pkt.emit(hdr.ipv4);
         pkt.emit(hdr.udp);
         pkt.emit(hdr.intml);
+        pkt.emit(hdr.have);
         pkt.emit(hdr.done);
         pkt.emit(hdr.codes);
         pkt.emit(hdr.words);

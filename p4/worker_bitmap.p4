@@ -18,6 +18,7 @@ control WorkerBitmap(inout headers_t hdr, inout metadata_t meta) {
         key = hdr.intml.allreduce ++ (hdr.intml.chunk ^ 0x80000000);  // allreduce << 32 | (chunk + 2**31)
         round_key.read(current, meta.cell);
         worker_bitmap.read(bitmap, meta.cell);
+        meta.have = bitmap;
         bit<32> ahead = key[63:32] - current[63:32];  // RFC 1982: newer iff 0 < ahead < 2**31
         meta.empty = bitmap == 0;
         if (meta.empty) {

@@ -9,7 +9,17 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from intml.protocol.wire import HEADER_SIZE, MAGIC, MAX_OWNER_SPAN, OFFSETS, OWNERS_SHIFT, RANK_MASK, VERSION
+from intml.protocol.wire import (
+    HEADER_SIZE,
+    MAGIC,
+    MAX_OWNER_SPAN,
+    OFFSETS,
+    OWNERS_SHIFT,
+    PENDING_SIZE,
+    RANK_MASK,
+    VERSION,
+    MsgType,
+)
 
 O_MAGIC = OFFSETS["magic"]
 O_VERSION = OFFSETS["version"]
@@ -64,6 +74,20 @@ def put_u32(p, o, v):
 
 
 @njit(inline="always")
+def get_u64(p, o):
+    v = np.uint64(0)
+    for b in range(8):
+        v = (v << np.uint64(8)) | np.uint64(p[o + b])
+    return v
+
+
+@njit(inline="always")
+def put_u64(p, o, v):
+    for b in range(8):
+        p[o + 7 - b] = np.uint8((v >> np.uint64(8 * b)) & np.uint64(0xFF))
+
+
+@njit(inline="always")
 def put_header(p, typ, job, allreduce, chunk, rank, slot, count, codec, shadow, exp, next_exp):
     """Write a complete header into the first HDR bytes of p."""
     put_u16(p, O_MAGIC, MAGIC)
@@ -79,6 +103,18 @@ def put_header(p, typ, job, allreduce, chunk, rank, slot, count, codec, shadow, 
     p[O_SHADOW] = shadow
     p[O_EXP] = np.uint8(exp & 0xFF)
     p[O_NEXT_EXP] = np.uint8(next_exp & 0xFF)
+
+
+@njit(inline="always")
+def put_pending(q, p, have):
+    """Write into q the PENDING that answers DATA datagram p (protocol.wire): p's header with type PENDING and
+    count 0, then ``have``, the ranks its round has; returns its length before any tag."""
+    for c in range(HDR):  # a loop: a slice assignment may allocate a temporary
+        q[c] = p[c]
+    q[O_TYPE] = MsgType.PENDING
+    put_u16(q, O_COUNT, 0)
+    put_u64(q, HDR, have)
+    return PENDING_SIZE
 
 
 @njit(inline="always")

@@ -15,7 +15,7 @@ import numpy as np
 from numba import njit
 
 from intml.protocol.lanes import load_be32, store_be32
-from intml.protocol.packet import HDR, put_header
+from intml.protocol.packet import HDR, get_u64, put_header, put_u64
 from intml.protocol.wire import MAX_DATAGRAM, MsgType
 
 SUM_WIDTH = 4  # bytes per partial sum: an int32 register
@@ -31,20 +31,6 @@ def partial_size(count):
 def max_partial_elements() -> int:
     """The most sums one PARTIAL datagram carries (a leaf's job's packet elements must not exceed it)."""
     return (MAX_DATAGRAM - HDR - TRAILER) // SUM_WIDTH
-
-
-@njit(inline="always")
-def get_u64(p, o):
-    v = np.uint64(0)
-    for b in range(8):
-        v = (v << np.uint64(8)) | np.uint64(p[o + b])
-    return v
-
-
-@njit(inline="always")
-def put_u64(p, o, v):
-    for b in range(8):
-        p[o + 7 - b] = np.uint8((v >> np.uint64(8 * b)) & np.uint64(0xFF))
 
 
 @njit(inline="always")

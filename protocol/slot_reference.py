@@ -34,7 +34,7 @@ from intml.protocol import reference
 from intml.protocol.codec import Codec
 from intml.protocol.job import CONTROL_SOURCE_BUCKETS, ControlLimits
 from intml.protocol.siphash import tag_ref
-from intml.protocol.wire import HEADER, HEADER_SIZE, MAGIC, NO_EXP, TAG_SIZE, VERSION, MsgType
+from intml.protocol.wire import HAVE_SIZE, HEADER, HEADER_SIZE, MAGIC, NO_EXP, TAG_SIZE, VERSION, MsgType
 
 EMPTY, FILLING, COMPLETE = "EMPTY", "FILLING", "COMPLETE"
 OLDER, SAME_NEW_RANK, SAME_KNOWN_RANK, NEWER = "OLDER", "SAME_NEW_RANK", "SAME_KNOWN_RANK", "NEWER"
@@ -44,7 +44,8 @@ OLDER, SAME_NEW_RANK, SAME_KNOWN_RANK, NEWER = "OLDER", "SAME_NEW_RANK", "SAME_K
 # reaches n, which sends the result to all ranks (or the job's multicast group; by unicast to each, header-only to
 # ranks that are not among the owners, for a round with owners).
 DROP_STALE = "drop_stale"  # a delayed duplicate of a round the set has left
-DROP_DUPLICATE = "drop_duplicate_incomplete"  # a retransmission before the round completed: never added twice
+DROP_DUPLICATE = "drop_duplicate_incomplete"  # a retransmission before the round completed: never added twice;
+# answered with a PENDING, the ranks the round has, to that rank alone
 RESEND = "resend"  # a retransmission after completion: the stored result again, to that rank alone
 ADD = "add"  # a contribution to the round: set the rank's bit, count it, add its values
 OPEN = "open"  # the set's next round: reset bitmap and count, the values are written (no zeroing)
@@ -237,7 +238,7 @@ class SlotReference:
             job.stats["retransmissions"] += 1
             if action == DROP_DUPLICATE:
                 job.stats[DROP_DUPLICATE] += 1
-                return []
+                return self._send(job, [(self._pending(job, s, datagram), job.members[rank])])
             job.stats["results_resent"] += 1
             return self._send(job, [(self._result_for(s, rank, job.world), job.members[rank])])
         if action == ADD and (h["exp"] != s.exp or h["count"] != s.elements or h["owners"] != s.owners):
@@ -266,6 +267,15 @@ class SlotReference:
         if job.group and not s.owners:
             return self._send(job, [(s.result, job.group)])
         return self._send(job, [(self._result_for(s, r, n), job.members[r]) for r in range(n)])
+
+    @staticmethod
+    def _pending(job: Job, s: ShadowSet, datagram: bytes) -> bytes:
+        """The PENDING that answers a retransmission into the incomplete round of ``s``: the DATA's header with
+        type PENDING and count 0, the ranks the round has, and the job's tag."""
+        header = np.frombuffer(datagram[:HEADER_SIZE], HEADER).copy()
+        header["type"], header["count"] = MsgType.PENDING, 0
+        body = header.tobytes() + sum(1 << r for r in s.ranks).to_bytes(HAVE_SIZE, "big")
+        return body if job.mac_key is None else body + tag_ref(*job.mac_key, body)
 
     @staticmethod
     def _result_for(s: ShadowSet, rank: int, n: int) -> bytes:

@@ -44,6 +44,11 @@ authentication"; the keys: protocol.keys):
 * PARTIAL (leaf to spine, docs/protocol.md "Leaf-spine"): ``count`` big-endian int32 partial sums whatever the
   codec, then the 8-byte contributors bitmap (u64, bit r for rank r); ``rank`` is the leaf's index at the spine
   (protocol.partial).
+* PENDING (aggregator to one rank): the answer to a DATA retransmission whose round is still incomplete. Its
+  header is the DATA's with type PENDING and count 0; then ``have``, a big-endian u64 with bit r set for each rank
+  r the round has (the sender's bit among them: its datagram arrived, the round waits on the others); then, for a
+  job with the DATA/RESULT MAC, the tag as on a RESULT (``PENDING_SIZE`` bytes before it). The rank stops resending
+  the slot and backs off (docs/window.md, "A duplicate answered with the ranks it lacks").
 
 ``count`` is 0 in control messages (anything but DATA / RESULT).
 
@@ -125,6 +130,7 @@ class MsgType(IntEnum):
     ERROR = 8
     CHALLENGE = 9
     PARTIAL = 10  # a leaf's int32 partial sum of its rack, to the spine (docs/protocol.md, "Leaf-spine")
+    PENDING = 11  # a retransmission's round is incomplete: the ranks it has (the module docstring)
 
 
 # (name, numpy type code, meaning); order is wire order.
@@ -191,6 +197,9 @@ RANK_MASK = 0xFF
 ALL_OWNERS = 0
 MAX_OWNER_SPAN = 3  # a code names at most 4 consecutive ranks; a chunk over more shards is sent to all
 
+
+HAVE_SIZE = 8  # a PENDING's bitmap of the ranks its round has, u64 (MAX_WORLD = 64 ranks)
+PENDING_SIZE = HEADER_SIZE + HAVE_SIZE  # a PENDING without its tag
 
 MAX_DATAGRAM = 65507  # the largest UDP payload over IPv4
 TAG_SIZE = 8  # the SipHash-2-4 tag after the payload of a DATA or RESULT datagram of a job with data_mac

@@ -21,7 +21,8 @@ from intml.worker.session import CoreJoined, JobJoined, WorkerSession
 
 TIMER = "timer"  # the marker a due retransmission timer puts in the CPU's queue
 START = "start"  # the first element of an allreduce's (START, input, output) item in the CPU's queue
-RESULT = int(MsgType.RESULT)  # a plain int: an enum's attribute costs a lookup per datagram
+ENGINE_TYPES = (int(MsgType.RESULT), int(MsgType.PENDING))  # what the engine takes (plain ints: an enum's attribute
+# costs a lookup per datagram); the rest is the session's
 # A timer fires this long after its deadline: the engine resends when now - sent_at >= rto, and at exactly
 # now = sent_at + rto the float subtraction can fall short by an ulp; a timer that found nothing due would then be
 # re-armed at the same instant for ever. (A real clock always moves on.)
@@ -74,8 +75,9 @@ class WorkerHost:
         out: list[Datagram] = []
         addr, copy = self.addr, self._copy
         cost = 0.0
-        # the results are taken together after the other items (timers, a start, control datagrams), in order
-        results = [d for d in items if d is not TIMER and d[0] is not START and d[0][O_TYPE] == RESULT]
+        # the results (and PENDINGs) are taken together after the other items (timers, a start, control datagrams), in
+        # order
+        results = [d for d in items if d is not TIMER and d[0] is not START and d[0][O_TYPE] in ENGINE_TYPES]
         if len(results) < len(items):
             for item in items:
                 if item is TIMER:
@@ -84,7 +86,7 @@ class WorkerHost:
                 elif item[0] is START:
                     self.running = True
                     out += copy(engine.start(item[1], now, item[2]), addr)
-                elif item[0][O_TYPE] != RESULT:
+                elif item[0][O_TYPE] not in ENGINE_TYPES:
                     self.session.receive(item[0], item[1], now)
         if results and engine is not None:
             if self._rx is None:

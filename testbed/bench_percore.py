@@ -192,7 +192,7 @@ def _counts(stats: dict) -> dict[str, int]:
     """The figures of a receiver's counter line: the job's on the aggregator core, the sink's own otherwise."""
     counters = stats["jobs"][str(JOB)]["counters"] if stats["jobs"] else stats["core_counters"]
     out = {k: counters.get(k, 0) for k in ("packets_in", "contributions", "completions", "packets_out",
-                                            "retransmissions", "results_resent")}
+                                            "retransmissions", "results_resent", "drop_duplicate_incomplete")}
     out["dropped"] = sum(v for k, v in counters.items() if k.startswith("drop_"))
     return out
 

@@ -80,6 +80,7 @@ from intml.protocol.packet import (
     get_i32,
     get_u16,
     get_u32,
+    get_u64,
     owner_range,
     owners_code,
     put_header,
@@ -91,6 +92,7 @@ from intml.protocol.wire import (
     CONGESTED,
     MAGIC,
     OWNERS_SHIFT,
+    PENDING_SIZE,
     SHADOW_SET,
     TAG_SIZE,
     VERSION,
@@ -102,7 +104,9 @@ from intml.worker.retransmit import (
     arm,
     disarm,
     fast_retransmit,
+    answered,
     next_deadline,
+    on_pending,
     on_result,
     restart_silences,
     silence_state,
@@ -121,6 +125,7 @@ from intml.worker.state import (
     NONFINITE,
     PACKETS_IN,
     PARKED,
+    PENDINGS,
     P_ALLREDUCE,
     P_CHUNKS,
     P_CODEC,
@@ -304,10 +309,11 @@ def hold(st, s, c):
 
 @njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
 def release(st, now, tx_ptr, tx_len, tx_addr, n_tx):
-    """Build and queue the held slots' chunks the send window admits now (worker.window.admitted), lowest chunk
-    first. Returns the new tx count."""
+    """Build and queue the held slots' chunks the send window admits now (worker.window.admitted: a slot that a
+    PENDING answered, whose round waits on peers, is not in flight), lowest chunk first. Returns the new tx
+    count."""
     while True:
-        s = admitted(st.window, st.cur_chunk, st.parked, st.params[P_WINDOW])
+        s = admitted(st.window, st.cur_chunk, st.parked, st.answered, st.params[P_WINDOW])
         if s < 0:
             return n_tx
         if _build(st, s, st.parked[s], now):  # (else parked: in flight all the same)
@@ -322,9 +328,46 @@ def release(st, now, tx_ptr, tx_len, tx_addr, n_tx):
 
 @njit(inline="always")
 def validate_header(p, length):
-    """DROP_MALFORMED unless the datagram is a whole header of a RESULT of this protocol version, else -1."""
-    if length < HDR or get_u16(p, O_MAGIC) != MAGIC or p[O_VERSION] != VERSION or p[O_TYPE] != MsgType.RESULT:
+    """DROP_MALFORMED unless the datagram is a whole header of a RESULT or PENDING of this protocol version, else
+    -1."""
+    if (length < HDR or get_u16(p, O_MAGIC) != MAGIC or p[O_VERSION] != VERSION
+            or (p[O_TYPE] != MsgType.RESULT and p[O_TYPE] != MsgType.PENDING)):
         return DROP_MALFORMED
+    return -1
+
+
+@njit(inline="always")
+def have_ok(prm, have):
+    """A PENDING's ``have`` names this rank, no rank beyond the world, and not every rank (its round is
+    incomplete)."""
+    world = np.uint64(prm[P_WORLD])
+    every = np.uint64(0xFFFFFFFFFFFFFFFF) >> (np.uint64(64) - world)
+    return (have >> np.uint64(prm[P_RANK])) & np.uint64(1) != 0 and have & ~every == 0 and have != every
+
+
+@njit(inline="always")
+def take_pending(st, p, length, addr, now):
+    """A PENDING (protocol.wire): why it is dropped (as a result would be: foreign, stale, unsent, a bad tag, or
+    malformed: not this rank's slot's round as it sent it, or a ``have`` without it), else -1 once the
+    retransmission policy has taken it (worker.retransmit.on_pending; a second answer to one transmission is
+    stale)."""
+    prm = st.params
+    drop = classify_result(prm, st.parity, st.cur_chunk, st.agg_addr, p, addr)
+    if drop >= 0:
+        return drop
+    s = get_u16(p, O_SLOT)
+    if st.taken[s]:
+        return DROP_UNSENT
+    length = authenticate(prm, st.mac_keys, p, length)
+    if length < 0:
+        return DROP_BAD_MAC
+    if (length != PENDING_SIZE or get_u16(p, O_COUNT) != 0 or np.int64(p[O_CODEC]) != prm[P_CODEC]
+            or get_u16(p, O_RANK) != _owners(prm, get_i32(p, O_CHUNK)) << OWNERS_SHIFT | prm[P_RANK]
+            or not have_ok(prm, get_u64(p, HDR))):
+        return DROP_MALFORMED
+    if not on_pending(st, s, now):
+        return DROP_STALE
+    st.stats[PENDINGS] += 1
     return -1
 
 
@@ -489,6 +532,11 @@ def receive_kernel(state, rx_data, rx_len, rx_addr, n_rx, now, tx_ptr, tx_len, t
         p = rx_data[i]
         length = rx_len[i]
         drop = validate_header(p, length)
+        if drop < 0 and p[O_TYPE] == MsgType.PENDING:
+            drop = take_pending(st, p, length, rx_addr[i], now)
+            if drop >= 0:
+                st.stats[drop] += 1
+            continue
         marked = False
         if drop < 0:
             marked = congestion_mark(p)
@@ -721,7 +769,8 @@ class StreamEngine:
             packet_len=np.zeros(self.pool_size, np.int64), agg_addr=self.agg_addr, stats=self.stats,
             timing=self.timing, low=low, sent=sent, mac_keys=self.mac_keys, codes=codes,
             parked=np.full(self.pool_size, IDLE, np.int64), silence=self.silence, x16=x16, out16=out16,
-            scratch=self.scratch, window=self.window, taken=self.taken, heads=self.heads)
+            scratch=self.scratch, window=self.window, taken=self.taken, heads=self.heads,
+            answered=np.full(self.pool_size, -np.inf), pendings=np.zeros(self.pool_size, np.int64))
         self._args = tuple(self.state)
         tx = self.tx
         n = start_kernel(self._args, now, tx.ptr, tx.length, tx.addr) if window else 0

@@ -156,7 +156,7 @@ def release_kernel(state, now, tx_ptr, tx_len, tx_addr, n_tx):
     nothing was overtaken). Returns the new tx count."""
     st = State(*state)
     while True:
-        s = admitted(st.window, st.cur_chunk, st.parked, st.params[P_WINDOW])
+        s = admitted(st.window, st.cur_chunk, st.parked, st.answered, st.params[P_WINDOW])
         if s < 0:
             return fast_retransmit(st, now, tx_ptr, tx_len, tx_addr, n_tx)
         n_tx = _send(st, s, st.parked[s], now, tx_ptr, tx_len, tx_addr, n_tx)
@@ -237,7 +237,8 @@ class HostStreamEngine:
             packet_len=self.packet_len, agg_addr=self.agg_addr, stats=self.stats, timing=self.timing,
             low=np.empty(0, np.uint32), sent=f32, mac_keys=self.mac_keys, codes=u8, parked=self.parked,
             silence=self.silence, x16=u16, out16=u16, scratch=f32, window=self.window,
-            taken=np.empty(0, np.bool_), heads=np.empty(0, np.uint32)))
+            taken=np.empty(0, np.bool_), heads=np.empty(0, np.uint32), answered=np.full(pool_size, -np.inf),
+            pendings=np.zeros(pool_size, np.int64)))
 
     def resume(self, allreduce: int, shadow_sets: np.ndarray) -> None:
         """As StreamEngine.resume: the next ``start`` is allreduce ``allreduce``, slot s uses ``shadow_sets[s]``."""

@@ -27,6 +27,16 @@ driver.
   before that answer are due SRTT after it, all at once, as losses at the end of a stream need; at most the send
   window's worth of them (worker.window: all, unless the aggregator marked congestion), so that a congested
   aggregator's drops are not resent in one burst that its full queue drops again.
+* A slot whose retransmission the aggregator answered with a PENDING (its round has this rank's datagram and waits
+  on peers': protocol.wire) is *answered* until it is sent again, and backs off: it is not probed, and it is
+  fast-retransmitted only once overtaken by FAST_RETRANSMIT x 2**k results of slots sent after the PENDING, its
+  k-th for the chunk (the round's result may have been lost on the way back: then the later slots' results overtake
+  it at once). It also has a timer of its own, its RTO after the PENDING, whether its core answers other slots or
+  not, and its RTO doubles when that fires; and it is resent with the due slots of a core whose last answer, after
+  its PENDING, was to a retransmission (the end of a stream: its result may be the one lost). A round that waits long on a peer so costs this rank a few resends,
+  not one per FAST_RETRANSMIT results. A PENDING is taken only once per transmission and never restarts its core's
+  silence: a forged or replayed one (without the MAC) delays a slot's next resend by its RTO at most, and the slot
+  is still resent, with backoff (docs/window.md, "A duplicate answered with the ranks it lacks").
 * A result of a retransmitted slot that comes sooner than the fastest round trip seen after the retransmission
   answers the original: counted as spurious_retransmissions.
 """
@@ -56,6 +66,7 @@ T_SRTT, T_RTTVAR, T_RTO, T_MIN, T_MAX, T_FLOOR = range(6)
 # probes), 1 if its last result answered a retransmission (its next timeout resends every due slot), else 0, and
 # the probes of the current round (one per slot in flight there)
 S_SINCE, S_BACKOFF, S_ALIVE, S_PROBES = range(4)
+MAX_BACKOFF = 20  # the most doublings of an answered slot's fast-retransmit threshold
 
 
 def timing_state(rto: float, min_rto: float, max_rto: float) -> np.ndarray:
@@ -84,6 +95,32 @@ def arm(st, s, now):
     st.retries[s] = 0
     st.overtaken[s] = 0
     st.rto[s] = st.timing[T_RTO]
+    st.answered[s] = -np.inf
+    st.pendings[s] = 0
+
+
+@njit(inline="always")
+def answered(st, s):
+    """A PENDING answered slot s's latest transmission: its datagram is in its round, which waits on peers."""
+    return st.answered[s] > -np.inf
+
+
+@njit(inline="always")
+def on_pending(st, s, now):
+    """Slot s's latest transmission was answered by a PENDING at now: it waits on its own timer (the module
+    docstring); False, changing nothing, if one already answered it."""
+    if answered(st, s):
+        return False
+    st.answered[s] = now
+    st.overtaken[s] = 0
+    st.pendings[s] = min(st.pendings[s] + 1, MAX_BACKOFF)
+    return True
+
+
+@njit(inline="always")
+def since(st, s):
+    """When slot s was last sent, or answered if it is: the results of slots sent later overtake it."""
+    return st.answered[s] if answered(st, s) else st.sent_at[s]
 
 
 @njit(inline="always")
@@ -91,6 +128,7 @@ def disarm(st, s):
     """Slot s has nothing sent (parked): no retransmission, RTT or overtaking of it."""
     st.sent_at[s] = np.inf
     st.overtaken[s] = 0
+    st.answered[s] = -np.inf
 
 
 @njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
@@ -111,6 +149,7 @@ def _resend(st, s, now, tx_ptr, tx_len, tx_addr, n_tx):
     queue_slot(st, s, tx_ptr, tx_len, tx_addr, n_tx)
     st.sent_at[s] = now
     st.retries[s] += 1
+    st.answered[s] = -np.inf
     return n_tx + 1
 
 
@@ -122,7 +161,7 @@ def _count_overtaking(st, s):
     sent = st.sent_at[s]
     cores = st.params[P_CORES]
     for other in range(s % cores, st.params[P_WINDOW], cores):
-        if other != s and st.cur_chunk[other] != IDLE and st.sent_at[other] < sent:
+        if other != s and st.cur_chunk[other] != IDLE and since(st, other) < sent:
             st.overtaken[other] += 1
 
 
@@ -150,7 +189,8 @@ def fast_retransmit(st, now, tx_ptr, tx_len, tx_addr, n_tx):
     """After a burst of results: resend the slots still in flight that FAST_RETRANSMIT results overtook (a slot
     whose own result came later in the burst is not resent). Returns the new tx count."""
     for s in range(st.params[P_WINDOW]):
-        if st.cur_chunk[s] != IDLE and st.overtaken[s] >= FAST_RETRANSMIT and n_tx < tx_len.size:
+        due = FAST_RETRANSMIT << st.pendings[s] if answered(st, s) else FAST_RETRANSMIT
+        if st.cur_chunk[s] != IDLE and st.overtaken[s] >= due and n_tx < tx_len.size:
             n_tx = _resend(st, s, now, tx_ptr, tx_len, tx_addr, n_tx)
             st.overtaken[s] = 0
             st.stats[FAST_RETRANSMISSIONS] += 1
@@ -161,8 +201,13 @@ def fast_retransmit(st, now, tx_ptr, tx_len, tx_addr, n_tx):
 def _deadline(st, s):
     """When slot s (in flight) is due: its RTO, backed off as its core is, after the later of its sending and the
     start of its core's silence; SRTT after it, if sooner, when the core's last answer was to a retransmission
-    and s was sent before it."""
+    and s was sent before it. An answered slot: its RTO after its PENDING, or, if sooner, SRTT after such a result
+    that came after its PENDING (its round may have completed, and its result been lost)."""
     quiet = st.silence[s % st.params[P_CORES]]
+    if answered(st, s):
+        if quiet[S_ALIVE] and st.answered[s] < quiet[S_SINCE] and st.timing[T_SRTT] > 0.0:
+            return min(st.answered[s] + st.rto[s], quiet[S_SINCE] + st.timing[T_SRTT])
+        return st.answered[s] + st.rto[s]
     wait = min(st.timing[T_MAX], st.rto[s] * quiet[S_BACKOFF])
     if quiet[S_ALIVE] and st.sent_at[s] < quiet[S_SINCE] and st.timing[T_SRTT] > 0.0:
         wait = min(wait, st.timing[T_SRTT])
@@ -171,17 +216,24 @@ def _deadline(st, s):
 
 @njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
 def timer_kernel(state, now, tx_ptr, tx_len, tx_addr):
-    """On each silent aggregator core with slots due, retransmit its least recently sent slot in flight (the
-    probe: its slots take turns, and the core's backoff doubles once each has had one), or every due one (at most
-    the send window's worth) if the core's last answer was to a retransmission, and then double its backoff;
-    restart the core's silence. Returns datagrams written to tx."""
+    """Retransmit each answered slot that is due, doubling its RTO. Then on each silent aggregator core with
+    slots due, retransmit its least recently sent slot in flight (the probe: its slots take turns, and the core's
+    backoff doubles once each has had one), or every due one (at most the send window's worth) if the core's last
+    answer was to a retransmission, and then double its backoff; restart the core's silence. Returns datagrams
+    written to tx."""
     st = State(*state)
     n_tx = 0
     cores = st.params[P_CORES]
     for k in range(cores):
         probe, first, waiting = -1, np.inf, 0
         for s in range(k, st.params[P_WINDOW], cores):
-            if st.cur_chunk[s] != IDLE and st.sent_at[s] < np.inf:  # (a held or parked slot has nothing sent)
+            if st.cur_chunk[s] != IDLE and st.sent_at[s] < np.inf and answered(st, s):
+                if _deadline(st, s) <= now:
+                    if st.answered[s] + st.rto[s] <= now:  # its own timer: back off
+                        st.rto[s] = min(st.timing[T_MAX], 2.0 * st.rto[s])
+                    n_tx = _resend(st, s, now, tx_ptr, tx_len, tx_addr, n_tx)
+                    st.stats[RETRANSMISSIONS] += 1
+            elif st.cur_chunk[s] != IDLE and st.sent_at[s] < np.inf:  # (a held or parked slot has nothing sent)
                 waiting += 1
                 first = min(first, _deadline(st, s))
                 if probe < 0 or st.sent_at[s] < st.sent_at[probe]:
@@ -192,7 +244,7 @@ def timer_kernel(state, now, tx_ptr, tx_len, tx_addr):
         budget = window_limit(st.window, st.params[P_WINDOW])
         if quiet[S_ALIVE]:
             for s in range(k, st.params[P_WINDOW], cores):
-                if st.cur_chunk[s] != IDLE and _deadline(st, s) <= now and budget > 0:
+                if st.cur_chunk[s] != IDLE and not answered(st, s) and _deadline(st, s) <= now and budget > 0:
                     budget -= 1
                     n_tx = _resend(st, s, now, tx_ptr, tx_len, tx_addr, n_tx)
                     st.stats[RETRANSMISSIONS] += 1

@@ -24,9 +24,10 @@ STAT_NAMES = (
     "drop_unsent",
     "nonfinite_elements",
     "congestion_marks",
+    "pendings",
 )
 (PACKETS_OUT, PACKETS_IN, RETRANSMISSIONS, FAST_RETRANSMISSIONS, RESULTS, DROP_MALFORMED, DROP_FOREIGN, DROP_STALE,
- SATURATED, DROP_BAD_MAC, SPURIOUS, DROP_UNSENT, NONFINITE, CONGESTION_MARKS) = range(len(STAT_NAMES))
+ SATURATED, DROP_BAD_MAC, SPURIOUS, DROP_UNSENT, NONFINITE, CONGESTION_MARKS, PENDINGS) = range(len(STAT_NAMES))
 FAST_RETRANSMIT = 3  # results of later-sent slots that mark a slot as lost (worker.retransmit)
 IDLE = np.iinfo(np.int64).min  # cur_chunk of a slot with nothing in flight
 PARKED = IDLE + 1  # cur_chunk of a precoded slot waiting for its chunk's codes (its chunk: State.parked)
@@ -38,7 +39,7 @@ HELD = IDLE + 2  # cur_chunk of a slot whose next chunk (State.parked) the send 
 State = namedtuple(
     "State",
     "params x out local_exp agreed_exp cur_chunk parity sent_at rto retries overtaken packet packet_len agg_addr stats "
-    "timing low sent mac_keys codes parked silence x16 out16 scratch window taken heads",
+    "timing low sent mac_keys codes parked silence x16 out16 scratch window taken heads answered pendings",
 )
 # params (int64): job, rank, world, value_bits, codec, packet_elements, window, chunks, elements, allreduce, cores,
 #                 seed (as int64 bits), done_chunks, shard elements of a
@@ -55,7 +56,8 @@ PARAMS = 20
 # codes (uint8): precoded, the codes in (each chunk at its own floor) and the result codes out; else empty
 # parked (int64): per slot, the chunk a PARKED or HELD slot waits to send
 # mac_keys (uint64): (cores, 2), the data key (k0, k1) of each aggregator core; (0, 2) without the DATA/RESULT MAC
-# sent_at, rto, retries, overtaken (per slot), timing and silence: the retransmission policy's (worker.retransmit)
+# sent_at, rto, retries, overtaken, answered, pendings (per slot), timing and silence: the retransmission policy's
+# (worker.retransmit)
 # window (float64): the send window's (worker.window)
 # taken (bool, per slot): receive_kernel's marks of the slots that took a result in the current call
 # heads (uint32, protocol.rng.BLOCK + 1): the cnat8 encode's table, kept between calls (protocol.cnat.kept_heads)

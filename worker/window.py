@@ -71,11 +71,13 @@ def holds(window, slots):
 
 
 @njit(inline="always")
-def admitted(window, cur_chunk, parked, slots):
+def admitted(window, cur_chunk, parked, answered, slots):
     """The held slot whose chunk the window admits next, or -1: of slots 0..slots-1 (``cur_chunk`` HELD, its
     chunk in ``parked``; a PARKED slot is in flight with its chunk there), the lowest chunk held, while fewer
-    slots than the window are in flight, and in any case if it is lower than every chunk in flight. The caller
-    sends it (its slot leaves HELD) and asks again, until -1."""
+    slots than the window are in flight, and in any case if it is lower than every chunk in flight. A slot whose
+    latest datagram a PENDING answered (``answered`` above -inf, worker.retransmit) is not in flight: its datagram
+    has left the aggregator's queue, and its round waits on peers. The caller sends the slot (it leaves HELD) and
+    asks again, until -1."""
     limit = window_limit(window, slots)
     in_flight, lowest, pick = 0, np.iinfo(np.int64).max, -1
     for s in range(slots):
@@ -84,7 +86,7 @@ def admitted(window, cur_chunk, parked, slots):
             if pick < 0 or parked[s] < parked[pick]:
                 pick = s
         elif c != IDLE:
-            in_flight += 1
+            in_flight += answered[s] == -np.inf
             lowest = min(lowest, parked[s] if c == PARKED else c)
     if pick < 0 or (in_flight >= limit and parked[pick] > lowest):
         return -1

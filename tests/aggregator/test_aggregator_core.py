@@ -231,7 +231,7 @@ def test_int32_boundary_values_are_accepted():
 
 def test_every_drop_reason_is_tested():
     tested = {r for r, *_ in CNAT_MUTATIONS.values()} | {r for r, *_ in OPEN_ONLY.values()}
-    tested |= {"drop_duplicate_incomplete"}  # test_duplicate_to_incomplete_round_is_dropped
+    tested |= {"drop_duplicate_incomplete"}  # test_duplicate_to_incomplete_round_is_answered_with_pending
     tested |= {"drop_bad_control"}  # test_malformed_control_datagram_is_counted_and_answered
     tested |= {"drop_refused_join", "drop_leave_non_member"}  # test_hardening: test_refused_joins_and_foreign_...
     tested |= {"drop_control_rate"}  # test_flood: the kernel against slot_reference, and live floods
@@ -285,16 +285,20 @@ def two_workers_first_packets(codec: str, seed: int):
 
 
 @pytest.mark.parametrize("codec", ["cnat8", "int32"])
-def test_duplicate_to_incomplete_round_is_dropped(codec):
+def test_duplicate_to_incomplete_round_is_answered_with_pending(codec):
     net, xs, (d0, s0), (d1, s1) = two_workers_first_packets(codec, seed=3)
     assert (s0, s1) == (net.addr(0), net.addr(1)) and header(d0)["chunk"] == 0
     assert net.to_core(0, [(d0, s0)]) == []
     snap = table_snapshot(net.cores[0], net.job)
     before = net.job_counters()
-    assert net.to_core(0, [(d0, s0)]) == []
+    (answer, dst), = net.to_core(0, [(d0, s0)])
     assert counter_diff(before, net.job_counters()) == {"packets_in": 1, "retransmissions": 1,
-                                                         "drop_duplicate_incomplete": 1}
+                                                         "drop_duplicate_incomplete": 1, "packets_out": 1}
     assert_table_equal(snap, table_snapshot(net.cores[0], net.job))  # never added twice
+    # to rank 0 alone: the DATA's header as type PENDING with count 0, then the ranks the round has (rank 0's bit)
+    want = bytearray(d0[:wire.HEADER_SIZE])
+    want[3], want[20:22] = MsgType.PENDING, b"\0\0"
+    assert dst == net.addr(0) and answer == bytes(want) + (1).to_bytes(wire.HAVE_SIZE, "big")
     results = net.to_core(0, [(d1, s1)])
     assert sorted(dst for _, dst in results) == [net.addr(0), net.addr(1)]
     for data, dst in results:
@@ -805,7 +809,8 @@ def test_multicast_results_one_datagram_per_completion(codec, faults):
     for net, x in zip(nets, xs):
         assert_results(net, x)
         counters = net.job_counters()
-        assert counters["packets_out"] == counters["completions"] + counters["results_resent"]
+        assert counters["packets_out"] == (counters["completions"] + counters["results_resent"]
+                                           + counters["drop_duplicate_incomplete"])  # each answered by a PENDING
         to_group = [d for d, _, dst in net.sent_down if dst == net.group]
         assert len(to_group) == counters["completions"]
         assert all(dst == net.group or dst in net.rank_of for _, _, dst in net.sent_down)

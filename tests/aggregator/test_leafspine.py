@@ -100,6 +100,19 @@ def test_partial_result_and_recovery_at_both_levels():
     assert [d for _, d in out] == [worker_addr(r) for r in range(4)] and {p for p, _ in out} == {result}
 
 
+def test_a_leaf_answers_a_duplicate_into_its_incomplete_rack_with_pending():
+    """As one switch answers: the DATA's header as type PENDING, count 0, then the rack's ranks the set has."""
+    (a, _), _ = fabric()
+    first = data(0, X[0])
+    assert core_receive(a, [(first, worker_addr(0))], 1.0) == []
+    [(answer, dest)] = core_receive(a, [(first, worker_addr(0))], 2.0)
+    want = bytearray(first[:HDR])
+    want[3], want[20:22] = MsgType.PENDING, b"\0\0"
+    assert dest == worker_addr(0) and answer == bytes(want) + (0b0001).to_bytes(8, "big")
+    assert counters(a) == {"packets_in": 2, "packets_out": 1, "contributions": 1, "retransmissions": 1,
+                           "drop_duplicate_incomplete": 1}
+
+
 def test_the_spines_congestion_mark_reaches_the_rack():
     """A RESULT that a queue between the spine and the leaf marked (docs/window.md) goes on to the rack marked; the
     leaf stores it unmarked, so a re-send carries only the marks of the queues it meets itself. Any other bit

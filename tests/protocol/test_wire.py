@@ -257,7 +257,7 @@ def patched(offset: int, value: bytes) -> bytes:
     (b"", "short buffer: 0 bytes"),
     (patched(OFFSETS["magic"], b"NI"), "bad magic 0x4E49"),
     (patched(OFFSETS["version"], b"\x02"), "bad version 2"),
-    (patched(OFFSETS["type"], b"\x0b"), "unknown message type 11"),
+    (patched(OFFSETS["type"], b"\x0c"), "unknown message type 12"),
     (patched(OFFSETS["codec"], b"\x02"), "unknown codec 2"),
     (GOOD[:-1], "payload is 15 bytes but count=4 INT32 elements need 16"),
     (GOOD + b"\x00", "payload is 17 bytes but count=4"),

@@ -11,8 +11,11 @@ unchanged; and when the JOIN grew by its 4-byte codec parameter, which shifts ev
 and so the rounding of the times' differences, by at most 5.6e-16 relative, every other field unchanged; and the
 ``congestion_marks`` counter, 0 throughout: no scenario marks; and when a silent core's probes came to take turns
 over its slots, and overtaken slots' round trips stopped being sampled: only ``cnat8_loss_software``'s second
-allreduce (252 ms, a timeout of 200 ms, to 52 ms) and ``p4model_loss``'s (by 3.5 us) moved, still exact). A change to
-the engine that moves any virtual instant fails here."""
+allreduce (252 ms, a timeout of 200 ms, to 52 ms) and ``p4model_loss``'s (by 3.5 us) moved, still exact); and when the
+aggregator came to answer a duplicate of an incomplete round with a PENDING, which the ranks take (the ``pendings``
+counter): the PENDINGs ride the lossy links, so the random losses fall on other datagrams, and the three lossy
+scenarios moved by timeouts of 50 ms either way (docs/window.md, "4 workers"), still exact. A change to the engine
+that moves any virtual instant fails here."""
 
 from __future__ import annotations
 

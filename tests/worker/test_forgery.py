@@ -1,4 +1,4 @@
-"""Forged RESULTs against a worker without the DATA/RESULT MAC: whatever arrives, the receive path writes only
+"""Forged RESULTs (and PENDINGs) against a worker without the DATA/RESULT MAC: whatever arrives, the receive path writes only
 within its arrays, counts what it drops, and queues each slot at most once per burst."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from support.harness import AGG_IP, AGG_PORT, addr_key, engine_receive
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from intml.protocol.wire import HEADER_SIZE, Codec
+from intml.protocol.wire import HEADER_SIZE, Codec, MsgType
 from intml.testbed.forge import forged_rounds, fuzzed
 from intml.worker.engine import StreamEngine
 
@@ -36,7 +36,7 @@ def engine_of(pool: int, chunks: int, codec: Codec = Codec.CNAT8, world: int = 2
 def assert_counters_add_up(engine: StreamEngine) -> None:
     c = engine.counters()
     drops = sum(v for k, v in c.items() if k.startswith("drop_"))
-    assert c["packets_in"] == c["results"] + drops, c
+    assert c["packets_in"] == c["results"] + c["pendings"] + drops, c
 
 
 @pytest.mark.parametrize("codec", [Codec.CNAT8, Codec.INT32])
@@ -59,10 +59,13 @@ def test_consecutive_forged_rounds_in_one_burst(pool, codec):
 
 
 def _run_bursts(pool: int, chunks: int, codec: Codec, seed: int, bursts: int, size: int) -> StreamEngine:
-    """Bursts of fuzzed RESULTs, with forged consecutive rounds mixed in and a timer call after each burst."""
+    """Bursts of fuzzed RESULTs, with forged consecutive rounds mixed in, and PENDINGs for them (the DATA's header
+    with type PENDING, count 0 and a ``have`` that names rank 0 or anything), and a timer call after each burst."""
     engine, elements = engine_of(pool, chunks, codec)
     rng = random.Random(seed)
     rounds = forged_rounds(job=JOB, elements=elements, packet_elements=P, pool_size=pool, rounds=3, codec=codec)
+    rounds += [d[:3] + bytes([MsgType.PENDING]) + d[4:20] + bytes(2) + d[22:HEADER_SIZE]
+               + rng.choice([1, rng.getrandbits(64)]).to_bytes(8, "big") for d in rounds]
     for b in range(bursts):
         burst = fuzzed(rng, size, job=JOB, elements=elements, packet_elements=P, pool_size=pool,
                                max_len=engine.max_datagram + 16)

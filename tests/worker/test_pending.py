@@ -1,0 +1,121 @@
+"""The worker's reaction to a PENDING (protocol.wire; worker.retransmit): the aggregator's answer to a retransmission
+whose round is incomplete, naming the ranks the round has. The slot it answers stops being probed and waits on a
+timer of its own, its RTO after the PENDING, doubling at each resend; a second answer to one transmission is stale;
+a malformed, foreign or forged one is counted and dropped; and PENDINGs forged without end (a job without the MAC)
+delay a slot's resends but never stop them."""
+
+import numpy as np
+import pytest
+from support.harness import agg_addr, counter_diff, engine_receive, engine_timer
+from test_engine import AGG, JOB, N, RANK, lone_engine, result_for
+
+from intml.protocol import wire
+from intml.protocol.codec import Codec
+from intml.protocol.siphash import key_words, tag_ref
+from intml.protocol.wire import MsgType
+from intml.worker.engine import StreamEngine
+
+MINE = 1 << RANK  # the ranks of a round that has this rank's datagram and waits on the other
+PEER = 1 << (1 - RANK)
+
+
+def pending_for(data: bytes, have: int = MINE, **fields) -> bytes:
+    """The PENDING the aggregator sends for DATA datagram ``data`` (without its tag): its header, type PENDING,
+    count 0, then ``have``."""
+    header = np.frombuffer(data[:wire.HEADER_SIZE], wire.HEADER).copy()
+    header["type"], header["count"] = MsgType.PENDING, 0
+    for name, value in fields.items():
+        header[name] = value
+    return header.tobytes() + have.to_bytes(wire.HAVE_SIZE, "big")
+
+
+def test_an_answered_slot_waits_on_its_own_timer_and_backs_off():
+    """Slot 0 is answered by a PENDING at 0.5: the silent core's probe is then slot 1, the
+    least recently sent slot not answered, and slot 0 is resent at 0.5 + its RTO (1.0), its RTO doubled. The
+    PENDING is no round trip: the RTO is unchanged."""
+    engine, _, sent = lone_engine(rto=1.0, min_rto=0.25, max_rto=8.0)
+    before = engine.counters()
+    assert engine_receive(engine, [(pending_for(sent[0][0]), AGG)], 0.5) == []
+    assert counter_diff(before, engine.counters()) == {"packets_in": 1, "pendings": 1}
+    assert engine.get_timer() == 1.0 and engine_timer(engine, 1.0) == [sent[1]]  # the core's probe
+    assert engine.get_timer() == 1.5 and engine_timer(engine, 1.5) == [sent[0]]  # slot 0's own timer
+    # answered again at 2.0: its doubled RTO, 2.0, after; a second answer to the same transmission is stale
+    engine_receive(engine, [(pending_for(sent[0][0]), AGG)], 2.0)
+    before = engine.counters()
+    engine_receive(engine, [(pending_for(sent[0][0]), AGG)], 2.1)
+    assert counter_diff(before, engine.counters()) == {"packets_in": 1, "drop_stale": 1}
+    assert engine.get_timer() == 3.0  # slot 1: the core's backoff doubled after its round of one probe
+    assert engine_timer(engine, 3.0) == [sent[1]]
+    assert engine.get_timer() == 4.0 and engine_timer(engine, 4.0) == [sent[0]]
+    assert engine.rto == 1.0 and engine.counters()["retransmissions"] == 4
+
+
+def test_an_answered_slot_is_not_fast_retransmitted():
+    """Slot 0 waits on a peer (answered); the results of the three slots sent after it would fast-retransmit it,
+    and do not."""
+    engine, _, sent = lone_engine(pool=4, size=64, rto=1.0, min_rto=0.25, max_rto=8.0)
+    assert engine_receive(engine, [(pending_for(sent[0][0]), AGG)], 0.1) == []
+    out = engine_receive(engine, [(result_for(d, next_exp=3), AGG) for d, _ in sent[1:]], 0.2)
+    assert sent[0] not in out and engine.counters()["fast_retransmissions"] == 0
+
+
+def _tagged(datagram: bytes, key: bytes) -> bytes:
+    return datagram + tag_ref(*key_words(key), datagram)
+
+
+KEY = bytes(range(16))
+
+
+@pytest.mark.parametrize("why, make, counter", [
+    ("without this rank", lambda d: pending_for(d, have=PEER), "drop_malformed"),
+    ("every rank: complete, no PENDING", lambda d: pending_for(d, have=MINE | PEER), "drop_malformed"),
+    ("a rank beyond the world", lambda d: pending_for(d, have=MINE | 1 << N), "drop_malformed"),
+    ("short", lambda d: pending_for(d)[:-1], "drop_malformed"),
+    ("a count", lambda d: pending_for(d, count=1), "drop_malformed"),
+    ("another rank's", lambda d: pending_for(d, rank=1 - RANK), "drop_malformed"),
+    ("another codec", lambda d: pending_for(d, codec=int(Codec.INT32)), "drop_malformed"),
+    ("another chunk", lambda d: pending_for(d, chunk=5), "drop_stale"),
+    ("another job", lambda d: pending_for(d, job=JOB + 1), "drop_foreign"),
+])
+def test_a_malformed_or_foreign_pending_is_counted_and_changes_nothing(why, make, counter):
+    engine, _, sent = lone_engine(rto=1.0, min_rto=0.25, max_rto=8.0)
+    before = engine.counters()
+    assert engine_receive(engine, [(make(sent[0][0]), AGG)], 0.5) == []
+    assert counter_diff(before, engine.counters()) == {"packets_in": 1, counter: 1}, why
+    assert engine.get_timer() == 1.0 and engine_timer(engine, 1.0) == [sent[0]]  # probed as before: not answered
+
+
+def test_a_pending_from_another_core_is_foreign():
+    engine, _, sent = lone_engine(rto=1.0, min_rto=0.25, max_rto=8.0)
+    before = engine.counters()
+    engine_receive(engine, [(pending_for(sent[0][0]), agg_addr(1))], 0.5)
+    assert counter_diff(before, engine.counters()) == {"packets_in": 1, "drop_foreign": 1}
+
+
+def test_with_the_mac_only_a_tagged_pending_is_taken():
+    engine = StreamEngine(job=JOB, rank=RANK, world_size=N, codec=Codec.CNAT8, packet_elements=8, pool_size=2,
+                          seed=5, agg_addrs=[AGG], rto=1.0, min_rto=0.25, max_rto=8.0,
+                          data_mac_keys=np.array([key_words(KEY)], np.uint64))
+    sent = engine.start(np.ones(20, np.float32), 0.0).datagrams()
+    data = sent[0][0][:-wire.TAG_SIZE]
+    before = engine.counters()
+    engine_receive(engine, [(pending_for(data), AGG), (_tagged(pending_for(data), bytes(16)), AGG)], 0.5)
+    assert counter_diff(before, engine.counters()) == {"packets_in": 2, "drop_bad_mac": 2}
+    engine_receive(engine, [(_tagged(pending_for(data), KEY), AGG)], 0.6)
+    assert engine.counters()["pendings"] == 1
+
+
+def test_pendings_forged_without_end_delay_a_slot_but_never_stall_it():
+    """Without the MAC, an on-path forger answers every transmission of slot 0 with a PENDING at once. Each
+    transmission takes one (the rest are stale), so the slot is still resent, its RTO after the PENDING, doubling
+    up to max_rto: never more than max_rto between two resends."""
+    engine, _, sent = lone_engine(rto=1.0, min_rto=0.25, max_rto=8.0)
+    resends, now = [0.0], 0.0
+    while now < 60.0:
+        engine_receive(engine, [(pending_for(sent[0][0]), AGG)], now + 0.01)
+        now = engine.get_timer()
+        if sent[0] in engine_timer(engine, now):
+            resends.append(now)
+    gaps = np.diff(resends)
+    assert len(resends) > 8 and gaps.max() <= 8.0 + 0.01 + 1e-9
+    assert list(gaps[:4]) == pytest.approx([1.01, 2.01, 4.01, 8.01])
