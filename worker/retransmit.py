@@ -31,12 +31,13 @@ driver.
   on peers': protocol.wire) is *answered* until it is sent again, and backs off: it is not probed, and it is
   fast-retransmitted only once overtaken by FAST_RETRANSMIT x 2**k results of slots sent after the PENDING, its
   k-th for the chunk (the round's result may have been lost on the way back: then the later slots' results overtake
-  it at once). It also has a timer of its own, its RTO after the PENDING, whether its core answers other slots or
-  not, and its RTO doubles when that fires; and it is resent with the due slots of a core whose last answer, after
-  its PENDING, was to a retransmission (the end of a stream: its result may be the one lost). A round that waits long on a peer so costs this rank a few resends,
-  not one per FAST_RETRANSMIT results. A PENDING is taken only once per transmission and never restarts its core's
-  silence: a forged or replayed one (without the MAC) delays a slot's next resend by its RTO at most, and the slot
-  is still resent, with backoff (docs/window.md, "A duplicate answered with the ranks it lacks").
+  it at once). It also has a timer of its own, its RTO after the later of the PENDING and the start of its core's
+  silence (a core that keeps answering is busy, not waiting: its queue holds the peers' datagrams), and its RTO
+  doubles when that fires; and it is resent with the due slots of a core whose last answer, after its PENDING, was
+  to a retransmission (the end of a stream: its result may be the one lost). A round that waits long on a peer so
+  costs this rank a few resends, not one per FAST_RETRANSMIT results. A PENDING is taken only once per transmission and never restarts its core's
+  silence: a forged or replayed one (without the MAC) delays a slot's next resend, and the slot is still resent,
+  at least every twice max_rto (docs/window.md, "A duplicate answered with the ranks it lacks").
 * A result of a retransmitted slot that comes sooner than the fastest round trip seen after the retransmission
   answers the original: counted as spurious_retransmissions.
 """
@@ -198,6 +199,14 @@ def fast_retransmit(st, now, tx_ptr, tx_len, tx_addr, n_tx):
 
 
 @njit(inline="always")
+def _own_deadline(st, s, quiet):
+    """An answered slot's own timer: its RTO after the later of its PENDING and the start of its core's silence.
+    A core that keeps answering other slots is busy, its queue holding the peers' datagrams that the round waits
+    on (fast retransmit covers a result lost on the way back); a silent one is resent to."""
+    return max(st.answered[s], quiet[S_SINCE]) + st.rto[s]
+
+
+@njit(inline="always")
 def _deadline(st, s):
     """When slot s (in flight) is due: its RTO, backed off as its core is, after the later of its sending and the
     start of its core's silence; SRTT after it, if sooner, when the core's last answer was to a retransmission
@@ -206,8 +215,8 @@ def _deadline(st, s):
     quiet = st.silence[s % st.params[P_CORES]]
     if answered(st, s):
         if quiet[S_ALIVE] and st.answered[s] < quiet[S_SINCE] and st.timing[T_SRTT] > 0.0:
-            return min(st.answered[s] + st.rto[s], quiet[S_SINCE] + st.timing[T_SRTT])
-        return st.answered[s] + st.rto[s]
+            return min(_own_deadline(st, s, quiet), quiet[S_SINCE] + st.timing[T_SRTT])
+        return _own_deadline(st, s, quiet)
     wait = min(st.timing[T_MAX], st.rto[s] * quiet[S_BACKOFF])
     if quiet[S_ALIVE] and st.sent_at[s] < quiet[S_SINCE] and st.timing[T_SRTT] > 0.0:
         wait = min(wait, st.timing[T_SRTT])
@@ -229,7 +238,7 @@ def timer_kernel(state, now, tx_ptr, tx_len, tx_addr):
         for s in range(k, st.params[P_WINDOW], cores):
             if st.cur_chunk[s] != IDLE and st.sent_at[s] < np.inf and answered(st, s):
                 if _deadline(st, s) <= now:
-                    if st.answered[s] + st.rto[s] <= now:  # its own timer: back off
+                    if _own_deadline(st, s, st.silence[k]) <= now:  # its own timer: back off
                         st.rto[s] = min(st.timing[T_MAX], 2.0 * st.rto[s])
                     n_tx = _resend(st, s, now, tx_ptr, tx_len, tx_addr, n_tx)
                     st.stats[RETRANSMISSIONS] += 1

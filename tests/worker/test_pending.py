@@ -30,24 +30,35 @@ def pending_for(data: bytes, have: int = MINE, **fields) -> bytes:
 
 
 def test_an_answered_slot_waits_on_its_own_timer_and_backs_off():
-    """Slot 0 is answered by a PENDING at 0.5: the silent core's probe is then slot 1, the
-    least recently sent slot not answered, and slot 0 is resent at 0.5 + its RTO (1.0), its RTO doubled. The
-    PENDING is no round trip: the RTO is unchanged."""
+    """Slot 0 is answered by a PENDING at 0.5: the silent core's probe is then slot 1, the least recently sent
+    slot not answered, and slot 0 is resent its RTO (1.0) after the later of its PENDING and its core's silence
+    (restarted by that probe at 1.0), its RTO doubled. The PENDING is no round trip: the RTO is unchanged."""
     engine, _, sent = lone_engine(rto=1.0, min_rto=0.25, max_rto=8.0)
     before = engine.counters()
     assert engine_receive(engine, [(pending_for(sent[0][0]), AGG)], 0.5) == []
     assert counter_diff(before, engine.counters()) == {"packets_in": 1, "pendings": 1}
     assert engine.get_timer() == 1.0 and engine_timer(engine, 1.0) == [sent[1]]  # the core's probe
-    assert engine.get_timer() == 1.5 and engine_timer(engine, 1.5) == [sent[0]]  # slot 0's own timer
-    # answered again at 2.0: its doubled RTO, 2.0, after; a second answer to the same transmission is stale
+    assert engine.get_timer() == 2.0 and engine_timer(engine, 2.0) == [sent[0]]  # slot 0's own timer
+    # answered again at 2.0; a second answer to the same transmission is stale
     engine_receive(engine, [(pending_for(sent[0][0]), AGG)], 2.0)
     before = engine.counters()
     engine_receive(engine, [(pending_for(sent[0][0]), AGG)], 2.1)
     assert counter_diff(before, engine.counters()) == {"packets_in": 1, "drop_stale": 1}
     assert engine.get_timer() == 3.0  # slot 1: the core's backoff doubled after its round of one probe
     assert engine_timer(engine, 3.0) == [sent[1]]
-    assert engine.get_timer() == 4.0 and engine_timer(engine, 4.0) == [sent[0]]
+    # slot 0: its doubled RTO, 2.0, after the core's silence restarted by the probe at 3.0
+    assert engine.get_timer() == 5.0 and engine_timer(engine, 5.0) == [sent[0]]
     assert engine.rto == 1.0 and engine.counters()["retransmissions"] == 4
+
+
+def test_a_busy_core_defers_an_answered_slots_own_timer():
+    """A core that keeps answering other slots is busy, its queue holding the peers' datagrams: slot 0, answered
+    at 0.5, is not resent at 1.5 while results come (the last at 1.2), but its RTO after that last result."""
+    engine, _, sent = lone_engine(pool=4, size=64, rto=1.0, min_rto=0.25, max_rto=8.0)
+    assert engine_receive(engine, [(pending_for(sent[0][0]), AGG)], 0.5) == []
+    engine_receive(engine, [(result_for(sent[1][0], next_exp=3), AGG)], 1.2)
+    assert engine.get_timer() == pytest.approx(2.2)
+    assert sent[0] in engine_timer(engine, 2.2)
 
 
 def test_an_answered_slot_is_not_fast_retransmitted():
@@ -107,15 +118,16 @@ def test_with_the_mac_only_a_tagged_pending_is_taken():
 
 def test_pendings_forged_without_end_delay_a_slot_but_never_stall_it():
     """Without the MAC, an on-path forger answers every transmission of slot 0 with a PENDING at once. Each
-    transmission takes one (the rest are stale), so the slot is still resent, its RTO after the PENDING, doubling
-    up to max_rto: never more than max_rto between two resends."""
+    transmission takes one (the rest are stale), so the slot is still resent: its RTO, doubling up to max_rto,
+    after the later of the PENDING and its core's silence (which the probes of slot 1, backed off up to max_rto,
+    restart): never more than twice max_rto between two resends."""
     engine, _, sent = lone_engine(rto=1.0, min_rto=0.25, max_rto=8.0)
     resends, now = [0.0], 0.0
-    while now < 60.0:
+    while now < 120.0:
         engine_receive(engine, [(pending_for(sent[0][0]), AGG)], now + 0.01)
         now = engine.get_timer()
         if sent[0] in engine_timer(engine, now):
             resends.append(now)
     gaps = np.diff(resends)
-    assert len(resends) > 8 and gaps.max() <= 8.0 + 0.01 + 1e-9
-    assert list(gaps[:4]) == pytest.approx([1.01, 2.01, 4.01, 8.01])
+    assert len(resends) > 8 and gaps.max() <= 2 * 8.0 + 1e-9
+    assert list(gaps[:5]) == pytest.approx([2.0, 3.0, 6.0, 12.0, 16.0])
