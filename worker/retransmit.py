@@ -37,7 +37,8 @@ driver.
   to a retransmission (the end of a stream: its result may be the one lost). A round that waits long on a peer so
   costs this rank a few resends, not one per FAST_RETRANSMIT results. A PENDING is taken only once per
   transmission and never restarts its core's silence: a forged or replayed one (without the MAC) delays a slot's
-  next resend, and the slot is still resent, at least every twice max_rto (docs/window.md, "A duplicate answered with the ranks it lacks").
+  next resend, and the slot is still resent, at least every twice max_rto (docs/window.md, "A duplicate answered
+  with the ranks it lacks").
 * A result of a retransmitted slot that comes sooner than the fastest round trip seen after the retransmission
   answers the original: counted as spurious_retransmissions.
 """
