@@ -75,8 +75,8 @@ class WorkerHost:
         out: list[Datagram] = []
         addr, copy = self.addr, self._copy
         cost = 0.0
-        # the results (and PENDINGs) are taken together after the other items (timers, a start, control datagrams), in
-        # order
+        # the results and PENDINGs are taken together, in order, after the other items (timers, a start, control
+        # datagrams)
         results = [d for d in items if d is not TIMER and d[0] is not START and d[0][O_TYPE] in ENGINE_TYPES]
         if len(results) < len(items):
             for item in items:

@@ -686,7 +686,7 @@ class StreamEngine:
                                 f"float16), got {arr.dtype}")
             flat, bits = self._no_sent, np.ascontiguousarray(arr).reshape(-1).view(np.uint16)
         elements = max(flat.size, bits.size)
-        shard = self._shard(elements, scatter)
+        shard = self.shard_elements(elements, scatter)
         size = shard if scatter else elements
         if out is None:
             out = np.empty(size, np.float32 if fmt == FLOAT32 else arr.dtype)
@@ -739,10 +739,10 @@ class StreamEngine:
         self.params[[P_READY, P_FORMAT, P_MEAN]] = codes.size if ready is None else ready, FLOAT32, False
         self._result = None
         return self._start(now, codes.size, x=self._no_sent, out=self._no_sent, local=local, low=low,
-                           sent=self._no_sent, codes=codes, shard=self._shard(codes.size, scatter), precoded=True,
-                           x16=self._no_bits, out16=self._no_bits)
+                           sent=self._no_sent, codes=codes, shard=self.shard_elements(codes.size, scatter),
+                           precoded=True, x16=self._no_bits, out16=self._no_bits)
 
-    def _shard(self, elements: int, scatter: bool) -> int:
+    def shard_elements(self, elements: int, scatter: bool) -> int:
         """The elements of each rank's shard in a reduce-scatter of `elements` (a multiple of the world size), else
         0 (an allreduce)."""
         world = int(self.params[P_WORLD])

@@ -211,8 +211,8 @@ def _own_deadline(st, s, quiet):
 def _deadline(st, s):
     """When slot s (in flight) is due: its RTO, backed off as its core is, after the later of its sending and the
     start of its core's silence; SRTT after it, if sooner, when the core's last answer was to a retransmission
-    and s was sent before it. An answered slot: its RTO after its PENDING, or, if sooner, SRTT after such a result
-    that came after its PENDING (its round may have completed, and its result been lost)."""
+    and s was sent before it. An answered slot: its own timer (_own_deadline), or, if sooner, SRTT after such a
+    result that came after its PENDING (its round may have completed, and its result been lost)."""
     quiet = st.silence[s % st.params[P_CORES]]
     if answered(st, s):
         if quiet[S_ALIVE] and st.answered[s] < quiet[S_SINCE] and st.timing[T_SRTT] > 0.0:

@@ -121,10 +121,7 @@ class DeviceAllreducer:
             raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
         fmt = FLOAT32 if dtype is None else format_of(dtype)
         x, out = _flat(x, fmt, "x"), _flat(out, fmt, "out")
-        world = self.worker.world_size
-        if scatter and x.size % world:
-            raise ValueError(f"a reduce-scatter needs a multiple of the world size {world} elements, got {x.size}")
-        size = x.size // world if scatter else x.size
+        size = self.worker.engine.shard_elements(x.size, scatter) if scatter else x.size
         if out.size != size or (sent is not None and sent.size != x.size):
             raise ValueError(f"out must have {size} elements and sent x's {x.size}")
         if x.size == 0:
