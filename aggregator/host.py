@@ -1,11 +1,12 @@
 """The aggregator's host mode (docs/protocol.md, "Host mode"): the data path of jobs whose codec no switch can sum
 (protocol.codecs.host: variable-length packages, per-package codebooks, sparse indices). It keeps what the burst
 kernel keeps, with the same semantics (aggregator.slots: slots of two shadow sets, round keys, contributors
-bitmaps and counts, the stored result re-sent to a retransmitting rank, membership, the DATA/RESULT MAC, the
-results multicast group, the counters), but where the kernel adds integer codes, a set here holds each rank's
-decoded contribution; when all n are in, the codec combines them in rank order and its result package goes out.
-So the result is a pure function of the contributions, bit-identical at every rank whatever the loss, duplication
-or order of the packets. Python per packet; a codec's decode and combine are its Numba kernels (protocol.codecs.host).
+bitmaps and counts, the stored result re-sent to a retransmitting rank, else its PENDING, membership, the
+DATA/RESULT MAC, the results multicast group, the counters), but where the kernel adds integer codes, a set here
+holds each rank's decoded contribution; when all n are in, the codec combines them in rank order and its result
+package goes out. So the result is a pure function of the contributions, bit-identical at every rank whatever the
+loss, duplication or order of the packets. Python per packet; a codec's decode and combine are its Numba kernels
+(protocol.codecs.host).
 
 ``HostModeDataPath`` is what an aggregator core runs by default: the burst kernel for switch-codec jobs and a
 ``HostDataPath`` for host-codec jobs, behind the one DataPath interface (aggregator.datapath).
@@ -30,6 +31,7 @@ from intml.aggregator.datapath import (
     wire_job,
 )
 from intml.aggregator.kernel import KernelDataPath, read_only
+from intml.aggregator.slots import pending
 from intml.protocol.burst import Burst
 from intml.protocol.codecs.host import HostCodec
 from intml.protocol.job import MAX_WORLD, JobParams
@@ -55,7 +57,18 @@ from intml.protocol.stats import (
     RESULTS_RESENT,
     RETRANSMISSIONS,
 )
-from intml.protocol.wire import HEADER, MAGIC, MAX_DATAGRAM, NO_EXP, OWNERS_SHIFT, RANK_MASK, VERSION, MsgType, pack
+from intml.protocol.wire import (
+    HEADER,
+    MAGIC,
+    MAX_DATAGRAM,
+    NO_EXP,
+    OWNERS_SHIFT,
+    PENDING_SIZE,
+    RANK_MASK,
+    VERSION,
+    MsgType,
+    pack,
+)
 
 
 @njit(cache=True)
@@ -64,6 +77,14 @@ def round_event(allreduce, chunk, current):
     ``current``: -1, 0 or 1 (packet.round_order; compiled once, not per process)."""
     key = round_key(allreduce, chunk)
     return key, round_order(key, current)
+
+
+@njit(cache=True)
+def pending_answer(datagram, have, data_mac, k0, k1):
+    """The PENDING that answers DATA ``datagram`` (uint8) of a round that has the ranks ``have``: the burst kernel's
+    bytes (aggregator.slots.pending), with the job's tag if ``data_mac``."""
+    q = np.zeros(PENDING_SIZE + TAG_SIZE, np.uint8)
+    return q[:pending(q, datagram, have, data_mac, k0, k1)]
 
 
 @dataclass
@@ -157,8 +178,8 @@ class HostDataPath:
     def handle(self, datagram: bytes, src: int, now: float) -> list[tuple[bytes, int]]:
         """One DATA datagram of a host job (``selects``) from address key ``src`` at ``now``: through the slot's
         set as the kernel's stages do (aggregator.slots.process_burst), counted by reason when dropped, and in the
-        core's packets_in as the kernel counts every datagram. Returns the RESULT datagrams to send, with their
-        destinations."""
+        core's packets_in as the kernel counts every datagram. Returns the RESULT (or PENDING) datagrams to send,
+        with their destinations."""
         self.counters.core_stats[PACKETS_IN] += 1
         h = dict(zip(HEADER.names, np.frombuffer(datagram, HEADER, count=1)[0].item()))  # Python ints, read once
         rank, owners = h["rank"] & RANK_MASK, h["rank"] >> OWNERS_SHIFT
@@ -188,13 +209,17 @@ class HostDataPath:
             st[DROP_STALE] += 1
             return []
         n = params.world_size
-        if order == 0 and bitmap & bit:  # a retransmission: the result again if the round is complete
+        if order == 0 and bitmap & bit:  # a retransmission: the result again if the round is complete, else its
+            # PENDING with the ranks the round has (as the kernel answers: protocol.wire)
             st[RETRANSMISSIONS] += 1
+            st[PACKETS_OUT] += 1
             if self.count[row, x] < n:
                 st[DROP_DUPLICATE_INCOMPLETE] += 1
-                return []
+                k0, k1 = placed.mac_key or (np.uint64(0), np.uint64(0))
+                answer = pending_answer(np.frombuffer(datagram, np.uint8), np.uint64(bitmap),
+                                        placed.mac_key is not None, k0, k1)
+                return [(answer.tobytes(), int(placed.members[rank]))]
             st[RESULTS_RESENT] += 1
-            st[PACKETS_OUT] += 1
             return [(self.result[row, x], int(placed.members[rank]))]
         if order == 0 and count != self.elements[row, x]:
             st[DROP_COUNT] += 1

@@ -33,6 +33,7 @@ from intml.protocol.packet import (
     O_NEXT_EXP,
     O_RANK,
     O_SLOT,
+    O_TYPE,
     get_i8,
     get_i32,
     get_u16,
@@ -48,6 +49,7 @@ from intml.worker.engine import (
     count_mark,
     goes_now,
     hold,
+    take_pending,
     take_result,
     validate_header,
 )
@@ -76,6 +78,7 @@ from intml.worker.state import (
     P_PKT,
     P_RANK,
     P_WINDOW,
+    P_WORLD,
     PARAMS,
     STAT_NAMES,
     State,
@@ -189,6 +192,14 @@ def check_kernel(state, p, length, addr, taken):
     return s, -1, c, count, end, congestion_mark(p)
 
 
+@njit(cache=True, nogil=True, boundscheck=False)
+def pending_kernel(state, p, length, addr, now):
+    """A PENDING datagram p[:length] from address key ``addr``, as StreamEngine takes one (worker.engine.take_pending):
+    -1 once its slot is answered, else the statistic of why it is dropped."""
+    drop = validate_header(p, length)
+    return drop if drop >= 0 else take_pending(State(*state), p, length, addr, now)
+
+
 class HostStreamEngine:
     """One worker's side of a host-codec job's allreduces: StreamEngine's API (start, receive, handle_timer,
     get_timer, done, progress, result) for ``codec``. Construct once per job."""
@@ -207,8 +218,8 @@ class HostStreamEngine:
             data_mac_keys, np.uint64)
         self.agg_addr = np.array(agg_addrs, np.uint64)
         self.params = np.zeros(PARAMS, np.int64)
-        self.params[[P_JOB, P_RANK, P_CODEC, P_PKT, P_CORES]] = (job, rank, codec.wire_id, packet_elements,
-                                                                  len(agg_addrs))
+        self.params[[P_JOB, P_RANK, P_WORLD, P_CODEC, P_PKT, P_CORES]] = (job, rank, world_size, codec.wire_id,
+                                                                           packet_elements, len(agg_addrs))
         self.package_limit = host_package_limit(packet_elements)
         self.timing = timing_state(rto, min_rto, max_rto)
         self.silence = silence_state(len(agg_addrs))
@@ -216,6 +227,7 @@ class HostStreamEngine:
         self.cur_chunk = np.full(pool_size, IDLE, np.int64)
         self.parked = np.full(pool_size, IDLE, np.int64)  # the chunk a HELD slot waits to send
         self.window = window_state(pool_size)  # the send window, StreamEngine's (worker.window): over the job's life
+        self.taken = np.zeros(pool_size, np.bool_)  # the slots whose result this receive burst took
         # two datagram buffers per slot, by parity, as StreamEngine's, for the longest package
         self.packet = np.zeros((pool_size, 2, HDR + self.package_limit + TAG_SIZE), np.uint8)
         self.packet_len = np.zeros(pool_size, np.int64)
@@ -237,7 +249,7 @@ class HostStreamEngine:
             packet_len=self.packet_len, agg_addr=self.agg_addr, stats=self.stats, timing=self.timing,
             low=np.empty(0, np.uint32), sent=f32, mac_keys=self.mac_keys, codes=u8, parked=self.parked,
             silence=self.silence, x16=u16, out16=u16, scratch=f32, window=self.window,
-            taken=np.empty(0, np.bool_), heads=np.empty(0, np.uint32), answered=np.full(pool_size, -np.inf),
+            taken=self.taken, heads=np.empty(0, np.uint32), answered=np.full(pool_size, -np.inf),
             pendings=np.zeros(pool_size, np.int64)))
 
     def resume(self, allreduce: int, shadow_sets: np.ndarray) -> None:
@@ -302,12 +314,18 @@ class HostStreamEngine:
         """Accept the ``rx.count`` received datagrams of ``rx``; returns the datagrams to send (next chunks and
         fast retransmissions), valid until the next call. Results that are foreign, stale, forged or malformed
         (a package the codec cannot decode) are counted and dropped, as StreamEngine's are."""
-        taken = np.zeros(self.pool_size, np.bool_)
+        taken = self.taken
+        taken[:] = False
         n_tx = 0
         tx = self.tx
         window, chunks = int(self.params[P_WINDOW]), int(self.params[P_CHUNKS])
         for i in range(rx.count):
             self.stats[PACKETS_IN] += 1
+            if rx.data[i, O_TYPE] == MsgType.PENDING:  # its slot's round waits on peers (worker.retransmit)
+                drop = pending_kernel(self._args, rx.data[i], rx.length[i], rx.addr[i], now)
+                if drop >= 0:
+                    self.stats[drop] += 1
+                continue
             slot, drop, c, count, end, marked = check_kernel(self._args, rx.data[i], rx.length[i], rx.addr[i], taken)
             if drop < 0:
                 drop = self._take(rx.data[i], c, count, end)

@@ -6,6 +6,8 @@ switch data paths refuse a host codec at JOIN with its reason. The codec is the 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -23,6 +25,8 @@ from intml.protocol.burst import Burst
 from intml.protocol.codec import Codec
 from intml.protocol.codecs.host import parse
 from intml.protocol.job import JobParams, host_aggregator_elements, host_package_limit
+from intml.protocol.siphash import tag_ref
+from intml.protocol.slot_reference import SlotReference
 from intml.protocol.wire import NO_EXP, MsgType
 from intml.worker.host import HostStreamEngine
 from intml.worker.state import HELD
@@ -68,6 +72,45 @@ def test_bit_identical_under_loss_duplication_and_reordering(n: int) -> None:
     counters = net.job_counters()
     assert counters["completions"] == 2 * -(-SIZE // P) and counters["drop_bad_package"] == 0
     assert counters["results_resent"] > 0 and counters["retransmissions"] > 0
+    # a duplicate of a round still filling got its PENDING, which the rank took (none was malformed to it)
+    taken = [engine.counters() for engine in net.engines]
+    assert counters["drop_duplicate_incomplete"] == 0 or sum(c["pendings"] for c in taken) > 0
+    assert sum(c["drop_malformed"] for c in taken) == 0
+
+
+@pytest.mark.parametrize("mac", [None, (0x0123456789ABCDEF, 0xFEDCBA9876543210)])
+@pytest.mark.parametrize("seed", range(4))
+def test_a_duplicate_of_an_incomplete_round_gets_the_slot_references_pending(mac, seed: int) -> None:
+    """On a random stream of the ranks' DATA with duplicates, in any order, every duplicate of a round still
+    filling is answered with the PENDING the slot reference writes (protocol.slot_reference), byte for byte: the
+    DATA's header as type PENDING and count 0, the ranks the round has, the tag with the MAC; to that rank alone.
+    A duplicate of a complete round gets the stored RESULT."""
+    n, pool = 4, 4
+    net = Network(n, codec="hostq8", packet_elements=P, pool_size=pool, data_mac_key=mac)
+    rng = np.random.default_rng(seed)
+    package = HostQ(8).encode(np.ones(P, np.float32), 1, 0)
+    sends = [(r, c) for r in range(n) for c in range(pool) for _ in range(int(rng.integers(1, 4)))]
+    ranks_in: dict[int, set[int]] = {c: set() for c in range(pool)}
+    job = SimpleNamespace(mac_key=mac)
+    answered = 0
+    for i in rng.permutation(len(sends)):
+        r, c = sends[i]
+        datagram = _data(net, r, package, slot=c, chunk=c)
+        if mac is not None:
+            datagram += tag_ref(*mac, datagram)
+        out = core_receive(net.cores[0], [(datagram, net.addr(r))], net.now)
+        if r not in ranks_in[c]:
+            ranks_in[c].add(r)
+            assert len(out) == (n if len(ranks_in[c]) == n else 0)
+        elif len(ranks_in[c]) < n:
+            want = SlotReference._pending(job, SimpleNamespace(ranks=sorted(ranks_in[c])), datagram)
+            assert out == [(want, net.addr(r))]
+            answered += 1
+        else:
+            assert [(msg_type(d), dest) for d, dest in out] == [(MsgType.RESULT, net.addr(r))]
+    counters = net.job_counters()
+    assert answered and counters["drop_duplicate_incomplete"] == answered
+    assert counters["retransmissions"] == counters["drop_duplicate_incomplete"] + counters["results_resent"]
 
 
 # every family of protocol.codecs.host, some with their parameters at the edges
