@@ -8,9 +8,11 @@ Each group g of 64 elements takes two passes, and a completing contribution (or 
 - a judge pass checks the group's codes (lane_check: four codes and k_limit per ternary lookup), then orders the
   packet's round against the group's (round_allreduce: 32-bit serial order; round_chunk: the chunk, unsigned)
   and agrees on the round's exponents (round_exp): one register per SALU, each in its own stage;
-- a consume pass marks the rank (worker_bitmap: the bits before, SwitchML's bitmap) and counts down the
-  contributions still to come (worker_countdown: zero means complete, SwitchML's count split from the bitmap),
-  decodes the codes (one exact lookup per lane) and adds them in the processors (two lanes per 64-bit pair);
+- a consume pass marks the rank (worker_bitmap_lo and _hi: both halves' bits before, SwitchML's bitmap, a
+  SALU each so that a duplicate's PENDING carries all 64) and counts down the contributions still to come
+  (worker_countdown: zero means complete, SwitchML's count split from the bitmap), decodes the codes (one exact
+  lookup per lane) and adds them in the processors (two lanes per 64-bit pair); after the last group a duplicate
+  of a round still filling becomes its PENDING, back through the DATA's port (the v1model program's Forward);
 - harvest passes read one half of the pairs each (one 32-bit output per SALU), last group first; the sums ride
   in the bridge to the next pass, which encodes them (leading_one, then round_up: two lookups, no
   ``x < y ? a : b``) and prepends their codes; one last pass encodes the last half.
@@ -43,6 +45,7 @@ TNA_BRIDGED = (  # the sketch's own bridge fields, after layout.BRIDGED
     ("half", 1),  # a harvest pass reads the second halves of the pairs (1) or the first (0)
     ("reading", 1),  # a harvest pass reads sums (0: the last pass, which only encodes)
     ("carries", 1),  # the packet carries the sums the previous pass read (the sums header)
+    ("port", 9),  # the DATA's ingress port: a duplicate's PENDING goes back through it
 )
 
 
@@ -100,6 +103,7 @@ struct tna_headers_t {{
     ipv4_h ipv4;
     udp_h udp;
     intml_h intml;
+    have_h have;  // never parsed: a duplicate's PENDING (the ingress's last consume pass makes it)
     codes_lo_h codes_lo;
     codes_hi_h codes_hi;
 }}
@@ -126,6 +130,9 @@ struct tna_metadata_t {{
     bit<32> worker_bit;  // the rank's bit in its half of the bitmap (job_table)
     bool rank_hi;  // the rank is 32 or above
     bit<8> others;  // world - 1: the countdown a new round starts from (job_table)
+    bit<32> have_lo;  // the set's bitmap as this consume pass read it, ranks 0-31 and 32-63
+    bit<32> have_hi;
+    bool duplicate;  // this consume pass found the rank in a round still filling: its PENDING, if the last
     bit<8> k_limit;  // data_bound
     bit<8> last_group;  // the round's groups - 1
     bit<32> chunk_key;  // chunk + 2**31: chunks order unsigned
@@ -329,33 +336,39 @@ control SlotJudge(inout tna_headers_t hdr, inout tna_metadata_t ig_md, in bool l
     }
 }
 
-// The consume pass's count: the bitmap (ranks 0-31 in first, 32-63 in second) returns the bits before, so a
-// rank already counted is known; the countdown starts at world - 1 on a new round and returns what remains
-// after this contribution, so zero completes (SwitchML's bitmap and count, split: each register one SALU, and
-// the count needs the bitmap's answer).
+// The consume pass's count: the bitmap (ranks 0-31 in worker_bitmap_lo, 32-63 in worker_bitmap_hi, one SALU
+// each, so a pass reads all 64 bits: a duplicate's PENDING carries them) returns the bits before, so a rank
+// already counted is known; the countdown starts at world - 1 on a new round and returns what remains after this
+// contribution, so zero completes (SwitchML's bitmap and count, split: each register one SALU, and the count
+// needs the bitmap's answer).
 control SlotTally(inout tna_metadata_t ig_md, inout ingress_intrinsic_metadata_for_deparser_t ig_dprsr_md) {
-    Register<pair_t, cell_t>(LANE_ENTRIES) worker_bitmap;
+""" + "\n".join(f"    Register<bit<32>, cell_t>(LANE_ENTRIES) worker_bitmap_{half};" for half in ("lo", "hi")) + """
     Register<bit<8>, cell_t>(LANE_ENTRIES) worker_countdown;
 """ + "\n".join(f"""
-    RegisterAction<pair_t, cell_t, bit<32>>(worker_bitmap) open_{half} = {{
-        void apply(inout pair_t value) {{
-            value.{mine} = ig_md.worker_bit;
-            value.{other} = 0;
+    RegisterAction<bit<32>, cell_t, bit<32>>(worker_bitmap_{half}) open_{half} = {{
+        void apply(inout bit<32> value) {{
+            value = ig_md.worker_bit;
         }}
     }};
 
-    RegisterAction<pair_t, cell_t, bit<32>>(worker_bitmap) mark_{half} = {{
-        void apply(inout pair_t value, out bit<32> before) {{
-            before = value.{mine};
-            value.{mine} = value.{mine} | ig_md.worker_bit;
+    RegisterAction<bit<32>, cell_t, bit<32>>(worker_bitmap_{half}) clear_{half} = {{
+        void apply(inout bit<32> value) {{
+            value = 0;
         }}
     }};
 
-    RegisterAction<pair_t, cell_t, bit<32>>(worker_bitmap) peek_{half} = {{
-        void apply(inout pair_t value, out bit<32> before) {{
-            before = value.{mine};
+    RegisterAction<bit<32>, cell_t, bit<32>>(worker_bitmap_{half}) mark_{half} = {{
+        void apply(inout bit<32> value, out bit<32> before) {{
+            before = value;
+            value = value | ig_md.worker_bit;
         }}
-    }};""" for half, mine, other in (("lo", "first", "second"), ("hi", "second", "first"))) + """
+    }};
+
+    RegisterAction<bit<32>, cell_t, bit<32>>(worker_bitmap_{half}) peek_{half} = {{
+        void apply(inout bit<32> value, out bit<32> before) {{
+            before = value;
+        }}
+    }};""" for half in ("lo", "hi")) + """
 
     RegisterAction<bit<8>, cell_t, bit<8>>(worker_countdown) start_count = {
         void apply(inout bit<8> value, out bit<8> remaining) {
@@ -381,24 +394,39 @@ control SlotTally(inout tna_metadata_t ig_md, inout ingress_intrinsic_metadata_f
         bit<8> remaining = 1;
         bool contributes = ig_md.bridge.agreed == 1 && ig_md.bridge.lanes_ok == 1;
         ig_md.bridge.step = STEP_NONE;
+        ig_md.duplicate = false;
         if (ig_md.bridge.order == ORDER_NEWER) {
-            if (ig_md.rank_hi) { open_hi.execute(ig_md.cell); } else { open_lo.execute(ig_md.cell); }
+            if (ig_md.rank_hi) {
+                open_hi.execute(ig_md.cell);
+                clear_lo.execute(ig_md.cell);
+            } else {
+                open_lo.execute(ig_md.cell);
+                clear_hi.execute(ig_md.cell);
+            }
             remaining = start_count.execute(ig_md.cell);
             ig_md.bridge.step = STEP_OPEN;
         } else {
-            bit<32> before;
-            if (contributes && ig_md.rank_hi) {
-                before = mark_hi.execute(ig_md.cell);
-            } else if (contributes) {
-                before = mark_lo.execute(ig_md.cell);
-            } else if (ig_md.rank_hi) {
-                before = peek_hi.execute(ig_md.cell);
+            if (contributes && !ig_md.rank_hi) {
+                ig_md.have_lo = mark_lo.execute(ig_md.cell);
             } else {
-                before = peek_lo.execute(ig_md.cell);
+                ig_md.have_lo = peek_lo.execute(ig_md.cell);
+            }
+            if (contributes && ig_md.rank_hi) {
+                ig_md.have_hi = mark_hi.execute(ig_md.cell);
+            } else {
+                ig_md.have_hi = peek_hi.execute(ig_md.cell);
+            }
+            bit<32> before = ig_md.have_lo;
+            if (ig_md.rank_hi) {
+                before = ig_md.have_hi;
             }
             if ((before & ig_md.worker_bit) != 0) {  // a duplicate, or a re-send once the round is complete
                 remaining = peek_count.execute(ig_md.cell);
-                if (remaining == 0) { ig_md.bridge.step = STEP_RESEND; }
+                if (remaining == 0) {
+                    ig_md.bridge.step = STEP_RESEND;
+                } else {
+                    ig_md.duplicate = true;  // the round waits on others: its PENDING (the last pass's)
+                }
             } else if (contributes) {
                 remaining = count_down.execute(ig_md.cell);
                 ig_md.bridge.step = STEP_ADD;
@@ -625,7 +653,8 @@ def top() -> str:
 // The Tofino sketch's top level (TNA). Per group of {LANES} elements: a judge pass (LaneCheck, SlotJudge), a
 // consume pass (SlotTally, LaneDecode, the processors; the codes are removed), and after the last group, if
 // every group completed or re-sends, harvest passes, last group first, each reading {HALF} sums into the bridge
-// and encoding (and prepending) the sums the pass before it read; the last pass multicasts the result. Every
+// and encoding (and prepending) the sums the pass before it read; the last pass multicasts the result (a
+// duplicate of a round still filling: its PENDING, after the last consume pass, to the one rank). Every
 // other pass recirculates through one port, so a slot's passes keep their order. The judging tables (job,
 // membership, slot, data_bound), the statistics and the egress rewrite are the v1model program's and appear
 // in p4/README.md's account only; the egress marks congestion as the v1model program's does (docs/window.md).
@@ -696,6 +725,7 @@ control TnaIngress(inout tna_headers_t hdr, inout tna_metadata_t ig_md,
         }} else {{
             ig_md.bridge.phase = PHASE_JUDGE;  // the job and slot tables fill the rest (the account)
             ig_md.bridge.all_in = 1;
+            ig_md.bridge.port = ig_intr_md.ingress_port;
         }}
         ig_md.cell = {CELL};
         ig_md.last_group = (bit<8>)((ig_md.bridge.elements - 1) >> LANES_PER_PASS_LOG2);
@@ -727,6 +757,13 @@ control TnaIngress(inout tna_headers_t hdr, inout tna_metadata_t ig_md,
                 ig_md.bridge.phase = PHASE_HARVEST;
                 ig_md.bridge.half = 1;
                 ig_md.bridge.reading = 1;
+            }} else if (ig_md.duplicate) {{  // a duplicate of an incomplete round: its PENDING, to the one rank
+                hdr.intml.type = TYPE_PENDING;
+                hdr.intml.count = 0;
+                hdr.have.setValid();
+                hdr.have.have = ig_md.have_hi ++ ig_md.have_lo;
+                hdr.udp.length = UDP_BYTES + HEADER_BYTES + HAVE_BYTES;
+                hdr.ipv4.total_len = IPV4_BYTES + UDP_BYTES + HEADER_BYTES + HAVE_BYTES;
             }} else {{
                 ig_dprsr_md.drop_ctl = 1;  // consumed: the result is not complete in every group
             }}
@@ -753,6 +790,9 @@ control TnaIngress(inout tna_headers_t hdr, inout tna_metadata_t ig_md,
             if (ig_md.bridge.owners != 0) {{  // a reduce-scatter round: a replica per rank (egress: p4/README.md)
                 ig_tm_md.mcast_grp_a = ig_tm_md.mcast_grp_a + RANK_GROUP_BASE;
             }}
+        }} else if (hdr.have.isValid()) {{  // back through the DATA's port (the egress rewrite: p4/README.md)
+            hdr.bridge.setInvalid();
+            ig_tm_md.ucast_egress_port = (PortId_t) ig_md.bridge.port;
         }} else {{
             hdr.bridge = ig_md.bridge;
             hdr.bridge.setValid();

@@ -358,15 +358,13 @@ def steps(lanes: int = L.LANES_PER_PASS) -> list[Step]:
         Step("control_source_tat", (JUDGE,), ("control_limits",), salus=1, sram_blocks=1),
         Step("control_core_tat", (JUDGE,), ("control_source_tat",), salus=1, sram_blocks=1),
     ]
-    out += [
-        Step("worker_bitmap", (CONSUME,), salus=1, sram_blocks=register),
-        Step("worker_countdown", (CONSUME,), ("worker_bitmap",), salus=1, sram_blocks=register // 4),
-    ]
+    bitmap = ("worker_bitmap_lo", "worker_bitmap_hi")  # a SALU each: a PENDING carries both halves
+    out += [Step(name, (CONSUME,), salus=1, sram_blocks=register // 2) for name in bitmap]
+    out.append(Step("worker_countdown", (CONSUME,), bitmap, salus=1, sram_blocks=register // 4))
     for p in range(half):
         out += [Step(f"lane_decode_{i}", (CONSUME,), sram_blocks=1) for i in (p, p + half)]
-        out.append(Step(f"processor_{p}", (CONSUME, HARVEST), ("worker_bitmap", f"lane_decode_{p}",
-                                                               f"lane_decode_{p + half}"), salus=1,
-                        sram_blocks=register))
+        out.append(Step(f"processor_{p}", (CONSUME, HARVEST), bitmap + (f"lane_decode_{p}", f"lane_decode_{p + half}"),
+                        salus=1, sram_blocks=register))
     out += [Step(f"lane_check_{t}", (JUDGE,), ("data_bound",), tcam_blocks=4) for t in range(checks)]
     flags, width = tuple(f"lane_check_{t}" for t in range(checks)), checks
     while width > 1:  # the invalid flags OR-ed in pairs, one keyless step per level

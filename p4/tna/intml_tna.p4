@@ -2,7 +2,8 @@
 // The Tofino sketch's top level (TNA). Per group of 64 elements: a judge pass (LaneCheck, SlotJudge), a
 // consume pass (SlotTally, LaneDecode, the processors; the codes are removed), and after the last group, if
 // every group completed or re-sends, harvest passes, last group first, each reading 32 sums into the bridge
-// and encoding (and prepending) the sums the pass before it read; the last pass multicasts the result. Every
+// and encoding (and prepending) the sums the pass before it read; the last pass multicasts the result (a
+// duplicate of a round still filling: its PENDING, after the last consume pass, to the one rank). Every
 // other pass recirculates through one port, so a slot's passes keep their order. The judging tables (job,
 // membership, slot, data_bound), the statistics and the egress rewrite are the v1model program's and appear
 // in p4/README.md's account only; the egress marks congestion as the v1model program's does (docs/window.md).
@@ -280,6 +281,7 @@ control TnaIngress(inout tna_headers_t hdr, inout tna_metadata_t ig_md,
         } else {
             ig_md.bridge.phase = PHASE_JUDGE;  // the job and slot tables fill the rest (the account)
             ig_md.bridge.all_in = 1;
+            ig_md.bridge.port = ig_intr_md.ingress_port;
         }
         ig_md.cell = ig_md.bridge.slot_index[9:0] ++ ig_md.bridge.pass_no[3:0];
         ig_md.last_group = (bit<8>)((ig_md.bridge.elements - 1) >> LANES_PER_PASS_LOG2);
@@ -690,6 +692,13 @@ control TnaIngress(inout tna_headers_t hdr, inout tna_metadata_t ig_md,
                 ig_md.bridge.phase = PHASE_HARVEST;
                 ig_md.bridge.half = 1;
                 ig_md.bridge.reading = 1;
+            } else if (ig_md.duplicate) {  // a duplicate of an incomplete round: its PENDING, to the one rank
+                hdr.intml.type = TYPE_PENDING;
+                hdr.intml.count = 0;
+                hdr.have.setValid();
+                hdr.have.have = ig_md.have_hi ++ ig_md.have_lo;
+                hdr.udp.length = UDP_BYTES + HEADER_BYTES + HAVE_BYTES;
+                hdr.ipv4.total_len = IPV4_BYTES + UDP_BYTES + HEADER_BYTES + HAVE_BYTES;
             } else {
                 ig_dprsr_md.drop_ctl = 1;  // consumed: the result is not complete in every group
             }
@@ -747,6 +756,9 @@ control TnaIngress(inout tna_headers_t hdr, inout tna_metadata_t ig_md,
             if (ig_md.bridge.owners != 0) {  // a reduce-scatter round: a replica per rank (egress: p4/README.md)
                 ig_tm_md.mcast_grp_a = ig_tm_md.mcast_grp_a + RANK_GROUP_BASE;
             }
+        } else if (hdr.have.isValid()) {  // back through the DATA's port (the egress rewrite: p4/README.md)
+            hdr.bridge.setInvalid();
+            ig_tm_md.ucast_egress_port = (PortId_t) ig_md.bridge.port;
         } else {
             hdr.bridge = ig_md.bridge;
             hdr.bridge.setValid();

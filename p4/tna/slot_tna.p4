@@ -128,51 +128,63 @@ control SlotJudge(inout tna_headers_t hdr, inout tna_metadata_t ig_md, in bool l
     }
 }
 
-// The consume pass's count: the bitmap (ranks 0-31 in first, 32-63 in second) returns the bits before, so a
-// rank already counted is known; the countdown starts at world - 1 on a new round and returns what remains
-// after this contribution, so zero completes (SwitchML's bitmap and count, split: each register one SALU, and
-// the count needs the bitmap's answer).
+// The consume pass's count: the bitmap (ranks 0-31 in worker_bitmap_lo, 32-63 in worker_bitmap_hi, one SALU
+// each, so a pass reads all 64 bits: a duplicate's PENDING carries them) returns the bits before, so a rank
+// already counted is known; the countdown starts at world - 1 on a new round and returns what remains after this
+// contribution, so zero completes (SwitchML's bitmap and count, split: each register one SALU, and the count
+// needs the bitmap's answer).
 control SlotTally(inout tna_metadata_t ig_md, inout ingress_intrinsic_metadata_for_deparser_t ig_dprsr_md) {
-    Register<pair_t, cell_t>(LANE_ENTRIES) worker_bitmap;
+    Register<bit<32>, cell_t>(LANE_ENTRIES) worker_bitmap_lo;
+    Register<bit<32>, cell_t>(LANE_ENTRIES) worker_bitmap_hi;
     Register<bit<8>, cell_t>(LANE_ENTRIES) worker_countdown;
 
-    RegisterAction<pair_t, cell_t, bit<32>>(worker_bitmap) open_lo = {
-        void apply(inout pair_t value) {
-            value.first = ig_md.worker_bit;
-            value.second = 0;
+    RegisterAction<bit<32>, cell_t, bit<32>>(worker_bitmap_lo) open_lo = {
+        void apply(inout bit<32> value) {
+            value = ig_md.worker_bit;
         }
     };
 
-    RegisterAction<pair_t, cell_t, bit<32>>(worker_bitmap) mark_lo = {
-        void apply(inout pair_t value, out bit<32> before) {
-            before = value.first;
-            value.first = value.first | ig_md.worker_bit;
+    RegisterAction<bit<32>, cell_t, bit<32>>(worker_bitmap_lo) clear_lo = {
+        void apply(inout bit<32> value) {
+            value = 0;
         }
     };
 
-    RegisterAction<pair_t, cell_t, bit<32>>(worker_bitmap) peek_lo = {
-        void apply(inout pair_t value, out bit<32> before) {
-            before = value.first;
+    RegisterAction<bit<32>, cell_t, bit<32>>(worker_bitmap_lo) mark_lo = {
+        void apply(inout bit<32> value, out bit<32> before) {
+            before = value;
+            value = value | ig_md.worker_bit;
         }
     };
 
-    RegisterAction<pair_t, cell_t, bit<32>>(worker_bitmap) open_hi = {
-        void apply(inout pair_t value) {
-            value.second = ig_md.worker_bit;
-            value.first = 0;
+    RegisterAction<bit<32>, cell_t, bit<32>>(worker_bitmap_lo) peek_lo = {
+        void apply(inout bit<32> value, out bit<32> before) {
+            before = value;
         }
     };
 
-    RegisterAction<pair_t, cell_t, bit<32>>(worker_bitmap) mark_hi = {
-        void apply(inout pair_t value, out bit<32> before) {
-            before = value.second;
-            value.second = value.second | ig_md.worker_bit;
+    RegisterAction<bit<32>, cell_t, bit<32>>(worker_bitmap_hi) open_hi = {
+        void apply(inout bit<32> value) {
+            value = ig_md.worker_bit;
         }
     };
 
-    RegisterAction<pair_t, cell_t, bit<32>>(worker_bitmap) peek_hi = {
-        void apply(inout pair_t value, out bit<32> before) {
-            before = value.second;
+    RegisterAction<bit<32>, cell_t, bit<32>>(worker_bitmap_hi) clear_hi = {
+        void apply(inout bit<32> value) {
+            value = 0;
+        }
+    };
+
+    RegisterAction<bit<32>, cell_t, bit<32>>(worker_bitmap_hi) mark_hi = {
+        void apply(inout bit<32> value, out bit<32> before) {
+            before = value;
+            value = value | ig_md.worker_bit;
+        }
+    };
+
+    RegisterAction<bit<32>, cell_t, bit<32>>(worker_bitmap_hi) peek_hi = {
+        void apply(inout bit<32> value, out bit<32> before) {
+            before = value;
         }
     };
 
@@ -200,24 +212,39 @@ control SlotTally(inout tna_metadata_t ig_md, inout ingress_intrinsic_metadata_f
         bit<8> remaining = 1;
         bool contributes = ig_md.bridge.agreed == 1 && ig_md.bridge.lanes_ok == 1;
         ig_md.bridge.step = STEP_NONE;
+        ig_md.duplicate = false;
         if (ig_md.bridge.order == ORDER_NEWER) {
-            if (ig_md.rank_hi) { open_hi.execute(ig_md.cell); } else { open_lo.execute(ig_md.cell); }
+            if (ig_md.rank_hi) {
+                open_hi.execute(ig_md.cell);
+                clear_lo.execute(ig_md.cell);
+            } else {
+                open_lo.execute(ig_md.cell);
+                clear_hi.execute(ig_md.cell);
+            }
             remaining = start_count.execute(ig_md.cell);
             ig_md.bridge.step = STEP_OPEN;
         } else {
-            bit<32> before;
-            if (contributes && ig_md.rank_hi) {
-                before = mark_hi.execute(ig_md.cell);
-            } else if (contributes) {
-                before = mark_lo.execute(ig_md.cell);
-            } else if (ig_md.rank_hi) {
-                before = peek_hi.execute(ig_md.cell);
+            if (contributes && !ig_md.rank_hi) {
+                ig_md.have_lo = mark_lo.execute(ig_md.cell);
             } else {
-                before = peek_lo.execute(ig_md.cell);
+                ig_md.have_lo = peek_lo.execute(ig_md.cell);
+            }
+            if (contributes && ig_md.rank_hi) {
+                ig_md.have_hi = mark_hi.execute(ig_md.cell);
+            } else {
+                ig_md.have_hi = peek_hi.execute(ig_md.cell);
+            }
+            bit<32> before = ig_md.have_lo;
+            if (ig_md.rank_hi) {
+                before = ig_md.have_hi;
             }
             if ((before & ig_md.worker_bit) != 0) {  // a duplicate, or a re-send once the round is complete
                 remaining = peek_count.execute(ig_md.cell);
-                if (remaining == 0) { ig_md.bridge.step = STEP_RESEND; }
+                if (remaining == 0) {
+                    ig_md.bridge.step = STEP_RESEND;
+                } else {
+                    ig_md.duplicate = true;  // the round waits on others: its PENDING (the last pass's)
+                }
             } else if (contributes) {
                 remaining = count_down.execute(ig_md.cell);
                 ig_md.bridge.step = STEP_ADD;

@@ -35,7 +35,8 @@ header bridge_h {
     bit<1> half;
     bit<1> reading;
     bit<1> carries;
-    bit<3> pad;
+    bit<9> port;
+    bit<2> pad;
 }
 
 // one pass's codes, four per word: the lanes 0-31 (a harvest pass writes its codes here) and 32-63
@@ -104,6 +105,7 @@ struct tna_headers_t {
     ipv4_h ipv4;
     udp_h udp;
     intml_h intml;
+    have_h have;  // never parsed: a duplicate's PENDING (the ingress's last consume pass makes it)
     codes_lo_h codes_lo;
     codes_hi_h codes_hi;
 }
@@ -208,6 +210,9 @@ struct tna_metadata_t {
     bit<32> worker_bit;  // the rank's bit in its half of the bitmap (job_table)
     bool rank_hi;  // the rank is 32 or above
     bit<8> others;  // world - 1: the countdown a new round starts from (job_table)
+    bit<32> have_lo;  // the set's bitmap as this consume pass read it, ranks 0-31 and 32-63
+    bit<32> have_hi;
+    bool duplicate;  // this consume pass found the rank in a round still filling: its PENDING, if the last
     bit<8> k_limit;  // data_bound
     bit<8> last_group;  // the round's groups - 1
     bit<32> chunk_key;  // chunk + 2**31: chunks order unsigned
