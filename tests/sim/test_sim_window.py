@@ -6,7 +6,7 @@ the first allreduce (whose first bursts overflow it) and from then on keep it sh
 the aggregator busy the whole time. With 1% random loss on every link as well, an allreduce after the first takes a
 few times the loss-free one, not the seconds of timeouts it took before a silent core's probes took turns over its
 slots (docs/window.md, "Random loss at scale"). On a switch ASIC the egress ports mark instead, from their own queues
-(the P4 program's rule): behind a shallow, slow port to each host the windows halve and the drops stop; on a run
+(the P4 program's rule): behind a shallow, slow port to each host the windows are cut and the drops stop; on a run
 whose queues stay short nothing is marked and nothing changes. In a leaf-spine whose leaves' ports up to the spine
 are shallow, the leaves' partials are marked there and the spine echoes the marks in its results: the windows
 follow that queue too, and keep it busy: an allreduce after the first takes about what the deep queues' does.
