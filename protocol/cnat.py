@@ -203,14 +203,20 @@ _HEADS_FROM = 4 * BLOCK
 
 _WIDTH = Lanes.WIDTH  # a global int, which Numba freezes into _stochastic_block
 
+# The stochastic loop asks for its input this many elements (4 KiB) ahead. Without it, on AMD Zen 4, the stream's
+# memory time adds to the loop's instead of overlapping it (docs/benchmarks.md, "The stochastic loop's input
+# fetched ahead").
+_PREFETCH_AHEAD = 1024
+
 
 @intrinsic
-def _stochastic_lanes(typingctx, bits, out, heads, head_offset, kfl, bias):
+def _stochastic_lanes(typingctx, bits, out, heads, head_offset, kfl, bias, reach):
     """_stochastic_block's loop over its first n - n % Lanes.WIDTH elements, written lanes-wide in IR; returns
     (top, low) of those elements. LLVM's vectoriser unrolls the scalar loop 4× for the reductions and packs the
     codes with 512-bit shuffles on AVX-512 machines, which leave Intel cores fewer vector ports for the hash (a
-    third slower), so the extremes took a second pass; here the loop stays 256 bits wide in one pass."""
-    sig = types.UniTuple(types.uint32, 2)(bits, out, heads, types.uint32, types.uint32, types.uint32)
+    third slower), so the extremes took a second pass; here the loop stays 256 bits wide in one pass. It fetches
+    its input _PREFETCH_AHEAD elements ahead, within the reach elements that may be read from bits[0] on."""
+    sig = types.UniTuple(types.uint32, 2)(bits, out, heads, types.uint32, types.uint32, types.uint32, types.int64)
 
     def codegen(context, builder, signature, args):
         bits_a, out_a, heads_a = (context.make_array(t)(context, builder, a)
@@ -222,7 +228,10 @@ def _stochastic_lanes(typingctx, bits, out, heads, head_offset, kfl, bias):
         top_p = cgutils.alloca_once_value(builder, lanes.const(0))
         low_p = cgutils.alloca_once_value(builder, lanes.const(0xFFFFFFFF))
         stop = builder.and_(n, ir.Constant(n.type, -lanes.WIDTH))
+        ahead, last = n.type(_PREFETCH_AHEAD), builder.sub(args[6], n.type(1))
         with cgutils.for_range_slice(builder, n.type(0), stop, n.type(lanes.WIDTH)) as (j, _):
+            wanted = builder.add(j, ahead)  # within the input: a packet's chunk fetches nothing past it
+            lanes.prefetch(bits_a.data, builder.select(builder.icmp_signed("<", wanted, last), wanted, last))
             b = lanes.load(bits_a.data, j)
             r = lowbias32_tail_lanes(lanes, builder.add(lanes.load(heads_a.data, j), offset))
             lanes.store_bytes(fast_code_lanes(lanes, b, r, kfl_bits, bias_v), out_a.data, j)
@@ -238,10 +247,11 @@ def _stochastic_lanes(typingctx, bits, out, heads, head_offset, kfl, bias):
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def _stochastic_block(bits, out, heads, head_offset, kfl, bias):
+def _stochastic_block(bits, out, heads, head_offset, kfl, bias, reach):
     """fast_code of each value with its random word, lowbias32_tail of its head (protocol.rng.block_heads), and the
-    extremes as _encode_block returns them: _stochastic_lanes, then the last n % Lanes.WIDTH elements here."""
-    top, low = _stochastic_lanes(bits, out, heads, head_offset, kfl, bias)
+    extremes as _encode_block returns them: _stochastic_lanes, then the last n % Lanes.WIDTH elements here. reach:
+    the elements of the input from bits[0] on (bits.size or more), which the loop may fetch ahead."""
+    top, low = _stochastic_lanes(bits, out, heads, head_offset, kfl, bias, reach)
     for j in range(bits.size - bits.size % _WIDTH, bits.size):
         b = bits[j]
         out[j] = fast_code(b, lowbias32_tail(_U32(heads[j] + head_offset)), kfl, bias)
@@ -322,7 +332,7 @@ def encode_into(x, out, key, offset, floor, stochastic, heads):
             else:
                 head_offset, filled = block_heads(heads, k, lo0, end - start, filled)
             top, low = _stochastic_block(bits[start:end], out[start:end], heads[s0:s0 + end - start], head_offset,
-                                         kfl, bias)
+                                         kfl, bias, n - start)
         else:
             top, low = _encode_block(bits[start:end], out[start:end], lo0, k, kfl, bias, stochastic)
         top_all = max(top_all, top)

@@ -128,6 +128,15 @@ class Lanes:
         return self.builder.load(self.builder.bitcast(self.builder.gep(data, [index]), self.vector.as_pointer()),
                                  align=4)
 
+    def prefetch(self, data: ir.Value, index: ir.Value) -> None:
+        """A hint to fetch the line of data[index] into the caches for reading; it never faults, so index may lie
+        past the array's end."""
+        b = self.builder
+        address = b.bitcast(b.gep(data, [index]), _I8.as_pointer())
+        hint = b.module.declare_intrinsic("llvm.prefetch", [address.type],
+                                          ir.FunctionType(ir.VoidType(), [address.type, _I32, _I32, _I32]))
+        b.call(hint, [address, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])  # read, keep, data
+
     def store_bytes(self, value: ir.Value, data: ir.Value, index: ir.Value) -> None:
         """data[index:index + WIDTH] = each lane's low byte (data: a uint8 array's data pointer)."""
         narrow = ir.VectorType(_I8, self.WIDTH)

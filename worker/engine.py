@@ -153,7 +153,7 @@ from intml.worker.state import (
     State,
     queue_slot,
 )
-from intml.worker.window import W_CWND, admitted, holds, on_mark, window_state
+from intml.worker.window import W_CWND, admitted, holds, on_bootstrap_mark, on_mark, window_state
 
 EXACT = np.uint32(PRECODED | 0x7FFFFFFF)  # low word of codes encoded at their agreed floor (nothing underflows)
 
@@ -560,6 +560,8 @@ def receive_kernel(state, rx_data, rx_len, rx_addr, n_rx, now, tx_ptr, tx_len, t
         taken[s] = True
         take_result(st, s, now)
         count_mark(st, marked)
+        if marked and c < 0:
+            on_bootstrap_mark(st.window)
         n_tx = advance(st, s, c, get_i8(p, O_NEXT_EXP), now, tx_ptr, tx_len, tx_addr, n_tx)
     n_tx = release(st, now, tx_ptr, tx_len, tx_addr, n_tx)
     return fast_retransmit(st, now, tx_ptr, tx_len, tx_addr, n_tx)
