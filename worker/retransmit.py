@@ -22,6 +22,13 @@ driver.
   core is silent because a peer's datagram was lost: a probe of a slot whose own datagram arrived is never
   answered, and probing the slot due first (the one armed with the shortest RTO) again and again, the backoff
   doubling each time, left the slot this rank had lost waiting for seconds.
+* The first probe of a silence that follows a result of this allreduce comes TAIL_PROBE (2) SRTT into it, if that
+  is sooner than the RTO: TCP's tail loss probe (RFC 8985). A stream whose slots all wait (a lost datagram at the
+  end of the window, nothing left to overtake it) is so recovered in round trips, not at the RTO's floor: 64 ranks
+  under 1% loss spent most of their stalls there (docs/window.md). Later probes wait the RTO, backed off. Not at an
+  allreduce's start, before the core's first result: there the silence is the peers' start or a queue the round
+  trips have yet to show (with a tail probe there too, the slowed aggregator of the overload test got spurious
+  ones, over its bound).
 * A core whose last answer was to a retransmission is alive and was not waiting for a peer (a late peer's slots
   complete together, so a probe's answer comes with the other slots' results, not retransmitted): the slots sent
   before that answer are due SRTT after it, all at once, as losses at the end of a stream need; at most the send
@@ -63,12 +70,13 @@ from intml.worker.window import window_limit
 
 # timing (float64): smoothed RTT, RTT variance, current RTO, min RTO, max RTO, fastest round trip seen
 T_SRTT, T_RTTVAR, T_RTO, T_MIN, T_MAX, T_FLOOR = range(6)
-# silence (float64): (cores, 4), per aggregator core: since when it is silent (the allreduce's start, its last
+# silence (float64): (cores, 5), per aggregator core: since when it is silent (the allreduce's start, its last
 # result taken, or its last probe), the backoff its slots' RTOs are multiplied by (1, doubled by each round of
-# probes), 1 if its last result answered a retransmission (its next timeout resends every due slot), else 0, and
-# the probes of the current round (one per slot in flight there)
-S_SINCE, S_BACKOFF, S_ALIVE, S_PROBES = range(4)
+# probes), 1 if its last result answered a retransmission (its next timeout resends every due slot), else 0, the
+# probes of the current round (one per slot in flight there), and 1 once it answered in this allreduce, else 0
+S_SINCE, S_BACKOFF, S_ALIVE, S_PROBES, S_HEARD = range(5)
 MAX_BACKOFF = 20  # the most doublings of an answered slot's fast-retransmit threshold
+TAIL_PROBE = 2.0  # SRTTs into a silence after a result, the first probe (the module docstring)
 
 
 def timing_state(rto: float, min_rto: float, max_rto: float) -> np.ndarray:
@@ -78,7 +86,7 @@ def timing_state(rto: float, min_rto: float, max_rto: float) -> np.ndarray:
 
 def silence_state(cores: int) -> np.ndarray:
     """A job's silence array (set by each allreduce's start, restart_silences)."""
-    return np.zeros((cores, 4))
+    return np.zeros((cores, 5))
 
 
 @njit(inline="always")
@@ -88,6 +96,7 @@ def restart_silences(silence, now):
     silence[:, S_BACKOFF] = 1.0
     silence[:, S_ALIVE] = 0.0
     silence[:, S_PROBES] = 0.0
+    silence[:, S_HEARD] = 0.0
 
 
 @njit(inline="always")
@@ -184,6 +193,7 @@ def on_result(st, s, now):
     quiet[S_BACKOFF] = 1.0
     quiet[S_ALIVE] = st.retries[s] > 0
     quiet[S_PROBES] = 0.0
+    quiet[S_HEARD] = 1.0
 
 
 @njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
@@ -211,8 +221,10 @@ def _own_deadline(st, s, quiet):
 def _deadline(st, s):
     """When slot s (in flight) is due: its RTO, backed off as its core is, after the later of its sending and the
     start of its core's silence; SRTT after it, if sooner, when the core's last answer was to a retransmission
-    and s was sent before it. An answered slot: its own timer (_own_deadline), or, if sooner, SRTT after such a
-    result that came after its PENDING (its round may have completed, and its result been lost)."""
+    and s was sent before it; else, if sooner, 2 SRTT after it when the core answered in this allreduce and was
+    not probed since (the tail probe).
+    An answered slot: its own timer (_own_deadline), or, if sooner, SRTT after such a result that came after its
+    PENDING (its round may have completed, and its result been lost)."""
     quiet = st.silence[s % st.params[P_CORES]]
     if answered(st, s):
         if quiet[S_ALIVE] and st.answered[s] < quiet[S_SINCE] and st.timing[T_SRTT] > 0.0:
@@ -221,6 +233,8 @@ def _deadline(st, s):
     wait = min(st.timing[T_MAX], st.rto[s] * quiet[S_BACKOFF])
     if quiet[S_ALIVE] and st.sent_at[s] < quiet[S_SINCE] and st.timing[T_SRTT] > 0.0:
         wait = min(wait, st.timing[T_SRTT])
+    elif quiet[S_HEARD] and quiet[S_BACKOFF] == 1.0 and not quiet[S_PROBES] and st.timing[T_SRTT] > 0.0:  # the TLP
+        wait = min(wait, TAIL_PROBE * st.timing[T_SRTT])
     return max(st.sent_at[s], quiet[S_SINCE]) + wait
 
 

@@ -14,8 +14,10 @@ over its slots, and overtaken slots' round trips stopped being sampled: only ``c
 allreduce (252 ms, a timeout of 200 ms, to 52 ms) and ``p4model_loss``'s (by 3.5 us) moved, still exact); and when the
 aggregator came to answer a duplicate of an incomplete round with a PENDING, which the ranks take (the ``pendings``
 counter): the PENDINGs ride the lossy links, so the random losses fall on other datagrams, and the three lossy
-scenarios moved by timeouts of 50 ms either way (docs/window.md, "4 workers"), still exact. A change to the engine
-that moves any virtual instant fails here."""
+scenarios moved by timeouts of 50 ms either way (docs/window.md, "4 workers"), still exact; and when a silent core's
+first probe after a result came 2 SRTT into the silence (a tail loss probe): the lossy scenarios lost timeouts of
+50-100 ms and ``cnat8_queue_drops`` took 3 us more, still exact (docs/window.md, "The first probe"). A change to the
+engine that moves any virtual instant fails here."""
 
 from __future__ import annotations
 

@@ -64,10 +64,12 @@ def test_random_loss_costs_round_trips_not_seconds(marked: PacketResult):
     """Under 1% loss per link direction, 47% of the rounds lose some rank's datagram: a slot's round trip then includes
     a peer's recovery, and a probe of a slot whose own datagram arrived goes unanswered. The second allreduce took
     2.5 s when a silent core's probes did not take turns over its slots: the slots with the shortest RTOs were probed
-    again and again, the backoff doubling at each probe, while the lost ones waited."""
+    again and again, the backoff doubling at each probe, while the lost ones waited; and 35 ms (3.6x) when a
+    core's first probe after a result waited for the RTO's floor (2 ms) rather than 2 SRTT (the tail probe): the
+    stalls on a peer's loss were mostly that wait."""
     lossy = run(DEPTH, loss=0.01, rounds=2)
     assert lossy.lost > 0.005 * 2 * DATA
-    assert lossy.times[1] < 6 * marked.times[1]
+    assert lossy.times[1] < 3 * marked.times[1]
 
 
 # An ASIC whose ports to the hosts run at half the hosts' rate with room for 16 results each: a pool of 64 overflows

@@ -622,14 +622,41 @@ def test_engine_timer_probes_a_silent_core_one_slot_at_a_time_with_backoff():
 
 def test_engine_timer_probes_take_turns_whatever_rto_each_slot_was_armed_with():
     """Slot 1 was armed with the initial RTO (1.0), slot 0 after a fast round trip with a shorter one (0.3): when
-    the core falls silent, slot 1 is probed first (least recently sent), and then they alternate. Probing the slot
-    due first instead would probe slot 0 again and again, never slot 1, whose datagram may be the lost one."""
+    the core falls silent, slot 1 is probed first (least recently sent; the tail probe, 2 SRTT into the silence),
+    and then they alternate. Probing the slot due first instead would probe slot 0 again and again, never slot 1,
+    whose datagram may be the lost one."""
     engine, _, sent = lone_engine(rto=1.0, min_rto=0.25, max_rto=8.0)
     (data0, _), = engine_receive(engine, [(result_for(sent[0][0], next_exp=3), AGG)], 0.1)
     assert engine.rto == pytest.approx(0.3)
-    for t, probe in [(0.4, sent[1][0]), (0.7, data0), (1.3, sent[1][0])]:  # a round of two probes, then backoff 2
+    for t, probe in [(0.3, sent[1][0]), (0.6, data0), (1.2, sent[1][0])]:  # a round of two probes, then backoff 2
         assert engine.get_timer() == pytest.approx(t)
         assert engine_timer(engine, engine.get_timer()) == [(probe, AGG)]
+
+
+def test_engine_timer_probes_a_tail_two_round_trips_into_a_silence():
+    """A core that falls silent after a result gets its first probe 2 SRTT (0.2) into the silence, not an RTO (1.0,
+    the floor) later: TCP's tail loss probe. The next probe waits the RTO; the next result re-arms the tail probe.
+    64 workers under 1% loss spent most of their stalls waiting the RTO (min_rto) for that first probe."""
+    engine, _, sent = lone_engine(rto=1.0, min_rto=1.0, max_rto=8.0, pool=4, size=64)
+    (data0, _), = engine_receive(engine, [(result_for(sent[0][0], next_exp=3), AGG)], 0.1)
+    assert (engine.timing[0], engine.rto) == (pytest.approx(0.1), 1.0)  # SRTT, RTO
+    for t, probe in [(0.3, sent[1]), (1.3, sent[2])]:
+        assert engine.get_timer() == pytest.approx(t)
+        assert engine_timer(engine, engine.get_timer()) == [probe]
+    engine_receive(engine, [(result_for(sent[3][0], next_exp=3), AGG)], 1.5)
+    assert engine.get_timer() == pytest.approx(1.5 + 2 * engine.timing[0])
+    assert engine.counters()["retransmissions"] == 2
+
+
+def test_engine_no_tail_probe_before_a_cores_first_result_of_an_allreduce():
+    """At an allreduce's start the silence is the peers' start, or a queue the round trips have yet to show: the
+    first probe waits the RTO (1.0), not 2 SRTT (0.2), until the core has answered in this allreduce."""
+    engine, _, sent = lone_engine(size=2 * P8, rto=1.0, min_rto=1.0, max_rto=8.0)
+    data = [d for d, _ in engine_receive(engine, [(result_for(d, next_exp=3), AGG) for d, _ in sent], 0.1)]
+    assert engine_receive(engine, [(result_for(d, next_exp=NO_EXP), AGG) for d in data], 0.2) == []
+    assert engine.done and engine.timing[0] == pytest.approx(0.1)  # SRTT
+    engine_start(engine, np.ones(3, np.float32), 1.0)
+    assert engine.get_timer() == pytest.approx(1.0 + engine.rto)
 
 
 def test_engine_round_trip_of_an_overtaken_slot_is_not_sampled():
@@ -684,8 +711,8 @@ def test_engine_timer_resends_the_rest_soon_once_a_silent_core_answers_a_probe(l
     """Slot 3 samples the round trip (0.1) and finishes; slots 0-2 wait on a silent core. Slot 0's probe (at
     1.2) is answered at 1.25: the core is alive, so slots 1 and 2, sent before that answer, are lost and go out
     together SRTT (0.1) later, not one at a time an RTO (1.0) apart. Unless a result of a slot that was not
-    retransmitted follows (a late peer: its slots' results come together), which makes them wait an RTO again
-    and be probed one at a time."""
+    retransmitted follows (a late peer: its slots' results come together), which makes them be probed one at a
+    time again (the first a tail probe, 2 SRTT into the silence)."""
     engine, _, sent = lone_engine(rto=1.0, min_rto=0.25, max_rto=8.0, pool=4, size=32)
     (chunk3, _), = engine_receive(engine, [(result_for(sent[3][0], next_exp=3), AGG)], 0.1)
     assert engine_receive(engine, [(result_for(chunk3, next_exp=NO_EXP), AGG)], 0.2) == []
@@ -694,8 +721,8 @@ def test_engine_timer_resends_the_rest_soon_once_a_silent_core_answers_a_probe(l
     (chunk0, _), = engine_receive(engine, [(result_for(sent[0][0], next_exp=3), AGG)], 1.25)
     if late_peer:
         engine_receive(engine, [(result_for(chunk0, next_exp=NO_EXP), AGG)], 1.3)
-        assert engine.get_timer() == 1.3 + 1.0
-        assert engine_timer(engine, 2.3) == [sent[1]]
+        assert engine.get_timer() == pytest.approx(1.3 + 2 * engine.timing[0])
+        assert engine_timer(engine, engine.get_timer()) == [sent[1]]
     else:
         assert engine.get_timer() == pytest.approx(1.25 + 0.1)
         assert engine_timer(engine, 1.35) == [sent[1], sent[2]]
@@ -736,12 +763,13 @@ def test_engine_timer_earliest_deadline_and_adaptive_rto():
     model.sample(1.5)
     assert engine.rto == model.rto == 2.375
     assert header(data2)["chunk"] == 2
-    assert engine.get_timer() == 2.0 + 1.5  # slot 1 (RTO 1.5) before slot 0 (2.0 + 2.375)
+    # a tail probe 2 SRTT (0.625) into the core's silence, before slot 1's RTO (1.5) and slot 0's (2.375)
+    assert engine.get_timer() == 2.0 + 2 * 0.625
     assert engine.counters()["retransmissions"] == 1
-    assert engine_timer(engine, 3.5) == [(data1, AGG)]
-    assert engine.get_timer() == 3.5 + 1.5  # slot 1 again, before slot 0 (3.5 + 2.375): slot 0 had no turn yet
+    assert engine_timer(engine, 3.25) == [(data1, AGG)]
+    assert engine.get_timer() == 3.25 + 1.5  # slot 1 again, before slot 0 (3.25 + 2.375): slot 0 had no turn yet
     # slot 1's result a round trip after its retransmission (0.7 > SRTT 0.625): not counted as spurious
-    engine_receive(engine, [(result_for(data1, next_exp=3), AGG)], 4.2)
+    engine_receive(engine, [(result_for(data1, next_exp=3), AGG)], 3.95)
     assert engine.counters()["spurious_retransmissions"] == 1
 
 
@@ -792,7 +820,8 @@ def test_engine_hands_out_bursts_over_its_own_datagram_buffers():
     assert out is engine.tx and out.count == 1
     assert int(out.ptr[0]) == engine.packet[0, engine.parity[0]].ctypes.data  # slot 0's next chunk, in place
     assert engine.handle_timer(0.002).count == 0
-    assert engine.get_timer() == 0.001 + WorkerTimers.rto  # the other slots: the default RTO from the result
+    # the other slots: a tail probe 2 SRTT (the round trip, 0.001) after the result, before the default RTO
+    assert engine.get_timer() == pytest.approx(0.001 + 2 * 0.001)
 
 
 def test_the_engine_kernels_run_without_numbas_runtime() -> None:
