@@ -22,13 +22,14 @@ driver.
   core is silent because a peer's datagram was lost: a probe of a slot whose own datagram arrived is never
   answered, and probing the slot due first (the one armed with the shortest RTO) again and again, the backoff
   doubling each time, left the slot this rank had lost waiting for seconds.
-* The first probe of a silence that follows a result of this allreduce comes TAIL_PROBE (2) SRTT into it, if that
-  is sooner than the RTO: TCP's tail loss probe (RFC 8985). A stream whose slots all wait (a lost datagram at the
-  end of the window, nothing left to overtake it) is so recovered in round trips, not at the RTO's floor: 64 ranks
-  under 1% loss spent most of their stalls there (docs/window.md). Later probes wait the RTO, backed off. Not at an
-  allreduce's start, before the core's first result: there the silence is the peers' start or a queue the round
-  trips have yet to show (with a tail probe there too, the slowed aggregator of the overload test got spurious
-  ones, over its bound).
+* The first probe of a silence that follows a result of this allreduce comes TAIL_PROBE (2) SRTT into it, or SRTT
+  + 4 RTTVAR if later (the RTO without its floor: a round's result waits on the slowest peer, whose lateness the
+  variance measures), if that is sooner than the RTO: TCP's tail loss probe (RFC 8985). A stream whose slots all
+  wait (a lost datagram at the end of the window, nothing left to overtake it) is so recovered in round trips, not
+  at the RTO's floor: 64 ranks under 1% loss spent most of their stalls there (docs/window.md). Later probes wait
+  the RTO, backed off. Not at an allreduce's start, before the core's first result: there the silence is the
+  peers' start or a queue the round trips have yet to show (with a tail probe there too, the slowed aggregator of
+  the overload test got spurious ones, over its bound).
 * A core whose last answer was to a retransmission is alive and was not waiting for a peer (a late peer's slots
   complete together, so a probe's answer comes with the other slots' results, not retransmitted): the slots sent
   before that answer are due SRTT after it, all at once, as losses at the end of a stream need; at most the send
@@ -221,8 +222,8 @@ def _own_deadline(st, s, quiet):
 def _deadline(st, s):
     """When slot s (in flight) is due: its RTO, backed off as its core is, after the later of its sending and the
     start of its core's silence; SRTT after it, if sooner, when the core's last answer was to a retransmission
-    and s was sent before it; else, if sooner, 2 SRTT after it when the core answered in this allreduce and was
-    not probed since (the tail probe).
+    and s was sent before it; else, if sooner, max(2 SRTT, SRTT + 4 RTTVAR) after it when the core answered in
+    this allreduce and was not probed since (the tail probe).
     An answered slot: its own timer (_own_deadline), or, if sooner, SRTT after such a result that came after its
     PENDING (its round may have completed, and its result been lost)."""
     quiet = st.silence[s % st.params[P_CORES]]
@@ -234,7 +235,7 @@ def _deadline(st, s):
     if quiet[S_ALIVE] and st.sent_at[s] < quiet[S_SINCE] and st.timing[T_SRTT] > 0.0:
         wait = min(wait, st.timing[T_SRTT])
     elif quiet[S_HEARD] and quiet[S_BACKOFF] == 1.0 and not quiet[S_PROBES] and st.timing[T_SRTT] > 0.0:  # the TLP
-        wait = min(wait, TAIL_PROBE * st.timing[T_SRTT])
+        wait = min(wait, max(TAIL_PROBE * st.timing[T_SRTT], st.timing[T_SRTT] + 4.0 * st.timing[T_RTTVAR]))
     return max(st.sent_at[s], quiet[S_SINCE]) + wait
 
 

@@ -620,31 +620,38 @@ def test_engine_timer_probes_a_silent_core_one_slot_at_a_time_with_backoff():
     assert engine.rto == 1.0  # no round-trip sample yet: the initial RTO
 
 
+def tail_wait(engine: StreamEngine) -> float:
+    """The tail probe's wait into a silence: 2 SRTT, or SRTT + 4 RTTVAR (the RTO without its floor) if longer."""
+    srtt, rttvar = engine.timing[0], engine.timing[1]
+    return max(2 * srtt, srtt + 4 * rttvar)
+
+
 def test_engine_timer_probes_take_turns_whatever_rto_each_slot_was_armed_with():
     """Slot 1 was armed with the initial RTO (1.0), slot 0 after a fast round trip with a shorter one (0.3): when
-    the core falls silent, slot 1 is probed first (least recently sent; the tail probe, 2 SRTT into the silence),
-    and then they alternate. Probing the slot due first instead would probe slot 0 again and again, never slot 1,
+    the core falls silent, slot 1 is probed first (least recently sent; the tail probe, SRTT + 4 RTTVAR = 0.3 into
+    the silence after one sample), and then they alternate. Probing the slot due first instead would probe slot 0 again and again, never slot 1,
     whose datagram may be the lost one."""
     engine, _, sent = lone_engine(rto=1.0, min_rto=0.25, max_rto=8.0)
     (data0, _), = engine_receive(engine, [(result_for(sent[0][0], next_exp=3), AGG)], 0.1)
     assert engine.rto == pytest.approx(0.3)
-    for t, probe in [(0.3, sent[1][0]), (0.6, data0), (1.2, sent[1][0])]:  # a round of two probes, then backoff 2
+    for t, probe in [(0.4, sent[1][0]), (0.7, data0), (1.3, sent[1][0])]:  # a round of two probes, then backoff 2
         assert engine.get_timer() == pytest.approx(t)
         assert engine_timer(engine, engine.get_timer()) == [(probe, AGG)]
 
 
 def test_engine_timer_probes_a_tail_two_round_trips_into_a_silence():
-    """A core that falls silent after a result gets its first probe 2 SRTT (0.2) into the silence, not an RTO (1.0,
-    the floor) later: TCP's tail loss probe. The next probe waits the RTO; the next result re-arms the tail probe.
+    """A core that falls silent after a result gets its first probe max(2 SRTT, SRTT + 4 RTTVAR) (0.3 after one
+    sample) into the silence, not an RTO (1.0, the floor) later: TCP's tail loss probe. The next probe waits the RTO; the next result re-arms the tail probe.
     64 workers under 1% loss spent most of their stalls waiting the RTO (min_rto) for that first probe."""
     engine, _, sent = lone_engine(rto=1.0, min_rto=1.0, max_rto=8.0, pool=4, size=64)
     (data0, _), = engine_receive(engine, [(result_for(sent[0][0], next_exp=3), AGG)], 0.1)
     assert (engine.timing[0], engine.rto) == (pytest.approx(0.1), 1.0)  # SRTT, RTO
-    for t, probe in [(0.3, sent[1]), (1.3, sent[2])]:
+    for t, probe in [(0.4, sent[1]), (1.4, sent[2])]:
         assert engine.get_timer() == pytest.approx(t)
         assert engine_timer(engine, engine.get_timer()) == [probe]
     engine_receive(engine, [(result_for(sent[3][0], next_exp=3), AGG)], 1.5)
-    assert engine.get_timer() == pytest.approx(1.5 + 2 * engine.timing[0])
+    # the silence restarts: the tail probe, or the slot's RTO (1.0) if sooner, as here after the late sample
+    assert engine.get_timer() == pytest.approx(1.5 + min(1.0, tail_wait(engine)))
     assert engine.counters()["retransmissions"] == 2
 
 
@@ -712,7 +719,7 @@ def test_engine_timer_resends_the_rest_soon_once_a_silent_core_answers_a_probe(l
     1.2) is answered at 1.25: the core is alive, so slots 1 and 2, sent before that answer, are lost and go out
     together SRTT (0.1) later, not one at a time an RTO (1.0) apart. Unless a result of a slot that was not
     retransmitted follows (a late peer: its slots' results come together), which makes them be probed one at a
-    time again (the first a tail probe, 2 SRTT into the silence)."""
+    time again (the first a tail probe, into the silence)."""
     engine, _, sent = lone_engine(rto=1.0, min_rto=0.25, max_rto=8.0, pool=4, size=32)
     (chunk3, _), = engine_receive(engine, [(result_for(sent[3][0], next_exp=3), AGG)], 0.1)
     assert engine_receive(engine, [(result_for(chunk3, next_exp=NO_EXP), AGG)], 0.2) == []
@@ -721,7 +728,7 @@ def test_engine_timer_resends_the_rest_soon_once_a_silent_core_answers_a_probe(l
     (chunk0, _), = engine_receive(engine, [(result_for(sent[0][0], next_exp=3), AGG)], 1.25)
     if late_peer:
         engine_receive(engine, [(result_for(chunk0, next_exp=NO_EXP), AGG)], 1.3)
-        assert engine.get_timer() == pytest.approx(1.3 + 2 * engine.timing[0])
+        assert engine.get_timer() == pytest.approx(1.3 + tail_wait(engine))
         assert engine_timer(engine, engine.get_timer()) == [sent[1]]
     else:
         assert engine.get_timer() == pytest.approx(1.25 + 0.1)
@@ -763,13 +770,14 @@ def test_engine_timer_earliest_deadline_and_adaptive_rto():
     model.sample(1.5)
     assert engine.rto == model.rto == 2.375
     assert header(data2)["chunk"] == 2
-    # a tail probe 2 SRTT (0.625) into the core's silence, before slot 1's RTO (1.5) and slot 0's (2.375)
-    assert engine.get_timer() == 2.0 + 2 * 0.625
+    # the tail probe, max(2 SRTT, SRTT + 4 RTTVAR) = 2.375 into the core's silence, is not sooner than slot 1's
+    # RTO (1.5)
+    assert engine.get_timer() == 2.0 + 1.5
     assert engine.counters()["retransmissions"] == 1
-    assert engine_timer(engine, 3.25) == [(data1, AGG)]
-    assert engine.get_timer() == 3.25 + 1.5  # slot 1 again, before slot 0 (3.25 + 2.375): slot 0 had no turn yet
+    assert engine_timer(engine, 3.5) == [(data1, AGG)]
+    assert engine.get_timer() == 3.5 + 1.5  # slot 1 again, before slot 0 (3.5 + 2.375): slot 0 had no turn yet
     # slot 1's result a round trip after its retransmission (0.7 > SRTT 0.625): not counted as spurious
-    engine_receive(engine, [(result_for(data1, next_exp=3), AGG)], 3.95)
+    engine_receive(engine, [(result_for(data1, next_exp=3), AGG)], 4.2)
     assert engine.counters()["spurious_retransmissions"] == 1
 
 
@@ -820,8 +828,9 @@ def test_engine_hands_out_bursts_over_its_own_datagram_buffers():
     assert out is engine.tx and out.count == 1
     assert int(out.ptr[0]) == engine.packet[0, engine.parity[0]].ctypes.data  # slot 0's next chunk, in place
     assert engine.handle_timer(0.002).count == 0
-    # the other slots: a tail probe 2 SRTT (the round trip, 0.001) after the result, before the default RTO
-    assert engine.get_timer() == pytest.approx(0.001 + 2 * 0.001)
+    # the other slots: a tail probe SRTT + 4 RTTVAR (3 round trips after one sample) after the result, before the
+    # default RTO
+    assert engine.get_timer() == pytest.approx(0.001 + 3 * 0.001)
 
 
 def test_the_engine_kernels_run_without_numbas_runtime() -> None:
