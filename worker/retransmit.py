@@ -143,6 +143,12 @@ def disarm(st, s):
     st.answered[s] = -np.inf
 
 
+@njit(inline="always")
+def _unbounded_rto(timing):
+    """RFC 6298's RTO before its bounds: SRTT + 4 RTTVAR."""
+    return timing[T_SRTT] + 4.0 * timing[T_RTTVAR]
+
+
 @njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
 def _rtt_sample(timing, sample):
     """RFC 6298 smoothing of one round-trip sample."""
@@ -153,7 +159,7 @@ def _rtt_sample(timing, sample):
         timing[T_RTTVAR] = 0.75 * timing[T_RTTVAR] + 0.25 * abs(timing[T_SRTT] - sample)
         timing[T_SRTT] = 0.875 * timing[T_SRTT] + 0.125 * sample
     timing[T_FLOOR] = min(timing[T_FLOOR], sample)
-    timing[T_RTO] = min(timing[T_MAX], max(timing[T_MIN], timing[T_SRTT] + 4.0 * timing[T_RTTVAR]))
+    timing[T_RTO] = min(timing[T_MAX], max(timing[T_MIN], _unbounded_rto(timing)))
 
 
 @njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
@@ -235,7 +241,7 @@ def _deadline(st, s):
     if quiet[S_ALIVE] and st.sent_at[s] < quiet[S_SINCE] and st.timing[T_SRTT] > 0.0:
         wait = min(wait, st.timing[T_SRTT])
     elif quiet[S_HEARD] and quiet[S_BACKOFF] == 1.0 and not quiet[S_PROBES] and st.timing[T_SRTT] > 0.0:  # the TLP
-        wait = min(wait, max(TAIL_PROBE * st.timing[T_SRTT], st.timing[T_SRTT] + 4.0 * st.timing[T_RTTVAR]))
+        wait = min(wait, max(TAIL_PROBE * st.timing[T_SRTT], _unbounded_rto(st.timing)))
     return max(st.sent_at[s], quiet[S_SINCE]) + wait
 
 
