@@ -23,7 +23,7 @@ from numba import njit
 
 from intml.protocol.burst import Burst
 from intml.protocol.packet import HDR, O_MAGIC, O_SHADOW, O_TYPE, get_u16
-from intml.protocol.wire import CONGESTED, MAGIC, MARK_FRACTION, SHADOW_SET, MsgType
+from intml.protocol.wire import CONGESTED, MAGIC, MARK_FRACTION, SHADOW_SET, STORED, MsgType
 
 SO_MEMINFO = 55  # Linux: the socket's memory counters, u32 each, rmem_alloc first and rcvbuf second
 _MEMINFO = struct.Struct("=9I")
@@ -49,7 +49,8 @@ def _mark(memory, ptr, length, count, bit, kept):
 def mark_results(tx: Burst, congested: bool, keep: bool = False) -> None:
     """Set (``congested``) or clear the congestion mark of every RESULT among ``tx``'s rows, in place (rows that
     point outside its memory, such as the rows of another burst, are left alone). ``keep``: a mark a row already
-    carries (a switch's, DataPath.marks) stays; only the socket's is added."""
+    carries (a switch's, DataPath.marks) stays; only the socket's is added. A re-sent result's STORED mark always
+    stays: it is the row's own, not a queue's."""
     if tx.count:
         _mark(tx.memory, tx.ptr, tx.length, tx.count, np.uint8(CONGESTED if congested else 0),
-              np.uint8(SHADOW_SET | (CONGESTED if keep else 0)))
+              np.uint8(SHADOW_SET | STORED | (CONGESTED if keep else 0)))

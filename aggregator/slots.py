@@ -50,6 +50,7 @@ from intml.protocol.packet import (
     O_JOB,
     O_MAGIC,
     O_RANK,
+    O_SHADOW,
     O_TYPE,
     O_VERSION,
     element_fields,
@@ -98,7 +99,7 @@ from intml.protocol.stats import (
     SAME_NEW_RANK,
     SATURATED,
 )
-from intml.protocol.wire import MAGIC, OWNERS_SHIFT, RANK_MASK, VERSION, MsgType, element_datagram_size
+from intml.protocol.wire import MAGIC, OWNERS_SHIFT, RANK_MASK, STORED, VERSION, MsgType, element_datagram_size
 
 CONTROL = -1  # validate_header's verdict for a JOIN, LEAVE or STATS_REQUEST: the control plane answers it
 
@@ -523,14 +524,32 @@ def pending(q, p, have, data_mac, k0, k1):
 
 
 @njit(inline="always")
-def emit_to(res, size, data_mac, rank, world, dest, out_ptr, out_len, out_addr, n_out):
-    """Queue the stored result row `res` (its first `size` bytes are the result) for rank `rank` at `dest`: the
-    result if the round has no owners or the rank is one, else the row's header-only completion."""
+def bytes_for(res, size, data_mac, rank, world):
+    """The bytes of the stored result row `res` (its first `size` bytes are the result) that rank `rank` gets, as
+    (offset, size): the result if the round has no owners or the rank is one, else the row's header-only
+    completion."""
     first, last = owner_range(np.int64(res[O_RANK]), world)  # the high byte of the result's rank field
     if first <= rank <= last:
-        return emit(res.ctypes.data, size, dest, out_ptr, out_len, out_addr, n_out)
-    cut = res.size - COMPLETION_SIZE
-    return emit(res[cut:].ctypes.data, HDR + TAG_SIZE if data_mac else HDR, dest, out_ptr, out_len, out_addr, n_out)
+        return 0, size
+    return res.size - COMPLETION_SIZE, HDR + TAG_SIZE if data_mac else HDR
+
+
+@njit(inline="always")
+def emit_to(res, size, data_mac, rank, world, dest, out_ptr, out_len, out_addr, n_out):
+    """Queue the bytes of the stored result row `res` that rank `rank` gets (bytes_for) for it at `dest`."""
+    lo, size = bytes_for(res, size, data_mac, rank, world)
+    return emit(res.ctypes.data + lo, size, dest, out_ptr, out_len, out_addr, n_out)
+
+
+@njit(inline="always")
+def emit_stored(res, size, data_mac, rank, world, dest, q, out_ptr, out_len, out_addr, n_out):
+    """As emit_to, but from a copy in row `q` with the STORED mark (protocol.wire): a re-send. The row itself may go
+    out unmarked to other ranks in the same burst."""
+    lo, size = bytes_for(res, size, data_mac, rank, world)
+    for c in range(size):  # a loop, not a slice: see process_burst
+        q[c] = res[lo + c]
+    q[O_SHADOW] |= STORED
+    return emit(q.ctypes.data, size, dest, out_ptr, out_len, out_addr, n_out)
 
 
 @njit(inline="always")
@@ -548,8 +567,9 @@ def process_burst(rx_data, rx_len, rx_addr, n_rx, now, job_arrays, table_arrays,
     """Handle received datagrams 0..n_rx-1. Returns (datagrams written to out, control datagrams listed in
     `control`: those the control admission let through, at most `limiter`'s per_burst; the others are counted
     as drop_control_rate and cost nothing more). `out` needs room for n_rx * MAX_WORLD entries (each packet
-    completes at most one round), spill for n_rx rows (each packet takes at most one: a result spilled, or the
-    PENDING that answers it, with its output's event naming the row as -1 - row).
+    completes at most one round), spill for n_rx rows (each packet takes at most one: a result spilled, the
+    PENDING that answers it, with its output's event naming the row as -1 - row, or its re-sent result's marked
+    copy, emit_stored).
 
     Two phases. Phase 1 walks the packets in order through validate, classify and bitmap_and_count: it makes
     every decision, and a packet's data is only checked, not added. Phase 2 then adds each set's contributions
@@ -702,8 +722,10 @@ def process_burst(rx_data, rx_len, rx_addr, n_rx, now, job_arrays, table_arrays,
         rank = b.event_rank[e]
         first = n_out
         n, data_mac = jobs.world[j], jobs.data_mac[j]
-        if rank >= 0:
-            n_out = emit_to(res, size, data_mac, rank, n, jobs.members[j, rank], out_ptr, out_len, out_addr, n_out)
+        if rank >= 0:  # a re-send, in the spill row its DATA did not take
+            n_out = emit_stored(res, size, data_mac, rank, n, jobs.members[j, rank], spill[n_spill], out_ptr, out_len,
+                                out_addr, n_out)
+            n_spill += 1
         elif jobs.group[j] and res[O_RANK] == 0:  # one datagram to the job's multicast group reaches every worker
             n_out = emit(res.ctypes.data, size, jobs.group[j], out_ptr, out_len, out_addr, n_out)
         else:

@@ -20,6 +20,7 @@ for the switch above the leaves. Sans-I/O, as process_burst: bursts of numpy arr
   gets the stored RESULT if the spine's came, else makes the leaf send its stored PARTIAL again; into one whose
   rack is incomplete, the PENDING with the rack's ranks the set has (protocol.wire), as one switch answers; the spine
   answers a PARTIAL it already holds with its stored RESULT if the set is complete (a lost result), else drops it.
+  A stored RESULT sent again carries the STORED mark (protocol.wire), and a leaf passes the spine's on.
   A set is reused only after every rank had its previous round's result, so a stored PARTIAL is never needed
   once its set opens a new round.
 
@@ -84,7 +85,7 @@ from intml.protocol.stats import (
     SAME_KNOWN_RANK,
     SAME_NEW_RANK,
 )
-from intml.protocol.wire import CONGESTED, NO_EXP, MsgType
+from intml.protocol.wire import CONGESTED, MARKS, NO_EXP, STORED, MsgType
 
 # A leaf's view of each job (per job index): how many ranks its rack holds, which (bitmap), the spine's address
 # key, and the leaf's index at the spine.
@@ -118,8 +119,9 @@ def answer_retransmission(table, row, x, complete_at, dest, mark, st, stage, n_s
                           n_out, p, pending):
     """A contribution ``p`` already in (row, x)'s round: if the round is complete at this level (``complete_at``
     contributions), the set's stored datagram again, to ``dest`` alone, with ``mark`` added to its shadow byte (a
-    congestion mark to echo, or 0); else, if ``pending`` (a rank's DATA at a leaf), its PENDING with the ranks the
-    round has, to ``dest``, or dropped (a leaf's PARTIAL at the spine). Returns (n_stage, n_out)."""
+    congestion mark to echo, or 0) and, on a RESULT, STORED (protocol.wire); else, if ``pending`` (a rank's DATA at
+    a leaf), its PENDING with the ranks the round has, to ``dest``, or dropped (a leaf's PARTIAL at the spine).
+    Returns (n_stage, n_out)."""
     st[RETRANSMISSIONS] += 1
     if table.count[row, x] != complete_at:
         st[DROP_DUPLICATE_INCOMPLETE] += 1
@@ -131,7 +133,7 @@ def answer_retransmission(table, row, x, complete_at, dest, mark, st, stage, n_s
         return n_stage + 1, n_out
     size = table.result_len[row, x]
     src = stage_copy(stage, n_stage, table.result[row, x], size)
-    stage[n_stage, O_SHADOW] |= mark
+    stage[n_stage, O_SHADOW] |= mark | (STORED if stage[n_stage, O_TYPE] == MsgType.RESULT else 0)
     n_out = emit(src, size, dest, out_ptr, out_len, out_addr, n_out)
     st[RESULTS_RESENT] += 1
     st[PACKETS_OUT] += 1
@@ -195,7 +197,7 @@ def leaf_burst(rx_data, rx_len, rx_addr, n_rx, now, job_arrays, table_arrays, ro
         rank, owners, slot, count, codec, x, exp, next_exp, key = element_fields(p)
         vbits = jobs.value_bits[j]
         if from_spine:  # the spine's RESULT of a round this rack completed: keep it and replicate it
-            mark = x & CONGESTED  # a queue on the way from the spine marked it (docs/window.md): on to the ranks
+            mark = x & MARKS  # a queue on the way from the spine marked it, or the spine re-sent it: on to the ranks
             x ^= mark
             if rx_addr[i] != route.spine[j]:
                 reason = DROP_UNREGISTERED

@@ -84,6 +84,9 @@ control IntmlEgress(inout headers_t hdr, inout metadata_t meta, inout standard_m
                     if (sm.enq_qdepth >= MARK_DEPTH) {
                         hdr.intml.shadow = hdr.intml.shadow | CONGESTED;
                     }
+                    if (meta.step == STEP_RESEND) {  // the stored result again, answering the rank's duplicate
+                        hdr.intml.shadow = hdr.intml.shadow | STORED;
+                    }
                 }
             }
         }

@@ -787,6 +787,9 @@ control TnaIngress(inout tna_headers_t hdr, inout tna_metadata_t ig_md,
         if (ig_md.bridge.phase == PHASE_HARVEST && ig_md.bridge.carries == 0) {{
             hdr.bridge.setInvalid();
             ig_tm_md.mcast_grp_a = (MulticastGroupId_t) ig_md.bridge.job_index + 1;  // the whole result
+            if (ig_md.bridge.step == STEP_RESEND) {{  // the stored result again, answering a duplicate
+                hdr.intml.shadow = hdr.intml.shadow | STORED;
+            }}
             if (ig_md.bridge.owners != 0) {{  // a reduce-scatter round: a replica per rank (egress: p4/README.md)
                 ig_tm_md.mcast_grp_a = ig_tm_md.mcast_grp_a + RANK_GROUP_BASE;
             }}

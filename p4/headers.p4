@@ -30,6 +30,7 @@ const int NONFINITE_WORD = 2147483648;
 const int NEAREST_WORD = 2147483647;
 const int MARK_DEPTH = 16;
 const int CONGESTED = 2;
+const int STORED = 4;
 const int CONTROL_SOURCE_BUCKETS = 1024;
 const int BUCKET_SHIFT = 54;
 const int STEP_NONE = 0;

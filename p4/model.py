@@ -76,6 +76,7 @@ from intml.protocol.wire import (
     NO_EXP,
     OWNERS_SHIFT,
     RANK_MASK,
+    STORED,
     VERSION,
     MsgType,
 )
@@ -450,12 +451,13 @@ class PipelineModel:
         """The RESULT header, then the copies: every replica of the job's multicast group (a completion; a round
         with owners: the job's rank group) or the one rank (a re-send), each destination from egress_dest; a
         replica whose rank is not among the round's owners is truncated to the header with count 0. Every copy
-        carries the congestion mark if ``queue_depth`` >= MARK_DEPTH."""
+        carries the congestion mark if ``queue_depth`` >= MARK_DEPTH, and a re-send the STORED mark."""
         rec = np.zeros(1, HEADER)
         fields = {"magic": MAGIC, "version": VERSION, "type": int(MsgType.RESULT), "job": h["job"],
                   "allreduce": h["allreduce"], "chunk": h["chunk"], "rank": bridged.owners << OWNERS_SHIFT,
                   "slot": h["slot"], "count": bridged.elements, "codec": int(job.codec),
-                  "shadow": h["shadow"] | (CONGESTED if queue_depth >= MARK_DEPTH else 0),
+                  "shadow": h["shadow"] | (CONGESTED if queue_depth >= MARK_DEPTH else 0)
+                  | (STORED if bridged.step == STEP_RESEND else 0),
                   "exp": bridged.exp, "next_exp": bridged.next_exp}
         for name, value in fields.items():
             rec[name] = value

@@ -34,7 +34,18 @@ from intml.protocol import reference
 from intml.protocol.codec import Codec
 from intml.protocol.job import CONTROL_SOURCE_BUCKETS, ControlLimits
 from intml.protocol.siphash import tag_ref
-from intml.protocol.wire import HAVE_SIZE, HEADER, HEADER_SIZE, MAGIC, NO_EXP, TAG_SIZE, VERSION, MsgType
+from intml.protocol.wire import (
+    HAVE_SIZE,
+    HEADER,
+    HEADER_SIZE,
+    MAGIC,
+    NO_EXP,
+    OFFSETS,
+    STORED,
+    TAG_SIZE,
+    VERSION,
+    MsgType,
+)
 
 EMPTY, FILLING, COMPLETE = "EMPTY", "FILLING", "COMPLETE"
 OLDER, SAME_NEW_RANK, SAME_KNOWN_RANK, NEWER = "OLDER", "SAME_NEW_RANK", "SAME_KNOWN_RANK", "NEWER"
@@ -46,7 +57,7 @@ OLDER, SAME_NEW_RANK, SAME_KNOWN_RANK, NEWER = "OLDER", "SAME_NEW_RANK", "SAME_K
 DROP_STALE = "drop_stale"  # a delayed duplicate of a round the set has left
 DROP_DUPLICATE = "drop_duplicate_incomplete"  # a retransmission before the round completed: never added twice;
 # answered with a PENDING, the ranks the round has, to that rank alone
-RESEND = "resend"  # a retransmission after completion: the stored result again, to that rank alone
+RESEND = "resend"  # a retransmission after completion: the stored result again, marked STORED, to that rank alone
 ADD = "add"  # a contribution to the round: set the rank's bit, count it, add its values
 OPEN = "open"  # the set's next round: reset bitmap and count, the values are written (no zeroing)
 
@@ -240,7 +251,9 @@ class SlotReference:
                 job.stats[DROP_DUPLICATE] += 1
                 return self._send(job, [(self._pending(job, s, datagram), job.members[rank])])
             job.stats["results_resent"] += 1
-            return self._send(job, [(self._result_for(s, rank, job.world), job.members[rank])])
+            again = bytearray(self._result_for(s, rank, job.world))
+            again[OFFSETS["shadow"]] |= STORED  # outside the tag, which covers the byte without it
+            return self._send(job, [(bytes(again), job.members[rank])])
         if action == ADD and (h["exp"] != s.exp or h["count"] != s.elements or h["owners"] != s.owners):
             job.stats["drop_exponent_mismatch" if h["exp"] != s.exp else "drop_wrong_count"
                       if h["count"] != s.elements else "drop_bad_owner"] += 1

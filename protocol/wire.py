@@ -22,7 +22,7 @@ Data header (26 bytes):
 | slot      |     18 |    2 | u16  | slot index within the job's pool |
 | count     |     20 |    2 | u16  | number of payload elements (DATA / RESULT) |
 | codec     |     22 |    1 | u8   | Codec of the payload elements |
-| shadow    |     23 |    1 | u8   | shadow-set bit (bit 0); RESULT, PARTIAL: bit 1 = congestion experienced (``CONGESTED``) |
+| shadow    |     23 |    1 | u8   | shadow-set bit (bit 0); RESULT, PARTIAL: bit 1 = congestion experienced (``CONGESTED``); RESULT: bit 2 = re-sent (``STORED``) |
 | exp       |     24 |    1 | i8   | agreed exponent of this chunk |
 | next_exp  |     25 |    1 | i8   | DATA: sender's max exponent for its next chunk in this slot; RESULT: agreed (max) exponent of that chunk; -128 = none |
 
@@ -112,6 +112,13 @@ SHADOW_SET = 0x01  # the shadow byte's shadow-set bit
 # ECN field, a mark any hop may set; a worker checks the tag with the bit clear. A PARTIAL's: a queue on the leaf's
 # way up to the spine was deep; the spine echoes it in the round's RESULT (aggregator.tiers).
 CONGESTED = 0x02
+# A RESULT's shadow byte, bit 2: a completed round's stored result sent again, in answer to a duplicate DATA of the
+# rank it goes to (or passed on by a leaf from a spine that so answered); clear on a round's first sending. A rank
+# that already took the round so knows its retransmission was spurious, as a DSACK tells TCP (worker.engine
+# take_stale; docs/protocol.md, "Re-sends are marked"). Like CONGESTED, outside the MAC: flipping it changes a
+# counter, never a sum.
+STORED = 0x04
+MARKS = CONGESTED | STORED  # the bits set after a RESULT's MAC, which covers the byte with them clear
 # A queue marks from a quarter full on (its kernel socket's, a switch port's): room for a round trip's arrivals
 MARK_FRACTION = 4
 DEFAULT_PORT = 48879

@@ -90,10 +90,12 @@ from intml.protocol.rng import derive_key
 from intml.protocol.siphash import put_tag, tag_ok
 from intml.protocol.wire import (
     CONGESTED,
+    MARKS,
     MAGIC,
     OWNERS_SHIFT,
     PENDING_SIZE,
     SHADOW_SET,
+    STORED,
     TAG_SIZE,
     VERSION,
     MsgType,
@@ -149,6 +151,7 @@ from intml.worker.state import (
     PARAMS,
     RESULTS,
     SATURATED,
+    SPURIOUS,
     STAT_NAMES,
     State,
     queue_slot,
@@ -372,9 +375,10 @@ def take_pending(st, p, length, addr, now):
 
 
 @njit(inline="always")
-def congestion_mark(p):
-    """Whether a well-formed result carries the aggregator's congestion mark (protocol.wire.CONGESTED)."""
-    return (p[O_SHADOW] & CONGESTED) != 0
+def result_marks(p):
+    """The marks a well-formed result carries outside its MAC (protocol.wire.MARKS): CONGESTED, the aggregator's
+    congestion mark, and STORED, a completed round's result sent again in answer to this rank's duplicate."""
+    return np.int64(p[O_SHADOW] & MARKS)
 
 
 @njit(inline="always")
@@ -393,6 +397,16 @@ def classify_result(prm, parity, cur_chunk, agg_addr, p, addr):
 
 
 @njit(inline="always")
+def take_stale(st, p, length, marks):
+    """A result classify_result found stale: if it is marked STORED, of this allreduce and authentic, a re-send of
+    a round its slot took, which proves a retransmission of it spurious (worker.retransmit): counted."""
+    prm = st.params
+    if (marks & STORED and get_u32(p, O_ALLREDUCE) == prm[P_ALLREDUCE]
+            and authenticate(prm, st.mac_keys, p, length) >= 0):
+        st.stats[SPURIOUS] += 1
+
+
+@njit(inline="always")
 def authenticate(prm, keys, p, length):
     """With the DATA/RESULT MAC: the length of the result of slot get_u16(p, O_SLOT) without its tag, or -1 if the
     tag is missing or wrong (a forged result: counted, dropped, and the slot keeps waiting for the real one).
@@ -400,7 +414,7 @@ def authenticate(prm, keys, p, length):
     if keys.shape[0] == 0:
         return length
     k = get_u16(p, O_SLOT) % prm[P_CORES]
-    mark = p[O_SHADOW] & CONGESTED  # the tag covers the header without its congestion mark: checked without it
+    mark = p[O_SHADOW] & MARKS  # the tag covers the header without its marks: checked without them
     p[O_SHADOW] ^= mark  # (and the datagram left as it came: a simulator's ranks share a multicast result's copy)
     ok = tag_ok(p, length, keys[k, 0], keys[k, 1])
     p[O_SHADOW] |= mark
@@ -473,17 +487,14 @@ def decode_sum(prm, agreed_exp, out, out16, scratch, codes, p, c, count):
 
 
 @njit(inline="always")
-def take_result(st, s, now):
-    """Slot s's round is over: count it, tell the retransmission policy (round trip, overtaking, its core's
-    silence), flip the shadow set."""
+def take_result(st, s, now, marks):
+    """Slot s's round is over, its result carrying ``marks`` (result_marks): count it, tell the retransmission
+    policy (round trip, overtaking, its core's silence) and the send window (the congestion mark), flip the shadow
+    set."""
     st.stats[RESULTS] += 1
     on_result(st, s, now)
     st.parity[s] ^= 1
-
-
-@njit(inline="always")
-def count_mark(st, marked):
-    """Tell the send window whether the result just taken was marked congested."""
+    marked = (marks & CONGESTED) != 0
     st.stats[CONGESTION_MARKS] += marked
     on_mark(st.window, marked, st.parity.size)
 
@@ -537,11 +548,13 @@ def receive_kernel(state, rx_data, rx_len, rx_addr, n_rx, now, tx_ptr, tx_len, t
             if drop >= 0:
                 st.stats[drop] += 1
             continue
-        marked = False
+        marks = 0
         if drop < 0:
-            marked = congestion_mark(p)
+            marks = result_marks(p)
             drop = classify_result(prm, st.parity, st.cur_chunk, st.agg_addr, p, rx_addr[i])
-            if drop < 0 and taken[get_u16(p, O_SLOT)]:
+            if drop == DROP_STALE:
+                take_stale(st, p, length, marks)
+            elif drop < 0 and taken[get_u16(p, O_SLOT)]:
                 drop = DROP_UNSENT
         c = get_i32(p, O_CHUNK)
         if drop < 0:  # c is the slot's chunk
@@ -558,9 +571,8 @@ def receive_kernel(state, rx_data, rx_len, rx_addr, n_rx, now, tx_ptr, tx_len, t
             continue
         s = get_u16(p, O_SLOT)
         taken[s] = True
-        take_result(st, s, now)
-        count_mark(st, marked)
-        if marked and c < 0:
+        take_result(st, s, now, marks)
+        if marks & CONGESTED and c < 0:
             on_bootstrap_mark(st.window)
         n_tx = advance(st, s, c, get_i8(p, O_NEXT_EXP), now, tx_ptr, tx_len, tx_addr, n_tx)
     n_tx = release(st, now, tx_ptr, tx_len, tx_addr, n_tx)

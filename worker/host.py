@@ -45,11 +45,11 @@ from intml.protocol.wire import NO_EXP, TAG_SIZE, MsgType
 from intml.worker.engine import (
     authenticate,
     classify_result,
-    congestion_mark,
-    count_mark,
     goes_now,
     hold,
+    result_marks,
     take_pending,
+    take_stale,
     take_result,
     validate_header,
 )
@@ -66,6 +66,7 @@ from intml.worker.retransmit import (
 from intml.worker.state import (
     DROP_BAD_MAC,
     DROP_MALFORMED,
+    DROP_STALE,
     DROP_UNSENT,
     IDLE,
     PACKETS_IN,
@@ -137,14 +138,13 @@ def hold_kernel(state, s, c, package):
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def take_kernel(state, s, now, c, marked, package, tx_ptr, tx_len, tx_addr, n_tx):
-    """Slot s's result was taken at now (worker.engine.take_result), ``marked`` congested or not (the send window
-    follows it, worker.engine.count_mark); its next chunk c, with ``package`` (empty if c is past the allreduce),
+def take_kernel(state, s, now, c, marks, package, tx_ptr, tx_len, tx_addr, n_tx):
+    """Slot s's result, with ``marks`` (worker.engine.result_marks), was taken at now (worker.engine.take_result);
+    its next chunk c, with ``package`` (empty if c is past the allreduce),
     goes now, or is written and held until the window admits it; or the slot falls idle (worker.engine.goes_now).
     Returns the new tx count."""
     st = State(*state)
-    take_result(st, s, now)
-    count_mark(st, marked)
+    take_result(st, s, now, marks)
     go = goes_now(st, s, c)
     if st.cur_chunk[s] == IDLE:
         return n_tx
@@ -168,28 +168,30 @@ def release_kernel(state, now, tx_ptr, tx_len, tx_addr, n_tx):
 @njit(cache=True, nogil=True, boundscheck=False)
 def check_kernel(state, p, length, addr, taken):
     """The checks of a RESULT datagram p[:length] from address key ``addr``, in StreamEngine's order:
-    (slot, -1, chunk, count, the package's end, its congestion mark) for one to decode into the output, else
-    (slot, the statistic of why it is dropped, 0, 0, 0, False). ``taken``: the slots whose result this burst already
+    (slot, -1, chunk, count, the package's end, its marks) for one to decode into the output, else
+    (slot, the statistic of why it is dropped, 0, 0, 0, 0). ``taken``: the slots whose result this burst already
     took."""
     if validate_header(p, length) >= 0:
-        return (-1 if length < HDR else get_u16(p, O_SLOT)), DROP_MALFORMED, 0, 0, 0, False
+        return (-1 if length < HDR else get_u16(p, O_SLOT)), DROP_MALFORMED, 0, 0, 0, 0
     st = State(*state)
     prm = st.params
     s = get_u16(p, O_SLOT)
     drop = classify_result(prm, st.parity, st.cur_chunk, st.agg_addr, p, addr)
     if drop >= 0:
-        return s, drop, 0, 0, 0, False
+        if drop == DROP_STALE:
+            take_stale(st, p, length, result_marks(p))
+        return s, drop, 0, 0, 0, 0
     if taken[s]:  # its next chunk, queued by this call, has not been sent: a forged result
-        return s, DROP_UNSENT, 0, 0, 0, False
+        return s, DROP_UNSENT, 0, 0, 0, 0
     end = authenticate(prm, st.mac_keys, p, length)
     if end < 0:
-        return s, DROP_BAD_MAC, 0, 0, 0, False
+        return s, DROP_BAD_MAC, 0, 0, 0, 0
     c = get_i32(p, O_CHUNK)
     count = _count(st, c)
     if (p[O_CODEC] != prm[P_CODEC] or get_u16(p, O_COUNT) != count or get_u16(p, O_RANK) != 0
             or get_i8(p, O_EXP) != NO_EXP or get_i8(p, O_NEXT_EXP) != NO_EXP):
-        return s, DROP_MALFORMED, 0, 0, 0, False
-    return s, -1, c, count, end, congestion_mark(p)
+        return s, DROP_MALFORMED, 0, 0, 0, 0
+    return s, -1, c, count, end, result_marks(p)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -326,7 +328,7 @@ class HostStreamEngine:
                 if drop >= 0:
                     self.stats[drop] += 1
                 continue
-            slot, drop, c, count, end, marked = check_kernel(self._args, rx.data[i], rx.length[i], rx.addr[i], taken)
+            slot, drop, c, count, end, marks = check_kernel(self._args, rx.data[i], rx.length[i], rx.addr[i], taken)
             if drop < 0:
                 drop = self._take(rx.data[i], c, count, end)
             if drop >= 0:
@@ -334,7 +336,7 @@ class HostStreamEngine:
                 continue
             taken[slot] = True
             c += window
-            n_tx = take_kernel(self._args, slot, now, c, marked, self._package(c) if c < chunks else NO_PACKAGE,
+            n_tx = take_kernel(self._args, slot, now, c, marks, self._package(c) if c < chunks else NO_PACKAGE,
                                tx.ptr, tx.length, tx.addr, n_tx)
         return self._burst(release_kernel(self._args, now, tx.ptr, tx.length, tx.addr, n_tx))
 

@@ -47,8 +47,12 @@ driver.
   transmission and never restarts its core's silence: a forged or replayed one (without the MAC) delays a slot's
   next resend, and the slot is still resent, at least every twice max_rto (docs/window.md, "A duplicate answered
   with the ranks it lacks").
-* A result of a retransmitted slot that comes sooner than the fastest round trip seen after the retransmission
-  answers the original: counted as spurious_retransmissions.
+* A result that a slot already took, sent again marked STORED (protocol.wire: the aggregator's answer to a
+  duplicate of a complete round), proves a retransmission spurious, as a DSACK does (RFC 3708): counted as
+  spurious_retransmissions (worker.engine.take_stale). It does not undo the burst that the original's result,
+  taken as the answer to the retransmission, may have set off: that burst recovers the core's other lost
+  datagrams, and undoing it made 64 ranks under 1% loss slower (docs/window.md, "A probe crossed by its
+  original's result").
 """
 
 from __future__ import annotations
@@ -69,8 +73,8 @@ from intml.worker.state import (
 )
 from intml.worker.window import window_limit
 
-# timing (float64): smoothed RTT, RTT variance, current RTO, min RTO, max RTO, fastest round trip seen
-T_SRTT, T_RTTVAR, T_RTO, T_MIN, T_MAX, T_FLOOR = range(6)
+# timing (float64): smoothed RTT, RTT variance, current RTO, min RTO, max RTO
+T_SRTT, T_RTTVAR, T_RTO, T_MIN, T_MAX = range(5)
 # silence (float64): (cores, 5), per aggregator core: since when it is silent (the allreduce's start, its last
 # result taken, or its last probe), the backoff its slots' RTOs are multiplied by (1, doubled by each round of
 # probes), 1 if its last result answered a retransmission (its next timeout resends every due slot), else 0, the
@@ -82,7 +86,7 @@ TAIL_PROBE = 2.0  # SRTTs into a silence after a result, the first probe (the mo
 
 def timing_state(rto: float, min_rto: float, max_rto: float) -> np.ndarray:
     """A job's timing array, before any round trip: it persists, so later allreduces start adapted."""
-    return np.array([0.0, 0.0, rto, min_rto, max_rto, np.inf])
+    return np.array([0.0, 0.0, rto, min_rto, max_rto])
 
 
 def silence_state(cores: int) -> np.ndarray:
@@ -158,7 +162,6 @@ def _rtt_sample(timing, sample):
     else:
         timing[T_RTTVAR] = 0.75 * timing[T_RTTVAR] + 0.25 * abs(timing[T_SRTT] - sample)
         timing[T_SRTT] = 0.875 * timing[T_SRTT] + 0.125 * sample
-    timing[T_FLOOR] = min(timing[T_FLOOR], sample)
     timing[T_RTO] = min(timing[T_MAX], max(timing[T_MIN], _unbounded_rto(timing)))
 
 
@@ -191,8 +194,6 @@ def on_result(st, s, now):
         if st.overtaken[s] == 0:
             _rtt_sample(st.timing, now - st.sent_at[s])
         _count_overtaking(st, s)
-    elif now - st.sent_at[s] < st.timing[T_FLOOR]:  # faster than any round trip: the original's result
-        st.stats[SPURIOUS] += 1
     # (Karn: a retransmitted slot's result may answer the original, so neither its round trip nor its order is
     # known; counted as overtaking, the probes answered after a late peer's silence fast-retransmitted the window)
     quiet = st.silence[s % st.params[P_CORES]]

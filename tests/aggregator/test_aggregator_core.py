@@ -22,6 +22,7 @@ from support.harness import (
     handshake,
     msg_type,
     new_core,
+    stored,
     table_snapshot,
     with_header,
     with_payload_byte,
@@ -318,7 +319,7 @@ def test_duplicate_to_complete_round_resends_to_that_worker_alone(codec):
     for data, src in ((d0, s0), (d1, s1), (d0, s0)):
         before = net.job_counters()
         out = net.to_core(0, [(data, src)])
-        assert out == [(results[src], src)]  # exactly one datagram, to that rank, byte for byte the result
+        assert out == [(stored(results[src]), src)]  # exactly one datagram, to that rank: the result, marked STORED
         assert counter_diff(before, net.job_counters()) == {"packets_in": 1, "packets_out": 1,
                                                              "retransmissions": 1, "results_resent": 1}
     assert_table_equal(snap, table_snapshot(net.cores[0], net.job))
@@ -326,7 +327,7 @@ def test_duplicate_to_complete_round_resends_to_that_worker_alone(codec):
     (c1, dst), = engine_receive(net.engines[1], [(results[s1], agg_addr(0))], net.now)
     assert header(c1)["chunk"] == 1 and header(c1)["shadow"] == 0 and dst == agg_addr(0)
     assert net.to_core(0, [(c1, s1)]) == []  # opens the round in set 0
-    assert net.to_core(0, [(d0, s0)]) == [(results[s0], s0)]  # set 1 still holds chunk 0's result
+    assert net.to_core(0, [(d0, s0)]) == [(stored(results[s0]), s0)]  # set 1 still holds chunk 0's result
     net.down.append((results[s0], agg_addr(0), s0))
     net.run()
     assert_results(net, xs)
@@ -671,7 +672,7 @@ def test_a_burst_larger_than_expected_grows_the_output_and_keeps_stored_results(
     (result, _), (again, _) = core_receive(core, [_data(1, 0, 0, bytes([0x58]))], 0.0)
     assert result == again
     resent = core_receive(core, [_data(0, 0, 0, bytes([0x57])), _data(1, 0, 0, bytes([0x58]))], 0.0)
-    assert resent == [(result, worker_addr(0)), (result, worker_addr(1))]
+    assert resent == [(stored(result), worker_addr(0)), (stored(result), worker_addr(1))]
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -687,7 +688,7 @@ def test_result_reused_by_a_new_round_in_the_same_burst_is_not_overwritten(world
     expected = [out for datagram in burst for out in core_receive(one, [datagram], 0.0)]
     got = core_receive(_joined(world), burst, 0.0)
     assert got == expected
-    assert len({d for d, _ in got}) == 2  # two rounds, two different results
+    assert len({d for d, _ in got}) == 4  # two rounds, two different results, each also re-sent marked STORED
 
 
 @pytest.mark.parametrize("size", [HDR + 17, 100, 512])  # HDR + 16: a keepalive (test_keepalive)

@@ -10,7 +10,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from support.harness import TOKEN, addr_key, core_receive, handshake, header, msg_type, new_core, with_header, worker_addr
+from support.harness import (
+    TOKEN,
+    addr_key,
+    core_receive,
+    handshake,
+    header,
+    msg_type,
+    new_core,
+    stored,
+    with_header,
+    worker_addr,
+)
 from intml.aggregator.core import AggregatorCore
 from intml.aggregator.leafspine import SpineCore, leaf_core
 from intml.protocol.codec import Codec
@@ -81,13 +92,13 @@ def test_partial_result_and_recovery_at_both_levels():
     assert msg_type(result) == MsgType.RESULT
     assert np.array_equal(np.frombuffer(result, ">i4", 8, HDR), sum(X.values()))
     # leaf a's partial again (the result to it was lost): the stored result, to leaf a alone
-    assert core_receive(spine, [(partial_a, LEAVES[0])], 4.0) == [(result, LEAVES[0])]
+    assert core_receive(spine, [(partial_a, LEAVES[0])], 4.0) == [(stored(result), LEAVES[0])]
     # a RESULT from anywhere but the spine changes nothing at the leaf
     assert core_receive(a, [(result, worker_addr(9))], 4.0) == []
     # the leaf keeps the spine's result and replicates it to its rack (unicast: the job has no multicast group)
     assert core_receive(a, [(result, SPINE)], 4.0) == [(result, worker_addr(0)), (result, worker_addr(1))]
     assert core_receive(a, [(result, SPINE)], 4.0) == []  # a duplicate: no round waits for it
-    assert core_receive(a, [(data(1, X[1]), worker_addr(1))], 5.0) == [(result, worker_addr(1))]
+    assert core_receive(a, [(data(1, X[1]), worker_addr(1))], 5.0) == [(stored(result), worker_addr(1))]
     assert counters(spine) == {"packets_in": 4, "packets_out": 3, "contributions": 2, "completions": 1,
                                "retransmissions": 2, "results_resent": 1, "drop_duplicate_incomplete": 1}
     assert counters(a) == {"packets_in": 7, "packets_out": 5, "contributions": 2, "completions": 1,
@@ -115,8 +126,8 @@ def test_a_leaf_answers_a_duplicate_into_its_incomplete_rack_with_pending():
 
 def test_the_spines_congestion_mark_reaches_the_rack():
     """A RESULT that a queue between the spine and the leaf marked (docs/window.md) goes on to the rack marked; the
-    leaf stores it unmarked, so a re-send carries only the marks of the queues it meets itself. Any other bit
-    beyond the shadow set is still malformed."""
+    leaf stores it unmarked, so a re-send carries only the marks of the queues it meets itself. So does a result the
+    spine re-sent (STORED). Any other bit beyond the shadow set is still malformed."""
     (a, b), spine = fabric()
     core_receive(a, [(data(0, X[0]), worker_addr(0))], 1.0)
     [(partial_a, _)] = core_receive(a, [(data(1, X[1]), worker_addr(1))], 1.0)
@@ -125,10 +136,11 @@ def test_the_spines_congestion_mark_reaches_the_rack():
     result = core_receive(spine, [(partial_b, LEAVES[1])], 2.0)[0][0]
     marked, bad = bytearray(result), bytearray(result)
     marked[O_SHADOW] |= CONGESTED
-    bad[O_SHADOW] |= 4
+    bad[O_SHADOW] |= 8
     assert core_receive(b, [(bytes(bad), SPINE)], 3.0) == [] and counters(b)["drop_bad_shadow"] == 1
     assert core_receive(a, [(bytes(marked), SPINE)], 3.0) == [(bytes(marked), worker_addr(r)) for r in (0, 1)]
-    assert core_receive(a, [(data(1, X[1]), worker_addr(1))], 4.0) == [(result, worker_addr(1))]
+    assert core_receive(a, [(data(1, X[1]), worker_addr(1))], 4.0) == [(stored(result), worker_addr(1))]
+    assert core_receive(b, [(stored(result), SPINE)], 3.0) == [(stored(result), worker_addr(r)) for r in (2, 3)]
 
 
 def marked(datagram: bytes) -> bytes:
@@ -155,8 +167,8 @@ def test_the_spine_echoes_a_marked_partial():
     [(unmarked, _)] = core_receive(plain, [(partial_a, LEAVES[0]), (partial_b, LEAVES[1])], 2.0)[:1]
     assert result == marked(unmarked) and unmarked[O_SHADOW] == 0
     # a re-send carries the mark of the partial it answers
-    assert core_receive(spine, [(partial_a, LEAVES[0])], 3.0) == [(unmarked, LEAVES[0])]
-    assert core_receive(spine, [(marked(partial_b), LEAVES[1])], 3.0) == [(result, LEAVES[1])]
+    assert core_receive(spine, [(partial_a, LEAVES[0])], 3.0) == [(stored(unmarked), LEAVES[0])]
+    assert core_receive(spine, [(marked(partial_b), LEAVES[1])], 3.0) == [(stored(result), LEAVES[1])]
     # the set's next round (slot 0, set 0 again, two allreduces on), its partials unmarked: its result is unmarked
     nxt = [data(r, X[r], allreduce=2) for r in range(4)]
     [(next_a, _)] = core_receive(a, [(nxt[r], worker_addr(r)) for r in RACKS[0]], 4.0)

@@ -22,7 +22,7 @@ import time
 import numpy as np
 import pytest
 from support.cluster import HOST, run_ok
-from support.harness import TOKEN, Network, core_receive, handshake, make_inputs, msg_type, worker_addr
+from support.harness import TOKEN, Network, core_receive, handshake, make_inputs, msg_type, stored, worker_addr
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -400,7 +400,7 @@ def test_reencode_with_the_extern_random_is_unbiased_and_loss_invariant() -> Non
         model.receive(packets[0], worker_addr(0), 0.0)
         (result, _), _ = model.receive(packets[1], worker_addr(1), 0.0)
         [(resent, _)] = model.receive(packets[1], worker_addr(1), 0.0)
-        assert resent == result
+        assert resent == stored(result)  # the stored codes again, not re-encoded: loss-invariant
         total += reference.to_fixed(np.frombuffer(result, np.uint8, offset=wire.HEADER_SIZE))
     a = np.abs(sums).astype(np.float64)
     b = np.floor(np.log2(np.maximum(a, 1)))
@@ -526,10 +526,11 @@ def test_results_behind_a_deep_egress_queue_carry_the_congestion_mark(codec: Cod
     assert [len(sent) for sent in plain] == [0, 2, 1]
     assert outputs[0] == outputs[layout.MARK_DEPTH - 1] == plain
     shadow = wire.HEADER.fields["shadow"][1]
+    assert [u[shadow] for sent in plain for u, _ in sent] == [1, 1, 1 | wire.STORED]  # the re-send: STORED
     for depth in (layout.MARK_DEPTH, 10 * layout.MARK_DEPTH):
         for marked, unmarked in zip(outputs[depth], plain):
             for (m, m_dest), (u, u_dest) in zip(marked, unmarked):
-                assert m_dest == u_dest and m[shadow] == u[shadow] | wire.CONGESTED == 1 | wire.CONGESTED
+                assert m_dest == u_dest and m[shadow] == u[shadow] | wire.CONGESTED
                 assert m[:shadow] + m[shadow + 1:] == u[:shadow] + u[shadow + 1:]
     model = joined(2, 150, codec)[2]
     bad = bytearray(packets_[0])

@@ -151,6 +151,13 @@ def header(datagram: bytes) -> np.void:
     return np.frombuffer(datagram, wire.HEADER, count=1)[0]
 
 
+def stored(result: bytes) -> bytes:
+    """``result`` as a re-send carries it: the STORED mark in its shadow byte (protocol.wire)."""
+    again = bytearray(result)
+    again[wire.OFFSETS["shadow"]] |= wire.STORED
+    return bytes(again)
+
+
 class Link:
     """One direction of the network: seeded drop, duplication and reordering of datagrams."""
 

@@ -25,6 +25,7 @@ from support.harness import (
     make_inputs,
     msg_type,
     reference_saturation,
+    stored,
     table_snapshot,
     with_header,
     with_payload_byte,
@@ -37,6 +38,7 @@ from intml.protocol import arith, cnat, reference, wire
 from intml.protocol.arith import data_k_max, value_bits
 from intml.protocol.codec import Codec
 from intml.protocol.packet import HDR
+from intml.protocol.siphash import tag_ref
 from intml.protocol.wire import NO_EXP, MsgType
 from intml.protocol.burst import Burst
 from intml.protocol.job import WorkerTimers
@@ -435,9 +437,11 @@ AGG = agg_addr(0)
 JOB, RANK, N, P8, POOL, ESEED = 7, 1, 2, 8, 2, 5
 
 
-def lone_engine(codec=Codec.CNAT8, size=20, agg_addrs=(AGG,), rto=0.02, min_rto=0.005, max_rto=1.0, pool=POOL):
+def lone_engine(codec=Codec.CNAT8, size=20, agg_addrs=(AGG,), rto=0.02, min_rto=0.005, max_rto=1.0, pool=POOL,
+                data_mac_keys=None):
     engine = StreamEngine(job=JOB, rank=RANK, world_size=N, codec=codec, packet_elements=P8, pool_size=pool,
-                          seed=ESEED, agg_addrs=list(agg_addrs), rto=rto, min_rto=min_rto, max_rto=max_rto)
+                          seed=ESEED, agg_addrs=list(agg_addrs), rto=rto, min_rto=min_rto, max_rto=max_rto,
+                          data_mac_keys=data_mac_keys)
     x = ((np.arange(size) % 8 - 3.5) * 1.5).astype(np.float32)  # |x| <= 5.25: every chunk has E = 3
     sent = engine_start(engine, x, 0.0)
     return engine, x, sent
@@ -713,20 +717,22 @@ class Rfc6298:
         self.rto = min(self.hi, max(self.lo, self.srtt + 4 * self.rttvar))
 
 
-@pytest.mark.parametrize("late_peer", [False, True])
-def test_engine_timer_resends_the_rest_soon_once_a_silent_core_answers_a_probe(late_peer):
+@pytest.mark.parametrize("answer", ["fresh", "stored", "late_peer"])
+def test_engine_timer_resends_the_rest_soon_once_a_silent_core_answers_a_probe(answer):
     """Slot 3 samples the round trip (0.1) and finishes; slots 0-2 wait on a silent core. Slot 0's probe (at
-    1.2) is answered at 1.25: the core is alive, so slots 1 and 2, sent before that answer, are lost and go out
-    together SRTT (0.1) later, not one at a time an RTO (1.0) apart. Unless a result of a slot that was not
-    retransmitted follows (a late peer: its slots' results come together), which makes them be probed one at a
-    time again (the first a tail probe, into the silence)."""
+    1.2) is answered at 1.25, fresh or (its first result lost on the way back) re-sent marked STORED: the core is
+    alive, so slots 1 and 2, sent before that answer, are lost and go out together SRTT (0.1) later, not one at a
+    time an RTO (1.0) apart. Unless a result of a slot that was not retransmitted follows (a late peer: its slots'
+    results come together), which makes them be probed one at a time again (the first a tail probe, into the
+    silence)."""
     engine, _, sent = lone_engine(rto=1.0, min_rto=0.25, max_rto=8.0, pool=4, size=32)
     (chunk3, _), = engine_receive(engine, [(result_for(sent[3][0], next_exp=3), AGG)], 0.1)
     assert engine_receive(engine, [(result_for(chunk3, next_exp=NO_EXP), AGG)], 0.2) == []
     assert engine.timing[0] == pytest.approx(0.1)  # SRTT
     assert engine_timer(engine, 1.2) == [sent[0]]
-    (chunk0, _), = engine_receive(engine, [(result_for(sent[0][0], next_exp=3), AGG)], 1.25)
-    if late_peer:
+    result = result_for(sent[0][0], next_exp=3)
+    (chunk0, _), = engine_receive(engine, [(stored(result) if answer == "stored" else result, AGG)], 1.25)
+    if answer == "late_peer":
         engine_receive(engine, [(result_for(chunk0, next_exp=NO_EXP), AGG)], 1.3)
         assert engine.get_timer() == pytest.approx(1.3 + tail_wait(engine))
         assert engine_timer(engine, engine.get_timer()) == [sent[1]]
@@ -734,6 +740,29 @@ def test_engine_timer_resends_the_rest_soon_once_a_silent_core_answers_a_probe(l
         assert engine.get_timer() == pytest.approx(1.25 + 0.1)
         assert engine_timer(engine, 1.35) == [sent[1], sent[2]]
         assert engine.get_timer() == pytest.approx(1.35 + 2 * 0.25)  # chunk 0: its own RTO, after the resend
+    assert engine.counters()["spurious_retransmissions"] == 0
+
+
+@pytest.mark.parametrize("mac", [False, True])
+def test_a_stored_duplicate_proves_a_retransmission_spurious(mac):
+    """A result the slot already took, again marked STORED (the aggregator had the round complete when the
+    retransmission came), is a stale duplicate that counts as a spurious retransmission; one of another allreduce,
+    unmarked, or (with the MAC) with a bad tag is only stale."""
+    keys = np.array([[0x0706050403020100, 0x0F0E0D0C0B0A0908]], np.uint64) if mac else None
+    engine, _, sent = lone_engine(rto=1.0, min_rto=0.25, max_rto=8.0, pool=4, size=32, data_mac_keys=keys)
+    assert engine_timer(engine, 1.0) == [sent[0]]
+    result = result_for(sent[0][0], next_exp=3)
+    if mac:  # the tag of what precedes it, as the aggregator appends it
+        result += tag_ref(int(keys[0, 0]), int(keys[0, 1]), result)
+    engine_receive(engine, [(result, AGG)], 1.1)
+    forged = bytearray(stored(result))
+    forged[-1] ^= 1
+    others = [(result, AGG), (with_header(stored(result), allreduce=9), AGG)] + ([(bytes(forged), AGG)] if mac else [])
+    assert engine_receive(engine, others, 1.2) == []
+    assert engine.counters()["spurious_retransmissions"] == 0
+    assert engine_receive(engine, [(stored(result), AGG)], 1.3) == []
+    assert engine.counters()["spurious_retransmissions"] == 1
+    assert engine.counters()["drop_stale"] == len(others) + 1
 
 
 def test_answered_probes_do_not_fast_retransmit_the_slots_they_seem_to_overtake():
@@ -758,11 +787,9 @@ def test_engine_timer_earliest_deadline_and_adaptive_rto():
     assert engine.get_timer() == 1.5  # slot 1's RTO counts from the core's result at 0.5; slot 0 is due at 2.0
     assert engine_timer(engine, 1.5) == [sent[1]]  # only the expired slot
     assert engine.get_timer() == 2.5  # not backed off before slot 0's turn: slot 1 at 1.5 + 1.0, slot 0 at 1.5 + 1.5
-    # slot 1's result 0.25 after its retransmission, sooner than SRTT (0.5): the original's, a spurious one; no
-    # sample (Karn); its next chunk gets the current RTO
+    # slot 1's result 0.25 after its retransmission: no sample (Karn); its next chunk gets the current RTO
     (data1, _), = engine_receive(engine, [(result_for(sent[1][0], next_exp=3), AGG)], 1.75)
     assert engine.rto == model.rto
-    assert engine.counters()["spurious_retransmissions"] == 1
     # the backoff ended; slot 0, sent before this answer to a retransmission, is due SRTT after it
     assert engine.get_timer() == 1.75 + 0.5
     # slot 0's chunk 0 result, 1.5 after it was sent: a second sample; chunk 2 goes out with the new RTO
@@ -776,8 +803,11 @@ def test_engine_timer_earliest_deadline_and_adaptive_rto():
     assert engine.counters()["retransmissions"] == 1
     assert engine_timer(engine, 3.5) == [(data1, AGG)]
     assert engine.get_timer() == 3.5 + 1.5  # slot 1 again, before slot 0 (3.5 + 2.375): slot 0 had no turn yet
-    # slot 1's result a round trip after its retransmission (0.7 > SRTT 0.625): not counted as spurious
-    engine_receive(engine, [(result_for(data1, next_exp=3), AGG)], 4.2)
+    # slot 1's result after its retransmission, then again marked STORED: that retransmission was spurious
+    result = result_for(data1, next_exp=3)
+    engine_receive(engine, [(result, AGG)], 4.2)
+    assert engine.counters()["spurious_retransmissions"] == 0
+    engine_receive(engine, [(stored(result), AGG)], 4.3)
     assert engine.counters()["spurious_retransmissions"] == 1
 
 
