@@ -109,6 +109,7 @@ from intml.worker.retransmit import (
     answered,
     next_deadline,
     on_pending,
+    needed,
     on_result,
     restart_silences,
     silence_state,
@@ -404,6 +405,7 @@ def take_stale(st, p, length, marks):
     if (marks & STORED and get_u32(p, O_ALLREDUCE) == prm[P_ALLREDUCE]
             and authenticate(prm, st.mac_keys, p, length) >= 0):
         st.stats[SPURIOUS] += 1
+        needed(st.timing, False)
 
 
 @njit(inline="always")

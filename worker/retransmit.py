@@ -34,7 +34,12 @@ driver.
   complete together, so a probe's answer comes with the other slots' results, not retransmitted): the slots sent
   before that answer are due SRTT after it, all at once, as losses at the end of a stream need; at most the send
   window's worth of them (worker.window: all, unless the aggregator marked congestion), so that a congested
-  aggregator's drops are not resent in one burst that its full queue drops again.
+  aggregator's drops are not resent in one burst that its full queue drops again. Not while this rank's recent
+  retransmissions were all but never needed (bursts: their average outcome under BURST_NEEDED; a PENDING, or a
+  STORED duplicate, says one was not): on a loss-free link, a probe that the original's result crossed on its way
+  back set off such a burst, whose resends' results, each an answer to a retransmission, set off the next, 5,000
+  resends in one run; under random loss some retransmissions are needed, and the bursts recover the other lost
+  datagrams a round trip sooner than probes taking turns (docs/window.md).
 * A slot whose retransmission the aggregator answered with a PENDING (its round has this rank's datagram and waits
   on peers': protocol.wire) is *answered* until it is sent again, and backs off: it is not probed, and it is
   fast-retransmitted only once overtaken by FAST_RETRANSMIT x 2**k results of slots sent after the PENDING, its
@@ -49,10 +54,7 @@ driver.
   with the ranks it lacks").
 * A result that a slot already took, sent again marked STORED (protocol.wire: the aggregator's answer to a
   duplicate of a complete round), proves a retransmission spurious, as a DSACK does (RFC 3708): counted as
-  spurious_retransmissions (worker.engine.take_stale). It does not undo the burst that the original's result,
-  taken as the answer to the retransmission, may have set off: that burst recovers the core's other lost
-  datagrams, and undoing it made 64 ranks under 1% loss slower (docs/window.md, "A probe crossed by its
-  original's result").
+  spurious_retransmissions (worker.engine.take_stale), and as a retransmission not needed.
 """
 
 from __future__ import annotations
@@ -73,8 +75,9 @@ from intml.worker.state import (
 )
 from intml.worker.window import window_limit
 
-# timing (float64): smoothed RTT, RTT variance, current RTO, min RTO, max RTO
-T_SRTT, T_RTTVAR, T_RTO, T_MIN, T_MAX = range(5)
+# timing (float64): smoothed RTT, RTT variance, current RTO, min RTO, max RTO, and the recent share of this rank's
+# retransmissions that may have been needed (an average over their outcomes, 1 at first: needed, bursts)
+T_SRTT, T_RTTVAR, T_RTO, T_MIN, T_MAX, T_NEEDED = range(6)
 # silence (float64): (cores, 5), per aggregator core: since when it is silent (the allreduce's start, its last
 # result taken, or its last probe), the backoff its slots' RTOs are multiplied by (1, doubled by each round of
 # probes), 1 if its last result answered a retransmission (its next timeout resends every due slot), else 0, the
@@ -82,11 +85,13 @@ T_SRTT, T_RTTVAR, T_RTO, T_MIN, T_MAX = range(5)
 S_SINCE, S_BACKOFF, S_ALIVE, S_PROBES, S_HEARD = range(5)
 MAX_BACKOFF = 20  # the most doublings of an answered slot's fast-retransmit threshold
 TAIL_PROBE = 2.0  # SRTTs into a silence after a result, the first probe (the module docstring)
+NEEDED_GAIN = 1.0 / 8  # the weight of a retransmission's outcome in T_NEEDED (as RFC 6298's alpha)
+BURST_NEEDED = 0.05  # T_NEEDED below which answers set off no burst: about 7 unneeded in a row after a needed one
 
 
 def timing_state(rto: float, min_rto: float, max_rto: float) -> np.ndarray:
     """A job's timing array, before any round trip: it persists, so later allreduces start adapted."""
-    return np.array([0.0, 0.0, rto, min_rto, max_rto])
+    return np.array([0.0, 0.0, rto, min_rto, max_rto, 1.0])
 
 
 def silence_state(cores: int) -> np.ndarray:
@@ -148,6 +153,21 @@ def disarm(st, s):
 
 
 @njit(inline="always")
+def needed(timing, maybe):
+    """A retransmission's outcome into the average of T_NEEDED: it may have been needed (its slot's result came
+    fresh, and no PENDING answered it), or it was not (a PENDING answered it: the round had this rank's datagram;
+    or the round's result came again marked STORED, after the slot took it)."""
+    timing[T_NEEDED] += ((1.0 if maybe else 0.0) - timing[T_NEEDED]) * NEEDED_GAIN
+
+
+@njit(inline="always")
+def bursts(timing):
+    """Whether a core that answered a retransmission resends its other due slots at once: while this rank's
+    retransmissions may have been needed of late (the module docstring)."""
+    return timing[T_NEEDED] >= BURST_NEEDED
+
+
+@njit(inline="always")
 def _unbounded_rto(timing):
     """RFC 6298's RTO before its bounds: SRTT + 4 RTTVAR."""
     return timing[T_SRTT] + 4.0 * timing[T_RTTVAR]
@@ -200,6 +220,8 @@ def on_result(st, s, now):
     quiet[S_SINCE] = now
     quiet[S_BACKOFF] = 1.0
     quiet[S_ALIVE] = st.retries[s] > 0
+    if st.retries[s] > 0:
+        needed(st.timing, not answered(st, s))
     quiet[S_PROBES] = 0.0
     quiet[S_HEARD] = 1.0
 
@@ -239,7 +261,7 @@ def _deadline(st, s):
             return min(_own_deadline(st, s, quiet), quiet[S_SINCE] + st.timing[T_SRTT])
         return _own_deadline(st, s, quiet)
     wait = min(st.timing[T_MAX], st.rto[s] * quiet[S_BACKOFF])
-    if quiet[S_ALIVE] and st.sent_at[s] < quiet[S_SINCE] and st.timing[T_SRTT] > 0.0:
+    if quiet[S_ALIVE] and bursts(st.timing) and st.sent_at[s] < quiet[S_SINCE] and st.timing[T_SRTT] > 0.0:
         wait = min(wait, st.timing[T_SRTT])
     elif quiet[S_HEARD] and quiet[S_BACKOFF] == 1.0 and not quiet[S_PROBES] and st.timing[T_SRTT] > 0.0:  # the TLP
         wait = min(wait, max(TAIL_PROBE * st.timing[T_SRTT], _unbounded_rto(st.timing)))
@@ -274,7 +296,7 @@ def timer_kernel(state, now, tx_ptr, tx_len, tx_addr):
             continue
         quiet = st.silence[k]
         budget = window_limit(st.window, st.params[P_WINDOW])
-        if quiet[S_ALIVE]:
+        if quiet[S_ALIVE] and bursts(st.timing):
             for s in range(k, st.params[P_WINDOW], cores):
                 if st.cur_chunk[s] != IDLE and not answered(st, s) and _deadline(st, s) <= now and budget > 0:
                     budget -= 1

@@ -6,13 +6,14 @@ delay a slot's resends but never stop them."""
 
 import numpy as np
 import pytest
-from support.harness import agg_addr, counter_diff, engine_receive, engine_timer
+from support.harness import agg_addr, counter_diff, engine_receive, engine_timer, stored
 from test_engine import AGG, JOB, N, RANK, lone_engine, result_for
 
 from intml.protocol import wire
 from intml.protocol.codec import Codec
 from intml.protocol.siphash import key_words, tag_ref
 from intml.protocol.wire import MsgType
+from intml.worker import retransmit
 from intml.worker.engine import StreamEngine
 
 MINE = 1 << RANK  # the ranks of a round that has this rank's datagram and waits on the other
@@ -131,3 +132,32 @@ def test_pendings_forged_without_end_delay_a_slot_but_never_stall_it():
     gaps = np.diff(resends)
     assert len(resends) > 8 and gaps.max() <= 2 * 8.0 + 1e-9
     assert list(gaps[:5]) == pytest.approx([2.0, 3.0, 6.0, 12.0, 16.0])
+
+
+@pytest.mark.parametrize("answered", [False, True])
+def test_a_rank_whose_retransmissions_were_not_needed_sets_off_no_burst(answered):
+    """Slots 0-2 wait on a silent core; slot 0's probe is answered at 1.25. Its retransmissions of late were all
+    but never needed (their average outcome, 0.04, under BURST_NEEDED). If a PENDING answered the probe first, this
+    one was not needed either: no burst, the core's slots are probed in turn. If none did, it may have been: the
+    average rises over BURST_NEEDED and slots 1 and 2 go out together SRTT later. A STORED duplicate of the round
+    lowers the average as a PENDING does."""
+    engine, _, sent = lone_engine(rto=1.0, min_rto=0.25, max_rto=8.0, pool=4, size=32)
+    (chunk3, _), = engine_receive(engine, [(result_for(sent[3][0], next_exp=3), AGG)], 0.1)
+    engine_receive(engine, [(result_for(chunk3, next_exp=wire.NO_EXP), AGG)], 0.2)
+    assert engine_timer(engine, 1.2) == [sent[0]]
+    engine.timing[retransmit.T_NEEDED] = low = 0.04
+    if answered:
+        engine_receive(engine, [(pending_for(sent[0][0]), AGG)], 1.22)
+    result = result_for(sent[0][0], next_exp=3)
+    engine_receive(engine, [(result, AGG)], 1.25)
+    g = retransmit.NEEDED_GAIN
+    assert engine.timing[retransmit.T_NEEDED] == pytest.approx(low * (1 - g) + (0 if answered else g))
+    if answered:
+        assert engine.timing[retransmit.T_NEEDED] < retransmit.BURST_NEEDED
+        assert engine_timer(engine, engine.get_timer()) == [sent[1]]
+    else:
+        assert engine.get_timer() == pytest.approx(1.25 + 0.1)
+        assert engine_timer(engine, 1.35) == [sent[1], sent[2]]
+    before = engine.timing[retransmit.T_NEEDED]
+    engine_receive(engine, [(stored(result), AGG)], 1.4)
+    assert engine.timing[retransmit.T_NEEDED] == pytest.approx(before * (1 - g))
