@@ -56,20 +56,26 @@ class LeafDataPath(KernelDataPath):
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
-        self.routes: dict[int, tuple[int, int, int]] = {}  # job id -> (leaf index, rack bitmap, spine address key)
-        self.route = new_routes(self.jobs.active.size)
+        self.routes: dict[int, tuple[int, int, int, float]] = {}  # job id -> (leaf index, rack bitmap, spine, hold)
+        self.route = new_routes(self.jobs.active.size, self.table.result.shape[0])
         self._route_arrays = tuple(self.route)
         self._scratch = np.zeros(1, np.int64)
 
-    def add_route(self, job_id: int, *, leaf: int, ranks: Iterable[int], spine: int) -> None:
+    def add_route(self, job_id: int, *, leaf: int, ranks: Iterable[int], spine: int,
+                  hold: float = 0.0) -> None:
         """The controller's entry for ``job_id``: this leaf is leaf ``leaf`` at the spine whose address key is
-        ``spine``, and its rack holds ``ranks``. Before the job's first JOIN (its ranks are refused without it)."""
+        ``spine``, and its rack holds ``ranks``. Before the job's first JOIN (its ranks are refused without it).
+        ``hold``: seconds a partial sent up again answers the rack's other duplicates of its round (docs/window.md,
+        "One partial per wave of duplicates"; 0: each duplicate sends it, the default while 1% random loss
+        measured slower with a hold)."""
         bits = rack_bitmap(ranks)
         if not bits or not 0 <= leaf < MAX_WORLD:
             raise ValueError(f"a route needs a leaf index in [0, {MAX_WORLD}) and at least one rank")
+        if not hold >= 0:
+            raise ValueError(f"a route's hold must be a duration of at least 0 s, got {hold}")
         if any(wire_job(k) == job_id for k in self.placed):
             raise ValueError(f"job {job_id} already runs on this leaf; add its route before its first JOIN")
-        self.routes[job_id] = (leaf, bits, spine)
+        self.routes[job_id] = (leaf, bits, spine, hold)
 
     def refuse(self, job: int, params: JobParams, slots: Slots, rank: int) -> str | None:
         job_id = wire_job(job)
@@ -97,10 +103,10 @@ class LeafDataPath(KernelDataPath):
     def place(self, job: int, params: JobParams, slots: Slots, data_key: bytes, now: float) -> Placed | str:
         placed = super().place(job, params, slots, data_key, now)
         if isinstance(placed, Placed):
-            leaf, bits, spine = self.routes[wire_job(job)]
+            leaf, bits, spine, hold = self.routes[wire_job(job)]
             j = placed.index
             self.route.quorum[j] = bin(bits).count("1")
-            self.route.rack[j], self.route.spine[j], self.route.leaf[j] = bits, spine, leaf
+            self.route.rack[j], self.route.spine[j], self.route.leaf[j], self.route.hold[j] = bits, spine, leaf, hold
         return placed
 
     def run(self, rx: Burst, now: float, out: Burst) -> tuple[int, int]:

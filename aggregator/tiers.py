@@ -17,7 +17,8 @@ for the switch above the leaves. Sans-I/O, as process_burst: bursts of numpy arr
   leaves marked. A leaf passes a marked RESULT on to its ranks, whose send windows shrink. Stored partials and
   results stay unmarked: a re-send carries only the marks of the queues it meets.
 * Losses (SwitchML's shadow sets, one level up): a rank's retransmission into a leaf set whose rack is complete
-  gets the stored RESULT if the spine's came, else makes the leaf send its stored PARTIAL again; into one whose
+  gets the stored RESULT if the spine's came, else makes the leaf send its stored PARTIAL again (once for the rack's
+  duplicates within its route's hold, if it has one: resend_partial); into one whose
   rack is incomplete, the PENDING with the rack's ranks the set has (protocol.wire), as one switch answers; the spine
   answers a PARTIAL it already holds with its stored RESULT if the set is complete (a lost result), else drops it.
   A stored RESULT sent again carries the STORED mark (protocol.wire), and a leaf passes the spine's on.
@@ -67,6 +68,7 @@ from intml.protocol.stats import (
     DROP_CODEC,
     DROP_COUNT,
     DROP_DUPLICATE_INCOMPLETE,
+    DROP_DUPLICATE_RESENT,
     DROP_EXP_MISMATCH,
     DROP_INVALID_CODE,
     DROP_RANK,
@@ -88,17 +90,21 @@ from intml.protocol.stats import (
 from intml.protocol.wire import CONGESTED, MARKS, NO_EXP, STORED, MsgType
 
 # A leaf's view of each job (per job index): how many ranks its rack holds, which (bitmap), the spine's address
-# key, and the leaf's index at the spine.
-Routes = namedtuple("Routes", "quorum rack spine leaf")
+# key, the leaf's index at the spine, and ``hold``: how long a re-sent partial answers the rack's other duplicates
+# (seconds). Per slot row and shadow set, when the set's stored partial last went up again (``resent_at``, the
+# burst's ``now``) and for which ranks' duplicates (``asked``; 0: not since it first went up): see resend_partial.
+Routes = namedtuple("Routes", "quorum rack spine leaf hold asked resent_at")
 # The spine's view (per job index and leaf index): the leaf's rack bitmap and its size. The leaves' addresses are
 # the job's members, and its world the number of leaves. Per slot row and shadow set, ``echo``: CONGESTED if a
 # partial of the set's current round came marked, else 0.
 Fabric = namedtuple("Fabric", "racks sizes echo")
 
 
-def new_routes(capacity: int) -> Routes:
+def new_routes(capacity: int, rows: int) -> Routes:
     return Routes(quorum=np.zeros(capacity, np.int64), rack=np.zeros(capacity, np.uint64),
-                  spine=np.zeros(capacity, np.uint64), leaf=np.zeros(capacity, np.int64))
+                  spine=np.zeros(capacity, np.uint64), leaf=np.zeros(capacity, np.int64),
+                  hold=np.zeros(capacity, np.float64), asked=np.zeros((rows, 2), np.uint64),
+                  resent_at=np.zeros((rows, 2), np.float64))
 
 
 def new_fabric(capacity: int, rows: int) -> Fabric:
@@ -138,6 +144,22 @@ def answer_retransmission(table, row, x, complete_at, dest, mark, st, stage, n_s
     st[RESULTS_RESENT] += 1
     st[PACKETS_OUT] += 1
     return n_stage + 1, n_out
+
+
+@njit(inline="always")
+def resend_partial(route, row, x, bit, now, hold):
+    """Whether a rank's duplicate (``bit``) into (row, x), whose rack is complete and whose spine result has not
+    come, sends the stored partial up again (docs/window.md, "One partial per wave of duplicates"): the first
+    duplicate since the partial went up does, and then one a ``hold`` after the last re-send, or a rank's second
+    since it (its own timer saying that re-send brought nothing). The others are dropped: the re-send answers
+    them all, as the spine's result goes to the whole rack."""
+    asked = route.asked[row, x]
+    if asked != 0 and asked & bit == 0 and now < route.resent_at[row, x] + hold:
+        route.asked[row, x] = asked | bit
+        return False
+    route.asked[row, x] = bit
+    route.resent_at[row, x] = now
+    return True
 
 
 @njit(inline="always")
@@ -261,6 +283,11 @@ def leaf_burst(rx_data, rx_len, rx_addr, n_rx, now, job_arrays, table_arrays, ro
         if event == SAME_KNOWN_RANK:  # a complete rack: the spine's result if it came, else the partial again;
             # an incomplete one: its PENDING to the rank
             complete = table.count[row, x] == route.quorum[j]
+            if complete and held[O_TYPE] == MsgType.PARTIAL \
+                    and not resend_partial(route, row, x, bit, now, route.hold[j]):
+                st[RETRANSMISSIONS] += 1
+                st[DROP_DUPLICATE_RESENT] += 1
+                continue
             dest = route.spine[j] if complete and held[O_TYPE] != MsgType.RESULT else jobs.members[j, rank]
             n_stage, n_out = answer_retransmission(table, row, x, route.quorum[j], dest, 0, st, stage, n_stage,
                                                    out_ptr, out_len, out_addr, n_out, p, True)
@@ -285,6 +312,7 @@ def leaf_burst(rx_data, rx_len, rx_addr, n_rx, now, job_arrays, table_arrays, ro
             if table.nonfinite[row, x]:  # as int32 mode's reserved words, whatever the codec
                 int32.put_nonfinite(held[HDR:HDR + SUM_WIDTH * count], table.flags[row, x, :count])
             table.result_len[row, x] = size
+            route.asked[row, x] = 0
             n_out = emit(stage_copy(stage, n_stage, held, size), size, route.spine[j], out_ptr, out_len, out_addr,
                          n_out)
             n_stage += 1

@@ -42,6 +42,7 @@ STAT_NAMES = (
     "drop_bad_owner",
     "nonfinite_elements",
     "drop_bad_package",
+    "drop_duplicate_resent",
 )
 (
     PACKETS_IN,
@@ -77,6 +78,7 @@ STAT_NAMES = (
     DROP_BAD_OWNER,  # an owners code naming a rank >= n, or not the round's
     NONFINITE,  # result lanes sent as +-Inf or NaN (a rank's non-finite value), once per completed round
     DROP_BAD_PACKAGE,  # host mode: a package its codec cannot decode (protocol.codecs.host.MalformedPackage)
+    DROP_DUPLICATE_RESENT,  # a leaf: a rank's duplicate that the partial already re-sent for its wave answers
 ) = range(len(STAT_NAMES))
 N_STATS = len(STAT_NAMES)
 

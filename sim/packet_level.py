@@ -83,6 +83,7 @@ class PacketRun:
     uplink_mtu: int | None = None  # (None: ``mtu``)
     uplink_loss: float | None = None  # per direction (None: ``loss``)
     uplink_queue: int | None = None  # bytes of each leaf-spine link's queue, either direction (None: ``queue_bytes``)
+    leaf_hold: float = 0.0  # seconds a leaf's re-sent partial answers its rack's other duplicates (add_route's hold)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -265,7 +266,7 @@ def leaf_spine(sim: Simulator, run: PacketRun, params: JobParams) -> Topology:
         core = leaf_core(rows=run.slots, max_elements=run.packet_elements, tokens=[TOKEN],
                         results_group=GROUP if run.multicast else None, random_bytes=lambda b, s=secret: s.bytes(b))
         addr = ((LEAF_IP + k + 1) << 16) | 48879
-        core.datapath.add_route(JOB, leaf=k, ranks=ranks, spine=SPINE_ADDR)
+        core.datapath.add_route(JOB, leaf=k, ranks=ranks, spine=SPINE_ADDR, hold=run.leaf_hold)
         leaf = Switch(sim, CoreAggregator([core], [addr], _rx_width(params), codecs.BY_ID[params.codec].WIDTH),
                       asic(run.passes))
         # the leaf's port up marks its partials, which the spine echoes; the spine's port down marks its results

@@ -238,6 +238,7 @@ def test_every_drop_reason_is_tested():
     tested |= {"drop_control_rate"}  # test_flood: the kernel against slot_reference, and live floods
     tested |= {"drop_bad_mac"}  # test_data_mac (DATA), test_auth (JOIN proofs, LEAVEs, STATS_REQUESTs)
     tested |= {"drop_bad_package"}  # test_host_mode: test_malformed_packages_are_counted_and_never_summed
+    tested |= {"drop_duplicate_resent"}  # test_leafspine: test_a_racks_duplicates_send_its_partial_up_once_per_hold
     assert tested == {name for name in STAT_NAMES if name.startswith("drop_")}
 
 

@@ -54,16 +54,20 @@ def joined(core, ranks) -> None:
         assert msg_type(ack) == MsgType.JOIN_ACK, ack
 
 
-def fabric() -> tuple[list[AggregatorCore], SpineCore]:
-    """Two leaves of two ranks each (every rank joined), the job routed at the leaves and installed at the spine."""
+def fabric(racks: list[list[int]] = RACKS, hold: float = 0.0) -> tuple[list[AggregatorCore], SpineCore]:
+    """Two leaves (of two ranks each by default; every rank joined), the job routed at the leaves (with ``hold``)
+    and installed at the spine."""
+    params = {**PARAMS, "world_size": sum(map(len, racks))}
     leaves = []
-    for k, ranks in enumerate(RACKS):
+    for k, ranks in enumerate(racks):
         leaf = leaf_core(tokens=[TOKEN], rows=16, max_elements=8, random_bytes=bytes)
-        leaf.datapath.add_route(JOB, leaf=k, ranks=ranks, spine=SPINE)
-        joined(leaf, ranks)
+        leaf.datapath.add_route(JOB, leaf=k, ranks=ranks, spine=SPINE, hold=hold)
+        for r in ranks:
+            [(ack, _)] = handshake(leaf, worker_addr(r), 0.0, JOB, r, token=TOKEN, **params)
+            assert msg_type(ack) == MsgType.JOIN_ACK, ack
         leaves.append(leaf)
     spine = SpineCore(rows=16, max_elements=8)
-    spine.install(JOB, JobParams(**{**PARAMS, "codec": Codec.INT32}), list(zip(LEAVES, RACKS)))
+    spine.install(JOB, JobParams(**{**params, "codec": Codec.INT32}), list(zip(LEAVES, racks)))
     return leaves, spine
 
 
@@ -109,6 +113,49 @@ def test_partial_result_and_recovery_at_both_levels():
     joined(one, range(4))
     out = core_receive(one, [(data(r, X[r]), worker_addr(r)) for r in range(4)], 1.0)
     assert [d for _, d in out] == [worker_addr(r) for r in range(4)] and {p for p, _ in out} == {result}
+
+
+def test_a_racks_duplicates_send_its_partial_up_once_per_hold():
+    """The ranks of a complete rack resend one round before the spine answered: the first duplicate sends the stored
+    partial up again, the rest within the route's hold are counted and dropped (the spine's one answer goes to the
+    whole rack). A duplicate after the hold, or a rank's second since the last re-send (its own timer saying that
+    re-send brought nothing: lost on the way up, or its result on the way down), sends it again, and the hold
+    restarts. No rank waits on another's duplicate. With no hold (the default) each duplicate sends it."""
+    values = {r: np.full(8, r + 1, np.int32) for r in range(5)}
+    (a, b), spine = fabric([[0, 1, 2, 3], [4]], hold=1.0)
+    assert core_receive(a, [(data(r, values[r]), worker_addr(r)) for r in range(3)], 1.0) == []
+    [(partial, _)] = core_receive(a, [(data(3, values[3]), worker_addr(3))], 1.0)
+
+    def duplicates(*ranks: int) -> list[tuple[bytes, int]]:
+        return [(data(r, values[r]), worker_addr(r)) for r in ranks]
+
+    # k = 3 duplicates within the hold: one partial up, k - 1 dropped, in one burst or over several
+    assert core_receive(a, duplicates(2, 0), 2.0) == [(partial, SPINE)]
+    assert core_receive(a, duplicates(3), 2.5) == []
+    assert counters(a)["drop_duplicate_resent"] == 2
+    # that re-send was lost: rank 1, new, is dropped; rank 0's second duplicate sends it again, and 1 and 3,
+    # within the new hold, are dropped
+    assert core_receive(a, duplicates(1, 0, 1, 3), 2.8) == [(partial, SPINE)]
+    assert counters(a)["drop_duplicate_resent"] == 5
+    assert core_receive(a, duplicates(3), 3.5) == [(partial, SPINE)]  # 3's second since: lost again, up again
+    assert core_receive(a, duplicates(1), 4.6) == [(partial, SPINE)]  # after the hold: up again
+    assert core_receive(spine, [(partial, LEAVES[0])], 5.0) == []
+    [(partial_b, _)] = core_receive(b, duplicates(4), 5.0)
+    result = core_receive(spine, [(partial_b, LEAVES[1])], 5.0)[0][0]
+    assert core_receive(a, [(result, SPINE)], 5.0) == [(result, worker_addr(r)) for r in range(4)]
+    assert np.array_equal(np.frombuffer(result, ">i4", 8, HDR), np.full(8, 15))
+    assert core_receive(a, duplicates(2, 2), 5.0) == [(result, worker_addr(2))] * 2  # results: never held back
+    assert counters(a) == {"packets_in": 16, "packets_out": 11, "contributions": 4, "completions": 1,
+                           "retransmissions": 11, "results_resent": 6, "drop_duplicate_resent": 5}
+    # the set's next round starts with no hold: its first duplicate sends its partial up at once
+    key = {"chunk": 8}
+    assert core_receive(a, [(data(r, values[r], **key), worker_addr(r)) for r in range(4)], 5.2)[0][1] == SPINE
+    [(again, dest)] = core_receive(a, [(data(0, values[0], **key), worker_addr(0))], 5.3)
+    assert dest == SPINE and msg_type(again) == MsgType.PARTIAL
+    # no hold: a partial per duplicate
+    (a, _), _ = fabric()
+    [(partial, _)] = core_receive(a, [(data(r, X[r]), worker_addr(r)) for r in (0, 1)], 1.0)
+    assert core_receive(a, [(data(r, X[r]), worker_addr(r)) for r in (0, 1)], 1.0) == [(partial, SPINE)] * 2
 
 
 def test_a_leaf_answers_a_duplicate_into_its_incomplete_rack_with_pending():
