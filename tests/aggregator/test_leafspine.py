@@ -144,7 +144,7 @@ def test_a_racks_duplicates_send_its_partial_up_once_per_hold():
     result = core_receive(spine, [(partial_b, LEAVES[1])], 5.0)[0][0]
     assert core_receive(a, [(result, SPINE)], 5.0) == [(result, worker_addr(r)) for r in range(4)]
     assert np.array_equal(np.frombuffer(result, ">i4", 8, HDR), np.full(8, 15))
-    assert core_receive(a, duplicates(2, 2), 5.0) == [(result, worker_addr(2))] * 2  # results: never held back
+    assert core_receive(a, duplicates(2, 2), 5.0) == [(stored(result), worker_addr(2))] * 2  # results: never held back
     assert counters(a) == {"packets_in": 16, "packets_out": 11, "contributions": 4, "completions": 1,
                            "retransmissions": 11, "results_resent": 6, "drop_duplicate_resent": 5}
     # the set's next round starts with no hold: its first duplicate sends its partial up at once
