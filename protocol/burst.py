@@ -48,6 +48,8 @@ class Burst:
 
     def datagrams(self) -> list[Datagram]:
         """Owned copies of the first ``count`` datagrams, in order."""
+        if self.count == 0:  # most timer calls send nothing: skip the views (a third of an idle call's time)
+            return []
         flat = self.memory.reshape(-1).view(np.uint8)
         base = self.memory.ctypes.data
         out = []
