@@ -35,7 +35,7 @@ from intml.aggregator.slots import pending
 from intml.protocol.burst import Burst
 from intml.protocol.codecs.host import HostCodec
 from intml.protocol.job import MAX_WORLD, JobParams
-from intml.protocol.packet import HDR, O_JOB, O_MAGIC, O_SHADOW, O_TYPE, O_VERSION, round_key, round_order
+from intml.protocol.packet import HDR, O_JOB, O_MAGIC, O_TYPE, O_VERSION, round_key, round_order
 from intml.protocol.siphash import TAG_SIZE, key_words, put_tag, tag_ok
 from intml.protocol.stats import (
     COMPLETIONS,
@@ -65,9 +65,9 @@ from intml.protocol.wire import (
     OWNERS_SHIFT,
     PENDING_SIZE,
     RANK_MASK,
-    STORED,
     VERSION,
     MsgType,
+    marked_stored,
     pack,
 )
 
@@ -221,9 +221,7 @@ class HostDataPath:
                                         placed.mac_key is not None, k0, k1)
                 return [(answer.tobytes(), int(placed.members[rank]))]
             st[RESULTS_RESENT] += 1
-            again = bytearray(self.result[row, x])
-            again[O_SHADOW] |= STORED
-            return [(bytes(again), int(placed.members[rank]))]
+            return [(marked_stored(self.result[row, x]), int(placed.members[rank]))]
         if order == 0 and count != self.elements[row, x]:
             st[DROP_COUNT] += 1
             return []

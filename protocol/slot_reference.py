@@ -40,11 +40,10 @@ from intml.protocol.wire import (
     HEADER_SIZE,
     MAGIC,
     NO_EXP,
-    OFFSETS,
-    STORED,
     TAG_SIZE,
     VERSION,
     MsgType,
+    marked_stored,
 )
 
 EMPTY, FILLING, COMPLETE = "EMPTY", "FILLING", "COMPLETE"
@@ -251,9 +250,7 @@ class SlotReference:
                 job.stats[DROP_DUPLICATE] += 1
                 return self._send(job, [(self._pending(job, s, datagram), job.members[rank])])
             job.stats["results_resent"] += 1
-            again = bytearray(self._result_for(s, rank, job.world))
-            again[OFFSETS["shadow"]] |= STORED  # outside the tag, which covers the byte without it
-            return self._send(job, [(bytes(again), job.members[rank])])
+            return self._send(job, [(marked_stored(self._result_for(s, rank, job.world)), job.members[rank])])
         if action == ADD and (h["exp"] != s.exp or h["count"] != s.elements or h["owners"] != s.owners):
             job.stats["drop_exponent_mismatch" if h["exp"] != s.exp else "drop_wrong_count"
                       if h["count"] != s.elements else "drop_bad_owner"] += 1

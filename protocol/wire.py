@@ -161,6 +161,13 @@ HEADER_SIZE = HEADER.itemsize
 # Plain ints so numba kernels can parse raw bytes with them as compile-time constants.
 OFFSETS: dict[str, int] = {name: int(HEADER.fields[name][1]) for name in HEADER.names}
 
+
+def marked_stored(result: bytes) -> bytes:
+    """``result`` as a re-send carries it: with the STORED mark in its shadow byte, outside its tag."""
+    again = bytearray(result)
+    again[OFFSETS["shadow"]] |= STORED
+    return bytes(again)
+
 JOIN_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("world_size", ">u2", "number of workers"),
     ("packet_elements", ">u2", "payload elements per DATA packet"),

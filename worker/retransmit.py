@@ -161,10 +161,10 @@ def needed(timing, maybe):
 
 
 @njit(inline="always")
-def bursts(timing):
-    """Whether a core that answered a retransmission resends its other due slots at once: while this rank's
-    retransmissions may have been needed of late (the module docstring)."""
-    return timing[T_NEEDED] >= BURST_NEEDED
+def bursts(st, quiet):
+    """Whether the core of silence row ``quiet`` resends its due slots at once: its last answer was to a
+    retransmission, and this rank's retransmissions may have been needed of late (the module docstring)."""
+    return quiet[S_ALIVE] and st.timing[T_NEEDED] >= BURST_NEEDED
 
 
 @njit(inline="always")
@@ -261,7 +261,7 @@ def _deadline(st, s):
             return min(_own_deadline(st, s, quiet), quiet[S_SINCE] + st.timing[T_SRTT])
         return _own_deadline(st, s, quiet)
     wait = min(st.timing[T_MAX], st.rto[s] * quiet[S_BACKOFF])
-    if quiet[S_ALIVE] and bursts(st.timing) and st.sent_at[s] < quiet[S_SINCE] and st.timing[T_SRTT] > 0.0:
+    if bursts(st, quiet) and st.sent_at[s] < quiet[S_SINCE] and st.timing[T_SRTT] > 0.0:
         wait = min(wait, st.timing[T_SRTT])
     elif quiet[S_HEARD] and quiet[S_BACKOFF] == 1.0 and not quiet[S_PROBES] and st.timing[T_SRTT] > 0.0:  # the TLP
         wait = min(wait, max(TAIL_PROBE * st.timing[T_SRTT], _unbounded_rto(st.timing)))
@@ -296,7 +296,7 @@ def timer_kernel(state, now, tx_ptr, tx_len, tx_addr):
             continue
         quiet = st.silence[k]
         budget = window_limit(st.window, st.params[P_WINDOW])
-        if quiet[S_ALIVE] and bursts(st.timing):
+        if bursts(st, quiet):
             for s in range(k, st.params[P_WINDOW], cores):
                 if st.cur_chunk[s] != IDLE and not answered(st, s) and _deadline(st, s) <= now and budget > 0:
                     budget -= 1

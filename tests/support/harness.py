@@ -151,11 +151,7 @@ def header(datagram: bytes) -> np.void:
     return np.frombuffer(datagram, wire.HEADER, count=1)[0]
 
 
-def stored(result: bytes) -> bytes:
-    """``result`` as a re-send carries it: the STORED mark in its shadow byte (protocol.wire)."""
-    again = bytearray(result)
-    again[wire.OFFSETS["shadow"]] |= wire.STORED
-    return bytes(again)
+stored = wire.marked_stored  # a result as a re-send carries it
 
 
 class Link:
