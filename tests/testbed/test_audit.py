@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -28,6 +29,17 @@ def test_the_fuzz_campaign_is_bounds_checked_and_counts_crashes():
     assert stats["boundscheck"] and stats["crashes"] == 0, stats.get("first_crash")
     assert stats["worker_datagrams"] + stats["aggregator_datagrams"] >= 4000
     assert stats["worker_results"] > 0 and stats["aggregator_completions"] > 0  # it reached the accepting paths
+
+
+def test_the_worker_forgery_property_holds_bounds_checked():
+    """tests/worker/test_forgery.py's in-bounds property, in a child whose Numba compiles every kernel with bounds
+    checking. It runs after the campaign above (a file's tests run in order), which compiled the same kernels into
+    the checked cache they share: the child loads them, where alone it would compile them again (40 s of CPU)."""
+    forgery = Path(__file__).parents[1] / "worker" / "test_forgery.py"
+    proc = subprocess.run([sys.executable, "-m", "pytest", str(forgery), "-q", "-x", "-p", "no:cacheprovider",
+                           "-k", "in_bounds_when_checked"], cwd=forgery.parent, env=audit.boundscheck_env(),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-2000:]
 
 
 def test_fuzz_counts_an_exception_as_a_crash(monkeypatch):
