@@ -133,7 +133,8 @@ class Worker:
         self._poll.register(self.io.fileno(), select.POLLIN)
         self._control_poll = select.poll()  # control replies come to this socket only
         self._control_poll.register(self.io.fileno(), select.POLLIN)
-        self._inputs = [self.io]  # sockets results arrive on: this one, and the job's multicast groups if any
+        # sockets results arrive on: the job's multicast groups if any (inserted before), then this one (_pump)
+        self._inputs = [self.io]
         self._closed = False
         # held while a call drives the session and engine, so that the keepalive thread never runs beside it
         self._busy = threading.Lock()
@@ -153,7 +154,7 @@ class Worker:
                 self.close()  # leave the job: a retry must not find this rank still bound
                 raise JoinError(f"{self._who()}: cannot receive the job's results on multicast group {name}: "
                                 f"{exc.strerror or exc}") from None
-            self._inputs.append(results)
+            self._inputs.insert(0, results)
             self._poll.register(results.fileno(), select.POLLIN)
         engine = dict(job=job, rank=rank, world_size=world_size, packet_elements=packet_elements, pool_size=pool_size,
                       seed=seed, agg_addrs=joined.addrs, rto=timers.rto, min_rto=timers.min_rto, max_rto=timers.max_rto,
@@ -291,14 +292,21 @@ class Worker:
         if burst.count:
             self.io.send(burst)  # anything the kernel would not take is retransmitted on timeout
 
-    def _pump(self, now: float) -> bool:
-        """Drain received results and fire due retransmissions; True if a chunk completed."""
+    def _pump(self) -> bool:
+        """Drain received results and fire due retransmissions; True if a chunk completed.
+
+        Each burst is taken at the time it was read. A pump drains for as long as results keep coming and sends
+        next chunks as it goes, so with one time for the whole pump a slot sent and answered within it had a round
+        trip of 0: SRTT fell to 0 on a loaded host, and every answer then set off its burst or tail probe at once
+        (worker.retransmit; docs/window.md, "Two clocks in one pump"). The multicast groups are drained first,
+        the order the aggregator sent in: a result sent again (STORED) comes to this socket only after its round's
+        first sending to the group, and taken first it hid the proof that the retransmission was not needed."""
         engine = self.engine
         before = engine.progress
         for rx in self._inputs:
             while rx.recv_burst() > 0:
-                self._send(engine.receive(rx.rx, now))
-        self._send(engine.handle_timer(now))
+                self._send(engine.receive(rx.rx, time.monotonic()))
+        self._send(engine.handle_timer(time.monotonic()))
         return engine.progress != before or engine.done
 
     def _wait(self) -> float:
@@ -308,9 +316,10 @@ class Worker:
 
     def _step(self) -> None:
         """Pump once; raises AllreduceTimeout once the session says the allreduce made no progress in time."""
-        now = time.monotonic()
         session = self.session
-        if self._pump(now):
+        progressed = self._pump()
+        now = time.monotonic()
+        if progressed:
             session.watch_progress(now)
             return
         if (deadline := session.get_timer()) is None or deadline > now:
