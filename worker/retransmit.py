@@ -3,9 +3,7 @@ datagram, byte for byte), as Numba kernels over the engine's state (worker.state
 driver.
 
 * Adaptive RTO, as TCP's (RFC 6298): SRTT + 4 RTTVAR from round-trip samples of slots that were not retransmitted
-  (Karn's rule), nor in flight when this rank retransmitted to their core (Karn's rule for the core: a round in
-  flight across a recovery there may have waited on it), nor
-  overtaken by a later-sent slot's result, bounded by [min_rto, max_rto]. A slot's round ends
+  (Karn's rule) nor overtaken by a later-sent slot's result, bounded by [min_rto, max_rto]. A slot's round ends
   when its last rank's datagram arrives, so an overtaken slot's round trip includes a peer's recovery (a fast
   retransmission or a timeout): sampled, such round trips drove the RTO of 64 ranks under 1% loss to its 1 s
   maximum (docs/window.md). A fixed RTO either fires spuriously when the aggregator's CPU is
@@ -80,12 +78,11 @@ from intml.worker.window import window_limit
 # timing (float64): smoothed RTT, RTT variance, current RTO, min RTO, max RTO, and the recent share of this rank's
 # retransmissions that may have been needed (an average over their outcomes, 1 at first: needed, bursts)
 T_SRTT, T_RTTVAR, T_RTO, T_MIN, T_MAX, T_NEEDED = range(6)
-# silence (float64): (cores, 6), per aggregator core: since when it is silent (the allreduce's start, its last
+# silence (float64): (cores, 5), per aggregator core: since when it is silent (the allreduce's start, its last
 # result taken, or its last probe), the backoff its slots' RTOs are multiplied by (1, doubled by each round of
 # probes), 1 if its last result answered a retransmission (its next timeout resends every due slot), else 0, the
-# probes of the current round (one per slot in flight there), 1 once it answered in this allreduce, else 0, and
-# when this rank last retransmitted to it (its timer or a fast retransmission; slots sent before are not sampled)
-S_SINCE, S_BACKOFF, S_ALIVE, S_PROBES, S_HEARD, S_FIRED = range(6)
+# probes of the current round (one per slot in flight there), and 1 once it answered in this allreduce, else 0
+S_SINCE, S_BACKOFF, S_ALIVE, S_PROBES, S_HEARD = range(5)
 MAX_BACKOFF = 20  # the most doublings of an answered slot's fast-retransmit threshold
 TAIL_PROBE = 2.0  # SRTTs into a silence after a result, the first probe (the module docstring)
 NEEDED_GAIN = 1.0 / 8  # the weight of a retransmission's outcome in T_NEEDED (as RFC 6298's alpha)
@@ -99,7 +96,7 @@ def timing_state(rto: float, min_rto: float, max_rto: float) -> np.ndarray:
 
 def silence_state(cores: int) -> np.ndarray:
     """A job's silence array (set by each allreduce's start, restart_silences)."""
-    return np.zeros((cores, 6))
+    return np.zeros((cores, 5))
 
 
 @njit(inline="always")
@@ -213,13 +210,13 @@ def _count_overtaking(st, s):
 def on_result(st, s, now):
     """Slot s's result was taken at now: sample the round trip, mark the slots it overtook, restart its core's
     silence."""
-    quiet = st.silence[s % st.params[P_CORES]]
     if st.retries[s] == 0:
-        if st.overtaken[s] == 0 and quiet[S_FIRED] <= st.sent_at[s]:
+        if st.overtaken[s] == 0:
             _rtt_sample(st.timing, now - st.sent_at[s])
         _count_overtaking(st, s)
     # (Karn: a retransmitted slot's result may answer the original, so neither its round trip nor its order is
     # known; counted as overtaking, the probes answered after a late peer's silence fast-retransmitted the window)
+    quiet = st.silence[s % st.params[P_CORES]]
     quiet[S_SINCE] = now
     quiet[S_BACKOFF] = 1.0
     quiet[S_ALIVE] = st.retries[s] > 0
@@ -239,7 +236,6 @@ def fast_retransmit(st, now, tx_ptr, tx_len, tx_addr, n_tx):
             n_tx = _resend(st, s, now, tx_ptr, tx_len, tx_addr, n_tx)
             st.overtaken[s] = 0
             st.stats[FAST_RETRANSMISSIONS] += 1
-            st.silence[s % st.params[P_CORES], S_FIRED] = now
     return n_tx
 
 
@@ -316,7 +312,6 @@ def timer_kernel(state, now, tx_ptr, tx_len, tx_addr):
                 quiet[S_PROBES] = 0.0
         quiet[S_SINCE] = now
         quiet[S_ALIVE] = 0.0
-        quiet[S_FIRED] = now
     return n_tx
 
 

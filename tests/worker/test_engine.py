@@ -381,34 +381,6 @@ def test_fast_retransmit_after_three_overtaking_results(own_result_too):
         [4, 5, 6, 7] if own_result_too else [5, 6, 7])
 
 
-def test_a_slot_in_flight_across_a_fast_retransmission_to_its_core_is_not_sampled():
-    """Chunk 0 at t=1, chunks 1-4 at t=2 (pool 5); the results of 1-3 at 3 resend chunk 0 at once. Chunk 4 was in
-    flight across that recovery, so its round trip (3.5 - 2) is no sample (Karn's rule for the core: its round may
-    have waited on the recovery); chunk 6's, sent after it, is."""
-    net = Network(1, packet_elements=P64, pool_size=5)
-    e, src = net.engines[0], agg_addr(0)
-    x = make_inputs(1, 12 * P64, P64, "normal", seed=3)[0]
-
-    def results(datagrams):
-        return {int(header(d)["chunk"]): d for d, _ in net.to_core(0, [(d, net.addr(0)) for d, _ in datagrams])}
-
-    boot = [d for d, _ in net.to_core(0, [(d, net.addr(0)) for d, _ in engine_start(e, x, 0.0)])]
-    chunk0 = engine_receive(e, [(boot[0], src)], 1.0)
-    later = engine_receive(e, [(d, src) for d in boot[1:]], 2.0)
-    res = results(chunk0 + later)
-    out = engine_receive(e, [(res[c], src) for c in (1, 2, 3)], 3.0)
-    assert e.counters()["fast_retransmissions"] == 1
-    model = Rfc6298(1.0, 0.0, np.inf)
-    for sample in (1.0, 2.0, 2.0, 2.0, 2.0, 1.0, 1.0, 1.0):  # the bootstrap rounds, then chunks 1-3
-        model.sample(sample)
-    assert e.timing[0] == pytest.approx(model.srtt)
-    engine_receive(e, [(res[4], src)], 3.5)
-    assert e.timing[0] == pytest.approx(model.srtt)  # no sample
-    engine_receive(e, [(results(out)[6], src)], 4.25)
-    model.sample(1.25)
-    assert e.timing[0] == pytest.approx(model.srtt)
-
-
 @pytest.mark.parametrize("overtaking, resent", [((1, 3, 5, 7), False), ((2, 4, 6), True)])
 def test_fast_retransmit_counts_only_results_of_the_same_core(overtaking, resent):
     """Two aggregator cores run at their own pace: four results of core 1's slots overtaking slot 0 (core 0)
@@ -820,20 +792,17 @@ def test_engine_timer_earliest_deadline_and_adaptive_rto():
     assert engine.rto == model.rto
     # the backoff ended; slot 0, sent before this answer to a retransmission, is due SRTT after it
     assert engine.get_timer() == 1.75 + 0.5
-    # slot 0's chunk 0 result, 1.5 after it was sent: no sample either, as the chunk was in flight when its core
-    # retransmitted slot 1 (Karn's rule for the core: its round may have waited on the same recovery)
+    # slot 0's chunk 0 result, 1.5 after it was sent: a second sample; chunk 2 goes out with the new RTO
     (data2, _), = engine_receive(engine, [(result_for(data0, next_exp=3), AGG)], 2.0)
-    assert engine.rto == model.rto == 1.5
+    model.sample(1.5)
+    assert engine.rto == model.rto == 2.375
     assert header(data2)["chunk"] == 2
-    # data2, the last chunk, sent after the retransmission, is sampled: 0.5 after it
-    assert engine_receive(engine, [(result_for(data2, next_exp=3), AGG)], 2.5) == []
-    model.sample(0.5)
-    assert engine.rto == model.rto
-    # the tail probe, max(2 SRTT, SRTT + 4 RTTVAR) into the core's silence, or slot 1's RTO (1.5) if sooner
-    assert engine.get_timer() == pytest.approx(2.5 + min(1.5, max(2 * model.srtt, model.srtt + 4 * model.rttvar)))
+    # the tail probe, max(2 SRTT, SRTT + 4 RTTVAR) = 2.375 into the core's silence, is not sooner than slot 1's
+    # RTO (1.5)
+    assert engine.get_timer() == 2.0 + 1.5
     assert engine.counters()["retransmissions"] == 1
-    assert engine_timer(engine, engine.get_timer()) == [(data1, AGG)]
-    assert engine.counters()["retransmissions"] == 2
+    assert engine_timer(engine, 3.5) == [(data1, AGG)]
+    assert engine.get_timer() == 3.5 + 1.5  # slot 1 again, before slot 0 (3.5 + 2.375): slot 0 had no turn yet
     # slot 1's result after its retransmission, then again marked STORED: that retransmission was spurious
     result = result_for(data1, next_exp=3)
     engine_receive(engine, [(result, AGG)], 4.2)
