@@ -41,16 +41,28 @@ def _audit(event: str, args: tuple) -> None:
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """In xdist's controller, before its workers start: compile the shared kernels once (support/warm.py)."""
+    """In xdist's controller, before its workers start: compile the shared kernels once (support/warm.py), then
+    start the P4 programs' compiles in the background (support/p4build.py)."""
     config = session.config
     if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
         return
+    from support.p4build import compile_in_background
     from support.warm import warm_cache
 
     line = warm_cache()
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_line(line)
+    if not config.getoption("markexpr"):  # a run of every test (make check leaves the P4 ones out)
+        config._intml_p4_compile = compile_in_background()  # after the warm-up, whose children take both cores
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    child = getattr(session.config, "_intml_p4_compile", None)
+    if child is not None:
+        from support.p4build import stop_background
+
+        stop_background(child)
 
 
 def pytest_configure(config: pytest.Config) -> None:
