@@ -42,10 +42,11 @@ def _audit(event: str, args: tuple) -> None:
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     """In xdist's controller, before its workers start: compile the shared kernels once (support/warm.py), then
-    start the P4 programs' compiles in the background (support/p4build.py)."""
+    start the P4 programs' and the bounds-checked kernels' compiles in the background (support/background.py)."""
     config = session.config
     if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
         return
+    from support.checked import warm_in_background
     from support.p4build import compile_in_background
     from support.warm import warm_cache
 
@@ -54,15 +55,17 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     if reporter is not None:
         reporter.write_line(line)
     if not config.getoption("markexpr"):  # a run of every test (make check leaves the P4 ones out)
-        config._intml_p4_compile = compile_in_background()  # after the warm-up, whose children take both cores
+        # after the warm-up, whose children take both cores
+        config._intml_background = [c for c in (compile_in_background(), warm_in_background()) if c is not None]
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    child = getattr(session.config, "_intml_p4_compile", None)
-    if child is not None:
-        from support.p4build import stop_background
+    children = getattr(session.config, "_intml_background", ())
+    if children:
+        from support.background import stop
 
-        stop_background(child)
+        for child in children:
+            stop(child)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -12,13 +12,13 @@ import os
 import re
 import resource
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+from support.background import start
 
 from intml.p4 import generate
 
@@ -100,21 +100,12 @@ PROGRAMS = ((), (generate.TEST_RANDOM,))  # the shipped program and the BMv2 tes
 
 
 def compile_in_background() -> subprocess.Popen | None:
-    """Start compiling every program in PROGRAMS into the cache, in a child at the lowest CPU priority, or None
-    without p4c. The suite leaves part of the two cores idle while its tests wait on sockets and timers; the
-    child compiles there, and a test that needs a program first waits on its lock (``compiled``), its own core
-    then free for the child. Stopped at the session's end (stop_background; a killed compile leaves no JSON)."""
+    """Start compiling every program in PROGRAMS into the cache in the cores' idle time (support/background.py),
+    or None without p4c. A test that needs a program first waits on its lock (``compiled``); a killed compile
+    leaves no JSON."""
     if tool("p4c-bm2-ss") is None:
         return None
-    return subprocess.Popen(["nice", "-n", "19", sys.executable, "-m", "support.p4build"], cwd=ROOT / "tests",
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-
-
-def stop_background(child: subprocess.Popen) -> None:
-    """Kill the background compiles' process group (the child and its p4c) if still running, and reap it."""
-    if child.poll() is None:
-        os.killpg(child.pid, signal.SIGKILL)
-    child.wait()
+    return start([sys.executable, "-m", "support.p4build"], cwd=ROOT / "tests")
 
 
 if __name__ == "__main__":
