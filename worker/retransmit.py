@@ -48,8 +48,11 @@ driver.
   silence (a core that keeps answering is busy, not waiting: its queue holds the peers' datagrams), and its RTO
   doubles when that fires; and it is resent with the due slots of a core whose last answer, after its PENDING, was
   to a retransmission (the end of a stream: its result may be the one lost). A round that waits long on a peer so
-  costs this rank a few resends, not one per FAST_RETRANSMIT results. A PENDING is taken only once per
-  transmission and never restarts its core's silence: a forged or replayed one (without the MAC) delays a slot's
+  costs this rank a few resends, not one per FAST_RETRANSMIT results. Before its core's first result in the
+  allreduce, a PENDING says the core waits on its peers' start, not on a loss: it doubles the core's backoff (once
+  per probe), and the answered slots' own timers wait backed off as the core does; probes taking turns at the RTO
+  cost a rank a datagram per RTO of a late peer's start (docs/window.md, "A late peer's start"). A PENDING is
+  taken only once per transmission and never restarts its core's silence: a forged or replayed one (without the MAC) delays a slot's
   next resend, and the slot is still resent, at least every twice max_rto (docs/window.md, "A duplicate answered
   with the ranks it lacks").
 * A result that a slot already took, sent again marked STORED (protocol.wire: the aggregator's answer to a
@@ -78,11 +81,12 @@ from intml.worker.window import window_limit
 # timing (float64): smoothed RTT, RTT variance, current RTO, min RTO, max RTO, and the recent share of this rank's
 # retransmissions that may have been needed (an average over their outcomes, 1 at first: needed, bursts)
 T_SRTT, T_RTTVAR, T_RTO, T_MIN, T_MAX, T_NEEDED = range(6)
-# silence (float64): (cores, 5), per aggregator core: since when it is silent (the allreduce's start, its last
+# silence (float64): (cores, 6), per aggregator core: since when it is silent (the allreduce's start, its last
 # result taken, or its last probe), the backoff its slots' RTOs are multiplied by (1, doubled by each round of
 # probes), 1 if its last result answered a retransmission (its next timeout resends every due slot), else 0, the
-# probes of the current round (one per slot in flight there), and 1 once it answered in this allreduce, else 0
-S_SINCE, S_BACKOFF, S_ALIVE, S_PROBES, S_HEARD = range(5)
+# probes of the current round (one per slot in flight there), 1 once it answered in this allreduce, else 0, and 1
+# once a PENDING doubled its backoff since its last probe (on_pending), else 0
+S_SINCE, S_BACKOFF, S_ALIVE, S_PROBES, S_HEARD, S_PENDED = range(6)
 MAX_BACKOFF = 20  # the most doublings of an answered slot's fast-retransmit threshold
 TAIL_PROBE = 2.0  # SRTTs into a silence after a result, the first probe (the module docstring)
 NEEDED_GAIN = 1.0 / 8  # the weight of a retransmission's outcome in T_NEEDED (as RFC 6298's alpha)
@@ -96,7 +100,7 @@ def timing_state(rto: float, min_rto: float, max_rto: float) -> np.ndarray:
 
 def silence_state(cores: int) -> np.ndarray:
     """A job's silence array (set by each allreduce's start, restart_silences)."""
-    return np.zeros((cores, 5))
+    return np.zeros((cores, 6))
 
 
 @njit(inline="always")
@@ -107,6 +111,7 @@ def restart_silences(silence, now):
     silence[:, S_ALIVE] = 0.0
     silence[:, S_PROBES] = 0.0
     silence[:, S_HEARD] = 0.0
+    silence[:, S_PENDED] = 0.0
 
 
 @njit(inline="always")
@@ -135,6 +140,10 @@ def on_pending(st, s, now):
     st.answered[s] = now
     st.overtaken[s] = 0
     st.pendings[s] = min(st.pendings[s] + 1, MAX_BACKOFF)
+    quiet = st.silence[s % st.params[P_CORES]]
+    if not quiet[S_HEARD] and not quiet[S_PENDED]:  # no result yet in this allreduce: the core waits on its
+        quiet[S_BACKOFF] *= 2.0  # peers' start, not on a loss; once per probe, however many PENDINGs answer it
+        quiet[S_PENDED] = 1.0
     return True
 
 
@@ -243,8 +252,10 @@ def fast_retransmit(st, now, tx_ptr, tx_len, tx_addr, n_tx):
 def _own_deadline(st, s, quiet):
     """An answered slot's own timer: its RTO after the later of its PENDING and the start of its core's silence.
     A core that keeps answering other slots is busy, its queue holding the peers' datagrams that the round waits
-    on (fast retransmit covers a result lost on the way back); a silent one is resent to."""
-    return max(st.answered[s], quiet[S_SINCE]) + st.rto[s]
+    on (fast retransmit covers a result lost on the way back); a silent one is resent to, backed off as the core is
+    while it has not answered in this allreduce (its silence is its peers' start: on_pending)."""
+    wait = st.rto[s] if quiet[S_HEARD] else min(st.timing[T_MAX], st.rto[s] * quiet[S_BACKOFF])
+    return max(st.answered[s], quiet[S_SINCE]) + wait
 
 
 @njit(inline="always")
@@ -312,6 +323,7 @@ def timer_kernel(state, now, tx_ptr, tx_len, tx_addr):
                 quiet[S_PROBES] = 0.0
         quiet[S_SINCE] = now
         quiet[S_ALIVE] = 0.0
+        quiet[S_PENDED] = 0.0
     return n_tx
 
 

@@ -31,25 +31,57 @@ def pending_for(data: bytes, have: int = MINE, **fields) -> bytes:
 
 
 def test_an_answered_slot_waits_on_its_own_timer_and_backs_off():
-    """Slot 0 is answered by a PENDING at 0.5: the silent core's probe is then slot 1, the least recently sent
-    slot not answered, and slot 0 is resent its RTO (1.0) after the later of its PENDING and its core's silence
-    (restarted by that probe at 1.0), its RTO doubled. The PENDING is no round trip: the RTO is unchanged."""
+    """Slot 0 is answered by a PENDING at 0.5, before its core's first result: the core waits on its peers' start,
+    so its backoff doubles (on_pending), and the probe is slot 1, the least recently sent slot not answered, at
+    2.0, not at its RTO (1.0). That round of one probe doubles the backoff again; slot 0's own timer is its RTO,
+    backed off as its core is (x4), after the later of its PENDING and the core's silence (restarted by the probe
+    at 2.0): at 6.0, with slot 1's next probe; slot 0's RTO then doubles. The PENDING is no round trip: the RTO is
+    unchanged."""
     engine, _, sent = lone_engine(rto=1.0, min_rto=0.25, max_rto=8.0)
     before = engine.counters()
     assert engine_receive(engine, [(pending_for(sent[0][0]), AGG)], 0.5) == []
     assert counter_diff(before, engine.counters()) == {"packets_in": 1, "pendings": 1}
-    assert engine.get_timer() == 1.0 and engine_timer(engine, 1.0) == [sent[1]]  # the core's probe
-    assert engine.get_timer() == 2.0 and engine_timer(engine, 2.0) == [sent[0]]  # slot 0's own timer
-    # answered again at 2.0; a second answer to the same transmission is stale
-    engine_receive(engine, [(pending_for(sent[0][0]), AGG)], 2.0)
+    assert engine.get_timer() == 2.0 and engine_timer(engine, 2.0) == [sent[1]]  # the core's probe
+    # a second answer to the same transmission is stale
     before = engine.counters()
     engine_receive(engine, [(pending_for(sent[0][0]), AGG)], 2.1)
     assert counter_diff(before, engine.counters()) == {"packets_in": 1, "drop_stale": 1}
-    assert engine.get_timer() == 3.0  # slot 1: the core's backoff doubled after its round of one probe
-    assert engine_timer(engine, 3.0) == [sent[1]]
-    # slot 0: its doubled RTO, 2.0, after the core's silence restarted by the probe at 3.0
-    assert engine.get_timer() == 5.0 and engine_timer(engine, 5.0) == [sent[0]]
-    assert engine.rto == 1.0 and engine.counters()["retransmissions"] == 4
+    assert engine.get_timer() == 6.0 and engine_timer(engine, 6.0) == [sent[0], sent[1]]
+    assert engine.state.rto[0] == 2.0 and engine.rto == 1.0 and engine.counters()["retransmissions"] == 3
+
+
+def _probe_after(pending_at: float | None) -> float:
+    """When the silent core of a 4-slot engine (RTO 1.0) is next probed after the result of slot 3 at 0.1 and the
+    probe of slot 0 at 1.2, with slot 0's probe answered by a PENDING at ``pending_at`` (None: not answered)."""
+    engine, _, sent = lone_engine(rto=1.0, min_rto=0.25, max_rto=8.0, pool=4, size=32)
+    engine_receive(engine, [(result_for(sent[3][0], next_exp=3), AGG)], 0.1)
+    assert engine_timer(engine, engine.get_timer()) == [sent[0]]
+    if pending_at is not None:
+        engine_receive(engine, [(pending_for(sent[0][0]), AGG)], pending_at)
+    return engine.get_timer()
+
+
+def test_a_pending_after_the_cores_first_result_leaves_its_probes_alone():
+    """Once the core answered in this allreduce, a PENDING says a peer is late, not that every peer has yet to
+    start: the core's next probe comes when it would without the PENDING."""
+    assert _probe_after(1.3) == _probe_after(None)
+
+
+def test_a_pending_before_the_cores_first_result_backs_off_its_probes():
+    """The start of an allreduce whose peers start late (the overload test's ranks start up to a second apart):
+    every transmission is answered by a PENDING 0.1 later. Each doubles the core's backoff, once per probe (the
+    PENDING that answers an own timer's resend sent with it does not double it again), so the timer fires at 1,
+    3, 7 and 15 (the last two with the answered slots' own timers), where turns over the four slots at the RTO
+    would fire at 1, 2, 3 and 4."""
+    engine, _, sent = lone_engine(rto=1.0, min_rto=0.25, max_rto=8.0, pool=4, size=32)
+    fired = []
+    while len(fired) < 4:
+        now = engine.get_timer()
+        out = engine_timer(engine, now)
+        assert out, now
+        fired.append(now)
+        engine_receive(engine, [(pending_for(d), AGG) for d, _ in out], now + 0.1)
+    assert fired == [1.0, 3.0, 7.0, 15.0]
 
 
 def test_a_busy_core_defers_an_answered_slots_own_timer():
@@ -121,7 +153,8 @@ def test_pendings_forged_without_end_delay_a_slot_but_never_stall_it():
     """Without the MAC, an on-path forger answers every transmission of slot 0 with a PENDING at once. Each
     transmission takes one (the rest are stale), so the slot is still resent: its RTO, doubling up to max_rto,
     after the later of the PENDING and its core's silence (which the probes of slot 1, backed off up to max_rto,
-    restart): never more than twice max_rto between two resends."""
+    restart; a PENDING before the core's first result doubles the backoff once per probe): never more than twice
+    max_rto between two resends."""
     engine, _, sent = lone_engine(rto=1.0, min_rto=0.25, max_rto=8.0)
     resends, now = [0.0], 0.0
     while now < 120.0:
@@ -131,7 +164,7 @@ def test_pendings_forged_without_end_delay_a_slot_but_never_stall_it():
             resends.append(now)
     gaps = np.diff(resends)
     assert len(resends) > 8 and gaps.max() <= 2 * 8.0 + 1e-9
-    assert list(gaps[:5]) == pytest.approx([2.0, 3.0, 6.0, 12.0, 16.0])
+    assert list(gaps[:5]) == pytest.approx([6.0, 16.0, 16.0, 16.0, 16.0])
 
 
 @pytest.mark.parametrize("answered", [False, True])
