@@ -29,7 +29,9 @@ driver.
   at the RTO's floor: 64 ranks under 1% loss spent most of their stalls there (docs/window.md). Later probes wait
   the RTO, backed off. Not at an allreduce's start, before the core's first result: there the silence is the
   peers' start or a queue the round trips have yet to show (with a tail probe there too, the slowed aggregator of
-  the overload test got spurious ones, over its bound).
+  the overload test got spurious ones, over its bound). There the first probe waits at least TAIL_PROBE SRTT: where
+  the round trip is a queue's with little variance, the RTO is under that, and the first result, which waits on
+  every rank's window in the queue and on the last rank's start, came after it once an allreduce.
 * A core whose last answer was to a retransmission is alive and was not waiting for a peer (a late peer's slots
   complete together, so a probe's answer comes with the other slots' results, not retransmitted): the slots sent
   before that answer are due SRTT after it, all at once, as losses at the end of a stream need; at most the send
@@ -263,7 +265,8 @@ def _deadline(st, s):
     """When slot s (in flight) is due: its RTO, backed off as its core is, after the later of its sending and the
     start of its core's silence; SRTT after it, if sooner, when the core's last answer was to a retransmission
     and s was sent before it; else, if sooner, max(2 SRTT, SRTT + 4 RTTVAR) after it when the core answered in
-    this allreduce and was not probed since (the tail probe).
+    this allreduce and was not probed since (the tail probe); at least 2 SRTT after it (up to max_rto) before the
+    core's first result in this allreduce.
     An answered slot: its own timer (_own_deadline), or, if sooner, SRTT after such a result that came after its
     PENDING (its round may have completed, and its result been lost)."""
     quiet = st.silence[s % st.params[P_CORES]]
@@ -276,6 +279,8 @@ def _deadline(st, s):
         wait = min(wait, st.timing[T_SRTT])
     elif quiet[S_HEARD] and quiet[S_BACKOFF] == 1.0 and not quiet[S_PROBES] and st.timing[T_SRTT] > 0.0:  # the TLP
         wait = min(wait, max(TAIL_PROBE * st.timing[T_SRTT], _unbounded_rto(st.timing)))
+    elif not quiet[S_HEARD]:  # the allreduce's first result waits on every rank's window and the last one's start
+        wait = min(st.timing[T_MAX], max(wait, TAIL_PROBE * st.timing[T_SRTT]))
     return max(st.sent_at[s], quiet[S_SINCE]) + wait
 
 

@@ -670,6 +670,19 @@ def test_engine_no_tail_probe_before_a_cores_first_result_of_an_allreduce():
     assert engine.get_timer() == pytest.approx(1.0 + engine.rto)
 
 
+def test_engine_first_probe_of_an_allreduce_waits_two_round_trips_where_the_rto_is_shorter():
+    """A queue-bound round trip with little variance (the overload test's: SRTT 0.4, RTO 0.74 here) puts the RTO
+    under 2 SRTT; an allreduce's first result waits on every rank's window in the aggregator's queue and on the last
+    rank's start, so the first probe waits 2 SRTT."""
+    engine, _, sent = lone_engine(size=2 * P8, rto=1.0, min_rto=0.25, max_rto=8.0)
+    data = [d for d, _ in engine_receive(engine, [(result_for(d, next_exp=3), AGG) for d, _ in sent], 0.4)]
+    engine_receive(engine, [(result_for(d, next_exp=NO_EXP), AGG) for d in data], 0.8)
+    srtt = engine.timing[0]
+    assert engine.done and srtt == pytest.approx(0.4) and engine.rto < 2 * srtt
+    engine_start(engine, np.ones(3, np.float32), 1.0)
+    assert engine.get_timer() == pytest.approx(1.0 + 2 * srtt)
+
+
 def test_engine_round_trip_of_an_overtaken_slot_is_not_sampled():
     """Slot 1's result comes after the result of slot 0's chunk 0, sent later: slot 1's round waited for something
     else (a peer's recovery), and its round trip is not an RTT sample."""
