@@ -48,7 +48,10 @@ driver.
   k-th for the chunk (the round's result may have been lost on the way back: then the later slots' results overtake
   it at once). It also has a timer of its own, its RTO after the later of the PENDING and the start of its core's
   silence (a core that keeps answering is busy, not waiting: its queue holds the peers' datagrams), and its RTO
-  doubles when that fires; and it is resent with the due slots of a core whose last answer, after its PENDING, was
+  doubles when that fires; after the chunk's first PENDING, once its core has answered in this allreduce, a tail
+  probe's wait instead, if sooner (the round's result may be lost on the way back, and at a stream's end no later
+  result overtakes it: waiting the own timer's RTO floor was most of 4 workers' stalls at 5% loss,
+  docs/window.md); and it is resent with the due slots of a core whose last answer, after its PENDING, was
   to a retransmission (the end of a stream: its result may be the one lost). A round that waits long on a peer so
   costs this rank a few resends, not one per FAST_RETRANSMIT results. Before its core's first result in the
   allreduce, a PENDING says the core waits on its peers' start, not on a loss: it doubles the core's backoff (once
@@ -184,6 +187,12 @@ def _unbounded_rto(timing):
     return timing[T_SRTT] + 4.0 * timing[T_RTTVAR]
 
 
+@njit(inline="always")
+def _tail_wait(timing):
+    """A tail probe's wait into a silence: TAIL_PROBE SRTT, or SRTT + 4 RTTVAR if later (the module docstring)."""
+    return max(TAIL_PROBE * timing[T_SRTT], _unbounded_rto(timing))
+
+
 @njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
 def _rtt_sample(timing, sample):
     """RFC 6298 smoothing of one round-trip sample."""
@@ -268,17 +277,21 @@ def _deadline(st, s):
     this allreduce and was not probed since (the tail probe); at least 2 SRTT after it (up to max_rto) before the
     core's first result in this allreduce.
     An answered slot: its own timer (_own_deadline), or, if sooner, SRTT after such a result that came after its
-    PENDING (its round may have completed, and its result been lost)."""
+    PENDING (its round may have completed, and its result been lost); else, if sooner, after the chunk's first
+    PENDING, the tail probe's wait after the later of the PENDING and the start of its core's silence, when the
+    core answered in this allreduce."""
     quiet = st.silence[s % st.params[P_CORES]]
     if answered(st, s):
         if quiet[S_ALIVE] and st.answered[s] < quiet[S_SINCE] and st.timing[T_SRTT] > 0.0:
             return min(_own_deadline(st, s, quiet), quiet[S_SINCE] + st.timing[T_SRTT])
+        if st.pendings[s] == 1 and quiet[S_HEARD] and st.timing[T_SRTT] > 0.0:  # its tail probe
+            return min(_own_deadline(st, s, quiet), max(st.answered[s], quiet[S_SINCE]) + _tail_wait(st.timing))
         return _own_deadline(st, s, quiet)
     wait = min(st.timing[T_MAX], st.rto[s] * quiet[S_BACKOFF])
     if bursts(st, quiet) and st.sent_at[s] < quiet[S_SINCE] and st.timing[T_SRTT] > 0.0:
         wait = min(wait, st.timing[T_SRTT])
     elif quiet[S_HEARD] and quiet[S_BACKOFF] == 1.0 and not quiet[S_PROBES] and st.timing[T_SRTT] > 0.0:  # the TLP
-        wait = min(wait, max(TAIL_PROBE * st.timing[T_SRTT], _unbounded_rto(st.timing)))
+        wait = min(wait, _tail_wait(st.timing))
     elif not quiet[S_HEARD]:  # the allreduce's first result waits on every rank's window and the last one's start
         wait = min(st.timing[T_MAX], max(wait, TAIL_PROBE * st.timing[T_SRTT]))
     return max(st.sent_at[s], quiet[S_SINCE]) + wait

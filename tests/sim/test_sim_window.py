@@ -140,3 +140,15 @@ def test_a_leafs_hold_sends_one_partial_up_for_its_racks_duplicates():
     unheld = asic_run(True, racks=4, **uplink)
     assert max(four.times[1:]) < 1.05 * max(eight.times[1:]) and max(four.times[1:]) < 0.8 * min(unheld.times[1:])
     assert four.queue_drops <= eight.queue_drops < unheld.queue_drops / 10 and four.times[0] < unheld.times[0] / 3
+
+
+def test_a_result_lost_after_a_pending_costs_round_trips_not_the_rto_floor():
+    """4 workers at 5% loss (the ``cnat8_loss_software`` golden's scenario, seed 2). Rank 0's tail probe of its last
+    slot is answered by a PENDING: a peer's datagram was lost. The peer's own probe completes the round, and the
+    result is lost on the way to rank 0. With nothing sent later to overtake the slot, it waited its own timer, the
+    RTO's floor (the allreduce took 52.0 ms). Its tail probe after the PENDING recovers it in round trips
+    (docs/window.md, "A tail loss after a PENDING")."""
+    r = simulate(PacketRun(workers=4, elements=60000, codec="cnat8", packet_elements=256, pool=8, rate=1e9,
+                           switch="software", loss=0.05, rounds=1, seed=2, check=True))
+    print(f"\n4 workers, 5% loss, seed 2: {r.times[0] * 1e3:.2f} ms, retransmissions {r.retransmissions}")
+    assert r.exact and r.times[0] < 0.005

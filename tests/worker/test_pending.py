@@ -84,6 +84,23 @@ def test_a_pending_before_the_cores_first_result_backs_off_its_probes():
     assert fired == [1.0, 3.0, 7.0, 15.0]
 
 
+def test_an_answered_slot_gets_a_tail_probe_after_its_first_pending():
+    """The core answered slot 0 at 0.1 (SRTT 0.1: a tail probe's wait is SRTT + 4 RTTVAR = 0.3), then fell silent:
+    the tail probe of slot 1 at 0.4 is answered by a PENDING at 0.45. Slot 1's round may complete while this
+    rank's copy of its result is lost, with no later result to overtake it (a stream's end), so it is resent a
+    tail probe's wait after its PENDING (0.75), not its own RTO (1.0) after it. Its RTO is not doubled, and a
+    second PENDING of the chunk leaves it its own timer: the next retransmission is slot 2's probe, an RTO after
+    the core's last probe (1.4)."""
+    engine, _, sent = lone_engine(rto=1.0, min_rto=1.0, max_rto=8.0, pool=4, size=64)
+    engine_receive(engine, [(result_for(sent[0][0], next_exp=3), AGG)], 0.1)
+    assert engine.get_timer() == pytest.approx(0.4) and engine_timer(engine, 0.4) == [sent[1]]
+    engine_receive(engine, [(pending_for(sent[1][0]), AGG)], 0.45)
+    assert engine.get_timer() == pytest.approx(0.75) and engine_timer(engine, engine.get_timer()) == [sent[1]]
+    engine_receive(engine, [(pending_for(sent[1][0]), AGG)], 0.8)
+    assert engine.get_timer() == pytest.approx(1.4) and engine_timer(engine, engine.get_timer()) == [sent[2]]
+    assert engine.state.rto[1] == 1.0 and engine.counters()["retransmissions"] == 3
+
+
 def test_a_busy_core_defers_an_answered_slots_own_timer():
     """A core that keeps answering other slots is busy, its queue holding the peers' datagrams: slot 0, answered
     at 0.5, is not resent at 1.5 while results come (the last at 1.2), but its RTO after that last result."""
