@@ -16,12 +16,12 @@ driver.
   or probe. A busy, queueing core keeps answering, so its queue's delay fires nothing however far it exceeds the
   RTO. When a core does fall silent (a peer that has not sent yet, a process off the CPU), every slot in flight
   there is due at once: the timer retransmits one, a probe. The probes take turns over the core's slots in
-  flight, least recently sent first; once each has had its turn, the core is backed off, its slots' RTOs doubled
-  (up to ``max_rto``) until it answers. Retransmitting every due slot (as each slot's own timer did) multiplied a
-  silence of k RTOs by the window, into the queue of the aggregator it waited on. Taking turns matters when a
-  core is silent because a peer's datagram was lost: a probe of a slot whose own datagram arrived is never
-  answered, and probing the slot due first (the one armed with the shortest RTO) again and again, the backoff
-  doubling each time, left the slot this rank had lost waiting for seconds.
+  flight, least recently sent (or answered) first; once each has had its turn, the core is backed off, its
+  slots' RTOs doubled (up to ``max_rto``) until it answers. Retransmitting every due slot (as each slot's own
+  timer did) multiplied a silence of k RTOs by the window, into the queue of the aggregator it waited on. Taking
+  turns matters when a core is silent because a peer's datagram was lost: a probe of a slot whose own datagram
+  arrived is never answered, and probing the slot due first (the one armed with the shortest RTO) again and
+  again, the backoff doubling each time, left the slot this rank had lost waiting for seconds.
 * The first probe of a silence that follows a result of this allreduce comes TAIL_PROBE (2) SRTT into it, or SRTT
   + 4 RTTVAR if later (the RTO without its floor: a round's result waits on the slowest peer, whose lateness the
   variance measures), if that is sooner than the RTO: TCP's tail loss probe (RFC 8985). A stream whose slots all
@@ -42,24 +42,25 @@ driver.
   back set off such a burst, whose resends' results, each an answer to a retransmission, set off the next, 5,000
   resends in one run; under random loss some retransmissions are needed, and the bursts recover the other lost
   datagrams a round trip sooner than probes taking turns (docs/window.md).
-* A slot whose retransmission the aggregator answered with a PENDING (its round has this rank's datagram and waits
-  on peers': protocol.wire) is *answered* until it is sent again, and backs off: it is not probed, and it is
-  fast-retransmitted only once overtaken by FAST_RETRANSMIT x 2**k results of slots sent after the PENDING, its
-  k-th for the chunk (the round's result may have been lost on the way back: then the later slots' results overtake
-  it at once). It also has a timer of its own, its RTO after the later of the PENDING and the start of its core's
-  silence (a core that keeps answering is busy, not waiting: its queue holds the peers' datagrams), and its RTO
-  doubles when that fires; after the chunk's first PENDING, once its core has answered in this allreduce, a tail
-  probe's wait instead, if sooner (the round's result may be lost on the way back, and at a stream's end no later
-  result overtakes it: waiting the own timer's RTO floor was most of 4 workers' stalls at 5% loss,
-  docs/window.md); and it is resent with the due slots of a core whose last answer, after its PENDING, was
-  to a retransmission (the end of a stream: its result may be the one lost). A round that waits long on a peer so
-  costs this rank a few resends, not one per FAST_RETRANSMIT results. Before its core's first result in the
+* A slot whose retransmission the aggregator answered with a PENDING (its round has this rank's datagram and waits on
+  peers': protocol.wire) is *answered* until it is sent again, and backs off: it is not probed (once its core
+  answered in the allreduce: below), and it is fast-retransmitted only once overtaken by FAST_RETRANSMIT x 2**k
+  results of slots sent after the PENDING, its k-th for the chunk (the round's result may have been lost on the way
+  back: then the later slots' results overtake it at once). It also has a timer of its own, its RTO after the later
+  of the PENDING and the start of its core's silence (a core that keeps answering is busy, not waiting: its queue
+  holds the peers' datagrams), and its RTO doubles when that fires; after the chunk's first PENDING, once its core
+  has answered in this allreduce, a tail probe's wait instead, if sooner (the round's result may be lost on the way
+  back, and at a stream's end no later result overtakes it: waiting the own timer's RTO floor was most of 4 workers'
+  stalls at 5% loss, docs/window.md); and it is resent with the due slots of a core whose last answer, after its
+  PENDING, was to a retransmission (the end of a stream: its result may be the one lost). A round that waits long on
+  a peer so costs this rank a few resends, not one per FAST_RETRANSMIT results. Before its core's first result in the
   allreduce, a PENDING says the core waits on its peers' start, not on a loss: it doubles the core's backoff (once
-  per probe), and the answered slots' own timers wait backed off as the core does; probes taking turns at the RTO
-  cost a rank a datagram per RTO of a late peer's start (docs/window.md, "A late peer's start"). A PENDING is
-  taken only once per transmission and never restarts its core's silence: a forged or replayed one (without the MAC) delays a slot's
-  next resend, and the slot is still resent, at least every twice max_rto (docs/window.md, "A duplicate answered
-  with the ranks it lacks").
+  per probe), and the answered slots have no timer of their own yet: they take their turns with the core's other
+  slots, counted from their PENDING. Probes taking turns at the RTO cost a rank a datagram per RTO of a late peer's
+  start, and own timers beside the probes about doubled what the backoff left (docs/window.md, "A late peer's
+  start"). A PENDING is taken only once per transmission and never restarts its core's silence: a forged or replayed
+  one (without the MAC) delays a slot's next resend, and the slot is still resent, at least every twice max_rto once
+  its core answered, in its turn before (docs/window.md, "A duplicate answered with the ranks it lacks").
 * A result that a slot already took, sent again marked STORED (protocol.wire: the aggregator's answer to a
   duplicate of a complete round), proves a retransmission spurious, as a DSACK does (RFC 3708): counted as
   spurious_retransmissions (worker.engine.take_stale), and as a retransmission not needed.
@@ -261,12 +262,10 @@ def fast_retransmit(st, now, tx_ptr, tx_len, tx_addr, n_tx):
 
 @njit(inline="always")
 def _own_deadline(st, s, quiet):
-    """An answered slot's own timer: its RTO after the later of its PENDING and the start of its core's silence.
-    A core that keeps answering other slots is busy, its queue holding the peers' datagrams that the round waits
-    on (fast retransmit covers a result lost on the way back); a silent one is resent to, backed off as the core is
-    while it has not answered in this allreduce (its silence is its peers' start: on_pending)."""
-    wait = st.rto[s] if quiet[S_HEARD] else min(st.timing[T_MAX], st.rto[s] * quiet[S_BACKOFF])
-    return max(st.answered[s], quiet[S_SINCE]) + wait
+    """An answered slot's own timer, once its core answered in this allreduce: its RTO after the later of its
+    PENDING and the start of its core's silence. A core that keeps answering other slots is busy, its queue holding
+    the peers' datagrams that the round waits on (fast retransmit covers a result lost on the way back)."""
+    return max(st.answered[s], quiet[S_SINCE]) + st.rto[s]
 
 
 @njit(inline="always")
@@ -275,16 +274,17 @@ def _deadline(st, s):
     start of its core's silence; SRTT after it, if sooner, when the core's last answer was to a retransmission
     and s was sent before it; else, if sooner, max(2 SRTT, SRTT + 4 RTTVAR) after it when the core answered in
     this allreduce and was not probed since (the tail probe); at least 2 SRTT after it (up to max_rto) before the
-    core's first result in this allreduce.
-    An answered slot: its own timer (_own_deadline), or, if sooner, SRTT after such a result that came after its
-    PENDING (its round may have completed, and its result been lost); else, if sooner, after the chunk's first
-    PENDING, the tail probe's wait after the later of the PENDING and the start of its core's silence, when the
-    core answered in this allreduce."""
+    core's first result in this allreduce, where an answered slot takes its turn as the others do, counted from its
+    PENDING.
+    An answered slot once its core answered in this allreduce: its own timer (_own_deadline), or, if sooner, SRTT
+    after such a result that came after its PENDING (its round may have completed, and its result been lost); else,
+    if sooner, after the chunk's first PENDING, the tail probe's wait after the later of the PENDING and the start
+    of its core's silence."""
     quiet = st.silence[s % st.params[P_CORES]]
-    if answered(st, s):
+    if answered(st, s) and quiet[S_HEARD]:
         if quiet[S_ALIVE] and st.answered[s] < quiet[S_SINCE] and st.timing[T_SRTT] > 0.0:
             return min(_own_deadline(st, s, quiet), quiet[S_SINCE] + st.timing[T_SRTT])
-        if st.pendings[s] == 1 and quiet[S_HEARD] and st.timing[T_SRTT] > 0.0:  # its tail probe
+        if st.pendings[s] == 1 and st.timing[T_SRTT] > 0.0:  # its tail probe
             return min(_own_deadline(st, s, quiet), max(st.answered[s], quiet[S_SINCE]) + _tail_wait(st.timing))
         return _own_deadline(st, s, quiet)
     wait = min(st.timing[T_MAX], st.rto[s] * quiet[S_BACKOFF])
@@ -294,23 +294,25 @@ def _deadline(st, s):
         wait = min(wait, _tail_wait(st.timing))
     elif not quiet[S_HEARD]:  # the allreduce's first result waits on every rank's window and the last one's start
         wait = min(st.timing[T_MAX], max(wait, TAIL_PROBE * st.timing[T_SRTT]))
-    return max(st.sent_at[s], quiet[S_SINCE]) + wait
+    return max(since(st, s), quiet[S_SINCE]) + wait
 
 
 @njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
 def timer_kernel(state, now, tx_ptr, tx_len, tx_addr):
-    """Retransmit each answered slot that is due, doubling its RTO. Then on each silent aggregator core with
-    slots due, retransmit its least recently sent slot in flight (the probe: its slots take turns, and the core's
-    backoff doubles once each has had one), or every due one (at most the send window's worth) if the core's last
-    answer was to a retransmission, and then double its backoff; restart the core's silence. Returns datagrams
-    written to tx."""
+    """Retransmit each answered slot that is due, doubling its RTO if its own timer fired (once its core answered
+    in this allreduce; before, it takes its turn with the core's other slots). Then on each silent aggregator core
+    with slots due, retransmit its slot in flight least recently sent or answered (the probe: its slots take
+    turns, and the core's backoff doubles once each has had one), or every due one (at most the send window's
+    worth) if the core's last answer was to a retransmission, and then double its backoff; restart the core's
+    silence. Returns datagrams written to tx."""
     st = State(*state)
     n_tx = 0
     cores = st.params[P_CORES]
     for k in range(cores):
         probe, first, waiting = -1, np.inf, 0
+        heard = st.silence[k, S_HEARD]
         for s in range(k, st.params[P_WINDOW], cores):
-            if st.cur_chunk[s] != IDLE and st.sent_at[s] < np.inf and answered(st, s):
+            if st.cur_chunk[s] != IDLE and st.sent_at[s] < np.inf and answered(st, s) and heard:
                 if _deadline(st, s) <= now:
                     if _own_deadline(st, s, st.silence[k]) <= now:  # its own timer: back off
                         st.rto[s] = min(st.timing[T_MAX], 2.0 * st.rto[s])
@@ -319,7 +321,7 @@ def timer_kernel(state, now, tx_ptr, tx_len, tx_addr):
             elif st.cur_chunk[s] != IDLE and st.sent_at[s] < np.inf:  # (a held or parked slot has nothing sent)
                 waiting += 1
                 first = min(first, _deadline(st, s))
-                if probe < 0 or st.sent_at[s] < st.sent_at[probe]:
+                if probe < 0 or since(st, s) < since(st, probe):
                     probe = s
         if first > now or n_tx == tx_len.size:
             continue
