@@ -5,6 +5,7 @@ allreduces and reduce-scatters; the engine refuses, in one line, what the switch
 from __future__ import annotations
 
 import socket
+from contextlib import ExitStack
 
 import numpy as np
 import pytest
@@ -14,26 +15,37 @@ from support.harness import handshake, worker_addr
 from intml.p4.engine import p4model_core
 from intml.protocol import wire
 from intml.protocol.wire import MsgType
-from support.allreduce import CODECS, RS_PLAN, SMALL_PLAN, assert_bits_equal, check_results, expected_results, new_job, reduce_scatter_worker, run_job, shard_of
+from support.allreduce import CODECS, RS_PLAN, SMALL_PLAN, allreduce_worker, assert_bits_equal, check_results, expected_results, new_job, reduce_scatter_worker, run_job, shard_of
 
 pytestmark = pytest.mark.process
+
+
+ENGINES = ("kernel", "p4model")
 
 
 def result_bytes(results: list[dict]) -> list[list[bytes]]:
     return [[np.asarray(out).tobytes() for out in res["outs"]] for res in results]
 
 
+def on_both_engines(fn, args, n: int, **kwargs) -> tuple[dict[str, list], dict]:
+    """fn(port, job, rank, *args) for n ranks against a kernel-engine and a p4model-engine aggregator at once (the
+    jobs wait on loss timers far more than they compute); each engine's outcomes by rank, and the p4model core's
+    counters."""
+    with ExitStack() as stack:
+        aggs = [stack.enter_context(aggregator("--engine", engine, idle_timeout=10)) for engine in ENGINES]
+        jobs = [new_job() for _ in ENGINES]
+        outs = run_ok(fn, [(agg.port, job, r, *args) for agg, job in zip(aggs, jobs) for r in range(n)],
+                      timeout=120, **kwargs)
+        counters = aggs[1].stats()[0]["core_counters"]
+    return {engine: outs[i * n:(i + 1) * n] for i, engine in enumerate(ENGINES)}, counters
+
+
 @pytest.mark.parametrize("codec", CODECS)
 def test_p4model_engine_is_bit_identical_to_the_kernel(codec: str) -> None:
     """Three workers, 10% loss, duplication and reordering, 256 elements a packet (4 passes of C_nat codes)."""
     n, seed = 3, 61
-    runs = {}
-    for engine in ("kernel", "p4model"):
-        with aggregator("--engine", engine) as agg:
-            runs[engine] = run_job(agg.port, n, codec, seed, SMALL_PLAN, faults=0.1)
-            if engine == "p4model":  # STATS through the model's counters
-                counters = agg.stats()[0]["core_counters"]
-                assert counters["packets_in"] > 100, counters
+    runs, counters = on_both_engines(allreduce_worker, (n, codec, seed, SMALL_PLAN), n, faults=0.1)
+    assert counters["packets_in"] > 100, counters  # STATS through the model's counters
     check_results(runs["p4model"], n, codec, seed, SMALL_PLAN, f"p4model {codec}")
     assert result_bytes(runs["p4model"]) == result_bytes(runs["kernel"])
 
@@ -44,12 +56,7 @@ def test_p4model_engine_serves_reduce_scatter_as_the_kernel(codec: str) -> None:
     loss, duplication and reordering: --engine p4model gives each rank the kernel engine's shards byte for byte,
     the allreduce's restricted to the rank's shard."""
     n, seed = 4, 63
-    runs = {}
-    for engine in ("kernel", "p4model"):
-        with aggregator("--engine", engine, idle_timeout=10) as agg:
-            job = new_job()
-            runs[engine] = run_ok(reduce_scatter_worker, [(agg.port, job, r, n, codec, seed, RS_PLAN, 0.1, False)
-                                                          for r in range(n)], timeout=120)
+    runs, _ = on_both_engines(reduce_scatter_worker, (n, codec, seed, RS_PLAN, 0.1, False), n)
     assert result_bytes(runs["p4model"]) == result_bytes(runs["kernel"])
     want = expected_results(n, codec, seed, [spec for _, spec in RS_PLAN])
     for r, res in enumerate(runs["p4model"]):
