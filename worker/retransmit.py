@@ -91,8 +91,10 @@ T_SRTT, T_RTTVAR, T_RTO, T_MIN, T_MAX, T_NEEDED = range(6)
 # result taken, or its last probe), the backoff its slots' RTOs are multiplied by (1, doubled by each round of
 # probes), 1 if its last result answered a retransmission (its next timeout resends every due slot), else 0, the
 # probes of the current round (one per slot in flight there), 1 once it answered in this allreduce, else 0, and 1
-# once a PENDING doubled its backoff since its last probe (on_pending), else 0
-S_SINCE, S_BACKOFF, S_ALIVE, S_PROBES, S_HEARD, S_PENDED = range(6)
+# once a PENDING doubled its backoff since its last probe (on_pending), else 0, and the time of its first result in
+# this allreduce if a PENDING came before that result (+inf until the result), else -inf: the slots sent before it
+# waited on a peer's start, and their round trips are no samples (on_result)
+S_SINCE, S_BACKOFF, S_ALIVE, S_PROBES, S_HEARD, S_PENDED, S_START = range(7)
 MAX_BACKOFF = 20  # the most doublings of an answered slot's fast-retransmit threshold
 TAIL_PROBE = 2.0  # SRTTs into a silence after a result, the first probe (the module docstring)
 NEEDED_GAIN = 1.0 / 8  # the weight of a retransmission's outcome in T_NEEDED (as RFC 6298's alpha)
@@ -106,7 +108,9 @@ def timing_state(rto: float, min_rto: float, max_rto: float) -> np.ndarray:
 
 def silence_state(cores: int) -> np.ndarray:
     """A job's silence array (set by each allreduce's start, restart_silences)."""
-    return np.zeros((cores, 6))
+    silence = np.zeros((cores, 7))
+    silence[:, S_START] = -np.inf
+    return silence
 
 
 @njit(inline="always")
@@ -118,6 +122,7 @@ def restart_silences(silence, now):
     silence[:, S_PROBES] = 0.0
     silence[:, S_HEARD] = 0.0
     silence[:, S_PENDED] = 0.0
+    silence[:, S_START] = -np.inf
 
 
 @njit(inline="always")
@@ -147,9 +152,11 @@ def on_pending(st, s, now):
     st.overtaken[s] = 0
     st.pendings[s] = min(st.pendings[s] + 1, MAX_BACKOFF)
     quiet = st.silence[s % st.params[P_CORES]]
-    if not quiet[S_HEARD] and not quiet[S_PENDED]:  # no result yet in this allreduce: the core waits on its
-        quiet[S_BACKOFF] *= 2.0  # peers' start, not on a loss; once per probe, however many PENDINGs answer it
-        quiet[S_PENDED] = 1.0
+    if not quiet[S_HEARD]:  # no result yet in this allreduce: the core waits on its peers' start, not on a loss
+        quiet[S_START] = np.inf
+        if not quiet[S_PENDED]:  # once per probe, however many PENDINGs answer it
+            quiet[S_BACKOFF] *= 2.0
+            quiet[S_PENDED] = 1.0
     return True
 
 
@@ -230,14 +237,18 @@ def _count_overtaking(st, s):
 @njit(inline="always")
 def on_result(st, s, now):
     """Slot s's result was taken at now: sample the round trip, mark the slots it overtook, restart its core's
-    silence."""
+    silence. A slot sent before its core's first result in the allreduce, where a PENDING came before that result,
+    waited on a peer's start: the job's first sample was the last process's start, 360 ms, and the RTO took
+    allreduces to come down from it (docs/window.md, "A late peer's start")."""
+    quiet = st.silence[s % st.params[P_CORES]]
+    if not quiet[S_HEARD] and quiet[S_START] == np.inf:
+        quiet[S_START] = now
     if st.retries[s] == 0:
-        if st.overtaken[s] == 0:
+        if st.overtaken[s] == 0 and st.sent_at[s] >= quiet[S_START]:
             _rtt_sample(st.timing, now - st.sent_at[s])
         _count_overtaking(st, s)
     # (Karn: a retransmitted slot's result may answer the original, so neither its round trip nor its order is
     # known; counted as overtaking, the probes answered after a late peer's silence fast-retransmitted the window)
-    quiet = st.silence[s % st.params[P_CORES]]
     quiet[S_SINCE] = now
     quiet[S_BACKOFF] = 1.0
     quiet[S_ALIVE] = st.retries[s] > 0

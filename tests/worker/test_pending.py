@@ -212,3 +212,20 @@ def test_a_rank_whose_retransmissions_were_not_needed_sets_off_no_burst(answered
     before = engine.timing[retransmit.T_NEEDED]
     engine_receive(engine, [(stored(result), AGG)], 1.4)
     assert engine.timing[retransmit.T_NEEDED] == pytest.approx(before * (1 - g))
+
+
+@pytest.mark.parametrize("pended", [False, True])
+def test_a_start_that_waited_on_a_peer_gives_no_round_trip_sample(pended):
+    """Slots 0-3 start an allreduce; slot 0's probe at 1.0 is answered by a PENDING at 1.1 (``pended``): the core
+    waits on a peer's start. The results of slots 1 and 2 come at 3.0, so their round trips (3.0) measured the last
+    process's start, not the network: no sample. Without the PENDING the core was only slow, and they are samples.
+    A chunk sent after the core's first result is one either way: 0.2."""
+    engine, _, sent = lone_engine(rto=1.0, min_rto=0.25, max_rto=8.0, pool=4, size=64)
+    assert engine.get_timer() == 1.0 and engine_timer(engine, 1.0) == [sent[0]]
+    if pended:
+        engine_receive(engine, [(pending_for(sent[0][0]), AGG)], 1.1)
+    later = engine_receive(engine, [(result_for(d, next_exp=3), AGG) for d, _ in sent[1:3]], 3.0)
+    assert len(later) == 2
+    assert engine.timing[retransmit.T_SRTT] == (0.0 if pended else pytest.approx(3.0))
+    engine_receive(engine, [(result_for(later[0][0], next_exp=3), AGG)], 3.2)
+    assert engine.timing[retransmit.T_SRTT] == pytest.approx(0.2 if pended else 0.875 * 3.0 + 0.125 * 0.2)
