@@ -26,7 +26,12 @@ driver.
   + 4 RTTVAR if later (the RTO without its floor: a round's result waits on the slowest peer, whose lateness the
   variance measures), if that is sooner than the RTO: TCP's tail loss probe (RFC 8985). A stream whose slots all
   wait (a lost datagram at the end of the window, nothing left to overtake it) is so recovered in round trips, not
-  at the RTO's floor: 64 ranks under 1% loss spent most of their stalls there (docs/window.md). Later probes wait
+  at the RTO's floor: 64 ranks under 1% loss spent most of their stalls there (docs/window.md). The second probe
+  of such a silence waits as long again after the first (TAIL_PROBES), whatever answered the first: at 4 ranks and
+  5% loss most stalls left were a first probe spent on a slot whose round waits on a peer (a PENDING answers it),
+  or lost with its answer, then the RTO's floor (docs/window.md, "A second tail probe"). Withholding it after a
+  PENDING was slower: the ranks a PENDING's ``have`` lacks may be held by this rank's own loss in another slot (a
+  send window full of slots that wait on it). Later probes wait
   the RTO, backed off. Not at an allreduce's start, before the core's first result: there the silence is the
   peers' start or a queue the round trips have yet to show (with a tail probe there too, the slowed aggregator of
   the overload test got spurious ones, over its bound). There the first probe waits at least TAIL_PROBE SRTT: where
@@ -87,16 +92,18 @@ from intml.worker.window import window_limit
 # timing (float64): smoothed RTT, RTT variance, current RTO, min RTO, max RTO, and the recent share of this rank's
 # retransmissions that may have been needed (an average over their outcomes, 1 at first: needed, bursts)
 T_SRTT, T_RTTVAR, T_RTO, T_MIN, T_MAX, T_NEEDED = range(6)
-# silence (float64): (cores, 6), per aggregator core: since when it is silent (the allreduce's start, its last
+# silence (float64): (cores, 8), per aggregator core: since when it is silent (the allreduce's start, its last
 # result taken, or its last probe), the backoff its slots' RTOs are multiplied by (1, doubled by each round of
 # probes), 1 if its last result answered a retransmission (its next timeout resends every due slot), else 0, the
-# probes of the current round (one per slot in flight there), 1 once it answered in this allreduce, else 0, and 1
-# once a PENDING doubled its backoff since its last probe (on_pending), else 0, and the time of its first result in
-# this allreduce if a PENDING came before that result (+inf until the result), else -inf: the slots sent before it
+# probes of the current round (one per slot in flight there), 1 once it answered in this allreduce, else 0, 1
+# once a PENDING doubled its backoff since its last probe (on_pending), else 0, its probes since its last result
+# (TAIL_PROBES once it burst: the first TAIL_PROBES are tail probes), and the time of its first result in this
+# allreduce if a PENDING came before that result (+inf until the result), else -inf: the slots sent before it
 # waited on a peer's start, and their round trips are no samples (on_result)
-S_SINCE, S_BACKOFF, S_ALIVE, S_PROBES, S_HEARD, S_PENDED, S_START = range(7)
+S_SINCE, S_BACKOFF, S_ALIVE, S_PROBES, S_HEARD, S_PENDED, S_TAILS, S_START = range(8)
 MAX_BACKOFF = 20  # the most doublings of an answered slot's fast-retransmit threshold
 TAIL_PROBE = 2.0  # SRTTs into a silence after a result, the first probe (the module docstring)
+TAIL_PROBES = 2  # probes of a silence after a result at a tail probe's wait, before the RTO (the module docstring)
 NEEDED_GAIN = 1.0 / 8  # the weight of a retransmission's outcome in T_NEEDED (as RFC 6298's alpha)
 BURST_NEEDED = 0.05  # T_NEEDED below which answers set off no burst: about 7 unneeded in a row after a needed one
 
@@ -108,7 +115,7 @@ def timing_state(rto: float, min_rto: float, max_rto: float) -> np.ndarray:
 
 def silence_state(cores: int) -> np.ndarray:
     """A job's silence array (set by each allreduce's start, restart_silences)."""
-    silence = np.zeros((cores, 7))
+    silence = np.zeros((cores, 8))
     silence[:, S_START] = -np.inf
     return silence
 
@@ -122,6 +129,7 @@ def restart_silences(silence, now):
     silence[:, S_PROBES] = 0.0
     silence[:, S_HEARD] = 0.0
     silence[:, S_PENDED] = 0.0
+    silence[:, S_TAILS] = 0.0
     silence[:, S_START] = -np.inf
 
 
@@ -256,6 +264,7 @@ def on_result(st, s, now):
         needed(st.timing, not answered(st, s))
     quiet[S_PROBES] = 0.0
     quiet[S_HEARD] = 1.0
+    quiet[S_TAILS] = 0.0
 
 
 @njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
@@ -284,9 +293,9 @@ def _deadline(st, s):
     """When slot s (in flight) is due: its RTO, backed off as its core is, after the later of its sending and the
     start of its core's silence; SRTT after it, if sooner, when the core's last answer was to a retransmission
     and s was sent before it; else, if sooner, max(2 SRTT, SRTT + 4 RTTVAR) after it when the core answered in
-    this allreduce and was not probed since (the tail probe); at least 2 SRTT after it (up to max_rto) before the
-    core's first result in this allreduce, where an answered slot takes its turn as the others do, counted from its
-    PENDING.
+    this allreduce and was probed fewer than TAIL_PROBES times since, without a burst (the tail probes); at least
+    2 SRTT after it (up to max_rto) before the core's first result in this allreduce, where an answered slot takes
+    its turn as the others do, counted from its PENDING.
     An answered slot once its core answered in this allreduce: its own timer (_own_deadline), or, if sooner, SRTT
     after such a result that came after its PENDING (its round may have completed, and its result been lost); else,
     if sooner, after the chunk's first PENDING, the tail probe's wait after the later of the PENDING and the start
@@ -301,7 +310,7 @@ def _deadline(st, s):
     wait = min(st.timing[T_MAX], st.rto[s] * quiet[S_BACKOFF])
     if bursts(st, quiet) and st.sent_at[s] < quiet[S_SINCE] and st.timing[T_SRTT] > 0.0:
         wait = min(wait, st.timing[T_SRTT])
-    elif quiet[S_HEARD] and quiet[S_BACKOFF] == 1.0 and not quiet[S_PROBES] and st.timing[T_SRTT] > 0.0:  # the TLP
+    elif quiet[S_HEARD] and quiet[S_TAILS] < TAIL_PROBES and st.timing[T_SRTT] > 0.0:  # the TLP
         wait = min(wait, _tail_wait(st.timing))
     elif not quiet[S_HEARD]:  # the allreduce's first result waits on every rank's window and the last one's start
         wait = min(st.timing[T_MAX], max(wait, TAIL_PROBE * st.timing[T_SRTT]))
@@ -345,7 +354,9 @@ def timer_kernel(state, now, tx_ptr, tx_len, tx_addr):
                     n_tx = _resend(st, s, now, tx_ptr, tx_len, tx_addr, n_tx)
                     st.stats[RETRANSMISSIONS] += 1
             quiet[S_BACKOFF] *= 2.0
+            quiet[S_TAILS] = TAIL_PROBES
         else:
+            quiet[S_TAILS] += 1.0
             n_tx = _resend(st, probe, now, tx_ptr, tx_len, tx_addr, n_tx)
             st.stats[RETRANSMISSIONS] += 1
             quiet[S_PROBES] += 1.0

@@ -152,3 +152,16 @@ def test_a_result_lost_after_a_pending_costs_round_trips_not_the_rto_floor():
                            switch="software", loss=0.05, rounds=1, seed=2, check=True))
     print(f"\n4 workers, 5% loss, seed 2: {r.times[0] * 1e3:.2f} ms, retransmissions {r.retransmissions}")
     assert r.exact and r.times[0] < 0.005
+
+
+def test_a_spent_tail_probe_is_followed_by_a_second_not_the_rto_floor():
+    """4 workers at 5% loss (the ``cnat8_loss_software`` golden's scenario, seed 6). At the second allreduce's end
+    ranks 0-2 had one slot in flight each, the same chunk, whose round rank 3's PENDING showed incomplete. Their
+    tail probes were spent by 204.1 ms, no answer restarting a silence, and a probe of a core's one slot in flight
+    is a whole round of probes: each core backed off, and its next probe waited twice the RTO's floor (the
+    allreduce took 102.1 ms). The second tail probe, a tail probe's wait after the first, recovers it in round
+    trips (docs/window.md, "A second tail probe")."""
+    r = simulate(PacketRun(workers=4, elements=60000, codec="cnat8", packet_elements=256, pool=8, rate=1e9,
+                           switch="software", loss=0.05, rounds=2, seed=6, check=True))
+    print(f"\n4 workers, 5% loss, seed 6: {r.times[1] * 1e3:.2f} ms, retransmissions {r.retransmissions}")
+    assert r.exact and r.times[1] < 0.005

@@ -645,14 +645,16 @@ def test_engine_timer_probes_take_turns_whatever_rto_each_slot_was_armed_with():
 
 def test_engine_timer_probes_a_tail_two_round_trips_into_a_silence():
     """A core that falls silent after a result gets its first probe max(2 SRTT, SRTT + 4 RTTVAR) (0.3 after one
-    sample) into the silence, not an RTO (1.0, the floor) later: TCP's tail loss probe. The next probe waits the RTO; the next result re-arms the tail probe.
+    sample) into the silence, not an RTO (1.0, the floor) later: TCP's tail loss probe; and its second as long
+    after the first (TAIL_PROBES). The next probe waits the RTO; the next result re-arms the tail probes.
     64 workers under 1% loss spent most of their stalls waiting the RTO (min_rto) for that first probe."""
     engine, _, sent = lone_engine(rto=1.0, min_rto=1.0, max_rto=8.0, pool=4, size=64)
     (data0, _), = engine_receive(engine, [(result_for(sent[0][0], next_exp=3), AGG)], 0.1)
     assert (engine.timing[0], engine.rto) == (pytest.approx(0.1), 1.0)  # SRTT, RTO
-    for t, probe in [(0.4, sent[1]), (1.4, sent[2])]:
+    for t, probe in [(0.4, sent[1]), (0.7, sent[2])]:
         assert engine.get_timer() == pytest.approx(t)
         assert engine_timer(engine, engine.get_timer()) == [probe]
+    assert engine.get_timer() == pytest.approx(1.7)  # the RTO after the second
     engine_receive(engine, [(result_for(sent[3][0], next_exp=3), AGG)], 1.5)
     # the silence restarts: the tail probe, or the slot's RTO (1.0) if sooner, as here after the late sample
     assert engine.get_timer() == pytest.approx(1.5 + min(1.0, tail_wait(engine)))
