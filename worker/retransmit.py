@@ -115,9 +115,7 @@ def timing_state(rto: float, min_rto: float, max_rto: float) -> np.ndarray:
 
 def silence_state(cores: int) -> np.ndarray:
     """A job's silence array (set by each allreduce's start, restart_silences)."""
-    silence = np.zeros((cores, 8))
-    silence[:, S_START] = -np.inf
-    return silence
+    return np.zeros((cores, 8))
 
 
 @njit(inline="always")
@@ -166,6 +164,13 @@ def on_pending(st, s, now):
             quiet[S_BACKOFF] *= 2.0
             quiet[S_PENDED] = 1.0
     return True
+
+
+@njit(inline="always")
+def own_timer(st, s, quiet):
+    """Whether slot s, whose core has silence row ``quiet``, waits on a timer of its own: a PENDING answered it and
+    its core answered in this allreduce (before that, it takes its turn with the core's probes)."""
+    return answered(st, s) and quiet[S_HEARD]
 
 
 @njit(inline="always")
@@ -301,7 +306,7 @@ def _deadline(st, s):
     if sooner, after the chunk's first PENDING, the tail probe's wait after the later of the PENDING and the start
     of its core's silence."""
     quiet = st.silence[s % st.params[P_CORES]]
-    if answered(st, s) and quiet[S_HEARD]:
+    if own_timer(st, s, quiet):
         if quiet[S_ALIVE] and st.answered[s] < quiet[S_SINCE] and st.timing[T_SRTT] > 0.0:
             return min(_own_deadline(st, s, quiet), quiet[S_SINCE] + st.timing[T_SRTT])
         if st.pendings[s] == 1 and st.timing[T_SRTT] > 0.0:  # its tail probe
@@ -330,9 +335,8 @@ def timer_kernel(state, now, tx_ptr, tx_len, tx_addr):
     cores = st.params[P_CORES]
     for k in range(cores):
         probe, first, waiting = -1, np.inf, 0
-        heard = st.silence[k, S_HEARD]
         for s in range(k, st.params[P_WINDOW], cores):
-            if st.cur_chunk[s] != IDLE and st.sent_at[s] < np.inf and answered(st, s) and heard:
+            if st.cur_chunk[s] != IDLE and st.sent_at[s] < np.inf and own_timer(st, s, st.silence[k]):
                 if _deadline(st, s) <= now:
                     if _own_deadline(st, s, st.silence[k]) <= now:  # its own timer: back off
                         st.rto[s] = min(st.timing[T_MAX], 2.0 * st.rto[s])
