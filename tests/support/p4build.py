@@ -1,7 +1,7 @@
-"""The real P4 compilers, run once per program: ``tool`` finds p4c's binaries (``../shared/p4tools/bin``, else
-PATH), ``compile_`` runs one under a memory cap and a timeout, ``compiled`` returns the BMv2 JSON of the v1model
-program and ``tna_front_end`` p4test's output on the Tofino sketch, each made only when no earlier run (this
-process, another test process, an earlier session) compiled the same sources with the same defines and the same
+"""The real P4 compilers, run once per program: ``tool`` finds p4c's binaries (``../shared/p4tools/bin``, else PATH),
+``compile_`` runs one under a memory cap and a timeout, ``compiled`` returns the BMv2 JSON of the v1model program
+and ``tna_front_end`` p4test's output on the Tofino sketch, each made only when no earlier run (this process,
+another test process, an earlier run of the suite) compiled the same sources with the same defines and the same
 compiler. The cache is keyed by a hash of the ``.p4`` files, so an edited program is always recompiled; a file lock
 keeps two processes from compiling it twice."""
 
